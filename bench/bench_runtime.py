@@ -1,0 +1,523 @@
+"""Runtime benchmark of mlxmoe on a synthetic checkpoint with Qwen3-30B-A3B's expert shapes.
+
+In one run it compares:
+
+1. decode speed of stock mlx-lm (as-is, and with mlxmoe's dtype policy) with mlxmoe
+   holding every expert (the output tokens must be identical);
+2. mlxmoe with 50 % and 25 % of all experts cached, page cache dropped before the load:
+   decode speed, hit rate, bytes read per decoded token, expert read throughput;
+3. that throughput against `dd iflag=direct` on the largest shard;
+4. peak memory against a memory budget of about half the checkpoint.
+
+Every configuration runs in its own process (`--one CONFIG`) so memory and the page
+cache do not leak between them; the parent prints the tables and writes JSON.
+
+    python bench/bench_runtime.py --quick      # 2 layers, 8 tokens
+    python bench/bench_runtime.py              # 8 layers, 32 tokens
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_PROMPT = (
+    "Once upon a time there was a little fox who lived in the forest. "
+    "Every morning the fox walked to the river"
+)
+STOCK_CONFIGS = ("stock", "stock-f32", "resident")
+CACHE_CONFIGS = {"cache50": 0.5, "cache25": 0.25}
+GiB = 1 << 30
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def drop_page_cache():
+    """sync; echo 3 > /proc/sys/vm/drop_caches. Returns True if it worked."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError as e:
+        print(f"[bench] could not drop the page cache ({e}); numbers may be warm", file=sys.stderr)
+        return False
+
+
+def proc_status():
+    """VmRSS and VmHWM of this process in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out["VmRSS"], out["VmHWM"]
+
+
+def disk_read_bytes():
+    """Bytes this process made the block layer fetch (/proc/self/io read_bytes): reads
+    served from the page cache do not count."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def checkpoint_files(path):
+    return sorted(Path(path).glob("*.safetensors"))
+
+
+def checkpoint_bytes(path):
+    return sum(f.stat().st_size for f in checkpoint_files(path))
+
+
+def checkpoint_matches(path, args):
+    """True if `path` holds a finished checkpoint with the requested shapes."""
+    config_file = Path(path) / "config.json"
+    index_file = Path(path) / "model.safetensors.index.json"
+    if not config_file.exists() or not index_file.exists():
+        return False
+    config = json.loads(config_file.read_text())
+    want = {"model_type": "qwen3_moe", "num_hidden_layers": args.layers, "num_experts": args.experts,
+            "num_experts_per_tok": args.top_k, "hidden_size": 2048, "moe_intermediate_size": 768}
+    if any(config.get(k) != v for k, v in want.items()):
+        return False
+    if config.get("quantization", {}).get("bits") != 4:
+        return False
+    shards = set(json.loads(index_file.read_text())["weight_map"].values())
+    return all((Path(path) / s).exists() for s in shards)
+
+
+# ---------------------------------------------------------------- generation
+
+
+def generate_timed(generate_fn, model, tokenizer, prompt, max_tokens, snapshot=None):
+    """Greedy generation; returns (run, snapshot at the first token, snapshot at the last).
+
+    The decode window runs from the first token to the last: N-1 decode steps (mlx-lm
+    builds step i+1 before it yields token i, so each yield closes one step).
+    """
+    tokens = []
+    tic = time.perf_counter()
+    t0 = t1 = tic
+    first = response = None
+    for response in generate_fn(model, tokenizer, prompt, max_tokens=max_tokens):
+        t1 = time.perf_counter()
+        tokens.append(int(response.token))
+        if len(tokens) == 1:
+            t0 = t1
+            first = snapshot() if snapshot else None
+    last = snapshot() if snapshot else None  # nothing runs between the last token and here
+    steps = len(tokens) - 1
+    return {
+        "tokens": tokens,
+        "prompt_tokens": response.prompt_tokens,
+        "prefill_seconds": t0 - tic,
+        "prompt_tps": response.prompt_tps,
+        "decode_steps": steps,
+        "decode_seconds": t1 - t0,
+        "decode_tps": steps / (t1 - t0) if steps and t1 > t0 else 0.0,
+        "mlx_lm_generation_tps": response.generation_tps,
+        "peak_memory": response.peak_memory * 1e9,
+        "text": tokenizer.decode(tokens),
+    }, first, last
+
+
+def cache_snapshot(cache):
+    s = dict(cache.stats())
+    s["disk_read_bytes"] = disk_read_bytes()
+    return s
+
+
+def window_stats(before, after):
+    """Expert cache counters over the decode window."""
+    hits = after["hits"] - before["hits"]
+    misses = after["misses"] - before["misses"]
+    read = after["bytes_read"] - before["bytes_read"]
+    seconds = after["read_seconds"] - before["read_seconds"]
+    disk = None
+    if before["disk_read_bytes"] is not None and after["disk_read_bytes"] is not None:
+        disk = after["disk_read_bytes"] - before["disk_read_bytes"]
+    return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+            "bytes_read": read, "read_seconds": seconds,
+            "read_gbps": read / seconds / 1e9 if seconds > 0 else None,
+            "disk_read_bytes": disk, "loads_demand": after["loads_demand"] - before["loads_demand"]}
+
+
+# ---------------------------------------------------------------- one configuration (child process)
+
+
+def run_stock(args, dtype_policy):
+    """Stock mlx-lm: mlx_lm.load + mlx_lm.stream_generate."""
+    import mlx.core as mx
+    import mlx_lm
+
+    tic = time.perf_counter()
+    model, tokenizer = mlx_lm.load(args.checkpoint)
+    if dtype_policy:
+        from mlxmoe import backend
+
+        backend.detect().apply_dtype_policy(model)
+        mx.eval(model.parameters())
+    load_seconds = time.perf_counter() - tic
+    runs = []
+    for _ in range(args.warmup):
+        generate_timed(mlx_lm.stream_generate, model, tokenizer, args.prompt, min(args.tokens, 4))
+    for _ in range(args.runs):
+        runs.append(generate_timed(mlx_lm.stream_generate, model, tokenizer, args.prompt, args.tokens)[0])
+    return {"load_seconds": load_seconds, "runs": runs, "peak_memory": mx.get_peak_memory()}
+
+
+def run_resident(args):
+    """mlxmoe with a slot for every expert, all of them read before the measured runs
+    (stock mlx-lm also reads every weight at load), so decode never misses."""
+    import mlx.core as mx
+    import mlxmoe
+
+    tic = time.perf_counter()
+    model, tokenizer = mlxmoe.load(args.checkpoint, cache_experts=args.layers * args.experts)
+    load_seconds = time.perf_counter() - tic
+    cache = model.expert_cache
+    tic = time.perf_counter()
+    num_layers = len(cache.store.ranges)
+    for layer in range(num_layers):
+        cache.fetch(layer, list(range(cache.store.num_experts)))
+    preload_seconds = time.perf_counter() - tic
+    preload_bytes = cache.bytes_read
+    for _ in range(args.warmup):
+        generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, min(args.tokens, 4))
+    runs = []
+    for _ in range(args.runs):
+        cache.reset_stats()
+        run, before, after = generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, args.tokens,
+                                            snapshot=lambda: cache_snapshot(cache))
+        run["decode"] = window_stats(before, after)
+        runs.append(run)
+    return {"load_seconds": load_seconds, "preload_seconds": preload_seconds, "preload_bytes": preload_bytes,
+            "runs": runs, "peak_memory": mx.get_peak_memory(), "plan": vars(cache.plan),
+            "stats": cache.stats()}
+
+
+def run_streaming(args, cache_experts=None, memory_budget=None):
+    """mlxmoe with part of the experts cached, page cache dropped right before the load;
+    one generation, measured from the first token."""
+    import mlx.core as mx
+    import mlxmoe
+
+    dropped = drop_page_cache() if not args.no_drop else False
+    rss_before, _ = proc_status()
+    tic = time.perf_counter()
+    model, tokenizer = mlxmoe.load(args.checkpoint, memory_budget=memory_budget, cache_experts=cache_experts)
+    load_seconds = time.perf_counter() - tic
+    cache = model.expert_cache
+    rss_loaded, _ = proc_status()
+    run, before, after = generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, args.tokens,
+                                        snapshot=lambda: cache_snapshot(cache))
+    run["decode"] = window_stats(before, after)
+    stats = cache.stats()
+    rss_end, hwm = proc_status()
+    return {"page_cache_dropped": dropped, "load_seconds": load_seconds, "runs": [run], "plan": vars(cache.plan),
+            "stats": stats, "peak_memory": mx.get_peak_memory(), "rss_before_load": rss_before,
+            "rss_after_load": rss_loaded, "rss_end": rss_end, "peak_rss": hwm}
+
+
+def run_one(args):
+    config = args.one
+    if config == "build":
+        from mlxmoe.synthetic import build_large_checkpoint
+
+        tic = time.perf_counter()
+        build_large_checkpoint(args.checkpoint, num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,
+                               hidden_size=2048, moe_intermediate_size=768, quant="4bit", seed=0)
+        return {"build_seconds": time.perf_counter() - tic}
+    if config == "stock":
+        return run_stock(args, dtype_policy=False)
+    if config == "stock-f32":
+        return run_stock(args, dtype_policy=True)
+    if config == "resident":
+        return run_resident(args)
+    if config in CACHE_CONFIGS:
+        return run_streaming(args, cache_experts=int(args.layers * args.experts * CACHE_CONFIGS[config]))
+    if config == "budget":
+        return run_streaming(args, memory_budget=args.budget_bytes)
+    raise SystemExit(f"unknown configuration {config!r}")
+
+
+# ---------------------------------------------------------------- parent
+
+
+def child_args(args):
+    out = ["--checkpoint", str(args.checkpoint), "--layers", str(args.layers), "--experts", str(args.experts),
+           "--top-k", str(args.top_k), "--tokens", str(args.tokens), "--runs", str(args.runs),
+           "--warmup", str(args.warmup), "--prompt", args.prompt]
+    if args.no_drop:
+        out.append("--no-drop")
+    if args.budget_bytes:
+        out += ["--budget-bytes", str(args.budget_bytes)]
+    return out
+
+
+def spawn(config, args):
+    """Run one configuration in a fresh interpreter; returns its result dict."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_file = f.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", config, "--result", result_file] + child_args(args)
+    print(f"[bench] {config}: {' '.join(cmd[1:3] + cmd[3:5])} ...", file=sys.stderr, flush=True)
+    tic = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout, stdout=sys.stderr)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    wall = time.perf_counter() - tic
+    result = {"error": f"exit status {rc}"}
+    if rc == 0:
+        result = json.loads(Path(result_file).read_text())
+    os.unlink(result_file)
+    result["wall_seconds"] = wall
+    print(f"[bench] {config}: done in {wall:.1f}s", file=sys.stderr, flush=True)
+    return result
+
+
+def run_dd(path, args):
+    """dd iflag=direct of `path` after dropping the page cache; returns GB/s (1e9)."""
+    dropped = drop_page_cache() if not args.no_drop else False
+    proc = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M", "iflag=direct"],
+                          capture_output=True, text=True)
+    line = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+    m = re.match(r"(\d+) bytes .* copied, ([0-9.eE+-]+) s", line)
+    result = {"file": str(path), "line": line, "page_cache_dropped": dropped, "returncode": proc.returncode}
+    if m:
+        nbytes, seconds = int(m.group(1)), float(m.group(2))
+        result.update(bytes=nbytes, seconds=seconds, gbps=nbytes / seconds / 1e9)
+    return result
+
+
+def median_run(result, key="decode_tps"):
+    runs = result.get("runs") or []
+    if not runs:
+        return None
+    return statistics.median(r[key] for r in runs)
+
+
+def fmt(value, spec, missing="-"):
+    return missing if value is None else format(value, spec)
+
+
+def table(title, header, rows):
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    line = "  ".join("-" * w for w in widths)
+    print(f"\n{title}")
+    print("  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
+    print(line)
+    for row in rows:
+        print("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+
+
+def report(args, ckpt, results, dd):
+    """Print the tables and return the summary."""
+    ref = (results.get("stock-f32", {}).get("runs") or [{}])[0].get("tokens")
+    summary = {}
+
+    def same(name):
+        runs = results.get(name, {}).get("runs")
+        if not runs or ref is None:
+            return None
+        return all(r["tokens"] == ref for r in runs)
+
+    total_experts = args.layers * args.experts
+    print(f"\nCheckpoint: {ckpt['path']} ({ckpt['layers']} MoE layers x {args.experts} experts, top {args.top_k}, "
+          f"4-bit): {ckpt['bytes'] / GiB:.2f} GiB in {ckpt['files']} shards, "
+          f"{'reused' if ckpt['reused'] else 'built'}")
+    first = next((r["runs"][0] for r in results.values() if r.get("runs")), None)
+    if first:
+        print(f"Prompt: {first['prompt_tokens']} tokens; {args.tokens} greedy tokens; decode tok/s = "
+              f"(tokens - 1) / time from first to last token")
+
+    # 1. everything resident
+    rows = []
+    for name, label in (("stock", "mlx-lm stock (as-is, bf16 scales)"), ("stock-f32", "mlx-lm stock + dtype policy"),
+                        ("resident", f"mlxmoe, all {total_experts} experts cached")):
+        r = results.get(name, {})
+        if "error" in r:
+            rows.append([label, "FAILED: " + r["error"], "", "", "", "", ""])
+            continue
+        tps = [x["decode_tps"] for x in r["runs"]]
+        rows.append([label, fmt(r["load_seconds"], ".1f"), fmt(median_run(r, "prompt_tps"), ".1f"),
+                     fmt(median_run(r), ".2f"), " / ".join(f"{t:.2f}" for t in tps),
+                     fmt(r["peak_memory"] / GiB, ".2f"), {None: "-", True: "yes", False: "NO"}[same(name)]])
+    table(f"1. Decode, everything in memory (median of {args.runs} runs after {args.warmup} warm-up)",
+          ["configuration", "load s", "prefill tok/s", "decode tok/s", "runs tok/s", "MLX peak GiB",
+           "tokens == stock+policy"], rows)
+    res, stock, stock32 = (median_run(results.get(n, {})) for n in ("resident", "stock", "stock-f32"))
+    if res and stock and stock32:
+        best = max(stock, stock32)
+        summary.update(ratio_vs_stock=res / stock, ratio_vs_stock_f32=res / stock32, ratio_vs_best_stock=res / best,
+                       ratio_target=0.95, ratio_pass=res / best >= 0.95)
+        print(f"mlxmoe / stock as-is = {res / stock:.3f}; mlxmoe / stock + dtype policy = {res / stock32:.3f}; "
+              f"vs the faster stock: {res / best:.3f} (target >= 0.95: {'PASS' if res / best >= 0.95 else 'FAIL'})")
+    if ref is not None:
+        stock_same = same("stock")
+        summary.update(tokens_identical_resident=same("resident"), tokens_identical_stock_as_is=stock_same)
+        print(f"generated tokens identical: mlxmoe resident vs stock + dtype policy: "
+              f"{'yes' if same('resident') else 'NO'}; stock as-is vs stock + dtype policy: "
+              f"{'yes' if stock_same else 'NO (bf16 vs float32 scales)'}")
+
+    # 2. streaming
+    rows = []
+    for name in (*CACHE_CONFIGS, "budget"):
+        r = results.get(name, {})
+        label = (f"mlxmoe, {int(CACHE_CONFIGS[name] * 100)} % cached" if name in CACHE_CONFIGS
+                 else f"mlxmoe, budget {args.budget_bytes / GiB:.2f} GiB")
+        if "error" in r:
+            rows.append([label, "FAILED: " + r["error"]] + [""] * 8)
+            continue
+        run, d = r["runs"][0], r["runs"][0]["decode"]
+        steps = max(run["decode_steps"], 1)
+        disk = d["disk_read_bytes"]
+        rows.append([label, f"{r['plan']['cache_experts']} ({100 * r['plan']['cache_experts'] / total_experts:.0f}%)",
+                     fmt(run["decode_tps"], ".2f"), f"{100 * d['hit_rate']:.1f}%",
+                     fmt(d["bytes_read"] / steps / 1e6, ".1f"), fmt(d["read_gbps"], ".2f"),
+                     fmt(d["read_seconds"] / run["decode_seconds"] * 100 if run["decode_seconds"] else None, ".0f"),
+                     "-" if disk is None or not d["bytes_read"] else f"{100 * disk / d['bytes_read']:.0f}%",
+                     fmt(r["load_seconds"], ".1f"),
+                     {None: "-", True: "yes", False: "NO"}[same(name)]])
+    table(f"2. Streaming experts, page cache dropped before the load (decode window: tokens 2..{args.tokens})",
+          ["configuration", "slots", "decode tok/s", "hit rate", "MB read/token", "read GB/s", "% time reading",
+           "from disk", "load s", "tokens == ref"], rows)
+    print("read GB/s = expert bytes read / wall time the decode thread waited on reads; from disk = share of those "
+          "bytes the block layer fetched (/proc/self/io), the rest came from the page cache")
+
+    # 3. dd
+    print(f"\n3. Disk: {dd.get('line') or 'dd failed'}")
+    rows = []
+    if dd.get("gbps"):
+        rows.append([f"dd bs=4M iflag=direct {Path(dd['file']).name} ({dd['bytes'] / 1e6:.0f} MB)",
+                     f"{dd['gbps']:.2f}", "1.00"])
+        summary["dd_gbps"] = dd["gbps"]
+        for name in (*CACHE_CONFIGS, "budget"):
+            r = results.get(name, {})
+            if "runs" in r and r["runs"][0]["decode"]["read_gbps"]:
+                g = r["runs"][0]["decode"]["read_gbps"]
+                rows.append([f"mlxmoe expert reads, {name}", f"{g:.2f}", f"{g / dd['gbps']:.2f}"])
+                summary[f"read_vs_dd_{name}"] = g / dd["gbps"]
+        table("   read throughput vs dd", ["reader", "GB/s", "ratio to dd"], rows)
+
+    # 4. memory vs budget
+    r = results.get("budget", {})
+    if "runs" in r:
+        b = args.budget_bytes
+        growth = r["rss_end"] - r["rss_before_load"]
+        peak_growth = r["peak_rss"] - r["rss_before_load"]
+        rows = [["memory budget", f"{b / GiB:.2f}", "1.00"],
+                ["  plan: resident weights", f"{r['plan']['resident'] / GiB:.2f}", f"{r['plan']['resident'] / b:.2f}"],
+                ["  plan: KV reserve + working", f"{(r['plan']['kv_reserve'] + r['plan']['working']) / GiB:.2f}",
+                 f"{(r['plan']['kv_reserve'] + r['plan']['working']) / b:.2f}"],
+                [f"  plan: expert cache ({r['plan']['cache_experts']} slots)", f"{r['plan']['expert_cache'] / GiB:.2f}",
+                 f"{r['plan']['expert_cache'] / b:.2f}"],
+                ["MLX peak memory", f"{r['peak_memory'] / GiB:.2f}", f"{r['peak_memory'] / b:.2f}"],
+                ["peak RSS (VmHWM, whole process)", f"{r['peak_rss'] / GiB:.2f}", f"{r['peak_rss'] / b:.2f}"],
+                ["peak RSS - RSS before load", f"{peak_growth / GiB:.2f}", f"{peak_growth / b:.2f}"],
+                ["RSS growth, before load -> end", f"{growth / GiB:.2f}", f"{growth / b:.2f}"]]
+        table(f"4. Memory vs budget (budget ~ half the checkpoint; RSS before load {r['rss_before_load'] / GiB:.2f} GiB)",
+              ["", "GiB", "/ budget"], rows)
+        summary.update(budget=b, mlx_peak_over_budget=r["peak_memory"] / b, peak_rss_over_budget=r["peak_rss"] / b,
+                       rss_growth_over_budget=growth / b, peak_rss_growth_over_budget=peak_growth / b)
+    elif "error" in r:
+        print(f"\n4. Memory vs budget: FAILED ({r['error']})")
+    return summary
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help="Synthetic checkpoint folder (built if missing). "
+                             "Default: /tmp/mlxmoe-bench/qwen3-30b-shapes-<layers>L")
+    parser.add_argument("--layers", type=int, default=8, help="MoE layers of the synthetic checkpoint.")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32, help="Greedy tokens per generation.")
+    parser.add_argument("--runs", type=int, default=3, help="Measured generations of the in-memory configurations.")
+    parser.add_argument("--warmup", type=int, default=1, help="Warm-up generations (4 tokens) before those.")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--memory-budget", default=None,
+                        help="Budget of the memory run, e.g. 1.5GB (binary units). Default: half the checkpoint.")
+    parser.add_argument("--quick", action="store_true", help="Smoke run: 2 layers, 8 tokens, 1 run.")
+    parser.add_argument("--no-drop", action="store_true", help="Do not drop the page cache (not root).")
+    parser.add_argument("--only", default=None,
+                        help="Comma-separated subset of stock,stock-f32,resident,cache50,cache25,dd,budget.")
+    parser.add_argument("--timeout", type=int, default=3600, help="Seconds per configuration.")
+    parser.add_argument("--output", type=Path, default=HERE / "out" / "runtime.json")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--budget-bytes", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.layers, args.tokens, args.runs = 2, 8, 1
+    if args.checkpoint is None:
+        args.checkpoint = Path(f"/tmp/mlxmoe-bench/qwen3-30b-shapes-{args.layers}L")
+
+    if args.one:  # child: one configuration
+        sys.path.insert(0, str(ROOT))
+        result = run_one(args)
+        Path(args.result).write_text(json.dumps(result))
+        return
+
+    t_start = time.perf_counter()
+    reused = checkpoint_matches(args.checkpoint, args)
+    results = {}
+    if not reused:
+        results["build"] = spawn("build", args)
+        if "error" in results["build"] or not checkpoint_matches(args.checkpoint, args):
+            raise SystemExit(f"building the checkpoint at {args.checkpoint} failed")
+    files = checkpoint_files(args.checkpoint)
+    ckpt = {"path": str(args.checkpoint), "bytes": checkpoint_bytes(args.checkpoint), "files": len(files),
+            "layers": args.layers, "reused": reused}
+    print(f"[bench] checkpoint {args.checkpoint}: {ckpt['bytes'] / GiB:.2f} GiB "
+          f"({ckpt['bytes'] / 1e9:.2f} GB) in {len(files)} shards", file=sys.stderr, flush=True)
+    if args.memory_budget:
+        sys.path.insert(0, str(ROOT))
+        from mlxmoe.budget import parse_size
+
+        args.budget_bytes = parse_size(args.memory_budget)
+    else:
+        args.budget_bytes = (ckpt["bytes"] // 2) >> 20 << 20
+
+    only = set(args.only.split(",")) if args.only else None
+    for config in (*STOCK_CONFIGS, *CACHE_CONFIGS, "budget"):
+        if only is None or config in only:
+            results[config] = spawn(config, args)
+    dd = {}
+    if only is None or "dd" in only:
+        largest = max(files, key=lambda f: f.stat().st_size)
+        dd = run_dd(largest, args)
+
+    summary = report(args, ckpt, results, dd)
+    wall = time.perf_counter() - t_start
+    print(f"\nwall time {wall:.0f}s: " + ", ".join(f"{k} {v['wall_seconds']:.0f}s" for k, v in results.items()))
+    out = {"argv": sys.argv, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
+                       "python": sys.version.split()[0]},
+           "checkpoint": ckpt, "results": results, "dd": dd, "summary": summary, "wall_seconds": wall}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

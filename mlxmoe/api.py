@@ -1,0 +1,90 @@
+"""load / generate / stream_generate with mlx-lm's names and arguments."""
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.generate import stream_generate as _mlx_stream_generate
+from mlx_lm.utils import load_tokenizer
+
+from . import backend as backends
+from .budget import DEFAULT_CONTEXT, kv_bytes_per_token, parse_size, plan, working_bytes
+from .cache import ExpertCache
+from .errors import MlxmoeError
+from .loader import attach_cache, open_checkpoint
+from .policies import make_policy
+
+# Prompt tokens per prefill step; smaller than mlx-lm's 2048 so the logits and
+# activations of one step stay a small share of the budget.
+PREFILL_STEP = 512
+
+# safetensors dtype -> MLX dtype of a slot pool before the backend's dtype policy
+MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32, "U8": mx.uint8,
+             "I8": mx.int8, "U16": mx.uint16, "I32": mx.int32, "F8_E4M3": mx.uint8, "F8_E5M2": mx.uint8}
+
+
+def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_experts=None, context=DEFAULT_CONTEXT):
+    """How `memory_budget` splits for this checkpoint on this backend (nothing is loaded)."""
+    params = tree_flatten(ckpt.model.parameters())
+    resident = sum(v.nbytes for _, v in params)
+    act_bytes = 4 if backend.compute_dtype == mx.float32 else 2
+    slot_bytes = sum(int(np.prod(shape)) * backend.pool_dtype(MX_DTYPES[d]).size
+                     for shape, d in zip(ckpt.store.tensor_shapes, ckpt.store.tensor_dtypes))
+    total = ckpt.num_layers * ckpt.num_experts
+    p = plan(parse_size(memory_budget, "memory budget"), resident, slot_bytes, ckpt.top_k,
+             kv_bytes_per_token(ckpt.config, act_bytes) * context,
+             working_bytes(ckpt.config, act_bytes, PREFILL_STEP),
+             parse_size(cache_size, "cache size"), cache_experts)
+    if p.cache_experts > total:  # more than every expert: hold them all, no more
+        p.cache_experts, p.expert_cache = total, total * slot_bytes
+    return p
+
+
+def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=None, policy=None, profile=None,
+         tokenizer_config=None, backend=None, io_threads=4):
+    """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
+
+    Returns (model, tokenizer) like `mlx_lm.load`; `model.expert_cache.stats()` gives the
+    cache's stats. `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
+    expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
+    """
+    if profile is not None:
+        raise MlxmoeError("profiles are not available in this version of mlxmoe")
+    be = backends.detect(backend)
+    ckpt = open_checkpoint(path_or_hf_repo)
+    be.apply_dtype_policy(ckpt.model)
+    p = memory_plan(ckpt, be, memory_budget, cache_size, cache_experts)
+    mx.eval(ckpt.model.parameters())
+    pool_dtypes = [be.pool_dtype(MX_DTYPES[d]) for d in ckpt.store.tensor_dtypes]
+    cache = ExpertCache(ckpt.store, p.cache_experts, make_policy(policy, p.cache_experts, ckpt.num_layers,
+                                                                 ckpt.num_experts), pool_dtypes, io_threads)
+    attach_cache(ckpt, cache)
+    be.activate(p.budget)
+    cache.plan, cache.backend, cache.checkpoint = p, be, ckpt
+    tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
+    return ckpt.model, tokenizer
+
+
+def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
+    """mlx_lm.stream_generate, recording decode speed in the expert cache's stats."""
+    kwargs.setdefault("prefill_step_size", PREFILL_STEP)
+    cache = getattr(model, "expert_cache", None)
+    for response in _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
+        if cache is not None:
+            cache.decode_tps = response.generation_tps
+        yield response
+
+
+def generate(model, tokenizer, prompt, verbose=False, **kwargs):
+    """mlx_lm.generate through mlxmoe's stream_generate; returns the text."""
+    text = ""
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose and response is not None:
+        print()
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return text

@@ -1,0 +1,56 @@
+"""What differs between cpu, metal and cuda: the device, the dtype policy, memory limits."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .budget import machine_memory
+from .errors import MlxmoeError
+
+FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+
+@dataclass
+class Backend:
+    name: str  # "cpu" | "metal" | "cuda"
+    device: mx.Device
+    # On CPU, bf16/f16 matmuls are 8-40x slower than float32 (mlx-notes): compute in
+    # float32 there, keep the checkpoint's dtype on GPUs.
+    compute_dtype: mx.Dtype = None
+
+    def pool_dtype(self, file_dtype):
+        return self.compute_dtype if self.compute_dtype is not None and file_dtype in FLOATS else file_dtype
+
+    def apply_dtype_policy(self, model):
+        """Cast float parameters to the compute dtype (packed weights stay packed). Apply
+        the same to a stock mlx-lm model to compare outputs."""
+        if self.compute_dtype is not None:
+            model.set_dtype(self.compute_dtype, lambda t: mx.issubdtype(t, mx.floating))
+        return model
+
+    def memory(self):
+        """Memory the model can use on this device: the recommended working set on
+        Metal, the device memory on CUDA, physical memory on CPU."""
+        info = mx.device_info() if self.name != "cpu" else {}
+        return int(info.get("max_recommended_working_set_size") or info.get("memory_size") or machine_memory())
+
+    def activate(self, budget):
+        """Make MLX honour the budget: cap its buffer cache, and wire the budget on Metal."""
+        mx.set_cache_limit(min(mx.get_cache_memory() + (256 << 20), budget // 8))
+        if self.name == "metal":
+            mx.set_wired_limit(min(budget, self.memory()))
+
+
+def detect(name=None):
+    """The backend for `name` ("cpu", "metal", "cuda") or the best one available."""
+    available = {"cpu": True, "metal": mx.metal.is_available(), "cuda": mx.cuda.is_available()}
+    if name is None:
+        name = "metal" if available["metal"] else "cuda" if available["cuda"] else "cpu"
+    if name not in available:
+        raise MlxmoeError(f"unknown backend {name!r}; choose cpu, metal or cuda")
+    if not available[name]:
+        raise MlxmoeError(f"backend {name!r} is not available in this MLX build")
+    device = mx.cpu if name == "cpu" else mx.gpu
+    mx.set_default_device(device)
+    return Backend(name, device, mx.float32 if name == "cpu" else None)

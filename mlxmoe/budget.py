@@ -1,0 +1,105 @@
+"""Memory sizes: parse them, read the machine's, and split a budget into resident
+weights, KV cache reserve, working memory and the expert cache."""
+
+import os
+import re
+from dataclasses import dataclass
+
+from .errors import MlxmoeError
+
+UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+         "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+
+# Share of the machine's memory used when no budget is given.
+DEFAULT_SHARE = 0.6
+# Tokens of context the KV reserve is sized for by default.
+DEFAULT_CONTEXT = 4096
+
+
+def parse_size(value, what="size"):
+    """'12GB', '512MB', '1.5G', 1000 -> bytes (binary units: 1 GB = 2**30)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in UNITS:
+        raise MlxmoeError(f"cannot read {what} {value!r}: use a number with an optional unit, e.g. 12GB or 512MB")
+    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+
+
+def format_size(n):
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def machine_memory():
+    """Physical memory of this machine in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_bytes_per_token(config, dtype_bytes):
+    """KV cache bytes one token of context costs, from config.json (an upper bound for
+    models with sliding-window layers)."""
+    layers = config.get("num_hidden_layers", 0)
+    heads = config.get("num_attention_heads", 1)
+    if "kv_lora_rank" in config:  # MLA (deepseek): mlx-lm caches the compressed latent and rope key
+        per_layer = config["kv_lora_rank"] + config.get("qk_rope_head_dim", 0)
+    else:
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+        per_layer = 2 * kv_heads * head_dim
+    return layers * per_layer * dtype_bytes
+
+
+def working_bytes(config, dtype_bytes, prefill_tokens):
+    """Activations of one prefill step: hidden states, the experts' intermediates and logits."""
+    hidden = config.get("hidden_size", 0)
+    inter = config.get("moe_intermediate_size") or config.get("intermediate_size", 0)
+    k = config.get("num_experts_per_tok", 1)
+    vocab = config.get("vocab_size", 0)
+    return prefill_tokens * (8 * hidden + 3 * k * inter + vocab) * dtype_bytes
+
+
+@dataclass
+class Plan:
+    budget: int
+    resident: int  # non-expert weights
+    kv_reserve: int
+    working: int  # activations and MLX scratch
+    expert_cache: int  # bytes for slot pools
+    cache_experts: int  # slots
+    minimum: int  # smallest budget that works
+    slot_bytes: int
+
+
+def plan(budget, resident, slot_bytes, min_experts, kv_reserve, working, cache_size=None, cache_experts=None):
+    """Split `budget` bytes. `cache_size`/`cache_experts` set the expert cache directly
+    (then the budget, when given, must still hold it)."""
+    fixed = resident + kv_reserve + working
+    minimum = fixed + min_experts * slot_bytes
+    if cache_experts is not None:
+        slots = int(cache_experts)
+    elif cache_size is not None:
+        slots = cache_size // slot_bytes
+    else:
+        slots = None
+    if budget is None and slots is None:
+        budget = max(int(machine_memory() * DEFAULT_SHARE), minimum)
+    if budget is not None and budget < minimum:
+        raise MlxmoeError(
+            f"memory budget {format_size(budget)} is below the minimum of {format_size(minimum)} for this model "
+            f"({format_size(resident)} resident weights + {format_size(kv_reserve)} KV cache + "
+            f"{format_size(working)} working memory + {min_experts} experts of {format_size(slot_bytes)})")
+    if slots is None:
+        slots = (budget - fixed) // slot_bytes
+    elif budget is not None and fixed + slots * slot_bytes > budget:
+        raise MlxmoeError(
+            f"an expert cache of {slots} experts ({format_size(slots * slot_bytes)}) does not fit in the memory "
+            f"budget {format_size(budget)} beside {format_size(fixed)} of weights, KV cache and working memory")
+    if slots < min_experts:
+        raise MlxmoeError(f"the expert cache must hold at least {min_experts} experts (top-k), got {slots}")
+    return Plan(budget or fixed + slots * slot_bytes, resident, kv_reserve, working, slots * slot_bytes, slots,
+                minimum, slot_bytes)

@@ -1,0 +1,178 @@
+"""Build the mlx-lm model with only its non-expert weights and swap every
+SwitchGLU/SwitchMLP for StreamingExperts.
+
+mlx-lm's own `load_model(lazy=True)` builds, sanitizes and quantizes the model; expert
+tensors stay lazy and are dropped before anything evaluates them, so they are never read.
+"""
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+from mlx_lm.utils import _get_classes, load_config, load_model
+
+from .errors import MlxmoeError
+from .experts import StreamingExperts
+from .store import PER_EXPERT, ExpertStore
+
+SWITCH_TYPES = (SwitchGLU, SwitchMLP)
+LINEARS = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
+PARAMS = ("weight", "scales", "biases", "bias")
+
+
+@dataclass
+class Checkpoint:
+    """A model whose experts are not loaded yet, and where they lie on disk."""
+    path: Path
+    config: dict
+    model: nn.Module
+    store: ExpertStore
+    experts: list = field(default_factory=list)  # StreamingExperts, one per MoE layer
+    module_paths: list = field(default_factory=list)
+    top_k: int = 0
+
+    @property
+    def num_layers(self):
+        return len(self.experts)
+
+    @property
+    def num_experts(self):
+        return self.store.num_experts
+
+
+def resolve(path_or_repo):
+    """A local folder, or a Hugging Face repo id downloaded by mlx-lm (needs network)."""
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise MlxmoeError(f"{path}: no config.json; is this a model folder?")
+        return path
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path_or_repo)) and not str(path_or_repo).startswith("."):
+        from mlx_lm.utils import _download
+
+        try:
+            return _download(str(path_or_repo))
+        except Exception as e:  # the hub client raises many types; all mean "could not get it"
+            raise MlxmoeError(f"{path_or_repo}: not a local folder and could not be downloaded ({e})") from None
+    raise MlxmoeError(f"model folder not found: {path}")
+
+
+def read_config(path):
+    try:
+        config = load_config(path)
+    except json.JSONDecodeError as e:
+        raise MlxmoeError(f"{path / 'config.json'}: not valid JSON ({e})") from None
+    if "model_type" not in config:
+        raise MlxmoeError(f"{path / 'config.json'}: no model_type")
+    try:
+        _get_classes(config)
+    except ValueError:
+        raise MlxmoeError(
+            f"{path / 'config.json'}: model_type {config['model_type']!r} is not an architecture mlx-lm knows") from None
+    return config
+
+
+def _layer_order(path):
+    return [int(p) for p in re.findall(r"\d+", path)]
+
+
+def _per_expert_sources(model, store):
+    """Which file tensor feeds each expert of each stacked parameter, for checkpoints
+    in the per-expert layout. We run the model's own `sanitize` on stand-ins that carry
+    their file tensor's number, and read back how it stacked them."""
+    names = [n for n in store.index if PER_EXPERT.search(n)]
+    if not names or not hasattr(model, "sanitize"):
+        return {}
+    tracers = {n: mx.array([i], dtype=mx.int32) for i, n in enumerate(names)}
+    try:
+        out = model.sanitize(dict(tracers))
+    except Exception as e:  # sanitize may index shapes that stand-ins lack
+        raise MlxmoeError(f"{store.path}: the per-expert layout of this checkpoint is not supported ({e}); "
+                          "repack it with `mlx_lm.convert`") from None
+    sources = {}
+    for key, v in out.items():
+        if isinstance(v, mx.array) and v.dtype == mx.int32 and v.ndim == 2 and v.shape[1] == 1 and key not in tracers:
+            sources[key] = [names[i] for i in v.reshape(-1).tolist()]
+    return sources
+
+
+def open_checkpoint(path_or_repo):
+    """Read config, index the shards, build the model lazily and map every expert to its bytes."""
+    path = resolve(path_or_repo)
+    config = read_config(path)
+    store = ExpertStore(path)
+    try:
+        model, config = load_model(path, lazy=True, strict=True)
+    except ValueError as e:
+        raise MlxmoeError(f"{path}: the weights do not match config.json: {e}") from None
+    switches = sorted(
+        ((p, m) for p, m in model.named_modules() if isinstance(m, SWITCH_TYPES)), key=lambda pm: _layer_order(pm[0]))
+    if not switches:
+        raise MlxmoeError(f"{path}: model_type {config['model_type']!r} has no SwitchGLU/SwitchMLP experts to stream")
+    per_expert = _per_expert_sources(model, store)
+    layers = []
+    for mpath, module in switches:
+        tensors = {}
+        for lin in LINEARS:
+            if lin not in module:
+                continue
+            for p in PARAMS:
+                v = module[lin].get(p)
+                if not isinstance(v, mx.array):
+                    continue
+                full, E = f"{mpath}.{lin}.{p}", v.shape[0]
+                if full in store.index:
+                    info = store.index[full]
+                    if info.shape != tuple(v.shape):
+                        raise MlxmoeError(f"{info.file}: {full} has shape {list(info.shape)}, "
+                                          f"config.json implies {list(v.shape)}")
+                    tensors[f"{lin}.{p}"] = [(full, e) for e in range(E)]
+                elif full in per_expert and len(per_expert[full]) == E:
+                    tensors[f"{lin}.{p}"] = [(n, None) for n in per_expert[full]]
+                else:
+                    raise MlxmoeError(f"{path}: cannot find the bytes of {full} in this checkpoint's layout; "
+                                      "repack it with `mlx_lm.convert`")
+        layers.append(tensors)
+    if any(getattr(module[lin], "global_scale", None) is not None for _, module in switches for lin in LINEARS
+           if lin in module):
+        raise MlxmoeError(f"{path}: experts with a global scale (nvfp4) are not supported yet")
+    store.map_layers(layers)
+
+    ckpt = Checkpoint(path, config, model, store, module_paths=[p for p, _ in switches])
+    swaps = []
+    for layer, (mpath, module) in enumerate(switches):
+        # Drop the lazy expert arrays: nothing will ever evaluate (read) them.
+        for lin in LINEARS:
+            if lin in module:
+                for p in PARAMS:
+                    if isinstance(module[lin].get(p), mx.array):
+                        module[lin][p] = mx.zeros((0,))
+        streaming = StreamingExperts(module, layer)
+        ckpt.experts.append(streaming)
+        swaps.append((mpath, streaming))
+    model.update_modules(tree_unflatten(swaps))
+    ckpt.top_k = _top_k(config)
+    return ckpt
+
+
+def _top_k(config):
+    for key in ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return 8
+
+
+def attach_cache(ckpt, cache):
+    """Point every StreamingExperts' weights at the cache's slot pools."""
+    for streaming in ckpt.experts:
+        module = streaming._inner
+        for name, pool in zip(cache.pool_names, cache.compute):
+            lin, p = name.split(".")
+            module[lin][p] = pool
+        streaming._cache = cache
+    ckpt.model.expert_cache = cache

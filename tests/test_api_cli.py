@@ -1,0 +1,100 @@
+"""The API mirrors mlx-lm's; the CLI's generate, chat and info work end to end."""
+
+import json
+
+import mlx.core as mx
+import mlx_lm
+from click.testing import CliRunner
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.sample_utils import make_sampler
+
+import mlxmoe
+from mlxmoe.backend import detect
+from mlxmoe.cli import main
+
+PROMPT = "Once upon a time"
+STATS_KEYS = {"tokens", "hits", "misses", "hit_rate", "bytes_read", "loads_prefetched", "prefetch_useful",
+              "cache_bytes", "peak_memory", "decode_tps"}
+
+
+def stock(path):
+    model, tokenizer = mlx_lm.load(str(path))
+    return detect().apply_dtype_policy(model), tokenizer
+
+
+def test_generate_and_sampler_match_mlx_lm(checkpoint):
+    path = checkpoint("qwen2_moe", quant="4bit")
+    ref, ref_tok = stock(path)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=6)
+    assert mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=20) == mlx_lm.generate(ref, ref_tok, PROMPT,
+                                                                                        max_tokens=20)
+    mx.random.seed(7)
+    want = [r.token for r in mlx_lm.stream_generate(ref, ref_tok, PROMPT, max_tokens=20,
+                                                    sampler=make_sampler(0.9, 0.95))]
+    mx.random.seed(7)
+    responses = list(mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=20, sampler=make_sampler(0.9, 0.95)))
+    assert all(isinstance(r, GenerationResponse) for r in responses)
+    assert [r.token for r in responses] == want
+    stats = model.expert_cache.stats()
+    assert STATS_KEYS <= set(stats)
+    assert stats["tokens"] > 20 and stats["decode_tps"] > 0 and 0 < stats["hit_rate"] < 1
+
+
+def test_cli_generate_writes_stats(checkpoint, tmp_path):
+    path = checkpoint("mixtral", quant="4bit")
+    out = tmp_path / "stats.json"
+    r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "16",
+                                  "--cache-experts", "4", "--stats-json", str(out)])
+    assert r.exit_code == 0, r.output
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=4)
+    assert mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=16) in r.stdout
+    stats = json.loads(out.read_text())
+    assert STATS_KEYS <= set(stats)
+    assert stats["cache_experts"] == 4 and stats["misses"] > 0
+    assert "hit rate" in r.stderr
+
+
+def test_cli_chat_two_turns(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    r = CliRunner().invoke(main, ["chat", "--model", str(path), "--max-tokens", "12", "--cache-experts", "8"],
+                           input="hello there\nand again\n/stats\n/quit\n")
+    assert r.exit_code == 0, r.output
+    summaries = [l for l in r.stderr.splitlines() if "expert hit rate" in l]
+    assert len(summaries) == 2, r.stderr
+    assert all("tok/s" in l and "MB read" in l for l in summaries)
+    assert '"hit_rate"' in r.stdout
+
+
+def test_chat_reuses_the_prompt_cache(checkpoint):
+    """The second turn prefills only its own tokens: the KV cache holds the first turn."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    prompt_cache = make_prompt_cache(model)
+    first = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    list(mlxmoe.stream_generate(model, tokenizer, first, max_tokens=5, prompt_cache=prompt_cache))
+    offset = prompt_cache[0].offset
+    second = tokenizer.apply_chat_template([{"role": "user", "content": "again"}], add_generation_prompt=True)
+    list(mlxmoe.stream_generate(model, tokenizer, second, max_tokens=5, prompt_cache=prompt_cache))
+    assert prompt_cache[0].offset >= offset + len(second)
+
+
+def test_info_minimum_budget_is_the_real_minimum(checkpoint):
+    path = checkpoint("olmoe", quant="4bit")
+    r = CliRunner().invoke(main, ["info", "--model", str(path), "--memory-budget", "64MB", "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["moe_layers"] > 0 and info["top_k"] >= 1
+    assert info["budget"]["cache_experts"] == info["moe_layers"] * info["experts_per_layer"]
+    model, tokenizer = mlxmoe.load(str(path), memory_budget=info["minimum_budget"])
+    assert model.expert_cache.capacity == info["top_k"]
+    mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=4)
+    try:
+        mlxmoe.load(str(path), memory_budget=info["minimum_budget"] - 1)
+    except mlxmoe.MlxmoeError as e:
+        assert "below the minimum" in str(e)
+    else:
+        raise AssertionError("a budget one byte below the minimum was accepted")
+    text = CliRunner().invoke(main, ["info", "--model", str(path)]).stdout
+    assert "smallest budget that works" in text and "top-" in text

@@ -1,0 +1,81 @@
+"""The memory budget is split, refused when too small, and honoured while streaming a
+checkpoint larger than itself; bytes read are the bytes of the misses."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mlxmoe.budget import parse_size, plan
+from mlxmoe.errors import MlxmoeError
+
+BIG = {"hidden_size": 256, "moe_intermediate_size": 512, "num_experts": 32, "num_hidden_layers": 4}
+
+MEASURE = r"""
+import json, os, sys
+import mlx.core as mx, mlx_lm  # imports before the baseline: they are not model memory
+import mlxmoe
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+def rchar():
+    return int(next(l for l in open("/proc/self/io") if l.startswith("rchar")).split()[1])
+
+path, budget = sys.argv[1], sys.argv[2]
+base = rss()
+model, tokenizer = mlxmoe.load(path, memory_budget=budget)
+cache = model.expert_cache
+cache.reset_stats()
+before = rchar()
+text = mlxmoe.generate(model, tokenizer, "one two three four five six seven", max_tokens=24)
+read = rchar() - before
+# VmHWM, not ru_maxrss: the latter starts from the parent's peak at fork
+peak_rss = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
+s = cache.stats()
+print(json.dumps({"base_rss": base, "peak_rss": peak_rss, "mlx_peak": mx.get_peak_memory(), "rchar": read,
+                  "stats": s, "budget": cache.plan.budget, "slot_bytes": cache.plan.slot_bytes,
+                  "expert_file_bytes": cache.store.expert_file_bytes(),
+                  "all_experts": cache.checkpoint.num_layers * cache.checkpoint.num_experts}))
+"""
+
+
+def test_parse_size():
+    assert parse_size("12GB") == 12 << 30
+    assert parse_size("512mb") == 512 << 20
+    assert parse_size("1.5G") == int(1.5 * (1 << 30))
+    assert parse_size(1000) == 1000
+    with pytest.raises(MlxmoeError, match="12 parsecs"):
+        parse_size("12 parsecs")
+
+
+def test_plan_splits_and_refuses():
+    p = plan(100_000, resident=20_000, slot_bytes=1_000, min_experts=4, kv_reserve=10_000, working=5_000)
+    assert p.minimum == 39_000
+    assert p.cache_experts == 65 and p.expert_cache == 65_000
+    with pytest.raises(MlxmoeError, match="below the minimum of 38.1 KB"):
+        plan(30_000, resident=20_000, slot_bytes=1_000, min_experts=4, kv_reserve=10_000, working=5_000)
+    with pytest.raises(MlxmoeError, match="does not fit"):
+        plan(100_000, resident=20_000, slot_bytes=1_000, min_experts=4, kv_reserve=10_000, working=5_000,
+             cache_experts=80)
+
+
+def test_budget_honoured_while_streaming_a_larger_checkpoint(checkpoint):
+    path = checkpoint("qwen3_moe", config_overrides=BIG)
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    budget = size // 2
+    r = subprocess.run([sys.executable, "-c", MEASURE, str(path), str(budget)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    s = m["stats"]
+    assert m["budget"] == budget
+    assert s["cache_experts"] < m["all_experts"] / 2  # the experts really stream
+    assert s["misses"] > 0
+    # peak memory within budget + 5 %: MLX's own peak and the process's RSS growth
+    assert m["mlx_peak"] <= 1.05 * budget, m
+    assert m["peak_rss"] - m["base_rss"] <= 1.05 * budget, m
+    # the bytes read are the misses' experts, and the process read them (and little else)
+    assert s["bytes_read"] == s["misses"] * m["expert_file_bytes"]
+    assert s["bytes_read"] <= m["rchar"] <= s["bytes_read"] + (1 << 20), m

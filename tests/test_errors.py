@@ -1,0 +1,129 @@
+"""Bad input gets one clear error that names the file or value; the CLI prints no traceback."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import _get_classes, save_config, save_model
+
+import mlxmoe
+from mlxmoe import MlxmoeError
+
+
+@pytest.fixture
+def copy(checkpoint, tmp_path):
+    def make(**kw):
+        dst = tmp_path / "model"
+        shutil.copytree(checkpoint("qwen3_moe", quant="4bit", **kw), dst)
+        return dst
+    return make
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "mlxmoe", *args], capture_output=True, text=True, timeout=120)
+
+
+def assert_clean_error(path, *needles, **load_kw):
+    with pytest.raises(MlxmoeError) as e:
+        mlxmoe.load(str(path), **load_kw)
+    for needle in needles:
+        assert needle in str(e.value)
+    return str(e.value)
+
+
+def assert_cli_error(args, *needles):
+    r = cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: ")
+    for needle in needles:
+        assert needle in r.stderr
+
+
+def test_missing_shard(copy):
+    path = copy(max_shard_bytes=200_000)
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[1].unlink()
+    assert_clean_error(path, "missing shard", shards[1].name)
+    assert_cli_error(["info", "--model", str(path)], "missing shard", shards[1].name)
+
+
+def test_no_weights_at_all(copy):
+    path = copy()
+    for f in path.glob("*.safetensors*"):
+        f.unlink()
+    assert_clean_error(path, "no model*.safetensors", str(path))
+
+
+def test_truncated_shard(copy):
+    path = copy()
+    f = path / "model.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 1000)
+    assert_clean_error(path, "truncated shard", str(f))
+    assert_cli_error(["generate", "--model", str(path), "--prompt", "hi"], "truncated shard")
+
+
+@pytest.mark.parametrize("damage", ["length", "json"])
+def test_corrupt_header(copy, damage):
+    path = copy()
+    f = path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    if damage == "length":
+        data[:8] = (1 << 60).to_bytes(8, "little")
+    else:
+        data[8:20] = b"#not json!!!"
+    f.write_bytes(bytes(data))
+    assert_clean_error(path, "corrupt safetensors header", str(f))
+    assert_cli_error(["info", "--model", str(path)], "corrupt safetensors header")
+
+
+def test_shapes_disagree_with_config(copy):
+    path = copy()
+    config = json.loads((path / "config.json").read_text())
+    config["moe_intermediate_size"] *= 2
+    (path / "config.json").write_text(json.dumps(config))
+    message = assert_clean_error(path, "do not match config.json", str(path))
+    assert "shape" in message
+    assert_cli_error(["info", "--model", str(path)], "do not match config.json")
+
+
+def test_unknown_architecture(copy):
+    path = copy()
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "no_such_moe"
+    (path / "config.json").write_text(json.dumps(config))
+    assert_clean_error(path, "no_such_moe", "config.json")
+    assert_cli_error(["info", "--model", str(path)], "no_such_moe")
+
+
+def test_dense_model_has_no_experts(tmp_path, tokenizer_dir):
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 64,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 400,
+              "tie_word_embeddings": True}
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    mx.eval(model.parameters())
+    save_model(tmp_path, model)
+    save_config(config, tmp_path / "config.json")
+    assert_clean_error(tmp_path, "no SwitchGLU/SwitchMLP experts", "llama")
+
+
+def test_budget_too_small(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    message = assert_clean_error(path, "below the minimum", memory_budget="1MB")
+    assert "1.0 MB" in message
+    assert_cli_error(["generate", "--model", str(path), "--prompt", "hi", "--memory-budget", "1MB"],
+                     "below the minimum")
+
+
+def test_bad_values(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    assert_clean_error(path, "12 parsecs", memory_budget="12 parsecs")
+    assert_clean_error(path, "no_such_policy", policy="no_such_policy")
+    assert_clean_error(path, "at least 2", cache_experts=1)
+    assert_cli_error(["info", "--model", str(path.parent / "nowhere")], "not found", "nowhere")
