@@ -4,7 +4,8 @@ In one run it compares:
 
 1. decode speed of stock mlx-lm (as-is, and with mlxmoe's dtype policy) with mlxmoe
    holding every expert (the output tokens must be identical);
-2. mlxmoe with 50 % and 25 % of all experts cached, page cache dropped before the load:
+2. mlxmoe with 50 % and 25 % of all experts cached, page cache dropped before the load
+   (and, in the "-cold" runs, again at the first token so decode misses hit the disk):
    decode speed, hit rate, bytes read per decoded token, expert read throughput;
 3. that throughput against `dd iflag=direct` on the largest shard;
 4. peak memory against a memory budget of about half the checkpoint.
@@ -34,8 +35,9 @@ DEFAULT_PROMPT = (
     "Once upon a time there was a little fox who lived in the forest. "
     "Every morning the fox walked to the river"
 )
+WARMUP_PROMPT = "Hello world"
 STOCK_CONFIGS = ("stock", "stock-f32", "resident")
-CACHE_CONFIGS = {"cache50": 0.5, "cache25": 0.25}
+CACHE_CONFIGS = {"cache50": 0.5, "cache25": 0.25, "cache50-cold": 0.5, "cache25-cold": 0.25}
 GiB = 1 << 30
 
 
@@ -106,11 +108,12 @@ def checkpoint_matches(path, args):
 # ---------------------------------------------------------------- generation
 
 
-def generate_timed(generate_fn, model, tokenizer, prompt, max_tokens, snapshot=None):
+def generate_timed(generate_fn, model, tokenizer, prompt, max_tokens, snapshot=None, at_first=None):
     """Greedy generation; returns (run, snapshot at the first token, snapshot at the last).
 
     The decode window runs from the first token to the last: N-1 decode steps (mlx-lm
     builds step i+1 before it yields token i, so each yield closes one step).
+    `at_first` runs at the first token, outside the window.
     """
     tokens = []
     tic = time.perf_counter()
@@ -120,7 +123,9 @@ def generate_timed(generate_fn, model, tokenizer, prompt, max_tokens, snapshot=N
         t1 = time.perf_counter()
         tokens.append(int(response.token))
         if len(tokens) == 1:
-            t0 = t1
+            if at_first:
+                at_first()
+            t0 = t1 = time.perf_counter()
             first = snapshot() if snapshot else None
     last = snapshot() if snapshot else None  # nothing runs between the last token and here
     steps = len(tokens) - 1
@@ -176,9 +181,11 @@ def run_stock(args, dtype_policy):
         mx.eval(model.parameters())
     load_seconds = time.perf_counter() - tic
     runs = []
-    for _ in range(args.warmup):
-        generate_timed(mlx_lm.stream_generate, model, tokenizer, args.prompt, min(args.tokens, 4))
-    for _ in range(args.runs):
+    # Stock as-is computes with bf16 scales, 5-10x slower on CPU: one run, no warm-up.
+    warmup, nruns = (args.warmup, args.runs) if dtype_policy else (0, args.stock_runs)
+    for _ in range(warmup):
+        generate_timed(mlx_lm.stream_generate, model, tokenizer, WARMUP_PROMPT, 4)
+    for _ in range(nruns):
         runs.append(generate_timed(mlx_lm.stream_generate, model, tokenizer, args.prompt, args.tokens)[0])
     return {"load_seconds": load_seconds, "runs": runs, "peak_memory": mx.get_peak_memory()}
 
@@ -200,7 +207,7 @@ def run_resident(args):
     preload_seconds = time.perf_counter() - tic
     preload_bytes = cache.bytes_read
     for _ in range(args.warmup):
-        generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, min(args.tokens, 4))
+        generate_timed(mlxmoe.stream_generate, model, tokenizer, WARMUP_PROMPT, 4)
     runs = []
     for _ in range(args.runs):
         cache.reset_stats()
@@ -213,9 +220,11 @@ def run_resident(args):
             "stats": cache.stats()}
 
 
-def run_streaming(args, cache_experts=None, memory_budget=None):
+def run_streaming(args, cache_experts=None, memory_budget=None, cold_decode=False):
     """mlxmoe with part of the experts cached, page cache dropped right before the load;
-    one generation, measured from the first token."""
+    one generation, measured from the first token. The prefill reads most experts, so
+    the page cache then holds them and decode misses are mostly memory copies;
+    `cold_decode` drops the page cache again at the first token so they come from disk."""
     import mlx.core as mx
     import mlxmoe
 
@@ -226,12 +235,13 @@ def run_streaming(args, cache_experts=None, memory_budget=None):
     load_seconds = time.perf_counter() - tic
     cache = model.expert_cache
     rss_loaded, _ = proc_status()
+    at_first = (lambda: drop_page_cache()) if cold_decode and not args.no_drop else None
     run, before, after = generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, args.tokens,
-                                        snapshot=lambda: cache_snapshot(cache))
+                                        snapshot=lambda: cache_snapshot(cache), at_first=at_first)
     run["decode"] = window_stats(before, after)
     stats = cache.stats()
     rss_end, hwm = proc_status()
-    return {"page_cache_dropped": dropped, "load_seconds": load_seconds, "runs": [run], "plan": vars(cache.plan),
+    return {"page_cache_dropped": dropped, "cold_decode": cold_decode, "load_seconds": load_seconds, "runs": [run], "plan": vars(cache.plan),
             "stats": stats, "peak_memory": mx.get_peak_memory(), "rss_before_load": rss_before,
             "rss_after_load": rss_loaded, "rss_end": rss_end, "peak_rss": hwm}
 
@@ -252,7 +262,8 @@ def run_one(args):
     if config == "resident":
         return run_resident(args)
     if config in CACHE_CONFIGS:
-        return run_streaming(args, cache_experts=int(args.layers * args.experts * CACHE_CONFIGS[config]))
+        return run_streaming(args, cache_experts=int(args.layers * args.experts * CACHE_CONFIGS[config]),
+                             cold_decode=config.endswith("-cold"))
     if config == "budget":
         return run_streaming(args, memory_budget=args.budget_bytes)
     raise SystemExit(f"unknown configuration {config!r}")
@@ -264,7 +275,7 @@ def run_one(args):
 def child_args(args):
     out = ["--checkpoint", str(args.checkpoint), "--layers", str(args.layers), "--experts", str(args.experts),
            "--top-k", str(args.top_k), "--tokens", str(args.tokens), "--runs", str(args.runs),
-           "--warmup", str(args.warmup), "--prompt", args.prompt]
+           "--warmup", str(args.warmup), "--stock-runs", str(args.stock_runs), "--prompt", args.prompt]
     if args.no_drop:
         out.append("--no-drop")
     if args.budget_bytes:
@@ -351,7 +362,7 @@ def report(args, ckpt, results, dd):
 
     # 1. everything resident
     rows = []
-    for name, label in (("stock", "mlx-lm stock (as-is, bf16 scales)"), ("stock-f32", "mlx-lm stock + dtype policy"),
+    for name, label in (("stock", f"mlx-lm stock (as-is, bf16 scales; {args.stock_runs} run)"), ("stock-f32", "mlx-lm stock + dtype policy"),
                         ("resident", f"mlxmoe, all {total_experts} experts cached")):
         r = results.get(name, {})
         if "error" in r:
@@ -382,7 +393,8 @@ def report(args, ckpt, results, dd):
     rows = []
     for name in (*CACHE_CONFIGS, "budget"):
         r = results.get(name, {})
-        label = (f"mlxmoe, {int(CACHE_CONFIGS[name] * 100)} % cached" if name in CACHE_CONFIGS
+        label = (f"mlxmoe, {int(CACHE_CONFIGS[name] * 100)} % cached" + (", cold decode" if "cold" in name else "")
+                 if name in CACHE_CONFIGS
                  else f"mlxmoe, budget {args.budget_bytes / GiB:.2f} GiB")
         if "error" in r:
             rows.append([label, "FAILED: " + r["error"]] + [""] * 8)
@@ -401,7 +413,9 @@ def report(args, ckpt, results, dd):
           ["configuration", "slots", "decode tok/s", "hit rate", "MB read/token", "read GB/s", "% time reading",
            "from disk", "load s", "tokens == ref"], rows)
     print("read GB/s = expert bytes read / wall time the decode thread waited on reads; from disk = share of those "
-          "bytes the block layer fetched (/proc/self/io), the rest came from the page cache")
+          "bytes the block layer fetched (/proc/self/io), the rest came from the page cache.\n"
+          "The prefill reads most experts, so after it the page cache holds the evicted ones too; "
+          "'cold decode' drops the page cache again at the first token so decode misses come from disk.")
 
     # 3. dd
     print(f"\n3. Disk: {dd.get('line') or 'dd failed'}")
@@ -454,21 +468,26 @@ def main():
     parser.add_argument("--tokens", type=int, default=32, help="Greedy tokens per generation.")
     parser.add_argument("--runs", type=int, default=3, help="Measured generations of the in-memory configurations.")
     parser.add_argument("--warmup", type=int, default=1, help="Warm-up generations (4 tokens) before those.")
+    parser.add_argument("--stock-runs", type=int, default=1,
+                        help="Measured generations of stock mlx-lm as-is (bf16 scales: slow on CPU, no warm-up).")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--memory-budget", default=None,
                         help="Budget of the memory run, e.g. 1.5GB (binary units). Default: half the checkpoint.")
     parser.add_argument("--quick", action="store_true", help="Smoke run: 2 layers, 8 tokens, 1 run.")
     parser.add_argument("--no-drop", action="store_true", help="Do not drop the page cache (not root).")
     parser.add_argument("--only", default=None,
-                        help="Comma-separated subset of stock,stock-f32,resident,cache50,cache25,dd,budget.")
+                        help="Comma-separated subset of stock,stock-f32,resident,cache50,cache25,cache50-cold,cache25-cold,dd,budget.")
     parser.add_argument("--timeout", type=int, default=3600, help="Seconds per configuration.")
-    parser.add_argument("--output", type=Path, default=HERE / "out" / "runtime.json")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="JSON results. Default: bench/out/runtime.json (runtime-quick.json with --quick).")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--budget-bytes", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.layers, args.tokens, args.runs = 2, 8, 1
+    if args.output is None:
+        args.output = HERE / "out" / ("runtime-quick.json" if args.quick else "runtime.json")
     if args.checkpoint is None:
         args.checkpoint = Path(f"/tmp/mlxmoe-bench/qwen3-30b-shapes-{args.layers}L")
 

@@ -1,5 +1,7 @@
 """load / generate / stream_generate with mlx-lm's names and arguments."""
 
+import json
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
@@ -12,6 +14,8 @@ from .cache import ExpertCache
 from .errors import MlxmoeError
 from .loader import attach_cache, open_checkpoint
 from .policies import make_policy
+from .profile import ActivationProfile, fingerprint
+from .trace import TraceWriter
 
 # Prompt tokens per prefill step; smaller than mlx-lm's 2048 so the logits and
 # activations of one step stay a small share of the budget.
@@ -33,41 +37,68 @@ def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_expert
     p = plan(parse_size(memory_budget, "memory budget"), resident, slot_bytes, ckpt.top_k,
              kv_bytes_per_token(ckpt.config, act_bytes) * context,
              working_bytes(ckpt.config, act_bytes, PREFILL_STEP),
-             parse_size(cache_size, "cache size"), cache_experts)
+             parse_size(cache_size, "cache size"), cache_experts, memory=backend.memory())
     if p.cache_experts > total:  # more than every expert: hold them all, no more
         p.cache_experts, p.expert_cache = total, total * slot_bytes
     return p
 
 
 def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=None, policy=None, profile=None,
-         tokenizer_config=None, backend=None, io_threads=4):
+         tokenizer_config=None, backend=None, io_threads=4, force_profile=False, prewarm=True, trace_out=None):
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
     Returns (model, tokenizer) like `mlx_lm.load`; `model.expert_cache.stats()` gives the
     cache's stats. `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
     expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
+    `profile` (a path or an ActivationProfile) gives the policy its prior and pre-warms
+    the cache with its hottest experts in the background; the live profile
+    (`model.expert_cache.profile`) keeps learning either way. `trace_out` records a
+    routing trace (mlxmoe.trace/1) there, completed by `model.expert_cache.close()`.
     """
-    if profile is not None:
-        raise MlxmoeError("profiles are not available in this version of mlxmoe")
     be = backends.detect(backend)
     ckpt = open_checkpoint(path_or_hf_repo)
     be.apply_dtype_policy(ckpt.model)
     p = memory_plan(ckpt, be, memory_budget, cache_size, cache_experts)
+    fp = model_fingerprint(ckpt)
+    prior = None
+    if profile is not None:
+        prior = profile if isinstance(profile, ActivationProfile) else ActivationProfile.load(profile, fp, force_profile)
+        if prior.fingerprint != fp and not force_profile:
+            raise MlxmoeError(f"profile {prior.workload!r} was recorded on another model ({prior.model!r})")
+        if (prior.num_layers, prior.num_experts) != (ckpt.num_layers, ckpt.num_experts):
+            raise MlxmoeError(f"profile has {prior.num_layers} layers x {prior.num_experts} experts, the model "
+                              f"{ckpt.num_layers} x {ckpt.num_experts}")
     mx.eval(ckpt.model.parameters())
     pool_dtypes = [be.pool_dtype(MX_DTYPES[d]) for d in ckpt.store.tensor_dtypes]
-    cache = ExpertCache(ckpt.store, p.cache_experts, make_policy(policy, p.cache_experts, ckpt.num_layers,
-                                                                 ckpt.num_experts), pool_dtypes, io_threads)
+    live = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model=str(ckpt.path),
+                             model_fingerprint=fp, expert_bytes=p.slot_bytes, resident_bytes=p.resident)
+    if prior is not None:  # keep learning from where the profile left off
+        live = ActivationProfile.merge([prior], workload=prior.workload)
+        live.fingerprint, live.model = fp, str(ckpt.path)
+    policy = make_policy(policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts,
+                         prior=None if prior is None else prior.rates())
+    cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, io_threads, profile=live)
     attach_cache(ckpt, cache)
     be.activate(p.budget)
     cache.plan, cache.backend, cache.checkpoint = p, be, ckpt
+    if trace_out is not None:
+        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path)
     tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
+    if prior is not None and prewarm:
+        cache.prewarm(prior.priority())
     return ckpt.model, tokenizer
+
+
+def model_fingerprint(ckpt):
+    return fingerprint(ckpt.config, ckpt.store.tensors, ckpt.store.tensor_shapes, ckpt.num_layers, ckpt.num_experts)
 
 
 def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
     """mlx_lm.stream_generate, recording decode speed in the expert cache's stats."""
     kwargs.setdefault("prefill_step_size", PREFILL_STEP)
     cache = getattr(model, "expert_cache", None)
+    if cache is not None:
+        cache.new_sequence()
     for response in _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
         if cache is not None:
             cache.decode_tps = response.generation_tps
@@ -88,3 +119,47 @@ def generate(model, tokenizer, prompt, verbose=False, **kwargs):
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
+
+
+def read_prompts(path, tokenizer=None, chats=False, chat_template=False):
+    """Prompts from a file: one per non-empty line, or (`chats`) one JSON conversation per
+    line ({"messages": [...]} or a list of {"role", "content"}) rendered with the chat
+    template up to the assistant's turn."""
+    try:
+        lines = [l for l in open(path, encoding="utf-8").read().splitlines() if l.strip()]
+    except FileNotFoundError:
+        raise MlxmoeError(f"prompts file not found: {path}") from None
+    except UnicodeDecodeError:
+        raise MlxmoeError(f"{path}: not UTF-8 text") from None
+    if not lines:
+        raise MlxmoeError(f"{path}: no prompts")
+    if not chats:
+        if chat_template:
+            return [tokenizer.apply_chat_template([{"role": "user", "content": l}], add_generation_prompt=True)
+                    for l in lines]
+        return lines
+    prompts = []
+    for n, line in enumerate(lines, start=1):
+        try:
+            chat = json.loads(line)
+            messages = chat["messages"] if isinstance(chat, dict) else chat
+            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+                raise ValueError("each message needs a role and a content")
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise MlxmoeError(f"{path}:{n}: not a chat ({e})") from None
+        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return prompts
+
+
+def run_prompts(model, tokenizer, prompts, max_tokens=128, on_prompt=None, **kwargs):
+    """Generate for each prompt in turn (the way `profile record` and `trace record` feed a
+    workload through the cache); `on_prompt(i, text)` after each. Returns tokens made."""
+    made = 0
+    for i, prompt in enumerate(prompts):
+        text = ""
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
+            text += response.text
+            made = made + 1
+        if on_prompt is not None:
+            on_prompt(i, text)
+    return made

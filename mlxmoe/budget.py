@@ -75,9 +75,11 @@ class Plan:
     slot_bytes: int
 
 
-def plan(budget, resident, slot_bytes, min_experts, kv_reserve, working, cache_size=None, cache_experts=None):
+def plan(budget, resident, slot_bytes, min_experts, kv_reserve, working, cache_size=None, cache_experts=None,
+         memory=None):
     """Split `budget` bytes. `cache_size`/`cache_experts` set the expert cache directly
-    (then the budget, when given, must still hold it)."""
+    (then the budget, when given, must still hold it). With neither, the budget is a
+    safe share of `memory` (default: this machine's)."""
     fixed = resident + kv_reserve + working
     minimum = fixed + min_experts * slot_bytes
     if cache_experts is not None:
@@ -87,7 +89,10 @@ def plan(budget, resident, slot_bytes, min_experts, kv_reserve, working, cache_s
     else:
         slots = None
     if budget is None and slots is None:
-        budget = max(int(machine_memory() * DEFAULT_SHARE), minimum)
+        budget = int((memory or machine_memory()) * DEFAULT_SHARE)
+        if budget < minimum:
+            raise MlxmoeError(f"this model needs at least {format_size(minimum)}; {format_size(budget)} is "
+                              f"{DEFAULT_SHARE:.0%} of this machine's memory. Pass --memory-budget to use more.")
     if budget is not None and budget < minimum:
         raise MlxmoeError(
             f"memory budget {format_size(budget)} is below the minimum of {format_size(minimum)} for this model "

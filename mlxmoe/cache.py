@@ -7,6 +7,7 @@ replay as in a run. `ExpertCache` adds the slot pools and the reads.
 
 import resource
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,17 +35,20 @@ class Residency:
         self.policy = policy
         self.slot_of = {}  # (layer, expert) -> slot
         self.free = list(range(capacity - 1, -1, -1))
+        self.in_flight = set()  # keys whose slot is being filled by a background read: never victims
         self.hits = self.misses = self.evictions = 0
 
-    def access(self, layer, experts, scores=None):
-        """Make `experts` (distinct ids) of `layer` resident.
+    def access(self, layer, experts, scores=None, probs=None):
+        """Make `experts` (distinct ids) of `layer` resident; `scores` are their router
+        probabilities and `probs` the router's distribution over all experts, when known.
 
         Returns (slots, missed) where slots[i] holds experts[i] and missed lists the
         (expert, slot) pairs that must be filled now.
         """
         if len(experts) > self.capacity:
             raise MlxmoeError(f"layer {layer} needs {len(experts)} experts at once; the cache holds {self.capacity}")
-        protected = {(layer, int(e)) for e in experts}
+        self.policy.visit(layer, experts, scores, probs)
+        protected = {(layer, int(e)) for e in experts} | self.in_flight
         slots, missed = [], []
         for i, e in enumerate(experts):
             key = (layer, int(e))
@@ -61,18 +65,41 @@ class Residency:
                     self.policy.remove(victim)
                     slot = self.slot_of.pop(victim)
                     self.evictions += 1
+                    self.evicted(victim)
                 self.slot_of[key] = slot
                 self.policy.insert(key)
                 missed.append((key[1], slot))
             slots.append(self.slot_of[key])
         return slots, missed
 
+    def reserve(self, keys):
+        """Give free slots to `keys` (hottest first) without evicting anything, as far as
+        they go; the policy sees the hottest inserted last. Returns [(key, slot)]."""
+        taken = []
+        for key in keys:
+            if not self.free:
+                break
+            if key not in self.slot_of:
+                self.slot_of[key] = self.free.pop()
+                taken.append((key, self.slot_of[key]))
+        for key, _ in reversed(taken):
+            self.policy.insert(key)
+        return taken
+
+    def evicted(self, key):
+        pass
+
 
 class ExpertCache(Residency):
     """Slot pools shared by all MoE layers (every layer's experts have the same shapes),
-    so the policy can give one layer more slots than another."""
+    so the policy can give one layer more slots than another.
 
-    def __init__(self, store, capacity, policy, pool_dtypes, io_threads=4):
+    The decode thread calls tick() and fetch(); a pre-warm thread may fill free slots at
+    the same time, so the bookkeeping is under a lock and a key being filled is waited
+    for, never read twice.
+    """
+
+    def __init__(self, store, capacity, policy, pool_dtypes, io_threads=4, profile=None):
         super().__init__(capacity, policy)
         self.store = store
         self.pools = []  # mx arrays [capacity, *shape], one per expert tensor
@@ -90,28 +117,121 @@ class ExpertCache(Residency):
             self.pools.append(pool)
             self.views.append(view)
             self.compute.append(compute)
+        self.pool_names = list(store.tensors)
         self.slot_bytes = sum(v[0].nbytes for v in self.views)
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="mlxmoe-io") if io_threads > 1 else None
-        self.tokens = 0
-        self.bytes_read = 0
-        self.loads_demand = 0
-        self.read_seconds = 0.0  # wall time the decode thread spent waiting on reads
-        self.decode_tps = 0.0
-        self.pool_names = list(store.tensors)
+        self.lock = threading.Lock()
+        self.waiting = {}  # key -> threading.Event, set once its background read ended
+        self.failed = set()  # keys whose background read failed: read again on demand
+        self.prefetched = set()  # loaded in the background and not used yet
+        self.profile = profile  # live ActivationProfile: learns from every layer call
+        self.trace = None  # TraceWriter when recording
+        self.wants_router = policy.wants_router
+        self.position = 0  # token position in the current sequence
+        self._prewarm = None
+        self._stop = threading.Event()
+        self.reset_stats()
 
-    def fetch(self, layer, experts):
+    def tick(self, tokens):
+        """New tokens start (called by the first MoE layer)."""
+        with self.lock:
+            self.policy.tick(tokens)
+            if self.profile is not None:
+                self.profile.tick(tokens)
+        self.tokens += tokens
+        self.call_position = self.position
+        self.position += tokens
+
+    def new_sequence(self):
+        self.position = 0
+        if self.trace is not None:
+            self.trace.new_sequence()
+
+    def fetch(self, layer, experts, scores=None, probs=None):
         """Make the distinct `experts` of `layer` resident; return their slots."""
-        slots, missed = self.access(layer, experts)
+        with self.lock:
+            slots, missed = self.access(layer, experts, scores, probs)
+            if self.profile is not None:
+                self.profile.observe(layer, experts, scores, probs)
+            waits = []
+            for e in experts:
+                key = (layer, e)
+                if key in self.waiting:
+                    waits.append((key, self.waiting[key]))
+                if key in self.prefetched:
+                    self.prefetched.discard(key)
+                    self.prefetch_useful += 1
+        tic = time.perf_counter()
         if missed:
-            tic = time.perf_counter()
-            read = lambda es: self.store.read_expert(layer, es[0], [v[es[1]] for v in self.views])
-            if self.io is not None and len(missed) > 1:
-                self.bytes_read += sum(self.io.map(read, missed))
-            else:
-                self.bytes_read += sum(map(read, missed))
+            self.demand_bytes += self._read(layer, missed)
             self.loads_demand += len(missed)
-            self.read_seconds += time.perf_counter() - tic
+        for key, done in waits:
+            if not done.is_set():
+                self.prefetch_late += 1
+                done.wait()
+            if key in self.failed:  # the background read failed: read it here, or raise its error here
+                self.failed.discard(key)
+                self.demand_bytes += self._read(layer, [(key[1], self.slot_of[key])])
+                self.loads_demand += 1
+        self.read_seconds += time.perf_counter() - tic
         return slots
+
+    def _read(self, layer, missed):
+        read = lambda es: self.store.read_expert(layer, es[0], [v[es[1]] for v in self.views])
+        if self.io is not None and len(missed) > 1:
+            return sum(self.io.map(read, missed))
+        return sum(map(read, missed))
+
+    def record(self, layer, rows, probs=None):
+        """Write one trace line per token of this layer call."""
+        for i, row in enumerate(rows):
+            self.trace.write(self.call_position + i, layer, row, None if probs is None else probs[i])
+
+    def evicted(self, key):
+        self.prefetched.discard(key)
+
+    def prewarm(self, keys):
+        """Fill free slots with `keys`, hottest first, in a background thread; the decode
+        thread starts at once and waits only for a key it needs that is still on its way."""
+        with self.lock:
+            taken = self.reserve(keys)
+            for key, _ in taken:
+                self.waiting[key] = threading.Event()
+                self.in_flight.add(key)
+        if taken:
+            self._prewarm = threading.Thread(target=self._fill, args=(taken,), name="mlxmoe-prewarm", daemon=True)
+            self._prewarm.start()
+        return len(taken)
+
+    def _fill(self, taken):
+        for key, slot in taken:
+            ok = False
+            if not self._stop.is_set():
+                try:
+                    n = self.store.read_expert(key[0], key[1], [v[slot] for v in self.views])
+                    ok = True
+                except Exception:  # the decode thread reads it again and reports the error if it recurs
+                    pass
+            with self.lock:
+                if ok:
+                    self.prefetch_bytes += n
+                    self.loads_prefetched += 1
+                    self.prefetched.add(key)
+                else:
+                    self.failed.add(key)
+                self.in_flight.discard(key)
+                self.waiting.pop(key).set()
+
+    def prewarm_done(self, timeout=None):
+        if self._prewarm is not None:
+            self._prewarm.join(timeout)
+        return self._prewarm is None or not self._prewarm.is_alive()
+
+    def resident_per_layer(self):
+        counts = [0] * self.store.num_layers
+        for layer, _ in self.slot_of:
+            counts[layer] += 1
+        return counts
 
     def stats(self):
         accesses = self.hits + self.misses
@@ -120,14 +240,16 @@ class ExpertCache(Residency):
             "hits": self.hits,
             "misses": self.misses,
             "hit_rate": self.hits / accesses if accesses else 0.0,
-            "bytes_read": self.bytes_read,
+            "bytes_read": self.demand_bytes + self.prefetch_bytes,
             "loads_demand": self.loads_demand,
+            "loads_prefetched": self.loads_prefetched,
+            "prefetch_useful": self.prefetch_useful,
+            "prefetch_late": self.prefetch_late,
             "read_seconds": self.read_seconds,
-            "loads_prefetched": 0,
-            "prefetch_useful": 0,
             "evictions": self.evictions,
             "cache_experts": self.capacity,
             "cache_bytes": self.capacity * self.slot_bytes,
+            "resident_per_layer": self.resident_per_layer(),
             "policy": self.policy.name,
             "peak_memory": mx.get_peak_memory(),
             "peak_rss": peak_rss(),
@@ -136,10 +258,17 @@ class ExpertCache(Residency):
 
     def reset_stats(self):
         self.hits = self.misses = self.evictions = self.tokens = 0
-        self.bytes_read = self.loads_demand = 0
+        # the decode thread counts demand reads, the pre-warm thread (under the lock) its own
+        self.demand_bytes = self.prefetch_bytes = 0
+        self.loads_demand = self.loads_prefetched = self.prefetch_useful = self.prefetch_late = 0
         self.read_seconds = 0.0
+        self.decode_tps = 0.0
 
     def close(self):
+        self._stop.set()
+        self.prewarm_done()
+        if self.trace is not None:
+            self.trace.close()
         if self.io is not None:
             self.io.shutdown(wait=True)
         self.store.close()

@@ -1,12 +1,13 @@
 """The `mlxmoe` command: generate, chat, info."""
 
 import json
+import os
 import sys
-import time
 
 import click
 
 from .errors import MlxmoeError
+from .policies import DEFAULT_POLICY, ONLINE
 
 
 def model_options(f):
@@ -17,8 +18,14 @@ def model_options(f):
                      "cache, e.g. 12GB. Default: 60% of this machine's memory."),
         click.option("--cache-size", help="Expert cache size in bytes (e.g. 2GB); overrides the budget's share."),
         click.option("--cache-experts", type=int, help="Expert cache size as a number of experts (all layers)."),
-        click.option("--policy", help="Eviction policy (default: lru)."),
+        click.option("--policy", type=click.Choice(ONLINE), help=f"Eviction policy (default: {DEFAULT_POLICY})."),
         click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available."),
+        click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
+                     help="An activation profile (profile record): the policy's prior, and the experts that "
+                     "pre-warm the cache in the background."),
+        click.option("--force", "force_profile", is_flag=True, help="Use a profile recorded on another model "
+                     "whose layer and expert counts agree."),
+        click.option("--trace-out", type=click.Path(dir_okay=False), help="Record the routing trace here."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -41,7 +48,8 @@ def _load(opts):
     from . import load
 
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
-                cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"])
+                cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
+                profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"])
 
 
 def _sampler(temp, top_p, seed):
@@ -68,13 +76,29 @@ def main():
     through a cache that keeps the ones your workload uses."""
 
 
+def _finish(model, save_profile, workload=None):
+    """Close the cache (ending a trace) and save the live profile, atomically."""
+    cache = model.expert_cache
+    cache.close()
+    if save_profile:
+        if workload:
+            cache.profile.workload = workload
+        cache.profile.save(save_profile)
+        click.echo(f"saved profile {save_profile} ({cache.profile.tokens_total} tokens)", err=True)
+
+
+save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=False),
+                                   help="Write the live profile here at exit (also on Ctrl-C).")
+
+
 @main.command()
 @model_options
 @sampling_options
 @click.option("--prompt", "-p", required=True, help="The prompt ('-' reads standard input).")
 @click.option("--chat-template/--no-chat-template", default=False, help="Wrap the prompt in the chat template.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the cache stats to this file.")
-def generate(prompt, chat_template, stats_json, max_tokens, temp, top_p, seed, **opts):
+@save_profile_option
+def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, top_p, seed, **opts):
     """Generate text from a prompt, streaming it to standard output."""
     from .api import stream_generate
 
@@ -84,10 +108,13 @@ def generate(prompt, chat_template, stats_json, max_tokens, temp, top_p, seed, *
     if chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     response = None
-    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                    sampler=_sampler(temp, top_p, seed)):
-        click.echo(response.text, nl=False)
-    click.echo()
+    try:
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
+                                        sampler=_sampler(temp, top_p, seed)):
+            click.echo(response.text, nl=False)
+        click.echo()
+    finally:
+        _finish(model, save_profile)
     stats = model.expert_cache.stats()
     if response is not None:
         click.echo(f"prompt: {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s; "
@@ -104,7 +131,8 @@ def generate(prompt, chat_template, stats_json, max_tokens, temp, top_p, seed, *
 @model_options
 @sampling_options
 @click.option("--system-prompt", help="System message for the chat template.")
-def chat(system_prompt, max_tokens, temp, top_p, seed, **opts):
+@save_profile_option
+def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
     """Chat with the model. The KV cache carries over between turns; after each reply a
     line gives tokens/s, the expert hit rate and MB read. Type /reset to start over,
     /stats for the cache's stats, /quit (or Ctrl-D) to leave."""
@@ -117,38 +145,44 @@ def chat(system_prompt, max_tokens, temp, top_p, seed, **opts):
     sampler = _sampler(temp, top_p, seed)
     prompt_cache = make_prompt_cache(model)
     first = True
-    click.echo(f"mlxmoe chat: {opts['model_path']} with {cache.capacity} experts cached. /quit to leave.", err=True)
-    while True:
-        try:
-            query = input(">> ")
-        except (EOFError, KeyboardInterrupt):
+    profile = f", profile {cache.profile.workload!r}" if opts["profile_path"] else ""
+    click.echo(f"mlxmoe chat: {opts['model_path']} with {cache.capacity} experts cached{profile}. /quit to leave.",
+               err=True)
+    try:
+        while True:
+            try:
+                query = input(">> ")
+            except (EOFError, KeyboardInterrupt):
+                click.echo()
+                break
+            if query.strip() in ("/quit", "/exit", "q"):
+                break
+            if query.strip() == "/reset":
+                prompt_cache, first = make_prompt_cache(model), True
+                continue
+            if query.strip() == "/stats":
+                click.echo(json.dumps(cache.stats(), indent=1))
+                continue
+            messages = [{"role": "system", "content": system_prompt}] if system_prompt and first else []
+            messages.append({"role": "user", "content": query})
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            before = cache.stats()
+            response = None
+            try:
+                for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
+                                                prompt_cache=prompt_cache):
+                    click.echo(response.text, nl=False)
+            except KeyboardInterrupt:
+                click.echo("\n[interrupted]")
+                prompt_cache, first = make_prompt_cache(model), True
+                continue
+            first = False
             click.echo()
-            break
-        if query.strip() in ("/quit", "/exit", "q"):
-            break
-        if query.strip() == "/reset":
-            prompt_cache, first = make_prompt_cache(model), True
-            continue
-        if query.strip() == "/stats":
-            click.echo(json.dumps(cache.stats(), indent=1))
-            continue
-        messages = [{"role": "system", "content": system_prompt}] if system_prompt and first else []
-        messages.append({"role": "user", "content": query})
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        before = cache.stats()
-        response = None
-        try:
-            for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
-                                            prompt_cache=prompt_cache):
-                click.echo(response.text, nl=False)
-        except KeyboardInterrupt:
-            click.echo("\n[interrupted]")
-            prompt_cache, first = make_prompt_cache(model), True
-            continue
-        first = False
-        click.echo()
-        if response is not None:
-            click.echo(summary(cache.stats(), before, response.generation_tokens, response.generation_tps), err=True)
+            if response is not None:
+                click.echo(summary(cache.stats(), before, response.generation_tokens, response.generation_tps),
+                           err=True)
+    finally:
+        _finish(model, save_profile)
 
 
 @main.command()
@@ -198,6 +232,199 @@ def info(model_path, memory_budget, backend, as_json):
         b = out["budget"]
         click.echo(f"  {memory_budget} buys {b['cache_experts']} experts ({format_size(b['cache_bytes'])}), "
                    f"{100 * b['share_of_experts']:.1f}% of all experts")
+
+
+def _record(opts, prompts_file, chats, chat_template, max_tokens, what):
+    """Load the model and feed it the prompts with a progress bar; Ctrl-C stops early
+    and keeps what was recorded. Returns (model, interrupted)."""
+    from .api import read_prompts, run_prompts
+
+    model, tokenizer = _load(opts)
+    prompts = read_prompts(chats or prompts_file, tokenizer, chats=bool(chats), chat_template=chat_template)
+    interrupted = False
+    with click.progressbar(length=len(prompts), label=f"{what} {len(prompts)} prompts", file=sys.stderr) as bar:
+        try:
+            run_prompts(model, tokenizer, prompts, max_tokens, on_prompt=lambda i, text: bar.update(1))
+        except KeyboardInterrupt:
+            interrupted = True
+    if interrupted:
+        click.echo("interrupted: keeping what was recorded so far", err=True)
+    return model, interrupted
+
+
+def prompt_source(f):
+    options = [
+        click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False),
+                     help="Text file, one prompt per line."),
+        click.option("--chats", type=click.Path(exists=True, dir_okay=False),
+                     help="JSONL, one conversation per line ({\"messages\": [{\"role\", \"content\"}, ...]})."),
+        click.option("--chat-template/--no-chat-template", default=False,
+                     help="Wrap each line of --prompts in the chat template."),
+        click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens generated per prompt."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+@main.group()
+def profile():
+    """Record, inspect, merge and compare activation profiles (which experts a workload uses)."""
+
+
+@profile.command("record")
+@model_options
+@prompt_source
+@click.option("--workload", "-w", required=True, help='Name of the workload, e.g. "Italian chat".')
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
+@click.option("--half-life", type=float, default=None, help="Decay half-life in tokens (default 4096).")
+def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out, half_life, **opts):
+    """Run a workload's prompts through the model and save which experts it used, with
+    a predicted hit-rate-vs-cache-size curve. Ctrl-C saves what was recorded so far."""
+    import tempfile
+
+    from .profile import predicted_curve
+    from .trace import read_trace
+
+    if not (prompts_file or chats):
+        raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
+    keep_trace = opts["trace_out"]
+    with tempfile.TemporaryDirectory() as tmp:
+        opts["trace_out"] = keep_trace or os.path.join(tmp, "record.trace.jsonl")
+        model, interrupted = _record(opts, prompts_file, chats, chat_template, max_tokens, "recording")
+        cache = model.expert_cache
+        cache.close()
+        live = cache.profile
+        if half_life:
+            live.half_life = half_life
+        live.workload = workload
+        if live.tokens_total:
+            live.curve = predicted_curve(*read_trace(opts["trace_out"]))
+        live.save(out)
+    click.echo(f"saved {out}: {live.tokens_total} tokens of {workload!r}" + (" (interrupted)" if interrupted else ""),
+               err=True)
+
+
+@profile.command("show")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--top", type=int, default=5, show_default=True, help="Hot experts listed per layer.")
+@click.option("--png", type=click.Path(dir_okay=False), help="Write a layers x experts heatmap PNG.")
+@click.option("--budget", help="Also show what this memory budget buys (e.g. 16GB).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def profile_show(file, top, png, budget, as_json):
+    """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
+    from .budget import format_size, parse_size
+    from .profile import ActivationProfile, write_heatmap_png
+
+    p = ActivationProfile.load(file)
+    share = p.hot_share(0.25)
+    layers = [{"layer": l, "hot25_share": round(float(share[l]), 3),
+               "hot": [[e, round(r, 4)] for _, e, r in p.top(top, layer=l)]} for l in range(p.num_layers)]
+    out = {"workload": p.workload, "model": p.model, "tokens": p.tokens_total, "half_life": p.half_life,
+           "layers": layers, "hot25_share_mean": round(float(share.mean()), 3), "curve": p.curve}
+    if png:
+        write_heatmap_png(png, p.counts)
+    if budget and p.expert_bytes:
+        free = parse_size(budget, "budget") - (p.resident_bytes or 0)
+        out["budget"] = {"budget": budget, "cache_experts": max(0, free // p.expert_bytes)}
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    click.echo(f"{p.workload!r} on {p.model}: {p.tokens_total} tokens, half-life {p.half_life} tokens")
+    click.echo(f"hottest 25% of experts carry {100 * share.mean():.1f}% of activations (mean over layers)")
+    for row in layers:
+        hot = ", ".join(f"{e}:{r:.2f}" for e, r in row["hot"])
+        click.echo(f"  layer {row['layer']:3d}  hot25 {100 * row['hot25_share']:5.1f}%  hottest (expert:rate) {hot}")
+    if p.curve:
+        names = list(p.curve)
+        click.echo("predicted hit rate by cache size:")
+        click.echo("  experts" + ("     memory" if p.expert_bytes else "") + "".join(f"{n:>12}" for n in names))
+        for i, (c, _) in enumerate(p.curve[names[0]]):
+            mem = f"{format_size(c * p.expert_bytes):>11}" if p.expert_bytes else ""
+            click.echo(f"  {c:7d}{mem}" + "".join(f"{100 * p.curve[n][i][1]:11.1f}%" for n in names))
+    if "budget" in out:
+        c = out["budget"]["cache_experts"]
+        click.echo(f"{budget} holds {c} experts beside {format_size(p.resident_bytes or 0)} of resident weights")
+    if png:
+        click.echo(f"heatmap: {png}")
+
+
+@profile.command("merge")
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False))
+@click.option("--weights", help="Comma-separated weight per profile (default: equal).")
+@click.option("--workload", "-w", help="Name of the merged workload.")
+def profile_merge(files, out, weights, workload):
+    """Merge profiles (weighted) into one."""
+    from .profile import ActivationProfile
+
+    try:
+        w = [float(x) for x in weights.split(",")] if weights else None
+    except ValueError:
+        raise MlxmoeError(f"--weights {weights!r}: give numbers separated by commas") from None
+    merged = ActivationProfile.merge([ActivationProfile.load(f) for f in files], w, workload)
+    merged.save(out)
+    click.echo(f"saved {out}: {merged.workload!r}", err=True)
+
+
+@profile.command("diff")
+@click.argument("a", type=click.Path(dir_okay=False))
+@click.argument("b", type=click.Path(dir_okay=False))
+@click.option("--top", type=int, default=5, show_default=True, help="Experts listed per layer.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def profile_diff(a, b, top, as_json):
+    """Which experts two workloads disagree on, per layer (with the Jensen-Shannon
+    divergence of their usage, in bits: 0 same, 1 disjoint)."""
+    from .profile import ActivationProfile
+
+    pa, pb = ActivationProfile.load(a), ActivationProfile.load(b)
+    rows = pa.diff(pb, top)
+    if as_json:
+        click.echo(json.dumps({"a": pa.workload, "b": pb.workload, "layers": rows}, indent=1))
+        return
+    click.echo(f"{pa.workload!r} vs {pb.workload!r} (rates per token)")
+    for row in rows:
+        experts = ", ".join(f"{e}: {x:.2f} vs {y:.2f}" for e, x, y in row["experts"])
+        click.echo(f"  layer {row['layer']:3d}  JS {row['js_divergence']:.3f}  {experts}")
+
+
+@main.group()
+def trace():
+    """Record routing traces and replay them through the cache policies."""
+
+
+@trace.command("record")
+@model_options
+@prompt_source
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Trace file (JSONL).")
+def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
+    """Run prompts through the model and write the routing of every token and layer."""
+    if not (prompts_file or chats):
+        raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
+    opts["trace_out"] = out
+    model, _ = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
+    model.expert_cache.close()
+    click.echo(f"saved {out}", err=True)
+
+
+@trace.command("replay")
+@click.argument("trace_file", type=click.Path(dir_okay=False))
+@click.option("--policy", default="all", show_default=True, type=click.Choice(ONLINE + ["belady", "all"]))
+@click.option("--cache-experts", type=int, required=True, help="Cache size in experts (all layers).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per policy.")
+def trace_replay(trace_file, policy, cache_experts, as_json):
+    """Hit rate of a policy (or all) at a cache size on a recorded trace, beside Belady's
+    optimum for the same size."""
+    from .trace import policy_names, read_trace, replay_all
+
+    header, records = read_trace(trace_file)
+    results = replay_all(header, records, policy_names(policy), cache_experts)
+    for r in results:
+        if as_json:
+            click.echo(json.dumps(r))
+        else:
+            click.echo(f"{r['policy']:>10}: hit rate {100 * r['hit_rate']:.2f}% ({r['hits']}/{r['accesses']}), "
+                       f"belady {100 * r['belady_hit_rate']:.2f}%")
 
 
 def run():

@@ -17,7 +17,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config, load_model
 
 from .errors import MlxmoeError
-from .experts import StreamingExperts
+from .experts import StreamingExperts, router_probs
 from .store import PER_EXPERT, ExpertStore
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
@@ -152,7 +152,10 @@ def open_checkpoint(path_or_repo):
                 for p in PARAMS:
                     if isinstance(module[lin].get(p), mx.array):
                         module[lin][p] = mx.zeros((0,))
-        streaming = StreamingExperts(module, layer)
+        parent = model
+        for part in mpath.split(".")[:-1]:
+            parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+        streaming = StreamingExperts(module, layer, router_probs(parent))
         ckpt.experts.append(streaming)
         swaps.append((mpath, streaming))
     model.update_modules(tree_unflatten(swaps))

@@ -1,22 +1,70 @@
 """Victim choice for the expert cache. One implementation per policy, used both by the
 runtime cache (cache.py) and by the trace replay simulator (trace.py).
 
-A policy sees every access as `access(key, hit, score)` where key is (layer, expert)
-and score is the router probability when known, then `insert(key)` for a key that
-became resident, `remove(key)` for one that left, and answers `victim(protected)` with
-the resident key to evict, never one in `protected` (the experts the current layer
-needs right now).
+Keys are (layer, expert). The cache tells a policy:
+- `tick(tokens)` when new tokens start (the first MoE layer of a forward pass),
+- `visit(layer, experts, scores, probs)` once per layer call, before its accesses:
+  the distinct experts it uses, their router probabilities (`scores`, or None) and,
+  when known, the router's probabilities over all experts of the layer (`probs`;
+  the runtime computes them only for policies with `wants_router = True`),
+- `access(key, hit, score)` for every expert the layer uses,
+- `insert(key)` when a key became resident, `remove(key)` when it left,
+and asks `victim(protected)` for the resident key to evict, never one in `protected`
+(the experts the current layer needs now).
 """
 
+import heapq
+import math
 from collections import OrderedDict
 
+import numpy as np
 
-class LRU:
+from .errors import MlxmoeError
+
+DEFAULT_HALF_LIFE = 256  # tokens
+
+
+class Policy:
+    """`prior`, where a policy takes one, is a profile's per-token use rate of each
+    expert, an array [layers, experts] (see profile.py)."""
+
+    name = ""
+    wants_router = False
+    offline = False
+
+    def __init__(self, capacity, num_layers, num_experts, prior=None, **_):
+        self.capacity, self.num_layers, self.num_experts = capacity, num_layers, num_experts
+
+    def tick(self, tokens=1):
+        pass
+
+    def visit(self, layer, experts, scores=None, probs=None):
+        pass
+
+    def access(self, key, hit, score=None):
+        pass
+
+    def insert(self, key):
+        raise NotImplementedError
+
+    def remove(self, key):
+        raise NotImplementedError
+
+    def victim(self, protected):
+        raise NotImplementedError
+
+
+def _none_left():
+    return MlxmoeError("every resident expert is needed by the current layer; the cache is below its minimum")
+
+
+class LRU(Policy):
     """Least recently used, over all resident experts of all layers."""
 
     name = "lru"
 
-    def __init__(self, capacity, num_layers, num_experts, **_):
+    def __init__(self, capacity, num_layers, num_experts, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
         self.order = OrderedDict()  # least recent first
 
     def access(self, key, hit, score=None):
@@ -33,16 +81,372 @@ class LRU:
         for key in self.order:
             if key not in protected:
                 return key
-        raise RuntimeError("every resident expert is protected; the cache is below its minimum")
+        raise _none_left()
 
 
-POLICIES = {p.name: p for p in (LRU,)}
-DEFAULT_POLICY = "lru"
+class DecayedCounts:
+    """Access counts that halve every `half_life` tokens, kept for every key ever seen.
+
+    Instead of decaying every count each token, the increment grows by 2**(1/half_life)
+    per token: order between keys is the same and nothing needs touching but the key
+    accessed. `value(key)` gives the decayed count.
+    """
+
+    def __init__(self, half_life=DEFAULT_HALF_LIFE, initial=None):
+        self.growth = 2.0 ** (1.0 / half_life)
+        self.inc = 1.0
+        self.count = dict(initial or {})
+
+    def tick(self, tokens=1):
+        self.inc *= self.growth ** tokens
+        if self.inc > 1e150:  # renormalise long before float overflow
+            self.count = {k: v / self.inc for k, v in self.count.items()}
+            self.inc = 1.0
+            return True
+        return False
+
+    def add(self, key, amount=1.0):
+        self.count[key] = self.count.get(key, 0.0) + amount * self.inc
+        return self.count[key]
+
+    def value(self, key):
+        return self.count.get(key, 0.0) / self.inc
+
+
+def prior_counts(prior, half_life):
+    """Decayed counts as if the profile's per-token rates `prior` [L, E] had been seen
+    for a long time: rate / (1 - decay per token)."""
+    if prior is None:
+        return {}
+    prior = np.asarray(prior, dtype=np.float64) / (1 - 2.0 ** (-1.0 / half_life))
+    return {(int(l), int(e)): prior[l, e] for l, e in zip(*np.nonzero(prior))}
+
+
+class LFU(Policy):
+    """Least frequently used by decayed counts (history kept for evicted keys too);
+    ties go to the least recently inserted."""
+
+    name = "lfu"
+
+    def __init__(self, capacity, num_layers, num_experts, half_life=DEFAULT_HALF_LIFE, prior=None, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        self.counts = DecayedCounts(half_life, prior_counts(prior, half_life))
+        self.heap = []  # (inflated count, seq, key), stale entries skipped lazily
+        self.resident = set()
+        self.seq = 0
+
+    def _push(self, key):
+        self.seq += 1
+        heapq.heappush(self.heap, (self.counts.count.get(key, 0.0), self.seq, key))
+
+    def tick(self, tokens=1):
+        if self.counts.tick(tokens):
+            self.heap = []
+            for key in self.resident:
+                self._push(key)
+
+    def access(self, key, hit, score=None):
+        self.counts.add(key)
+        if hit:
+            self._push(key)
+
+    def insert(self, key):
+        self.resident.add(key)
+        self._push(key)
+
+    def remove(self, key):
+        self.resident.discard(key)
+
+    def victim(self, protected):
+        skipped, found = [], None
+        while self.heap:
+            entry = heapq.heappop(self.heap)
+            count, _, key = entry
+            if key not in self.resident or count != self.counts.count.get(key, 0.0):
+                continue  # stale
+            if key in protected:
+                skipped.append(entry)
+                continue
+            found = key
+            break
+        for entry in skipped:
+            heapq.heappush(self.heap, entry)
+        if found is None:
+            raise _none_left()
+        return found
+
+
+class SLRU(Policy):
+    """Segmented LRU: new keys enter a probationary segment, a hit promotes to the
+    protected segment (80 % of the cache), whose overflow is demoted back. The victim is
+    the least frequently used (decayed counts) of the `window` least recent probationary
+    keys. Pinned keys (a profile's hottest) enter the protected segment and stay there."""
+
+    name = "slru"
+
+    def __init__(self, capacity, num_layers, num_experts, protected_share=0.8, window=4,
+                 half_life=DEFAULT_HALF_LIFE, prior=None, pinned=(), **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        self.probation, self.protected = OrderedDict(), OrderedDict()
+        self.protected_capacity = max(1, int(capacity * protected_share))
+        self.window = window
+        self.counts = DecayedCounts(half_life, prior_counts(prior, half_life))
+        self.pinned = set(pinned)
+
+    def tick(self, tokens=1):
+        self.counts.tick(tokens)
+
+    def access(self, key, hit, score=None):
+        self.counts.add(key)
+        if not hit:
+            return
+        if key in self.protected:
+            self.protected.move_to_end(key)
+            return
+        del self.probation[key]
+        self.protected[key] = None
+        if len(self.protected) > self.protected_capacity:
+            for old in self.protected:
+                if old not in self.pinned:
+                    del self.protected[old]
+                    self.probation[old] = None
+                    break
+
+    def insert(self, key):
+        (self.protected if key in self.pinned else self.probation)[key] = None
+
+    def remove(self, key):
+        self.probation.pop(key, None) or self.protected.pop(key, None)
+
+    def victim(self, protected):
+        candidates = []
+        for key in self.probation:
+            if key not in protected:
+                candidates.append(key)
+                if len(candidates) == self.window:
+                    break
+        if candidates:
+            return min(candidates, key=self.counts.value)  # min keeps the least recent on ties
+        for segment_keys in ([k for k in self.protected if k not in self.pinned], list(self.protected)):
+            for key in segment_keys:
+                if key not in protected:
+                    return key
+        raise _none_left()
+
+
+class S3FIFO(Policy):
+    """S3-FIFO (Yang et al., SOSP 2023), the general-purpose yardstick: a small FIFO (10 %)
+    filters one-hit keys, a main FIFO with reinsertion keeps the rest, and a ghost FIFO
+    of recently evicted keys sends returning keys straight to main."""
+
+    name = "s3fifo"
+
+    def __init__(self, capacity, num_layers, num_experts, small_share=0.1, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        self.small, self.main, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
+        self.small_capacity = max(1, int(capacity * small_share))
+        self.ghost_capacity = capacity
+        self.freq = {}
+
+    def access(self, key, hit, score=None):
+        if hit:
+            self.freq[key] = min(self.freq.get(key, 0) + 1, 3)
+
+    def insert(self, key):
+        self.freq[key] = 0
+        if key in self.ghost:
+            del self.ghost[key]
+            self.main[key] = None
+        else:
+            self.small[key] = None
+
+    def remove(self, key):
+        if self.small.pop(key, 1) is None:  # leaving the small queue: remember it
+            self.ghost[key] = None
+            if len(self.ghost) > self.ghost_capacity:
+                self.ghost.popitem(last=False)
+        else:
+            self.main.pop(key, None)
+        self.freq.pop(key, None)
+
+    def victim(self, protected):
+        # Each key is moved at most a few times, so this loop ends.
+        for _ in range(4 * (len(self.small) + len(self.main)) + 4):
+            from_small = len(self.small) >= self.small_capacity or not self.main
+            queue = self.small if from_small else self.main
+            key = next((k for k in queue if k not in protected), None)
+            if key is None:
+                if from_small and self.main:
+                    queue = self.main
+                    key = next((k for k in queue if k not in protected), None)
+                if key is None:
+                    raise _none_left()
+                from_small = False
+            if from_small:
+                del self.small[key]
+                if self.freq.get(key, 0) > 0:
+                    self.main[key] = None  # accessed while in small: promote
+                    self.freq[key] = 0
+                    continue
+                self.small[key] = None  # back where remove() expects it
+                return key
+            if self.freq.get(key, 0) > 0:
+                self.freq[key] -= 1
+                self.main.move_to_end(key)
+                continue
+            return key
+        raise _none_left()
+
+
+class Belady(Policy):
+    """Belady's MIN: evict the key whose next use is farthest. Offline: it needs the
+    whole future access sequence (`future`, keys in the order the cache sees them), so
+    it exists for trace replay only, as the ceiling."""
+
+    name = "belady"
+    offline = True
+
+    def __init__(self, capacity, num_layers, num_experts, future=None, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        if future is None:
+            raise MlxmoeError("belady needs the future accesses: it is for `mlxmoe trace replay` only")
+        self.next_use = [math.inf] * len(future)
+        last = {}
+        for i in range(len(future) - 1, -1, -1):
+            self.next_use[i] = last.get(future[i], math.inf)
+            last[future[i]] = i
+        self.future = future
+        self.pos = 0
+        self.next_of = {}
+        self.resident = set()
+        self.heap = []  # (-next use, key)
+
+    def access(self, key, hit, score=None):
+        if self.future[self.pos] != key:
+            raise MlxmoeError(f"belady was given a different access sequence (at {self.pos}: {key})")
+        self.next_of[key] = self.next_use[self.pos]
+        self.pos += 1
+        if hit:
+            heapq.heappush(self.heap, (-self.next_of[key], key))
+
+    def insert(self, key):
+        self.resident.add(key)
+        heapq.heappush(self.heap, (-self.next_of[key], key))
+
+    def remove(self, key):
+        self.resident.discard(key)
+
+    def victim(self, protected):
+        skipped, found = [], None
+        while self.heap:
+            entry = heapq.heappop(self.heap)
+            key = entry[1]
+            if key not in self.resident or -entry[0] != self.next_of[key]:
+                continue
+            if key in protected:
+                skipped.append(entry)
+                continue
+            found = key
+            break
+        for entry in skipped:
+            heapq.heappush(self.heap, entry)
+        if found is None:
+            raise _none_left()
+        return found
+
+
+class Activation(Policy):
+    """The default: keep the experts most likely to be used soon, judged from what the
+    workload has shown.
+
+    Per (layer, expert) it keeps a live decayed frequency F (half-life `half_life`
+    tokens, seeded from the profile prior), a short recency term R (half-life
+    `recency_half_life`), the decayed router probability mass M (near misses count a
+    little when the router's full distribution is known) and the prior rate P0. Their
+    mix is p, the chance the expert is used at its layer's next visit. Since layers run
+    in order once per token, an expert of a layer `d` layer-steps away is next needed,
+    on average, after d + L(1/p - 1) steps; the victim is the expert whose next use is
+    farthest (Belady's rule on expected times). So slots go to the layers whose routing
+    spreads wider, not evenly, and right after a layer runs its cold experts go first.
+    The prior's hottest experts are pinned, at most `pin_share` of the cache.
+    """
+
+    name = "activation"
+    wants_router = True
+
+    def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=48, recency_half_life=0.5,
+                 recency_weight=0.15, router_weight=1.0, prior_weight=0.1, pin_share=0.25, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        L, E = num_layers, num_experts
+        self.slow = 2.0 ** (-1.0 / half_life)
+        self.fast = 2.0 ** (-1.0 / recency_half_life)
+        self.recency_weight, self.router_weight, self.prior_weight = recency_weight, router_weight, prior_weight
+        self.prior = np.zeros((L, E)) if prior is None else np.asarray(prior, dtype=np.float64)
+        self.F = self.prior.copy()
+        self.R = np.zeros((L, E))
+        self.M = np.zeros((L, E))
+        self.p = self._mix(slice(None))
+        self.resident = [set() for _ in range(L)]
+        self.order = [[] for _ in range(L)]  # resident experts of each layer, least likely first
+        self.current = 0
+        self.pinned = set()
+        if prior is not None and pin_share > 0:
+            n = int(capacity * pin_share)
+            hottest = np.argsort(-self.prior, axis=None, kind="stable")[:n]
+            self.pinned = {(int(i // E), int(i % E)) for i in hottest if self.prior.flat[i] > 0}
+
+    def _mix(self, layer):
+        return ((1 - self.recency_weight) * self.F[layer] + self.recency_weight * self.R[layer]
+                + self.router_weight * self.M[layer] + self.prior_weight * self.prior[layer])
+
+    def visit(self, layer, experts, scores=None, probs=None):
+        used = np.zeros(self.num_experts)
+        used[experts] = 1.0
+        self.F[layer] = self.slow * self.F[layer] + (1 - self.slow) * used
+        self.R[layer] = self.fast * self.R[layer] + (1 - self.fast) * used
+        if probs is None and scores is not None:
+            probs = np.zeros(self.num_experts)
+            probs[experts] = scores
+        if probs is not None:
+            self.M[layer] = self.slow * self.M[layer] + (1 - self.slow) * np.asarray(probs, dtype=np.float64)
+        self.p[layer] = self._mix(layer)
+        self.current = layer
+        p = self.p[layer]
+        self.order[layer] = sorted(self.resident[layer], key=lambda e: p[e])
+
+    def insert(self, key):
+        self.resident[key[0]].add(key[1])
+        self.order[key[0]].append(key[1])  # just used: sorted in place at the layer's next visit
+
+    def remove(self, key):
+        self.resident[key[0]].discard(key[1])
+        if key[1] in self.order[key[0]]:
+            self.order[key[0]].remove(key[1])
+
+    def victim(self, protected):
+        L = self.num_layers
+        for skip_pinned in (True, False):
+            best, found = -1.0, None
+            for layer in range(L):
+                for e in self.order[layer]:
+                    key = (layer, e)
+                    if key in protected or (skip_pinned and key in self.pinned):
+                        continue
+                    steps = ((layer - self.current) % L or L) + L * (1.0 / max(self.p[key], 1e-9) - 1.0)
+                    if steps > best:
+                        best, found = steps, key
+                    break  # the least likely of this layer is its only candidate
+            if found is not None:
+                return found
+        raise _none_left()
+
+
+POLICIES = {p.name: p for p in (LRU, LFU, SLRU, S3FIFO, Activation, Belady)}
+DEFAULT_POLICY = "activation"
+ONLINE = [name for name, p in POLICIES.items() if not p.offline]
 
 
 def make_policy(name, capacity, num_layers, num_experts, **kwargs):
-    from .errors import MlxmoeError
-
     name = name or DEFAULT_POLICY
     if name not in POLICIES:
         raise MlxmoeError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -122,11 +122,6 @@ class ExpertStore:
         self.tensor_shapes = []  # per-expert shape of each
         self.ranges = []  # [layer][expert] -> [Range per tensor]
         self._fds = {}
-        self.bytes_read = 0
-
-    def expert_tensor_names(self):
-        """File tensor names that hold expert weights (per-expert layout names or mapped stacks)."""
-        return self._mapped_names
 
     def map_layers(self, layers):
         """Record the byte ranges of every expert.
@@ -134,7 +129,6 @@ class ExpertStore:
         `layers[l]` is {tensor: [(file tensor name, expert row or None)] * num_experts}:
         a row index into a stacked [E, ...] tensor, or None for a per-expert tensor.
         """
-        self._mapped_names = set()
         self.tensors = list(layers[0])
         for l, layer in enumerate(layers):
             if list(layer) != self.tensors:
@@ -145,7 +139,6 @@ class ExpertStore:
                 for t, sources in layer.items():
                     name, k = sources[e]
                     info = self.index[name]
-                    self._mapped_names.add(name)
                     if k is None:
                         shape, start, nbytes = info.shape, info.offset, info.nbytes
                     else:
@@ -163,6 +156,9 @@ class ExpertStore:
                     row.append(Range(info.file, start, nbytes))
                 experts.append(row)
             self.ranges.append(experts)
+        # Open every shard now: IO threads then only read a dict.
+        for f in {r.file for experts in self.ranges for row in experts for r in row}:
+            self._fd(f)
 
     @property
     def num_layers(self):
@@ -198,7 +194,6 @@ class ExpertStore:
             if not direct:
                 out[...] = to_float32(buf, dtype) if out.dtype == np.float32 else buf.astype(out.dtype)
             total += r.nbytes
-        self.bytes_read += total
         return total
 
     def _pread(self, r, mem):
