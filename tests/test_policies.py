@@ -1,0 +1,167 @@
+"""Exact eviction order of each policy on small hand-made sequences, Belady on a sequence
+with a known optimum, and the replay simulator's output."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mlxmoe.cache import Residency
+from mlxmoe.errors import MlxmoeError
+from mlxmoe.policies import make_policy
+from mlxmoe.profile import lru_curve
+from mlxmoe.trace import read_trace, replay, replay_all, steps
+
+
+def run(policy, capacity, sequence, layers=1, experts=16, **kw):
+    """sequence: steps of (layer, [experts]); a new token starts at each layer-0 step.
+    Returns the evicted keys in order and the Residency."""
+    flat = [(l, e) for l, es in sequence for e in es]
+    if policy == "belady":
+        kw["future"] = flat
+    r = Residency(capacity, make_policy(policy, capacity, layers, experts, **kw))
+    evicted = []
+    r.evicted = evicted.append
+    for layer, es in sequence:
+        if layer == 0:
+            r.policy.tick(1)
+        r.access(layer, es)
+    return evicted, r
+
+
+def single(*experts):
+    return [(0, [e]) for e in experts]
+
+
+def test_lru_order():
+    evicted, r = run("lru", 2, single(1, 2, 1, 3, 2, 4))
+    assert evicted == [(0, 2), (0, 1), (0, 3)]
+    assert r.hits == 1
+
+
+def test_lfu_keeps_frequent_and_forgets_with_decay():
+    evicted, _ = run("lfu", 2, single(1, 1, 2, 3))
+    assert evicted == [(0, 2)]  # 1 was used twice
+    # with a half-life of one token, 1's two old uses are worth less than 2's recent one
+    evicted, _ = run("lfu", 2, single(1, 1, 2, 2, 2, 3), half_life=0.5)
+    assert evicted == [(0, 1)]
+    # ties go to the least recently inserted
+    evicted, _ = run("lfu", 2, single(1, 2, 3))
+    assert evicted == [(0, 1)]
+
+
+def test_slru_segments_and_frequency_aware_victim():
+    # 4 slots, protected segment of 2, victim among the 2 least recent probationary keys
+    seq = single(1, 2, 3, 4, 1, 2, 3, 5)
+    evicted, r = run("slru", 4, seq, protected_share=0.5, window=2)
+    # hits on 1, 2, 3 promote them; 3's promotion demotes 1 (least recent protected) to
+    # probation, which is then [4, 1]; 1 has 2 uses, 4 one: 4 goes
+    assert evicted == [(0, 4)]
+    assert list(r.policy.protected) == [(0, 2), (0, 3)]
+    assert list(r.policy.probation) == [(0, 1), (0, 5)]
+
+
+def test_slru_pinned_keys_stay():
+    seq = single(9, 1, 2, 3, 4)
+    evicted, r = run("slru", 2, seq, pinned={(0, 9)})
+    assert (0, 9) not in evicted and (0, 9) in r.slot_of
+    assert evicted == [(0, 1), (0, 2), (0, 3)]
+
+
+def test_s3fifo_filters_one_hit_wonders():
+    # 10 slots: small FIFO of 1. A key seen once leaves through small (into the ghost);
+    # when it comes back it goes to main.
+    seq = single(1, 2, 3)
+    evicted, r = run("s3fifo", 2, seq)
+    assert evicted == [(0, 1)]
+    assert (0, 1) in r.policy.ghost
+    # until the cache is full everything waits in small; then the head of small is
+    # promoted to main if it was hit there (1), evicted to the ghost if not (2)
+    evicted, r = run("s3fifo", 10, single(*range(1, 11), 1, 11, 12))
+    assert evicted == [(0, 2), (0, 3)]
+    assert (0, 1) in r.policy.main and (0, 2) in r.policy.ghost
+    # a key that comes back from the ghost goes straight to main
+    evicted, r = run("s3fifo", 10, single(*range(1, 11), 11, 1, 12))
+    assert evicted[0] == (0, 1) and (0, 1) in r.policy.main
+
+
+def test_belady_known_optimum():
+    # capacity 2 on a loop of 3: LRU never hits, the optimum hits 2 of 6
+    seq = single(1, 2, 3, 1, 2, 3)
+    _, lru = run("lru", 2, seq)
+    evicted, opt = run("belady", 2, seq)
+    assert lru.hits == 0
+    assert opt.hits == 2
+    assert evicted == [(0, 2), (0, 1)]  # evict the key used farthest in the future (or never)
+
+
+def test_belady_is_offline_only():
+    with pytest.raises(MlxmoeError, match="trace replay"):
+        make_policy("belady", 4, 1, 16)
+
+
+def test_activation_prefers_frequent_and_pins_prior():
+    evicted, _ = run("activation", 2, single(1, 1, 1, 2, 3))
+    assert evicted == [(0, 2)]
+    # a prior that makes expert 7 the hottest pins it: it survives a run of other experts
+    prior = np.zeros((1, 16))
+    prior[0, 7] = 0.9
+    evicted, r = run("activation", 2, single(7, 1, 2, 3, 4), prior=prior, pin_share=0.5)
+    assert (0, 7) not in evicted and (0, 7) in r.slot_of
+
+
+def test_activation_evicts_from_the_layer_just_run_on_ties():
+    # two layers, equal histories: after layer 0 runs, its experts are next needed a
+    # whole token later, layer 1's in one step; the victim comes from layer 0
+    seq = [(0, [1]), (1, [1]), (0, [2])]
+    evicted, _ = run("activation", 2, seq, layers=2)
+    assert evicted == [(0, 1)]
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "slru", "s3fifo", "activation"])
+def test_never_evicts_what_the_layer_needs(name):
+    rng = np.random.default_rng(0)
+    seq = [(l, sorted(rng.choice(16, 4, replace=False).tolist())) for _ in range(50) for l in range(3)]
+    evicted, r = run(name, 4, seq, layers=3)
+    assert r.hits + r.misses == 50 * 3 * 4
+    assert len(r.slot_of) == 4 and sorted(r.slot_of.values()) == [0, 1, 2, 3]
+
+
+def write_trace(path, L=3, E=16, tokens=60, seed=0):
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        f.write(json.dumps({"format": "mlxmoe.trace/1", "num_layers": L, "num_experts": E, "top_k": 2,
+                            "model": "test"}) + "\n")
+        for t in range(tokens):
+            for l in range(L):
+                e = rng.choice(E, 2, replace=False, p=np.arange(1, E + 1) / (E * (E + 1) / 2)).tolist()
+                f.write(json.dumps({"s": 0, "t": t, "l": l, "e": e, "p": [0.6, 0.3]}) + "\n")
+    return path
+
+
+def test_replay_output_and_belady_ceiling(tmp_path):
+    header, records = read_trace(write_trace(tmp_path / "t.jsonl"))
+    results = replay_all(header, records, ["lru", "lfu", "slru", "s3fifo", "activation", "belady"], 12)
+    best = results[-1]["hit_rate"]
+    for r in results:
+        assert set(r) == {"policy", "cache_experts", "accesses", "hits", "hit_rate", "belady_hit_rate"}
+        assert r["accesses"] == 60 * 3 * 2 and r["belady_hit_rate"] == best
+        assert r["hit_rate"] <= best
+    # the stack-distance curve is exactly the LRU replay
+    keys = [[(l, x) for x in e] for _, l, e, _ in steps(records)]
+    for size, rate in lru_curve(keys, [2, 5, 12, 30, 48]):
+        assert rate == pytest.approx(replay(header, records, "lru", size)["hit_rate"])
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"s":0,"t":0,"l":9,"e":[1]}', "out of range"),
+    ('{"s":0,"t":0,"e":[1]}', "malformed trace line"),
+    ('not json', "malformed trace line"),
+    ('{"s":0,"t":0,"l":0,"e":[1,2],"p":[0.5]}', "probabilities"),
+])
+def test_bad_trace_lines(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"format":"mlxmoe.trace/1","num_layers":2,"num_experts":4,"top_k":1}\n' + line + "\n")
+    with pytest.raises(MlxmoeError, match=message) as e:
+        read_trace(path)
+    assert "bad.jsonl:2" in str(e.value)

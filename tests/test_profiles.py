@@ -1,0 +1,206 @@
+"""Profiles: round trip, decay, merge, refusal of bad ones, recording (Ctrl-C included),
+pre-warm, and greedy output unchanged by the policy or the profile."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import mlx_lm
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import mlxmoe
+from mlxmoe.backend import detect
+from mlxmoe.cli import main
+from mlxmoe.errors import MlxmoeError
+from mlxmoe.policies import ONLINE
+from mlxmoe.profile import ActivationProfile
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
+
+
+def make_profile(L=3, E=8, seed=0, **kw):
+    p = ActivationProfile(L, E, 2, model="m", model_fingerprint="fp", workload="w", **kw)
+    rng = np.random.default_rng(seed)
+    for _ in range(40):
+        p.tick(1)
+        for l in range(L):
+            e = rng.choice(E, 2, replace=False).tolist()
+            p.observe(l, e, scores=[0.6, 0.3])
+    return p
+
+
+def test_round_trip(tmp_path):
+    p = make_profile()
+    p.curve = {"lru": [[2, 0.1], [4, 0.5]]}
+    p.save(tmp_path / "p.json")
+    q = ActivationProfile.load(tmp_path / "p.json", fingerprint="fp")
+    np.testing.assert_allclose(q.counts, p.counts, atol=1e-4)
+    np.testing.assert_allclose(q.mass, p.mass, atol=1e-4)
+    assert (q.tokens, q.tokens_total, q.workload, q.half_life, q.curve) == \
+           (pytest.approx(p.tokens), 40, "w", p.half_life, p.curve)
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["format"] == "mlxmoe.profile/1"
+    assert {"model", "fingerprint", "num_layers", "num_experts", "top_k", "workload", "tokens", "decay", "counts",
+            "created"} <= set(data)
+    assert os.listdir(tmp_path) == ["p.json"]  # the temp file was renamed, nothing left behind
+
+
+def test_decay_halves_counts_per_half_life():
+    p = ActivationProfile(1, 4, 1, half_life=10)
+    p.tick(1)
+    p.observe(0, [2])
+    before = p.counts[0, 2]
+    p.tick(10)
+    assert p.counts[0, 2] == pytest.approx(before / 2)
+    # rates follow the recent workload: after a long run on expert 1, expert 1 dominates
+    for _ in range(60):
+        p.tick(1)
+        p.observe(0, [1])
+    assert p.rates()[0, 1] > 0.9 and p.rates()[0, 2] < 0.02
+
+
+def test_merge_is_weighted():
+    a = ActivationProfile(1, 4, 1, model_fingerprint="fp", workload="a")
+    b = ActivationProfile(1, 4, 1, model_fingerprint="fp", workload="b")
+    for _ in range(10):
+        a.tick(1), a.observe(0, [0]), b.tick(1), b.observe(0, [3])
+    m = ActivationProfile.merge([a, b], [3, 1])
+    assert m.rates()[0, 0] == pytest.approx(0.75, abs=1e-3) and m.rates()[0, 3] == pytest.approx(0.25, abs=1e-3)
+    assert m.workload == "a + b"
+    other = ActivationProfile(1, 4, 1, model_fingerprint="other")
+    with pytest.raises(MlxmoeError, match="different models"):
+        ActivationProfile.merge([a, other])
+    with pytest.raises(MlxmoeError, match="weights"):
+        ActivationProfile.merge([a, b], [1])
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{not json", "not JSON"),
+    ('{"format": "something/1"}', "not a mlxmoe.profile/1"),
+    ('{"format": "mlxmoe.profile/1", "num_layers": 2, "num_experts": 3, "counts": [[1, 2]], "tokens": 1}',
+     "malformed profile"),
+    ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, -2]], "tokens": 1}',
+     "non-negative"),
+    ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, 2]]}', "malformed"),
+])
+def test_malformed_profiles_are_refused(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(MlxmoeError, match=message) as e:
+        ActivationProfile.load(path)
+    assert str(path) in str(e.value)
+
+
+def test_profile_of_another_model_is_refused(checkpoint, tmp_path):
+    a = checkpoint("qwen3_moe", quant="4bit")
+    b = checkpoint("qwen3_moe")  # same shapes, float32: another fingerprint
+    model, tokenizer = mlxmoe.load(str(a))
+    mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=5)
+    model.expert_cache.profile.save(tmp_path / "a.json")
+    with pytest.raises(MlxmoeError, match="another model"):
+        mlxmoe.load(str(b), profile=str(tmp_path / "a.json"))
+    mlxmoe.load(str(b), profile=str(tmp_path / "a.json"), force_profile=True)  # shapes agree
+    c = checkpoint("deepseek_v3", quant="4bit")  # 2 MoE layers x 16 experts: --force cannot help
+    with pytest.raises(MlxmoeError, match="layers"):
+        mlxmoe.load(str(c), profile=str(tmp_path / "a.json"), force_profile=True)
+    r = CliRunner().invoke(main, ["generate", "--model", str(b), "--prompt", "hi", "--profile",
+                                  str(tmp_path / "a.json")])
+    assert r.exit_code != 0 and "another model" in str(r.exception)
+
+
+def reference(path, tokens=24):
+    model, tokenizer = mlx_lm.load(str(path))
+    detect().apply_dtype_policy(model)
+    return [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=tokens)]
+
+
+@pytest.mark.parametrize("policy", ONLINE)
+def test_greedy_output_unchanged_by_policy_and_profile(checkpoint, tmp_path, policy):
+    path = checkpoint("deepseek_v3", quant="4bit")
+    want = reference(path)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=6, policy=policy)
+    assert [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=24)] == want
+    model.expert_cache.profile.save(tmp_path / "p.json")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=6, policy=policy, profile=str(tmp_path / "p.json"))
+    assert [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=24)] == want
+
+
+def test_prewarm_loads_hottest_without_double_reads(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=12)
+    mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=20)
+    live = model.expert_cache.profile
+    live.save(tmp_path / "p.json")
+    hottest = live.priority()[:12]
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=12, profile=str(tmp_path / "p.json"))
+    cache = model.expert_cache
+    mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=20)  # starts while pre-warm may still run
+    assert cache.prewarm_done(timeout=30)
+    s = cache.stats()
+    assert s["loads_prefetched"] == len(hottest)
+    assert 0 < s["prefetch_useful"] <= s["loads_prefetched"]
+    assert s["bytes_read"] == (s["loads_demand"] + s["loads_prefetched"]) * cache.store.expert_file_bytes()
+    cold, tok2 = mlxmoe.load(str(path), cache_experts=12)
+    mlxmoe.generate(cold, tok2, PROMPT, max_tokens=20)
+    assert s["loads_demand"] < cold.expert_cache.stats()["loads_demand"]  # the profile saved reads
+
+
+def test_record_show_diff_merge_cli(checkpoint, tmp_path):
+    path = checkpoint("olmoe", quant="4bit")
+    it, en = tmp_path / "it.txt", tmp_path / "en.txt"
+    it.write_text("Il gatto dorme sul divano\nLa casa è grande e bella\n")
+    en.write_text("The cat sleeps on the sofa\nThe house is big and nice\n")
+    runner = CliRunner()
+    for name, prompts in (("it", it), ("en", en)):
+        r = runner.invoke(main, ["profile", "record", "--model", str(path), "--prompts", str(prompts), "--workload",
+                                 f"{name} text", "-o", str(tmp_path / f"{name}.json"), "--max-tokens", "12"])
+        assert r.exit_code == 0, r.output
+    p = ActivationProfile.load(tmp_path / "it.json")
+    assert p.workload == "it text" and p.tokens_total > 20 and set(p.curve) == {"lru", "activation"}
+    r = runner.invoke(main, ["profile", "show", str(tmp_path / "it.json"), "--png", str(tmp_path / "h.png")])
+    assert r.exit_code == 0 and "predicted hit rate" in r.stdout and "layer   0" in r.stdout
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = runner.invoke(main, ["profile", "diff", str(tmp_path / "it.json"), str(tmp_path / "en.json"), "--json"])
+    layers = json.loads(r.stdout)["layers"]
+    assert len(layers) == p.num_layers and all(0 <= row["js_divergence"] <= 1 for row in layers)
+    r = runner.invoke(main, ["profile", "merge", str(tmp_path / "it.json"), str(tmp_path / "en.json"), "-o",
+                             str(tmp_path / "both.json"), "--weights", "1,1"])
+    assert r.exit_code == 0
+    assert ActivationProfile.load(tmp_path / "both.json").workload == "it text + en text"
+
+
+def test_chat_saves_profile_and_trace(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    r = CliRunner().invoke(main, ["chat", "--model", str(path), "--max-tokens", "8", "--save-profile",
+                                  str(tmp_path / "live.json"), "--trace-out", str(tmp_path / "t.jsonl")],
+                           input="ciao\n/quit\n")
+    assert r.exit_code == 0, r.output
+    assert ActivationProfile.load(tmp_path / "live.json").tokens_total > 8
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["format"] == "mlxmoe.trace/1" and len(lines) > 10
+
+
+def test_ctrl_c_during_record_leaves_a_valid_profile(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe", config_overrides={"hidden_size": 256, "moe_intermediate_size": 256,
+                                                     "num_hidden_layers": 6, "num_experts": 32})
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"prompt number {i} about cats and dogs" for i in range(200)))
+    out = tmp_path / "out.json"
+    proc = subprocess.Popen([sys.executable, "-m", "mlxmoe", "profile", "record", "--model", str(path), "--prompts",
+                             str(prompts), "-w", "cut short", "-o", str(out), "--max-tokens", "64"],
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stderr.readline()  # the progress bar's label: recording has started
+    assert "recording" in line, line
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, err
+    assert "interrupted" in err
+    p = ActivationProfile.load(out)
+    assert p.workload == "cut short" and 0 < p.tokens_total < 200 * 64
+    assert [f.name for f in tmp_path.iterdir() if f.name.endswith(".tmp")] == []
