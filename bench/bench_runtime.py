@@ -108,7 +108,20 @@ def checkpoint_matches(path, args):
 # ---------------------------------------------------------------- generation
 
 
-def generate_timed(generate_fn, model, tokenizer, prompt, max_tokens, snapshot=None, at_first=None):
+def no_repeat(window):
+    """Logits processor banning the last `window` tokens. The synthetic model's greedy
+    output falls into a 2-token cycle, whose few experts would all stay cached; with
+    this, decoding stays greedy (argmax) and deterministic but every step routes anew."""
+
+    def process(tokens, logits):
+        if window and len(tokens) > 0:
+            logits[:, tokens[-window:]] = float("-inf")
+        return logits
+
+    return process
+
+
+def generate_timed(generate_fn, model, tokenizer, prompt, max_tokens, snapshot=None, at_first=None, window=0):
     """Greedy generation; returns (run, snapshot at the first token, snapshot at the last).
 
     The decode window runs from the first token to the last: N-1 decode steps (mlx-lm
@@ -119,7 +132,8 @@ def generate_timed(generate_fn, model, tokenizer, prompt, max_tokens, snapshot=N
     tic = time.perf_counter()
     t0 = t1 = tic
     first = response = None
-    for response in generate_fn(model, tokenizer, prompt, max_tokens=max_tokens):
+    processors = [no_repeat(window)] if window else None
+    for response in generate_fn(model, tokenizer, prompt, max_tokens=max_tokens, logits_processors=processors):
         t1 = time.perf_counter()
         tokens.append(int(response.token))
         if len(tokens) == 1:
@@ -158,10 +172,13 @@ def window_stats(before, after):
     disk = None
     if before["disk_read_bytes"] is not None and after["disk_read_bytes"] is not None:
         disk = after["disk_read_bytes"] - before["disk_read_bytes"]
-    return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "bytes_read": read, "read_seconds": seconds,
-            "read_gbps": read / seconds / 1e9 if seconds > 0 else None,
-            "disk_read_bytes": disk, "loads_demand": after["loads_demand"] - before["loads_demand"]}
+    out = {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+           "bytes_read": read, "read_seconds": seconds,
+           "read_gbps": read / seconds / 1e9 if seconds > 0 else None,
+           "disk_read_bytes": disk, "loads_demand": after["loads_demand"] - before["loads_demand"]}
+    if "bookkeeping_seconds" in after:  # time mlxmoe's layers spent beyond mlx-lm's work (newer mlxmoe)
+        out["bookkeeping_seconds"] = after["bookkeeping_seconds"] - before["bookkeeping_seconds"]
+    return out
 
 
 # ---------------------------------------------------------------- one configuration (child process)
@@ -186,7 +203,8 @@ def run_stock(args, dtype_policy):
     for _ in range(warmup):
         generate_timed(mlx_lm.stream_generate, model, tokenizer, WARMUP_PROMPT, 4)
     for _ in range(nruns):
-        runs.append(generate_timed(mlx_lm.stream_generate, model, tokenizer, args.prompt, args.tokens)[0])
+        runs.append(generate_timed(mlx_lm.stream_generate, model, tokenizer, args.prompt, args.tokens,
+                                   window=args.no_repeat)[0])
     return {"load_seconds": load_seconds, "runs": runs, "peak_memory": mx.get_peak_memory()}
 
 
@@ -205,14 +223,14 @@ def run_resident(args):
     for layer in range(num_layers):
         cache.fetch(layer, list(range(cache.store.num_experts)))
     preload_seconds = time.perf_counter() - tic
-    preload_bytes = cache.bytes_read
+    preload_bytes = cache.stats()["bytes_read"]
     for _ in range(args.warmup):
         generate_timed(mlxmoe.stream_generate, model, tokenizer, WARMUP_PROMPT, 4)
     runs = []
     for _ in range(args.runs):
         cache.reset_stats()
         run, before, after = generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, args.tokens,
-                                            snapshot=lambda: cache_snapshot(cache))
+                                            snapshot=lambda: cache_snapshot(cache), window=args.no_repeat)
         run["decode"] = window_stats(before, after)
         runs.append(run)
     return {"load_seconds": load_seconds, "preload_seconds": preload_seconds, "preload_bytes": preload_bytes,
@@ -237,11 +255,13 @@ def run_streaming(args, cache_experts=None, memory_budget=None, cold_decode=Fals
     rss_loaded, _ = proc_status()
     at_first = (lambda: drop_page_cache()) if cold_decode and not args.no_drop else None
     run, before, after = generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, args.tokens,
-                                        snapshot=lambda: cache_snapshot(cache), at_first=at_first)
+                                        snapshot=lambda: cache_snapshot(cache), at_first=at_first,
+                                        window=args.no_repeat)
     run["decode"] = window_stats(before, after)
     stats = cache.stats()
     rss_end, hwm = proc_status()
-    return {"page_cache_dropped": dropped, "cold_decode": cold_decode, "load_seconds": load_seconds, "runs": [run], "plan": vars(cache.plan),
+    return {"page_cache_dropped": dropped, "cold_decode": cold_decode, "load_seconds": load_seconds, "runs": [run],
+            "plan": vars(cache.plan),
             "stats": stats, "peak_memory": mx.get_peak_memory(), "rss_before_load": rss_before,
             "rss_after_load": rss_loaded, "rss_end": rss_end, "peak_rss": hwm}
 
@@ -275,7 +295,8 @@ def run_one(args):
 def child_args(args):
     out = ["--checkpoint", str(args.checkpoint), "--layers", str(args.layers), "--experts", str(args.experts),
            "--top-k", str(args.top_k), "--tokens", str(args.tokens), "--runs", str(args.runs),
-           "--warmup", str(args.warmup), "--stock-runs", str(args.stock_runs), "--prompt", args.prompt]
+           "--warmup", str(args.warmup), "--stock-runs", str(args.stock_runs), "--prompt", args.prompt,
+           "--no-repeat", str(args.no_repeat)]
     if args.no_drop:
         out.append("--no-drop")
     if args.budget_bytes:
@@ -357,16 +378,19 @@ def report(args, ckpt, results, dd):
           f"{'reused' if ckpt['reused'] else 'built'}")
     first = next((r["runs"][0] for r in results.values() if r.get("runs")), None)
     if first:
-        print(f"Prompt: {first['prompt_tokens']} tokens; {args.tokens} greedy tokens; decode tok/s = "
-              f"(tokens - 1) / time from first to last token")
+        print(f"Prompt: {first['prompt_tokens']} tokens; {args.tokens} greedy tokens"
+              + (f" (the last {args.no_repeat} tokens banned)" if args.no_repeat else "")
+              + "; decode tok/s = (tokens - 1) / time from first to last token")
+        print(f"Output of mlxmoe: {first['text']!r}")
 
     # 1. everything resident
     rows = []
-    for name, label in (("stock", f"mlx-lm stock (as-is, bf16 scales; {args.stock_runs} run)"), ("stock-f32", "mlx-lm stock + dtype policy"),
+    for name, label in (("stock", f"mlx-lm stock (as-is, bf16 scales; {args.stock_runs} run)"),
+                        ("stock-f32", "mlx-lm stock + dtype policy"),
                         ("resident", f"mlxmoe, all {total_experts} experts cached")):
         r = results.get(name, {})
         if "error" in r:
-            rows.append([label, "FAILED: " + r["error"], "", "", "", "", ""])
+            rows.append([label, "-", "-", "-", "-", "-", "FAILED: " + r["error"]])
             continue
         tps = [x["decode_tps"] for x in r["runs"]]
         rows.append([label, fmt(r["load_seconds"], ".1f"), fmt(median_run(r, "prompt_tps"), ".1f"),
@@ -382,12 +406,20 @@ def report(args, ckpt, results, dd):
                        ratio_target=0.95, ratio_pass=res / best >= 0.95)
         print(f"mlxmoe / stock as-is = {res / stock:.3f}; mlxmoe / stock + dtype policy = {res / stock32:.3f}; "
               f"vs the faster stock: {res / best:.3f} (target >= 0.95: {'PASS' if res / best >= 0.95 else 'FAIL'})")
+    runs = results.get("resident", {}).get("runs") or []
+    book = [r["decode"].get("bookkeeping_seconds") for r in runs]
+    if runs and None not in book:
+        per_token = statistics.median(b / max(r["decode_steps"], 1) for b, r in zip(book, runs))
+        share = statistics.median(b / r["decode_seconds"] for b, r in zip(book, runs) if r["decode_seconds"])
+        summary["resident_bookkeeping_ms_per_token"] = per_token * 1e3
+        print(f"mlxmoe bookkeeping (routing copies, policy, slot remap) while decoding: "
+              f"{per_token * 1e3:.1f} ms/token, {100 * share:.1f}% of decode time")
     if ref is not None:
         stock_same = same("stock")
         summary.update(tokens_identical_resident=same("resident"), tokens_identical_stock_as_is=stock_same)
         print(f"generated tokens identical: mlxmoe resident vs stock + dtype policy: "
-              f"{'yes' if same('resident') else 'NO'}; stock as-is vs stock + dtype policy: "
-              f"{'yes' if stock_same else 'NO (bf16 vs float32 scales)'}")
+              f"{ {None: '-', True: 'yes', False: 'NO'}[same('resident')] }; stock as-is vs stock + dtype policy: "
+              f"{ {None: '-', True: 'yes', False: 'NO (bf16 vs float32 scales)'}[stock_same] }")
 
     # 2. streaming
     rows = []
@@ -397,7 +429,7 @@ def report(args, ckpt, results, dd):
                  if name in CACHE_CONFIGS
                  else f"mlxmoe, budget {args.budget_bytes / GiB:.2f} GiB")
         if "error" in r:
-            rows.append([label, "FAILED: " + r["error"]] + [""] * 8)
+            rows.append([label] + ["-"] * 8 + ["FAILED: " + r["error"]])
             continue
         run, d = r["runs"][0], r["runs"][0]["decode"]
         steps = max(run["decode_steps"], 1)
@@ -409,7 +441,9 @@ def report(args, ckpt, results, dd):
                      "-" if disk is None or not d["bytes_read"] else f"{100 * disk / d['bytes_read']:.0f}%",
                      fmt(r["load_seconds"], ".1f"),
                      {None: "-", True: "yes", False: "NO"}[same(name)]])
-    table(f"2. Streaming experts, page cache dropped before the load (decode window: tokens 2..{args.tokens})",
+    policy = next((results[n]["stats"].get("policy") for n in CACHE_CONFIGS if "stats" in results.get(n, {})), "?")
+    table(f"2. Streaming experts ({policy} policy), page cache dropped before the load "
+          f"(decode window: tokens 2..{args.tokens})",
           ["configuration", "slots", "decode tok/s", "hit rate", "MB read/token", "read GB/s", "% time reading",
            "from disk", "load s", "tokens == ref"], rows)
     print("read GB/s = expert bytes read / wall time the decode thread waited on reads; from disk = share of those "
@@ -448,7 +482,8 @@ def report(args, ckpt, results, dd):
                 ["peak RSS (VmHWM, whole process)", f"{r['peak_rss'] / GiB:.2f}", f"{r['peak_rss'] / b:.2f}"],
                 ["peak RSS - RSS before load", f"{peak_growth / GiB:.2f}", f"{peak_growth / b:.2f}"],
                 ["RSS growth, before load -> end", f"{growth / GiB:.2f}", f"{growth / b:.2f}"]]
-        table(f"4. Memory vs budget (budget ~ half the checkpoint; RSS before load {r['rss_before_load'] / GiB:.2f} GiB)",
+        table(f"4. Memory vs budget (budget ~ half the checkpoint; "
+              f"RSS before load {r['rss_before_load'] / GiB:.2f} GiB)",
               ["", "GiB", "/ budget"], rows)
         summary.update(budget=b, mlx_peak_over_budget=r["peak_memory"] / b, peak_rss_over_budget=r["peak_rss"] / b,
                        rss_growth_over_budget=growth / b, peak_rss_growth_over_budget=peak_growth / b)
@@ -471,12 +506,16 @@ def main():
     parser.add_argument("--stock-runs", type=int, default=1,
                         help="Measured generations of stock mlx-lm as-is (bf16 scales: slow on CPU, no warm-up).")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--no-repeat", type=int, default=32,
+                        help="Ban the last N tokens when decoding (still greedy); 0: plain greedy, which on the "
+                             "synthetic model cycles between 2 tokens and barely exercises the cache.")
     parser.add_argument("--memory-budget", default=None,
                         help="Budget of the memory run, e.g. 1.5GB (binary units). Default: half the checkpoint.")
     parser.add_argument("--quick", action="store_true", help="Smoke run: 2 layers, 8 tokens, 1 run.")
     parser.add_argument("--no-drop", action="store_true", help="Do not drop the page cache (not root).")
     parser.add_argument("--only", default=None,
-                        help="Comma-separated subset of stock,stock-f32,resident,cache50,cache25,cache50-cold,cache25-cold,dd,budget.")
+                        help="Comma-separated subset of stock,stock-f32,resident,cache50,cache25,"
+                             "cache50-cold,cache25-cold,dd,budget.")
     parser.add_argument("--timeout", type=int, default=3600, help="Seconds per configuration.")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON results. Default: bench/out/runtime.json (runtime-quick.json with --quick).")

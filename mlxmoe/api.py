@@ -14,6 +14,7 @@ from .cache import ExpertCache
 from .errors import MlxmoeError
 from .loader import attach_cache, open_checkpoint
 from .policies import make_policy
+from .prefetch import Prefetcher
 from .profile import ActivationProfile, fingerprint
 from .trace import TraceWriter
 
@@ -44,7 +45,8 @@ def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_expert
 
 
 def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=None, policy=None, profile=None,
-         tokenizer_config=None, backend=None, io_threads=4, force_profile=False, prewarm=True, trace_out=None):
+         tokenizer_config=None, backend=None, io_threads=4, force_profile=False, prewarm=True, trace_out=None,
+         prefetch=1, io="auto"):
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
     Returns (model, tokenizer) like `mlx_lm.load`; `model.expert_cache.stats()` gives the
@@ -54,9 +56,12 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
     the cache with its hottest experts in the background; the live profile
     (`model.expert_cache.profile`) keeps learning either way. `trace_out` records a
     routing trace (mlxmoe.trace/1) there, completed by `model.expert_cache.close()`.
+    `prefetch` is how many MoE layers ahead experts are predicted and read in the
+    background during decoding (0: only on demand).
     """
     be = backends.detect(backend)
     ckpt = open_checkpoint(path_or_hf_repo)
+    ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
     p = memory_plan(ckpt, be, memory_budget, cache_size, cache_experts)
     fp = model_fingerprint(ckpt)
@@ -81,6 +86,9 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
     attach_cache(ckpt, cache)
     be.activate(p.budget)
     cache.plan, cache.backend, cache.checkpoint = p, be, ckpt
+    if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
+        cache.prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch,
+                                      prior=None if prior is None else prior.rates())
     if trace_out is not None:
         cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path)
     tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))

@@ -27,6 +27,10 @@ def peak_rss():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+class Busy(Exception):
+    """Not enough slots outside those being filled in the background: wait for them."""
+
+
 class Residency:
     def __init__(self, capacity, policy):
         if capacity < 1:
@@ -47,8 +51,13 @@ class Residency:
         """
         if len(experts) > self.capacity:
             raise MlxmoeError(f"layer {layer} needs {len(experts)} experts at once; the cache holds {self.capacity}")
-        self.policy.visit(layer, experts, scores, probs)
         protected = {(layer, int(e)) for e in experts} | self.in_flight
+        if self.in_flight:  # background reads hold slots: wait for them rather than run out of victims
+            missing = sum((layer, int(e)) not in self.slot_of for e in experts)
+            evictable = len(self.slot_of) - len(protected & self.slot_of.keys())
+            if missing > len(self.free) + evictable:
+                raise Busy()
+        self.policy.visit(layer, experts, scores, probs)
         slots, missed = [], []
         for i, e in enumerate(experts):
             key = (layer, int(e))
@@ -72,16 +81,29 @@ class Residency:
             slots.append(self.slot_of[key])
         return slots, missed
 
-    def reserve(self, keys):
-        """Give free slots to `keys` (hottest first) without evicting anything, as far as
-        they go; the policy sees the hottest inserted last. Returns [(key, slot)]."""
+    def claim(self, keys, protected=(), evict=False):
+        """Give slots to the non-resident `keys` (most important first) ahead of their use:
+        free slots, and victims outside `protected` when `evict`, as far as they go. The
+        policy sees the most important inserted last. Returns [(key, slot)]."""
         taken = []
         for key in keys:
-            if not self.free:
+            if key in self.slot_of:
+                continue
+            if self.free:
+                slot = self.free.pop()
+            elif evict:
+                try:
+                    victim = self.policy.victim(set(protected) | self.in_flight | {k for k, _ in taken})
+                except MlxmoeError:
+                    break
+                self.policy.remove(victim)
+                slot = self.slot_of.pop(victim)
+                self.evictions += 1
+                self.evicted(victim)
+            else:
                 break
-            if key not in self.slot_of:
-                self.slot_of[key] = self.free.pop()
-                taken.append((key, self.slot_of[key]))
+            self.slot_of[key] = slot
+            taken.append((key, slot))
         for key, _ in reversed(taken):
             self.policy.insert(key)
         return taken
@@ -128,6 +150,9 @@ class ExpertCache(Residency):
         self.trace = None  # TraceWriter when recording
         self.wants_router = policy.wants_router
         self.position = 0  # token position in the current sequence
+        self.active = set()  # keys the current layer computes with: never evicted by background loads
+        self.current_layer = -1
+        self.prefetcher = None  # prefetch.Prefetcher when prefetching
         self._prewarm = None
         self._stop = threading.Event()
         self.reset_stats()
@@ -135,10 +160,11 @@ class ExpertCache(Residency):
     def tick(self, tokens):
         """New tokens start (called by the first MoE layer)."""
         with self.lock:
+            self.current_layer = -1
+            self.tokens += tokens
             self.policy.tick(tokens)
             if self.profile is not None:
                 self.profile.tick(tokens)
-        self.tokens += tokens
         self.call_position = self.position
         self.position += tokens
 
@@ -150,7 +176,21 @@ class ExpertCache(Residency):
     def fetch(self, layer, experts, scores=None, probs=None):
         """Make the distinct `experts` of `layer` resident; return their slots."""
         with self.lock:
-            slots, missed = self.access(layer, experts, scores, probs)
+            while True:
+                try:
+                    slots, missed = self.access(layer, experts, scores, probs)
+                    break
+                except Busy:  # wait, without the lock, for the background reads holding slots
+                    pending = list(self.waiting.values())
+                    self.lock.release()
+                    try:
+                        for done in pending:
+                            done.wait()
+                    finally:
+                        self.lock.acquire()
+            # from here on background loads never evict what this layer computes with
+            self.active = {(layer, e) for e in experts}
+            self.current_layer = layer
             if self.profile is not None:
                 self.profile.observe(layer, experts, scores, probs)
             waits = []
@@ -194,33 +234,52 @@ class ExpertCache(Residency):
         """Fill free slots with `keys`, hottest first, in a background thread; the decode
         thread starts at once and waits only for a key it needs that is still on its way."""
         with self.lock:
-            taken = self.reserve(keys)
-            for key, _ in taken:
-                self.waiting[key] = threading.Event()
-                self.in_flight.add(key)
+            taken = self._claim(keys, evict=False)
         if taken:
-            self._prewarm = threading.Thread(target=self._fill, args=(taken,), name="mlxmoe-prewarm", daemon=True)
+            self._prewarm = threading.Thread(target=lambda: [self._load(*kt) for kt in taken], name="mlxmoe-prewarm",
+                                             daemon=True)
             self._prewarm.start()
         return len(taken)
 
-    def _fill(self, taken):
+    def prefetch(self, keys, token, layer):
+        """Load `keys` of a coming `layer` now (called from a prefetch worker). Dropped if
+        the decode thread has already reached that layer or moved to another token; may
+        evict, but never what the current layer uses or what is already on its way."""
+        with self.lock:
+            if self._stop.is_set() or self.tokens != token or self.current_layer >= layer:
+                self.prefetch_stale += 1
+                return
+            # leave as many slots evictable as these keys, so a wrong guess never makes
+            # the decode thread wait for a slot
+            room = self.capacity - len(self.active | self.in_flight) - 2 * len(keys)
+            taken = self._claim(keys[:max(room, 0)], evict=True)
         for key, slot in taken:
-            ok = False
-            if not self._stop.is_set():
-                try:
-                    n = self.store.read_expert(key[0], key[1], [v[slot] for v in self.views])
-                    ok = True
-                except Exception:  # the decode thread reads it again and reports the error if it recurs
-                    pass
-            with self.lock:
-                if ok:
-                    self.prefetch_bytes += n
-                    self.loads_prefetched += 1
-                    self.prefetched.add(key)
-                else:
-                    self.failed.add(key)
-                self.in_flight.discard(key)
-                self.waiting.pop(key).set()
+            self._load(key, slot)
+
+    def _claim(self, keys, evict):
+        taken = self.claim(keys, self.active, evict)
+        for key, _ in taken:
+            self.waiting[key] = threading.Event()
+            self.in_flight.add(key)
+        return taken
+
+    def _load(self, key, slot):
+        """Background read of one claimed key; always ends its wait, even on error."""
+        n = None
+        if not self._stop.is_set():
+            try:
+                n = self.store.read_expert(key[0], key[1], [v[slot] for v in self.views])
+            except Exception:  # the decode thread reads it again and reports the error if it recurs
+                pass
+        with self.lock:
+            if n is not None:
+                self.prefetch_bytes += n
+                self.loads_prefetched += 1
+                self.prefetched.add(key)
+            else:
+                self.failed.add(key)
+            self.in_flight.discard(key)
+            self.waiting.pop(key).set()
 
     def prewarm_done(self, timeout=None):
         if self._prewarm is not None:
@@ -245,7 +304,9 @@ class ExpertCache(Residency):
             "loads_prefetched": self.loads_prefetched,
             "prefetch_useful": self.prefetch_useful,
             "prefetch_late": self.prefetch_late,
+            "prefetch_stale": self.prefetch_stale,
             "read_seconds": self.read_seconds,
+            "bookkeeping_seconds": self.bookkeeping_seconds,
             "evictions": self.evictions,
             "cache_experts": self.capacity,
             "cache_bytes": self.capacity * self.slot_bytes,
@@ -254,6 +315,7 @@ class ExpertCache(Residency):
             "peak_memory": mx.get_peak_memory(),
             "peak_rss": peak_rss(),
             "decode_tps": self.decode_tps,
+            "predictors": self.prefetcher.stats() if self.prefetcher is not None else {},
         }
 
     def reset_stats(self):
@@ -261,12 +323,16 @@ class ExpertCache(Residency):
         # the decode thread counts demand reads, the pre-warm thread (under the lock) its own
         self.demand_bytes = self.prefetch_bytes = 0
         self.loads_demand = self.loads_prefetched = self.prefetch_useful = self.prefetch_late = 0
+        self.prefetch_stale = 0  # predictions dropped because the decode thread got there first
         self.read_seconds = 0.0
+        self.bookkeeping_seconds = 0.0  # time StreamingExperts spent on top of mlx-lm's own work
         self.decode_tps = 0.0
 
     def close(self):
         self._stop.set()
         self.prewarm_done()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if self.trace is not None:
             self.trace.close()
         if self.io is not None:

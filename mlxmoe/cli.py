@@ -26,6 +26,8 @@ def model_options(f):
         click.option("--force", "force_profile", is_flag=True, help="Use a profile recorded on another model "
                      "whose layer and expert counts agree."),
         click.option("--trace-out", type=click.Path(dir_okay=False), help="Record the routing trace here."),
+        click.option("--io", type=click.Choice(["auto", "mmap", "pread", "direct"]), default="auto", show_default=True,
+                     help="How experts are read: mmap or pread (through the page cache), direct (around it)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -49,7 +51,8 @@ def _load(opts):
 
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
-                profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"])
+                profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
+                io=opts["io"])
 
 
 def _sampler(temp, top_p, seed):

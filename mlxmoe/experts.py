@@ -5,6 +5,8 @@ gather_qmm/gather_mm call) but points its weights at the cache's slot pools, and
 it with expert ids remapped to slot ids. So the arithmetic is mlx-lm's own.
 """
 
+import time
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -23,19 +25,42 @@ def token_chunks(indices, capacity):
     return chunks
 
 
-def router_probs(block):
-    """A function x -> the router's probabilities over all experts, from the MoE block
-    that holds the experts (its `gate` or `router`), or None if it has neither."""
+def _tapped(cls):
+    """A subclass of a router's Linear class whose call also keeps its output."""
+
+    def __call__(self, x):
+        self.last_logits = cls.__call__(self, x)
+        return self.last_logits
+
+    return type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
+
+
+def find_router(block):
+    """The router of the MoE block that holds the experts (its `gate` or `router`), as
+    two functions: probs(x), the router's probabilities over all experts for the input
+    it just routed, and scores(x), its scores for any hidden state x (for lookahead).
+    (None, None) if it has neither.
+
+    A Linear router is tapped: its instance gets a subclass that keeps its logits, so
+    probs come from the model's own routing with no second matmul (and the parameter
+    tree stays as mlx-lm built it)."""
     gate = block.get("gate", block.get("router")) if isinstance(block, nn.Module) else None
     if isinstance(gate, (nn.Linear, nn.QuantizedLinear)):
-        return lambda x: mx.softmax(gate(x).astype(mx.float32), axis=-1, precise=True)
+        base = type(gate)
+        gate.__class__ = _tapped(base)
+        return (lambda x: mx.softmax(gate.last_logits.astype(mx.float32), axis=-1, precise=True),
+                lambda x: base.__call__(gate, x))
     weight = getattr(gate, "weight", None)
     if isinstance(weight, mx.array) and weight.ndim == 2:  # e.g. deepseek's MoEGate: sigmoid scores
+        def scores(x):
+            return mx.sigmoid((x @ weight.T).astype(mx.float32))
+
         def probs(x):
-            s = mx.sigmoid((x @ weight.T).astype(mx.float32))
+            s = scores(x)
             return s / s.sum(axis=-1, keepdims=True)
-        return probs
-    return None
+
+        return probs, scores
+    return None, None
 
 
 class StreamingExperts(nn.Module):
@@ -55,6 +80,7 @@ class StreamingExperts(nn.Module):
             mx.eval(indices, probs)
             probs = np.array(probs).reshape(-1, probs.shape[-1])
         idx = np.array(indices)  # evaluates the router (and with it every earlier layer)
+        tic, read_before = time.perf_counter(), cache.read_seconds
         flat = idx.reshape(-1, idx.shape[-1])
         if self._layer == 0:
             cache.tick(flat.shape[0])
@@ -64,7 +90,14 @@ class StreamingExperts(nn.Module):
                          np.take_along_axis(probs, flat.astype(np.int64), axis=1).tolist())
         chunks = token_chunks(flat, cache.capacity)
         if len(chunks) == 1:
-            return self._inner(x, self._slots(flat, idx, probs))
+            y = self._inner(x, self._slots(flat, idx, probs))
+            if cache.prefetcher is not None:
+                cache.prefetcher.observe(self._layer, flat[-1].tolist(), decode=len(flat) == 1)
+                if len(flat) == 1:
+                    cache.prefetcher.after_layer(self._layer, x, cache.tokens)
+            # what this layer added beyond mlx-lm's own work: routing copies, the policy, remapping
+            cache.bookkeeping_seconds += time.perf_counter() - tic - (cache.read_seconds - read_before)
+            return y
         # More distinct experts than slots (long prefill at a small cache): compute each
         # run of tokens and evaluate it before the next run may reuse its slots.
         xs = x.reshape(-1, x.shape[-1])
@@ -77,8 +110,15 @@ class StreamingExperts(nn.Module):
         return y.reshape(*x.shape[:-1], *y.shape[1:])
 
     def _slots(self, rows, idx, probs):
-        experts, inverse = np.unique(rows, return_inverse=True)
-        mean = None if probs is None else probs.mean(axis=0)
+        """Fetch the distinct experts of `rows`; return `idx` with expert ids replaced by slots."""
+        if len(rows) == 1:  # decode: a handful of experts, cheaper without numpy
+            experts = sorted(set(rows[0].tolist()))
+            mean = None if probs is None else probs[0]
+        else:
+            experts = np.unique(rows).tolist()
+            mean = None if probs is None else probs.mean(axis=0)
         scores = None if mean is None else mean[experts].tolist()
-        slots = self._cache.fetch(self._layer, experts.tolist(), scores, mean)
-        return mx.array(np.asarray(slots, dtype=np.uint32)[inverse].reshape(idx.shape))
+        slots = self._cache.fetch(self._layer, experts, scores, mean)
+        lut = np.zeros(max(experts) + 1, dtype=np.uint32)
+        lut[experts] = slots
+        return mx.array(lut[idx])

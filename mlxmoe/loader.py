@@ -17,7 +17,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config, load_model
 
 from .errors import MlxmoeError
-from .experts import StreamingExperts, router_probs
+from .experts import StreamingExperts, find_router
 from .store import PER_EXPERT, ExpertStore
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
@@ -34,6 +34,7 @@ class Checkpoint:
     store: ExpertStore
     experts: list = field(default_factory=list)  # StreamingExperts, one per MoE layer
     module_paths: list = field(default_factory=list)
+    routers: list = field(default_factory=list)  # per MoE layer: x -> router scores, or None
     top_k: int = 0
 
     @property
@@ -155,7 +156,9 @@ def open_checkpoint(path_or_repo):
         parent = model
         for part in mpath.split(".")[:-1]:
             parent = parent[int(part)] if isinstance(parent, list) else parent[part]
-        streaming = StreamingExperts(module, layer, router_probs(parent))
+        probs, scores = find_router(parent)
+        streaming = StreamingExperts(module, layer, probs)
+        ckpt.routers.append(scores)
         ckpt.experts.append(streaming)
         swaps.append((mpath, streaming))
     model.update_modules(tree_unflatten(swaps))

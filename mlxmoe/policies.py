@@ -400,19 +400,21 @@ class Activation(Policy):
                 + self.router_weight * self.M[layer] + self.prior_weight * self.prior[layer])
 
     def visit(self, layer, experts, scores=None, probs=None):
-        used = np.zeros(self.num_experts)
-        used[experts] = 1.0
-        self.F[layer] = self.slow * self.F[layer] + (1 - self.slow) * used
-        self.R[layer] = self.fast * self.R[layer] + (1 - self.fast) * used
-        if probs is None and scores is not None:
-            probs = np.zeros(self.num_experts)
-            probs[experts] = scores
+        F, R, M = self.F[layer], self.R[layer], self.M[layer]  # views: updated in place
+        F *= self.slow
+        F[experts] += 1 - self.slow
+        R *= self.fast
+        R[experts] += 1 - self.fast
         if probs is not None:
-            self.M[layer] = self.slow * self.M[layer] + (1 - self.slow) * np.asarray(probs, dtype=np.float64)
+            M *= self.slow
+            M += (1 - self.slow) * probs
+        elif scores is not None:
+            M *= self.slow
+            M[experts] += (1 - self.slow) * np.asarray(scores)
         self.p[layer] = self._mix(layer)
         self.current = layer
-        p = self.p[layer]
-        self.order[layer] = sorted(self.resident[layer], key=lambda e: p[e])
+        resident = np.fromiter(self.resident[layer], dtype=np.int64, count=len(self.resident[layer]))
+        self.order[layer] = resident[np.argsort(self.p[layer][resident], kind="stable")].tolist()
 
     def insert(self, key):
         self.resident[key[0]].add(key[1])

@@ -1,13 +1,31 @@
-"""Safetensors header index and expert byte ranges, read with preadv into slot memory.
+"""Safetensors header index and expert byte ranges, read into slot memory.
 
 We parse the headers ourselves (8-byte little-endian length + JSON) so that reading an
 expert never touches the other experts of a stacked tensor (`mx.load(...)[name][e]`
 reads the whole tensor, see mlx-notes).
+
+Three IO modes (`ExpertStore(path, io=...)`, `mlxmoe --io`):
+
+- "mmap": each shard is mapped once and an expert's bytes are copied out of the map,
+  through the page cache (the path `mx.load` / `np.memmap` take).
+- "pread": `os.preadv` straight into the slots, through the page cache.
+- "direct": around the page cache, so that it never holds a second copy of the experts:
+  O_DIRECT on Linux (aligned reads into a per-thread bounce buffer, then a copy into
+  the slot), F_NOCACHE on macOS, and elsewhere, or where O_DIRECT is refused (some
+  filesystems), preadv + posix_fadvise(DONTNEED).
+
+`read_expert` returns the useful bytes; `disk_bytes` counts the bytes asked of the
+kernel (aligned supersets, whole pages), so disk_bytes / useful_bytes is the read
+amplification.
 """
 
 import json
+import mmap
 import os
 import re
+import sys
+import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,14 +122,97 @@ def shard_files(model_path):
     return files
 
 
+IO_MODES = ("mmap", "pread", "direct")
+BYPASSES = ("o_direct", "f_nocache", "fadvise")
+
+# What io="auto" means per platform, from bench/bench_io.py (cold reads of 300 random
+# Qwen3-30B-A3B-shaped 4-bit experts, 2.95 MB each; Linux, ext4 on a virtio disk, 2 cores):
+# DEFAULT_IO_NUMBERS
+DEFAULT_IO = {"linux": "direct", "darwin": "direct"}
+
+# O_DIRECT needs file offsets, lengths and buffer addresses aligned to the device's
+# logical block size (512 or 4096; probed per file when it is opened). Bounce buffers
+# are page aligned, and runs of ranges are grouped by page.
+ALIGN = 4096
+
+
+def default_io(platform=sys.platform):
+    return DEFAULT_IO.get(platform, "pread")
+
+
+def resolve_io(io):
+    """The IO mode `io` stands for ("auto" or None: this platform's default)."""
+    if io in (None, "auto"):
+        return default_io()
+    if io not in IO_MODES:
+        raise MlxmoeError(f"unknown io mode {io!r}; choose auto, {', '.join(IO_MODES)}")
+    return io
+
+
+def align_down(x, a=ALIGN):
+    return x - x % a
+
+
+def align_up(x, a=ALIGN):
+    return -(-x // a) * a
+
+
+def runs(ranges, dests, align=1):
+    """Group one expert's (range, destination) pairs into runs that one read can cover:
+    same file, and back to back (align=1) or touching once widened to `align`.
+
+    Returns [(file, start, end, [(offset, dest)])]. In a stacked checkpoint each
+    tensor's range is its own run (the experts of a tensor lie between them); a
+    per-expert or bundled checkpoint gives one run per expert.
+    """
+    out = []
+    for r, d in sorted(zip(ranges, dests), key=lambda rd: (str(rd[0].file), rd[0].offset)):
+        if out and out[-1][0] == r.file and align_down(r.offset, align) <= align_up(out[-1][2], align):
+            f, start, end, pieces = out[-1]
+            out[-1] = (f, start, max(end, r.offset + r.nbytes), pieces + [(r.offset, d)])
+        else:
+            out.append((r.file, r.offset, r.offset + r.nbytes, [(r.offset, d)]))
+    return out
+
+
+def preadv_all(fd, bufs, offset, file, align=1):
+    """preadv into `bufs` (uint8 arrays) from `offset` until they are full or the file
+    ends; returns the bytes read. With align > 1 (O_DIRECT) a short read ends it, as
+    the next read would start unaligned."""
+    bufs = [memoryview(b) for b in bufs]
+    done = 0
+    while bufs:
+        want = sum(len(b) for b in bufs)
+        try:
+            n = os.preadv(fd, bufs, offset + done)
+        except OSError as e:
+            raise MlxmoeError(f"reading {file} at offset {offset + done}: {e}") from None
+        done += n
+        if n == 0 or (n < want and n % align):
+            break
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+    return done
+
+
+def truncated(file, end):
+    return MlxmoeError(f"truncated shard: {file} ends before offset {end}")
+
+
 class ExpertStore:
     """Maps (layer, expert) to the byte ranges of its tensors and reads them.
 
     `tensors` are the names of one expert's tensors as the model sees them (e.g.
     "gate_proj.weight"); `ranges[layer][expert][i]` is where tensor i of that expert lies.
+    `io` is "auto", "mmap", "pread" or "direct"; `bypass` forces how "direct" goes
+    around the page cache ("o_direct", "f_nocache", "fadvise"; default: the platform's).
+    read_expert may be called from several threads at once.
     """
 
-    def __init__(self, model_path):
+    def __init__(self, model_path, io="auto", bypass=None):
         self.path = Path(model_path)
         self.files = shard_files(self.path)
         self.index = {}
@@ -121,7 +222,33 @@ class ExpertStore:
         self.tensor_dtypes = []  # safetensors dtype of each
         self.tensor_shapes = []  # per-expert shape of each
         self.ranges = []  # [layer][expert] -> [Range per tensor]
-        self._fds = {}
+        self._fds = {}  # file -> fd
+        self._how = {}  # file -> "mmap", "pread", or the bypass used for "direct"
+        self._maps = {}  # file -> (mmap, uint8 array over it), io="mmap"
+        self._align = {}  # file -> O_DIRECT alignment
+        self._lock = threading.Lock()  # the byte counters
+        self._open_lock = threading.Lock()
+        self._local = threading.local()  # per-thread O_DIRECT bounce buffer
+        self.fallback = None  # why "direct" could not use O_DIRECT, when it could not
+        self.useful_bytes = self.disk_bytes = 0
+        self.io, self.bypass = resolve_io(io), self._check_bypass(bypass)
+
+    def set_io(self, io="auto", bypass=None):
+        """Switch the IO mode; the shards are reopened."""
+        io, bypass = resolve_io(io), self._check_bypass(bypass)
+        if (io, bypass) == (self.io, self.bypass):
+            return
+        files = list(self._fds)
+        self.close()
+        self.io, self.bypass, self.fallback = io, bypass, None
+        for f in files:
+            self._fd(f)
+
+    @staticmethod
+    def _check_bypass(bypass):
+        if bypass is not None and bypass not in BYPASSES:
+            raise MlxmoeError(f"unknown page-cache bypass {bypass!r}; choose {', '.join(BYPASSES)}")
+        return bypass
 
     def map_layers(self, layers):
         """Record the byte ranges of every expert.
@@ -172,45 +299,185 @@ class ExpertStore:
         """Bytes one expert occupies on disk."""
         return sum(r.nbytes for r in self.ranges[0][0])
 
+    @property
+    def method(self):
+        """How the shards are read: the mode, or for "direct" the bypass(es) in use."""
+        return "+".join(sorted(set(self._how.values()))) or self.io
+
     def _fd(self, file):
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(file, os.O_RDONLY)
-        return fd
+        if file not in self._how:  # set last: a file in _how is fully open
+            with self._open_lock:
+                if file not in self._how:
+                    try:
+                        fd, how = self._open(file)
+                    except OSError as e:
+                        raise MlxmoeError(f"cannot open {file}: {e}") from None
+                    self._fds[file] = fd
+                    self._how[file] = how
+        return self._fds[file]
+
+    def _open(self, file):
+        if self.io != "direct":
+            fd = os.open(file, os.O_RDONLY)
+            if self.io == "pread" and hasattr(os, "posix_fadvise"):
+                # No readahead: around a random range it reads ~20 % more than asked (bench_io).
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            if self.io == "mmap":
+                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                if hasattr(mmap, "MADV_RANDOM"):  # no readahead around each fault: we ask for each range
+                    mm.madvise(mmap.MADV_RANDOM)
+                self._maps[file] = (mm, np.frombuffer(mm, np.uint8))
+            return fd, self.io
+        bypass = self.bypass or ("o_direct" if hasattr(os, "O_DIRECT") else
+                                 "f_nocache" if sys.platform == "darwin" else "fadvise")
+        if bypass == "o_direct":
+            try:
+                fd = os.open(file, os.O_RDONLY | os.O_DIRECT)
+                self._align[file] = self._probe_direct(fd, file)
+                return fd, bypass
+            except (OSError, MlxmoeError) as e:
+                self.fallback = f"O_DIRECT failed on {file} ({e}); reading with preadv + posix_fadvise(DONTNEED)"
+                warnings.warn(self.fallback)
+                bypass = "fadvise"
+        fd = os.open(file, os.O_RDONLY)
+        if bypass == "f_nocache":
+            import fcntl
+            fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)  # 48: F_NOCACHE in <sys/fcntl.h> (macOS)
+        elif bypass == "fadvise" and hasattr(os, "posix_fadvise"):
+            # No readahead: it would cache bytes around each range that DONTNEED does not drop.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return fd, bypass
+
+    def _probe_direct(self, fd, file):
+        """The smallest alignment O_DIRECT reads of `file` accept: 512, else 4096. Some
+        filesystems accept the flag and refuse the reads: then raise."""
+        for align in (512, ALIGN):
+            try:
+                preadv_all(fd, [self._bounce(align)], align, file, align)
+                return align
+            except MlxmoeError as e:
+                err = e
+        os.close(fd)
+        raise err
+
+    def _bounce(self, n):
+        """This thread's page-aligned buffer of at least n bytes (an anonymous mmap is page aligned)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < n:
+            size = max(align_up(n, 1 << 20), 1 << 20)
+            self._local.buf = buf = np.frombuffer(mmap.mmap(-1, size), np.uint8)
+        return buf[:n]
 
     def read_expert(self, layer, expert, outs):
         """Read expert `expert` of MoE layer `layer` into `outs` (one numpy array per tensor).
 
         An out whose dtype differs from the file's (bf16/f16 scales into float32 on
         CPU) is filled through a converting copy; otherwise bytes land in place.
-        Returns the number of bytes read.
+        Returns the number of useful bytes read (the expert's bytes on disk);
+        `disk_bytes` also counts what the mode read around them.
         """
-        total = 0
-        for r, out, dtype in zip(self.ranges[layer][expert], outs, self.tensor_dtypes):
+        ranges = self.ranges[layer][expert]
+        dests, converts = [], []
+        for r, out, dtype in zip(ranges, outs, self.tensor_dtypes):
             raw_dtype = DTYPES[dtype]
-            direct = out.dtype == raw_dtype or (dtype == "BF16" and out.dtype == np.uint16)
-            buf = out if direct else np.empty(out.shape, raw_dtype)
-            self._pread(r, memoryview(buf.reshape(-1).view(np.uint8)))
-            if not direct:
-                out[...] = to_float32(buf, dtype) if out.dtype == np.float32 else buf.astype(out.dtype)
-            total += r.nbytes
-        return total
+            if out.dtype == raw_dtype or (dtype == "BF16" and out.dtype == np.uint16):
+                if not out.flags.c_contiguous:
+                    raise MlxmoeError("expert slots must be contiguous memory")
+                buf = out
+            else:
+                buf = np.empty(out.shape, raw_dtype)
+                converts.append((out, buf, dtype))
+            dest = buf.reshape(-1).view(np.uint8)
+            if dest.nbytes != r.nbytes:
+                raise MlxmoeError(f"a slot of {dest.nbytes} bytes for {r.nbytes} bytes at {r.file}:{r.offset}")
+            dests.append(dest)
+        disk = 0
+        for run in runs(ranges, dests, ALIGN if self.io == "direct" else 1):
+            self._fd(run[0])
+            how = self._how[run[0]]
+            if how == "o_direct":
+                disk += self._read_direct(*run)
+            elif how == "mmap":
+                disk += self._read_mmap(*run)
+            else:
+                disk += self._read_pread(*run, fadvise=how == "fadvise")
+        for out, buf, dtype in converts:
+            out[...] = to_float32(buf, dtype) if out.dtype == np.float32 else buf.astype(out.dtype)
+        useful = sum(r.nbytes for r in ranges)
+        with self._lock:
+            self.useful_bytes += useful
+            self.disk_bytes += disk
+        return useful
 
-    def _pread(self, r, mem):
-        fd, done = self._fd(r.file), 0
-        while done < r.nbytes:
-            try:
-                n = os.preadv(fd, [mem[done:]], r.offset + done)
-            except OSError as e:
-                raise MlxmoeError(f"reading {r.file} at offset {r.offset + done}: {e}") from None
-            if n == 0:
-                raise MlxmoeError(f"truncated shard: {r.file} ends before offset {r.offset + r.nbytes}")
-            done += n
+    def _read_pread(self, file, start, end, pieces, fadvise=False):
+        fd = self._fds[file]
+        if sum(d.nbytes for _, d in pieces) != end - start:  # gaps (a run grouped for O_DIRECT)
+            ranges = [Range(file, off, d.nbytes) for off, d in pieces]
+            return sum(self._read_pread(*run, fadvise) for run in runs(ranges, [d for _, d in pieces]))
+        if preadv_all(fd, [d for _, d in pieces], start, file) < end - start:
+            raise truncated(file, end)
+        if fadvise and hasattr(os, "posix_fadvise"):
+            # Whole pages: the kernel keeps a partly covered page.
+            a = align_down(start)
+            os.posix_fadvise(fd, a, align_up(end) - a, os.POSIX_FADV_DONTNEED)
+        return end - start
+
+    def _read_direct(self, file, start, end, pieces):
+        fd, align = self._fds[file], self._align[file]
+        a, b = align_down(start, align), align_up(end, align)
+        if all(off % align == 0 and d.nbytes % align == 0 and d.ctypes.data % align == 0 for off, d in pieces) \
+                and sum(d.nbytes for _, d in pieces) == end - start:
+            # Aligned and back to back (a bundled checkpoint, aligned slots): straight into the slots.
+            if preadv_all(fd, [d for _, d in pieces], a, file, align) < end - start:
+                raise truncated(file, end)
+            return end - start
+        buf = self._bounce(b - a)
+        got = preadv_all(fd, [buf], a, file, align)  # b may lie past the end of the file
+        if got < end - a:
+            raise truncated(file, end)
+        for off, d in pieces:
+            d[...] = buf[off - a:off - a + d.nbytes]
+        return got
+
+    def _read_mmap(self, file, start, end, pieces):
+        mm, arr = self._maps[file]
+        try:  # reading a mapped page past the end of the file would kill the process (SIGBUS)
+            size = os.fstat(self._fds[file]).st_size
+        except OSError as e:
+            raise MlxmoeError(f"reading {file} at offset {start}: {e}") from None
+        if size < end or len(mm) < end:
+            raise truncated(file, end)
+        a, b = align_down(start, mmap.PAGESIZE), min(align_up(end, mmap.PAGESIZE), len(mm))
+        if hasattr(mmap, "MADV_WILLNEED"):  # one readahead of the whole range, not a fault per page
+            mm.madvise(mmap.MADV_WILLNEED, a, b - a)
+        for off, d in pieces:
+            d[...] = arr[off:off + d.nbytes]
+        if hasattr(mmap, "MADV_DONTNEED"):  # out of this process's RSS (the pages stay in the page cache)
+            mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+        return b - a
+
+    def io_stats(self):
+        """{"io", "method", "useful_bytes", "disk_bytes", "amplification", "fallback"}."""
+        with self._lock:
+            useful, disk = self.useful_bytes, self.disk_bytes
+        return {"io": self.io, "method": self.method, "useful_bytes": useful, "disk_bytes": disk,
+                "amplification": disk / useful if useful else 1.0, "fallback": self.fallback}
+
+    def reset_io_stats(self):
+        with self._lock:
+            self.useful_bytes = self.disk_bytes = 0
 
     def close(self):
+        mms = [mm for mm, _ in self._maps.values()]
+        self._maps = {}  # drops the arrays over the maps, so they can close
+        for mm in mms:
+            try:
+                mm.close()
+            except BufferError:  # a view of it is still alive: the garbage collector closes it
+                pass
         for fd in self._fds.values():
             os.close(fd)
-        self._fds = {}
+        self._fds, self._how, self._align = {}, {}, {}
 
 
 def to_float32(raw, dtype):

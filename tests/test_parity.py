@@ -50,8 +50,9 @@ def test_greedy_tokens_match_mlx_lm(checkpoint, arch, quant, layout):
         assert tokens == want, f"cache of {size} experts ({name}) changed the output"
         stats = cache.stats()
         assert stats["misses"] > 0 and stats["cache_experts"] == size
-        # every miss read exactly one expert's bytes
-        assert stats["bytes_read"] == stats["misses"] * cache.store.expert_file_bytes()
+        # every miss read exactly one expert's bytes, every prefetch too
+        assert stats["loads_demand"] == stats["misses"]
+        assert stats["bytes_read"] == (stats["misses"] + stats["loads_prefetched"]) * cache.store.expert_file_bytes()
 
 
 def test_bfloat16_checkpoint(checkpoint):

@@ -137,7 +137,7 @@ def test_prewarm_loads_hottest_without_double_reads(checkpoint, tmp_path):
     live = model.expert_cache.profile
     live.save(tmp_path / "p.json")
     hottest = live.priority()[:12]
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=12, profile=str(tmp_path / "p.json"))
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=12, profile=str(tmp_path / "p.json"), prefetch=0)
     cache = model.expert_cache
     mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=20)  # starts while pre-warm may still run
     assert cache.prewarm_done(timeout=30)
@@ -145,7 +145,7 @@ def test_prewarm_loads_hottest_without_double_reads(checkpoint, tmp_path):
     assert s["loads_prefetched"] == len(hottest)
     assert 0 < s["prefetch_useful"] <= s["loads_prefetched"]
     assert s["bytes_read"] == (s["loads_demand"] + s["loads_prefetched"]) * cache.store.expert_file_bytes()
-    cold, tok2 = mlxmoe.load(str(path), cache_experts=12)
+    cold, tok2 = mlxmoe.load(str(path), cache_experts=12, prefetch=0)
     mlxmoe.generate(cold, tok2, PROMPT, max_tokens=20)
     assert s["loads_demand"] < cold.expert_cache.stats()["loads_demand"]  # the profile saved reads
 

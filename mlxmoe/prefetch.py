@@ -1,0 +1,83 @@
+"""Prefetch: predict the experts of the next MoE layer(s) while the current one computes,
+and read them in background threads so the decode thread finds them resident.
+
+Predictors, each scored for precision and recall on every layer it predicted:
+- `router`: the next layer's router applied to the current layer's hidden state (the
+  lookahead of mixtral-offloading; hidden states change little from layer to layer),
+- `previous_token`: the experts the same layer used at the previous token,
+- `profile`: the layer's hottest experts in the profile prior.
+What is loaded is the router's prediction where the next layer has a router we can
+call, else the previous token's experts. Only decode steps prefetch (a prefill step
+touches most experts anyway).
+"""
+
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import mlx.core as mx
+import numpy as np
+
+PREDICTORS = ("router", "previous_token", "profile")
+
+
+class Prefetcher:
+    def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None):
+        """`routers[l]`: x -> router scores over layer l's experts (None if unknown);
+        `prior`: profile rates [layers, experts] or None."""
+        self.cache, self.routers, self.top_k, self.depth = cache, routers, top_k, depth
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
+        self.jobs = []  # futures of queued and running loads
+        self.previous = {}  # layer -> experts it used at the last token
+        self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
+        self.hottest = None if prior is None else [set(np.argsort(-row, kind="stable")[:top_k].tolist())
+                                                   for row in np.asarray(prior)]
+        # predictor -> [correct, predicted, actually used]
+        self.counts = {name: [0, 0, 0] for name in PREDICTORS}
+
+    def observe(self, layer, experts, decode=True):
+        """The experts `layer` really used (at the last token of the call): score what
+        was predicted for it, if this is the decode step it was predicted for."""
+        used = set(experts)
+        pending = self.pending.pop(layer, {})
+        for name, predicted in pending.items() if decode else ():
+            c = self.counts[name]
+            c[0] += len(predicted & used)
+            c[1] += len(predicted)
+            c[2] += len(used)
+        self.previous[layer] = used
+
+    def after_layer(self, layer, x, token):
+        """Called once `layer` has its experts (decode only): predict and queue the next
+        layers' loads, to run while this layer computes."""
+        for target in range(layer + 1, min(layer + 1 + self.depth, len(self.routers))):
+            predicted = {}
+            if self.routers[target] is not None:
+                scores = self.routers[target](x).reshape(-1)
+                top = mx.argpartition(-scores, self.top_k - 1)[: self.top_k]
+                predicted["router"] = set(np.array(top).tolist())
+            if target in self.previous:
+                predicted["previous_token"] = self.previous[target]
+            if self.hottest is not None:
+                predicted["profile"] = self.hottest[target]
+            self.pending[target] = predicted
+            chosen = predicted.get("router", predicted.get("previous_token"))
+            if not chosen:
+                continue
+            keys = [(target, e) for e in sorted(chosen) if (target, e) not in self.cache.slot_of]
+            if keys:
+                self.jobs = [j for j in self.jobs if not j.done()]
+                self.jobs.append(self.pool.submit(self.cache.prefetch, keys, token, target))
+
+    def stats(self):
+        out = {}
+        for name, (correct, predicted, used) in self.counts.items():
+            if predicted:
+                out[name] = {"precision": correct / predicted, "recall": correct / used if used else 0.0}
+        return out
+
+    def drain(self):
+        """Wait until every queued load has ended."""
+        wait(self.jobs)
+        self.jobs = []
+
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,254 @@
+"""The IO modes (mmap, pread, direct) read the same bytes, count read amplification, give
+the same greedy output, report failed reads with file and offset, and are thread-safe."""
+
+import mmap
+import os
+import random
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import mlxmoe
+from mlxmoe import MlxmoeError
+from mlxmoe.loader import open_checkpoint
+from mlxmoe.store import ALIGN, DTYPES, ExpertStore, Range, default_io, resolve_io
+
+# (io, bypass): every way the store reads
+MODES = [("mmap", None), ("pread", None), ("direct", None), ("direct", "fadvise")]
+IDS = ["mmap", "pread", "direct", "direct-fadvise"]
+PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
+
+
+def fs_type(path):
+    """The filesystem type of `path` from /proc/mounts (longest mount point that holds it)."""
+    path, best = str(Path(path).resolve()), ("", "")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                mnt, kind = line.split()[1:3]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best[0]):
+                    best = (mnt, kind)
+    except OSError:
+        pass
+    return best[1]
+
+
+@pytest.fixture
+def on_disk(tmp_path):
+    """on_disk(folder) -> a copy of folder on a real filesystem (O_DIRECT works there, not
+    on every tmpfs): under tmp_path, or /var/tmp when tmp_path is tmpfs."""
+    made = []
+
+    def copy(src):
+        base = tmp_path
+        if fs_type(tmp_path) == "tmpfs":
+            base = Path(tempfile.mkdtemp(dir="/var/tmp"))
+            made.append(base)
+        dst = base / f"copy{len(list(base.iterdir()))}"
+        shutil.copytree(src, dst)
+        return dst
+
+    yield copy
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def outs_for(store, widen=False):
+    """Buffers for one expert: the file's dtypes, or float32 for bf16/f16 (the CPU policy)."""
+    return [np.empty(shape, np.float32 if widen and d in ("BF16", "F16") else DTYPES[d])
+            for shape, d in zip(store.tensor_shapes, store.tensor_dtypes)]
+
+
+def read_all(store, widen=False):
+    out = {}
+    for l in range(store.num_layers):
+        for e in range(store.num_experts):
+            bufs = outs_for(store, widen)
+            assert store.read_expert(l, e, bufs) == store.expert_file_bytes()
+            out[(l, e)] = [b.copy() for b in bufs]
+    return out
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        for x, y in zip(a[k], b[k]):
+            np.testing.assert_array_equal(x, y, err_msg=f"expert {k}")
+
+
+@pytest.mark.parametrize("variant", [dict(quant="4bit"), dict(layout="per_expert"), dict(quant="4bit", dtype="bfloat16")],
+                         ids=["stacked-4bit", "per_expert-float", "stacked-4bit-bf16"])
+def test_modes_read_the_same_bytes(checkpoint, on_disk, variant):
+    path = on_disk(checkpoint("qwen3_moe", **variant))
+    store = open_checkpoint(path).store
+    widen = variant.get("dtype") == "bfloat16"
+    store.set_io("pread")
+    want = read_all(store, widen)
+    assert store.io_stats()["amplification"] == 1.0
+    for io, bypass in MODES:
+        store.set_io(io, bypass)
+        store.reset_io_stats()
+        assert_same(read_all(store, widen), want)
+        s = store.io_stats()
+        assert s["io"] == io and s["useful_bytes"] == store.num_layers * store.num_experts * store.expert_file_bytes()
+        assert s["disk_bytes"] >= s["useful_bytes"]  # amplification >= 1
+        if bypass == "fadvise" or io == "pread":
+            assert s["amplification"] == 1.0
+        if io == "direct" and bypass is None and hasattr(os, "O_DIRECT"):
+            assert store.method == "o_direct", store.fallback
+    store.close()
+
+
+def test_greedy_output_same_in_every_mode(checkpoint, on_disk):
+    path = on_disk(checkpoint("qwen3_moe", quant="4bit"))
+
+    def run(**kw):
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=8, **kw)
+        tokens = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=16)]
+        cache = model.expert_cache
+        cache.close()
+        return tokens, cache
+
+    want, cache = run()
+    assert cache.store.io == default_io() and cache.stats()["misses"] > 0
+    for io in ("mmap", "pread", "direct"):
+        tokens, cache = run(io=io)
+        assert cache.store.io == io
+        assert tokens == want, f"io={io} changed the output"
+        assert cache.store.io_stats()["useful_bytes"] > 0
+
+
+def test_bad_io_value(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    with pytest.raises(MlxmoeError, match="unknown io mode 'fast'"):
+        mlxmoe.load(str(path), io="fast")
+    with pytest.raises(MlxmoeError, match="unknown io mode"):
+        ExpertStore(path, io="O_DIRECT")
+    with pytest.raises(MlxmoeError, match="page-cache bypass"):
+        ExpertStore(path, io="direct", bypass="nope")
+    assert resolve_io("auto") == resolve_io(None) == default_io()
+
+
+@pytest.mark.parametrize("io,bypass", MODES, ids=IDS)
+def test_truncated_shard_names_file_and_offset(checkpoint, on_disk, io, bypass):
+    path = on_disk(checkpoint("qwen3_moe", quant="4bit"))
+    store = open_checkpoint(path).store
+    store.set_io(io, bypass)
+    last = store.num_experts - 1
+    r = store.ranges[0][last][0]
+    os.truncate(r.file, r.offset + 10)  # after the store opened (and mapped) the shard
+    with pytest.raises(MlxmoeError) as e:
+        store.read_expert(0, last, outs_for(store))
+    assert str(r.file) in str(e.value) and "offset" in str(e.value)
+    store.close()
+
+
+@pytest.mark.parametrize("io,bypass", MODES, ids=IDS)
+def test_read_error_names_file_and_offset(checkpoint, on_disk, io, bypass):
+    path = on_disk(checkpoint("qwen3_moe", quant="4bit"))
+    store = open_checkpoint(path).store
+    store.set_io(io, bypass)
+    r = store.ranges[1][3][0]
+    good, store._fds[r.file] = store._fds[r.file], 1 << 20  # a descriptor that is not open
+    try:
+        with pytest.raises(MlxmoeError) as e:
+            store.read_expert(1, 3, outs_for(store))
+    finally:
+        store._fds[r.file] = good
+    msg = str(e.value)
+    assert str(r.file) in msg and "offset" in msg
+    store.close()
+
+
+@pytest.mark.parametrize("io,bypass", MODES, ids=IDS)
+def test_concurrent_reads(checkpoint, on_disk, io, bypass):
+    path = on_disk(checkpoint("qwen3_moe", quant="4bit"))
+    store = open_checkpoint(path).store
+    store.set_io("pread")
+    want = read_all(store)
+    store.set_io(io, bypass)
+    store.reset_io_stats()
+    keys = [random.Random(0).choice(list(want)) for _ in range(400)]
+
+    def read(key):
+        bufs = outs_for(store)
+        store.read_expert(*key, bufs)
+        return key, bufs
+
+    with ThreadPoolExecutor(8) as ex:
+        for key, bufs in ex.map(read, keys):
+            for x, y in zip(bufs, want[key]):
+                np.testing.assert_array_equal(x, y, err_msg=f"expert {key}")
+    assert store.io_stats()["useful_bytes"] == len(keys) * store.expert_file_bytes()
+    store.close()
+
+
+def test_direct_falls_back_when_o_direct_is_refused(checkpoint, on_disk, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    path = on_disk(checkpoint("qwen3_moe", quant="4bit"))
+    store = open_checkpoint(path).store
+    store.set_io("pread")
+    want = read_all(store)
+    real_open = os.open
+
+    def refuse(file, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(22, "Invalid argument")
+        return real_open(file, flags, *a)
+
+    monkeypatch.setattr(os, "open", refuse)
+    with pytest.warns(UserWarning, match="O_DIRECT failed"):
+        store.set_io("direct")
+    assert store.method == "fadvise" and "O_DIRECT failed" in store.fallback
+    assert_same(read_all(store), want)
+    store.close()
+
+
+def aligned(n):
+    """A page-aligned uint8 buffer (where O_DIRECT can read straight in)."""
+    return np.frombuffer(mmap.mmap(-1, n), np.uint8)
+
+
+def test_direct_ranges_aligned_unaligned_and_sharing_pages(checkpoint, tmp_path):
+    """One expert as back-to-back aligned ranges (read straight into aligned slots),
+    ranges a few bytes apart in one page (one O_DIRECT read, separate preads) and a
+    range that ends at the end of the file."""
+    if fs_type(tmp_path) == "tmpfs":
+        tmp_path = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    data = np.random.default_rng(0).integers(0, 256, 7 * ALIGN + 4000, dtype=np.uint8)
+    f = tmp_path / "experts.bin"
+    f.write_bytes(data.tobytes())
+    store = ExpertStore(checkpoint("qwen3_moe", quant="4bit"))
+    store.tensors, store.tensor_dtypes, store.tensor_shapes = ["a", "b"], ["U8", "U8"], [(2 * ALIGN,), (ALIGN,)]
+    store.ranges = [[
+        [Range(f, 0, 2 * ALIGN), Range(f, 2 * ALIGN, ALIGN)],  # aligned, back to back
+        [Range(f, 3 * ALIGN + 7, 2 * ALIGN), Range(f, 5 * ALIGN + 100, ALIGN)],  # 93 bytes apart
+        [Range(f, len(data) - 3 * ALIGN, 2 * ALIGN), Range(f, len(data) - ALIGN, ALIGN)],  # to the end
+    ]]
+    for io, bypass in MODES:
+        store.set_io(io, bypass)
+        for e, rows in enumerate(store.ranges[0]):
+            bufs = [aligned(2 * ALIGN), aligned(ALIGN)]
+            assert store.read_expert(0, e, bufs) == 3 * ALIGN
+            for r, b in zip(rows, bufs):
+                np.testing.assert_array_equal(b, data[r.offset:r.offset + r.nbytes], err_msg=f"{io} {bypass} {e}")
+    store.close()
+
+
+def test_cli_io_option(checkpoint):
+    import subprocess
+    import sys
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    r = subprocess.run([sys.executable, "-m", "mlxmoe", "generate", "--model", str(path), "--prompt", "Hello",
+                        "--max-tokens", "4", "--cache-experts", "8", "--io", "mmap"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "mlxmoe", "generate", "--model", str(path), "--prompt", "Hello",
+                        "--io", "turbo"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "turbo" in r.stderr
