@@ -145,6 +145,7 @@ def main(argv=None):
     parser.add_argument("--quantized", action="store_true", help="Run the 4-bit kernels as shipped (slow on CPU).")
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "demo_routing.json"))
     args = parser.parse_args(argv)
+    td.ensure_fast_blas(install=False)  # Debian's OpenBLAS when installed (see train_demo.py)
 
     from mlx_lm import load
     from mlx_lm.utils import dequantize_model
@@ -216,7 +217,7 @@ def main(argv=None):
 
     row("Italian vs English", js_it_en)
     for kind, v in same_kind.items():
-        row(f"  {kind}s only", v)
+        row(f"  {'man pages' if kind == 'man' else 'fortunes'} only", v)
     for lang, v in noise.items():
         row(f"noise: {NAMES[lang]} vs itself", v)
     for lang, v in kind_js.items():

@@ -182,7 +182,7 @@ def corpus_packages():
     return sorted(set(MAN_PACKAGES.values()) | set(FORTUNE_PACKAGES.values()) | set(TOOL_PACKAGES))
 
 
-def ensure_fast_blas():
+def ensure_fast_blas(install=True):
     """Re-exec this script with Debian's OpenBLAS preloaded, when there is one.
 
     MLX's Linux CPU wheel links a slow reference BLAS: a [2048,256]@[256,4096] float32
@@ -195,11 +195,11 @@ def ensure_fast_blas():
         return
     pattern = "/usr/lib/*/openblas-pthread/libopenblas.so.0"
     found = sorted(glob.glob(pattern))
-    if not found and apt_install([BLAS_PACKAGE]):
+    if not found and install and apt_install([BLAS_PACKAGE]):
         found = sorted(glob.glob(pattern))
     env = dict(os.environ, MLXMOE_DEMO_BLAS=found[0] if found else "none")
     if not found:
-        _log("OpenBLAS not available: training runs on MLX's reference BLAS (~7x slower)")
+        _log("OpenBLAS not available: MLX's reference BLAS is ~7x slower")
         os.environ.update(env)
         return
     env["LD_PRELOAD"] = ":".join(p for p in (found[0], os.environ.get("LD_PRELOAD")) if p)

@@ -209,10 +209,12 @@ class ExpertCache(Residency):
             if not done.is_set():
                 self.prefetch_late += 1
                 done.wait()
-            if key in self.failed:  # the background read failed: read it here, or raise its error here
-                self.failed.discard(key)
-                self.demand_bytes += self._read(layer, [(key[1], self.slot_of[key])])
-                self.loads_demand += 1
+        with self.lock:
+            retry = [(key[1], self.slot_of[key]) for key in ((layer, e) for e in experts) if key in self.failed]
+            self.failed.difference_update((layer, e) for e, _ in retry)
+        if retry:  # background reads that failed: read here, where a second failure raises its error
+            self.demand_bytes += self._read(layer, retry)
+            self.loads_demand += len(retry)
         self.read_seconds += time.perf_counter() - tic
         return slots
 
@@ -229,6 +231,7 @@ class ExpertCache(Residency):
 
     def evicted(self, key):
         self.prefetched.discard(key)
+        self.failed.discard(key)
 
     def prewarm(self, keys):
         """Fill free slots with `keys`, hottest first, in a background thread; the decode

@@ -134,6 +134,7 @@ DEFAULT_IO = {"linux": "direct", "darwin": "direct"}
 # logical block size (512 or 4096; probed per file when it is opened). Bounce buffers
 # are page aligned, and runs of ranges are grouped by page.
 ALIGN = 4096
+BOUNCE = 4 << 20  # per-thread bounce buffer (a multiple of ALIGN): O_DIRECT reads of at most this
 
 
 def default_io(platform=sys.platform):
@@ -364,8 +365,7 @@ class ExpertStore:
         """This thread's page-aligned buffer of at least n bytes (an anonymous mmap is page aligned)."""
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < n:
-            size = max(align_up(n, 1 << 20), 1 << 20)
-            self._local.buf = buf = np.frombuffer(mmap.mmap(-1, size), np.uint8)
+            self._local.buf = buf = np.frombuffer(mmap.mmap(-1, align_up(n, 1 << 20)), np.uint8)
         return buf[:n]
 
     def read_expert(self, layer, expert, outs):
@@ -431,12 +431,17 @@ class ExpertStore:
             if preadv_all(fd, [d for _, d in pieces], a, file, align) < end - start:
                 raise truncated(file, end)
             return end - start
-        buf = self._bounce(b - a)
-        got = preadv_all(fd, [buf], a, file, align)  # b may lie past the end of the file
-        if got < end - a:
-            raise truncated(file, end)
-        for off, d in pieces:
-            d[...] = buf[off - a:off - a + d.nbytes]
+        got = 0
+        for c in range(a, b, BOUNCE):  # through the bounce buffer, at most BOUNCE bytes at a time
+            buf = self._bounce(min(BOUNCE, b - c))
+            n = preadv_all(fd, [buf], c, file, align)  # b may lie past the end of the file
+            got += n
+            if c + n < min(c + len(buf), end):
+                raise truncated(file, end)
+            for off, d in pieces:
+                lo, hi = max(off, c), min(off + d.nbytes, c + n)
+                if lo < hi:
+                    d[lo - off:hi - off] = buf[lo - c:hi - c]
         return got
 
     def _read_mmap(self, file, start, end, pieces):

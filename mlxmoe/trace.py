@@ -131,3 +131,30 @@ def replay_all(header, records, policies, cache_experts, **policy_kw):
 
 def policy_names(name):
     return ONLINE + ["belady"] if name == "all" else [name]
+
+
+def predictor_scores(records, prior=None, top_k=None):
+    """Precision and recall, on a recorded trace, of the predictors that need no hidden
+    state: `previous_token` (a layer's experts at the previous token) and, given a
+    profile's rates [layers, experts], `profile` (the layer's top-k by rate)."""
+    import numpy as np
+
+    hottest = None
+    if prior is not None:
+        k = top_k or max(len(r[3]) for r in records)
+        hottest = [set(np.argsort(-np.asarray(row), kind="stable")[:k].tolist()) for row in prior]
+    counts = {"previous_token": [0, 0, 0], "profile": [0, 0, 0]}
+    previous = {}
+    for s, t, l, e, _ in records:
+        used = set(e)
+        predictions = {"previous_token": previous.get((s, l))}
+        if hottest is not None:
+            predictions["profile"] = hottest[l]
+        for name, predicted in predictions.items():
+            if predicted is not None:
+                c = counts[name]
+                c[0] += len(predicted & used)
+                c[1] += len(predicted)
+                c[2] += len(used)
+        previous[(s, l)] = used
+    return {name: {"precision": c[0] / c[1], "recall": c[0] / c[2]} for name, c in counts.items() if c[1]}

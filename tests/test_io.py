@@ -14,6 +14,7 @@ import pytest
 
 import mlxmoe
 from mlxmoe import MlxmoeError
+from mlxmoe import store as store_module
 from mlxmoe.loader import open_checkpoint
 from mlxmoe.store import ALIGN, DTYPES, ExpertStore, Range, default_io, resolve_io
 
@@ -214,10 +215,14 @@ def aligned(n):
     return np.frombuffer(mmap.mmap(-1, n), np.uint8)
 
 
-def test_direct_ranges_aligned_unaligned_and_sharing_pages(checkpoint, tmp_path):
+@pytest.mark.parametrize("bounce", [None, 2 * ALIGN], ids=["bounce-default", "bounce-8k"])
+def test_direct_ranges_aligned_unaligned_and_sharing_pages(checkpoint, tmp_path, monkeypatch, bounce):
     """One expert as back-to-back aligned ranges (read straight into aligned slots),
     ranges a few bytes apart in one page (one O_DIRECT read, separate preads) and a
-    range that ends at the end of the file."""
+    range that ends at the end of the file; with a small bounce buffer, O_DIRECT reads
+    go in several chunks."""
+    if bounce:
+        monkeypatch.setattr(store_module, "BOUNCE", bounce)
     if fs_type(tmp_path) == "tmpfs":
         tmp_path = Path(tempfile.mkdtemp(dir="/var/tmp"))
     data = np.random.default_rng(0).integers(0, 256, 7 * ALIGN + 4000, dtype=np.uint8)

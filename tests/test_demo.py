@@ -1,0 +1,125 @@
+"""The bundled demo model (mlxmoe/demo, trained by bench/train_demo.py): it loads offline
+through mlx-lm and mlxmoe with the same greedy output, continues Italian in Italian, and
+ships inside the wheel."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import mlx_lm
+import pytest
+
+import mlxmoe
+from mlxmoe.backend import detect
+
+DEMO = Path(mlxmoe.__file__).parent / "demo"
+FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+         "training.json")
+CACHE_EXPERTS = 16  # of 4 x 32: experts really stream
+
+IT_PROMPTS = ["Il file di configurazione", "La vita è", "Questo programma", "Non vorrei mai"]
+EN_PROMPTS = ["The configuration file", "Life is", "This program", "I would never"]
+IT_WORDS = {"di", "che", "il", "la", "per", "non", "un", "una", "del", "della", "e", "è", "e'", "in", "con", "si",
+            "le", "lo", "gli", "da", "al", "nel", "sono", "questo", "questa", "ma", "se", "come", "più"}
+EN_WORDS = {"the", "of", "and", "to", "is", "in", "that", "for", "with", "a", "it", "be", "are", "on", "as",
+            "this", "you", "not", "or", "by", "if"}
+
+
+def share(text, words):
+    """Share of the words of `text` that are in `words` (lower case)."""
+    tokens = re.findall(r"[^\W\d_]+'?", text.lower())
+    return sum(t in words or t.rstrip("'") in words for t in tokens) / max(len(tokens), 1)
+
+
+@pytest.fixture(scope="module")
+def stock():
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    model, tokenizer = mlx_lm.load(str(DEMO))
+    return detect().apply_dtype_policy(model), tokenizer  # mlxmoe's dtype policy (float32 on CPU)
+
+
+@pytest.fixture(scope="module")
+def streamed():
+    return mlxmoe.load(str(DEMO), cache_experts=CACHE_EXPERTS)
+
+
+def test_demo_is_a_real_qwen3_moe_checkpoint():
+    for name in FILES:
+        assert (DEMO / name).is_file(), name
+    config = json.loads((DEMO / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe"
+    assert config["num_hidden_layers"] >= 4 and config["num_experts"] >= 32 and config["num_experts_per_tok"] >= 2
+    assert config["quantization"]["bits"] == 4 and config["eos_token_id"]
+    assert (DEMO / "model.safetensors").stat().st_size < 20e6
+
+
+def test_loads_offline_and_greedy_matches_mlx_lm(stock, streamed):
+    ref, ref_tok = stock
+    model, tokenizer = streamed
+    for prompt in (IT_PROMPTS[0], EN_PROMPTS[0]):
+        want = mlx_lm.generate(ref, ref_tok, prompt, max_tokens=32)
+        assert len(set(want.split())) >= 3
+        assert mlxmoe.generate(model, tokenizer, prompt, max_tokens=32) == want
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Dimmi una frase."}], add_generation_prompt=True)
+    assert mlxmoe.generate(model, tokenizer, chat, max_tokens=32) == mlx_lm.generate(ref, ref_tok, chat, max_tokens=32)
+    stats = model.expert_cache.stats()
+    assert stats["cache_experts"] == CACHE_EXPERTS and stats["misses"] > CACHE_EXPERTS and stats["evictions"] > 0
+
+
+def test_italian_prompts_continue_in_italian(streamed):
+    model, tokenizer = streamed
+
+    def continuations(prompts):
+        return [mlxmoe.generate(model, tokenizer, p, max_tokens=40) for p in prompts]
+
+    it_out, en_out = continuations(IT_PROMPTS), continuations(EN_PROMPTS)
+    it_score = [share(t, IT_WORDS) for t in it_out]
+    en_score = [share(t, IT_WORDS) for t in en_out]
+    detail = f"\nItalian prompts: {it_out}\nEnglish prompts: {en_out}"
+    # Italian function words are commoner after Italian prompts, English ones after English prompts
+    assert sum(it_score) > sum(en_score), detail
+    assert sum(share(t, EN_WORDS) for t in en_out) > sum(share(t, EN_WORDS) for t in it_out), detail
+    # and most Italian continuations, taken one by one, are more Italian than English
+    assert sum(share(t, IT_WORDS) > share(t, EN_WORDS) for t in it_out) > len(it_out) / 2, detail
+
+
+def _can_build_wheels():
+    from importlib.util import find_spec
+
+    return find_spec("wheel") is not None or find_spec("setuptools.command.bdist_wheel") is not None
+
+
+def test_wheel_ships_the_demo_model(tmp_path):
+    repo = Path(__file__).resolve().parent.parent
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "MANIFEST.in", "LICENSE"):
+        if (repo / name).exists():
+            shutil.copy(repo / name, src / name)
+    shutil.copytree(repo / "mlxmoe", src / "mlxmoe", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist = tmp_path / "dist"
+    # Without build isolation when this environment can build wheels (setuptools >= 70.1 or
+    # the `wheel` package); otherwise pip fetches the build backend, as `pip install` does.
+    isolation = [] if _can_build_wheels() else ["--use-pep517"]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)]
+                   + (["--no-build-isolation"] if not isolation else isolation), check=True, cwd=tmp_path)
+    (wheel,) = dist.glob("mlxmoe-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        sizes = {i.filename: i.file_size for i in z.infolist()}
+    for name in FILES:
+        assert sizes.get(f"mlxmoe/demo/{name}") == (DEMO / name).stat().st_size, name
+
+    # installed (into a folder of its own), the package finds and loads its model
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True)
+    code = ("import mlxmoe, pathlib, mlx_lm; d = pathlib.Path(mlxmoe.__file__).parent / 'demo'; "
+            f"assert str(d).startswith({str(site)!r}), d; mlx_lm.load(str(d)); print('ok')")
+    env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr

@@ -1,0 +1,127 @@
+"""Prefetch never changes output, never reads an expert twice, survives IO errors in
+its workers, and its predictors are scored."""
+
+import threading
+
+import mlx_lm
+import pytest
+
+import mlxmoe
+from mlxmoe.backend import detect
+from mlxmoe.errors import MlxmoeError
+from mlxmoe.trace import predictor_scores
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
+
+
+def reference(path, tokens=32):
+    model, tokenizer = mlx_lm.load(str(path))
+    detect().apply_dtype_policy(model)
+    return [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=tokens)]
+
+
+def tokens(model, tokenizer, n=32):
+    return [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=n)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
+def test_prefetch_keeps_output_and_loads_ahead(checkpoint, arch):
+    path = checkpoint(arch, quant="4bit")
+    want = reference(path)
+    for depth in (1, 2):
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=8, prefetch=depth)
+        assert tokens(model, tokenizer) == want
+        model.expert_cache.prefetcher.drain()
+        s = model.expert_cache.stats()
+        assert s["loads_prefetched"] > 0
+        assert "router" in s["predictors"] and 0 <= s["predictors"]["router"]["precision"] <= 1
+        assert s["bytes_read"] == (s["loads_demand"] + s["loads_prefetched"]) * model.expert_cache.store.expert_file_bytes()
+
+
+def test_no_expert_is_read_twice(checkpoint):
+    """Between two reads of the same expert it must have been evicted: a demand read never
+    repeats a background read in flight, and the other way round."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=10, prefetch=2)
+    cache = model.expert_cache
+    log, lock = [], threading.Lock()
+    read = cache.store.read_expert
+
+    def logged_read(layer, expert, outs):
+        with lock:
+            log.append(("read", (layer, expert)))
+        return read(layer, expert, outs)
+
+    evicted = cache.evicted
+
+    def logged_evict(key):
+        log.append(("evict", key))  # called under the cache's lock
+        evicted(key)
+
+    cache.store.read_expert, cache.evicted = logged_read, logged_evict
+    tokens(model, tokenizer, 48)
+    cache.prefetcher.drain()
+    resident = set()
+    for what, key in log:
+        if what == "read":
+            assert key not in resident, f"{key} read again while resident"
+            resident.add(key)
+        else:
+            resident.discard(key)
+    assert sum(w == "read" for w, _ in log) == cache.stats()["loads_demand"] + cache.stats()["loads_prefetched"]
+
+
+def test_failed_background_read_falls_back_to_a_demand_read(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want = reference(path)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    store = model.expert_cache.store
+    read = store.read_expert
+
+    def failing_in_workers(layer, expert, outs):
+        if threading.current_thread().name.startswith("mlxmoe-prefetch"):
+            raise MlxmoeError(f"reading {store.files[0]} at offset 123: injected")
+        return read(layer, expert, outs)
+
+    store.read_expert = failing_in_workers
+    assert tokens(model, tokenizer) == want
+    assert model.expert_cache.stats()["loads_prefetched"] == 0
+
+
+def test_unreadable_shard_gives_a_clear_error_not_a_hang(checkpoint, tmp_path):
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(checkpoint("qwen3_moe", quant="4bit"), path)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    store = model.expert_cache.store
+    shard = store.files[0]
+    with open(shard, "r+b") as f:  # the file shrinks under the running model
+        f.truncate(shard.stat().st_size // 2)
+    result = {}
+
+    def run():
+        try:
+            tokens(model, tokenizer)
+        except MlxmoeError as e:
+            result["error"] = str(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "decoding hung after a failed read"
+    assert str(shard) in result["error"] and "offset" in result["error"]
+
+
+def test_predictor_precision_on_a_recorded_trace(tmp_path):
+    # layer 0 repeats its experts every token; layer 1 alternates between two sets
+    records = []
+    for t in range(10):
+        records.append((0, t, 0, [1, 2], None))
+        records.append((0, t, 1, [3, 4] if t % 2 else [5, 6], None))
+    prior = [[0, 1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 0, 0]]
+    scores = predictor_scores(records, prior)
+    # previous token: layer 0 always right (9 of 9), layer 1 always wrong (0 of 9)
+    assert scores["previous_token"]["precision"] == pytest.approx(0.5)
+    # profile: layer 0 always right (10), layer 1 right on odd tokens (5 of 10)
+    assert scores["profile"]["precision"] == pytest.approx(15 / 20)
