@@ -11,7 +11,7 @@ from mlx_lm.utils import load_tokenizer
 from . import backend as backends
 from .budget import DEFAULT_CONTEXT, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
-from .errors import MlxmoeError
+from .errors import MlxmoeError, read_lines
 from .loader import attach_cache, open_checkpoint
 from .policies import make_policy
 from .prefetch import Prefetcher
@@ -133,12 +133,7 @@ def read_prompts(path, tokenizer=None, chats=False, chat_template=False):
     """Prompts from a file: one per non-empty line, or (`chats`) one JSON conversation per
     line ({"messages": [...]} or a list of {"role", "content"}) rendered with the chat
     template up to the assistant's turn."""
-    try:
-        lines = [l for l in open(path, encoding="utf-8").read().splitlines() if l.strip()]
-    except FileNotFoundError:
-        raise MlxmoeError(f"prompts file not found: {path}") from None
-    except UnicodeDecodeError:
-        raise MlxmoeError(f"{path}: not UTF-8 text") from None
+    lines = [l for l in read_lines(path, "prompts file") if l.strip()]
     if not lines:
         raise MlxmoeError(f"{path}: no prompts")
     if not chats:

@@ -54,6 +54,26 @@ class Policy:
         raise NotImplementedError
 
 
+def pop_victim(heap, current, key_of, protected):
+    """Pop the heap's smallest entry that is `current` (entries go stale when their key
+    is accessed again or leaves) and whose key is not protected; protected entries are
+    pushed back."""
+    skipped = []
+    try:
+        while heap:
+            entry = heapq.heappop(heap)
+            if not current(entry):
+                continue
+            if key_of(entry) in protected:
+                skipped.append(entry)
+                continue
+            return key_of(entry)
+        raise _none_left()
+    finally:
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+
+
 def _none_left():
     return MlxmoeError("every resident expert is needed by the current layer; the cache is below its minimum")
 
@@ -158,22 +178,8 @@ class LFU(Policy):
         self.resident.discard(key)
 
     def victim(self, protected):
-        skipped, found = [], None
-        while self.heap:
-            entry = heapq.heappop(self.heap)
-            count, _, key = entry
-            if key not in self.resident or count != self.counts.count.get(key, 0.0):
-                continue  # stale
-            if key in protected:
-                skipped.append(entry)
-                continue
-            found = key
-            break
-        for entry in skipped:
-            heapq.heappush(self.heap, entry)
-        if found is None:
-            raise _none_left()
-        return found
+        return pop_victim(self.heap, lambda e: e[2] in self.resident and e[0] == self.counts.count.get(e[2], 0.0),
+                          lambda e: e[2], protected)
 
 
 class SLRU(Policy):
@@ -337,22 +343,8 @@ class Belady(Policy):
         self.resident.discard(key)
 
     def victim(self, protected):
-        skipped, found = [], None
-        while self.heap:
-            entry = heapq.heappop(self.heap)
-            key = entry[1]
-            if key not in self.resident or -entry[0] != self.next_of[key]:
-                continue
-            if key in protected:
-                skipped.append(entry)
-                continue
-            found = key
-            break
-        for entry in skipped:
-            heapq.heappush(self.heap, entry)
-        if found is None:
-            raise _none_left()
-        return found
+        return pop_victim(self.heap, lambda e: e[1] in self.resident and -e[0] == self.next_of[e[1]],
+                          lambda e: e[1], protected)
 
 
 class Activation(Policy):

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from .cache import Residency
-from .errors import MlxmoeError
+from .errors import MlxmoeError, read_lines
 from .policies import ONLINE, make_policy
 from .profile import temp_beside
 
@@ -50,12 +50,7 @@ class TraceWriter:
 def read_trace(path):
     """Return (header, records); records are (s, t, l, experts, probs or None)."""
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        raise MlxmoeError(f"trace not found: {path}") from None
-    except UnicodeDecodeError:
-        raise MlxmoeError(f"{path}: not a text trace file") from None
+    lines = read_lines(path, "trace")
     if not lines:
         raise MlxmoeError(f"{path}: empty trace")
     try:
