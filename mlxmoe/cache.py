@@ -40,6 +40,7 @@ class Residency:
         self.slot_of = {}  # (layer, expert) -> slot
         self.free = list(range(capacity - 1, -1, -1))
         self.in_flight = set()  # keys whose slot is being filled by a background read: never victims
+        self.held = set()  # prefetched for a coming layer call: victims only when nothing else is
         self.hits = self.misses = self.evictions = 0
 
     def access(self, layer, experts, scores=None, probs=None):
@@ -70,7 +71,7 @@ class Residency:
                 if self.free:
                     slot = self.free.pop()
                 else:
-                    victim = self.policy.victim(protected)
+                    victim = self.victim(protected)
                     self.policy.remove(victim)
                     slot = self.slot_of.pop(victim)
                     self.evictions += 1
@@ -80,6 +81,14 @@ class Residency:
                 missed.append((key[1], slot))
             slots.append(self.slot_of[key])
         return slots, missed
+
+    def victim(self, protected):
+        if self.held:
+            try:
+                return self.policy.victim(protected | self.held)
+            except MlxmoeError:
+                pass
+        return self.policy.victim(protected)
 
     def claim(self, keys, protected=(), evict=False):
         """Give slots to the non-resident `keys` (most important first) ahead of their use:
@@ -93,7 +102,7 @@ class Residency:
                 slot = self.free.pop()
             elif evict:
                 try:
-                    victim = self.policy.victim(set(protected) | self.in_flight | {k for k, _ in taken})
+                    victim = self.victim(set(protected) | self.in_flight)
                 except MlxmoeError:
                     break
                 self.policy.remove(victim)
@@ -144,8 +153,8 @@ class ExpertCache(Residency):
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="mlxmoe-io") if io_threads > 1 else None
         self.lock = threading.Lock()
         self.waiting = {}  # key -> threading.Event, set once its background read ended
+        self.prefetched = set()  # loaded in the background and not used yet (for prefetch_useful)
         self.failed = set()  # keys whose background read failed: read again on demand
-        self.prefetched = set()  # loaded in the background and not used yet
         self.profile = profile  # live ActivationProfile: learns from every layer call
         self.trace = None  # TraceWriter when recording
         self.wants_router = policy.wants_router
@@ -201,6 +210,8 @@ class ExpertCache(Residency):
                 if key in self.prefetched:
                     self.prefetched.discard(key)
                     self.prefetch_useful += 1
+            # held until this visit: what this layer did not use was a wrong guess
+            self.held.difference_update([k for k in self.held if k[0] == layer])
         tic = time.perf_counter()
         if missed:
             self.demand_bytes += self._read(layer, missed)
@@ -231,6 +242,7 @@ class ExpertCache(Residency):
 
     def evicted(self, key):
         self.prefetched.discard(key)
+        self.held.discard(key)
         self.failed.discard(key)
 
     def prewarm(self, keys):
@@ -257,7 +269,7 @@ class ExpertCache(Residency):
             room = self.capacity - len(self.active | self.in_flight) - 2 * len(keys)
             taken = self._claim(keys[:max(room, 0)], evict=True)
         for key, slot in taken:
-            self._load(key, slot)
+            self._load(key, slot, hold=True)
 
     def _claim(self, keys, evict):
         taken = self.claim(keys, self.active, evict)
@@ -266,7 +278,7 @@ class ExpertCache(Residency):
             self.in_flight.add(key)
         return taken
 
-    def _load(self, key, slot):
+    def _load(self, key, slot, hold=False):
         """Background read of one claimed key; always ends its wait, even on error."""
         n = None
         if not self._stop.is_set():
@@ -279,6 +291,8 @@ class ExpertCache(Residency):
                 self.prefetch_bytes += n
                 self.loads_prefetched += 1
                 self.prefetched.add(key)
+                if hold and key[0] > self.current_layer:  # its layer is still to come in this token
+                    self.held.add(key)
             else:
                 self.failed.add(key)
             self.in_flight.discard(key)
