@@ -13,7 +13,8 @@ from .policies import DEFAULT_POLICY, ONLINE
 def model_options(f):
     """Options shared by every command that loads a model."""
     options = [
-        click.option("--model", "-m", "model_path", required=True, help="Model folder (or Hugging Face repo id)."),
+        click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the "
+                     "small demo model that ships with mlxmoe."),
         click.option("--memory-budget", help="Memory for the whole model: resident weights + KV cache + expert "
                      "cache, e.g. 12GB. Default: 60% of this machine's memory."),
         click.option("--cache-size", help="Expert cache size in bytes (e.g. 2GB); overrides the budget's share."),
@@ -149,7 +150,7 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
     prompt_cache = make_prompt_cache(model)
     first = True
     profile = f", profile {cache.profile.workload!r}" if opts["profile_path"] else ""
-    click.echo(f"mlxmoe chat: {opts['model_path']} with {cache.capacity} experts cached{profile}. /quit to leave.",
+    click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {cache.capacity} experts cached{profile}. /quit to leave.",
                err=True)
     try:
         while True:
@@ -189,7 +190,7 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
 
 
 @main.command()
-@click.option("--model", "-m", "model_path", required=True, help="Model folder (or Hugging Face repo id).")
+@click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the demo model.")
 @click.option("--memory-budget", help="Show what this budget buys, e.g. 12GB.")
 @click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

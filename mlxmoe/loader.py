@@ -20,6 +20,9 @@ from .errors import MlxmoeError
 from .experts import StreamingExperts, find_router
 from .store import PER_EXPERT, ExpertStore
 
+# The small MoE model trained by bench/train_demo.py that ships inside the package.
+DEMO_MODEL = Path(__file__).resolve().parent / "demo"
+
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 LINEARS = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
 PARAMS = ("weight", "scales", "biases", "bias")
@@ -47,7 +50,12 @@ class Checkpoint:
 
 
 def resolve(path_or_repo):
-    """A local folder, or a Hugging Face repo id downloaded by mlx-lm (needs network)."""
+    """A local folder, or a Hugging Face repo id downloaded by mlx-lm (needs network);
+    None is the bundled demo model."""
+    if path_or_repo is None:
+        if not (DEMO_MODEL / "config.json").exists():
+            raise MlxmoeError(f"the bundled demo model is missing from {DEMO_MODEL}; pass --model")
+        return DEMO_MODEL
     path = Path(path_or_repo).expanduser()
     if path.exists():
         if not (path / "config.json").exists():

@@ -26,6 +26,7 @@ import re
 import sys
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +135,10 @@ DEFAULT_IO = {"linux": "direct", "darwin": "direct"}
 # logical block size (512 or 4096; probed per file when it is opened). Bounce buffers
 # are page aligned, and runs of ranges are grouped by page.
 ALIGN = 4096
+# The ranges of one expert in a stacked checkpoint (weight, scales, biases of gate, up,
+# down: 9 far apart) are read by this many threads at once: one expert read alone went
+# from 0.59 to 0.78 GB/s, as fast as one contiguous read of a bundled copy (bench_io).
+IO_WORKERS = 4
 BOUNCE = 4 << 20  # per-thread bounce buffer (a multiple of ALIGN): O_DIRECT reads of at most this
 
 
@@ -213,7 +218,7 @@ class ExpertStore:
     read_expert may be called from several threads at once.
     """
 
-    def __init__(self, model_path, io="auto", bypass=None):
+    def __init__(self, model_path, io="auto", bypass=None, workers=IO_WORKERS):
         self.path = Path(model_path)
         self.files = shard_files(self.path)
         self.index = {}
@@ -232,6 +237,8 @@ class ExpertStore:
         self._local = threading.local()  # per-thread O_DIRECT bounce buffer
         self.fallback = None  # why "direct" could not use O_DIRECT, when it could not
         self.useful_bytes = self.disk_bytes = 0
+        self.workers = workers  # threads reading the separate ranges of one expert at once
+        self._workers = None
         self.io, self.bypass = resolve_io(io), self._check_bypass(bypass)
 
     def set_io(self, io="auto", bypass=None):
@@ -391,16 +398,11 @@ class ExpertStore:
             if dest.nbytes != r.nbytes:
                 raise MlxmoeError(f"a slot of {dest.nbytes} bytes for {r.nbytes} bytes at {r.file}:{r.offset}")
             dests.append(dest)
-        disk = 0
-        for run in runs(ranges, dests, ALIGN if self.io == "direct" else 1):
-            self._fd(run[0])
-            how = self._how[run[0]]
-            if how == "o_direct":
-                disk += self._read_direct(*run)
-            elif how == "mmap":
-                disk += self._read_mmap(*run)
-            else:
-                disk += self._read_pread(*run, fadvise=how == "fadvise")
+        todo = runs(ranges, dests, ALIGN if self.io == "direct" else 1)
+        if self.workers > 1 and len(todo) > 1:  # the ranges of a stacked expert: all at once
+            disk = sum(self._pool().map(self._read_run, todo))
+        else:
+            disk = sum(map(self._read_run, todo))
         for out, buf, dtype in converts:
             out[...] = to_float32(buf, dtype) if out.dtype == np.float32 else buf.astype(out.dtype)
         useful = sum(r.nbytes for r in ranges)
@@ -408,6 +410,22 @@ class ExpertStore:
             self.useful_bytes += useful
             self.disk_bytes += disk
         return useful
+
+    def _pool(self):
+        if self._workers is None:
+            with self._open_lock:
+                if self._workers is None:
+                    self._workers = ThreadPoolExecutor(self.workers, thread_name_prefix="mlxmoe-read")
+        return self._workers
+
+    def _read_run(self, run):
+        self._fd(run[0])
+        how = self._how[run[0]]
+        if how == "o_direct":
+            return self._read_direct(*run)
+        if how == "mmap":
+            return self._read_mmap(*run)
+        return self._read_pread(*run, fadvise=how == "fadvise")
 
     def _read_pread(self, file, start, end, pieces, fadvise=False):
         fd = self._fds[file]
@@ -473,6 +491,9 @@ class ExpertStore:
             self.useful_bytes = self.disk_bytes = 0
 
     def close(self):
+        if self._workers is not None:
+            self._workers.shutdown()
+            self._workers = None
         mms = [mm for mm, _ in self._maps.values()]
         self._maps = {}  # drops the arrays over the maps, so they can close
         for mm in mms:

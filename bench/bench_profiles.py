@@ -1,0 +1,169 @@
+"""Profiles and the activation-aware cache on the bundled demo model, in one run:
+
+1. pre-warm: hit rate over the first 64 generated tokens of Italian prompts at 50 % cache,
+   with the Italian profile, with none, and with the English profile;
+2. profile switch: a session that starts in Italian (Italian profile) and changes to
+   English: how many tokens `activation` (and LRU) need to get back to their English
+   steady-state hit rate, replayed on traces recorded from the model;
+3. bookkeeping: the time StreamingExperts spends beyond mlx-lm's own work (routing copies,
+   policy, remapping) as a share of decode time.
+Results go to bench/out/profiles.json.
+
+    python bench/bench_profiles.py [--model DIR] [--profiles profiles/]
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import mlxmoe
+from mlxmoe.cache import Residency
+from mlxmoe.loader import DEMO_MODEL
+from mlxmoe.policies import make_policy
+from mlxmoe.profile import ActivationProfile
+from mlxmoe.trace import TraceWriter, read_trace, steps
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "out"
+
+
+def prompts(path, n):
+    lines = [l for l in Path(path).read_text(encoding="utf-8").splitlines() if l.strip()]
+    return lines[:n]
+
+
+def prewarm(model_path, profiles_dir, italian, tokens=64, share=0.5):
+    """Hit rate over the first `tokens` generated tokens of each Italian prompt."""
+    rows = {}
+    for name in ("italian", None, "english"):
+        profile = None if name is None else str(profiles_dir / f"{name}.json")
+        rates = []
+        for prompt in italian:
+            model, tokenizer = mlxmoe.load(model_path, cache_experts=_share(model_path, share), profile=profile,
+                                           prefetch=0)
+            cache = model.expert_cache
+            before = None
+            for i, r in enumerate(mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=tokens + 1)):
+                if i == 0:  # the prompt is in: count from the first generated token on
+                    before = (cache.hits, cache.misses)
+            hits, misses = cache.hits - before[0], cache.misses - before[1]
+            rates.append(hits / max(hits + misses, 1))
+            cache.close()
+        rows[name or "none"] = float(np.mean(rates))
+        print(f"  profile {name or 'none':>8}: hit rate over the first {tokens} generated tokens "
+              f"{100 * rows[name or 'none']:.1f}%")
+    return rows
+
+
+_sizes = {}
+
+
+def _share(model_path, share):
+    if model_path not in _sizes:
+        from mlxmoe.loader import open_checkpoint
+
+        ckpt = open_checkpoint(model_path)
+        _sizes[model_path] = ckpt.num_layers * ckpt.num_experts
+    return int(_sizes[model_path] * share)
+
+
+def record(model_path, lines, path, tokens=16):
+    """A trace of the model on `lines` (prompt tokens teacher-forced, then `tokens` generated)."""
+    model, tokenizer = mlxmoe.load(model_path, trace_out=str(path), prefetch=0)
+    for line in lines:
+        for _ in mlxmoe.stream_generate(model, tokenizer, line, max_tokens=tokens):
+            pass
+    model.expert_cache.close()
+    return read_trace(path)
+
+
+def switch(header, it_records, en_records, profile, policy, share=0.5, window=32):
+    """Per-token hit rate across an Italian -> English switch; tokens until the rolling
+    hit rate is back within 2 points of the English steady state (its last half)."""
+    L, E = header["num_layers"], header["num_experts"]
+    size = int(L * E * share)
+    r = Residency(size, make_policy(policy, size, L, E, prior=profile.rates() if profile else None))
+    per_token, hits_before, token = [], 0, None
+    switch_at = None
+    records = list(it_records) + [(1,) + rec[1:] for rec in en_records]
+    for new_token, layer, experts, scores in steps(records):
+        if new_token:
+            if token is not None:
+                per_token.append(r.hits - hits_before)
+            hits_before, token = r.hits, len(per_token)
+            r.policy.tick(1)
+        r.access(layer, experts, scores)
+    per_token.append(r.hits - hits_before)
+    switch_at = len({(s, t) for s, t, *_ in it_records})
+    accesses = np.array([sum(len(set(rec[3])) for rec in recs) for recs in _by_token(records)], dtype=float)
+    rate = np.array(per_token, dtype=float) / accesses
+    en = rate[switch_at:]
+    steady = en[len(en) // 2:].mean()
+    rolling = np.convolve(en, np.ones(window) / window, mode="valid")
+    recovered = next((i + window for i, v in enumerate(rolling) if v >= steady - 0.02), None)
+    return {"steady_english": float(steady), "italian": float(rate[:switch_at].mean()),
+            "first_window_after_switch": float(rolling[0]), "tokens_to_recover": recovered}
+
+
+def _by_token(records):
+    out, last = [], None
+    for rec in records:
+        if (rec[0], rec[1]) != last:
+            out.append([])
+            last = (rec[0], rec[1])
+        out[-1].append(rec)
+    return out
+
+
+def bookkeeping(model_path, prompt, tokens=128, share=0.5):
+    model, tokenizer = mlxmoe.load(model_path, cache_experts=_share(model_path, share))
+    cache = model.expert_cache
+    mlxmoe.generate(model, tokenizer, prompt, max_tokens=8)
+    cache.reset_stats()
+    tic = time.perf_counter()
+    mlxmoe.generate(model, tokenizer, prompt, max_tokens=tokens)
+    elapsed = time.perf_counter() - tic
+    s = cache.stats()
+    cache.close()
+    return {"bookkeeping_seconds": s["bookkeeping_seconds"], "generate_seconds": elapsed,
+            "share": s["bookkeeping_seconds"] / elapsed, "decode_tps": s["decode_tps"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(DEMO_MODEL))
+    ap.add_argument("--profiles", default=str(ROOT / "profiles"))
+    ap.add_argument("--heldout", default=str(ROOT / "bench" / "data" / "heldout"))
+    ap.add_argument("--prompts", type=int, default=4, help="Held-out prompts per language.")
+    args = ap.parse_args()
+    profiles, heldout = Path(args.profiles), Path(args.heldout)
+    OUT.mkdir(exist_ok=True)
+    it, en = prompts(heldout / "it.txt", args.prompts), prompts(heldout / "en.txt", args.prompts)
+    out = {}
+    print("1. pre-warm at 50 % cache (Italian prompts)")
+    out["prewarm"] = prewarm(args.model, profiles, it)
+    print("2. profile switch: Italian -> English, replayed at 50 % cache")
+    header, it_rec = record(args.model, prompts(heldout / "it.txt", 4 * args.prompts), OUT / "switch-it.trace.jsonl")
+    _, en_rec = record(args.model, prompts(heldout / "en.txt", 4 * args.prompts), OUT / "switch-en.trace.jsonl")
+    italian = ActivationProfile.load(profiles / "italian.json")
+    out["switch"] = {}
+    for policy in ("activation", "lru", "s3fifo"):
+        r = switch(header, it_rec, en_rec, italian if policy == "activation" else None, policy)
+        out["switch"][policy] = r
+        print(f"  {policy:>10}: Italian {100 * r['italian']:.1f}%, English steady {100 * r['steady_english']:.1f}%, "
+              f"first {32} tokens after the switch {100 * r['first_window_after_switch']:.1f}%, "
+              f"back within 2 points after {r['tokens_to_recover']} tokens")
+    print("3. bookkeeping share of decode time (activation policy, 50 % cache)")
+    out["bookkeeping"] = bookkeeping(args.model, it[0])
+    b = out["bookkeeping"]
+    print(f"  {1000 * b['bookkeeping_seconds']:.1f} ms of {1000 * b['generate_seconds']:.1f} ms: "
+          f"{100 * b['share']:.2f}% ({b['decode_tps']:.1f} tok/s)")
+    (OUT / "profiles.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
