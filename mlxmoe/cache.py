@@ -290,9 +290,12 @@ class ExpertCache(Residency):
             if n is not None:
                 self.prefetch_bytes += n
                 self.loads_prefetched += 1
-                self.prefetched.add(key)
-                if hold and key[0] > self.current_layer:  # its layer is still to come in this token
-                    self.held.add(key)
+                if key in self.active:  # the decode thread is already waiting for it
+                    self.prefetch_useful += 1
+                else:
+                    self.prefetched.add(key)
+                    if hold and key[0] > self.current_layer:  # its layer is still to come in this token
+                        self.held.add(key)
             else:
                 self.failed.add(key)
             self.in_flight.discard(key)

@@ -53,10 +53,10 @@ def find_router(block):
     weight = getattr(gate, "weight", None)
     if isinstance(weight, mx.array) and weight.ndim == 2:  # e.g. deepseek's MoEGate: sigmoid scores
         def scores(x):
-            return mx.sigmoid((x @ weight.T).astype(mx.float32))
+            return (x @ weight.T).astype(mx.float32)
 
         def probs(x):
-            s = scores(x)
+            s = mx.sigmoid(scores(x))
             return s / s.sum(axis=-1, keepdims=True)
 
         return probs, scores

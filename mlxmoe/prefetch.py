@@ -6,8 +6,8 @@ Predictors, each scored for precision and recall on every layer it predicted:
   lookahead of mixtral-offloading; hidden states change little from layer to layer),
 - `previous_token`: the experts the same layer used at the previous token,
 - `profile`: the layer's hottest experts in the profile prior.
-What is loaded is the router's prediction where the next layer has a router we can
-call, else the previous token's experts. Only decode steps prefetch (a prefill step
+What is loaded: the router's confident guesses, and those it shares with the previous
+token. Only decode steps prefetch (a prefill step
 touches most experts anyway).
 """
 
@@ -20,10 +20,11 @@ PREDICTORS = ("router", "previous_token", "profile")
 
 
 class Prefetcher:
-    def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None):
+    def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.3):
         """`routers[l]`: x -> router scores over layer l's experts (None if unknown);
         `prior`: profile rates [layers, experts] or None."""
         self.cache, self.routers, self.top_k, self.depth = cache, routers, top_k, depth
+        self.confidence = confidence  # router probability above which a lookahead guess is loaded alone
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
         self.jobs = []  # futures of queued and running loads
         self.previous = {}  # layer -> experts it used at the last token
@@ -49,19 +50,25 @@ class Prefetcher:
         """Called once `layer` has its experts (decode only): predict and queue the next
         layers' loads, to run while this layer computes."""
         for target in range(layer + 1, min(layer + 1 + self.depth, len(self.routers))):
-            predicted = {}
+            predicted, confident = {}, set()
             if self.routers[target] is not None:
-                scores = self.routers[target](x).reshape(-1)
+                scores = self.routers[target](x).reshape(-1).astype(mx.float32)
+                probs = mx.softmax(scores, axis=-1, precise=True)
                 top = mx.argpartition(-scores, self.top_k - 1)[: self.top_k]
-                predicted["router"] = set(np.array(top).tolist())
+                top_probs = probs[top]
+                mx.eval(top, top_probs)
+                top, top_probs = np.array(top).tolist(), np.array(top_probs).tolist()
+                predicted["router"] = set(top)
+                confident = {e for e, p in zip(top, top_probs) if p >= self.confidence}
             if target in self.previous:
                 predicted["previous_token"] = self.previous[target]
             if self.hottest is not None:
                 predicted["profile"] = self.hottest[target]
             self.pending[target] = predicted
-            chosen = predicted.get("router", predicted.get("previous_token"))
-            if not chosen:
-                continue
+            # What is not resident is mostly what the predictors got wrong, and a wrong
+            # load costs a read and evicts something useful: load what the router is sure
+            # of, or what it agrees on with the previous token.
+            chosen = confident | (predicted.get("router", set()) & predicted.get("previous_token", set()))
             keys = [(target, e) for e in sorted(chosen) if (target, e) not in self.cache.slot_of]
             if keys:
                 self.jobs = [j for j in self.jobs if not j.done()]

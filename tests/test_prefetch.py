@@ -30,6 +30,7 @@ def test_prefetch_keeps_output_and_loads_ahead(checkpoint, arch):
     want = reference(path)
     for depth in (1, 2):
         model, tokenizer = mlxmoe.load(str(path), cache_experts=8, prefetch=depth)
+        model.expert_cache.prefetcher.confidence = 0.0  # load every router guess: random weights guess badly
         assert tokens(model, tokenizer) == want
         model.expert_cache.prefetcher.drain()
         s = model.expert_cache.stats()
