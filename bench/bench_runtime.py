@@ -31,13 +31,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DEFAULT_PROMPT = (
-    "Once upon a time there was a little fox who lived in the forest. "
-    "Every morning the fox walked to the river"
-)
+# Short: on a 2-core CPU a prefill token costs about as much as a decoded one.
+DEFAULT_PROMPT = "Once upon a time there was a little fox who lived in the forest."
 WARMUP_PROMPT = "Hello world"
 STOCK_CONFIGS = ("stock", "stock-f32", "resident")
-CACHE_CONFIGS = {"cache50": 0.5, "cache25": 0.25, "cache50-cold": 0.5, "cache25-cold": 0.25}
+CACHE_CONFIGS = {"cache50": 0.5, "cache25": 0.25, "cache50-cold": 0.5, "cache25-cold": 0.25,
+                 "cache50-cold-noprefetch": 0.5, "cache25-cold-noprefetch": 0.25}
 GiB = 1 << 30
 
 
@@ -131,15 +130,17 @@ def generate_timed(generate_fn, model, tokenizer, prompt, max_tokens, snapshot=N
     tokens = []
     tic = time.perf_counter()
     t0 = t1 = tic
+    c0 = c1 = time.process_time()
     first = response = None
     processors = [no_repeat(window)] if window else None
     for response in generate_fn(model, tokenizer, prompt, max_tokens=max_tokens, logits_processors=processors):
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         tokens.append(int(response.token))
         if len(tokens) == 1:
             if at_first:
                 at_first()
             t0 = t1 = time.perf_counter()
+            c0 = c1 = time.process_time()
             first = snapshot() if snapshot else None
     last = snapshot() if snapshot else None  # nothing runs between the last token and here
     steps = len(tokens) - 1
@@ -151,6 +152,7 @@ def generate_timed(generate_fn, model, tokenizer, prompt, max_tokens, snapshot=N
         "decode_steps": steps,
         "decode_seconds": t1 - t0,
         "decode_tps": steps / (t1 - t0) if steps and t1 > t0 else 0.0,
+        "decode_cpu_seconds": c1 - c0,  # CPU time of all this process's threads: less sensitive to other load
         "mlx_lm_generation_tps": response.generation_tps,
         "peak_memory": response.peak_memory * 1e9,
         "text": tokenizer.decode(tokens),
@@ -160,6 +162,7 @@ def generate_timed(generate_fn, model, tokenizer, prompt, max_tokens, snapshot=N
 def cache_snapshot(cache):
     s = dict(cache.stats())
     s["disk_read_bytes"] = disk_read_bytes()
+    s["expert_file_bytes"] = cache.store.expert_file_bytes()
     return s
 
 
@@ -167,15 +170,19 @@ def window_stats(before, after):
     """Expert cache counters over the decode window."""
     hits = after["hits"] - before["hits"]
     misses = after["misses"] - before["misses"]
-    read = after["bytes_read"] - before["bytes_read"]
-    seconds = after["read_seconds"] - before["read_seconds"]
+    read = after["bytes_read"] - before["bytes_read"]  # demand + background (prefetch) reads
+    seconds = after["read_seconds"] - before["read_seconds"]  # the decode thread's waits only
+    demand = (after["loads_demand"] - before["loads_demand"]) * after["expert_file_bytes"]
     disk = None
     if before["disk_read_bytes"] is not None and after["disk_read_bytes"] is not None:
         disk = after["disk_read_bytes"] - before["disk_read_bytes"]
     out = {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-           "bytes_read": read, "read_seconds": seconds,
-           "read_gbps": read / seconds / 1e9 if seconds > 0 else None,
+           "bytes_read": read, "demand_bytes": demand, "read_seconds": seconds,
+           "read_gbps": demand / seconds / 1e9 if seconds > 0 and demand else None,
            "disk_read_bytes": disk, "loads_demand": after["loads_demand"] - before["loads_demand"]}
+    for key in ("loads_prefetched", "prefetch_useful", "prefetch_late"):  # newer mlxmoe
+        if key in after:
+            out[key] = after[key] - before[key]
     if "bookkeeping_seconds" in after:  # time mlxmoe's layers spent beyond mlx-lm's work (newer mlxmoe)
         out["bookkeeping_seconds"] = after["bookkeeping_seconds"] - before["bookkeeping_seconds"]
     return out
@@ -215,7 +222,8 @@ def run_resident(args):
     import mlxmoe
 
     tic = time.perf_counter()
-    model, tokenizer = mlxmoe.load(args.checkpoint, cache_experts=args.layers * args.experts)
+    model, tokenizer = mlxmoe.load(args.checkpoint, cache_experts=args.layers * args.experts,
+                                   **json.loads(args.load_kwargs))
     load_seconds = time.perf_counter() - tic
     cache = model.expert_cache
     tic = time.perf_counter()
@@ -238,22 +246,24 @@ def run_resident(args):
             "stats": cache.stats()}
 
 
-def run_streaming(args, cache_experts=None, memory_budget=None, cold_decode=False):
+def run_streaming(args, cache_experts=None, memory_budget=None, cold_decode=False, prefetch=True):
     """mlxmoe with part of the experts cached, page cache dropped right before the load;
-    one generation, measured from the first token. The prefill reads most experts, so
-    the page cache then holds them and decode misses are mostly memory copies;
-    `cold_decode` drops the page cache again at the first token so they come from disk."""
+    one generation, measured from the first token. Experts the prefill read and the
+    cache evicted may still be in the page cache; `cold_decode` drops it again at the
+    first token so that every decode read comes from disk."""
     import mlx.core as mx
     import mlxmoe
 
     dropped = drop_page_cache() if not args.no_drop else False
     rss_before, _ = proc_status()
     tic = time.perf_counter()
-    model, tokenizer = mlxmoe.load(args.checkpoint, memory_budget=memory_budget, cache_experts=cache_experts)
+    kwargs = {**json.loads(args.load_kwargs), **({} if prefetch else {"prefetch": 0})}
+    model, tokenizer = mlxmoe.load(args.checkpoint, memory_budget=memory_budget, cache_experts=cache_experts,
+                                   **kwargs)
     load_seconds = time.perf_counter() - tic
     cache = model.expert_cache
     rss_loaded, _ = proc_status()
-    at_first = (lambda: drop_page_cache()) if cold_decode and not args.no_drop else None
+    at_first = drop_page_cache if cold_decode and not args.no_drop else None
     run, before, after = generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, args.tokens,
                                         snapshot=lambda: cache_snapshot(cache), at_first=at_first,
                                         window=args.no_repeat)
@@ -283,7 +293,7 @@ def run_one(args):
         return run_resident(args)
     if config in CACHE_CONFIGS:
         return run_streaming(args, cache_experts=int(args.layers * args.experts * CACHE_CONFIGS[config]),
-                             cold_decode=config.endswith("-cold"))
+                             cold_decode="-cold" in config, prefetch="noprefetch" not in config)
     if config == "budget":
         return run_streaming(args, memory_budget=args.budget_bytes)
     raise SystemExit(f"unknown configuration {config!r}")
@@ -296,7 +306,7 @@ def child_args(args):
     out = ["--checkpoint", str(args.checkpoint), "--layers", str(args.layers), "--experts", str(args.experts),
            "--top-k", str(args.top_k), "--tokens", str(args.tokens), "--runs", str(args.runs),
            "--warmup", str(args.warmup), "--stock-runs", str(args.stock_runs), "--prompt", args.prompt,
-           "--no-repeat", str(args.no_repeat)]
+           "--no-repeat", str(args.no_repeat), "--load-kwargs", args.load_kwargs]
     if args.no_drop:
         out.append("--no-drop")
     if args.budget_bytes:
@@ -322,6 +332,7 @@ def spawn(config, args):
         result = json.loads(Path(result_file).read_text())
     os.unlink(result_file)
     result["wall_seconds"] = wall
+    result["loadavg_1min_end"] = os.getloadavg()[0]
     print(f"[bench] {config}: done in {wall:.1f}s", file=sys.stderr, flush=True)
     return result
 
@@ -340,6 +351,12 @@ def run_dd(path, args):
     return result
 
 
+def useful_share(d):
+    """Share of expert loads done ahead of use: prefetch_useful / (prefetch_useful + loads_demand)."""
+    useful = d.get("prefetch_useful", 0)
+    return useful / (useful + d["loads_demand"]) if useful + d["loads_demand"] else None
+
+
 def median_run(result, key="decode_tps"):
     runs = result.get("runs") or []
     if not runs:
@@ -347,11 +364,18 @@ def median_run(result, key="decode_tps"):
     return statistics.median(r[key] for r in runs)
 
 
+def cpu_per_token(result):
+    runs = [r for r in result.get("runs") or [] if r["decode_steps"]]
+    return statistics.median(r["decode_cpu_seconds"] / r["decode_steps"] for r in runs) if runs else None
+
+
 def fmt(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
 
 def table(title, header, rows):
+    if not rows:
+        return
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     line = "  ".join("-" * w for w in widths)
     print(f"\n{title}")
@@ -390,22 +414,34 @@ def report(args, ckpt, results, dd):
                         ("resident", f"mlxmoe, all {total_experts} experts cached")):
         r = results.get(name, {})
         if "error" in r:
-            rows.append([label, "-", "-", "-", "-", "-", "FAILED: " + r["error"]])
+            rows.append([label] + ["-"] * 8 + ["FAILED: " + r["error"]])
+            continue
+        if "runs" not in r:
             continue
         tps = [x["decode_tps"] for x in r["runs"]]
         rows.append([label, fmt(r["load_seconds"], ".1f"), fmt(median_run(r, "prompt_tps"), ".1f"),
-                     fmt(median_run(r), ".2f"), " / ".join(f"{t:.2f}" for t in tps),
-                     fmt(r["peak_memory"] / GiB, ".2f"), {None: "-", True: "yes", False: "NO"}[same(name)]])
-    table(f"1. Decode, everything in memory (median of {args.runs} runs after {args.warmup} warm-up)",
-          ["configuration", "load s", "prefill tok/s", "decode tok/s", "runs tok/s", "MLX peak GiB",
-           "tokens == stock+policy"], rows)
-    res, stock, stock32 = (median_run(results.get(n, {})) for n in ("resident", "stock", "stock-f32"))
-    if res and stock and stock32:
-        best = max(stock, stock32)
-        summary.update(ratio_vs_stock=res / stock, ratio_vs_stock_f32=res / stock32, ratio_vs_best_stock=res / best,
-                       ratio_target=0.95, ratio_pass=res / best >= 0.95)
-        print(f"mlxmoe / stock as-is = {res / stock:.3f}; mlxmoe / stock + dtype policy = {res / stock32:.3f}; "
-              f"vs the faster stock: {res / best:.3f} (target >= 0.95: {'PASS' if res / best >= 0.95 else 'FAIL'})")
+                     fmt(median_run(r), ".2f"), f"{max(tps):.2f}", " / ".join(f"{t:.2f}" for t in tps),
+                     fmt((cpu_per_token(r) or 0) * 1e3, ".0f"), fmt(r["peak_memory"] / GiB, ".2f"),
+                     f"{r.get('loadavg_1min_end', 0):.1f}", {None: "-", True: "yes", False: "NO"}[same(name)]])
+    table(f"1. Decode, everything in memory ({args.rounds} alternating processes x {args.runs} runs "
+          f"after {args.warmup} warm-up each)",
+          ["configuration", "load s", "prefill tok/s", "decode tok/s", "best", "runs tok/s", "CPU ms/token",
+           "MLX peak GiB", "load avg", "tokens == stock+policy"], rows)
+    if rows:
+        print("CPU ms/token: CPU time of the process (all threads) per decoded token, median; load avg: 1-minute "
+              "load of this 2-core machine when the process ended")
+    res, stock32, stock = (results.get(n, {}) for n in ("resident", "stock-f32", "stock"))
+    if "error" not in res and "error" not in stock32 and res.get("runs") and stock32.get("runs"):
+        med = median_run(res) / median_run(stock32)
+        best = max(x["decode_tps"] for x in res["runs"]) / max(x["decode_tps"] for x in stock32["runs"])
+        cpu = cpu_per_token(stock32) / cpu_per_token(res)
+        summary.update(ratio_median=med, ratio_best=best, ratio_cpu=cpu, ratio_target=0.95,
+                       ratio_pass=best >= 0.95)
+        print(f"mlxmoe resident / stock + dtype policy: decode tok/s median {med:.3f}, best {best:.3f}, "
+              f"CPU time per token {cpu:.3f} (target >= 0.95 on best-of: {'PASS' if best >= 0.95 else 'FAIL'})")
+        if stock.get("runs"):
+            summary["ratio_vs_stock_as_is"] = median_run(res) / median_run(stock)
+            print(f"mlxmoe resident / stock as-is (bf16 scales): {median_run(res) / median_run(stock):.2f}")
     runs = results.get("resident", {}).get("runs") or []
     book = [r["decode"].get("bookkeeping_seconds") for r in runs]
     if runs and None not in book:
@@ -426,17 +462,23 @@ def report(args, ckpt, results, dd):
     for name in (*CACHE_CONFIGS, "budget"):
         r = results.get(name, {})
         label = (f"mlxmoe, {int(CACHE_CONFIGS[name] * 100)} % cached" + (", cold decode" if "cold" in name else "")
+                 + (", no prefetch" if "noprefetch" in name else "")
                  if name in CACHE_CONFIGS
                  else f"mlxmoe, budget {args.budget_bytes / GiB:.2f} GiB")
         if "error" in r:
-            rows.append([label] + ["-"] * 8 + ["FAILED: " + r["error"]])
+            rows.append([label] + ["-"] * 10 + ["FAILED: " + r["error"]])
+            continue
+        if "runs" not in r:
             continue
         run, d = r["runs"][0], r["runs"][0]["decode"]
         steps = max(run["decode_steps"], 1)
         disk = d["disk_read_bytes"]
         rows.append([label, f"{r['plan']['cache_experts']} ({100 * r['plan']['cache_experts'] / total_experts:.0f}%)",
                      fmt(run["decode_tps"], ".2f"), f"{100 * d['hit_rate']:.1f}%",
-                     fmt(d["bytes_read"] / steps / 1e6, ".1f"), fmt(d["read_gbps"], ".2f"),
+                     fmt(d["bytes_read"] / steps / 1e6, ".1f"),
+                     f"{d['loads_demand']} / {d.get('loads_prefetched', 0)} ({d.get('prefetch_useful', 0)})",
+                     fmt(useful_share(d), ".2f"),
+                     fmt(d["read_gbps"], ".2f"),
                      fmt(d["read_seconds"] / run["decode_seconds"] * 100 if run["decode_seconds"] else None, ".0f"),
                      "-" if disk is None or not d["bytes_read"] else f"{100 * disk / d['bytes_read']:.0f}%",
                      fmt(r["load_seconds"], ".1f"),
@@ -444,12 +486,15 @@ def report(args, ckpt, results, dd):
     policy = next((results[n]["stats"].get("policy") for n in CACHE_CONFIGS if "stats" in results.get(n, {})), "?")
     table(f"2. Streaming experts ({policy} policy), page cache dropped before the load "
           f"(decode window: tokens 2..{args.tokens})",
-          ["configuration", "slots", "decode tok/s", "hit rate", "MB read/token", "read GB/s", "% time reading",
-           "from disk", "load s", "tokens == ref"], rows)
-    print("read GB/s = expert bytes read / wall time the decode thread waited on reads; from disk = share of those "
-          "bytes the block layer fetched (/proc/self/io), the rest came from the page cache.\n"
-          "The prefill reads most experts, so after it the page cache holds the evicted ones too; "
-          "'cold decode' drops the page cache again at the first token so decode misses come from disk.")
+          ["configuration", "slots", "decode tok/s", "hit rate", "MB read/token", "demand / prefetched (useful)",
+           "useful / (useful + demand)",
+           "read GB/s", "% time waiting", "from disk", "load s", "tokens == ref"], rows)
+    if rows:
+        print("MB read/token counts demand and prefetch reads; read GB/s = demand bytes / wall time the decode thread "
+              "waited on reads (its own reads and late prefetches);\nfrom disk = bytes the block layer fetched "
+              "(/proc/self/io, with readahead) / bytes read, the rest came from the page cache.\n"
+              "Experts the prefill read and the cache evicted may still be in the page cache; "
+              "'cold decode' drops it again at the first token so decode reads come from disk.")
 
     # 3. dd
     print(f"\n3. Disk: {dd.get('line') or 'dd failed'}")
@@ -462,11 +507,34 @@ def report(args, ckpt, results, dd):
             r = results.get(name, {})
             if "runs" in r and r["runs"][0]["decode"]["read_gbps"]:
                 g = r["runs"][0]["decode"]["read_gbps"]
-                rows.append([f"mlxmoe expert reads, {name}", f"{g:.2f}", f"{g / dd['gbps']:.2f}"])
+                rows.append([f"mlxmoe demand expert reads, {name}", f"{g:.2f}", f"{g / dd['gbps']:.2f}"])
                 summary[f"read_vs_dd_{name}"] = g / dd["gbps"]
         table("   read throughput vs dd", ["reader", "GB/s", "ratio to dd"], rows)
 
-    # 4. memory vs budget
+    # 4. prefetch: with vs without, and time per token vs what compute and the disk allow
+    res = results.get("resident", {})
+    compute = statistics.median(1 / x["decode_tps"] for x in res["runs"]) if res.get("runs") else None
+    rows = []
+    for share in ("50", "25"):
+        on, off = results.get(f"cache{share}-cold", {}), results.get(f"cache{share}-cold-noprefetch", {})
+        if "runs" not in on or "runs" not in off:
+            continue
+        for label, r in (("prefetch", on), ("no prefetch", off)):
+            run, d = r["runs"][0], r["runs"][0]["decode"]
+            steps = max(run["decode_steps"], 1)
+            io = d["bytes_read"] / steps / (dd["gbps"] * 1e9) if dd.get("gbps") else None
+            bound = max(compute, io) if compute and io is not None else None
+            rows.append([f"{share} % cached, cold decode, {label}", fmt(run["decode_tps"], ".2f"),
+                         fmt(1e3 / run["decode_tps"] if run["decode_tps"] else None, ".0f"),
+                         fmt(compute * 1e3 if compute else None, ".0f"), fmt(io * 1e3 if io is not None else None, ".0f"),
+                         fmt(bound and (1 / run["decode_tps"]) / bound, ".2f"), fmt(useful_share(d), ".2f")])
+            summary[f"cache{share}_{label.replace(' ', '_')}_tps"] = run["decode_tps"]
+            summary[f"cache{share}_{label.replace(' ', '_')}_useful_share"] = useful_share(d)
+    table("4. Prefetch: decode with and without, against max(compute, bytes read / dd throughput)",
+          ["configuration", "decode tok/s", "ms/token", "compute ms/token (resident)", "IO ms/token at dd speed",
+           "ms/token / max(compute, IO)", "useful / (useful + demand)"], rows)
+
+    # 5. memory vs budget
     r = results.get("budget", {})
     if "runs" in r:
         b = args.budget_bytes
@@ -482,13 +550,13 @@ def report(args, ckpt, results, dd):
                 ["peak RSS (VmHWM, whole process)", f"{r['peak_rss'] / GiB:.2f}", f"{r['peak_rss'] / b:.2f}"],
                 ["peak RSS - RSS before load", f"{peak_growth / GiB:.2f}", f"{peak_growth / b:.2f}"],
                 ["RSS growth, before load -> end", f"{growth / GiB:.2f}", f"{growth / b:.2f}"]]
-        table(f"4. Memory vs budget (budget ~ half the checkpoint; "
+        table(f"5. Memory vs budget (budget ~ half the checkpoint; "
               f"RSS before load {r['rss_before_load'] / GiB:.2f} GiB)",
               ["", "GiB", "/ budget"], rows)
         summary.update(budget=b, mlx_peak_over_budget=r["peak_memory"] / b, peak_rss_over_budget=r["peak_rss"] / b,
                        rss_growth_over_budget=growth / b, peak_rss_growth_over_budget=peak_growth / b)
     elif "error" in r:
-        print(f"\n4. Memory vs budget: FAILED ({r['error']})")
+        print(f"\n5. Memory vs budget: FAILED ({r['error']})")
     return summary
 
 
@@ -501,7 +569,10 @@ def main():
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32, help="Greedy tokens per generation.")
-    parser.add_argument("--runs", type=int, default=3, help="Measured generations of the in-memory configurations.")
+    parser.add_argument("--runs", type=int, default=2,
+                        help="Measured generations per process of stock + policy and mlxmoe resident.")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="Processes of each of those, alternating (runs pool: rounds x runs).")
     parser.add_argument("--warmup", type=int, default=1, help="Warm-up generations (4 tokens) before those.")
     parser.add_argument("--stock-runs", type=int, default=1,
                         help="Measured generations of stock mlx-lm as-is (bf16 scales: slow on CPU, no warm-up).")
@@ -511,6 +582,8 @@ def main():
                              "synthetic model cycles between 2 tokens and barely exercises the cache.")
     parser.add_argument("--memory-budget", default=None,
                         help="Budget of the memory run, e.g. 1.5GB (binary units). Default: half the checkpoint.")
+    parser.add_argument("--load-kwargs", default="{}",
+                        help='Extra mlxmoe.load arguments as JSON, e.g. \'{"prefetch": 0}\'.')
     parser.add_argument("--quick", action="store_true", help="Smoke run: 2 layers, 8 tokens, 1 run.")
     parser.add_argument("--no-drop", action="store_true", help="Do not drop the page cache (not root).")
     parser.add_argument("--only", default=None,
@@ -524,7 +597,7 @@ def main():
     parser.add_argument("--budget-bytes", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
-        args.layers, args.tokens, args.runs = 2, 8, 1
+        args.layers, args.tokens, args.runs, args.rounds = 2, 8, 1, 1
     if args.output is None:
         args.output = HERE / "out" / ("runtime-quick.json" if args.quick else "runtime.json")
     if args.checkpoint is None:
@@ -557,8 +630,24 @@ def main():
         args.budget_bytes = (ckpt["bytes"] // 2) >> 20 << 20
 
     only = set(args.only.split(",")) if args.only else None
-    for config in (*STOCK_CONFIGS, *CACHE_CONFIGS, "budget"):
-        if only is None or config in only:
+    want = lambda config: only is None or config in only
+    if want("stock"):
+        results["stock"] = spawn("stock", args)
+    # stock + policy and mlxmoe resident alternate, so that other load on the machine
+    # hits both alike; their runs are pooled
+    for i in range(args.rounds):
+        for config in ("stock-f32", "resident"):
+            if want(config):
+                r = spawn(config, args)
+                if config not in results or "error" in r:
+                    results[config] = r if config not in results else {**results[config], "error": r["error"]}
+                else:
+                    results[config]["runs"] += r["runs"]
+                    results[config]["wall_seconds"] += r["wall_seconds"]
+                    results[config]["peak_memory"] = max(results[config]["peak_memory"], r["peak_memory"])
+                    results[config].setdefault("rounds", [results[config]["load_seconds"]]).append(r["load_seconds"])
+    for config in (*CACHE_CONFIGS, "budget"):
+        if want(config):
             results[config] = spawn(config, args)
     dd = {}
     if only is None or "dd" in only:
