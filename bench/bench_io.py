@@ -8,11 +8,14 @@ dropped before each measurement:
    again at the end): the disk's own direct-read throughput;
 2. each IO mode (mmap, pread, direct with O_DIRECT, direct with posix_fadvise) reading
    the same random sample of (layer, expert) pairs through `ExpertStore.read_expert`
-   into MLX slot pools, with 1 and 4 threads: GB/s, ratio to dd, read amplification
-   (the store's count, and the kernel's: /proc/self/io read_bytes), page cache growth
-   (/proc/meminfo Cached, and the shards' own pages by fincore);
+   into MLX slot pools, with 1 and 4 threads (and the store's own workers, "wk", reading
+   one expert's ranges at once: 4, and 1 for direct to show what they add): GB/s, ratio
+   to dd, read amplification (the store's count, and the kernel's: /proc/self/io
+   read_bytes), page cache growth (/proc/meminfo Cached, and the shards' own pages by
+   fincore; another process dropping the page cache mid-run makes these read low);
 3. one contiguous read per expert against the separate ranges of the stacked layout:
-   a bundled copy of a few layers, each expert's bytes back to back and 4 KiB aligned;
+   a bundled copy of a few layers, each expert's bytes back to back and 4 KiB aligned,
+   read into the MLX pools and (O_DIRECT with no bounce copy) into page-aligned slots;
 4. (unless --no-generate) the whole generate path once per mode, each in its own
    process: mlxmoe.load(cache_experts=25 % of all, io=MODE) + 16 tokens: decode tok/s,
    bytes read, page cache growth.
@@ -39,7 +42,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-MODES = [("mmap", None), ("pread", None), ("direct", "o_direct"), ("direct", "fadvise")]
+# (io, bypass, workers): workers are the store's threads reading one expert's ranges at once
+MODES = [("mmap", None, 4), ("pread", None, 4), ("direct", "o_direct", 4), ("direct", "o_direct", 1),
+         ("direct", "fadvise", 4)]
 PROMPT = "Once upon a time there was a little fox who lived in the forest. Every morning the fox walked to the river"
 
 
@@ -134,6 +139,22 @@ def slot_pools(store, n):
     return pools
 
 
+def aligned_pools(store, n):
+    """Like slot_pools, in page-aligned memory (MLX's CPU pools start 24 bytes past a page
+    here): where O_DIRECT can read a bundled expert straight into its slot."""
+    import mmap
+
+    import numpy as np
+
+    from mlxmoe.store import DTYPES
+
+    pools = []
+    for shape, d in zip(store.tensor_shapes, store.tensor_dtypes):
+        size = n * int(np.prod(shape)) * np.dtype(DTYPES[d]).itemsize
+        pools.append((None, np.frombuffer(mmap.mmap(-1, size), DTYPES[d]).reshape(n, *shape)))
+    return pools
+
+
 def bundle(store, layers, out_dir):
     """A copy of `layers` with each expert's ranges back to back, every expert 4 KiB
     aligned; returns a store over it (same tensors, one range list per expert)."""
@@ -169,8 +190,10 @@ def bundle(store, layers, out_dir):
     return b
 
 
-def measure(store, sample, threads, pools, files, io, bypass=None):
+def measure(store, sample, threads, pools, files, io, bypass=None, workers=4):
     """Cold reads of `sample` through store.read_expert with `threads` threads."""
+    store.close()  # reopened on the first read, with these settings
+    store.workers = workers
     store.set_io(io, bypass)
     store.reset_io_stats()
     nslots = len(pools[0][1])
@@ -192,7 +215,8 @@ def measure(store, sample, threads, pools, files, io, bypass=None):
     cached1, rb1, res1 = meminfo_cached(), proc_read_bytes(), resident_bytes(files)
     s = store.io_stats()
     kernel = delta(rb0, rb1)
-    return {"io": io, "method": s["method"], "threads": threads, "experts": len(sample), "useful_bytes": useful,
+    return {"io": io, "method": s["method"], "threads": threads, "workers": workers, "experts": len(sample),
+            "useful_bytes": useful,
             "seconds": seconds, "gbps": useful / seconds / 1e9, "disk_bytes": s["disk_bytes"],
             "amplification": s["amplification"], "kernel_read_bytes": kernel,
             "kernel_amplification": kernel / useful if kernel is not None else None,
@@ -266,19 +290,22 @@ def mb(x):
 def print_modes(rep, dd_gbps):
     print(f"\nrun {rep['repeat']}: dd iflag=direct {rep['dd'][0]['gbps']:.2f} GB/s before, "
           f"{rep['dd'][1]['gbps']:.2f} GB/s after (mean {dd_gbps:.2f})")
-    print(f"{'mode':<10}{'method':<10}{'thr':>4}{'GB/s':>8}{'x dd':>7}{'ampl':>7}{'kernel':>8}"
+    print(f"{'mode':<10}{'method':<10}{'thr':>4}{'wk':>3}{'GB/s':>8}{'x dd':>7}{'ampl':>7}{'kernel':>8}"
           f"{'Cached MB':>11}{'shard MB':>10}")
     for m in rep["modes"]:
         ka = "-" if m["kernel_amplification"] is None else f"{m['kernel_amplification']:.3f}"
-        print(f"{m['io']:<10}{m['method']:<10}{m['threads']:>4}{m['gbps']:>8.2f}{m['gbps'] / dd_gbps:>7.2f}"
+        print(f"{m['io']:<10}{m['method']:<10}{m['threads']:>4}{m['workers']:>3}{m['gbps']:>8.2f}"
+              f"{m['gbps'] / dd_gbps:>7.2f}"
               f"{m['amplification']:>7.3f}{ka:>8}{mb(m['cached_growth']):>11}{mb(m['shard_pages_growth']):>10}")
 
 
 def print_bundle(rep, dd_gbps):
-    print(f"\nrun {rep['repeat']}: one contiguous read per expert (bundled copy) vs the stacked layout's 9 ranges")
-    print(f"{'layout':<12}{'mode':<10}{'thr':>4}{'GB/s':>8}{'x dd':>7}{'ampl':>7}")
+    print(f"\nrun {rep['repeat']}: one contiguous read per expert (bundled copy) vs the stacked layout's 9 ranges "
+          "(contig+al: into page-aligned slots, no bounce copy)")
+    print(f"{'layout':<12}{'mode':<10}{'thr':>4}{'wk':>3}{'GB/s':>8}{'x dd':>7}{'ampl':>7}")
     for m in rep["bundle"]:
-        print(f"{m['layout']:<12}{m['method']:<10}{m['threads']:>4}{m['gbps']:>8.2f}{m['gbps'] / dd_gbps:>7.2f}"
+        print(f"{m['layout']:<12}{m['method']:<10}{m['threads']:>4}{m['workers']:>3}{m['gbps']:>8.2f}"
+              f"{m['gbps'] / dd_gbps:>7.2f}"
               f"{m['amplification']:>7.3f}")
 
 
@@ -334,7 +361,7 @@ def main():
     bsample = rng.sample([p for p in pairs if p[0] in blayers], min(args.sample, len(blayers) * store.num_experts))
     bstore = bundle(store, blayers, Path(str(args.checkpoint) + "-bundle"))
     bfiles = sorted({r.file for l in blayers for row in bstore.ranges[l] for r in row})
-    pools = slot_pools(store, 16)
+    pools, apools = slot_pools(store, 16), aligned_pools(store, 16)
     print(f"[bench] {args.checkpoint}: {store.num_layers} layers x {store.num_experts} experts, "
           f"{store.expert_file_bytes() / 1e6:.2f} MB per expert in {len(store.tensors)} ranges; "
           f"sample {len(sample)} experts ({len(sample) * store.expert_file_bytes() / 1e9:.2f} GB)", flush=True)
@@ -342,18 +369,24 @@ def main():
     reps = []
     for rep in range(1, args.repeat + 1):
         r = {"repeat": rep, "dd": [dd_direct(shards)], "modes": [], "bundle": []}
-        for io, bypass in MODES:
+        for io, bypass, workers in MODES:
             for t in threads:
-                r["modes"].append(measure(store, sample, t, pools, files, io, bypass))
+                r["modes"].append(measure(store, sample, t, pools, files, io, bypass, workers))
                 m = r["modes"][-1]
-                print(f"[bench] run {rep} {io}/{m['method']} x{t}: {m['gbps']:.2f} GB/s", flush=True)
-        for layout, s, fs in (("stacked", store, files), ("contiguous", bstore, bfiles)):
-            for io, bypass in (("pread", None), ("direct", "o_direct")):
+                print(f"[bench] run {rep} {io}/{m['method']} x{t} workers {workers}: {m['gbps']:.2f} GB/s", flush=True)
+        # a bundled expert is one run: the store's workers do not apply
+        layouts = [("stacked", store, files, pools, 1), ("stacked", store, files, pools, 4),
+                   ("contiguous", bstore, bfiles, pools, 1), ("contig+al", bstore, bfiles, apools, 1)]
+        for io, bypass in (("pread", None), ("direct", "o_direct")):
+            for layout, s, fs, ps, workers in layouts:
+                if layout == "contig+al" and io == "pread":
+                    continue
                 for t in threads:
-                    m = measure(s, bsample, t, pools, fs, io, bypass)
+                    m = measure(s, bsample, t, ps, fs, io, bypass, workers)
                     m["layout"] = layout
                     r["bundle"].append(m)
-                    print(f"[bench] run {rep} {layout} {m['method']} x{t}: {m['gbps']:.2f} GB/s", flush=True)
+                    print(f"[bench] run {rep} {layout} {m['method']} x{t} workers {workers}: {m['gbps']:.2f} GB/s",
+                          flush=True)
         r["dd"].append(dd_direct(shards))
         r["dd_gbps"] = statistics.mean(d["gbps"] for d in r["dd"])
         reps.append(r)

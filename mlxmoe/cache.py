@@ -336,6 +336,7 @@ class ExpertCache(Residency):
             "peak_rss": peak_rss(),
             "decode_tps": self.decode_tps,
             "predictors": self.prefetcher.stats() if self.prefetcher is not None else {},
+            "io": self.store.io_stats(),
         }
 
     def reset_stats(self):
