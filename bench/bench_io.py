@@ -41,6 +41,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from system import disk_read_bytes, drop_page_cache, meminfo_cached  # noqa: E402
 
 # (io, bypass, workers): workers are the store's threads reading one expert's ranges at once
 MODES = [("mmap", None, 4), ("pread", None, 4), ("direct", "o_direct", 4), ("direct", "o_direct", 1),
@@ -49,34 +52,6 @@ PROMPT = "Once upon a time there was a little fox who lived in the forest. Every
 
 
 # ---------------------------------------------------------------- system counters
-
-
-def drop_page_cache():
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError as e:
-        print(f"[bench] could not drop the page cache ({e}); numbers may be warm", file=sys.stderr)
-        return False
-
-
-def meminfo_cached():
-    try:
-        with open("/proc/meminfo") as f:
-            return int(next(l for l in f if l.startswith("Cached:")).split()[1]) * 1024
-    except (OSError, StopIteration):
-        return None
-
-
-def proc_read_bytes():
-    """Bytes this process made the block layer fetch (page cache hits do not count)."""
-    try:
-        with open("/proc/self/io") as f:
-            return int(next(l for l in f if l.startswith("read_bytes:")).split()[1])
-    except (OSError, StopIteration):
-        return None
 
 
 def resident_bytes(files):
@@ -199,7 +174,7 @@ def measure(store, sample, threads, pools, files, io, bypass=None, workers=4):
     nslots = len(pools[0][1])
     drop_page_cache()
     time.sleep(0.5)
-    cached0, rb0, res0 = meminfo_cached(), proc_read_bytes(), resident_bytes(files)
+    cached0, rb0, res0 = meminfo_cached(), disk_read_bytes(), resident_bytes(files)
 
     def read(i):
         l, e = sample[i]
@@ -212,7 +187,7 @@ def measure(store, sample, threads, pools, files, io, bypass=None, workers=4):
         with ThreadPoolExecutor(threads) as ex:
             useful = sum(ex.map(read, range(len(sample))))
     seconds = time.perf_counter() - tic
-    cached1, rb1, res1 = meminfo_cached(), proc_read_bytes(), resident_bytes(files)
+    cached1, rb1, res1 = meminfo_cached(), disk_read_bytes(), resident_bytes(files)
     s = store.io_stats()
     kernel = delta(rb0, rb1)
     return {"io": io, "method": s["method"], "threads": threads, "workers": workers, "experts": len(sample),

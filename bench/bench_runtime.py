@@ -30,6 +30,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from system import disk_read_bytes, drop_page_cache, proc_status  # noqa: E402
 ROOT = HERE.parent
 # Short: on a 2-core CPU a prefill token costs about as much as a decoded one.
 DEFAULT_PROMPT = "Once upon a time there was a little fox who lived in the forest."
@@ -41,42 +44,6 @@ GiB = 1 << 30
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def drop_page_cache():
-    """sync; echo 3 > /proc/sys/vm/drop_caches. Returns True if it worked."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError as e:
-        print(f"[bench] could not drop the page cache ({e}); numbers may be warm", file=sys.stderr)
-        return False
-
-
-def proc_status():
-    """VmRSS and VmHWM of this process in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) * 1024
-    return out["VmRSS"], out["VmHWM"]
-
-
-def disk_read_bytes():
-    """Bytes this process made the block layer fetch (/proc/self/io read_bytes): reads
-    served from the page cache do not count."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 def checkpoint_files(path):
