@@ -46,7 +46,7 @@ def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_expert
 
 def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=None, policy=None, profile=None,
          tokenizer_config=None, backend=None, io_threads=4, force_profile=False, prewarm=True, trace_out=None,
-         prefetch=1, io="auto"):
+         prefetch=1, prefetch_confidence=0.3, io="auto"):
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
     Returns (model, tokenizer) like `mlx_lm.load`; `model.expert_cache.stats()` gives the
@@ -57,7 +57,8 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
     (`model.expert_cache.profile`) keeps learning either way. `trace_out` records a
     routing trace (mlxmoe.trace/1) there, completed by `model.expert_cache.close()`.
     `prefetch` is how many MoE layers ahead experts are predicted and read in the
-    background during decoding (0: only on demand).
+    background during decoding (0: only on demand); a router guess is loaded when its
+    probability reaches `prefetch_confidence` or the previous token used it too.
     """
     be = backends.detect(backend)
     ckpt = open_checkpoint(path_or_hf_repo)
@@ -88,7 +89,7 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
     cache.plan, cache.backend, cache.checkpoint = p, be, ckpt
     if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
         cache.prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch,
-                                      prior=None if prior is None else prior.rates())
+                                      prior=None if prior is None else prior.rates(), confidence=prefetch_confidence)
     if trace_out is not None:
         cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path)
     tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
