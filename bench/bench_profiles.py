@@ -20,7 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 import mlxmoe
+from heldout import prompts
 from mlxmoe.cache import Residency
 from mlxmoe.loader import DEMO_MODEL
 from mlxmoe.policies import make_policy
@@ -29,11 +32,6 @@ from mlxmoe.trace import TraceWriter, read_trace, steps
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
-
-
-def prompts(path, n):
-    lines = [l for l in Path(path).read_text(encoding="utf-8").splitlines() if l.strip()]
-    return lines[:n]
 
 
 def prewarm(model_path, profiles_dir, italian, tokens=64, share=0.5):
@@ -137,18 +135,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEMO_MODEL))
     ap.add_argument("--profiles", default=str(ROOT / "profiles"))
-    ap.add_argument("--heldout", default=str(ROOT / "bench" / "data" / "heldout"))
     ap.add_argument("--prompts", type=int, default=4, help="Held-out prompts per language.")
     args = ap.parse_args()
-    profiles, heldout = Path(args.profiles), Path(args.heldout)
+    profiles = Path(args.profiles)
     OUT.mkdir(exist_ok=True)
-    it, en = prompts(heldout / "it.txt", args.prompts), prompts(heldout / "en.txt", args.prompts)
+    it, en = prompts("it", args.prompts), prompts("en", args.prompts)
     out = {}
     print("1. pre-warm at 50 % cache (Italian prompts)")
     out["prewarm"] = prewarm(args.model, profiles, it)
     print("2. profile switch: Italian -> English, replayed at 50 % cache")
-    header, it_rec = record(args.model, prompts(heldout / "it.txt", 4 * args.prompts), OUT / "switch-it.trace.jsonl")
-    _, en_rec = record(args.model, prompts(heldout / "en.txt", 4 * args.prompts), OUT / "switch-en.trace.jsonl")
+    header, it_rec = record(args.model, prompts("it", 4 * args.prompts), OUT / "switch-it.trace.jsonl")
+    _, en_rec = record(args.model, prompts("en", 4 * args.prompts), OUT / "switch-en.trace.jsonl")
     italian = ActivationProfile.load(profiles / "italian.json")
     out["switch"] = {}
     for policy in ("activation", "lru", "s3fifo"):

@@ -77,7 +77,8 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
     mx.eval(ckpt.model.parameters())
     pool_dtypes = [be.pool_dtype(MX_DTYPES[d]) for d in ckpt.store.tensor_dtypes]
     live = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model=str(ckpt.path),
-                             model_fingerprint=fp, expert_bytes=p.slot_bytes, resident_bytes=p.resident)
+                             model_fingerprint=fp, expert_bytes=p.slot_bytes,
+                             resident_bytes=p.resident + p.kv_reserve + p.working)
     if prior is not None:  # keep learning from where the profile left off
         live = ActivationProfile.merge([prior], workload=prior.workload)
         live.fingerprint, live.model = fp, str(ckpt.path)

@@ -348,7 +348,8 @@ def profile_show(file, top, png, budget, as_json):
             click.echo(f"  {c:7d}{mem}" + "".join(f"{100 * p.curve[n][i][1]:11.1f}%" for n in names))
     if "budget" in out:
         c = out["budget"]["cache_experts"]
-        click.echo(f"{budget} holds {c} experts beside {format_size(p.resident_bytes or 0)} of resident weights")
+        click.echo(f"{budget} holds {c} experts beside {format_size(p.resident_bytes or 0)} of resident weights, "
+                   "KV cache and working memory")
     if png:
         click.echo(f"heatmap: {png}")
 

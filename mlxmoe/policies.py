@@ -366,8 +366,8 @@ class Activation(Policy):
     name = "activation"
     wants_router = True
 
-    def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=48, recency_half_life=0.5,
-                 recency_weight=0.15, router_weight=1.0, prior_weight=0.1, pin_share=0.25, **kw):
+    def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=32, recency_half_life=2,
+                 recency_weight=0.5, router_weight=1.0, prior_weight=0.1, pin_share=0.25, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         L, E = num_layers, num_experts
         self.slow = 2.0 ** (-1.0 / half_life)
@@ -381,6 +381,8 @@ class Activation(Policy):
         self.resident = [set() for _ in range(L)]
         self.order = [[] for _ in range(L)]  # resident experts of each layer, least likely first
         self.current = 0
+        self.visits = 0  # layer calls so far
+        self.visited_at = np.zeros(L)  # the call count at each layer's last visit
         self.pinned = set()
         if prior is not None and pin_share > 0:
             n = int(capacity * pin_share)
@@ -405,6 +407,8 @@ class Activation(Policy):
             M[experts] += (1 - self.slow) * np.asarray(scores)
         self.p[layer] = self._mix(layer)
         self.current = layer
+        self.visits += 1
+        self.visited_at[layer] = self.visits
         resident = np.fromiter(self.resident[layer], dtype=np.int64, count=len(self.resident[layer]))
         self.order[layer] = resident[np.argsort(self.p[layer][resident], kind="stable")].tolist()
 
@@ -426,13 +430,25 @@ class Activation(Policy):
                     key = (layer, e)
                     if key in protected or (skip_pinned and key in self.pinned):
                         continue
-                    steps = ((layer - self.current) % L or L) + L * (1.0 / max(self.p[key], 1e-9) - 1.0)
+                    steps = ((layer - self.current) % L or L) + L * (1.0 / max(self._aged(key), 1e-9) - 1.0)
                     if steps > best:
                         best, found = steps, key
                     break  # the least likely of this layer is its only candidate
             if found is not None:
                 return found
         raise _none_left()
+
+    def _aged(self, key):
+        """p of a key whose layer has not run for a while (a prefill runs every token
+        through one layer before the next): its estimates decay as if the layer had
+        run and not used it."""
+        layer, e = key
+        age = (self.visits - self.visited_at[layer]) / self.num_layers - 1
+        if age <= 0:
+            return self.p[key]
+        slow, fast = self.slow ** age, self.fast ** age
+        return ((1 - self.recency_weight) * self.F[key] * slow + self.recency_weight * self.R[key] * fast
+                + self.router_weight * self.M[key] * slow + self.prior_weight * self.prior[key])
 
 
 POLICIES = {p.name: p for p in (LRU, LFU, SLRU, S3FIFO, Activation, Belady)}

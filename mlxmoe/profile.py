@@ -264,9 +264,11 @@ def lru_curve(steps_keys, sizes):
     return [(int(c), float(np.searchsorted(distances, c, side="left")) / n if n else 0.0) for c in sizes]
 
 
-def write_heatmap_png(path, matrix, scale=6):
-    """A layers x experts heatmap (dark = cold, yellow = hot), one cell = scale pixels."""
+def write_heatmap_png(path, matrix, scale=None):
+    """A layers x experts heatmap (dark = cold, yellow = hot), each layer on its own
+    scale; one cell is `scale` pixels (default: about 768 pixels wide)."""
     m = np.asarray(matrix, dtype=np.float64)
+    scale = scale or max(2, min(24, 768 // m.shape[1]))
     rows_max = m.max(axis=1, keepdims=True)
     v = np.divide(m, rows_max, out=np.zeros_like(m), where=rows_max > 0)  # each layer on its own scale
     stops = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=np.float64)
