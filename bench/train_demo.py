@@ -135,7 +135,7 @@ TRAIN = {
     "warmup": 100,
     "weight_decay": 0.1,
     "grad_clip": 1.0,
-    "aux_loss_coef": 0.01,
+    "aux_loss_coef": 0.01,   # per MoE layer (the losses of the layers are summed)
     "quant_bits": 4,
     "quant_group_size": 64,  # divides 256 (hidden) and 128 (moe_intermediate): every matrix quantizes
 }
@@ -479,7 +479,10 @@ def record_gates(model):
 
 
 def routing_aux(record, top_k):
-    """(Switch-Transformer load-balancing loss averaged over layers, [layers, experts] top-k counts)."""
+    """(Switch-Transformer load-balancing loss summed over layers, [layers, experts] top-k counts).
+
+    Per layer: num_experts * sum_e f_e * P_e, with f_e the share of the top-k assignments
+    that go to expert e and P_e its mean router probability; 1.0 when balanced."""
     import mlx.core as mx
 
     aux, counts = 0.0, []
@@ -491,7 +494,7 @@ def routing_aux(record, top_k):
         f = mask.mean(axis=0) / top_k          # share of the routed assignments per expert
         aux = aux + n_exp * (f * p.mean(axis=0)).sum()
         counts.append(mask.sum(axis=0))
-    return aux / max(len(record), 1), mx.stack(counts)
+    return aux, mx.stack(counts)
 
 
 def entropy_bits(counts):
@@ -553,6 +556,8 @@ def train(args):
     if args.steps is not None:
         cfg["steps"] = args.steps
         cfg["warmup"] = min(cfg["warmup"], max(1, args.steps // 10))
+    if args.warmup is not None:
+        cfg["warmup"] = args.warmup
     work = Path(args.work)
     out = Path(args.out)
     t_start = time.time()
@@ -593,7 +598,7 @@ def train(args):
             logits = model(x)
         ce = nn.losses.cross_entropy(logits, y, reduction="mean")
         aux, counts = routing_aux(rec, top_k)
-        return ce + cfg["aux_loss_coef"] * aux, ce, aux, counts
+        return ce + cfg["aux_loss_coef"] * aux, ce, aux / len(counts), counts  # logged: the mean per layer
 
     value_and_grad = nn.value_and_grad(model, loss_fn)
     L, B = cfg["seq_len"], cfg["batch_size"]
@@ -641,7 +646,7 @@ def train(args):
     work.mkdir(parents=True, exist_ok=True)
     model.save_weights(str(work / "float.safetensors"))
     _log("evaluating the float model on held-out text")
-    ev_float = evaluate(model, heldout_ids, L, top_k)
+    ev_float = evaluate(model, heldout_ids, L, top_k, max_tokens=args.eval_tokens)
 
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import dequantize_model, quantize_model, save_config, save_model
@@ -660,7 +665,7 @@ def train(args):
     # The shipped checkpoint as mlx-lm loads it, its 4-bit weights dequantized to float32:
     # the same weights, but MLX's CPU quantized matmul runs at ~1 GFLOP/s.
     shipped, tok_shipped = mlx_lm_load(str(out))
-    ev_q = evaluate(dequantize_model(shipped), heldout_ids, L, top_k)
+    ev_q = evaluate(dequantize_model(shipped), heldout_ids, L, top_k, max_tokens=args.eval_tokens)
 
     heldout = {
         lang: {"loss_float": round(ev_float[lang]["loss"], 4), "loss_4bit": round(ev_q[lang]["loss"], 4),
@@ -769,7 +774,9 @@ def main(argv=None):
     parser.add_argument("--out", default=str(DEMO_DIR), help="Where the 4-bit model goes (default: mlxmoe/demo).")
     parser.add_argument("--work", default=str(DEFAULT_WORK), help="Corpus cache, tokenizer and float weights.")
     parser.add_argument("--steps", type=int, default=None, help=f"Training steps (default {TRAIN['steps']}).")
+    parser.add_argument("--warmup", type=int, default=None, help=f"Warmup steps (default {TRAIN['warmup']}).")
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--eval-tokens", type=int, default=30_000, help="Held-out tokens per language and kind.")
     parser.add_argument("--rebuild-corpus", action="store_true")
     parser.add_argument("--corpus-only", action="store_true", help="Build the corpus and stop.")
     args = parser.parse_args(argv)

@@ -46,7 +46,7 @@ def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_expert
 
 def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=None, policy=None, profile=None,
          tokenizer_config=None, backend=None, io_threads=4, force_profile=False, prewarm=True, trace_out=None,
-         prefetch=1, prefetch_confidence=0.3, io="auto"):
+         prefetch=1, prefetch_confidence=0.1, io="auto"):
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
     Returns (model, tokenizer) like `mlx_lm.load`; `model.expert_cache.stats()` gives the

@@ -20,7 +20,7 @@ PREDICTORS = ("router", "previous_token", "profile")
 
 
 class Prefetcher:
-    def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.3):
+    def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.1):
         """`routers[l]`: x -> router scores over layer l's experts (None if unknown);
         `prior`: profile rates [layers, experts] or None."""
         self.cache, self.routers, self.top_k, self.depth = cache, routers, top_k, depth

@@ -105,9 +105,14 @@ def test_wheel_ships_the_demo_model(tmp_path):
     dist = tmp_path / "dist"
     # Without build isolation when this environment can build wheels (setuptools >= 70.1 or
     # the `wheel` package); otherwise pip fetches the build backend, as `pip install` does.
-    isolation = [] if _can_build_wheels() else ["--use-pep517"]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)]
-                   + (["--no-build-isolation"] if not isolation else isolation), check=True, cwd=tmp_path)
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)]
+    isolated = not _can_build_wheels()
+    r = subprocess.run(cmd + ([] if isolated else ["--no-build-isolation"]), capture_output=True, text=True,
+                       cwd=tmp_path)
+    if r.returncode and isolated and re.search(r"No matching distribution|Could not find a version|"
+                                               r"NewConnectionError|Network is unreachable", r.stdout + r.stderr):
+        pytest.skip("no `wheel` package here and no package index to fetch the build backend from")
+    assert r.returncode == 0, r.stdout + r.stderr
     (wheel,) = dist.glob("mlxmoe-*.whl")
     with zipfile.ZipFile(wheel) as z:
         sizes = {i.filename: i.file_size for i in z.infolist()}
