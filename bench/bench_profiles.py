@@ -6,7 +6,9 @@
    English: how many tokens `activation` (and LRU) need to get back to their English
    steady-state hit rate, replayed on traces recorded from the model;
 3. bookkeeping: the time StreamingExperts spends beyond mlx-lm's own work (routing copies,
-   policy, remapping) as a share of decode time.
+   policy, remapping) as a share of decode time;
+4. prefetch: hit rate and loads with and without it, at 25 % and 50 % cache, and the
+   precision of each predictor.
 Results go to bench/out/profiles.json.
 
     python bench/bench_profiles.py [--model DIR] [--profiles profiles/]
@@ -146,6 +148,32 @@ def bookkeeping(model_path, prompt, tokens=128, share=0.5):
             "share": s["bookkeeping_seconds"] / elapsed, "tokens_per_second": n / elapsed}
 
 
+def prefetch(model_path, lines, tokens=64):
+    rows = {}
+    for share in (0.25, 0.5):
+        for label, kwargs in (("off", {"prefetch": 0}), ("default", {}), ("every guess", {"prefetch_confidence": 0.0})):
+            model, tokenizer = mlxmoe.load(model_path, cache_experts=_share(model_path, share), **kwargs)
+            cache = model.expert_cache
+            for line in lines:
+                for _ in mlxmoe.stream_generate(model, tokenizer, line, max_tokens=tokens,
+                                                logits_processors=[no_eos(tokenizer)]):
+                    pass
+            if cache.prefetcher is not None:
+                cache.prefetcher.drain()
+            s = cache.stats()
+            cache.close()
+            useful, demand = s["prefetch_useful"], s["loads_demand"]
+            row = {"hit_rate": s["hit_rate"], "loads_demand": demand, "loads_prefetched": s["loads_prefetched"],
+                   "prefetch_useful": useful, "useful_share": useful / max(useful + demand, 1),
+                   "predictors": s["predictors"]}
+            rows[f"{share}/{label}"] = row
+            print(f"  {share:.0%} cached, prefetch {label:>11}: hit rate {100 * row['hit_rate']:.1f}%, "
+                  f"{demand} demand loads, {row['loads_prefetched']} prefetched ({useful} used), "
+                  f"useful / (useful + demand) {row['useful_share']:.2f}"
+                  + "".join(f", {n} precision {v['precision']:.2f}" for n, v in row["predictors"].items()))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(DEMO_MODEL))
@@ -175,6 +203,8 @@ def main():
     b = out["bookkeeping"]
     print(f"  {1000 * b['bookkeeping_seconds']:.1f} ms of {1000 * b['generate_seconds']:.1f} ms: "
           f"{100 * b['share']:.2f}% ({b['tokens_per_second']:.1f} tok/s including the prompt)")
+    print("4. prefetch (Italian and English prompts, 64 generated tokens each)")
+    out["prefetch"] = prefetch(args.model, prompts("it", 4, max_chars=200) + prompts("en", 4, max_chars=200))
     (OUT / "profiles.json").write_text(json.dumps(out, indent=1))
 
 
