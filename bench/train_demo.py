@@ -68,15 +68,11 @@ PAGE_CAP = 16_000        # characters kept of one man page (bash(1) alone is 300
 HELDOUT_PERCENT = 5
 
 # Special tokens get the first ids; <|im_end|> ends a chat turn, <|endoftext|> a document.
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The same tokens and ChatML template as the test checkpoints (mlxmoe/synthetic.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mlxmoe.synthetic import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
+
 EOT, IM_START, IM_END = SPECIAL_TOKENS
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' }}"
-    "{{ message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
 # Chat-formatted samples: a third of the fortunes answer a request for one, and every
 # man page's description answers "what is NAME?", in the page's language.
