@@ -347,6 +347,9 @@ class Belady(Policy):
                           lambda e: e[1], protected)
 
 
+AGING = 4
+
+
 class Activation(Policy):
     """The default: keep the experts most likely to be used soon, judged from what the
     workload has shown.
@@ -366,7 +369,7 @@ class Activation(Policy):
     name = "activation"
     wants_router = True
 
-    def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=32, recency_half_life=2,
+    def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=24, recency_half_life=4,
                  recency_weight=0.5, router_weight=1.0, prior_weight=0.1, pin_share=0.25, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         L, E = num_layers, num_experts
@@ -443,7 +446,9 @@ class Activation(Policy):
         through one layer before the next): its estimates decay as if the layer had
         run and not used it."""
         layer, e = key
-        age = (self.visits - self.visited_at[layer]) / self.num_layers - 1
+        # layer calls since its layer last ran, beyond one round of all layers; each counts
+        # as AGING tokens (fitted on the demo model's prefill traces)
+        age = AGING * (self.visits - self.visited_at[layer] - self.num_layers)
         if age <= 0:
             return self.p[key]
         slow, fast = self.slow ** age, self.fast ** age
