@@ -68,19 +68,20 @@ class Residency:
                 self.hits += 1
             else:
                 self.misses += 1
-                if self.free:
-                    slot = self.free.pop()
-                else:
-                    victim = self.victim(protected)
-                    self.policy.remove(victim)
-                    slot = self.slot_of.pop(victim)
-                    self.evictions += 1
-                    self.evicted(victim)
+                slot = self.free.pop() if self.free else self._evict(protected)
                 self.slot_of[key] = slot
                 self.policy.insert(key)
                 missed.append((key[1], slot))
             slots.append(self.slot_of[key])
         return slots, missed
+
+    def _evict(self, protected):
+        """Evict the policy's victim outside `protected`; return its slot."""
+        victim = self.victim(protected)
+        self.policy.remove(victim)
+        self.evictions += 1
+        self.evicted(victim)
+        return self.slot_of.pop(victim)
 
     def victim(self, protected):
         if self.held:
@@ -102,13 +103,9 @@ class Residency:
                 slot = self.free.pop()
             elif evict:
                 try:
-                    victim = self.victim(set(protected) | self.in_flight)
+                    slot = self._evict(set(protected) | self.in_flight)
                 except MlxmoeError:
                     break
-                self.policy.remove(victim)
-                slot = self.slot_of.pop(victim)
-                self.evictions += 1
-                self.evicted(victim)
             else:
                 break
             self.slot_of[key] = slot

@@ -19,6 +19,24 @@ import numpy as np
 PREDICTORS = ("router", "previous_token", "profile")
 
 
+def hottest_per_layer(rates, k):
+    """The profile predictor: each layer's k experts with the highest rate."""
+    return [set(np.argsort(-row, kind="stable")[:k].tolist()) for row in np.asarray(rates)]
+
+
+def count_prediction(counts, predicted, used):
+    """Add one prediction to counts = [correct, predicted, actually used]."""
+    counts[0] += len(predicted & used)
+    counts[1] += len(predicted)
+    counts[2] += len(used)
+
+
+def precision_recall(counts):
+    """{predictor: {precision, recall}} for the predictors that predicted anything."""
+    return {name: {"precision": c[0] / c[1], "recall": c[0] / c[2] if c[2] else 0.0}
+            for name, c in counts.items() if c[1]}
+
+
 class Prefetcher:
     def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.1):
         """`routers[l]`: x -> router scores over layer l's experts (None if unknown);
@@ -29,8 +47,7 @@ class Prefetcher:
         self.jobs = []  # futures of queued and running loads
         self.previous = {}  # layer -> experts it used at the last token
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
-        self.hottest = None if prior is None else [set(np.argsort(-row, kind="stable")[:top_k].tolist())
-                                                   for row in np.asarray(prior)]
+        self.hottest = None if prior is None else hottest_per_layer(prior, top_k)
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
 
@@ -40,10 +57,7 @@ class Prefetcher:
         used = set(experts)
         pending = self.pending.pop(layer, {})
         for name, predicted in pending.items() if decode else ():
-            c = self.counts[name]
-            c[0] += len(predicted & used)
-            c[1] += len(predicted)
-            c[2] += len(used)
+            count_prediction(self.counts[name], predicted, used)
         self.previous[layer] = used
 
     def after_layer(self, layer, x, token):
@@ -75,11 +89,7 @@ class Prefetcher:
                 self.jobs.append(self.pool.submit(self.cache.prefetch, keys, token, target))
 
     def stats(self):
-        out = {}
-        for name, (correct, predicted, used) in self.counts.items():
-            if predicted:
-                out[name] = {"precision": correct / predicted, "recall": correct / used if used else 0.0}
-        return out
+        return precision_recall(self.counts)
 
     def drain(self):
         """Wait until every queued load has ended."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from .cache import Residency
 from .errors import MlxmoeError, read_lines
 from .policies import ONLINE, make_policy
+from .prefetch import count_prediction, hottest_per_layer, precision_recall
 from .profile import temp_beside
 
 FORMAT = "mlxmoe.trace/1"
@@ -114,12 +115,11 @@ def replay(header, records, policy, cache_experts, **policy_kw):
 
 def replay_all(header, records, policies, cache_experts, **policy_kw):
     """replay() for each policy, each with `belady_hit_rate` of the same size."""
-    ceiling = replay(header, records, "belady", cache_experts)["hit_rate"]
+    best = replay(header, records, "belady", cache_experts)
     out = []
     for name in policies:
-        r = replay(header, records, name, cache_experts, **policy_kw) if name != "belady" else \
-            replay(header, records, "belady", cache_experts)
-        r["belady_hit_rate"] = ceiling
+        r = dict(best) if name == "belady" else replay(header, records, name, cache_experts, **policy_kw)
+        r["belady_hit_rate"] = best["hit_rate"]
         out.append(r)
     return out
 
@@ -132,12 +132,7 @@ def predictor_scores(records, prior=None, top_k=None):
     """Precision and recall, on a recorded trace, of the predictors that need no hidden
     state: `previous_token` (a layer's experts at the previous token) and, given a
     profile's rates [layers, experts], `profile` (the layer's top-k by rate)."""
-    import numpy as np
-
-    hottest = None
-    if prior is not None:
-        k = top_k or max(len(r[3]) for r in records)
-        hottest = [set(np.argsort(-np.asarray(row), kind="stable")[:k].tolist()) for row in prior]
+    hottest = None if prior is None else hottest_per_layer(prior, top_k or max(len(r[3]) for r in records))
     counts = {"previous_token": [0, 0, 0], "profile": [0, 0, 0]}
     previous = {}
     for s, t, l, e, _ in records:
@@ -147,9 +142,6 @@ def predictor_scores(records, prior=None, top_k=None):
             predictions["profile"] = hottest[l]
         for name, predicted in predictions.items():
             if predicted is not None:
-                c = counts[name]
-                c[0] += len(predicted & used)
-                c[1] += len(predicted)
-                c[2] += len(used)
+                count_prediction(counts[name], predicted, used)
         previous[(s, l)] = used
-    return {name: {"precision": c[0] / c[1], "recall": c[0] / c[2]} for name, c in counts.items() if c[1]}
+    return precision_recall(counts)
