@@ -66,31 +66,28 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
     be.apply_dtype_policy(ckpt.model)
     p = memory_plan(ckpt, be, memory_budget, cache_size, cache_experts)
     fp = model_fingerprint(ckpt)
-    prior = None
+    prior = rates = None
     if profile is not None:
-        prior = profile if isinstance(profile, ActivationProfile) else ActivationProfile.load(profile, fp, force_profile)
-        if prior.fingerprint != fp and not force_profile:
-            raise MlxmoeError(f"profile {prior.workload!r} was recorded on another model ({prior.model!r})")
-        if (prior.num_layers, prior.num_experts) != (ckpt.num_layers, ckpt.num_experts):
-            raise MlxmoeError(f"profile has {prior.num_layers} layers x {prior.num_experts} experts, the model "
-                              f"{ckpt.num_layers} x {ckpt.num_experts}")
+        prior = profile if isinstance(profile, ActivationProfile) else ActivationProfile.load(profile)
+        prior.check_model(fp, ckpt.num_layers, ckpt.num_experts, force_profile,
+                          None if isinstance(profile, ActivationProfile) else str(profile))
+        rates = prior.rates()
     mx.eval(ckpt.model.parameters())
     pool_dtypes = [be.pool_dtype(MX_DTYPES[d]) for d in ckpt.store.tensor_dtypes]
-    live = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model=str(ckpt.path),
-                             model_fingerprint=fp, expert_bytes=p.slot_bytes,
-                             resident_bytes=p.resident + p.kv_reserve + p.working)
     if prior is not None:  # keep learning from where the profile left off
         live = ActivationProfile.merge([prior], workload=prior.workload)
-        live.fingerprint, live.model = fp, str(ckpt.path)
-    policy = make_policy(policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts,
-                         prior=None if prior is None else prior.rates())
+    else:
+        live = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k)
+    live.model, live.fingerprint = str(ckpt.path), fp
+    live.expert_bytes, live.resident_bytes = p.slot_bytes, p.resident + p.kv_reserve + p.working
+    policy = make_policy(policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
     cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, io_threads, profile=live)
     attach_cache(ckpt, cache)
     be.activate(p.budget)
     cache.plan, cache.backend, cache.checkpoint = p, be, ckpt
     if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
         cache.prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch,
-                                      prior=None if prior is None else prior.rates(), confidence=prefetch_confidence)
+                                      prior=rates, confidence=prefetch_confidence)
     if trace_out is not None:
         cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path)
     tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))

@@ -176,11 +176,20 @@ class ActivationProfile:
                           data.get("curve") or {}, data.get("expert_bytes"), data.get("resident_bytes"))
         except (KeyError, TypeError, ValueError) as e:
             raise MlxmoeError(f"{path}: malformed profile ({e})") from None
-        if fingerprint is not None and profile.fingerprint != fingerprint:
-            if not force:
-                raise MlxmoeError(f"{path}: this profile was recorded on another model ({profile.model!r}, "
-                                  f"fingerprint {profile.fingerprint}); pass --force to use it anyway")
+        if fingerprint is not None:
+            profile.check_model(fingerprint, force=force, where=str(path))
         return profile
+
+    def check_model(self, fingerprint, num_layers=None, num_experts=None, force=False, where=None):
+        """Refuse this profile for a model with another fingerprint (unless `force`) or
+        other layer and expert counts (always)."""
+        where = where or f"profile {self.workload!r}"
+        if self.fingerprint != fingerprint and not force:
+            raise MlxmoeError(f"{where}: this profile was recorded on another model ({self.model!r}, "
+                              f"fingerprint {self.fingerprint}); pass --force to use it anyway")
+        if num_layers is not None and (self.num_layers, self.num_experts) != (num_layers, num_experts):
+            raise MlxmoeError(f"{where}: the profile has {self.num_layers} layers x {self.num_experts} experts, "
+                              f"the model {num_layers} x {num_experts}")
 
 
 def temp_beside(path):
