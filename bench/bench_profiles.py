@@ -30,7 +30,7 @@ from mlxmoe.cache import Residency
 from mlxmoe.loader import DEMO_MODEL
 from mlxmoe.policies import make_policy
 from mlxmoe.profile import ActivationProfile
-from mlxmoe.trace import TraceWriter, read_trace, steps
+from mlxmoe.trace import layer_calls, read_trace, steps
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -95,42 +95,34 @@ def record(model_path, lines, path, tokens=16):
     return read_trace(path)
 
 
-def switch(header, it_records, en_records, profile, policy, share=0.5, window=32):
-    """Per-token hit rate across an Italian -> English switch; tokens until the rolling
-    hit rate is back within 2 points of the English steady state (its last half)."""
+def switch(header, it_records, en_records, profile, policy, share=0.5, window=16):
+    """Hit rate per token across an Italian -> English switch, replayed one layer call at a
+    time as the runtime fetches (a prefill's hits count at its last token); tokens after
+    the switch until the hit rate over the last `window` tokens is back within 2 points of
+    the English steady state (its last half)."""
     L, E = header["num_layers"], header["num_experts"]
     size = int(L * E * share)
     r = Residency(size, make_policy(policy, size, L, E, prior=profile.rates() if profile else None))
-    per_token, hits_before, token = [], 0, None
-    switch_at = None
-    records = list(it_records) + [(1,) + rec[1:] for rec in en_records]
-    for new_token, layer, experts, scores in steps(records):
-        if new_token:
-            if token is not None:
-                per_token.append(r.hits - hits_before)
-            hits_before, token = r.hits, len(per_token)
-            r.policy.tick(1)
-        r.access(layer, experts, scores)
-    per_token.append(r.hits - hits_before)
-    switch_at = len({(s, t) for s, t, *_ in it_records})
-    accesses = np.array([sum(len(set(rec[3])) for rec in recs) for recs in _by_token(records)], dtype=float)
-    rate = np.array(per_token, dtype=float) / accesses
-    en = rate[switch_at:]
-    steady = en[len(en) // 2:].mean()
-    rolling = np.convolve(en, np.ones(window) / window, mode="valid")
+    records = list(it_records) + [(rec[0] + 10 ** 6,) + rec[1:] for rec in en_records]
+    hits, accesses = {}, {}  # (sequence, token) -> counts, in order of first appearance
+    for call in layer_calls(records, L):
+        position = call[-1][:2]
+        for tokens, layer, experts, scores, dist in steps(call, L, size):
+            if tokens:
+                r.policy.tick(tokens)
+            before = r.hits
+            r.access(layer, experts, scores, dist)
+            hits[position] = hits.get(position, 0) + r.hits - before
+            accesses[position] = accesses.get(position, 0) + len(experts)
+    h, a = np.array(list(hits.values()), dtype=float), np.array(list(accesses.values()), dtype=float)
+    switch_at = sum(1 for s, _ in hits if s < 10 ** 6)
+    en_h, en_a = h[switch_at:], a[switch_at:]
+    half = len(en_h) // 2
+    steady = en_h[half:].sum() / en_a[half:].sum()
+    rolling = np.convolve(en_h, np.ones(window), "valid") / np.convolve(en_a, np.ones(window), "valid")
     recovered = next((i + window for i, v in enumerate(rolling) if v >= steady - 0.02), None)
-    return {"steady_english": float(steady), "italian": float(rate[:switch_at].mean()),
-            "first_window_after_switch": float(rolling[0]), "tokens_to_recover": recovered}
-
-
-def _by_token(records):
-    out, last = [], None
-    for rec in records:
-        if (rec[0], rec[1]) != last:
-            out.append([])
-            last = (rec[0], rec[1])
-        out[-1].append(rec)
-    return out
+    return {"steady_english": float(steady), "italian": float(h[:switch_at].sum() / a[:switch_at].sum()),
+            "first_window_after_switch": float(rolling[0]), "tokens_to_recover": recovered, "window": window}
 
 
 def bookkeeping(model_path, prompt, tokens=128, share=0.5):
@@ -196,7 +188,7 @@ def main():
         r = switch(header, it_rec, en_rec, italian if policy == "activation" else None, policy)
         out["switch"][policy] = r
         print(f"  {policy:>10}: Italian {100 * r['italian']:.1f}%, English steady {100 * r['steady_english']:.1f}%, "
-              f"first {32} tokens after the switch {100 * r['first_window_after_switch']:.1f}%, "
+              f"first {r['window']} tokens after the switch {100 * r['first_window_after_switch']:.1f}%, "
               f"back within 2 points after {r['tokens_to_recover']} tokens")
     print("3. bookkeeping share of decode time (activation policy, 50 % cache)")
     out["bookkeeping"] = bookkeeping(args.model, it[0])

@@ -23,7 +23,8 @@ def load_heat(path=HEAT):
 
 def synthetic_records(heat, top_k, tokens, *, layers=None, slow=0.998, fast=0.4, sigma_slow=0.8, sigma_fast=1.0,
                       temperature=2.5, seed=0, sequences=1):
-    """Records (s, t, l, experts, probs) for `tokens` tokens per sequence."""
+    """Records (s, t, l, experts, probs, router distribution) for `tokens` tokens per
+    sequence (the distribution is the softmax of the logits, as a router's would be)."""
     rng = np.random.default_rng(seed)
     heat = heat[:layers] if layers else heat
     L, E = heat.shape
@@ -39,9 +40,9 @@ def synthetic_records(heat, top_k, tokens, *, layers=None, slow=0.998, fast=0.4,
             top = np.argpartition(-logits, top_k, axis=1)[:, :top_k]
             for l in range(L):
                 e = top[l][np.argsort(-logits[l, top[l]])]
-                w = np.exp(logits[l, e] - logits[l].max())
-                p = w / np.exp(logits[l] - logits[l].max()).sum()
-                records.append((s, t, l, e.tolist(), np.round(p, 5).tolist()))
+                w = np.exp(logits[l] - logits[l].max())
+                dist = w / w.sum()
+                records.append((s, t, l, e.tolist(), np.round(dist[e], 5).tolist(), dist))
     return records
 
 
@@ -50,7 +51,7 @@ def describe(records, L, E):
     the previous token of the same layer also used."""
     counts = np.zeros((L, E))
     prev, reuse, total = {}, 0, 0
-    for s, t, l, e, _ in records:
+    for s, t, l, e, *_ in records:
         counts[l, e] += 1
         if (s, l) in prev:
             reuse += len(prev[(s, l)] & set(e))
@@ -64,8 +65,9 @@ def write_trace(path, records, L, E, k, model="synthetic"):
     with open(path, "w") as f:
         f.write(json.dumps({"format": "mlxmoe.trace/1", "num_layers": L, "num_experts": E, "top_k": k,
                             "model": model}) + "\n")
-        for s, t, l, e, p in records:
-            f.write(json.dumps({"s": s, "t": t, "l": l, "e": e, "p": p}, separators=(",", ":")) + "\n")
+        for s, t, l, e, p, dist in records:
+            line = {"s": s, "t": t, "l": l, "e": e, "p": p, "r": [float(f"{x:.3g}") for x in dist]}
+            f.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
 def main():

@@ -27,6 +27,20 @@ def peak_rss():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+def token_chunks(rows, capacity):
+    """Split `rows` (each token's expert ids, a list of lists or an array [tokens, k]) into
+    runs of tokens whose distinct experts fit the cache: one fetch each."""
+    chunks, start, seen = [], 0, set()
+    for t, row in enumerate(rows.tolist() if hasattr(rows, "tolist") else rows):
+        new = seen.union(row)
+        if len(new) > capacity:
+            chunks.append((start, t))
+            start, new = t, set(row)
+        seen = new
+    chunks.append((start, len(rows)))
+    return chunks
+
+
 class Busy(Exception):
     """Not enough slots outside those being filled in the background: wait for them."""
 
@@ -233,9 +247,13 @@ class ExpertCache(Residency):
         return sum(map(read, missed))
 
     def record(self, layer, rows, probs=None):
-        """Write one trace line per token of this layer call."""
+        """Write one trace line per token of this layer call; `probs[i]` is token i's router
+        distribution over all experts, or None."""
         for i, row in enumerate(rows):
-            self.trace.write(self.call_position + i, layer, row, None if probs is None else probs[i])
+            if probs is None:
+                self.trace.write(self.call_position + i, layer, row)
+            else:
+                self.trace.write(self.call_position + i, layer, row, probs[i][row].tolist(), probs[i].tolist())
 
     def evicted(self, key):
         self.prefetched.discard(key)

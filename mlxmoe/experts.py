@@ -11,18 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-
-def token_chunks(indices, capacity):
-    """Split rows of `indices` [tokens, k] into runs whose distinct experts fit the cache."""
-    chunks, start, seen = [], 0, set()
-    for t, row in enumerate(indices.tolist()):
-        new = seen.union(row)
-        if len(new) > capacity:
-            chunks.append((start, t))
-            start, new = t, set(row)
-        seen = new
-    chunks.append((start, len(indices)))
-    return chunks
+from .cache import token_chunks
 
 
 def _tapped(cls):
@@ -85,9 +74,7 @@ class StreamingExperts(nn.Module):
         if self._layer == 0:
             cache.tick(flat.shape[0])
         if cache.trace is not None:
-            rows = flat.tolist()
-            cache.record(self._layer, rows, None if probs is None else
-                         np.take_along_axis(probs, flat.astype(np.int64), axis=1).tolist())
+            cache.record(self._layer, flat.tolist(), probs)
         chunks = token_chunks(flat, cache.capacity)
         if len(chunks) == 1:
             y = self._inner(x, self._slots(flat, idx, probs))

@@ -308,7 +308,7 @@ def predicted_curve(header, records, policies=("lru", "activation"), shares=CURV
     total = header["num_layers"] * header["num_experts"]
     k = max((len(set(r[3])) for r in records), default=1)
     sizes = sorted({max(k, int(round(total * s))) for s in shares})
-    keys = [[(l, x) for x in experts] for _, l, experts, _ in steps(records)]
+    keys = [[(l, x) for x in experts] for _, l, experts, *_ in steps(records, header["num_layers"])]
     curve = {}
     for name in policies:
         if name == "lru":

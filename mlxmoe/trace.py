@@ -4,14 +4,21 @@ through the same Residency and policy code the runtime uses.
 A trace is JSONL: a header line
   {"format": "mlxmoe.trace/1", "num_layers": L, "num_experts": E, "top_k": K, "model": ...}
 then one line per token and MoE layer in execution order:
-  {"s": sequence, "t": token position, "l": layer, "e": [expert ids], "p": [router probs]}
+  {"s": sequence, "t": token position, "l": layer, "e": [expert ids], "p": [router probs],
+   "r": [the router's distribution over all E experts]}
+`p` and `r` are optional. `r` (written by the runtime, 3 significant digits) lets a replay
+give the policy what the runtime gives it: the router's whole distribution, not only the
+probabilities of the experts it chose.
 """
 
 import json
+import math
 import os
 from pathlib import Path
 
-from .cache import Residency
+import numpy as np
+
+from .cache import Residency, token_chunks
 from .errors import MlxmoeError, read_lines
 from .policies import ONLINE, make_policy
 from .prefetch import count_prediction, hottest_per_layer, precision_recall
@@ -35,10 +42,12 @@ class TraceWriter:
     def new_sequence(self):
         self.seq += 1
 
-    def write(self, token, layer, experts, probs=None):
+    def write(self, token, layer, experts, probs=None, router=None):
         line = {"s": max(self.seq, 0), "t": token, "l": layer, "e": experts}
         if probs is not None:
             line["p"] = [round(p, 5) for p in probs]
+        if router is not None:
+            line["r"] = [float(f"{p:.3g}") for p in router]
         self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def close(self):
@@ -49,7 +58,8 @@ class TraceWriter:
 
 
 def read_trace(path):
-    """Return (header, records); records are (s, t, l, experts, probs or None)."""
+    """Return (header, records); records are (s, t, l, experts, probs or None, router
+    distribution or None)."""
     path = Path(path)
     lines = read_lines(path, "trace")
     if not lines:
@@ -71,28 +81,56 @@ def read_trace(path):
         try:
             r = json.loads(line)
             s, t, l, e, p = int(r["s"]), int(r["t"]), int(r["l"]), [int(x) for x in r["e"]], r.get("p")
+            dist = None if r.get("r") is None else [float(x) for x in r["r"]]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise MlxmoeError(f"{path}:{n}: malformed trace line ({err})") from None
         if not 0 <= l < L or any(not 0 <= x < E for x in e):
             raise MlxmoeError(f"{path}:{n}: layer {l} or experts {e} out of range for {L} layers x {E} experts")
         if p is not None and len(p) != len(e):
             raise MlxmoeError(f"{path}:{n}: {len(p)} probabilities for {len(e)} experts")
-        records.append((s, t, l, e, p))
+        if dist is not None and len(dist) != E:
+            raise MlxmoeError(f"{path}:{n}: a router distribution of {len(dist)} experts, the header says {E}")
+        records.append((s, t, l, e, p, dist))
     return header, records
 
 
-def steps(records):
-    """The cache's view of a trace: (new_token, layer, distinct experts, their scores)."""
-    last = None
-    for s, t, l, e, p in records:
-        seen, experts, scores = set(), [], []
-        for i, x in enumerate(e):
-            if x not in seen:
-                seen.add(x)
-                experts.append(x)
-                scores.append(None if p is None else p[i])
-        yield (s, t) != last, l, experts, (scores if p is not None else None)
-        last = (s, t)
+def layer_calls(records, num_layers):
+    """Group the trace's lines into the layer calls that made them: a multi-token call (a
+    prefill) writes one line per token, consecutive, with the same sequence and layer.
+    Yields lists of records."""
+    call = []
+    for rec in records:
+        if call and not (num_layers > 1 and rec[:3:2] == call[-1][:3:2] and rec[1] > call[-1][1]):
+            yield call
+            call = []
+        call.append(rec)
+    if call:
+        yield call
+
+
+def steps(records, num_layers, capacity=None):
+    """The cache's view of a trace, one item per fetch as the runtime makes them:
+    (tokens to tick, layer, distinct experts, their router scores, the router's
+    distribution over all experts). A layer call is one fetch of the experts its tokens
+    use (the runtime's prefill), split into runs that fit `capacity` as the runtime
+    splits it; the first layer ticks the clock by the call's tokens. Scores and the
+    distribution are means over the call's tokens, as the runtime gives them."""
+    for call in layer_calls(records, num_layers):
+        layer = call[0][2]
+        for a, b in token_chunks([rec[3] for rec in call], capacity or math.inf):
+            run = call[a:b]
+            experts = sorted({x for rec in run for x in rec[3]}) if len(run) > 1 else list(dict.fromkeys(run[0][3]))
+            scores = dist = None
+            if all(rec[5] is not None for rec in run):
+                dist = np.mean([rec[5] for rec in run], axis=0)
+                scores = dist[experts].tolist()
+            elif all(rec[4] is not None for rec in run):
+                mass = {}
+                for rec in run:
+                    for x, p in zip(rec[3], rec[4]):
+                        mass[x] = mass.get(x, 0.0) + p / len(run)
+                scores = [mass[x] for x in experts]
+            yield (len(call) if layer == 0 and a == 0 else 0), layer, experts, scores, dist
 
 
 def replay(header, records, policy, cache_experts, **policy_kw):
@@ -102,12 +140,12 @@ def replay(header, records, policy, cache_experts, **policy_kw):
     if cache_experts < k:
         raise MlxmoeError(f"--cache-experts must be at least {k} (the most experts one layer uses at once)")
     if policy == "belady":
-        policy_kw["future"] = [(l, x) for _, l, experts, _ in steps(records) for x in experts]
+        policy_kw["future"] = [(l, x) for _, l, experts, *_ in steps(records, L, cache_experts) for x in experts]
     residency = Residency(cache_experts, make_policy(policy, cache_experts, L, E, **policy_kw))
-    for new_token, layer, experts, scores in steps(records):
-        if new_token:
-            residency.policy.tick(1)
-        residency.access(layer, experts, scores)
+    for tokens, layer, experts, scores, dist in steps(records, L, cache_experts):
+        if tokens:
+            residency.policy.tick(tokens)
+        residency.access(layer, experts, scores, dist)
     accesses = residency.hits + residency.misses
     return {"policy": policy, "cache_experts": cache_experts, "accesses": accesses, "hits": residency.hits,
             "hit_rate": residency.hits / accesses if accesses else 0.0}
@@ -135,7 +173,7 @@ def predictor_scores(records, prior=None, top_k=None):
     hottest = None if prior is None else hottest_per_layer(prior, top_k or max(len(r[3]) for r in records))
     counts = {"previous_token": [0, 0, 0], "profile": [0, 0, 0]}
     previous = {}
-    for s, t, l, e, _ in records:
+    for s, t, l, e, *_ in records:
         used = set(e)
         predictions = {"previous_token": previous.get((s, l))}
         if hottest is not None:

@@ -148,7 +148,7 @@ def test_replay_output_and_belady_ceiling(tmp_path):
         assert r["accesses"] == 60 * 3 * 2 and r["belady_hit_rate"] == best
         assert r["hit_rate"] <= best
     # the stack-distance curve is exactly the LRU replay
-    keys = [[(l, x) for x in e] for _, l, e, _ in steps(records)]
+    keys = [[(l, x) for x in e] for _, l, e, *_ in steps(records, header["num_layers"])]
     for size, rate in lru_curve(keys, [2, 5, 12, 30, 48]):
         assert rate == pytest.approx(replay(header, records, "lru", size)["hit_rate"])
 
