@@ -14,11 +14,13 @@ dropped before each measurement:
    read_bytes), page cache growth (/proc/meminfo Cached, and the shards' own pages by
    fincore; another process dropping the page cache mid-run makes these read low);
 3. one contiguous read per expert against the separate ranges of the stacked layout:
-   a bundled copy of a few layers, each expert's bytes back to back and 4 KiB aligned,
-   read into the MLX pools and (O_DIRECT with no bounce copy) into page-aligned slots;
+   the same sample read from the checkpoint and from its `mlxmoe convert --bundle` copy
+   (built next to it once, `<checkpoint>-bundled`), pread and direct, into the MLX pools
+   and (O_DIRECT with no bounce copy) into page-aligned slots, with the ratio
+   bundled / stacked;
 4. (unless --no-generate) the whole generate path once per mode, each in its own
    process: mlxmoe.load(cache_experts=25 % of all, io=MODE) + 16 tokens: decode tok/s,
-   bytes read, page cache growth.
+   bytes read, page cache growth; and once on the bundled copy (io=direct).
 
     python bench/bench_io.py                  # 8 layers, 300 experts, 2 repeats
     python bench/bench_io.py --quick          # 2 layers, 100 experts, 1 repeat
@@ -130,39 +132,17 @@ def aligned_pools(store, n):
     return pools
 
 
-def bundle(store, layers, out_dir):
-    """A copy of `layers` with each expert's ranges back to back, every expert 4 KiB
-    aligned; returns a store over it (same tensors, one range list per expert)."""
-    import numpy as np
+def ensure_bundled(path):
+    """The `mlxmoe convert --bundle` copy of checkpoint `path`, built once."""
+    from mlxmoe.convert import bundle
 
-    from mlxmoe.store import ALIGN, DTYPES, ExpertStore, Range, align_up
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    per_expert = align_up(store.expert_file_bytes())
-    b = ExpertStore(store.path, io="pread")
-    b.tensors, b.tensor_dtypes, b.tensor_shapes = store.tensors, store.tensor_dtypes, store.tensor_shapes
-    b.ranges = [[] for _ in range(store.num_layers)]
-    store.set_io("pread")
-    for layer in layers:
-        f = out_dir / f"layer{layer}.bin"
-        size = per_expert * store.num_experts
-        if not f.exists() or f.stat().st_size != size:
-            print(f"[bench] writing {f} ({size / 1e6:.0f} MB)", flush=True)
-            with open(f, "wb") as w:
-                for e in range(store.num_experts):
-                    bufs = [np.empty(shape, DTYPES[d]) for shape, d in zip(store.tensor_shapes, store.tensor_dtypes)]
-                    store.read_expert(layer, e, bufs)
-                    data = b"".join(x.tobytes() for x in bufs)
-                    w.write(data + bytes(per_expert - len(data)))
-        for e in range(store.num_experts):
-            rows, off = [], e * per_expert
-            for r in store.ranges[layer][e]:
-                rows.append(Range(f, off, r.nbytes))
-                off += r.nbytes
-            b.ranges[layer].append(rows)
-    assert per_expert % ALIGN == 0
-    return b
+    out = Path(str(path) + "-bundled")
+    if not (out / "model.safetensors.index.json").exists():
+        print(f"[bench] mlxmoe convert --bundle {path} {out}", flush=True)
+        tic = time.perf_counter()
+        bundle(path, out, progress=lambda line: print(f"[bench]   {line}", flush=True))
+        print(f"[bench] converted in {time.perf_counter() - tic:.1f}s", flush=True)
+    return out
 
 
 def measure(store, sample, threads, pools, files, io, bypass=None, workers=4):
@@ -191,7 +171,7 @@ def measure(store, sample, threads, pools, files, io, bypass=None, workers=4):
     s = store.io_stats()
     kernel = delta(rb0, rb1)
     return {"io": io, "method": s["method"], "threads": threads, "workers": workers, "experts": len(sample),
-            "useful_bytes": useful,
+            "useful_bytes": useful, "reads_per_expert": s["reads"] / len(sample),
             "seconds": seconds, "gbps": useful / seconds / 1e9, "disk_bytes": s["disk_bytes"],
             "amplification": s["amplification"], "kernel_read_bytes": kernel,
             "kernel_amplification": kernel / useful if kernel is not None else None,
@@ -223,7 +203,7 @@ def run_generate(args):
     stats = cache.stats()
     io = store.io_stats()
     cache.close()
-    return {"io": args.generate_one, "method": io["method"], "tokens": tokens, "prompt_tps": response.prompt_tps,
+    return {"io": args.generate_one, "checkpoint": args.checkpoint, "method": io["method"], "tokens": tokens, "prompt_tps": response.prompt_tps,
             "decode_tps": response.generation_tps, "hit_rate": stats["hit_rate"], "bytes_read": stats["bytes_read"],
             "useful_bytes": io["useful_bytes"], "disk_bytes": io["disk_bytes"], "amplification": io["amplification"],
             "read_seconds": stats["read_seconds"], "cache_experts": stats["cache_experts"],
@@ -232,18 +212,19 @@ def run_generate(args):
             "shard_pages_generate": delta(res1, res2)}
 
 
-def generate_all(args):
+def generate_all(args, bundled):
     out = []
-    for io in ("mmap", "pread", "direct"):
+    for io, checkpoint, layout in [("mmap", args.checkpoint, "stacked"), ("pread", args.checkpoint, "stacked"),
+                                   ("direct", args.checkpoint, "stacked"), ("direct", bundled, "bundled")]:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as t:
             result = t.name
-        cmd = [sys.executable, __file__, "--generate-one", io, "--checkpoint", str(args.checkpoint),
+        cmd = [sys.executable, __file__, "--generate-one", io, "--checkpoint", str(checkpoint),
                "--tokens", str(args.tokens), "--result", result]
-        print(f"[bench] generate with io={io}", flush=True)
+        print(f"[bench] generate with io={io} ({layout})", flush=True)
         r = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         if r.returncode:
-            raise SystemExit(f"generate with io={io} failed")
-        out.append(json.loads(Path(result).read_text()))
+            raise SystemExit(f"generate with io={io} ({layout}) failed")
+        out.append({**json.loads(Path(result).read_text()), "layout": layout})
         os.unlink(result)
     ref = out[0]["tokens"]
     for o in out:
@@ -275,21 +256,42 @@ def print_modes(rep, dd_gbps):
 
 
 def print_bundle(rep, dd_gbps):
-    print(f"\nrun {rep['repeat']}: one contiguous read per expert (bundled copy) vs the stacked layout's 9 ranges "
-          "(contig+al: into page-aligned slots, no bounce copy)")
-    print(f"{'layout':<12}{'mode':<10}{'thr':>4}{'wk':>3}{'GB/s':>8}{'x dd':>7}{'ampl':>7}")
+    print(f"\nrun {rep['repeat']}: the same experts from the bundled copy (one read each) and the stacked "
+          "checkpoint (9 ranges each); bundled+al: into page-aligned slots, O_DIRECT with no bounce copy; "
+          "x stacked: against stacked, same mode and threads, the store's 4 workers")
+    print(f"{'layout':<12}{'mode':<10}{'thr':>4}{'wk':>3}{'reads':>6}{'GB/s':>8}{'x dd':>7}{'x stacked':>10}{'ampl':>7}")
     for m in rep["bundle"]:
-        print(f"{m['layout']:<12}{m['method']:<10}{m['threads']:>4}{m['workers']:>3}{m['gbps']:>8.2f}"
-              f"{m['gbps'] / dd_gbps:>7.2f}"
+        base = next(b for b in rep["bundle"] if b["layout"] == "stacked" and b["workers"] == 4
+                    and (b["io"], b["threads"]) == (m["io"], m["threads"]))
+        print(f"{m['layout']:<12}{m['method']:<10}{m['threads']:>4}{m['workers']:>3}{m['reads_per_expert']:>6.1f}"
+              f"{m['gbps']:>8.2f}{m['gbps'] / dd_gbps:>7.2f}{m['gbps'] / base['gbps']:>10.2f}"
               f"{m['amplification']:>7.3f}")
+
+
+def print_bundle_medians(reps):
+    """Bundled against stacked (the store's 4 workers), same mode and threads, medians over the runs."""
+    print(f"\nmedians over {len(reps)} runs: GB/s and ratio to stacked (4 workers) in the same run, "
+          "and to the run's dd")
+    print(f"{'layout':<12}{'mode':<10}{'thr':>4}{'GB/s':>8}{'x stacked':>10}{'x dd':>7}")
+    for m in reps[0]["bundle"]:
+        if m["layout"] == "stacked" and m["workers"] == 1:
+            continue
+        rows = []
+        for r in reps:
+            same = {(b["layout"], b["io"], b["threads"], b["workers"]): b for b in r["bundle"]}
+            mine = same[(m["layout"], m["io"], m["threads"], m["workers"])]
+            base = same[("stacked", m["io"], m["threads"], 4)]
+            rows.append((mine["gbps"], mine["gbps"] / base["gbps"], mine["gbps"] / r["dd_gbps"]))
+        med = [statistics.median(x) for x in zip(*rows)]
+        print(f"{m['layout']:<12}{m['method']:<10}{m['threads']:>4}{med[0]:>8.2f}{med[1]:>10.2f}{med[2]:>7.2f}")
 
 
 def print_generate(gen):
     print("\ngenerate path: mlxmoe.load(cache_experts=25 %, io=MODE), page cache dropped first")
-    print(f"{'io':<8}{'method':<10}{'decode tok/s':>13}{'hit rate':>9}{'MB read':>9}{'ampl':>7}"
+    print(f"{'io':<8}{'layout':<9}{'method':<10}{'decode tok/s':>13}{'hit rate':>9}{'MB read':>9}{'ampl':>7}"
           f"{'Cached MB':>11}{'shard MB':>10}{'same tokens':>12}")
     for g in gen:
-        print(f"{g['io']:<8}{g['method']:<10}{g['decode_tps']:>13.2f}{100 * g['hit_rate']:>8.1f}%"
+        print(f"{g['io']:<8}{g['layout']:<9}{g['method']:<10}{g['decode_tps']:>13.2f}{100 * g['hit_rate']:>8.1f}%"
               f"{g['bytes_read'] / 1e6:>9.0f}{g['amplification']:>7.3f}{mb(g['cached_growth_generate']):>11}"
               f"{mb(g['shard_pages_generate']):>10}{str(g['same_tokens']):>12}")
 
@@ -304,7 +306,6 @@ def main():
     ap.add_argument("--sample", type=int, default=300, help="Random (layer, expert) pairs read per measurement.")
     ap.add_argument("--threads", default="1,4")
     ap.add_argument("--repeat", type=int, default=2, help="IO measurements repeated this many times.")
-    ap.add_argument("--bundle-layers", type=int, default=2, help="Layers copied into the bundled layout.")
     ap.add_argument("--dd-shards", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--no-generate", action="store_true")
@@ -319,7 +320,7 @@ def main():
         return
     if args.quick:
         args.checkpoint = args.checkpoint.replace("-8L", "-2L")
-        args.layers, args.sample, args.repeat, args.tokens, args.bundle_layers = 2, 100, 1, 8, 1
+        args.layers, args.sample, args.repeat, args.tokens = 2, 100, 1, 8
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from mlxmoe.loader import open_checkpoint
@@ -332,10 +333,9 @@ def main():
     rng = random.Random(args.seed)
     pairs = [(l, e) for l in range(store.num_layers) for e in range(store.num_experts)]
     sample = rng.sample(pairs, min(args.sample, len(pairs)))
-    blayers = list(range(args.bundle_layers))
-    bsample = rng.sample([p for p in pairs if p[0] in blayers], min(args.sample, len(blayers) * store.num_experts))
-    bstore = bundle(store, blayers, Path(str(args.checkpoint) + "-bundle"))
-    bfiles = sorted({r.file for l in blayers for row in bstore.ranges[l] for r in row})
+    bundled = ensure_bundled(args.checkpoint)
+    bstore = open_checkpoint(bundled).store
+    bfiles = sorted({r.file for experts in bstore.ranges for row in experts for r in row})
     pools, apools = slot_pools(store, 16), aligned_pools(store, 16)
     print(f"[bench] {args.checkpoint}: {store.num_layers} layers x {store.num_experts} experts, "
           f"{store.expert_file_bytes() / 1e6:.2f} MB per expert in {len(store.tensors)} ranges; "
@@ -351,13 +351,13 @@ def main():
                 print(f"[bench] run {rep} {io}/{m['method']} x{t} workers {workers}: {m['gbps']:.2f} GB/s", flush=True)
         # a bundled expert is one run: the store's workers do not apply
         layouts = [("stacked", store, files, pools, 1), ("stacked", store, files, pools, 4),
-                   ("contiguous", bstore, bfiles, pools, 1), ("contig+al", bstore, bfiles, apools, 1)]
+                   ("bundled", bstore, bfiles, pools, 1), ("bundled+al", bstore, bfiles, apools, 1)]
         for io, bypass in (("pread", None), ("direct", "o_direct")):
             for layout, s, fs, ps, workers in layouts:
-                if layout == "contig+al" and io == "pread":
+                if layout == "bundled+al" and io == "pread":
                     continue
                 for t in threads:
-                    m = measure(s, bsample, t, ps, fs, io, bypass, workers)
+                    m = measure(s, sample, t, ps, fs, io, bypass, workers)
                     m["layout"] = layout
                     r["bundle"].append(m)
                     print(f"[bench] run {rep} {layout} {m['method']} x{t} workers {workers}: {m['gbps']:.2f} GB/s",
@@ -368,16 +368,17 @@ def main():
     store.close()
     bstore.close()
 
-    gen = None if args.no_generate else generate_all(args)
+    gen = None if args.no_generate else generate_all(args, bundled)
     from mlxmoe.store import default_io
 
     out = {"platform": f"{platform.system()} {platform.release()} {platform.machine()}, {os.cpu_count()} cpus",
            "checkpoint": str(args.checkpoint), "expert_bytes": store.expert_file_bytes(),
-           "ranges_per_expert": len(store.tensors), "sample": len(sample), "bundle_sample": len(bsample),
+           "ranges_per_expert": len(store.tensors), "sample": len(sample), "bundled": str(bundled),
            "default_io": default_io(), "runs": reps, "generate": gen}
     for r in reps:
         print_modes(r, r["dd_gbps"])
         print_bundle(r, r["dd_gbps"])
+    print_bundle_medians(reps)
     if gen:
         print_generate(gen)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

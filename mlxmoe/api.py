@@ -12,7 +12,7 @@ from . import backend as backends
 from .budget import DEFAULT_CONTEXT, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
 from .errors import MlxmoeError, read_lines
-from .loader import attach_cache, open_checkpoint
+from .loader import MX_DTYPES, attach_cache, open_checkpoint
 from .policies import make_policy
 from .prefetch import Prefetcher
 from .profile import ActivationProfile, fingerprint
@@ -21,10 +21,6 @@ from .trace import TraceWriter
 # Prompt tokens per prefill step; smaller than mlx-lm's 2048 so the logits and
 # activations of one step stay a small share of the budget.
 PREFILL_STEP = 512
-
-# safetensors dtype -> MLX dtype of a slot pool before the backend's dtype policy
-MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32, "U8": mx.uint8,
-             "I8": mx.int8, "U16": mx.uint16, "I32": mx.int32, "F8_E4M3": mx.uint8, "F8_E5M2": mx.uint8}
 
 
 def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_experts=None, context=DEFAULT_CONTEXT):

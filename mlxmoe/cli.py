@@ -1,4 +1,4 @@
-"""The `mlxmoe` command: generate, chat, info."""
+"""The `mlxmoe` command: generate, chat, info, profile, trace, convert."""
 
 import json
 import os
@@ -430,6 +430,30 @@ def trace_replay(trace_file, policy, cache_experts, as_json):
         else:
             click.echo(f"{r['policy']:>10}: hit rate {100 * r['hit_rate']:.2f}% ({r['hits']}/{r['accesses']}), "
                        f"belady {100 * r['belady_hit_rate']:.2f}%")
+
+
+@main.command()
+@click.argument("src", type=click.Path(file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+@click.option("--bundle", is_flag=True, help="Repack the experts so that each is one 4096-byte aligned range.")
+def convert(src, dst, bundle):
+    """Repack checkpoint SRC into the new folder DST.
+
+    With --bundle, each expert's tensors (weight, scales and biases of gate, up and down,
+    or whatever the architecture has) are written back to back as one range starting at
+    a 4096-byte aligned offset, so loading an expert is one read (with --io direct, one
+    aligned O_DIRECT request) instead of one per tensor (9 for a stacked 4-bit
+    checkpoint): 1.4x the read throughput in bench/bench_io.py. Non-expert
+    tensors, config.json and the tokenizer are copied unchanged; DST loads with
+    `--model DST` like any checkpoint (not with stock mlx-lm). SRC is any checkpoint
+    mlxmoe loads (stacked or per-expert). DST appears only when the conversion is complete.
+    """
+    from .convert import bundle as bundle_checkpoint
+
+    if not bundle:
+        raise click.UsageError("nothing to do: --bundle is the only conversion")
+    bundle_checkpoint(src, dst, progress=lambda line: click.echo(line, err=True))
+    click.echo(f"wrote {dst}", err=True)
 
 
 def run():

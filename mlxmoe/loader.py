@@ -3,6 +3,8 @@ SwitchGLU/SwitchMLP for StreamingExperts.
 
 mlx-lm's own `load_model(lazy=True)` builds, sanitizes and quantizes the model; expert
 tensors stay lazy and are dropped before anything evaluates them, so they are never read.
+In a bundled checkpoint the model's sanitize is followed by lazy stand-ins of the expert
+tensors (shapes and dtypes from the bundle metadata) in place of the bundle tensors.
 """
 
 import json
@@ -19,6 +21,10 @@ from mlx_lm.utils import _get_classes, load_config, load_model
 from .errors import MlxmoeError
 from .experts import StreamingExperts, find_router
 from .store import PER_EXPERT, ExpertStore
+
+# safetensors dtype -> MLX dtype (of a slot pool before the backend's dtype policy, of a stand-in)
+MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32, "U8": mx.uint8,
+             "I8": mx.int8, "U16": mx.uint16, "I32": mx.int32, "F8_E4M3": mx.uint8, "F8_E5M2": mx.uint8}
 
 # The small MoE model trained by bench/train_demo.py that ships inside the package.
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
@@ -110,15 +116,40 @@ def _per_expert_sources(model, store):
     return sources
 
 
+def _bundled_classes(store):
+    """mlx-lm's model classes, the model's `sanitize` followed by stand-ins for the
+    tensors the bundles hold: lazy zeros of their shape that nothing evaluates."""
+    bundles = {info.bundle for info in store.index.values() if info.bundle}
+
+    def classes(config):
+        model_class, args_class = _get_classes(config)
+
+        def sanitize(self, weights):
+            weights = {k: v for k, v in weights.items() if k not in bundles}
+            if hasattr(model_class, "sanitize"):
+                weights = model_class.sanitize(self, weights)
+            for name, info in store.index.items():
+                if info.bundle:
+                    weights[name] = mx.zeros(info.shape, MX_DTYPES[info.dtype])
+            return weights
+
+        return type(model_class.__name__, (model_class,), {"sanitize": sanitize}), args_class
+
+    return classes
+
+
 def open_checkpoint(path_or_repo):
     """Read config, index the shards, build the model lazily and map every expert to its bytes."""
     path = resolve(path_or_repo)
     config = read_config(path)
     store = ExpertStore(path)
+    classes = _bundled_classes(store) if store.bundled else _get_classes
     try:
-        model, config = load_model(path, lazy=True, strict=True)
+        model, config = load_model(path, lazy=True, strict=True, get_model_classes=classes)
     except ValueError as e:
         raise MlxmoeError(f"{path}: the weights do not match config.json: {e}") from None
+    if store.bundled:
+        model.__class__ = model.__class__.__mro__[1]  # mlx-lm's own class again
     switches = sorted(
         ((p, m) for p, m in model.named_modules() if isinstance(m, SWITCH_TYPES)), key=lambda pm: _layer_order(pm[0]))
     if not switches:

@@ -16,7 +16,18 @@ Three IO modes (`ExpertStore(path, io=...)`, `mlxmoe --io`):
 
 `read_expert` returns the useful bytes; `disk_bytes` counts the bytes asked of the
 kernel (aligned supersets, whole pages), so disk_bytes / useful_bytes is the read
-amplification.
+amplification; `reads` counts the ranges asked for (9 per expert of a stacked 4-bit
+checkpoint, 1 per bundled expert).
+
+Three layouts: stacked (`switch_mlp.gate_proj.weight` `[E, out, in]`, one expert's
+tensors 9 ranges far apart), per-expert (`experts.N.gate_proj.weight`), and bundled
+(`mlxmoe convert --bundle`, format `mlxmoe.bundle/1`): each MoE layer's experts in one
+uint8 safetensors tensor `<module>.bundle` of shape `[E, stride]` that starts at a
+4096-byte aligned file offset, `stride` a multiple of 4096, so expert e is one aligned
+range. Inside a row the expert's tensors lie back to back; the file's `__metadata__`
+says where: {"format": "mlxmoe.bundle/1", "bundles": JSON {bundle name: [[stacked
+tensor name, dtype, per-expert shape, offset in the row], ...]}}. `read_header` lists a
+bundled tensor like a stacked one whose experts lie `stride` bytes apart.
 """
 
 import json
@@ -43,6 +54,7 @@ DTYPES = {
 }
 
 PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+BUNDLE_FORMAT = "mlxmoe.bundle/1"
 
 
 @dataclass(frozen=True)
@@ -51,8 +63,10 @@ class TensorInfo:
     file: Path
     dtype: str  # safetensors name: "F32", "BF16", "U32", ...
     shape: tuple
-    offset: int  # absolute byte offset in the file
+    offset: int  # absolute byte offset in the file (of expert 0)
     nbytes: int
+    stride: int = 0  # bytes from one expert's slice to the next; 0: back to back (nbytes // shape[0])
+    bundle: str = None  # the bundle tensor that holds it (bundled layout)
 
 
 @dataclass(frozen=True)
@@ -82,7 +96,7 @@ def read_header(path):
         raise MlxmoeError(f"{path}: corrupt safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise MlxmoeError(f"{path}: corrupt safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", None) or {}
     tensors = {}
     for name, h in header.items():
         try:
@@ -91,7 +105,7 @@ def read_header(path):
             raise MlxmoeError(f"{path}: corrupt safetensors header entry for {name!r}") from None
         if dtype not in DTYPES:
             raise MlxmoeError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+        expected = tensor_bytes(dtype, shape)
         if not 0 <= start <= end or end - start != expected:
             raise MlxmoeError(
                 f"{path}: corrupt safetensors header: {name!r} spans {end - start} bytes, "
@@ -100,7 +114,34 @@ def read_header(path):
             raise MlxmoeError(
                 f"truncated shard: {path} is {size} bytes but tensor {name!r} ends at byte {8 + n + end}")
         tensors[name] = TensorInfo(name, path, dtype, shape, 8 + n + start, end - start)
+    if isinstance(meta, dict) and str(meta.get("format", "")).startswith("mlxmoe.bundle"):
+        tensors = unbundle(path, tensors, meta)
     return tensors
+
+
+def tensor_bytes(dtype, shape):
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+
+
+def unbundle(path, tensors, meta):
+    """Replace each bundle tensor by the stacked tensors it holds (see the module doc)."""
+    if meta["format"] != BUNDLE_FORMAT:
+        raise MlxmoeError(f"{path}: bundle format {meta['format']!r}; this mlxmoe reads {BUNDLE_FORMAT}")
+    out = dict(tensors)
+    try:
+        for bname, parts in json.loads(meta["bundles"]).items():
+            b = out.pop(bname)
+            if b.dtype != "U8" or len(b.shape) != 2 or b.offset % ALIGN or b.shape[1] % ALIGN:
+                raise ValueError(f"{bname} is {b.dtype} {list(b.shape)} at byte {b.offset}, not aligned uint8 rows")
+            experts, stride = b.shape
+            for name, dtype, shape, offset in parts:
+                n = tensor_bytes(dtype, shape)
+                if not 0 <= offset <= offset + n <= stride:
+                    raise ValueError(f"{name} ({n} bytes at {offset}) overflows the {stride}-byte rows of {bname}")
+                out[name] = TensorInfo(name, path, dtype, (experts, *shape), b.offset + offset, experts * n, stride, bname)
+    except (KeyError, TypeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise MlxmoeError(f"{path}: corrupt {BUNDLE_FORMAT} metadata ({e})") from None
+    return out
 
 
 def shard_files(model_path):
@@ -237,6 +278,7 @@ class ExpertStore:
         self.tensor_dtypes = []  # safetensors dtype of each
         self.tensor_shapes = []  # per-expert shape of each
         self.ranges = []  # [layer][expert] -> [Range per tensor]
+        self.expert_names = set()  # the file tensors that hold experts
         self._fds = {}  # file -> fd
         self._how = {}  # file -> "mmap", "pread", or the bypass used for "direct"
         self._maps = {}  # file -> (mmap, uint8 array over it), io="mmap"
@@ -245,7 +287,7 @@ class ExpertStore:
         self._open_lock = threading.Lock()
         self._local = threading.local()  # per-thread O_DIRECT bounce buffer
         self.fallback = None  # why "direct" could not use O_DIRECT, when it could not
-        self.useful_bytes = self.disk_bytes = 0
+        self.useful_bytes = self.disk_bytes = self.reads = 0
         self.workers = workers  # threads reading the separate ranges of one expert at once
         self._workers = None
         self.io, self.bypass = resolve_io(io), self._check_bypass(bypass)
@@ -283,11 +325,12 @@ class ExpertStore:
                 for t, sources in layer.items():
                     name, k = sources[e]
                     info = self.index[name]
+                    self.expert_names.add(name)
                     if k is None:
                         shape, start, nbytes = info.shape, info.offset, info.nbytes
                     else:
                         nbytes = info.nbytes // info.shape[0]
-                        shape, start = info.shape[1:], info.offset + k * nbytes
+                        shape, start = info.shape[1:], info.offset + k * (info.stride or nbytes)
                     if l == 0 and e == 0:
                         self.tensor_dtypes.append(info.dtype)
                         self.tensor_shapes.append(tuple(shape))
@@ -303,6 +346,11 @@ class ExpertStore:
         # Open every shard now: IO threads then only read a dict.
         for f in {r.file for experts in self.ranges for row in experts for r in row}:
             self._fd(f)
+
+    @property
+    def bundled(self):
+        """Whether the experts are in the bundled layout (`mlxmoe convert --bundle`)."""
+        return any(info.bundle for info in self.index.values())
 
     @property
     def num_layers(self):
@@ -418,6 +466,7 @@ class ExpertStore:
         with self._lock:
             self.useful_bytes += useful
             self.disk_bytes += disk
+            self.reads += len(todo)
         return useful
 
     def _pool(self):
@@ -489,15 +538,15 @@ class ExpertStore:
         return b - a
 
     def io_stats(self):
-        """{"io", "method", "useful_bytes", "disk_bytes", "amplification", "fallback"}."""
+        """{"io", "method", "useful_bytes", "disk_bytes", "amplification", "reads", "fallback"}."""
         with self._lock:
-            useful, disk = self.useful_bytes, self.disk_bytes
+            useful, disk, reads = self.useful_bytes, self.disk_bytes, self.reads
         return {"io": self.io, "method": self.method, "useful_bytes": useful, "disk_bytes": disk,
-                "amplification": disk / useful if useful else 1.0, "fallback": self.fallback}
+                "amplification": disk / useful if useful else 1.0, "reads": reads, "fallback": self.fallback}
 
     def reset_io_stats(self):
         with self._lock:
-            self.useful_bytes = self.disk_bytes = 0
+            self.useful_bytes = self.disk_bytes = self.reads = 0
 
     def close(self):
         if self._workers is not None:

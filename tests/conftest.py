@@ -1,4 +1,7 @@
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,3 +29,37 @@ def checkpoint(tmp_path_factory, tokenizer_dir):
         return built[key]
 
     return make
+
+
+def fs_type(path):
+    """The filesystem type of `path` from /proc/mounts (longest mount point that holds it)."""
+    path, best = str(Path(path).resolve()), ("", "")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                mnt, kind = line.split()[1:3]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best[0]):
+                    best = (mnt, kind)
+    except OSError:
+        pass
+    return best[1]
+
+
+@pytest.fixture
+def on_disk(tmp_path):
+    """on_disk(folder) -> a copy of folder on a real filesystem (O_DIRECT works there, not
+    on every tmpfs): under tmp_path, or /var/tmp when tmp_path is tmpfs."""
+    made = []
+
+    def copy(src):
+        base = tmp_path
+        if fs_type(tmp_path) == "tmpfs":
+            base = Path(tempfile.mkdtemp(dir="/var/tmp"))
+            made.append(base)
+        dst = base / f"copy{len(list(base.iterdir()))}"
+        shutil.copytree(src, dst)
+        return dst
+
+    yield copy
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)

@@ -4,7 +4,6 @@ the same greedy output, report failed reads with file and offset, and are thread
 import mmap
 import os
 import random
-import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,44 +17,12 @@ from mlxmoe import store as store_module
 from mlxmoe.loader import open_checkpoint
 from mlxmoe.store import ALIGN, DTYPES, ExpertStore, Range, default_io, resolve_io
 
+from conftest import fs_type
+
 # (io, bypass): every way the store reads
 MODES = [("mmap", None), ("pread", None), ("direct", None), ("direct", "fadvise")]
 IDS = ["mmap", "pread", "direct", "direct-fadvise"]
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
-
-
-def fs_type(path):
-    """The filesystem type of `path` from /proc/mounts (longest mount point that holds it)."""
-    path, best = str(Path(path).resolve()), ("", "")
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                mnt, kind = line.split()[1:3]
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best[0]):
-                    best = (mnt, kind)
-    except OSError:
-        pass
-    return best[1]
-
-
-@pytest.fixture
-def on_disk(tmp_path):
-    """on_disk(folder) -> a copy of folder on a real filesystem (O_DIRECT works there, not
-    on every tmpfs): under tmp_path, or /var/tmp when tmp_path is tmpfs."""
-    made = []
-
-    def copy(src):
-        base = tmp_path
-        if fs_type(tmp_path) == "tmpfs":
-            base = Path(tempfile.mkdtemp(dir="/var/tmp"))
-            made.append(base)
-        dst = base / f"copy{len(list(base.iterdir()))}"
-        shutil.copytree(src, dst)
-        return dst
-
-    yield copy
-    for d in made:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def outs_for(store, widen=False):

@@ -1,0 +1,121 @@
+"""`mlxmoe convert --bundle`: repack a checkpoint so that each expert is one aligned range.
+
+The bundled layout (`mlxmoe.bundle/1`, described in store.py) keeps every non-expert
+tensor as it is in one ordinary safetensors shard and writes one shard per MoE layer
+holding that layer's experts; config.json, the tokenizer and the other small files are
+copied. The folder is written under a temporary name next to DST and renamed at the end,
+so an error or Ctrl-C leaves no DST.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .errors import MlxmoeError
+from .store import ALIGN, BUNDLE_FORMAT, DTYPES, align_up, tensor_bytes
+
+COPY_CHUNK = 16 << 20
+
+
+def header(entries, metadata, align=8):
+    """A safetensors header for `entries` [(name, dtype, shape)] stored back to back,
+    padded with spaces (as the format allows) so that the data starts at a multiple of
+    `align`."""
+    h, offset = {"__metadata__": metadata}, 0
+    for name, dtype, shape in entries:
+        n = tensor_bytes(dtype, shape)
+        h[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(h, separators=(",", ":")).encode()
+    text += b" " * (align_up(8 + len(text), align) - 8 - len(text))
+    return len(text).to_bytes(8, "little") + text
+
+
+def copy_range(src, offset, nbytes, out):
+    with open(src, "rb") as f:
+        f.seek(offset)
+        while nbytes:
+            chunk = f.read(min(nbytes, COPY_CHUNK))
+            if not chunk:
+                raise MlxmoeError(f"truncated shard: {src} ends before offset {offset + nbytes}")
+            out.write(chunk)
+            nbytes -= len(chunk)
+
+
+def finish(f):
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def bundle(src, dst, progress=print):
+    """Write the bundled copy of checkpoint `src` to the new folder `dst`; returns dst."""
+    from .loader import open_checkpoint
+
+    dst = Path(dst)
+    if dst.exists():
+        raise MlxmoeError(f"{dst} already exists; pass a new folder")
+    ckpt = open_checkpoint(src)
+    store = ckpt.store
+    if store.bundled:
+        raise MlxmoeError(f"{ckpt.path} is already bundled ({BUNDLE_FORMAT})")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-"))
+    try:
+        _write(ckpt, tmp, progress)
+        os.rename(tmp, dst)
+    except BaseException:  # Ctrl-C too: nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        store.close()
+        raise
+    store.close()
+    return dst
+
+
+def _write(ckpt, out, progress):
+    store, t0 = ckpt.store, time.perf_counter()
+    layers, experts = store.num_layers, store.num_experts
+    sizes = [tensor_bytes(d, s) for d, s in zip(store.tensor_dtypes, store.tensor_shapes)]
+    offsets = np.cumsum([0] + sizes[:-1]).tolist()
+    stride = align_up(sum(sizes), ALIGN)
+    names = [f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors" for i in range(layers + 1)]
+    weight_map = {}
+
+    for f in sorted(ckpt.path.iterdir()):
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+
+    rest = sorted((i for name, i in store.index.items() if name not in store.expert_names),
+                  key=lambda i: (str(i.file), i.offset))
+    with open(out / names[0], "wb") as w:
+        w.write(header([(i.name, i.dtype, i.shape) for i in rest], {"format": "mlx"}))
+        for i in rest:
+            copy_range(i.file, i.offset, i.nbytes, w)
+            weight_map[i.name] = names[0]
+        finish(w)
+    progress(f"{names[0]}: {len(rest)} non-expert tensors, {sum(i.nbytes for i in rest) / 1e6:.0f} MB")
+
+    row = np.zeros(stride, np.uint8)  # one expert: its tensors back to back, zero padding
+    outs = [row[o:o + size].view(DTYPES[d]).reshape(s)
+            for o, size, d, s in zip(offsets, sizes, store.tensor_dtypes, store.tensor_shapes)]
+    for layer, module in enumerate(ckpt.module_paths):
+        bname = f"{module}.bundle"
+        parts = [[f"{module}.{t}", d, list(s), o]
+                 for t, d, s, o in zip(store.tensors, store.tensor_dtypes, store.tensor_shapes, offsets)]
+        meta = {"format": BUNDLE_FORMAT, "bundles": json.dumps({bname: parts})}
+        with open(out / names[layer + 1], "wb") as w:
+            w.write(header([(bname, "U8", (experts, stride))], meta, ALIGN))
+            for e in range(experts):
+                store.read_expert(layer, e, outs)
+                w.write(row)
+            finish(w)
+        weight_map[bname] = names[layer + 1]
+        progress(f"{names[layer + 1]}: layer {layer + 1}/{layers}, {experts} experts x {stride} bytes "
+                 f"({time.perf_counter() - t0:.1f}s)")
+    total = sum(i.nbytes for i in rest) + layers * experts * stride
+    index = {"metadata": {"format": BUNDLE_FORMAT, "total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))

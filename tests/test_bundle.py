@@ -1,0 +1,186 @@
+"""`mlxmoe convert --bundle`: each expert one aligned range, read in one request, the same
+greedy tokens as stock mlx-lm on the original checkpoint; bad input and Ctrl-C leave no DST."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+import mlxmoe
+from mlxmoe import MlxmoeError
+from mlxmoe.api import model_fingerprint
+from mlxmoe.backend import detect
+from mlxmoe.convert import bundle
+from mlxmoe.loader import open_checkpoint
+from mlxmoe.store import ALIGN, BUNDLE_FORMAT, DTYPES, align_up
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def bundled(checkpoint, tmp_path_factory):
+    """bundled(arch, quant, layout) -> (original folder, bundled folder), converted once."""
+    made = {}
+
+    def make(arch, quant=None, layout="stacked"):
+        key = (arch, quant, layout)
+        if key not in made:
+            src = checkpoint(arch, quant=quant, layout=layout)
+            made[key] = src, bundle(src, tmp_path_factory.mktemp("bundled") / "model", progress=lambda _: None)
+        return made[key]
+
+    return make
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "mlxmoe", *args], capture_output=True, text=True, timeout=120)
+
+
+def tokens(path, **kw):
+    model, tokenizer = mlxmoe.load(str(path), **kw)
+    out = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
+    model.expert_cache.close()
+    return out, model.expert_cache
+
+
+@pytest.mark.parametrize("arch,quant,layout", [("qwen3_moe", "4bit", "stacked"), ("gpt_oss", "mxfp4", "stacked"),
+                                               ("mixtral", None, "per_expert")])
+def test_greedy_tokens_match_mlx_lm_on_the_original(bundled, arch, quant, layout):
+    src, dst = bundled(arch, quant, layout)
+    model, tokenizer = mlx_lm.load(str(src))
+    detect().apply_dtype_policy(model)
+    want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
+    assert len(set(want)) >= 3
+    got, cache = tokens(dst)  # everything fits
+    assert got == want
+    k, layers = cache.checkpoint.top_k, cache.checkpoint.num_layers
+    for size in (k * layers, k):  # streaming
+        got, cache = tokens(dst, cache_experts=size)
+        assert got == want, f"cache of {size} experts changed the output"
+        stats = cache.stats()
+        assert stats["misses"] > 0
+        assert stats["bytes_read"] == (stats["misses"] + stats["loads_prefetched"]) * cache.store.expert_file_bytes()
+        assert cache.store.io_stats()["reads"] == stats["misses"] + stats["loads_prefetched"]  # one read per load
+
+
+@pytest.mark.parametrize("io", ["pread", "direct"])
+def test_one_read_per_bundled_expert_nine_per_stacked(bundled, on_disk, io):
+    src, dst = bundled("qwen3_moe", "4bit")
+    stacked, packed = open_checkpoint(on_disk(src)).store, open_checkpoint(on_disk(dst)).store
+    assert packed.bundled and not stacked.bundled
+    assert (packed.tensors, packed.tensor_shapes, packed.tensor_dtypes) == \
+        (stacked.tensors, stacked.tensor_shapes, stacked.tensor_dtypes)
+    size = stacked.expert_file_bytes()
+    assert packed.expert_file_bytes() == size
+    stacked.set_io("pread")  # no alignment: the 9 ranges of a tiny model would share pages
+    packed.set_io(io)
+    for layer in range(stacked.num_layers):
+        for e in range(stacked.num_experts):
+            want = [np.empty(s, DTYPES[d]) for s, d in zip(stacked.tensor_shapes, stacked.tensor_dtypes)]
+            got = [np.empty_like(w) for w in want]
+            stacked.reset_io_stats()
+            packed.reset_io_stats()
+            stacked.read_expert(layer, e, want)
+            assert packed.read_expert(layer, e, got) == size
+            for t, w, g in zip(stacked.tensors, want, got):
+                np.testing.assert_array_equal(g, w, err_msg=f"{t} of expert {e} in layer {layer}")
+            assert stacked.io_stats()["reads"] == len(stacked.tensors) == 9
+            s = packed.io_stats()
+            assert s["reads"] == 1 and s["useful_bytes"] == size
+            assert size <= s["disk_bytes"] <= align_up(size, ALIGN)  # bytes read: the expert, within padding
+            if io == "direct":
+                assert packed.method == "o_direct", packed.fallback
+    stacked.close()
+    packed.close()
+
+
+def test_layout(bundled):
+    src, dst = bundled("qwen3_moe", "4bit")
+    ckpt = open_checkpoint(dst)
+    store = ckpt.store
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["format"] == BUNDLE_FORMAT
+    for path in ckpt.module_paths:
+        assert f"{path}.bundle" in index["weight_map"]
+    for layer in store.ranges:
+        for row in layer:
+            assert row[0].offset % ALIGN == 0  # each expert starts aligned, its tensors back to back
+            assert all(a.offset + a.nbytes == b.offset for a, b in zip(row, row[1:]))
+    assert all(f.read_bytes() == (src / f.name).read_bytes() for f in src.iterdir()
+               if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json")
+    original = {}
+    for f in src.glob("*.safetensors"):
+        original.update(mx.load(str(f)))
+    rest = mx.load(str(dst / index["weight_map"]["model.embed_tokens.weight"]))
+    assert set(rest) == set(original) - store.expert_names - set(open_checkpoint(src).store.expert_names)
+    for name, v in rest.items():
+        assert mx.array_equal(v, original[name]).item(), name
+    assert model_fingerprint(ckpt) == model_fingerprint(open_checkpoint(src))  # profiles carry over
+    store.close()
+
+
+def test_refuses_bad_input(bundled, checkpoint, tmp_path):
+    src, dst = bundled("qwen3_moe", "4bit")
+    with pytest.raises(MlxmoeError, match="already exists"):
+        bundle(src, dst)
+    with pytest.raises(MlxmoeError, match="already bundled"):
+        bundle(dst, tmp_path / "again")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MlxmoeError, match="no config.json"):
+        bundle(tmp_path / "empty", tmp_path / "out")
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint("qwen3_moe", quant="4bit", max_shard_bytes=200_000), broken)
+    shard = sorted(broken.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(MlxmoeError, match=f"missing shard.*{shard.name}"):
+        bundle(broken, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "again").exists()
+    r = cli("convert", "--bundle", str(src), str(dst))
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "already exists" in r.stderr
+    r = cli("convert", str(src), str(tmp_path / "out"))
+    assert r.returncode != 0 and "--bundle" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_bundle_version_is_refused(bundled, tmp_path):
+    _, dst = bundled("qwen3_moe", "4bit")
+    copy = tmp_path / "copy"
+    shutil.copytree(dst, copy)
+    shard = copy / json.loads((copy / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.layers.0.mlp.switch_mlp.bundle"]
+    data = shard.read_bytes()
+    shard.write_bytes(data.replace(BUNDLE_FORMAT.encode(), b"mlxmoe.bundle/9", 1))
+    with pytest.raises(MlxmoeError, match="mlxmoe.bundle/9"):
+        mlxmoe.load(str(copy))
+
+
+def test_interrupted_conversion_leaves_nothing(checkpoint, tmp_path):
+    src = checkpoint("qwen3_moe", quant="4bit")
+    seen = []
+
+    def progress(line):
+        seen.append(line)
+        if len(seen) == 2:  # after the first MoE layer
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        bundle(src, tmp_path / "out", progress=progress)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_convert(checkpoint, tmp_path):
+    src = checkpoint("qwen3_moe", quant="4bit")
+    r = cli("convert", "--help")
+    assert r.returncode == 0 and "--bundle" in r.stdout and "aligned" in r.stdout
+    r = cli("convert", "--bundle", str(src), str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert "layer 3/3" in r.stderr and (tmp_path / "out" / "config.json").exists()
+    r = cli("generate", "--model", str(tmp_path / "out"), "--prompt", "Hello", "--max-tokens", "4",
+            "--cache-experts", "4")
+    assert r.returncode == 0, r.stderr
