@@ -3,24 +3,31 @@ experts, on two families of routing, in one run:
 
 - synthetic traces whose per-layer popularity follows Qwen3-30B-A3B's real expert heat
   (../shared/data/qwen3-30b-a3b-expert-heat.json) with temporal locality (bench/traces.py),
-- traces recorded from the bundled demo model on held-out text in several languages
-  (--demo; recorded with `mlxmoe trace record` unless --traces points at them).
+- traces recorded from the bundled demo model on held-out text in five languages
+  (--demo: `mlxmoe trace record` on 16 held-out prompts per language, 64 generated tokens
+  each, into bench/out/demo-LANG.trace.jsonl, kept for later runs; or --traces FILES).
+
+Replay fetches one layer call at a time as the runtime does, and gives the policies the
+router's whole distribution where the trace has it (the runtime's traces and the
+synthetic ones do).
 
 For each size it prints the hit rates, Belady's, and the share of the LRU->Belady gap the
 default `activation` policy closes. Results go to bench/out/policies.json.
 
     python bench/bench_policies.py                 # synthetic only (about a minute)
-    python bench/bench_policies.py --demo          # plus the demo model's traces
+    python bench/bench_policies.py --demo          # plus the demo model's traces (a few minutes)
 """
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from heldout import LANGUAGES, write_prompts  # noqa: E402
 from traces import describe, load_heat, synthetic_records  # noqa: E402
 
 from mlxmoe.policies import ONLINE  # noqa: E402
@@ -63,6 +70,20 @@ def synthetic(args):
     return results
 
 
+def record_demo_traces(prompts=16, tokens=64):
+    """Record the demo model's traces on held-out text, once (kept in bench/out)."""
+    paths = []
+    for lang in LANGUAGES:
+        path = OUT / f"demo-{lang}.trace.jsonl"
+        if not path.exists():
+            text = write_prompts(lang, OUT / f"heldout-{lang}.txt", prompts)
+            print(f"recording {path.name} ...", flush=True)
+            subprocess.run([sys.executable, "-m", "mlxmoe", "trace", "record", "--prompts", str(text),
+                            "--max-tokens", str(tokens), "-o", str(path)], check=True)
+        paths.append(str(path))
+    return paths
+
+
 def demo(args):
     results = {}
     for path in args.traces:
@@ -77,9 +98,12 @@ def main():
     ap.add_argument("--tokens", type=int, default=800, help="Tokens per synthetic trace.")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--traces", nargs="*", default=[], help="Recorded mlxmoe.trace/1 files to include.")
+    ap.add_argument("--demo", action="store_true", help="Record (once) and include the demo model's traces.")
     args = ap.parse_args()
-    out = {"synthetic": synthetic(args), "demo": demo(args) if args.traces else {}}
     OUT.mkdir(exist_ok=True)
+    if args.demo:
+        args.traces += record_demo_traces()
+    out = {"synthetic": synthetic(args), "demo": demo(args) if args.traces else {}}
     (OUT / "policies.json").write_text(json.dumps(out, indent=1))
 
 

@@ -370,7 +370,7 @@ class Activation(Policy):
     wants_router = True
 
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=24, recency_half_life=4,
-                 recency_weight=0.5, router_weight=1.0, prior_weight=0.1, pin_share=0.25, **kw):
+                 recency_weight=0.2, router_weight=1.0, prior_weight=0.1, pin_share=0.25, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         L, E = num_layers, num_experts
         self.slow = 2.0 ** (-1.0 / half_life)
@@ -384,6 +384,8 @@ class Activation(Policy):
         self.resident = [set() for _ in range(L)]
         self.order = [[] for _ in range(L)]  # resident experts of each layer, least likely first
         self.current = 0
+        self.call_tokens = 1
+        self.top_k = 1  # the most experts one token has used (seen at single-token calls)
         self.visits = 0  # layer calls so far
         self.visited_at = np.zeros(L)  # the call count at each layer's last visit
         self.pinned = set()
@@ -396,18 +398,35 @@ class Activation(Policy):
         return ((1 - self.recency_weight) * self.F[layer] + self.recency_weight * self.R[layer]
                 + self.router_weight * self.M[layer] + self.prior_weight * self.prior[layer])
 
+    def tick(self, tokens=1):
+        self.call_tokens = tokens  # every layer call until the next tick has this many tokens
+
     def visit(self, layer, experts, scores=None, probs=None):
+        # A call of n tokens (a prefill) counts as n visits: estimates decay n times and
+        # move towards the share of its tokens that used each expert. Only the union of
+        # the experts is known; the router's mean distribution times top-k estimates
+        # the share, where the router is known.
+        n = self.call_tokens
+        used = np.zeros(self.num_experts)
+        if n == 1:
+            self.top_k = max(self.top_k, len(experts))
+            used[experts] = 1.0
+        elif probs is not None:
+            used[:] = np.minimum(1.0, np.asarray(probs) * self.top_k)
+        else:
+            used[experts] = 1.0
+        slow, fast = self.slow ** n, self.fast ** n
         F, R, M = self.F[layer], self.R[layer], self.M[layer]  # views: updated in place
-        F *= self.slow
-        F[experts] += 1 - self.slow
-        R *= self.fast
-        R[experts] += 1 - self.fast
+        F *= slow
+        F += (1 - slow) * used
+        R *= fast
+        R += (1 - fast) * used
         if probs is not None:
-            M *= self.slow
-            M += (1 - self.slow) * probs
+            M *= slow
+            M += (1 - slow) * probs
         elif scores is not None:
-            M *= self.slow
-            M[experts] += (1 - self.slow) * np.asarray(scores)
+            M *= slow
+            M[experts] += (1 - slow) * np.asarray(scores)
         self.p[layer] = self._mix(layer)
         self.current = layer
         self.visits += 1

@@ -165,3 +165,50 @@ def test_bad_trace_lines(tmp_path, line, message):
     with pytest.raises(MlxmoeError, match=message) as e:
         read_trace(path)
     assert "bad.jsonl:2" in str(e.value)
+
+
+def test_replay_fetches_a_prefill_as_one_layer_call(tmp_path):
+    """Lines of one multi-token call (consecutive, same sequence and layer) are one fetch,
+    split where its experts outgrow the cache, as the runtime splits it; each token's
+    router distribution (`r`) reaches the policy as the call's mean."""
+    path = tmp_path / "prefill.jsonl"
+    lines = [{"format": "mlxmoe.trace/1", "num_layers": 2, "num_experts": 4, "top_k": 1}]
+    dist = [[0.7, 0.1, 0.1, 0.1], [0.1, 0.7, 0.1, 0.1], [0.1, 0.1, 0.7, 0.1]]
+    for l in (0, 1):  # prefill of 3 tokens, layer by layer
+        lines += [{"s": 0, "t": t, "l": l, "e": [t], "r": dist[t]} for t in range(3)]
+    lines += [{"s": 0, "t": 3, "l": l, "e": [3], "r": [0.1, 0.1, 0.1, 0.7]} for l in (0, 1)]  # one decode step
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    header, records = read_trace(path)
+    calls = list(steps(records, 2))
+    assert [(tokens, layer, experts) for tokens, layer, experts, *_ in calls] == [
+        (3, 0, [0, 1, 2]), (0, 1, [0, 1, 2]), (1, 0, [3]), (0, 1, [3])]
+    assert np.allclose(calls[0][4], np.mean(dist, axis=0)) and calls[0][3] == pytest.approx([0.3, 0.3, 0.3])
+    # two slots: the prefill is fetched in runs of tokens whose experts fit
+    assert [experts for _, _, experts, *_ in steps(records, 2, capacity=2)][:2] == [[0, 1], [2]]
+    assert replay(header, records, "lru", 8)["accesses"] == 3 + 3 + 1 + 1
+
+
+def test_trace_router_distribution_must_cover_every_expert(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"format":"mlxmoe.trace/1","num_layers":1,"num_experts":4}\n'
+                    '{"s":0,"t":0,"l":0,"e":[1],"r":[0.5,0.5]}\n')
+    with pytest.raises(MlxmoeError, match="router distribution of 2 experts"):
+        read_trace(path)
+
+
+def test_activation_counts_a_prefill_call_as_its_tokens():
+    """A call of n tokens decays the estimates n times; the router's mean distribution
+    times top-k stands for the share of tokens that used each expert."""
+    one, many = (make_policy("activation", 4, 1, 4) for _ in range(2))
+    for _ in range(8):
+        one.tick(1)
+        one.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))
+    many.tick(1)
+    many.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))  # learns top-k = 1
+    many.tick(7)
+    many.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]))
+    s7 = many.slow ** 7
+    assert one.F[0, 0] == pytest.approx(1 - one.slow ** 8)  # 8 single-token visits that used expert 0
+    assert many.F[0, 0] == pytest.approx((1 - many.slow) * s7 + (1 - s7) * 0.7)  # 1 visit, then 7 tokens at share 0.7
+    assert many.F[0, 1] == pytest.approx((1 - s7) * 0.1)
+    assert many.p[0, 0] > 5 * many.p[0, 1]
