@@ -7,8 +7,8 @@
    steady-state hit rate, replayed on traces recorded from the model;
 3. bookkeeping: the time StreamingExperts spends beyond mlx-lm's own work (routing copies,
    policy, remapping) as a share of decode time;
-4. prefetch: hit rate and loads with and without it, at 25 % and 50 % cache, and the
-   precision of each predictor.
+4. prefetch: hit rate and loads during decode (prefill left out) without it and with
+   each variant, at 25 % and 50 % cache, and the precision of the router predictors.
 Results go to bench/out/profiles.json.
 
     python bench/bench_profiles.py [--model DIR] [--profiles profiles/]
@@ -140,29 +140,60 @@ def bookkeeping(model_path, prompt, tokens=128, share=0.5):
             "share": s["bookkeeping_seconds"] / elapsed, "tokens_per_second": n / elapsed}
 
 
+# label -> (load arguments, Prefetcher attributes)
+PREFETCH_VARIANTS = (
+    ("off", {"prefetch": 0}, {}),
+    ("next layer, sure guesses (before)", {}, {"cross_token": False, "candidates": 0}),
+    ("+ cross-token", {}, {"candidates": 0}),
+    ("+ top-2k where the policy agrees", {}, {"cross_token": False}),
+    ("default (both)", {}, {}),
+    ("default, min chance 0.3", {}, {"min_chance": 0.3}),
+    ("default, depth 2", {"prefetch": 2}, {}),
+)
+DECODE_KEYS = ("hits", "misses", "loads_demand", "loads_prefetched", "prefetch_useful", "prefetch_late")
+
+
 def prefetch(model_path, lines, tokens=64):
+    """Decode only: each prompt's counts start at its first generated token (the prompt's
+    prefill and its loads are left out), with the background loads drained at both ends."""
     rows = {}
+    print("  | cache | prefetch | hit rate | demand loads | prefetched (used) | useful / (useful + demand) "
+          "| reads / token | router precision (next token) |")
+    print("  |---|---|---|---|---|---|---|---|")
     for share in (0.25, 0.5):
-        for label, kwargs in (("off", {"prefetch": 0}), ("default", {}), ("every guess", {"prefetch_confidence": 0.0})):
+        for label, kwargs, attrs in PREFETCH_VARIANTS:
             model, tokenizer = mlxmoe.load(model_path, cache_experts=_share(model_path, share), **kwargs)
             cache = model.expert_cache
+            pf = cache.prefetcher
+            for name, value in attrs.items():
+                setattr(pf, name, value)
+            total, made = dict.fromkeys(DECODE_KEYS, 0), 0
             for line in lines:
-                for _ in mlxmoe.stream_generate(model, tokenizer, line, max_tokens=tokens,
-                                                logits_processors=[no_eos(tokenizer)]):
-                    pass
-            if cache.prefetcher is not None:
-                cache.prefetcher.drain()
+                for i, _ in enumerate(mlxmoe.stream_generate(model, tokenizer, line, max_tokens=tokens,
+                                                             logits_processors=[no_eos(tokenizer)])):
+                    if i == 0:
+                        if pf is not None:
+                            pf.drain()
+                        before = cache.stats()
+                made += i
+                if pf is not None:
+                    pf.drain()
+                after = cache.stats()
+                for k in DECODE_KEYS:
+                    total[k] += after[k] - before[k]
             s = cache.stats()
             cache.close()
-            useful, demand = s["prefetch_useful"], s["loads_demand"]
-            row = {"hit_rate": s["hit_rate"], "loads_demand": demand, "loads_prefetched": s["loads_prefetched"],
-                   "prefetch_useful": useful, "useful_share": useful / max(useful + demand, 1),
-                   "predictors": s["predictors"]}
+            useful, demand = total["prefetch_useful"], total["loads_demand"]
+            row = dict(total, hit_rate=total["hits"] / max(total["hits"] + total["misses"], 1),
+                       useful_share=useful / max(useful + demand, 1),
+                       reads_per_token=(demand + total["loads_prefetched"]) / max(made, 1),
+                       predictors=s["predictors"])
             rows[f"{share}/{label}"] = row
-            print(f"  {share:.0%} cached, prefetch {label:>11}: hit rate {100 * row['hit_rate']:.1f}%, "
-                  f"{demand} demand loads, {row['loads_prefetched']} prefetched ({useful} used), "
-                  f"useful / (useful + demand) {row['useful_share']:.2f}"
-                  + "".join(f", {n} precision {v['precision']:.2f}" for n, v in row["predictors"].items()))
+            pr = row["predictors"]
+            precision = " / ".join(f"{pr[n]['precision']:.2f}" for n in ("router", "router_next_token") if n in pr)
+            print(f"  | {share:.0%} | {label} | {100 * row['hit_rate']:.1f} % | {demand} | "
+                  f"{total['loads_prefetched']} ({useful}) | {row['useful_share']:.2f} | "
+                  f"{row['reads_per_token']:.2f} | {precision or '-'} |", flush=True)
     return rows
 
 
@@ -171,12 +202,15 @@ def main():
     ap.add_argument("--model", default=str(DEMO_MODEL))
     ap.add_argument("--profiles", default=str(ROOT / "profiles"))
     ap.add_argument("--prompts", type=int, default=4, help="Held-out prompts per language.")
+    ap.add_argument("--only-prefetch", action="store_true", help="Run section 4 alone.")
     args = ap.parse_args()
     profiles = Path(args.profiles)
     OUT.mkdir(exist_ok=True)
     # cut mid-text, so that the model continues in the prompt's language
     it, en = prompts("it", args.prompts, max_chars=200), prompts("en", args.prompts, max_chars=200)
     out = {}
+    if args.only_prefetch:
+        return prefetch_section(args.model, out)
     print("1. pre-warm at 50 % cache (Italian prompts)")
     out["prewarm"] = prewarm(args.model, profiles, it)
     print("2. profile switch: Italian -> English, replayed at 50 % cache")
@@ -195,8 +229,12 @@ def main():
     b = out["bookkeeping"]
     print(f"  {1000 * b['bookkeeping_seconds']:.1f} ms of {1000 * b['generate_seconds']:.1f} ms: "
           f"{100 * b['share']:.2f}% ({b['tokens_per_second']:.1f} tok/s including the prompt)")
-    print("4. prefetch (Italian and English prompts, 64 generated tokens each)")
-    out["prefetch"] = prefetch(args.model, prompts("it", 4, max_chars=200) + prompts("en", 4, max_chars=200))
+    prefetch_section(args.model, out)
+
+
+def prefetch_section(model_path, out):
+    print("4. prefetch, decode only (Italian and English prompts, 64 generated tokens each)")
+    out["prefetch"] = prefetch(model_path, prompts("it", 4, max_chars=200) + prompts("en", 4, max_chars=200))
     (OUT / "profiles.json").write_text(json.dumps(out, indent=1))
 
 

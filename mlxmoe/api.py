@@ -52,9 +52,11 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
     the cache with its hottest experts in the background; the live profile
     (`model.expert_cache.profile`) keeps learning either way. `trace_out` records a
     routing trace (mlxmoe.trace/1) there, completed by `model.expert_cache.close()`.
-    `prefetch` is how many MoE layers ahead experts are predicted and read in the
-    background during decoding (0: only on demand); a router guess is loaded when its
-    probability reaches `prefetch_confidence` or the previous token used it too.
+    `prefetch` is how many MoE layer calls ahead (past the last layer: the next token's
+    first layers) experts are predicted and read in the background during decoding (0:
+    only on demand); a router guess is loaded when its probability reaches
+    `prefetch_confidence` or the previous token used it too, and its next guesses (up to
+    the top 2k) where the cache policy ranks them above its victim (see prefetch.py).
     """
     be = backends.detect(backend)
     ckpt = open_checkpoint(path_or_hf_repo)

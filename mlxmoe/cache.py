@@ -89,9 +89,9 @@ class Residency:
             slots.append(self.slot_of[key])
         return slots, missed
 
-    def _evict(self, protected):
-        """Evict the policy's victim outside `protected`; return its slot."""
-        victim = self.victim(protected)
+    def _evict(self, protected, victim=None):
+        """Evict `victim`, or the policy's victim outside `protected`; return its slot."""
+        victim = self.victim(protected) if victim is None else victim
         self.policy.remove(victim)
         self.evictions += 1
         self.evicted(victim)
@@ -105,10 +105,11 @@ class Residency:
                 pass
         return self.policy.victim(protected)
 
-    def claim(self, keys, protected=(), evict=False):
+    def claim(self, keys, protected=(), evict=False, worth=None):
         """Give slots to the non-resident `keys` (most important first) ahead of their use:
-        free slots, and victims outside `protected` when `evict`, as far as they go. The
-        policy sees the most important inserted last. Returns [(key, slot)]."""
+        free slots, and victims outside `protected` when `evict`, as far as they go. A key
+        with `worth(key, victim)` false stops the claim there rather than evict that victim.
+        The policy sees the most important inserted last. Returns [(key, slot)]."""
         taken = []
         for key in keys:
             if key in self.slot_of:
@@ -117,9 +118,12 @@ class Residency:
                 slot = self.free.pop()
             elif evict:
                 try:
-                    slot = self._evict(set(protected) | self.in_flight)
+                    victim = self.victim(set(protected) | self.in_flight)
                 except MlxmoeError:
                     break
+                if worth is not None and not worth(key, victim):
+                    break
+                slot = self._evict(None, victim)
             else:
                 break
             self.slot_of[key] = slot
@@ -271,30 +275,32 @@ class ExpertCache(Residency):
             self._prewarm.start()
         return len(taken)
 
-    def prefetch(self, keys, token, layer):
-        """Load `keys` of a coming `layer` now (called from a prefetch worker). Dropped if
-        the decode thread has already reached that layer or moved to another token; may
-        evict, but never what the current layer uses or what is already on its way."""
+    def prefetch(self, keys, token, layer, worth=None):
+        """Load `keys` for `layer`'s call at token count `token` (the next token's for a
+        cross-token guess), called from a prefetch worker. Dropped if the decode thread has
+        reached that call already; may evict, but never what the current layer uses, what
+        is already on its way, or (with `worth`, see claim) a victim worth more."""
         with self.lock:
-            if self._stop.is_set() or self.tokens != token or self.current_layer >= layer:
+            if self._stop.is_set() or (self.tokens, self.current_layer) >= (token, layer):
                 self.prefetch_stale += 1
                 return
-            # leave as many slots evictable as these keys, so a wrong guess never makes
-            # the decode thread wait for a slot
-            room = self.capacity - len(self.active | self.in_flight) - 2 * len(keys)
-            taken = self._claim(keys[:max(room, 0)], evict=True)
+            # leave at least as many slots evictable as are being filled, so wrong guesses
+            # never make the decode thread wait long for a slot
+            room = (self.capacity - len(self.active | self.in_flight)) // 2
+            taken = self._claim(keys[:max(room, 0)], evict=True, worth=worth)
         for key, slot in taken:
-            self._load(key, slot, hold=True)
+            self._load(key, slot, until=(token, layer))
 
-    def _claim(self, keys, evict):
-        taken = self.claim(keys, self.active, evict)
+    def _claim(self, keys, evict, worth=None):
+        taken = self.claim(keys, self.active, evict, worth)
         for key, _ in taken:
             self.waiting[key] = threading.Event()
             self.in_flight.add(key)
         return taken
 
-    def _load(self, key, slot, hold=False):
-        """Background read of one claimed key; always ends its wait, even on error."""
+    def _load(self, key, slot, until=None):
+        """Background read of one claimed key; always ends its wait, even on error. A key
+        loaded for a layer call `until` = (token, layer) still to come is held for it."""
         n = None
         if not self._stop.is_set():
             try:
@@ -309,7 +315,7 @@ class ExpertCache(Residency):
                     self.prefetch_useful += 1
                 else:
                     self.prefetched.add(key)
-                    if hold and key[0] > self.current_layer:  # its layer is still to come in this token
+                    if until is not None and (self.tokens, self.current_layer) < until:
                         self.held.add(key)
             else:
                 self.failed.add(key)

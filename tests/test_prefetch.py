@@ -126,3 +126,72 @@ def test_predictor_precision_on_a_recorded_trace(tmp_path):
     assert scores["previous_token"]["precision"] == pytest.approx(0.5)
     # profile: layer 0 always right (10), layer 1 right on odd tokens (5 of 10)
     assert scores["profile"]["precision"] == pytest.approx(15 / 20)
+
+
+def test_cross_token_prefetch_loads_the_first_layer(checkpoint):
+    """The last layer predicts the next token's layer 0, which is loaded in the background."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    cache = model.expert_cache
+    cache.prefetcher.confidence = 0.0
+    read, layers, lock = cache.store.read_expert, [], threading.Lock()
+
+    def logged_read(layer, expert, outs):
+        if threading.current_thread().name.startswith("mlxmoe-prefetch"):
+            with lock:
+                layers.append(layer)
+        return read(layer, expert, outs)
+
+    cache.store.read_expert = logged_read
+    tokens(model, tokenizer)
+    cache.prefetcher.drain()
+    assert 0 in layers
+    assert 0 <= cache.stats()["predictors"]["router_next_token"]["precision"] <= 1
+
+
+def test_rank_chances_count_what_the_router_predictor_counts(checkpoint):
+    """The chance of each router guess rank is measured on the same predictions that
+    score the `router` predictor: its top-k ranks one layer ahead add up to its counts."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    pf = model.expert_cache.prefetcher
+    tokens(model, tokenizer)
+    pf.drain()
+    k = pf.top_k
+    same_token = pf.rank_counts[0, 1:, :k]  # layers 1.. are predicted within the token
+    prior = same_token.size // 2
+    assert same_token[..., 0].sum() - prior == pf.counts["router"][0]
+    assert same_token[..., 1].sum() - 2 * prior == pf.counts["router"][1]
+    assert pf.rank_counts[0, 0, :, 1].sum() > 2 * pf.rank_counts.shape[2]  # layer 0: from the last layer
+
+
+def test_claim_asks_worth_and_never_evicts_protected():
+    from mlxmoe.cache import Residency
+    from mlxmoe.policies import make_policy
+    from mlxmoe.prefetch import outranks
+
+    r = Residency(4, make_policy("activation", 4, 2, 8))
+    for t in range(6):  # layer 0 uses 0 and 1 every token, layer 1 uses 0 and 1 once
+        r.policy.tick(1)
+        r.access(0, [0, 1])
+        r.access(1, [0, 1] if t == 0 else [2, 3])
+    protected = {(1, 2), (1, 3)}
+    likely = {(0, 5): 1e-3, (0, 6): 0.99}
+    worth = outranks(r.policy, likely)
+    assert r.claim([(0, 5)], protected, evict=True, worth=worth) == []  # worth less than any victim
+    assert len(r.slot_of) == 4
+    taken = r.claim([(0, 6)], protected, evict=True, worth=worth)
+    assert [k for k, _ in taken] == [(0, 6)]
+    assert protected <= r.slot_of.keys()
+    assert r.claim([(0, 7)], set(r.slot_of), evict=True) == []  # everything protected: nothing evicted
+    assert outranks(make_policy("lru", 4, 2, 8), likely) is None
+
+
+def test_prefetch_with_a_policy_without_estimates_keeps_output(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want = reference(path)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, policy="lru")
+    model.expert_cache.prefetcher.confidence = 0.0
+    assert tokens(model, tokenizer) == want
+    model.expert_cache.prefetcher.drain()
+    assert model.expert_cache.stats()["loads_prefetched"] > 0
