@@ -1,0 +1,119 @@
+"""How far can an online policy go on the synthetic traces? An oracle that knows the
+generator's hidden state (both AR(1) processes behind every expert's logit, see
+bench/traces.py) computes, by Monte Carlo, each expert's chance of being in its layer's
+top-k at the next token (p1) and in the long run (p_inf, the fast process forgotten),
+and evicts the expert with the largest expected time to next use, d + L(1 - p1)/p_inf
+layer steps ("expected-time"), or d + L(1/p1 - 1) (next-visit only, the rule
+`activation` uses with its own estimates). Printed beside LRU, `activation` and Belady.
+
+    python bench/policy_ceiling.py [--seed 0] [--tokens 800] [--layers 16]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from traces import load_heat  # noqa: E402
+
+from mlxmoe.cache import Residency  # noqa: E402
+from mlxmoe.policies import Policy, make_policy  # noqa: E402
+
+
+def records_with_state(heat, k, tokens, layers, slow=0.998, fast=0.4, ss=0.8, sf=1.0, temperature=2.5, seed=0,
+                       draws=256):
+    """The synthetic generator of bench/traces.py (same defaults and random stream), plus,
+    per token, the oracle's p1 and p_inf for every (layer, expert)."""
+    rng, mc = np.random.default_rng(seed), np.random.default_rng(seed + 1000)
+    heat = heat[:layers]
+    L, E = heat.shape
+    logp = np.log((heat + 1.0) / (heat + 1.0).sum(axis=1, keepdims=True)) / temperature
+    zs, zf = rng.normal(size=(L, E)) * ss, rng.normal(size=(L, E)) * sf
+    noise = np.sqrt((1 - slow ** 2) * ss ** 2 + (1 - fast ** 2) * sf ** 2)
+
+    def in_top_k(mean, sd):
+        d = mean[None] + sd * mc.normal(size=(draws, L, E))
+        return (d >= -np.partition(-d, k - 1, axis=2)[:, :, k - 1:k]).mean(axis=0)
+
+    records, chances = [], []
+    for t in range(tokens):
+        zs = slow * zs + np.sqrt(1 - slow ** 2) * ss * rng.normal(size=(L, E))
+        zf = fast * zf + np.sqrt(1 - fast ** 2) * sf * rng.normal(size=(L, E))
+        top = np.argpartition(-(logp + zs + zf), k, axis=1)[:, :k]
+        chances.append((in_top_k(logp + slow * zs + fast * zf, noise), in_top_k(logp + zs, sf)))
+        records += [(t, l, sorted(top[l].tolist())) for l in range(L)]
+    return records, chances
+
+
+class Oracle(Policy):
+    name = "oracle"
+
+    def __init__(self, capacity, num_layers, num_experts, chances=None, expected_time=True):
+        super().__init__(capacity, num_layers, num_experts)
+        self.chances, self.expected_time = chances, expected_time
+        self.t, self.current, self.resident = -1, 0, set()
+
+    def tick(self, tokens=1):
+        self.t += 1
+
+    def visit(self, layer, experts, scores=None, probs=None):
+        self.current = layer
+
+    def insert(self, key):
+        self.resident.add(key)
+
+    def remove(self, key):
+        self.resident.discard(key)
+
+    def victim(self, protected):
+        L, best, found = self.num_layers, -1.0, None
+        for key in self.resident - set(protected):
+            # layers up to the current one next run at t+1 (known from the state at t);
+            # the others later in this token (known from the state at t-1)
+            t = self.t if key[0] <= self.current else self.t - 1
+            p1, p_inf = (c[key] for c in self.chances[t]) if t >= 0 else (0.06, 0.06)
+            d = (key[0] - self.current) % L or L
+            steps = d + L * ((1 - p1) / max(p_inf, 1e-4) if self.expected_time else 1 / max(p1, 1e-9) - 1)
+            if steps > best:
+                best, found = steps, key
+        return found
+
+
+def hit_rate(records, policy, capacity):
+    r, last = Residency(capacity, policy), None
+    for t, l, experts in records:
+        if t != last:
+            policy.tick(1)
+            last = t
+        r.access(l, experts)
+    return r.hits / (r.hits + r.misses)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=800)
+    ap.add_argument("--layers", type=int, default=16)
+    args = ap.parse_args()
+    heat, k = load_heat()
+    records, chances = records_with_state(heat, k, args.tokens, args.layers, seed=args.seed)
+    L, E = args.layers, heat.shape[1]
+    future = [(l, x) for _, l, experts in records for x in experts]
+    print(f"{'cache':>6} {'lru':>8} {'activation':>11} {'oracle next-visit':>18} {'oracle expected-time':>21} {'belady':>8}"
+          "   gap closed (activation / next-visit / expected-time)")
+    for share in (0.25, 0.5, 0.75):
+        n = int(L * E * share)
+        rates = [hit_rate(records, make_policy("lru", n, L, E), n), hit_rate(records, make_policy("activation", n, L, E), n),
+                 hit_rate(records, Oracle(n, L, E, chances, expected_time=False), n),
+                 hit_rate(records, Oracle(n, L, E, chances), n),
+                 hit_rate(records, make_policy("belady", n, L, E, future=future), n)]
+        gap = rates[4] - rates[0]
+        print(f"{share:>6.0%} " + " ".join(f"{100 * r:>{w}.2f}" for r, w in zip(rates, (8, 11, 18, 21, 8)))
+              + "   " + " / ".join(f"{(r - rates[0]) / gap:.2f}" for r in rates[1:4]))
+
+
+if __name__ == "__main__":
+    main()
