@@ -29,6 +29,8 @@ def model_options(f):
         click.option("--trace-out", type=click.Path(dir_okay=False), help="Record the routing trace here."),
         click.option("--io", type=click.Choice(["auto", "mmap", "pread", "direct"]), default="auto", show_default=True,
                      help="How experts are read: mmap or pread (through the page cache), direct (around it)."),
+        click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
+                     help="Read predicted experts this many layer calls ahead in the background (0: off)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -53,7 +55,7 @@ def _load(opts):
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                 profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
-                io=opts["io"])
+                io=opts["io"], prefetch=opts["prefetch"])
 
 
 def _sampler(temp, top_p, seed):

@@ -98,3 +98,18 @@ def test_info_minimum_budget_is_the_real_minimum(checkpoint):
         raise AssertionError("a budget one byte below the minimum was accepted")
     text = CliRunner().invoke(main, ["info", "--model", str(path)]).stdout
     assert "smallest budget that works" in text and "top-" in text
+
+
+def test_cli_prefetch_flag(checkpoint, tmp_path):
+    """--prefetch 0 turns the background reads off; the default reads ahead."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    loads = {}
+    for flag in ("0", "1"):
+        out = tmp_path / f"stats{flag}.json"
+        r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "24",
+                                      "--cache-experts", "12", "--prefetch", flag, "--stats-json", str(out)])
+        assert r.exit_code == 0, r.output
+        loads[flag] = json.loads(out.read_text())["loads_prefetched"]
+    assert loads["0"] == 0 and loads["1"] > 0
+    r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--prefetch", "-1"])
+    assert r.exit_code != 0 and "--prefetch" in r.output
