@@ -145,8 +145,9 @@ PREFETCH_VARIANTS = (
     ("off", {"prefetch": 0}, {}),
     ("next layer, sure guesses (before)", {}, {"cross_token": False, "candidates": 0}),
     ("+ cross-token", {}, {"candidates": 0}),
-    ("+ top-2k where the policy agrees", {}, {"cross_token": False}),
-    ("default (both)", {}, {}),
+    ("+ top-2k where the policy agrees", {}, {"cross_token": False, "min_chance": 0.0}),
+    ("default (both, min chance 0.15)", {}, {}),
+    ("default, min chance 0 (every guess the policy agrees with)", {}, {"min_chance": 0.0}),
     ("default, min chance 0.3", {}, {"min_chance": 0.3}),
     ("default, depth 2", {"prefetch": 2}, {}),
 )

@@ -62,13 +62,15 @@ def outranks(policy, likely):
 
 class Prefetcher:
     def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.1, cross_token=True,
-                 candidates=2, min_chance=0.0):
+                 candidates=2, min_chance=0.15):
         """`routers[l]`: x -> router scores over layer l's experts (None if unknown);
         `prior`: profile rates [layers, experts] or None. `cross_token`: the last layers
         predict the next token's first ones. `candidates`: beyond the sure guesses, the
         router's top candidates x top_k are loaded where the policy ranks them above its
-        victim (0: only the sure guesses), if it was used at least `min_chance` of the time so far (fewer wasted reads,
-        fewer useful ones)."""
+        victim (0: only the sure guesses), if a guess of its rank was used at least
+        `min_chance` of the time so far: a guess costs a whole read, and on a model whose
+        lookahead guesses badly (random weights: 2 % used) the policy alone would let
+        nearly every guess in and multiply the bytes read."""
         self.cache, self.routers, self.top_k, self.depth = cache, routers, top_k, depth
         self.confidence = confidence  # router probability above which a lookahead guess is loaded alone
         self.cross_token, self.candidates = cross_token, candidates
@@ -78,9 +80,12 @@ class Prefetcher:
         self.previous = {}  # layer -> experts it used at its last call
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
         # how often the router's i-th guess for a layer `step` layer calls ahead was used:
-        # [step - 1, layer, i] -> [used, guessed], from a prior of 1 in 2
+        # [step - 1, layer, i] -> [used, guessed], counted whether the guess was loaded or
+        # not, from a prior of 1 in 8: below min_chance, so no extra guess is read before
+        # its rank has shown it is used (an optimistic prior read ~20 guesses per layer
+        # call for the first tokens on a model whose lookahead guesses badly)
         self.ranked = {}  # layer -> {step: router's guesses best first} for its next visit
-        self.rank_counts = np.tile([1.0, 2.0], (max(depth, 1), len(routers), candidates * top_k, 1))
+        self.rank_counts = np.tile([1.0, 8.0], (max(depth, 1), len(routers), candidates * top_k, 1))
         self.hottest = None if prior is None else hottest_per_layer(prior, top_k)
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
