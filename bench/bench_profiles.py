@@ -146,7 +146,7 @@ PREFETCH_VARIANTS = (
     ("next layer, sure guesses (before)", {}, {"cross_token": False, "candidates": 0}),
     ("+ cross-token", {}, {"candidates": 0}),
     ("+ top-2k where the policy agrees", {}, {"cross_token": False, "min_chance": 0.0}),
-    ("default (both, min chance 0.15)", {}, {}),
+    ("default (both, min chance 0.1)", {}, {}),
     ("default, min chance 0 (every guess the policy agrees with)", {}, {"min_chance": 0.0}),
     ("default, min chance 0.3", {}, {"min_chance": 0.3}),
     ("default, depth 2", {"prefetch": 2}, {}),

@@ -62,7 +62,7 @@ def outranks(policy, likely):
 
 class Prefetcher:
     def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.1, cross_token=True,
-                 candidates=2, min_chance=0.15):
+                 candidates=2, min_chance=0.1):
         """`routers[l]`: x -> router scores over layer l's experts (None if unknown);
         `prior`: profile rates [layers, experts] or None. `cross_token`: the last layers
         predict the next token's first ones. `candidates`: beyond the sure guesses, the
@@ -81,11 +81,11 @@ class Prefetcher:
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
         # how often the router's i-th guess for a layer `step` layer calls ahead was used:
         # [step - 1, layer, i] -> [used, guessed], counted whether the guess was loaded or
-        # not, from a prior of 1 in 8: below min_chance, so no extra guess is read before
+        # not, from a prior of 1 in 16: below min_chance, so no guess is read before
         # its rank has shown it is used (an optimistic prior read ~20 guesses per layer
         # call for the first tokens on a model whose lookahead guesses badly)
         self.ranked = {}  # layer -> {step: router's guesses best first} for its next visit
-        self.rank_counts = np.tile([1.0, 8.0], (max(depth, 1), len(routers), candidates * top_k, 1))
+        self.rank_counts = np.tile([1.0, 16.0], (max(depth, 1), len(routers), candidates * top_k, 1))
         self.hottest = None if prior is None else hottest_per_layer(prior, top_k)
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
@@ -99,7 +99,8 @@ class Prefetcher:
             count_prediction(self.counts[name], predicted, used)
         for step, guesses in self.ranked.pop(layer, {}).items() if decode else ():
             for i, e in enumerate(guesses):
-                self.rank_counts[step - 1, layer, i] += (e in used, 1)
+                if e is not None:
+                    self.rank_counts[step - 1, layer, i] += (e in used, 1)
         self.previous[layer] = used
 
     def after_layer(self, layer, x, token):
@@ -133,7 +134,8 @@ class Prefetcher:
         previous token; then its next most likely guesses, each only in place of a victim
         the policy values less. Their chance is how often the router's guess of that rank
         was used so far (the router's own probability as the chance let far fewer good
-        guesses in: useful share 0.35 against 0.57 at 25 % cache on the demo model)."""
+        guesses in: useful share 0.35 against 0.57 at 25 % cache on the demo model). No
+        guess, sure or not, is read while its rank's chance is below `min_chance`."""
         router = predicted.get("router", predicted.get("router_next_token", set()))
         previous = predicted.get("previous_token", set())
         sure = (router & previous) | {e for e in router if probs[e] >= self.confidence}
@@ -142,11 +144,16 @@ class Prefetcher:
         worth = outranks(self.cache.policy, likely)
         if probs is not None and worth is not None and self.candidates:
             wide = np.argsort(-probs, kind="stable")[: self.candidates * self.top_k].tolist()
-            self.ranked.setdefault(target, {})[step] = wide
+            # a rank's chance counts only guesses that were not resident: those are the
+            # ones a load is for, and they are right far less often than the rest
+            self.ranked.setdefault(target, {})[step] = [None if (target, e) in self.cache.slot_of else e for e in wide]
             used, guessed = self.rank_counts[step - 1, target].T
+            chance = used / guessed
+            rank = {e: i for i, e in enumerate(wide)}
+            keys = [k for k in keys if chance[rank[k[1]]] >= self.min_chance]
             for i, e in enumerate(wide):
-                if e not in sure and used[i] / guessed[i] >= self.min_chance:
-                    likely[(target, e)] = used[i] / guessed[i]
+                if e not in sure and chance[i] >= self.min_chance:
+                    likely[(target, e)] = chance[i]
                     keys.append((target, e))
         keys = [k for k in keys if k not in self.cache.slot_of]
         if keys:

@@ -151,7 +151,9 @@ def test_cross_token_prefetch_loads_the_first_layer(checkpoint):
 
 def test_rank_chances_count_what_the_router_predictor_counts(checkpoint):
     """The chance of each router guess rank is measured on the same predictions that
-    score the `router` predictor: its top-k ranks one layer ahead add up to its counts."""
+    score the `router` predictor, counting only the guesses that were not resident (the
+    ones a read would be for): its top-k ranks one layer ahead add up to at most its
+    counts, and to fewer guesses where some were resident."""
     path = checkpoint("qwen3_moe", quant="4bit")
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
     pf = model.expert_cache.prefetcher
@@ -159,10 +161,12 @@ def test_rank_chances_count_what_the_router_predictor_counts(checkpoint):
     pf.drain()
     k = pf.top_k
     same_token = pf.rank_counts[0, 1:, :k]  # layers 1.. are predicted within the token
-    cells = same_token.size // 2  # each starts from the prior: 1 used in 8 guessed
-    assert same_token[..., 0].sum() - cells == pf.counts["router"][0]
-    assert same_token[..., 1].sum() - 8 * cells == pf.counts["router"][1]
-    assert pf.rank_counts[0, 0, :, 1].sum() > 8 * pf.rank_counts.shape[2]  # layer 0: from the last layer
+    cells = same_token.size // 2  # each starts from the prior: 1 used in 16 guessed
+    correct, guessed = same_token[..., 0].sum() - cells, same_token[..., 1].sum() - 16 * cells
+    assert 0 <= correct <= pf.counts["router"][0]
+    assert 0 < guessed < pf.counts["router"][1]  # 8 slots for 3 layers x 8 experts: some guesses were resident
+    assert correct <= guessed
+    assert pf.rank_counts[0, 0, :, 1].sum() > 16 * pf.rank_counts.shape[2]  # layer 0: from the last layer
 
 
 def test_claim_asks_worth_and_never_evicts_protected():
