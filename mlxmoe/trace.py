@@ -100,7 +100,8 @@ def layer_calls(records, num_layers):
     Yields lists of records."""
     call = []
     for rec in records:
-        if call and not (num_layers > 1 and rec[:3:2] == call[-1][:3:2] and rec[1] > call[-1][1]):
+        s, t, l = rec[:3]
+        if call and not (num_layers > 1 and (s, l) == (call[-1][0], call[-1][2]) and t > call[-1][1]):
             yield call
             call = []
         call.append(rec)
@@ -119,7 +120,7 @@ def steps(records, num_layers, capacity=None):
         layer = call[0][2]
         for a, b in token_chunks([rec[3] for rec in call], capacity or math.inf):
             run = call[a:b]
-            experts = sorted({x for rec in run for x in rec[3]}) if len(run) > 1 else list(dict.fromkeys(run[0][3]))
+            experts = sorted({x for rec in run for x in rec[3]})  # the runtime fetches them sorted too
             scores = dist = None
             if all(rec[5] is not None for rec in run):
                 dist = np.mean([rec[5] for rec in run], axis=0)
