@@ -27,7 +27,7 @@ def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_expert
     """How `memory_budget` splits for this checkpoint on this backend (nothing is loaded)."""
     params = tree_flatten(ckpt.model.parameters())
     resident = sum(v.nbytes for _, v in params)
-    act_bytes = 4 if backend.compute_dtype == mx.float32 else 2
+    act_bytes = backend.activation_bytes(ckpt.model)
     slot_bytes = sum(int(np.prod(shape)) * backend.pool_dtype(MX_DTYPES[d]).size
                      for shape, d in zip(ckpt.store.tensor_shapes, ckpt.store.tensor_dtypes))
     total = ckpt.num_layers * ckpt.num_experts

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .budget import machine_memory
 from .errors import MlxmoeError
@@ -29,11 +30,21 @@ class Backend:
             model.set_dtype(self.compute_dtype, lambda t: mx.issubdtype(t, mx.floating))
         return model
 
+    def activation_bytes(self, model):
+        """Bytes of one activation element: the compute dtype's, else the widest float
+        parameter's (mlx-lm computes in the checkpoint's dtype on GPUs)."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype.size
+        sizes = [v.dtype.size for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+        return max(sizes, default=2)
+
     def memory(self):
         """Memory the model can use on this device: the recommended working set on
-        Metal, the device memory on CUDA, physical memory on CPU."""
+        Metal, the GPU's memory on CUDA (device_info's total_memory), physical memory
+        on CPU."""
         info = mx.device_info() if self.name != "cpu" else {}
-        return int(info.get("max_recommended_working_set_size") or info.get("memory_size") or machine_memory())
+        return int(info.get("max_recommended_working_set_size") or info.get("memory_size")
+                   or info.get("total_memory") or machine_memory())
 
     def activate(self, budget):
         """Make MLX honour the budget: cap its buffer cache, and wire the budget on Metal."""

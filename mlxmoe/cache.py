@@ -153,7 +153,9 @@ class ExpertCache(Residency):
         self.compute = []  # what the experts compute with (a dtype view where numpy lacks the type)
         for shape, dtype in zip(store.tensor_shapes, pool_dtypes):
             storage = mx.uint16 if dtype == mx.bfloat16 else dtype
-            pool = mx.zeros((capacity, *shape), dtype=storage)
+            # made on the CPU stream: on CUDA that is managed memory, host-writable with no
+            # copy (a GPU-made array is moved to managed memory when numpy first views it)
+            pool = mx.zeros((capacity, *shape), dtype=storage, stream=mx.cpu)
             mx.eval(pool)
             view = np.array(pool, copy=False)
             if not view.flags.writeable:

@@ -1,0 +1,46 @@
+"""NVIDIA (CUDA) specifics: slot pools live in host-writable (managed) memory that the
+GPU reads, and the backend reads the GPU's memory. Skipped without a CUDA MLX build."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxmoe.backend import detect
+
+pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's CUDA backend and an NVIDIA GPU")
+
+
+def test_detect_picks_cuda_with_the_gpu_memory():
+    be = detect()
+    assert be.name == "cuda" and be.device == mx.gpu and be.compute_dtype is None
+    assert be.memory() == mx.device_info()["total_memory"]
+    model = nn.Linear(4, 4)
+    model.set_dtype(mx.bfloat16)
+    assert be.activation_bytes(model) == 2  # computes in the checkpoint's dtype
+
+
+def test_host_writes_to_a_pool_reach_the_gpu_every_time():
+    """preadv/numpy writes into a slot are seen by the next GPU kernel, also after the GPU
+    has read (and migrated) the pool's pages."""
+    pool = mx.zeros((8, 64, 32), dtype=mx.float32, stream=mx.cpu)
+    mx.eval(pool)
+    view = np.array(pool, copy=False)
+    assert view.flags.writeable
+    x = mx.ones((1, 32))
+    for step in range(4):
+        for slot in range(8):
+            view[slot] = slot + 10 * step
+        y = mx.matmul(x, pool[mx.array([3, 5])].swapaxes(-1, -2), stream=mx.gpu)
+        got = np.array(y)
+        assert np.allclose(got[0], 32 * (3 + 10 * step)) and np.allclose(got[1], 32 * (5 + 10 * step))
+
+
+def test_bfloat16_pool_view_on_gpu():
+    storage = mx.zeros((2, 16), dtype=mx.uint16, stream=mx.cpu)
+    mx.eval(storage)
+    compute = storage.view(mx.bfloat16)
+    mx.eval(compute)
+    view = np.array(storage, copy=False)
+    view[1] = np.frombuffer(np.full(16, 1.5, dtype=np.float32).tobytes(), dtype=np.uint16)[1::2]
+    assert np.array((compute[1] * 2).astype(mx.float32)).tolist() == [3.0] * 16
