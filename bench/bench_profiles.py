@@ -140,15 +140,20 @@ def bookkeeping(model_path, prompt, tokens=128, share=0.5):
             "share": s["bookkeeping_seconds"] / elapsed, "tokens_per_second": n / elapsed}
 
 
+def fixed_chance(x):
+    """Prefetcher attributes that hold min_chance at x whatever the IO load."""
+    return {"min_chance": x, "chance_floor": x, "busy_target": (0.0, float("inf"))}
+
+
 # label -> (load arguments, Prefetcher attributes)
 PREFETCH_VARIANTS = (
     ("off", {"prefetch": 0}, {}),
-    ("next layer, sure guesses (before)", {}, {"cross_token": False, "candidates": 0}),
+    ("next layer, sure guesses", {}, {"cross_token": False, "candidates": 0}),
     ("+ cross-token", {}, {"candidates": 0}),
-    ("+ top-2k where the policy agrees", {}, {"cross_token": False, "min_chance": 0.0}),
-    ("default (both, min chance 0.1)", {}, {}),
-    ("default, min chance 0 (every guess the policy agrees with)", {}, {"min_chance": 0.0}),
-    ("default, min chance 0.3", {}, {"min_chance": 0.3}),
+    ("+ top-2k where the policy agrees, min chance fixed 0.1 (before)", {}, fixed_chance(0.1)),
+    ("default (min chance paced by the IO load, floor 0.05)", {}, {}),
+    ("min chance fixed 0 (every guess the policy agrees with)", {}, fixed_chance(0.0)),
+    ("min chance fixed 0.3", {}, fixed_chance(0.3)),
     ("default, depth 2", {"prefetch": 2}, {}),
 )
 DECODE_KEYS = ("hits", "misses", "loads_demand", "loads_prefetched", "prefetch_useful", "prefetch_late")

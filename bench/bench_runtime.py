@@ -67,6 +67,8 @@ def checkpoint_matches(path, args):
         return False
     if config.get("quantization", {}).get("bits") != 4:
         return False
+    if config.get("mlxmoe_synthetic", {}).get("residual_scale", 1.0) != args.residual_scale:
+        return False
     shards = set(json.loads(index_file.read_text())["weight_map"].values())
     return all((Path(path) / s).exists() for s in shards)
 
@@ -250,7 +252,8 @@ def run_one(args):
 
         tic = time.perf_counter()
         build_large_checkpoint(args.checkpoint, num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,
-                               hidden_size=2048, moe_intermediate_size=768, quant="4bit", seed=0)
+                               hidden_size=2048, moe_intermediate_size=768, quant="4bit", seed=0,
+                               residual_scale=args.residual_scale)
         return {"build_seconds": time.perf_counter() - tic}
     if config == "stock":
         return run_stock(args, dtype_policy=False)
@@ -271,7 +274,8 @@ def run_one(args):
 
 def child_args(args):
     out = ["--checkpoint", str(args.checkpoint), "--layers", str(args.layers), "--experts", str(args.experts),
-           "--top-k", str(args.top_k), "--tokens", str(args.tokens), "--runs", str(args.runs),
+           "--top-k", str(args.top_k), "--residual-scale", str(args.residual_scale), "--tokens", str(args.tokens),
+           "--runs", str(args.runs),
            "--warmup", str(args.warmup), "--stock-runs", str(args.stock_runs), "--prompt", args.prompt,
            "--no-repeat", str(args.no_repeat), "--load-kwargs", args.load_kwargs]
     if args.no_drop:
@@ -535,6 +539,11 @@ def main():
     parser.add_argument("--layers", type=int, default=8, help="MoE layers of the synthetic checkpoint.")
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--residual-scale", type=float, default=0.1,
+                        help="Scale of the random blocks' output projections (see synthetic.build_large_checkpoint). "
+                             "0.1 keeps the residual stream as trained models do: the next layer's router guesses "
+                             "0.58 of the layer-ahead experts (the demo model: 0.56-0.60); at 1 routing collapses "
+                             "onto a few experts in deep layers.")
     parser.add_argument("--tokens", type=int, default=32, help="Greedy tokens per generation.")
     parser.add_argument("--runs", type=int, default=2,
                         help="Measured generations per process of stock + policy and mlxmoe resident.")

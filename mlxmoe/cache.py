@@ -304,12 +304,14 @@ class ExpertCache(Residency):
         """Background read of one claimed key; always ends its wait, even on error. A key
         loaded for a layer call `until` = (token, layer) still to come is held for it."""
         n = None
+        tic = time.perf_counter()
         if not self._stop.is_set():
             try:
                 n = self.store.read_expert(key[0], key[1], [v[slot] for v in self.views])
             except Exception:  # the decode thread reads it again and reports the error if it recurs
                 pass
         with self.lock:
+            self.background_read_seconds += time.perf_counter() - tic
             if n is not None:
                 self.prefetch_bytes += n
                 self.loads_prefetched += 1
@@ -369,6 +371,7 @@ class ExpertCache(Residency):
         self.loads_demand = self.loads_prefetched = self.prefetch_useful = self.prefetch_late = 0
         self.prefetch_stale = 0  # predictions dropped because the decode thread got there first
         self.read_seconds = 0.0
+        self.background_read_seconds = 0.0  # pre-warm and prefetch reads (the prefetcher paces itself by it)
         self.bookkeeping_seconds = 0.0  # time StreamingExperts spent on top of mlx-lm's own work
         self.decode_tps = 0.0
 

@@ -11,10 +11,12 @@ Predictors, each scored for precision and recall on every layer it predicted:
 What is loaded: the router's confident guesses and those it shares with the previous
 token; then the router's next guesses (top 2k), each only where the cache policy would
 rather evict its victim than the guess, judged by how often the router's guess of that
-rank has been used. Only decode steps prefetch (a prefill step touches most experts
-anyway).
+rank has been used, above a threshold that follows the IO workers' load: low while
+they idle (a read the disk has time for costs nothing), higher as they fill. Only decode
+steps prefetch (a prefill step touches most experts anyway).
 """
 
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import mlx.core as mx
@@ -62,7 +64,7 @@ def outranks(policy, likely):
 
 class Prefetcher:
     def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.1, cross_token=True,
-                 candidates=2, min_chance=0.1):
+                 candidates=2, min_chance=0.1, chance_floor=0.05, busy_target=(0.25, 0.5)):
         """`routers[l]`: x -> router scores over layer l's experts (None if unknown);
         `prior`: profile rates [layers, experts] or None. `cross_token`: the last layers
         predict the next token's first ones. `candidates`: beyond the sure guesses, the
@@ -70,11 +72,16 @@ class Prefetcher:
         victim (0: only the sure guesses), if a guess of its rank was used at least
         `min_chance` of the time so far: a guess costs a whole read, and on a model whose
         lookahead guesses badly (random weights: 2 % used) the policy alone would let
-        nearly every guess in and multiply the bytes read."""
+        nearly every guess in and multiply the bytes read. `min_chance` is paced by the
+        prefetch workers' load (see pace): it falls towards `chance_floor` while they read
+        less than busy_target[0] of each decode step and rises (up to 0.5) above
+        busy_target[1], so guesses are read as far as the disk has time for them."""
         self.cache, self.routers, self.top_k, self.depth = cache, routers, top_k, depth
         self.confidence = confidence  # router probability above which a lookahead guess is loaded alone
         self.cross_token, self.candidates = cross_token, candidates
-        self.min_chance = min_chance
+        self.min_chance, self.chance_floor, self.busy_target = min_chance, chance_floor, busy_target
+        self.workers = workers
+        self.paced = None  # (time, the cache's background read seconds) at the last decode step's start
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
         self.jobs = []  # futures of queued and running loads
         self.previous = {}  # layer -> experts it used at its last call
@@ -108,6 +115,8 @@ class Prefetcher:
         layer calls (past the last layer: the next token's first layers, when
         `cross_token`) and queue their loads, to run while this layer computes."""
         L = len(self.routers)
+        if layer == 0:
+            self.pace(time.perf_counter(), self.cache.background_read_seconds)
         for step in range(1, min(self.depth, L - 1) + 1):
             if layer + step >= L and not self.cross_token:
                 break
@@ -127,6 +136,20 @@ class Prefetcher:
             self.pending[target] = predicted
             self.submit(target, step, when, predicted, probs)
 
+    def pace(self, now, read_seconds):
+        """Once per decode step: the share of the step the prefetch workers spent reading
+        (`read_seconds`, the cache's background read time so far) moves `min_chance`: a
+        step of 1.5x down while they read under busy_target[0] of it, up while over
+        busy_target[1]. Reads the disk has time for cost nothing; past that they queue,
+        go stale and delay the decode thread's own reads."""
+        if self.paced is not None and now > self.paced[0] and read_seconds >= self.paced[1]:
+            busy = (read_seconds - self.paced[1]) / ((now - self.paced[0]) * self.workers)
+            if busy > self.busy_target[1]:
+                self.min_chance = min(0.5, self.min_chance * 1.5)
+            elif busy < self.busy_target[0]:
+                self.min_chance = max(self.chance_floor, self.min_chance / 1.5)
+        self.paced = (now, read_seconds)
+
     def submit(self, target, step, when, predicted, probs):
         """Queue the loads for `target`'s call at token count `when`. What is not resident is
         mostly what the predictors got wrong, and a wrong load costs a read and may evict
@@ -135,7 +158,8 @@ class Prefetcher:
         the policy values less. Their chance is how often the router's guess of that rank
         was used so far (the router's own probability as the chance let far fewer good
         guesses in: useful share 0.35 against 0.57 at 25 % cache on the demo model). No
-        guess, sure or not, is read while its rank's chance is below `min_chance`."""
+        guess, sure or not, is read while its rank's chance is below `min_chance` (paced
+        by the workers' load, see pace)."""
         router = predicted.get("router", predicted.get("router_next_token", set()))
         previous = predicted.get("previous_token", set())
         sure = (router & previous) | {e for e in router if probs[e] >= self.confidence}

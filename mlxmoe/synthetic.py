@@ -235,7 +235,7 @@ def _is_router(name: str) -> bool:
     )
 
 
-def _init_model(config: dict, seed: int):
+def _init_model(config: dict, seed: int, residual_scale: float = 1.0):
     """Random model whose routing and next-token choices depend on the input.
 
     mlx-lm's default init gives near uniform routers (zeros for deepseek_v3)
@@ -243,7 +243,8 @@ def _init_model(config: dict, seed: int):
     up, and the rows of the special tokens are zeroed so that greedy decoding
     never emits them (e.g. eos) by accident. Zero-initialized biases, score
     corrections and attention sinks get small random values so that the code
-    using them is exercised.
+    using them is exercised. ``residual_scale`` multiplies what each block adds to the
+    residual stream (attention's and the experts' output projections).
     """
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
@@ -251,6 +252,8 @@ def _init_model(config: dict, seed: int):
     hidden = config["hidden_size"]
 
     def init(name, v):
+        if residual_scale != 1.0 and name.endswith((".self_attn.o_proj.weight", ".switch_mlp.down_proj.weight")):
+            return v * residual_scale
         if _is_router(name):
             return mx.random.normal(v.shape) * (2.0 / math.sqrt(hidden))
         if name.endswith(".mlp.router.bias"):
@@ -420,7 +423,7 @@ def build_checkpoint(
     return path
 
 
-def _random_quantized_experts(weights: dict, mode: str):
+def _random_quantized_experts(weights: dict, mode: str, residual_scale: float = 1.0):
     """Replace the (lazy) quantized experts by random 4-bit codes and scales.
 
     Roughly the distribution of quantizing mlx-lm's uniform init, but the
@@ -431,6 +434,8 @@ def _random_quantized_experts(weights: dict, mode: str):
         base = k[: -len(".weight")]
         w, s = weights[k], weights[f"{base}.scales"]
         bound = 1 / math.sqrt(w.shape[-1] * 8)  # 8 4-bit codes per uint32
+        if base.endswith(".down_proj"):
+            bound *= residual_scale
         lo = mx.random.randint(0, 1 << 16, w.shape, dtype=mx.uint32)
         hi = mx.random.randint(0, 1 << 16, w.shape, dtype=mx.uint32)
         weights[k] = (hi << 16) | lo
@@ -455,6 +460,7 @@ def build_large_checkpoint(
     quant: Optional[str] = "4bit",
     seed: int = 0,
     dtype: str = "bfloat16",
+    residual_scale: float = 1.0,
 ) -> Path:
     """A qwen3_moe checkpoint with Qwen3-30B-A3B's shapes but fewer layers.
 
@@ -465,6 +471,12 @@ def build_large_checkpoint(
     experts are made at all).
     ``dtype`` is that of the scales and non-quantized weights: bfloat16 like
     mlx-community checkpoints; float32 runs ~10x faster on mlx's CPU backend.
+    ``residual_scale`` scales attention's and the experts' output projections: at 1 the
+    random blocks rewrite the residual stream so much that the next layer's router,
+    applied to this layer's input, guesses the layer-ahead experts poorly in the first
+    layers and deep layers route alike for every token; trained models keep the stream
+    (the premise of lookahead prefetch). It is written to config.json
+    (``mlxmoe_synthetic``) so that a checkpoint can be told from one built otherwise.
     """
     t0 = time.time()
     path = Path(path)
@@ -489,14 +501,15 @@ def build_large_checkpoint(
         rope_theta=1000000.0,
         torch_dtype=dtype,
     )
-    model = _init_model(config, seed)  # lazy: nothing is computed yet
+    config["mlxmoe_synthetic"] = {"residual_scale": residual_scale, "seed": seed}
+    model = _init_model(config, seed, residual_scale)  # lazy: nothing is computed yet
     _cast(model, dtype)
     if quant is not None:
         model, config = _quantize(model, config, quant)
     weights = dict(tree_flatten(model.parameters()))
     del model
     if quant is not None:
-        _random_quantized_experts(weights, QUANT[quant]["mode"])
+        _random_quantized_experts(weights, QUANT[quant]["mode"], residual_scale)
 
     groups = [{} for _ in range(num_layers + 1)]  # one per layer, then the rest
     for k, v in weights.items():

@@ -199,3 +199,38 @@ def test_prefetch_with_a_policy_without_estimates_keeps_output(checkpoint):
     assert tokens(model, tokenizer) == want
     model.expert_cache.prefetcher.drain()
     assert model.expert_cache.stats()["loads_prefetched"] > 0
+
+
+def test_min_chance_follows_the_io_workers_load():
+    """Idle workers let guesses down to the floor be read; workers busy over half of each
+    decode step raise the bar (to at most 0.5); a stats reset is no load."""
+    from mlxmoe.prefetch import Prefetcher
+
+    pf = Prefetcher(None, [None, None], 2, workers=2, min_chance=0.1, chance_floor=0.05)
+    try:
+        pf.pace(0.0, 0.0)
+        pf.pace(1.0, 0.1)  # 0.1 s of reads in a 1 s step for 2 workers: 5 % busy
+        assert pf.min_chance == pytest.approx(0.1 / 1.5)
+        pf.pace(2.0, 0.2)
+        assert pf.min_chance == 0.05  # not below the floor
+        pf.pace(3.0, 0.2 + 1.2)  # 60 % busy
+        assert pf.min_chance == pytest.approx(0.075)
+        pf.pace(4.0, 1.4 + 0.8)  # 40 %: between the targets, unchanged
+        assert pf.min_chance == pytest.approx(0.075)
+        for t in range(5, 15):
+            pf.pace(float(t), 2.2 + 2.0 * (t - 4))  # fully busy
+        assert pf.min_chance == 0.5
+        pf.pace(15.0, 0.0)  # the cache's stats were reset: no step measured
+        assert pf.min_chance == 0.5
+    finally:
+        pf.close()
+
+
+def test_background_reads_are_timed_for_pacing(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    cache = model.expert_cache
+    tokens(model, tokenizer, 8)
+    cache.prefetcher.drain()
+    assert cache.loads_prefetched > 0 and cache.background_read_seconds > 0
+    assert cache.prefetcher.chance_floor <= cache.prefetcher.min_chance <= 0.5
