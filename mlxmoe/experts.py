@@ -63,11 +63,16 @@ class StreamingExperts(nn.Module):
 
     def __call__(self, x, indices):
         cache = self._cache
+        decode = x.size == x.shape[-1]
+        # the prefetcher's lookahead is evaluated with this layer's routing: one sync, not two
+        looked = cache.prefetcher.lookahead(self._layer, x) if cache.prefetcher is not None and decode else {}
         probs = None
         if self._router is not None and (cache.wants_router or cache.trace is not None or cache.profile is not None):
             probs = self._router(x)
-            mx.eval(indices, probs)
+            mx.eval(indices, probs, *looked.values())
             probs = np.array(probs).reshape(-1, probs.shape[-1])
+        elif looked:
+            mx.eval(indices, *looked.values())
         idx = np.array(indices)  # evaluates the router (and with it every earlier layer)
         tic, read_before = time.perf_counter(), cache.read_seconds
         flat = idx.reshape(-1, idx.shape[-1])
@@ -77,13 +82,16 @@ class StreamingExperts(nn.Module):
             cache.record(self._layer, flat.tolist(), probs)
         chunks = token_chunks(flat, cache.capacity)
         if len(chunks) == 1:
-            y = self._inner(x, self._slots(flat, idx, probs))
+            slots = self._slots(flat, idx, probs)
+            inner = time.perf_counter()
+            y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
+            inner = time.perf_counter() - inner
             if cache.prefetcher is not None:
-                cache.prefetcher.observe(self._layer, flat[-1].tolist(), decode=len(flat) == 1)
-                if len(flat) == 1:
-                    cache.prefetcher.after_layer(self._layer, x, cache.tokens)
+                cache.prefetcher.observe(self._layer, flat[-1].tolist(), decode=decode)
+                if decode:
+                    cache.prefetcher.after_layer(self._layer, looked, cache.tokens)
             # what this layer added beyond mlx-lm's own work: routing copies, the policy, remapping
-            cache.bookkeeping_seconds += time.perf_counter() - tic - (cache.read_seconds - read_before)
+            cache.bookkeeping_seconds += time.perf_counter() - tic - inner - (cache.read_seconds - read_before)
             return y
         # More distinct experts than slots (long prefill at a small cache): compute each
         # run of tokens and evaluate it before the next run may reuse its slots.

@@ -110,23 +110,34 @@ class Prefetcher:
                     self.rank_counts[step - 1, layer, i] += (e in used, 1)
         self.previous[layer] = used
 
-    def after_layer(self, layer, x, token):
-        """Called once `layer` has its experts (decode only): predict the next `depth`
-        layer calls (past the last layer: the next token's first layers, when
-        `cross_token`) and queue their loads, to run while this layer computes."""
+    def steps(self, layer):
+        """(step, target layer, tokens ahead) of the layer calls predicted after `layer`:
+        the next `depth`, past the last layer the next token's first ones (`cross_token`)."""
         L = len(self.routers)
-        if layer == 0:
-            self.pace(time.perf_counter(), self.cache.background_read_seconds)
-        for step in range(1, min(self.depth, L - 1) + 1):
-            if layer + step >= L and not self.cross_token:
-                break
-            target, when = (layer + step) % L, token + (layer + step) // L
-            predicted, probs = {}, None
+        return [(step, (layer + step) % L, (layer + step) // L) for step in range(1, min(self.depth, L - 1) + 1)
+                if layer + step < L or self.cross_token]
+
+    def lookahead(self, layer, x):
+        """{step: the target layer's router distribution for hidden state x}, unevaluated:
+        the caller evaluates it together with `layer`'s own routing, in one sync."""
+        out = {}
+        for step, target, _ in self.steps(layer):
             if self.routers[target] is not None:
                 scores = self.routers[target](x).reshape(-1).astype(mx.float32)
-                probs = mx.softmax(scores, axis=-1, precise=True)
-                mx.eval(probs)
-                probs = np.array(probs)
+                out[step] = mx.softmax(scores, axis=-1, precise=True)
+        return out
+
+    def after_layer(self, layer, looked, token):
+        """Called once `layer` has its experts (decode only), with `looked` = lookahead()
+        evaluated: predict the next layer calls and queue their loads, to run while this
+        layer computes."""
+        if layer == 0:
+            self.pace(time.perf_counter(), self.cache.background_read_seconds)
+        for step, target, ahead in self.steps(layer):
+            when = token + ahead
+            predicted, probs = {}, None
+            if step in looked:
+                probs = np.array(looked[step])
                 guess = set(np.argsort(-probs, kind="stable")[: self.top_k].tolist())
                 predicted["router" if when == token else "router_next_token"] = guess
             if target in self.previous:  # for a layer of the next token: its experts at this token
