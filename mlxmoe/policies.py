@@ -358,9 +358,9 @@ class Activation(Policy):
     - p1, the chance that its layer uses it at the layer's next visit: a mix of a live
       decayed frequency F (half-life `half_life` tokens, seeded by the profile prior), a
       short recency term R (`recency_half_life`), the decayed router probability mass M,
-      the prior rate P0, and, with weight `now_weight`, the router's current share of the
-      expert (min(1, top_k x its probability at this call)): an expert the router favours
-      now is likely favoured at the next token too;
+      the prior rate P0, and, with weight `now_weight`, the router's current favour of the
+      expert, min(1, `now_scale` x top_k x its probability at this call): an expert the
+      router leans towards now (not only its top-k) is likely used at the next token;
     - g, its long-run rate per visit: decayed counts of the visits that used it over
       decayed counts of visits, regularised by `long_prior` visits at the prior's rate
       (top_k / E without a profile). Its half-life follows the cache: `horizon` times the
@@ -389,13 +389,14 @@ class Activation(Policy):
 
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=24, recency_half_life=4,
                  recency_weight=0.2, router_weight=1.0, prior_weight=0.1, now_weight=0.3, horizon=2.0,
-                 long_min=16.0, long_max=64.0, long_prior=4.0, prefill_visits=1, pin_share=0.25, **kw):
+                 long_min=16.0, long_max=80.0, long_prior=4.0, prefill_visits=1, now_scale=8.0,
+                 pin_share=0.25, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         L, E = num_layers, num_experts
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
         self.recency_weight, self.router_weight, self.prior_weight = recency_weight, router_weight, prior_weight
-        self.now_weight = now_weight
+        self.now_weight, self.now_scale = now_weight, now_scale
         self.prefill_visits = prefill_visits or math.inf
         self.prior = np.zeros((L, E)) if prior is None else np.asarray(prior, dtype=np.float64)
         self.F = self.prior.copy()
@@ -462,7 +463,7 @@ class Activation(Policy):
             M[experts] += (1 - slow) * np.asarray(scores)
         p1 = self._mix(layer)
         if probs is not None and self.now_weight:
-            p1 = (1 - self.now_weight) * p1 + self.now_weight * np.minimum(1.0, np.asarray(probs) * self.top_k)
+            p1 = (1 - self.now_weight) * p1 + self.now_weight * np.minimum(1.0, np.asarray(probs) * (self.now_scale * self.top_k))
         self.p[layer] = p1
         half_life = min(max(self.horizon * self.evicted_age, self.long_min), self.long_max)
         keep = 2.0 ** (-1.0 / half_life)

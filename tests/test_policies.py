@@ -201,7 +201,7 @@ def test_activation_counts_a_prefill_call_as_its_tokens():
     """With prefill_visits unbounded, a call of n tokens decays the short-term estimates n
     times; the router's mean distribution times top-k stands for the share of tokens that
     used each expert."""
-    one, many = (make_policy("activation", 4, 1, 4, prefill_visits=math.inf) for _ in range(2))
+    one, many = (make_policy("activation", 4, 1, 4, prefill_visits=math.inf, now_weight=0) for _ in range(2))
     for _ in range(8):
         one.tick(1)
         one.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))
