@@ -351,18 +351,36 @@ AGING = 4
 
 
 class Activation(Policy):
-    """The default: keep the experts most likely to be used soon, judged from what the
-    workload has shown.
+    """The default: keep the experts whose next use is expected soonest, judged from what
+    the workload has shown.
 
-    Per (layer, expert) it keeps a live decayed frequency F (half-life `half_life`
-    tokens, seeded from the profile prior), a short recency term R (half-life
-    `recency_half_life`), the decayed router probability mass M (near misses count a
-    little when the router's full distribution is known) and the prior rate P0. Their
-    mix is p, the chance the expert is used at its layer's next visit. Since layers run
-    in order once per token, an expert of a layer `d` layer-steps away is next needed,
-    on average, after d + L(1/p - 1) steps; the victim is the expert whose next use is
-    farthest (Belady's rule on expected times). So slots go to the layers whose routing
-    spreads wider, not evenly, and right after a layer runs its cold experts go first.
+    Per (layer, expert) it keeps two estimates of use:
+    - p1, the chance that its layer uses it at the layer's next visit: a mix of a live
+      decayed frequency F (half-life `half_life` tokens, seeded by the profile prior), a
+      short recency term R (`recency_half_life`), the decayed router probability mass M,
+      the prior rate P0, and, with weight `now_weight`, the router's current favour of the
+      expert, min(1, `now_scale` x top_k x its probability at this call): an expert the
+      router leans towards now (not only its top-k) is likely used at the next token;
+    - g, its long-run rate per visit: decayed counts of the visits that used it over
+      decayed counts of visits, regularised by `long_prior` visits at the prior's rate
+      (top_k / E without a profile). Its half-life follows the cache: `horizon` times the
+      mean age (tokens since last use) of the experts evicted so far, within
+      [`long_min`, `long_max`] tokens. A small cache evicts experts a few tokens after
+      their last use, so recent behaviour counts; a large one evicts experts unused for
+      many tokens, whose return is a matter of long-run frequency.
+    An expert of a layer d layer steps ahead in a model of L MoE layers is used at that
+    layer's next visit with chance p1, and otherwise after about L / g more steps: its
+    expected time to next use is d + L (1 - p1) / g, and the victim is the expert whose
+    next use is farthest (Belady's rule on expected times). So slots go to the layers whose
+    routing spreads wider, and right after a layer runs its cold experts go first. A
+    layer's resident experts are kept sorted by (1 - p1) / g; one inserted since its
+    layer's visit is sorted in before the next victim is chosen (an expert used once in a
+    long while is often the farthest right after its use).
+    A call of n tokens (a prefill) counts as min(n, `prefill_visits`) visits (default 1:
+    a prompt's tokens use experts differently from the generated tokens that follow, so
+    its hundreds of tokens should not outweigh them); counted as several visits, its
+    estimates decay that many times towards the share of its tokens that used each expert,
+    estimated from the router's mean distribution times top-k.
     The prior's hottest experts are pinned, at most `pin_share` of the cache.
     """
 
@@ -370,19 +388,32 @@ class Activation(Policy):
     wants_router = True
 
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=24, recency_half_life=4,
-                 recency_weight=0.2, router_weight=1.0, prior_weight=0.1, pin_share=0.25, **kw):
+                 recency_weight=0.2, router_weight=1.0, prior_weight=0.1, now_weight=0.3, horizon=2.0,
+                 long_min=16.0, long_max=80.0, long_prior=4.0, prefill_visits=1, now_scale=8.0,
+                 pin_share=0.25, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         L, E = num_layers, num_experts
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
         self.recency_weight, self.router_weight, self.prior_weight = recency_weight, router_weight, prior_weight
+        self.now_weight, self.now_scale = now_weight, now_scale
+        self.prefill_visits = prefill_visits or math.inf
         self.prior = np.zeros((L, E)) if prior is None else np.asarray(prior, dtype=np.float64)
         self.F = self.prior.copy()
         self.R = np.zeros((L, E))
         self.M = np.zeros((L, E))
-        self.p = self._mix(slice(None))
+        self.p = self._mix(slice(None))  # p1
+        self.horizon, self.long_min, self.long_max, self.long_prior = horizon, long_min, long_max, long_prior
+        self.U = np.zeros((L, E))  # decayed visits that used each expert
+        self.N = np.zeros(L)  # decayed visits of each layer
+        self.g = np.ones((L, E))  # long-run rate per visit
+        self.cost = np.zeros((L, E))  # (1 - p1) / g: expected visits to next use after the next
+        self.tokens = 0
+        self.last_use = np.zeros((L, E))  # token count at each expert's last use
+        self.evicted_age = 8.0  # mean tokens since last use of the experts evicted (decayed mean)
         self.resident = [set() for _ in range(L)]
-        self.order = [[] for _ in range(L)]  # resident experts of each layer, least likely first
+        self.order = [[] for _ in range(L)]  # resident experts of each layer, farthest next use first
+        self.unsorted = set()  # layers with experts inserted since their order was sorted
         self.current = 0
         self.call_tokens = 1
         self.top_k = 1  # the most experts one token has used (seen at single-token calls)
@@ -400,16 +431,19 @@ class Activation(Policy):
 
     def tick(self, tokens=1):
         self.call_tokens = tokens  # every layer call until the next tick has this many tokens
+        self.tokens += tokens
 
     def visit(self, layer, experts, scores=None, probs=None):
-        # A call of n tokens (a prefill) counts as n visits: estimates decay n times and
-        # move towards the share of its tokens that used each expert. Only the union of
-        # the experts is known; the router's mean distribution times top-k estimates
-        # the share, where the router is known.
-        n = self.call_tokens
+        # A call of n tokens (a prefill) counts as min(n, prefill_visits) visits for p1:
+        # its estimates decay that many times and move towards the share of its tokens
+        # that used each expert. Only the union of the experts is known; the router's mean
+        # distribution times top-k estimates the share, where the router is known. The
+        # long-run counts take a call as one visit of the experts it used.
+        n = min(self.call_tokens, self.prefill_visits)
         used = np.zeros(self.num_experts)
-        if n == 1:
+        if self.call_tokens == 1:
             self.top_k = max(self.top_k, len(experts))
+        if n == 1:
             used[experts] = 1.0
         elif probs is not None:
             used[:] = np.minimum(1.0, np.asarray(probs) * self.top_k)
@@ -427,42 +461,70 @@ class Activation(Policy):
         elif scores is not None:
             M *= slow
             M[experts] += (1 - slow) * np.asarray(scores)
-        self.p[layer] = self._mix(layer)
+        p1 = self._mix(layer)
+        if probs is not None and self.now_weight:
+            p1 = (1 - self.now_weight) * p1 + self.now_weight * np.minimum(1.0, np.asarray(probs) * (self.now_scale * self.top_k))
+        self.p[layer] = p1
+        half_life = min(max(self.horizon * self.evicted_age, self.long_min), self.long_max)
+        keep = 2.0 ** (-1.0 / half_life)
+        U = self.U[layer]
+        U *= keep
+        U[experts] += 1.0
+        self.N[layer] = self.N[layer] * keep + 1.0
+        k = self.top_k
+        rate = self.prior[layer] * (k / self.prior[layer].sum()) if self.prior[layer].any() else k / self.num_experts
+        self.g[layer] = np.maximum((U + self.long_prior * rate) / (self.N[layer] + self.long_prior), 1e-4)
+        self.cost[layer] = (1.0 - np.minimum(p1, 1.0)) / self.g[layer]
+        self.last_use[layer, experts] = self.tokens
         self.current = layer
         self.visits += 1
         self.visited_at[layer] = self.visits
         resident = np.fromiter(self.resident[layer], dtype=np.int64, count=len(self.resident[layer]))
-        self.order[layer] = resident[np.argsort(self.p[layer][resident], kind="stable")].tolist()
+        self.order[layer] = resident[np.argsort(-self.cost[layer][resident], kind="stable")].tolist()
+        self.unsorted.discard(layer)
 
     def insert(self, key):
         self.resident[key[0]].add(key[1])
-        self.order[key[0]].append(key[1])  # just used: sorted in place at the layer's next visit
+        self.order[key[0]].append(key[1])
+        self.unsorted.add(key[0])  # sorted before the next victim: a rare expert just used can be the farthest
 
     def remove(self, key):
         self.resident[key[0]].discard(key[1])
         if key[1] in self.order[key[0]]:
             self.order[key[0]].remove(key[1])
+        self.evicted_age += 0.01 * (self.tokens - self.last_use[key] - self.evicted_age)
 
     def victim(self, protected):
-        L = self.num_layers
+        for layer in self.unsorted:
+            cost = self.cost[layer]
+            self.order[layer].sort(key=lambda e: -cost[e])
+        self.unsorted.clear()
         for skip_pinned in (True, False):
             best, found = -1.0, None
-            for layer in range(L):
+            for layer in range(self.num_layers):
                 for e in self.order[layer]:
                     key = (layer, e)
                     if key in protected or (skip_pinned and key in self.pinned):
                         continue
-                    steps = ((layer - self.current) % L or L) + L * (1.0 / max(self._aged(key), 1e-9) - 1.0)
+                    steps = self.steps(key)
                     if steps > best:
                         best, found = steps, key
-                    break  # the least likely of this layer is its only candidate
+                    break  # the farthest of this layer is its only candidate
             if found is not None:
                 return found
         raise _none_left()
 
+    def steps(self, key, p1=None):
+        """Expected layer steps until `key` is used: d + L (1 - p1) / g, with p1 its chance
+        of use at its layer's next visit (by default the policy's own, aged)."""
+        L = self.num_layers
+        if p1 is None:
+            p1 = self._aged(key)
+        return ((key[0] - self.current) % L or L) + L * (1.0 - min(p1, 1.0)) / self.g[key]
+
     def _aged(self, key):
-        """p of a key whose layer has not run for a while (a prefill runs every token
-        through one layer before the next): its estimates decay as if the layer had
+        """p1 of a key whose layer has not run for a while (a prefill split into runs calls
+        a layer several times before the next): its estimates decay as if the layer had
         run and not used it."""
         layer, e = key
         # layer calls since its layer last ran, beyond one round of all layers; each counts

@@ -43,23 +43,22 @@ def precision_recall(counts):
             for name, c in counts.items() if c[1]}
 
 
-def steps_to_use(policy, key, p):
+def steps_to_use(policy, key, p=None):
     """The `activation` policy's ranking: expected layer steps until `key` is used, if p
-    is the chance its layer uses it at its next visit (the victim is the farthest)."""
-    L = policy.num_layers
-    return ((key[0] - policy.current) % L or L) + L * (1.0 / max(p, 1e-9) - 1.0)
+    is the chance its layer uses it at its next visit (None: the policy's own, aged),
+    with the policy's long-run rate of `key` after that (the victim is the farthest)."""
+    return policy.steps(key, p)
 
 
 def outranks(policy, likely):
     """worth(key, victim) for ExpertCache.claim: a key with a chance `likely[key]` is loaded
     only in place of a victim the policy expects to be used later than it; keys not in
     `likely` always. None where the policy keeps no such estimate (only `activation`
-    does: its `_aged` p of a resident key)."""
-    aged = getattr(policy, "_aged", None)
-    if aged is None or not hasattr(policy, "current"):
+    does: `steps`, its expected time to next use of a key)."""
+    if getattr(policy, "steps", None) is None or not hasattr(policy, "current"):
         return None
     return lambda key, victim: key not in likely or steps_to_use(policy, key, likely[key]) < steps_to_use(
-        policy, victim, aged(victim))
+        policy, victim)
 
 
 class Prefetcher:

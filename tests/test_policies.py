@@ -2,6 +2,7 @@
 with a known optimum, and the replay simulator's output."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -197,9 +198,10 @@ def test_trace_router_distribution_must_cover_every_expert(tmp_path):
 
 
 def test_activation_counts_a_prefill_call_as_its_tokens():
-    """A call of n tokens decays the estimates n times; the router's mean distribution
-    times top-k stands for the share of tokens that used each expert."""
-    one, many = (make_policy("activation", 4, 1, 4) for _ in range(2))
+    """With prefill_visits unbounded, a call of n tokens decays the short-term estimates n
+    times; the router's mean distribution times top-k stands for the share of tokens that
+    used each expert."""
+    one, many = (make_policy("activation", 4, 1, 4, prefill_visits=math.inf, now_weight=0) for _ in range(2))
     for _ in range(8):
         one.tick(1)
         one.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))
@@ -212,3 +214,34 @@ def test_activation_counts_a_prefill_call_as_its_tokens():
     assert many.F[0, 0] == pytest.approx((1 - many.slow) * s7 + (1 - s7) * 0.7)  # 1 visit, then 7 tokens at share 0.7
     assert many.F[0, 1] == pytest.approx((1 - s7) * 0.1)
     assert many.p[0, 0] > 5 * many.p[0, 1]
+
+
+def test_activation_counts_a_prefill_call_as_one_visit_by_default():
+    """By default a prefill is one visit of the union of its experts, for the short-term
+    and the long-run estimates alike, and does not raise the top-k it learns."""
+    p = make_policy("activation", 4, 1, 4)
+    p.tick(1)
+    p.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))
+    p.tick(7)
+    p.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]))
+    s = p.slow
+    assert p.top_k == 1
+    assert p.F[0, 0] == pytest.approx((1 - s) * s + (1 - s))
+    assert p.F[0, 1] == pytest.approx(1 - s)
+    assert p.N[0] == pytest.approx(1 + 2.0 ** (-1 / 16))  # two visits; the long half-life is at its minimum
+    assert p.U[0, 0] == pytest.approx(p.N[0]) and p.U[0, 1] == pytest.approx(1.0)
+
+
+def test_activation_evicts_by_expected_time_with_a_sorted_insert():
+    """Two layers, 3 slots. Layer 0 uses expert 1 and layer 1 expert 5 for 4 tokens; at
+    token 5 layer 0 uses 2 (the third slot), layer 1 uses 6: a victim among (0, 1), (0, 2),
+    (1, 5). Long-run rates g: 1 and 5 were used at 4 of 5 visits, 2 at 1 of 5 (plus 4 prior
+    visits at top_k / E = 1/16): g = 4.25/9 against 1.25/9, and 2's chance of use at the
+    next visit is small (one use), so its expected time d + L (1 - p1) / g is farthest,
+    though it was inserted last (an order sorted only at the layer's visit kept it as the
+    most valuable and evicted 5)."""
+    seq = [(0, [1]), (1, [5])] * 4 + [(0, [2]), (1, [6])]
+    evicted, r = run("activation", 3, seq, layers=2)
+    assert evicted == [(0, 2)]
+    p = r.policy
+    assert p.g[0, 2] < p.g[0, 1] and p.g[0, 2] < p.g[1, 5]
