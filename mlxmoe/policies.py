@@ -526,12 +526,18 @@ class Activation(Policy):
         """p1 of a key whose layer has not run for a while (a prefill split into runs calls
         a layer several times before the next): its estimates decay as if the layer had
         run and not used it."""
+        if AGING * (self.visits - self.visited_at[key[0]] - self.num_layers) <= 0:
+            return self.p[key]
+        return self.chance(key)
+
+    def chance(self, key):
+        """The chance that `key`'s layer uses it at its next visit by the decayed estimates
+        alone (F, R, M and the prior, without the router's favour at the layer's last
+        call), aged like _aged: the prefetcher weighs its guesses against it."""
         layer, e = key
         # layer calls since its layer last ran, beyond one round of all layers; each counts
         # as AGING tokens (fitted on the demo model's prefill traces)
-        age = AGING * (self.visits - self.visited_at[layer] - self.num_layers)
-        if age <= 0:
-            return self.p[key]
+        age = max(AGING * (self.visits - self.visited_at[layer] - self.num_layers), 0)
         slow, fast = self.slow ** age, self.fast ** age
         return ((1 - self.recency_weight) * self.F[key] * slow + self.recency_weight * self.R[key] * fast
                 + self.router_weight * self.M[key] * slow + self.prior_weight * self.prior[key])

@@ -6,14 +6,17 @@ Predictors, each scored for precision and recall on every layer it predicted:
   lookahead of mixtral-offloading; hidden states change little from layer to layer).
   Past the last layer, `router_next_token`: the same for the next token's first layers
   (cross-token), which are otherwise never prefetched,
+- `coactivation`: the experts the next layer call used, so far, in the same decode steps
+  as the experts the current layer uses now (MoE-Infinity's activation matrix, learned
+  online; past the last layer, the next token's first layer after this token's last),
 - `previous_token`: the experts the target layer used at its last call,
 - `profile`: the layer's hottest experts in the profile prior.
 What is loaded: the router's confident guesses and those it shares with the previous
-token; then the router's next guesses (top 2k), each only where the cache policy would
-rather evict its victim than the guess, judged by how often the router's guess of that
-rank has been used, above a threshold that follows the IO workers' load: low while
-they idle (a read the disk has time for costs nothing), higher as they fill. Only decode
-steps prefetch (a prefill step touches most experts anyway).
+token; then the router's next guesses (top 2k) and the co-activation's, each only where
+the cache policy would rather evict its victim than the guess, judged by how often the
+guess of that rank has been used, above a threshold that follows the IO workers' load:
+low while they idle (a read the disk has time for costs nothing), higher as they fill.
+Only decode steps prefetch (a prefill step touches most experts anyway).
 """
 
 import time
@@ -22,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import mlx.core as mx
 import numpy as np
 
-PREDICTORS = ("router", "router_next_token", "previous_token", "profile")
+PREDICTORS = ("router", "router_next_token", "coactivation", "previous_token", "profile")
 
 
 def hottest_per_layer(rates, k):
@@ -43,22 +46,27 @@ def precision_recall(counts):
             for name, c in counts.items() if c[1]}
 
 
-def steps_to_use(policy, key, p=None):
-    """The `activation` policy's ranking: expected layer steps until `key` is used, if p
-    is the chance its layer uses it at its next visit (None: the policy's own, aged),
-    with the policy's long-run rate of `key` after that (the victim is the farthest)."""
-    return policy.steps(key, p)
+def visit_steps(policy, key, p):
+    """Layer steps until `key` is used if each visit of its layer uses it with chance p:
+    d + L (1/p - 1), for a layer d steps ahead of the `activation` policy's current one."""
+    L = policy.num_layers
+    return ((key[0] - policy.current) % L or L) + L * (1.0 / max(p, 1e-9) - 1.0)
 
 
 def outranks(policy, likely):
-    """worth(key, victim) for ExpertCache.claim: a key with a chance `likely[key]` is loaded
-    only in place of a victim the policy expects to be used later than it; keys not in
-    `likely` always. None where the policy keeps no such estimate (only `activation`
-    does: `steps`, its expected time to next use of a key)."""
-    if getattr(policy, "steps", None) is None or not hasattr(policy, "current"):
+    """worth(key, victim) for ExpertCache.claim: a key with a chance `likely[key]` of use at
+    its layer's next visit is loaded only in place of a victim whose own chance (the
+    `activation` policy's decayed estimates, `chance`) puts its use later; keys not in
+    `likely` always. A guess pays off at that one visit or not at all (unused, it is soon
+    the victim), so neither the victim's long-run rate nor the router's favour of it at
+    its layer's last call, which the eviction order weighs, enters: with them nearly every
+    guess lost to every victim (0.69 -> 0.32 of the loads done ahead at 50 % cache on the
+    Qwen3-shaped checkpoint). None where the policy keeps no such estimate."""
+    chance = getattr(policy, "chance", None)
+    if chance is None or not hasattr(policy, "current"):
         return None
-    return lambda key, victim: key not in likely or steps_to_use(policy, key, likely[key]) < steps_to_use(
-        policy, victim)
+    return lambda key, victim: key not in likely or visit_steps(policy, key, likely[key]) < visit_steps(
+        policy, victim, chance(victim))
 
 
 class Prefetcher:
@@ -90,8 +98,13 @@ class Prefetcher:
         # not, from a prior of 1 in 16: below min_chance, so no guess is read before
         # its rank has shown it is used (an optimistic prior read ~20 guesses per layer
         # call for the first tokens on a model whose lookahead guesses badly)
-        self.ranked = {}  # layer -> {step: router's guesses best first} for its next visit
+        self.ranked = {}  # layer -> {step, or "coactivation": guesses best first} for its next visit
         self.rank_counts = np.tile([1.0, 16.0], (max(depth, 1), len(routers), candidates * top_k, 1))
+        self.co_rank_counts = np.tile([1.0, 16.0], (len(routers), candidates * top_k, 1))  # the same, [layer, i]
+        # [layer, i, j]: decode steps in which `layer` used expert i and the next layer call
+        # (past the last layer: the next token's first) used expert j
+        E = cache.store.num_experts if cache is not None and candidates else 0
+        self.coactive = np.zeros((len(routers), E, E), dtype=np.float32) if E else None
         self.hottest = None if prior is None else hottest_per_layer(prior, top_k)
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
@@ -104,9 +117,14 @@ class Prefetcher:
         for name, predicted in pending.items() if decode else ():
             count_prediction(self.counts[name], predicted, used)
         for step, guesses in self.ranked.pop(layer, {}).items() if decode else ():
+            counts = self.co_rank_counts[layer] if step == "coactivation" else self.rank_counts[step - 1, layer]
             for i, e in enumerate(guesses):
                 if e is not None:
-                    self.rank_counts[step - 1, layer, i] += (e in used, 1)
+                    counts[i] += (e in used, 1)
+        L = len(self.routers)
+        source = self.previous.get((layer - 1) % L)
+        if decode and source and self.coactive is not None:
+            self.coactive[(layer - 1) % L][np.ix_(sorted(source), sorted(used))] += 1.0
         self.previous[layer] = used
 
     def steps(self, layer):
@@ -139,12 +157,18 @@ class Prefetcher:
                 probs = np.array(looked[step])
                 guess = set(np.argsort(-probs, kind="stable")[: self.top_k].tolist())
                 predicted["router" if when == token else "router_next_token"] = guess
+            co = None
+            if step == 1 and self.coactive is not None and self.previous.get(layer):
+                row = self.coactive[layer][sorted(self.previous[layer])].sum(axis=0)
+                if row.any():
+                    co = np.argsort(-row, kind="stable")[: self.candidates * self.top_k].tolist()
+                    predicted["coactivation"] = set(co[: self.top_k])
             if target in self.previous:  # for a layer of the next token: its experts at this token
                 predicted["previous_token"] = self.previous[target]
             if self.hottest is not None:
                 predicted["profile"] = self.hottest[target]
             self.pending[target] = predicted
-            self.submit(target, step, when, predicted, probs)
+            self.submit(target, step, when, predicted, probs, co)
 
     def pace(self, now, read_seconds):
         """Once per decode step: the share of the step the prefetch workers spent reading
@@ -160,35 +184,41 @@ class Prefetcher:
                 self.min_chance = max(self.chance_floor, self.min_chance / 1.5)
         self.paced = (now, read_seconds)
 
-    def submit(self, target, step, when, predicted, probs):
+    def submit(self, target, step, when, predicted, probs, co=None):
         """Queue the loads for `target`'s call at token count `when`. What is not resident is
         mostly what the predictors got wrong, and a wrong load costs a read and may evict
         something useful: load what the router is sure of, or what it agrees on with the
-        previous token; then its next most likely guesses, each only in place of a victim
-        the policy values less. Their chance is how often the router's guess of that rank
-        was used so far (the router's own probability as the chance let far fewer good
-        guesses in: useful share 0.35 against 0.57 at 25 % cache on the demo model). No
-        guess, sure or not, is read while its rank's chance is below `min_chance` (paced
-        by the workers' load, see pace)."""
+        previous token; then the router's next most likely guesses and the co-activation's
+        (`co`, best first), each only in place of a victim the policy values less. A
+        guess's chance is how often that predictor's guess of that rank was used so far
+        (the router's own probability as the chance let far fewer good guesses in: useful
+        share 0.35 against 0.57 at 25 % cache on the demo model). No guess, sure or not, is
+        read while its chance is below `min_chance` (paced by the workers' load, see
+        pace); the likeliest are claimed first."""
         router = predicted.get("router", predicted.get("router_next_token", set()))
         previous = predicted.get("previous_token", set())
         sure = (router & previous) | {e for e in router if probs[e] >= self.confidence}
         keys = [(target, e) for e in sorted(sure, key=lambda e: -probs[e])]
-        likely = {}
+        likely = {}  # the guesses beyond the sure ones, with their chance
         worth = outranks(self.cache.policy, likely)
-        if probs is not None and worth is not None and self.candidates:
-            wide = np.argsort(-probs, kind="stable")[: self.candidates * self.top_k].tolist()
-            # a rank's chance counts only guesses that were not resident: those are the
-            # ones a load is for, and they are right far less often than the rest
-            self.ranked.setdefault(target, {})[step] = [None if (target, e) in self.cache.slot_of else e for e in wide]
-            used, guessed = self.rank_counts[step - 1, target].T
-            chance = used / guessed
-            rank = {e: i for i, e in enumerate(wide)}
-            keys = [k for k in keys if chance[rank[k[1]]] >= self.min_chance]
-            for i, e in enumerate(wide):
-                if e not in sure and chance[i] >= self.min_chance:
-                    likely[(target, e)] = chance[i]
-                    keys.append((target, e))
+        if worth is not None and self.candidates:
+            chance = {}
+            ranked = {}  # source -> (guesses best first, chance of each rank)
+            if probs is not None:
+                ranked[step] = (np.argsort(-probs, kind="stable")[: self.candidates * self.top_k].tolist(),
+                                self.rank_counts[step - 1, target])
+            if co is not None:
+                ranked["coactivation"] = (co, self.co_rank_counts[target])
+            for source, (wide, counts) in ranked.items():
+                # a rank's chance counts only guesses that were not resident: those are the
+                # ones a load is for, and they are right far less often than the rest
+                self.ranked.setdefault(target, {})[source] = [None if (target, e) in self.cache.slot_of else e
+                                                              for e in wide]
+                for e, (used, guessed) in zip(wide, counts):
+                    chance[(target, e)] = max(chance.get((target, e), 0.0), used / guessed)
+            keys = [k for k in keys if chance.get(k, 1.0) >= self.min_chance]
+            likely.update((k, c) for k, c in chance.items() if k[1] not in sure and c >= self.min_chance)
+            keys += sorted(likely, key=lambda k: -likely[k])
         keys = [k for k in keys if k not in self.cache.slot_of]
         if keys:
             self.jobs = [j for j in self.jobs if not j.done()]

@@ -234,3 +234,33 @@ def test_background_reads_are_timed_for_pacing(checkpoint):
     cache.prefetcher.drain()
     assert cache.loads_prefetched > 0 and cache.background_read_seconds > 0
     assert cache.prefetcher.chance_floor <= cache.prefetcher.min_chance <= 0.5
+
+
+def test_coactivation_counts_what_consecutive_layer_calls_used(checkpoint, tmp_path):
+    """The co-activation matrix holds, for every decode step, the experts of each layer
+    call against those of the next one (past the last layer: the next token's first),
+    as the trace of the same run shows them; and the predictor is scored."""
+    import numpy as np
+
+    from mlxmoe.trace import layer_calls, read_trace
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    trace = tmp_path / "run.trace.jsonl"
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, trace_out=str(trace))
+    cache = model.expert_cache
+    tokens(model, tokenizer, 12)
+    cache.prefetcher.drain()
+    pf = cache.prefetcher
+    cache.close()
+    header, records = read_trace(trace)
+    L, E = header["num_layers"], header["num_experts"]
+    experts = {(t, l): e for _, t, l, e, *_ in records}
+    # single-token layer calls are the decode steps (mlx-lm runs the prompt's last token alone too)
+    decode = [call[0][1:4] for call in layer_calls(records, L) if len(call) == 1]
+    want = np.zeros((L, E, E))
+    for t, l, used in decode:
+        source = experts[(t, l - 1)] if l else experts[(t - 1, L - 1)]
+        want[(l - 1) % L][np.ix_(sorted(set(source)), sorted(set(used)))] += 1
+    assert len(decode) >= 11 * L and want.sum() > 0
+    np.testing.assert_array_equal(pf.coactive, want)
+    assert 0 <= cache.stats()["predictors"]["coactivation"]["precision"] <= 1
