@@ -399,15 +399,19 @@ class Activation(Policy):
         self.now_weight, self.now_scale = now_weight, now_scale
         self.prefill_visits = prefill_visits or math.inf
         self.prior = np.zeros((L, E)) if prior is None else np.asarray(prior, dtype=np.float64)
-        self.F = self.prior.copy()
-        self.R = np.zeros((L, E))
-        self.M = np.zeros((L, E))
+        # F, R and M of a layer side by side ([layer, 3, E]), so one call decays or weighs all three
+        self.FRM = np.zeros((L, 3, E))
+        self.F, self.R, self.M = self.FRM[:, 0], self.FRM[:, 1], self.FRM[:, 2]  # views
+        self.F[:] = self.prior
+        self.mix_weights = np.array([[1 - recency_weight], [recency_weight], [router_weight]])
+        self.prior_term = prior_weight * self.prior
         self.p = self._mix(slice(None))  # p1
         self.horizon, self.long_min, self.long_max, self.long_prior = horizon, long_min, long_max, long_prior
         self.U = np.zeros((L, E))  # decayed visits that used each expert
-        self.N = np.zeros(L)  # decayed visits of each layer
+        self.N = [0.0] * L  # decayed visits of each layer
         self.g = np.ones((L, E))  # long-run rate per visit
         self.cost = np.zeros((L, E))  # (1 - p1) / g: expected visits to next use after the next
+        self.rate_terms = {}  # top_k -> long_prior x each expert's prior rate per visit, [L, E]
         self.tokens = 0
         self.last_use = np.zeros((L, E))  # token count at each expert's last use
         self.evicted_age = 8.0  # mean tokens since last use of the experts evicted (decayed mean)
@@ -419,6 +423,13 @@ class Activation(Policy):
         self.top_k = 1  # the most experts one token has used (seen at single-token calls)
         self.visits = 0  # layer calls so far
         self.visited_at = np.zeros(L)  # the call count at each layer's last visit
+        # victim() without a loop over layers: the second term of steps() of each layer's
+        # farthest expert (order[layer][0]; -inf if none), whether that one is pinned, and
+        # the first term, layer steps from the current layer ([current, layer])
+        self.head = np.full(L, -np.inf)
+        self.head_pinned = np.zeros(L, dtype=bool)
+        self.distance = np.array([[(l - c) % L or L for l in range(L)] for c in range(L)], dtype=np.float64)
+        self.decays = np.array([[self.slow], [self.fast], [self.slow]])  # of F, R, M at a one-visit call
         self.pinned = set()
         if prior is not None and pin_share > 0:
             n = int(capacity * pin_share)
@@ -439,49 +450,87 @@ class Activation(Policy):
         # that used each expert. Only the union of the experts is known; the router's mean
         # distribution times top-k estimates the share, where the router is known. The
         # long-run counts take a call as one visit of the experts it used.
+        # (At E = 32-128 each numpy call costs about its overhead: few calls, in place.)
         n = min(self.call_tokens, self.prefill_visits)
-        used = np.zeros(self.num_experts)
         if self.call_tokens == 1:
             self.top_k = max(self.top_k, len(experts))
-        if n == 1:
-            used[experts] = 1.0
-        elif probs is not None:
-            used[:] = np.minimum(1.0, np.asarray(probs) * self.top_k)
-        else:
-            used[experts] = 1.0
+        experts = np.asarray(experts, dtype=np.intp)
+        probs = None if probs is None else np.asarray(probs)
         slow, fast = self.slow ** n, self.fast ** n
-        F, R, M = self.F[layer], self.R[layer], self.M[layer]  # views: updated in place
-        F *= slow
-        F += (1 - slow) * used
-        R *= fast
-        R += (1 - fast) * used
+        FRM = self.FRM[layer]  # a view: updated in place
+        decays = self.decays if n == 1 else np.array([[slow], [fast], [slow]])
+        if probs is not None or scores is not None:
+            FRM *= decays
+        else:
+            FRM[:2] *= decays[:2]
+        F, R, M = FRM
+        if n == 1 or probs is None:  # the experts used: x decay + (1 - decay) x 1
+            F[experts] += 1 - slow
+            R[experts] += 1 - fast
+        else:
+            used = np.minimum(1.0, probs * self.top_k)
+            F += (1 - slow) * used
+            R += (1 - fast) * used
         if probs is not None:
-            M *= slow
             M += (1 - slow) * probs
         elif scores is not None:
-            M *= slow
             M[experts] += (1 - slow) * np.asarray(scores)
-        p1 = self._mix(layer)
+        p1 = self._mix(layer, out=self.p[layer])
         if probs is not None and self.now_weight:
-            p1 = (1 - self.now_weight) * p1 + self.now_weight * np.minimum(1.0, np.asarray(probs) * (self.now_scale * self.top_k))
-        self.p[layer] = p1
+            now = np.minimum(1.0, probs * (self.now_scale * self.top_k))
+            now *= self.now_weight
+            p1 *= 1 - self.now_weight
+            p1 += now
         half_life = min(max(self.horizon * self.evicted_age, self.long_min), self.long_max)
         keep = 2.0 ** (-1.0 / half_life)
         U = self.U[layer]
         U *= keep
         U[experts] += 1.0
         self.N[layer] = self.N[layer] * keep + 1.0
-        k = self.top_k
-        rate = self.prior[layer] * (k / self.prior[layer].sum()) if self.prior[layer].any() else k / self.num_experts
-        self.g[layer] = np.maximum((U + self.long_prior * rate) / (self.N[layer] + self.long_prior), 1e-4)
-        self.cost[layer] = (1.0 - np.minimum(p1, 1.0)) / self.g[layer]
+        g = np.add(U, self._rate_term()[layer], out=self.g[layer])
+        g /= self.N[layer] + self.long_prior
+        np.maximum(g, 1e-4, out=g)
+        cost = np.minimum(p1, 1.0, out=self.cost[layer])
+        np.subtract(1.0, cost, out=cost)
+        cost /= g
         self.last_use[layer, experts] = self.tokens
         self.current = layer
         self.visits += 1
         self.visited_at[layer] = self.visits
-        resident = np.fromiter(self.resident[layer], dtype=np.int64, count=len(self.resident[layer]))
-        self.order[layer] = resident[np.argsort(-self.cost[layer][resident], kind="stable")].tolist()
+        self.order[layer] = list(self.resident[layer])
+        self._sort(layer)
         self.unsorted.discard(layer)
+
+    def _mix(self, layer, out=None):
+        """p1 from the decayed estimates: the weighted sum of F, R, M and the prior."""
+        weighed = self.FRM[layer] * self.mix_weights
+        F, R, M = weighed if weighed.ndim == 2 else weighed.transpose(1, 0, 2)
+        p1 = np.add(F, R, out=out)
+        p1 += M
+        p1 += self.prior_term[layer]
+        return p1
+
+    def _rate_term(self):
+        """long_prior x each expert's long-run rate per visit before any is seen: the
+        prior's rates scaled to top_k uses per visit (top_k / E without a prior)."""
+        k = self.top_k
+        if k not in self.rate_terms:
+            sums = self.prior.sum(axis=1, keepdims=True)
+            rate = np.where(sums > 0, self.prior * (k / np.where(sums > 0, sums, 1.0)), k / self.num_experts)
+            self.rate_terms[k] = self.long_prior * rate
+        return self.rate_terms[k]
+
+    def _sort(self, layer):
+        """Sort `layer`'s resident experts, farthest next use first (ties keep their order)."""
+        order = self.order[layer]
+        order.sort(key=self.cost[layer].tolist().__getitem__, reverse=True)
+        self._head(layer)
+
+    def _head(self, layer):
+        order = self.order[layer]
+        key = (layer, order[0]) if order else None
+        self.head[layer] = -np.inf if key is None else self._tail(key, self.p[key])  # not aged: see victim()
+        self.head_pinned[layer] = key in self.pinned
 
     def insert(self, key):
         self.resident[key[0]].add(key[1])
@@ -489,38 +538,55 @@ class Activation(Policy):
         self.unsorted.add(key[0])  # sorted before the next victim: a rare expert just used can be the farthest
 
     def remove(self, key):
-        self.resident[key[0]].discard(key[1])
-        if key[1] in self.order[key[0]]:
-            self.order[key[0]].remove(key[1])
+        layer, e = key
+        self.resident[layer].discard(e)
+        order = self.order[layer]
+        if e in order:
+            head = order[0] == e
+            order.remove(e)
+            if head:
+                self._head(layer)
         self.evicted_age += 0.01 * (self.tokens - self.last_use[key] - self.evicted_age)
 
     def victim(self, protected):
         for layer in self.unsorted:
-            cost = self.cost[layer]
-            self.order[layer].sort(key=lambda e: -cost[e])
+            self._sort(layer)
         self.unsorted.clear()
+        # steps() of every layer's farthest expert at once; the layers whose candidate is
+        # another one (their farthest is protected or pinned) or whose p1 has aged are redone
+        steps = self.distance[self.current] + self.head
+        order = self.order
+        redo = {l for l, e in protected if order[l] and order[l][0] == e}
+        redo.update(np.flatnonzero(self.visited_at < self.visits - self.num_layers).tolist())
         for skip_pinned in (True, False):
-            best, found = -1.0, None
-            for layer in range(self.num_layers):
-                for e in self.order[layer]:
-                    key = (layer, e)
-                    if key in protected or (skip_pinned and key in self.pinned):
-                        continue
-                    steps = self.steps(key)
-                    if steps > best:
-                        best, found = steps, key
-                    break  # the farthest of this layer is its only candidate
-            if found is not None:
-                return found
+            candidates, s = {}, steps
+            again = redo | set(np.flatnonzero(self.head_pinned).tolist()) if skip_pinned and self.pinned else redo
+            if again:
+                s = steps.copy()
+                for layer in again:
+                    s[layer] = -np.inf
+                    for e in order[layer]:
+                        key = (layer, e)
+                        if key in protected or (skip_pinned and key in self.pinned):
+                            continue
+                        candidates[layer] = e
+                        s[layer] = self.steps(key)
+                        break  # the farthest of this layer is its only candidate
+            layer = int(np.argmax(s))  # the first of equals, as a loop over layers would
+            if s[layer] > -np.inf:
+                return layer, candidates.get(layer, order[layer][0] if order[layer] else None)
         raise _none_left()
 
     def steps(self, key, p1=None):
         """Expected layer steps until `key` is used: d + L (1 - p1) / g, with p1 its chance
         of use at its layer's next visit (by default the policy's own, aged)."""
-        L = self.num_layers
+        return ((key[0] - self.current) % self.num_layers or self.num_layers) + self._tail(key, p1)
+
+    def _tail(self, key, p1=None):
+        """The second term of steps(): L (1 - p1) / g."""
         if p1 is None:
             p1 = self._aged(key)
-        return ((key[0] - self.current) % L or L) + L * (1.0 - min(p1, 1.0)) / self.g[key]
+        return self.num_layers * (1.0 - min(p1, 1.0)) / self.g[key]
 
     def _aged(self, key):
         """p1 of a key whose layer has not run for a while (a prefill split into runs calls
