@@ -83,7 +83,7 @@ class StreamingExperts(nn.Module):
             cache.tick(flat.shape[0])
         if cache.trace is not None:
             cache.record(self._layer, flat.tolist(), probs)
-        chunks = token_chunks(flat, cache.capacity)
+        chunks = [(0, 1)] if len(flat) == 1 else token_chunks(flat, cache.capacity)
         if len(chunks) == 1:
             slots = self._slots(flat, idx, probs)
             inner = time.perf_counter()
@@ -113,11 +113,14 @@ class StreamingExperts(nn.Module):
     def _slots(self, rows, idx, probs):
         """Fetch the distinct experts of `rows`; return `idx` with expert ids replaced by slots."""
         if len(rows) == 1:  # decode: a handful of experts, cheaper without numpy
-            experts = sorted(set(rows[0].tolist()))
-            mean = None if probs is None else probs[0]
-        else:
-            experts = np.unique(rows).tolist()
-            mean = None if probs is None else probs.mean(axis=0)
+            row = rows[0].tolist()
+            experts = sorted(set(row))
+            probs = None if probs is None else probs[0]
+            scores = None if probs is None else probs[experts].tolist()
+            slots = dict(zip(experts, self._cache.fetch(self._layer, experts, scores, probs)))
+            return mx.array([slots[e] for e in row], dtype=mx.uint32).reshape(idx.shape)
+        experts = np.unique(rows).tolist()
+        mean = None if probs is None else probs.mean(axis=0)
         scores = None if mean is None else mean[experts].tolist()
         slots = self._cache.fetch(self._layer, experts, scores, mean)
         lut = np.zeros(max(experts) + 1, dtype=np.uint32)

@@ -422,7 +422,7 @@ class Activation(Policy):
         self.call_tokens = 1
         self.top_k = 1  # the most experts one token has used (seen at single-token calls)
         self.visits = 0  # layer calls so far
-        self.visited_at = np.zeros(L)  # the call count at each layer's last visit
+        self.visited_at = [0] * L  # the call count at each layer's last visit
         # victim() without a loop over layers: the second term of steps() of each layer's
         # farthest expert (order[layer][0]; -inf if none), whether that one is pinned, and
         # the first term, layer steps from the current layer ([current, layer])
@@ -430,6 +430,7 @@ class Activation(Policy):
         self.head_pinned = np.zeros(L, dtype=bool)
         self.distance = np.array([[(l - c) % L or L for l in range(L)] for c in range(L)], dtype=np.float64)
         self.decays = np.array([[self.slow], [self.fast], [self.slow]])  # of F, R, M at a one-visit call
+        self.gains = np.array([[1 - self.slow], [1 - self.fast]])  # of F and R for a use at a one-visit call
         self.pinned = set()
         if prior is not None and pin_share > 0:
             n = int(capacity * pin_share)
@@ -465,8 +466,7 @@ class Activation(Policy):
             FRM[:2] *= decays[:2]
         F, R, M = FRM
         if n == 1 or probs is None:  # the experts used: x decay + (1 - decay) x 1
-            F[experts] += 1 - slow
-            R[experts] += 1 - fast
+            FRM[:2, experts] += self.gains if n == 1 else np.array([[1 - slow], [1 - fast]])
         else:
             used = np.minimum(1.0, probs * self.top_k)
             F += (1 - slow) * used
@@ -557,7 +557,8 @@ class Activation(Policy):
         steps = self.distance[self.current] + self.head
         order = self.order
         redo = {l for l, e in protected if order[l] and order[l][0] == e}
-        redo.update(np.flatnonzero(self.visited_at < self.visits - self.num_layers).tolist())
+        oldest = self.visits - self.num_layers
+        redo.update(l for l, visited in enumerate(self.visited_at) if visited < oldest)
         for skip_pinned in (True, False):
             candidates, s = {}, steps
             again = redo | set(np.flatnonzero(self.head_pinned).tolist()) if skip_pinned and self.pinned else redo
@@ -573,7 +574,7 @@ class Activation(Policy):
                         s[layer] = self.steps(key)
                         break  # the farthest of this layer is its only candidate
             layer = int(np.argmax(s))  # the first of equals, as a loop over layers would
-            if s[layer] > -np.inf:
+            if s[layer] != -np.inf:
                 return layer, candidates.get(layer, order[layer][0] if order[layer] else None)
         raise _none_left()
 

@@ -104,9 +104,9 @@ class Prefetcher:
         for name, predicted in pending.items() if decode else ():
             count_prediction(self.counts[name], predicted, used)
         for step, guesses in self.ranked.pop(layer, {}).items() if decode else ():
-            for i, e in enumerate(guesses):
-                if e is not None:
-                    self.rank_counts[step - 1, layer, i] += (e in used, 1)
+            ranks = [i for i, e in enumerate(guesses) if e is not None]
+            if ranks:
+                self.rank_counts[step - 1, layer, ranks] += [(guesses[i] in used, 1) for i in ranks]
         self.previous[layer] = used
 
     def steps(self, layer):
@@ -134,17 +134,18 @@ class Prefetcher:
             self.pace(time.perf_counter(), self.cache.background_read_seconds)
         for step, target, ahead in self.steps(layer):
             when = token + ahead
-            predicted, probs = {}, None
+            predicted, probs, ranked = {}, None, None
             if step in looked:
                 probs = np.array(looked[step])
-                guess = set(np.argsort(-probs, kind="stable")[: self.top_k].tolist())
+                ranked = np.argsort(-probs, kind="stable")[: max(self.candidates, 1) * self.top_k].tolist()
+                guess = set(ranked[: self.top_k])
                 predicted["router" if when == token else "router_next_token"] = guess
             if target in self.previous:  # for a layer of the next token: its experts at this token
                 predicted["previous_token"] = self.previous[target]
             if self.hottest is not None:
                 predicted["profile"] = self.hottest[target]
             self.pending[target] = predicted
-            self.submit(target, step, when, predicted, probs)
+            self.submit(target, step, when, predicted, probs, ranked)
 
     def pace(self, now, read_seconds):
         """Once per decode step: the share of the step the prefetch workers spent reading
@@ -160,7 +161,7 @@ class Prefetcher:
                 self.min_chance = max(self.chance_floor, self.min_chance / 1.5)
         self.paced = (now, read_seconds)
 
-    def submit(self, target, step, when, predicted, probs):
+    def submit(self, target, step, when, predicted, probs, ranked=None):
         """Queue the loads for `target`'s call at token count `when`. What is not resident is
         mostly what the predictors got wrong, and a wrong load costs a read and may evict
         something useful: load what the router is sure of, or what it agrees on with the
@@ -169,7 +170,8 @@ class Prefetcher:
         was used so far (the router's own probability as the chance let far fewer good
         guesses in: useful share 0.35 against 0.57 at 25 % cache on the demo model). No
         guess, sure or not, is read while its rank's chance is below `min_chance` (paced
-        by the workers' load, see pace)."""
+        by the workers' load, see pace). `ranked`: the experts by falling `probs`, at least
+        the top candidates x top_k."""
         router = predicted.get("router", predicted.get("router_next_token", set()))
         previous = predicted.get("previous_token", set())
         sure = (router & previous) | {e for e in router if probs[e] >= self.confidence}
@@ -177,12 +179,14 @@ class Prefetcher:
         likely = {}
         worth = outranks(self.cache.policy, likely)
         if probs is not None and worth is not None and self.candidates:
-            wide = np.argsort(-probs, kind="stable")[: self.candidates * self.top_k].tolist()
+            if ranked is None:
+                ranked = np.argsort(-probs, kind="stable").tolist()
+            wide = ranked[: self.candidates * self.top_k]
             # a rank's chance counts only guesses that were not resident: those are the
             # ones a load is for, and they are right far less often than the rest
             self.ranked.setdefault(target, {})[step] = [None if (target, e) in self.cache.slot_of else e for e in wide]
             used, guessed = self.rank_counts[step - 1, target].T
-            chance = used / guessed
+            chance = (used / guessed).tolist()
             rank = {e: i for i, e in enumerate(wide)}
             keys = [k for k in keys if chance[rank[k[1]]] >= self.min_chance]
             for i, e in enumerate(wide):
