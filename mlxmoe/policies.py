@@ -399,15 +399,16 @@ class Activation(Policy):
         self.now_weight, self.now_scale = now_weight, now_scale
         self.prefill_visits = prefill_visits or math.inf
         self.prior = np.zeros((L, E)) if prior is None else np.asarray(prior, dtype=np.float64)
-        # F, R and M of a layer side by side ([layer, 3, E]), so one call decays or weighs all three
-        self.FRM = np.zeros((L, 3, E))
-        self.F, self.R, self.M = self.FRM[:, 0], self.FRM[:, 1], self.FRM[:, 2]  # views
+        # A layer's rows side by side ([layer, 5, E]: F, R, M, prior_weight x prior, U), so that
+        # one numpy call decays all, adds a use to all, or sums p1's terms (few calls at E = 32-128)
+        self.rows = np.zeros((L, 5, E))
+        self.F, self.R, self.M, prior_term, self.U = self.rows.transpose(1, 0, 2)  # views
         self.F[:] = self.prior
-        self.mix_weights = np.array([[1 - recency_weight], [recency_weight], [router_weight]])
-        self.prior_term = prior_weight * self.prior
+        prior_term[:] = prior_weight * self.prior
+        self.mix_weights = np.array([[1 - recency_weight], [recency_weight], [router_weight], [1.0]])
         self.p = self._mix(slice(None))  # p1
         self.horizon, self.long_min, self.long_max, self.long_prior = horizon, long_min, long_max, long_prior
-        self.U = np.zeros((L, E))  # decayed visits that used each expert
+        # self.U: decayed visits that used each expert
         self.N = [0.0] * L  # decayed visits of each layer
         self.g = np.ones((L, E))  # long-run rate per visit
         self.cost = np.zeros((L, E))  # (1 - p1) / g: expected visits to next use after the next
@@ -429,17 +430,14 @@ class Activation(Policy):
         self.head = np.full(L, -np.inf)
         self.head_pinned = np.zeros(L, dtype=bool)
         self.distance = np.array([[(l - c) % L or L for l in range(L)] for c in range(L)], dtype=np.float64)
-        self.decays = np.array([[self.slow], [self.fast], [self.slow]])  # of F, R, M at a one-visit call
-        self.gains = np.array([[1 - self.slow], [1 - self.fast]])  # of F and R for a use at a one-visit call
+        self.used_rows = np.array([[0], [1], [4]])  # F, R, U: what a use adds to
+        self.decays = np.array([[self.slow], [self.fast], [self.slow], [1.0], [1.0]])  # of each row per visit
+        self.gains = np.array([[1 - self.slow], [1 - self.fast], [1.0]])  # what a use adds to F, R, U
         self.pinned = set()
         if prior is not None and pin_share > 0:
             n = int(capacity * pin_share)
             hottest = np.argsort(-self.prior, axis=None, kind="stable")[:n]
             self.pinned = {(int(i // E), int(i % E)) for i in hottest if self.prior.flat[i] > 0}
-
-    def _mix(self, layer):
-        return ((1 - self.recency_weight) * self.F[layer] + self.recency_weight * self.R[layer]
-                + self.router_weight * self.M[layer] + self.prior_weight * self.prior[layer])
 
     def tick(self, tokens=1):
         self.call_tokens = tokens  # every layer call until the next tick has this many tokens
@@ -458,19 +456,22 @@ class Activation(Policy):
         experts = np.asarray(experts, dtype=np.intp)
         probs = None if probs is None else np.asarray(probs)
         slow, fast = self.slow ** n, self.fast ** n
-        FRM = self.FRM[layer]  # a view: updated in place
-        decays = self.decays if n == 1 else np.array([[slow], [fast], [slow]])
-        if probs is not None or scores is not None:
-            FRM *= decays
-        else:
-            FRM[:2] *= decays[:2]
-        F, R, M = FRM
-        if n == 1 or probs is None:  # the experts used: x decay + (1 - decay) x 1
-            FRM[:2, experts] += self.gains if n == 1 else np.array([[1 - slow], [1 - fast]])
+        half_life = min(max(self.horizon * self.evicted_age, self.long_min), self.long_max)
+        keep = 2.0 ** (-1.0 / half_life)  # U's decay per visit (a call is one visit for U)
+        rows = self.rows[layer]  # a view: updated in place; M only decays where the router is known
+        decays, gains = (self.decays, self.gains) if n == 1 else (np.array([[slow], [fast], [slow], [1.0], [1.0]]),
+                                                                  np.array([[1 - slow], [1 - fast], [1.0]]))
+        decays[2, 0] = slow if probs is not None or scores is not None else 1.0
+        decays[4, 0] = keep
+        rows *= decays
+        F, R, M, _, U = rows
+        if n == 1 or probs is None:  # the experts used: F and R x decay + (1 - decay) x 1, U + 1
+            rows[self.used_rows, experts] += gains
         else:
             used = np.minimum(1.0, probs * self.top_k)
             F += (1 - slow) * used
             R += (1 - fast) * used
+            U[experts] += 1.0
         if probs is not None:
             M += (1 - slow) * probs
         elif scores is not None:
@@ -481,11 +482,6 @@ class Activation(Policy):
             now *= self.now_weight
             p1 *= 1 - self.now_weight
             p1 += now
-        half_life = min(max(self.horizon * self.evicted_age, self.long_min), self.long_max)
-        keep = 2.0 ** (-1.0 / half_life)
-        U = self.U[layer]
-        U *= keep
-        U[experts] += 1.0
         self.N[layer] = self.N[layer] * keep + 1.0
         g = np.add(U, self._rate_term()[layer], out=self.g[layer])
         g /= self.N[layer] + self.long_prior
@@ -502,13 +498,9 @@ class Activation(Policy):
         self.unsorted.discard(layer)
 
     def _mix(self, layer, out=None):
-        """p1 from the decayed estimates: the weighted sum of F, R, M and the prior."""
-        weighed = self.FRM[layer] * self.mix_weights
-        F, R, M = weighed if weighed.ndim == 2 else weighed.transpose(1, 0, 2)
-        p1 = np.add(F, R, out=out)
-        p1 += M
-        p1 += self.prior_term[layer]
-        return p1
+        """p1 from the decayed estimates: ((1 - rw) F + rw R) + router_weight M + prior_weight P,
+        summed in that order (a reduction over 4 rows adds them one after the other)."""
+        return np.add.reduce(self.rows[layer, ..., :4, :] * self.mix_weights, axis=-2, out=out)
 
     def _rate_term(self):
         """long_prior x each expert's long-run rate per visit before any is seen: the
