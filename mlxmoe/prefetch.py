@@ -104,9 +104,11 @@ class Prefetcher:
         for name, predicted in pending.items() if decode else ():
             count_prediction(self.counts[name], predicted, used)
         for step, guesses in self.ranked.pop(layer, {}).items() if decode else ():
-            ranks = [i for i, e in enumerate(guesses) if e is not None]
-            if ranks:
-                self.rank_counts[step - 1, layer, ranks] += [(guesses[i] in used, 1) for i in ranks]
+            counts = self.rank_counts[step - 1, layer]
+            for i, e in enumerate(guesses):
+                if e is not None:
+                    counts[i, 0] += e in used
+                    counts[i, 1] += 1
         self.previous[layer] = used
 
     def steps(self, layer):
