@@ -382,6 +382,14 @@ class Activation(Policy):
     estimates decay that many times towards the share of its tokens that used each expert,
     estimated from the router's mean distribution times top-k.
     The prior's hottest experts are pinned, at most `pin_share` of the cache.
+
+    Cost per layer call (it runs on the decode thread between a layer's routing and its
+    compute): a layer's F, R, M, prior term and U are rows of one array, so a visit is
+    about 20 numpy calls on rows of E whatever the model; victim() keeps the second term of
+    steps() for each layer's farthest expert and takes the farthest over all layers in one
+    vector operation, redoing only the layers whose farthest expert is protected, pinned or
+    aged. 29 us per layer call on the demo model's routing (4 x 32, top-2) and 42 us at
+    48 x 128, top-8, 50 % cache (visit, accesses and victims; 35 and 64 us before).
     """
 
     name = "activation"
