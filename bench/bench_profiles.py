@@ -181,18 +181,24 @@ def resident_vs_stock(model_path, prompt, tokens=128, rounds=5):
     runs = {"mlx-lm": (mlx_lm.stream_generate, stock, stock_tok), "mlxmoe": (mlxmoe.stream_generate, model, tokenizer)}
     for fn, m, t in runs.values():  # warm-up
         decode_timed(fn, m, t, prompt, 8)
-    tps, same = {name: [] for name in runs}, True
+    tps, same, shares, misses = {name: [] for name in runs}, True, [], cache.misses
     for i in range(rounds):
         toks = {}
         for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            cache.reset_stats()
+            tic = time.perf_counter()
             rate, toks[name] = decode_timed(*runs[name], prompt, tokens)
             tps[name].append(rate)
+            if name == "mlxmoe":
+                shares.append(cache.bookkeeping_seconds / (time.perf_counter() - tic))
+                misses += cache.misses
         same = same and toks["mlx-lm"] == toks["mlxmoe"]
-    misses = cache.misses - L * E
+    misses -= L * E
     cache.close()
     med = {name: float(np.median(v)) for name, v in tps.items()}
     return {"stock_tps": med["mlx-lm"], "resident_tps": med["mlxmoe"], "ratio": med["mlxmoe"] / med["mlx-lm"],
-            "runs": tps, "tokens_identical": same, "misses_after_preload": misses}
+            "runs": tps, "tokens_identical": same, "misses_after_preload": misses,
+            "bookkeeping_share": float(np.median(shares))}
 
 
 def bookkeeping_section(model_path, prompt, out, runs=3):
@@ -213,7 +219,8 @@ def bookkeeping_section(model_path, prompt, out, runs=3):
     r = out["resident_vs_stock"] = resident_vs_stock(model_path, prompt)
     print(f"  every expert resident: mlxmoe {r['resident_tps']:.1f} tok/s, stock mlx-lm + dtype policy "
           f"{r['stock_tps']:.1f} tok/s (decode, median of {len(r['runs']['mlxmoe'])} alternated rounds): "
-          f"ratio {r['ratio']:.3f}; tokens identical: {r['tokens_identical']}")
+          f"ratio {r['ratio']:.3f}, of which bookkeeping {100 * r['bookkeeping_share']:.1f}% of mlxmoe's time; "
+          f"tokens identical: {r['tokens_identical']}")
 
 
 def fixed_chance(x):
