@@ -5,13 +5,18 @@
 2. profile switch: a session that starts in Italian (Italian profile) and changes to
    English: how many tokens `activation` (and LRU) need to get back to their English
    steady-state hit rate, replayed on traces recorded from the model;
-3. bookkeeping: the time StreamingExperts spends beyond mlx-lm's own work (routing copies,
-   policy, remapping) as a share of decode time;
+3. bookkeeping: the time StreamingExperts spends beyond mlx-lm's own work (lookahead and
+   router probabilities, routing copies, policy, live profile, prefetch predictions,
+   remapping) as a share of generation time, with the default settings and with LRU and
+   no prefetch (median of 3 runs each, alternated); and decode tok/s of mlxmoe with every
+   expert resident against stock mlx-lm with the same dtype policy (median of 5 alternated
+   rounds): that ratio is the end-to-end cost of all mlxmoe adds, per-layer syncs included;
 4. prefetch: hit rate and loads during decode (prefill left out) without it and with
    each variant, at 25 % and 50 % cache, and the precision of the router predictors.
 Results go to bench/out/profiles.json.
 
     python bench/bench_profiles.py [--model DIR] [--profiles profiles/]
+    python bench/bench_profiles.py --only-bookkeeping   # section 3 alone (about a minute)
 """
 
 import argparse
@@ -76,13 +81,19 @@ def no_eos(tokenizer):
 _sizes = {}
 
 
-def _share(model_path, share):
+def _experts(model_path):
+    """(MoE layers, experts per layer) of the checkpoint."""
     if model_path not in _sizes:
         from mlxmoe.loader import open_checkpoint
 
         ckpt = open_checkpoint(model_path)
-        _sizes[model_path] = ckpt.num_layers * ckpt.num_experts
-    return int(_sizes[model_path] * share)
+        _sizes[model_path] = ckpt.num_layers, ckpt.num_experts
+    return _sizes[model_path]
+
+
+def _share(model_path, share):
+    L, E = _experts(model_path)
+    return int(L * E * share)
 
 
 def record(model_path, lines, path, tokens=16):
@@ -125,8 +136,8 @@ def switch(header, it_records, en_records, profile, policy, share=0.5, window=16
             "first_window_after_switch": float(rolling[0]), "tokens_to_recover": recovered, "window": window}
 
 
-def bookkeeping(model_path, prompt, tokens=128, share=0.5):
-    model, tokenizer = mlxmoe.load(model_path, cache_experts=_share(model_path, share))
+def bookkeeping(model_path, prompt, tokens=128, share=0.5, **load_kwargs):
+    model, tokenizer = mlxmoe.load(model_path, cache_experts=_share(model_path, share), **load_kwargs)
     cache = model.expert_cache
     mlxmoe.generate(model, tokenizer, prompt, max_tokens=8)
     cache.reset_stats()
@@ -137,7 +148,79 @@ def bookkeeping(model_path, prompt, tokens=128, share=0.5):
     s = cache.stats()
     cache.close()
     return {"bookkeeping_seconds": s["bookkeeping_seconds"], "generate_seconds": elapsed,
-            "share": s["bookkeeping_seconds"] / elapsed, "tokens_per_second": n / elapsed}
+            "share": s["bookkeeping_seconds"] / elapsed, "tokens_per_second": n / elapsed,
+            "layer_calls": n * len(s["resident_per_layer"])}
+
+
+def decode_timed(generate_fn, model, tokenizer, prompt, tokens):
+    """(decode tok/s from the first token to the last, the tokens) of one greedy generation."""
+    out, t0 = [], None
+    for r in generate_fn(model, tokenizer, prompt, max_tokens=tokens, logits_processors=[no_eos(tokenizer)]):
+        out.append(int(r.token))
+        if t0 is None:
+            t0 = time.perf_counter()
+    return (len(out) - 1) / (time.perf_counter() - t0), out
+
+
+def resident_vs_stock(model_path, prompt, tokens=128, rounds=5):
+    """Decode tok/s of mlxmoe with every expert resident and of stock mlx-lm with the same
+    dtype policy, in alternated rounds (the order flips each round): medians and ratio."""
+    import mlx.core as mx
+    import mlx_lm
+
+    from mlxmoe import backend
+
+    stock, stock_tok = mlx_lm.load(model_path)
+    backend.detect().apply_dtype_policy(stock)
+    mx.eval(stock.parameters())
+    L, E = _experts(model_path)
+    model, tokenizer = mlxmoe.load(model_path, cache_experts=L * E)
+    cache = model.expert_cache
+    for layer in range(L):  # everything read before timing (stock reads every weight at load)
+        cache.fetch(layer, list(range(E)))
+    runs = {"mlx-lm": (mlx_lm.stream_generate, stock, stock_tok), "mlxmoe": (mlxmoe.stream_generate, model, tokenizer)}
+    for fn, m, t in runs.values():  # warm-up
+        decode_timed(fn, m, t, prompt, 8)
+    tps, same, shares, misses = {name: [] for name in runs}, True, [], cache.misses
+    for i in range(rounds):
+        toks = {}
+        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            cache.reset_stats()
+            tic = time.perf_counter()
+            rate, toks[name] = decode_timed(*runs[name], prompt, tokens)
+            tps[name].append(rate)
+            if name == "mlxmoe":
+                shares.append(cache.bookkeeping_seconds / (time.perf_counter() - tic))
+                misses += cache.misses
+        same = same and toks["mlx-lm"] == toks["mlxmoe"]
+    misses -= L * E
+    cache.close()
+    med = {name: float(np.median(v)) for name, v in tps.items()}
+    return {"stock_tps": med["mlx-lm"], "resident_tps": med["mlxmoe"], "ratio": med["mlxmoe"] / med["mlx-lm"],
+            "runs": tps, "tokens_identical": same, "misses_after_preload": misses,
+            "bookkeeping_share": float(np.median(shares))}
+
+
+def bookkeeping_section(model_path, prompt, out, runs=3):
+    print("3. bookkeeping share of generation time (demo model, 50 % cache, 128 tokens, median of "
+          f"{runs} alternated runs)")
+    configs = {"activation + prefetch (default)": {}, "lru, no prefetch": {"policy": "lru", "prefetch": 0}}
+    results = {label: [] for label in configs}
+    for _ in range(runs):
+        for label, kwargs in configs.items():
+            results[label].append(bookkeeping(model_path, prompt, **kwargs))
+    out["bookkeeping"] = {}
+    for label, rs in results.items():
+        b = sorted(rs, key=lambda r: r["share"])[len(rs) // 2]
+        out["bookkeeping"][label] = dict(b, runs=rs)
+        print(f"  {label:>32}: {1000 * b['bookkeeping_seconds']:.1f} ms of {1000 * b['generate_seconds']:.1f} ms: "
+              f"{100 * b['share']:.2f}%, {1e6 * b['bookkeeping_seconds'] / b['layer_calls']:.0f} us per layer call "
+              f"({b['tokens_per_second']:.1f} tok/s including the prompt)")
+    r = out["resident_vs_stock"] = resident_vs_stock(model_path, prompt)
+    print(f"  every expert resident: mlxmoe {r['resident_tps']:.1f} tok/s, stock mlx-lm + dtype policy "
+          f"{r['stock_tps']:.1f} tok/s (decode, median of {len(r['runs']['mlxmoe'])} alternated rounds): "
+          f"ratio {r['ratio']:.3f}, of which bookkeeping {100 * r['bookkeeping_share']:.1f}% of mlxmoe's time; "
+          f"tokens identical: {r['tokens_identical']}")
 
 
 def fixed_chance(x):
@@ -209,6 +292,7 @@ def main():
     ap.add_argument("--profiles", default=str(ROOT / "profiles"))
     ap.add_argument("--prompts", type=int, default=4, help="Held-out prompts per language.")
     ap.add_argument("--only-prefetch", action="store_true", help="Run section 4 alone.")
+    ap.add_argument("--only-bookkeeping", action="store_true", help="Run section 3 alone (bench/out/bookkeeping.json).")
     args = ap.parse_args()
     profiles = Path(args.profiles)
     OUT.mkdir(exist_ok=True)
@@ -217,6 +301,10 @@ def main():
     out = {}
     if args.only_prefetch:
         return prefetch_section(args.model, out)
+    if args.only_bookkeeping:
+        bookkeeping_section(args.model, it[0], out)
+        (OUT / "bookkeeping.json").write_text(json.dumps(out, indent=1))
+        return
     print("1. pre-warm at 50 % cache (Italian prompts)")
     out["prewarm"] = prewarm(args.model, profiles, it)
     print("2. profile switch: Italian -> English, replayed at 50 % cache")
@@ -230,11 +318,7 @@ def main():
         print(f"  {policy:>10}: Italian {100 * r['italian']:.1f}%, English steady {100 * r['steady_english']:.1f}%, "
               f"first {r['window']} tokens after the switch {100 * r['first_window_after_switch']:.1f}%, "
               f"back within 2 points after {r['tokens_to_recover']} tokens")
-    print("3. bookkeeping share of decode time (activation policy, 50 % cache)")
-    out["bookkeeping"] = bookkeeping(args.model, it[0])
-    b = out["bookkeeping"]
-    print(f"  {1000 * b['bookkeeping_seconds']:.1f} ms of {1000 * b['generate_seconds']:.1f} ms: "
-          f"{100 * b['share']:.2f}% ({b['tokens_per_second']:.1f} tok/s including the prompt)")
+    bookkeeping_section(args.model, it[0], out)
     prefetch_section(args.model, out)
 
 

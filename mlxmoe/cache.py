@@ -237,9 +237,11 @@ class ExpertCache(Residency):
             if not done.is_set():
                 self.prefetch_late += 1
                 done.wait()
-        with self.lock:
-            retry = [(key[1], self.slot_of[key]) for key in ((layer, e) for e in experts) if key in self.failed]
-            self.failed.difference_update((layer, e) for e, _ in retry)
+        retry = []
+        if self.failed:  # a background read that failed marks its key before its wait ends
+            with self.lock:
+                retry = [(key[1], self.slot_of[key]) for key in ((layer, e) for e in experts) if key in self.failed]
+                self.failed.difference_update((layer, e) for e, _ in retry)
         if retry:  # background reads that failed: read here, where a second failure raises its error
             self.demand_bytes += self._read(layer, retry)
             self.loads_demand += len(retry)

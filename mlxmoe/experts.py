@@ -63,24 +63,27 @@ class StreamingExperts(nn.Module):
 
     def __call__(self, x, indices):
         cache = self._cache
+        tic = time.perf_counter()
         decode = x.size == x.shape[-1]
         # the prefetcher's lookahead is evaluated with this layer's routing: one sync, not two
         looked = cache.prefetcher.lookahead(self._layer, x) if cache.prefetcher is not None and decode else {}
         probs = None
         if self._router is not None and (cache.wants_router or cache.trace is not None or cache.profile is not None):
             probs = self._router(x)
-            mx.eval(indices, probs, *looked.values())
+        sync = time.perf_counter()
+        # evaluates the router (and with it every earlier layer): mlx-lm's own work
+        mx.eval(indices, *([] if probs is None else [probs]), *looked.values())
+        sync = time.perf_counter() - sync
+        read_before = cache.read_seconds
+        idx = np.array(indices)
+        if probs is not None:
             probs = np.array(probs).reshape(-1, probs.shape[-1])
-        elif looked:
-            mx.eval(indices, *looked.values())
-        idx = np.array(indices)  # evaluates the router (and with it every earlier layer)
-        tic, read_before = time.perf_counter(), cache.read_seconds
         flat = idx.reshape(-1, idx.shape[-1])
         if self._layer == 0:
             cache.tick(flat.shape[0])
         if cache.trace is not None:
             cache.record(self._layer, flat.tolist(), probs)
-        chunks = token_chunks(flat, cache.capacity)
+        chunks = [(0, 1)] if len(flat) == 1 else token_chunks(flat, cache.capacity)
         if len(chunks) == 1:
             slots = self._slots(flat, idx, probs)
             inner = time.perf_counter()
@@ -90,8 +93,11 @@ class StreamingExperts(nn.Module):
                 cache.prefetcher.observe(self._layer, flat[-1].tolist(), decode=decode)
                 if decode:
                     cache.prefetcher.after_layer(self._layer, looked, cache.tokens)
-            # what this layer added beyond mlx-lm's own work: routing copies, the policy, remapping
-            cache.bookkeeping_seconds += time.perf_counter() - tic - inner - (cache.read_seconds - read_before)
+            # what this layer added beyond mlx-lm's own work (building and evaluating the
+            # model up to the router, building the expert computation) and the reads: the
+            # lookahead and router probabilities, routing copies, the policy, remapping
+            cache.bookkeeping_seconds += (time.perf_counter() - tic - sync - inner
+                                          - (cache.read_seconds - read_before))
             return y
         # More distinct experts than slots (long prefill at a small cache): compute each
         # run of tokens and evaluate it before the next run may reuse its slots.
@@ -107,11 +113,14 @@ class StreamingExperts(nn.Module):
     def _slots(self, rows, idx, probs):
         """Fetch the distinct experts of `rows`; return `idx` with expert ids replaced by slots."""
         if len(rows) == 1:  # decode: a handful of experts, cheaper without numpy
-            experts = sorted(set(rows[0].tolist()))
-            mean = None if probs is None else probs[0]
-        else:
-            experts = np.unique(rows).tolist()
-            mean = None if probs is None else probs.mean(axis=0)
+            row = rows[0].tolist()
+            experts = sorted(set(row))
+            probs = None if probs is None else probs[0]
+            scores = None if probs is None else probs[experts].tolist()
+            slots = dict(zip(experts, self._cache.fetch(self._layer, experts, scores, probs)))
+            return mx.array([slots[e] for e in row], dtype=mx.uint32).reshape(idx.shape)
+        experts = np.unique(rows).tolist()
+        mean = None if probs is None else probs.mean(axis=0)
         scores = None if mean is None else mean[experts].tolist()
         slots = self._cache.fetch(self._layer, experts, scores, mean)
         lut = np.zeros(max(experts) + 1, dtype=np.uint32)

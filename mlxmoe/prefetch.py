@@ -120,7 +120,8 @@ class Prefetcher:
             counts = self.co_rank_counts[layer] if step == "coactivation" else self.rank_counts[step - 1, layer]
             for i, e in enumerate(guesses):
                 if e is not None:
-                    counts[i] += (e in used, 1)
+                    counts[i, 0] += e in used
+                    counts[i, 1] += 1
         L = len(self.routers)
         source = self.previous.get((layer - 1) % L)
         if decode and source and self.coactive is not None:
@@ -152,10 +153,11 @@ class Prefetcher:
             self.pace(time.perf_counter(), self.cache.background_read_seconds)
         for step, target, ahead in self.steps(layer):
             when = token + ahead
-            predicted, probs = {}, None
+            predicted, probs, ranked = {}, None, None
             if step in looked:
                 probs = np.array(looked[step])
-                guess = set(np.argsort(-probs, kind="stable")[: self.top_k].tolist())
+                ranked = np.argsort(-probs, kind="stable")[: max(self.candidates, 1) * self.top_k].tolist()
+                guess = set(ranked[: self.top_k])
                 predicted["router" if when == token else "router_next_token"] = guess
             co = None
             if step == 1 and self.coactive is not None and self.previous.get(layer):
@@ -168,7 +170,7 @@ class Prefetcher:
             if self.hottest is not None:
                 predicted["profile"] = self.hottest[target]
             self.pending[target] = predicted
-            self.submit(target, step, when, predicted, probs, co)
+            self.submit(target, step, when, predicted, probs, ranked, co)
 
     def pace(self, now, read_seconds):
         """Once per decode step: the share of the step the prefetch workers spent reading
@@ -184,7 +186,7 @@ class Prefetcher:
                 self.min_chance = max(self.chance_floor, self.min_chance / 1.5)
         self.paced = (now, read_seconds)
 
-    def submit(self, target, step, when, predicted, probs, co=None):
+    def submit(self, target, step, when, predicted, probs, ranked=None, co=None):
         """Queue the loads for `target`'s call at token count `when`. What is not resident is
         mostly what the predictors got wrong, and a wrong load costs a read and may evict
         something useful: load what the router is sure of, or what it agrees on with the
@@ -194,7 +196,8 @@ class Prefetcher:
         (the router's own probability as the chance let far fewer good guesses in: useful
         share 0.35 against 0.57 at 25 % cache on the demo model). No guess, sure or not, is
         read while its chance is below `min_chance` (paced by the workers' load, see
-        pace); the likeliest are claimed first."""
+        pace); the likeliest are claimed first. `ranked`: the experts by falling `probs`, at
+        least the top candidates x top_k."""
         router = predicted.get("router", predicted.get("router_next_token", set()))
         previous = predicted.get("previous_token", set())
         sure = (router & previous) | {e for e in router if probs[e] >= self.confidence}
@@ -203,18 +206,19 @@ class Prefetcher:
         worth = outranks(self.cache.policy, likely)
         if worth is not None and self.candidates:
             chance = {}
-            ranked = {}  # source -> (guesses best first, chance of each rank)
+            guesses = {}  # source -> (guesses best first, [used, guessed] of each rank)
             if probs is not None:
-                ranked[step] = (np.argsort(-probs, kind="stable")[: self.candidates * self.top_k].tolist(),
-                                self.rank_counts[step - 1, target])
+                if ranked is None:
+                    ranked = np.argsort(-probs, kind="stable").tolist()
+                guesses[step] = (ranked[: self.candidates * self.top_k], self.rank_counts[step - 1, target])
             if co is not None:
-                ranked["coactivation"] = (co, self.co_rank_counts[target])
-            for source, (wide, counts) in ranked.items():
+                guesses["coactivation"] = (co, self.co_rank_counts[target])
+            for source, (wide, counts) in guesses.items():
                 # a rank's chance counts only guesses that were not resident: those are the
                 # ones a load is for, and they are right far less often than the rest
                 self.ranked.setdefault(target, {})[source] = [None if (target, e) in self.cache.slot_of else e
                                                               for e in wide]
-                for e, (used, guessed) in zip(wide, counts):
+                for e, (used, guessed) in zip(wide, counts.tolist()):
                     chance[(target, e)] = max(chance.get((target, e), 0.0), used / guessed)
             keys = [k for k in keys if chance.get(k, 1.0) >= self.min_chance]
             likely.update((k, c) for k, c in chance.items() if k[1] not in sure and c >= self.min_chance)

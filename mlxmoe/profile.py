@@ -64,7 +64,7 @@ class ActivationProfile:
     def observe(self, layer, experts, scores=None, probs=None):
         """One layer call: the distinct experts used, their router probabilities, and the
         router's full distribution when known (near misses then count a little)."""
-        self.counts[layer, experts] += 1.0
+        self.counts[layer, np.asarray(experts, dtype=np.intp)] += 1.0
         if probs is not None:
             self.mass[layer] += probs
         elif scores is not None:
