@@ -49,7 +49,9 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
     cache's stats. `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
     expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
     `profile` (a path or an ActivationProfile) gives the policy its prior and pre-warms
-    the cache with its hottest experts in the background; the live profile
+    the cache with its hottest experts in the background (where the cache holds every
+    expert, all of them are read in the background, after the profile's hottest, and once
+    they are in, layers run without per-layer host work or syncs); the live profile
     (`model.expert_cache.profile`) keeps learning either way. `trace_out` records a
     routing trace (mlxmoe.trace/1) there, completed by `model.expert_cache.close()`.
     `prefetch` is how many MoE layer calls ahead (past the last layer: the next token's
@@ -89,8 +91,14 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
     if trace_out is not None:
         cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path)
     tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
-    if prior is not None and prewarm:
-        cache.prewarm(prior.priority())
+    if prewarm:
+        order = [] if prior is None else prior.priority()
+        L, E = ckpt.num_layers, ckpt.num_experts
+        if p.cache_experts >= L * E:  # room for every expert: read them all, as stock mlx-lm would
+            hot = set(order)
+            order += [(l, e) for l in range(L) for e in range(E) if (l, e) not in hot]
+        if order:
+            cache.prewarm(order)
     return ckpt.model, tokenizer
 
 
@@ -108,6 +116,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
         if cache is not None:
             cache.decode_tps = response.generation_tps
         yield response
+    if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
+        cache.flush()
 
 
 def generate(model, tokenizer, prompt, verbose=False, **kwargs):

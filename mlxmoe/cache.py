@@ -179,6 +179,8 @@ class ExpertCache(Residency):
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
         self.prefetcher = None  # prefetch.Prefetcher when prefetching
+        self.slot_table = None  # mx array [layers, experts] of slots, once every expert is resident
+        self.deferred = []  # per token: the host work of its layer calls on the resident path
         self._prewarm = None
         self._stop = threading.Event()
         self.reset_stats()
@@ -194,7 +196,55 @@ class ExpertCache(Residency):
         self.call_position = self.position
         self.position += tokens
 
+    def resident_slots(self):
+        """Every expert's slot as an mx array [layers, experts] once all are resident and
+        none is on its way (with room for all, nothing is evicted: they stay put), else None."""
+        if self.slot_table is None:
+            L, E = self.store.num_layers, self.store.num_experts
+            if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
+                return None
+            table = np.zeros((L, E), dtype=np.uint32)
+            for (layer, e), slot in self.slot_of.items():
+                table[layer, e] = slot
+            self.slot_table = mx.array(table)
+        return self.slot_table
+
+    def defer(self, layer, work, side=()):
+        """Queue `work`, the host side of a layer call on the resident path (it reads the
+        call's routing), and do the queued work of the tokens before the previous one: mlx-lm
+        builds a token's graph while the previous one computes, and waited for the one
+        before, so reading that routing costs no sync. `side`: arrays `work` reads that the
+        model's output does not need (the router's probabilities); they are queued for
+        evaluation behind their token's own work, all at once when the next token starts
+        (reading them unqueued would wait for everything queued before them)."""
+        if layer == 0 or not self.deferred:
+            if self.deferred and self.deferred[-1][1]:
+                mx.async_eval(*self.deferred[-1][1])
+            self.deferred.append(([], []))
+            if len(self.deferred) > 2:
+                self.flush(len(self.deferred) - 2)
+        self.deferred[-1][0].append(work)
+        self.deferred[-1][1].extend(side)
+
+    def count_resident(self, layer, experts, scores=None, probs=None):
+        """A layer call on the resident path: its experts are hits, the live profile learns
+        from it; the policy is left out, as nothing will be evicted."""
+        with self.lock:
+            self.hits += len(experts)
+            if self.profile is not None:
+                self.profile.observe(layer, experts, scores, probs)
+
+    def flush(self, tokens=None):
+        """Do the deferred host work (of the first `tokens` tokens queued; all by default)."""
+        tic = time.perf_counter()
+        for works, _ in self.deferred[:tokens]:
+            for work in works:
+                work()
+        del self.deferred[:tokens]
+        self.bookkeeping_seconds += time.perf_counter() - tic
+
     def new_sequence(self):
+        self.flush()
         self.position = 0
         if self.trace is not None:
             self.trace.new_sequence()
@@ -340,6 +390,7 @@ class ExpertCache(Residency):
         return counts
 
     def stats(self):
+        self.flush()
         accesses = self.hits + self.misses
         return {
             "tokens": self.tokens,
@@ -367,6 +418,8 @@ class ExpertCache(Residency):
         }
 
     def reset_stats(self):
+        if getattr(self, "deferred", None):
+            self.flush()
         self.hits = self.misses = self.evictions = self.tokens = 0
         # the decode thread counts demand reads, the pre-warm thread (under the lock) its own
         self.demand_bytes = self.prefetch_bytes = 0
@@ -378,6 +431,7 @@ class ExpertCache(Residency):
         self.decode_tps = 0.0
 
     def close(self):
+        self.flush()
         self._stop.set()
         self.prewarm_done()
         if self.prefetcher is not None:

@@ -63,26 +63,20 @@ class StreamingExperts(nn.Module):
 
     def __call__(self, x, indices):
         cache = self._cache
+        table = cache.resident_slots()
+        if table is not None:
+            return self._resident(x, indices, table)
         tic = time.perf_counter()
         decode = x.size == x.shape[-1]
         # the prefetcher's lookahead is evaluated with this layer's routing: one sync, not two
         looked = cache.prefetcher.lookahead(self._layer, x) if cache.prefetcher is not None and decode else {}
-        probs = None
-        if self._router is not None and (cache.wants_router or cache.trace is not None or cache.profile is not None):
-            probs = self._router(x)
+        probs = self._probs(x)
         sync = time.perf_counter()
         # evaluates the router (and with it every earlier layer): mlx-lm's own work
         mx.eval(indices, *([] if probs is None else [probs]), *looked.values())
         sync = time.perf_counter() - sync
         read_before = cache.read_seconds
-        idx = np.array(indices)
-        if probs is not None:
-            probs = np.array(probs).reshape(-1, probs.shape[-1])
-        flat = idx.reshape(-1, idx.shape[-1])
-        if self._layer == 0:
-            cache.tick(flat.shape[0])
-        if cache.trace is not None:
-            cache.record(self._layer, flat.tolist(), probs)
+        idx, flat, probs = self._routing(indices, probs)
         chunks = [(0, 1)] if len(flat) == 1 else token_chunks(flat, cache.capacity)
         if len(chunks) == 1:
             slots = self._slots(flat, idx, probs)
@@ -110,19 +104,63 @@ class StreamingExperts(nn.Module):
         y = mx.concatenate(outs, axis=0)
         return y.reshape(*x.shape[:-1], *y.shape[1:])
 
+    def _probs(self, x):
+        """The router's distribution for x (unevaluated), where the cache uses it."""
+        cache = self._cache
+        if self._router is not None and (cache.wants_router or cache.trace is not None or cache.profile is not None):
+            return self._router(x)
+        return None
+
+    def _routing(self, indices, probs):
+        """The evaluated routing on the host: (indices, indices [tokens, k], probs [tokens,
+        experts] or None); ticks the cache at the first layer and writes the trace."""
+        cache = self._cache
+        idx = np.array(indices)
+        if probs is not None:
+            probs = np.array(probs).reshape(-1, probs.shape[-1])
+        flat = idx.reshape(-1, idx.shape[-1])
+        if self._layer == 0:
+            cache.tick(flat.shape[0])
+        if cache.trace is not None:
+            cache.record(self._layer, flat.tolist(), probs)
+        return idx, flat, probs
+
+    def _resident(self, x, indices, table):
+        """Every expert is resident (they stay put then): slots from the cache's table on
+        the device, and the host work (stats, policy, live profile, trace) done once this
+        token's routing has been computed anyway (see ExpertCache.defer), so the layer
+        forces no sync and decoding runs as stock mlx-lm does."""
+        probs = self._probs(x)
+
+        def account():
+            _, flat, p = self._routing(indices, probs)
+            self._cache.count_resident(self._layer, *self._summary(flat, p))
+
+        self._cache.defer(self._layer, account, [] if probs is None else [probs])
+        return self._inner(x, table[self._layer][indices])
+
+    def _summary(self, rows, probs):
+        """The distinct experts of `rows` (sorted), their router scores and the router's
+        mean distribution over the rows (None where unknown)."""
+        if len(rows) == 1:  # decode: a handful of experts, cheaper without numpy
+            experts = sorted(set(rows[0].tolist()))
+            probs = None if probs is None else probs[0]
+        else:
+            experts = np.unique(rows).tolist()
+            probs = None if probs is None else probs.mean(axis=0)
+        return experts, None if probs is None else probs[experts].tolist(), probs
+
+    def _fetch(self, rows, probs):
+        """Fetch the distinct experts of `rows`; return them (sorted) and their slots."""
+        experts, scores, probs = self._summary(rows, probs)
+        return experts, self._cache.fetch(self._layer, experts, scores, probs)
+
     def _slots(self, rows, idx, probs):
         """Fetch the distinct experts of `rows`; return `idx` with expert ids replaced by slots."""
-        if len(rows) == 1:  # decode: a handful of experts, cheaper without numpy
-            row = rows[0].tolist()
-            experts = sorted(set(row))
-            probs = None if probs is None else probs[0]
-            scores = None if probs is None else probs[experts].tolist()
-            slots = dict(zip(experts, self._cache.fetch(self._layer, experts, scores, probs)))
-            return mx.array([slots[e] for e in row], dtype=mx.uint32).reshape(idx.shape)
-        experts = np.unique(rows).tolist()
-        mean = None if probs is None else probs.mean(axis=0)
-        scores = None if mean is None else mean[experts].tolist()
-        slots = self._cache.fetch(self._layer, experts, scores, mean)
+        experts, slots = self._fetch(rows, probs)
+        if len(rows) == 1:
+            slot_of = dict(zip(experts, slots))
+            return mx.array([slot_of[e] for e in rows[0].tolist()], dtype=mx.uint32).reshape(idx.shape)
         lut = np.zeros(max(experts) + 1, dtype=np.uint32)
         lut[experts] = slots
         return mx.array(lut[idx])

@@ -74,3 +74,29 @@ def test_long_prompt_is_chunked_at_minimum_cache(checkpoint):
     model, tokenizer = mlxmoe.load(str(path), cache_experts=2)
     got = [r.token for r in mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=8)]
     assert got == want
+
+
+def test_everything_resident_runs_without_host_work_per_layer(checkpoint, tmp_path):
+    """With room for every expert, all are read once in the background; then layers remap
+    on the device and their host work (hits, policy, live profile, trace) is done a token
+    later: the same tokens, the same counts as the trace of the run shows."""
+    from mlxmoe.trace import read_trace, steps
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want = reference_tokens(path)
+    trace = tmp_path / "run.trace.jsonl"
+    model, tokenizer = mlxmoe.load(str(path), trace_out=str(trace))
+    cache = model.expert_cache
+    assert cache.prewarm_done(timeout=60)
+    tokens = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
+    assert tokens == want
+    assert cache.slot_table is not None and cache.deferred == []  # the resident path ran, its work is done
+    stats = cache.stats()
+    total = cache.checkpoint.num_layers * cache.checkpoint.num_experts
+    assert stats["misses"] == 0 and stats["bytes_read"] == total * cache.store.expert_file_bytes()
+    profile = cache.profile
+    cache.close()
+    header, records = read_trace(trace)
+    fetched = sum(len(experts) for _, _, experts, *_ in steps(records, header["num_layers"]))
+    assert stats["hits"] == fetched > TOKENS
+    assert profile.tokens_total == len(records) // header["num_layers"]
