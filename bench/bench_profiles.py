@@ -233,7 +233,7 @@ PREFETCH_VARIANTS = (
     ("off", {"prefetch": 0}, {}),
     ("next layer, sure guesses", {}, {"cross_token": False, "candidates": 0}),
     ("+ cross-token", {}, {"candidates": 0}),
-    ("+ top-2k where the policy agrees, min chance fixed 0.1 (before)", {}, fixed_chance(0.1)),
+    ("+ top-2k and co-activation where the policy agrees, min chance fixed 0.1", {}, fixed_chance(0.1)),
     ("default (min chance paced by the IO load, floor 0.05)", {}, {}),
     ("min chance fixed 0 (every guess the policy agrees with)", {}, fixed_chance(0.0)),
     ("min chance fixed 0.3", {}, fixed_chance(0.3)),
