@@ -127,9 +127,9 @@ class StreamingExperts(nn.Module):
 
     def _resident(self, x, indices, table):
         """Every expert is resident (they stay put then): slots from the cache's table on
-        the device, and the host work (stats, policy, live profile, trace) done once this
-        token's routing has been computed anyway (see ExpertCache.defer), so the layer
-        forces no sync and decoding runs as stock mlx-lm does."""
+        the device, and the host work (hits, live profile, trace; no policy: nothing will be
+        evicted) done once this token's routing has been computed anyway (see
+        ExpertCache.defer), so the layer forces no sync and decoding runs as stock mlx-lm does."""
         probs = self._probs(x)
 
         def account():
@@ -150,14 +150,10 @@ class StreamingExperts(nn.Module):
             probs = None if probs is None else probs.mean(axis=0)
         return experts, None if probs is None else probs[experts].tolist(), probs
 
-    def _fetch(self, rows, probs):
-        """Fetch the distinct experts of `rows`; return them (sorted) and their slots."""
-        experts, scores, probs = self._summary(rows, probs)
-        return experts, self._cache.fetch(self._layer, experts, scores, probs)
-
     def _slots(self, rows, idx, probs):
         """Fetch the distinct experts of `rows`; return `idx` with expert ids replaced by slots."""
-        experts, slots = self._fetch(rows, probs)
+        experts, scores, probs = self._summary(rows, probs)
+        slots = self._cache.fetch(self._layer, experts, scores, probs)
         if len(rows) == 1:
             slot_of = dict(zip(experts, slots))
             return mx.array([slot_of[e] for e in rows[0].tolist()], dtype=mx.uint32).reshape(idx.shape)
