@@ -437,7 +437,7 @@ def report(args, ckpt, results, dd):
                  if name in CACHE_CONFIGS
                  else f"mlxmoe, budget {args.budget_bytes / GiB:.2f} GiB")
         if "error" in r:
-            rows.append([label] + ["-"] * 10 + ["FAILED: " + r["error"]])
+            rows.append([label] + ["-"] * 11 + ["FAILED: " + r["error"]])
             continue
         if "runs" not in r:
             continue
@@ -451,6 +451,8 @@ def report(args, ckpt, results, dd):
                      fmt(useful_share(d), ".2f"),
                      fmt(d["read_gbps"], ".2f"),
                      fmt(d["read_seconds"] / run["decode_seconds"] * 100 if run["decode_seconds"] else None, ".0f"),
+                     fmt(100 * d["bookkeeping_seconds"] / run["decode_seconds"]
+                         if run["decode_seconds"] and "bookkeeping_seconds" in d else None, ".1f"),
                      "-" if disk is None or not d["bytes_read"] else f"{100 * disk / d['bytes_read']:.0f}%",
                      fmt(r["load_seconds"], ".1f"),
                      {None: "-", True: "yes", False: "NO"}[same(name)]])
@@ -459,10 +461,11 @@ def report(args, ckpt, results, dd):
           f"(decode window: tokens 2..{args.tokens})",
           ["configuration", "slots", "decode tok/s", "hit rate", "MB read/token", "demand / prefetched (useful)",
            "useful / (useful + demand)",
-           "read GB/s", "% time waiting", "from disk", "load s", "tokens == ref"], rows)
+           "read GB/s", "% time waiting", "% bookkeeping", "from disk", "load s", "tokens == ref"], rows)
     if rows:
         print("MB read/token counts demand and prefetch reads; read GB/s = demand bytes / wall time the decode thread "
-              "waited on reads (its own reads and late prefetches);\nfrom disk = bytes the block layer fetched "
+              "waited on reads (its own reads and late prefetches);\n% bookkeeping = host time the layers added "
+              "beyond mlx-lm's own work and the reads (routing copies, policy, prefetch, remap) / decode time;\nfrom disk = bytes the block layer fetched "
               "(/proc/self/io, with readahead) / bytes read, the rest came from the page cache.\n"
               "Experts the prefill read and the cache evicted may still be in the page cache; "
               "'cold decode' drops it again at the first token so decode reads come from disk.")
