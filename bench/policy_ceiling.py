@@ -6,7 +6,13 @@ and evicts the expert with the largest expected time to next use, d + L(1 - p1)/
 layer steps ("expected-time"), or d + L(1/p1 - 1) (next-visit only, the rule
 `activation` uses with its own estimates). Printed beside LRU, `activation` and Belady.
 
+With --traces (recorded mlxmoe.trace/1 files, e.g. the demo model's in bench/out), there
+is no hidden state to know; the oracle there knows exactly which experts each layer uses
+at its next visit (p1 = 1 or 0) and keeps `activation`'s own long-run rates: no online
+policy predicts the next token's routing that well.
+
     python bench/policy_ceiling.py [--seed 0] [--tokens 800] [--layers 16]
+    python bench/policy_ceiling.py --traces bench/out/demo-*.trace.jsonl
 """
 
 import argparse
@@ -20,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traces import load_heat  # noqa: E402
 
 from mlxmoe.cache import Residency  # noqa: E402
-from mlxmoe.policies import Policy, make_policy  # noqa: E402
+from mlxmoe.policies import Activation, Policy, make_policy  # noqa: E402
+from mlxmoe.trace import read_trace, replay, steps  # noqa: E402
 
 
 def records_with_state(heat, k, tokens, layers, slow=0.998, fast=0.4, ss=0.8, sf=1.0, temperature=2.5, seed=0,
@@ -82,6 +89,46 @@ class Oracle(Policy):
         return found
 
 
+class NextVisit(Activation):
+    """`activation` told the experts each layer uses at its next visit: p1 is 1 for those
+    and 0 for the others; its long-run rates are its own."""
+
+    def __init__(self, capacity, num_layers, num_experts, next_uses=None, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        self.next_uses, self.seen = next_uses, [0] * num_layers  # next_uses[layer][i]: experts at its i-th call
+
+    def visit(self, layer, experts, scores=None, probs=None):
+        super().visit(layer, experts, scores, probs)
+        i = self.seen[layer] = self.seen[layer] + 1
+        p1 = np.zeros(self.num_experts)
+        p1[self.next_uses[layer][i] if i < len(self.next_uses[layer]) else []] = 1.0
+        self.p[layer] = p1
+        self.cost[layer] = (1.0 - p1) / self.g[layer]
+        self._sort(layer)
+
+
+def recorded(paths):
+    """Gap closed at 25/50/75 % on recorded traces: activation against the next-visit oracle."""
+    from mlxmoe.policies import POLICIES
+    POLICIES.setdefault("next-visit", NextVisit)
+    print(f"{'trace':>22} {'cache':>6} {'lru':>8} {'activation':>11} {'next-visit oracle':>18} {'belady':>8}"
+          "   gap closed (activation / oracle)")
+    for path in paths:
+        header, records = read_trace(path)
+        L, E = header["num_layers"], header["num_experts"]
+        for share in (0.25, 0.5, 0.75):
+            n = int(L * E * share)
+            uses = [[] for _ in range(L)]
+            for _, layer, experts, *_ in steps(records, L, n):
+                uses[layer].append(experts)
+            rates = [replay(header, records, p, n, **({"next_uses": uses} if p == "next-visit" else {}))["hit_rate"]
+                     for p in ("lru", "activation", "next-visit", "belady")]
+            gap = rates[3] - rates[0]
+            print(f"{Path(path).name:>22} {share:>6.0%} " + " ".join(
+                f"{100 * r:>{w}.2f}" for r, w in zip(rates, (8, 11, 18, 8)))
+                + "   " + " / ".join(f"{(r - rates[0]) / gap:.2f}" for r in rates[1:3]), flush=True)
+
+
 def hit_rate(records, policy, capacity):
     r, last = Residency(capacity, policy), None
     for t, l, experts in records:
@@ -97,7 +144,10 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=800)
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--traces", nargs="*", default=[], help="Recorded traces: the next-visit oracle on each.")
     args = ap.parse_args()
+    if args.traces:
+        return recorded(args.traces)
     heat, k = load_heat()
     records, chances = records_with_state(heat, k, args.tokens, args.layers, seed=args.seed)
     L, E = args.layers, heat.shape[1]

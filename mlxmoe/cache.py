@@ -183,6 +183,11 @@ class ExpertCache(Residency):
         self.deferred = []  # per token: the host work of its layer calls on the resident path
         self._prewarm = None
         self._stop = threading.Event()
+        # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps:
+        # the policy weighs a victim by the share of its layer's loads prefetch leaves to the
+        # decode thread (see miss_costs)
+        self.layer_loads = np.zeros((store.num_layers, 2))
+        self.step_tokens = 1
         self.reset_stats()
 
     def tick(self, tokens):
@@ -190,6 +195,7 @@ class ExpertCache(Residency):
         with self.lock:
             self.current_layer = -1
             self.tokens += tokens
+            self.step_tokens = tokens
             self.policy.tick(tokens)
             if self.profile is not None:
                 self.profile.tick(tokens)
@@ -269,14 +275,18 @@ class ExpertCache(Residency):
             self.current_layer = layer
             if self.profile is not None:
                 self.profile.observe(layer, experts, scores, probs)
-            waits = []
+            waits, hidden = [], 0
             for e in experts:
                 key = (layer, e)
                 if key in self.waiting:
                     waits.append((key, self.waiting[key]))
+                    hidden += 1  # a prefetch's read under way
                 if key in self.prefetched:
                     self.prefetched.discard(key)
                     self.prefetch_useful += 1
+                    hidden += 1
+            if self.prefetcher is not None and self.step_tokens == 1:
+                self.miss_costs(layer, hidden, len(missed))
             # held until this visit: what this layer did not use was a wrong guess
             self.held.difference_update([k for k in self.held if k[0] == layer])
         tic = time.perf_counter()
@@ -297,6 +307,22 @@ class ExpertCache(Residency):
             self.loads_demand += len(retry)
         self.read_seconds += time.perf_counter() - tic
         return slots
+
+    def miss_costs(self, layer, hidden, demand, keep=0.98, hidden_cost=0.25):
+        """Count a decode step's loads of `layer`: `hidden` found resident or on their way
+        thanks to a prefetch, `demand` read on the decode path. The policy's miss cost of
+        the layer is then 1 - (1 - hidden_cost) x the share prefetch hides (a hidden load
+        still takes the disk's time): a layer whose experts the lookahead predicts well
+        gives up slots to one whose misses the decode thread would wait for (on the demo
+        model, the next token's first layers, which no predictor sees coming)."""
+        cost = getattr(self.policy, "miss_cost", None)
+        if cost is None:
+            return
+        counts = self.layer_loads[layer]
+        counts *= keep
+        counts += (hidden, demand)
+        cover = counts[0] / (counts[0] + counts[1] + 1.0)
+        cost[layer] = 1.0 - (1.0 - hidden_cost) * cover
 
     def _read(self, layer, missed):
         read = lambda es: self.store.read_expert(layer, es[0], [v[es[1]] for v in self.views])

@@ -441,6 +441,10 @@ class Activation(Policy):
         self.used_rows = np.array([[0], [1], [4]])  # F, R, U: what a use adds to
         self.decays = np.array([[self.slow], [self.fast], [self.slow], [1.0], [1.0]])  # of each row per visit
         self.gains = np.array([[1 - self.slow], [1 - self.fast], [1.0]])  # what a use adds to F, R, U
+        # per layer, what a miss costs relative to others (1: all equal, as in a replay); the
+        # runtime lowers a layer's where prefetch hides its misses (ExpertCache.miss_costs),
+        # and the victim is the expert with the largest expected time to next use / cost
+        self.miss_cost = np.ones(L)
         self.pinned = set()
         if prior is not None and pin_share > 0:
             n = int(capacity * pin_share)
@@ -554,7 +558,7 @@ class Activation(Policy):
         self.unsorted.clear()
         # steps() of every layer's farthest expert at once; the layers whose candidate is
         # another one (their farthest is protected or pinned) or whose p1 has aged are redone
-        steps = self.distance[self.current] + self.head
+        steps = (self.distance[self.current] + self.head) / self.miss_cost
         order = self.order
         redo = {l for l, e in protected if order[l] and order[l][0] == e}
         oldest = self.visits - self.num_layers
@@ -571,7 +575,7 @@ class Activation(Policy):
                         if key in protected or (skip_pinned and key in self.pinned):
                             continue
                         candidates[layer] = e
-                        s[layer] = self.steps(key)
+                        s[layer] = self.steps(key) / self.miss_cost[layer]
                         break  # the farthest of this layer is its only candidate
             layer = int(np.argmax(s))  # the first of equals, as a loop over layers would
             if s[layer] != -np.inf:

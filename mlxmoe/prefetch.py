@@ -48,9 +48,10 @@ def precision_recall(counts):
 
 def visit_steps(policy, key, p):
     """Layer steps until `key` is used if each visit of its layer uses it with chance p:
-    d + L (1/p - 1), for a layer d steps ahead of the `activation` policy's current one."""
+    d + L (1/p - 1), for a layer d steps ahead of the `activation` policy's current one,
+    over the policy's miss cost of that layer (as its victim choice weighs them)."""
     L = policy.num_layers
-    return ((key[0] - policy.current) % L or L) + L * (1.0 / max(p, 1e-9) - 1.0)
+    return (((key[0] - policy.current) % L or L) + L * (1.0 / max(p, 1e-9) - 1.0)) / policy.miss_cost[key[0]]
 
 
 def outranks(policy, likely):
@@ -63,7 +64,7 @@ def outranks(policy, likely):
     guess lost to every victim (0.69 -> 0.32 of the loads done ahead at 50 % cache on the
     Qwen3-shaped checkpoint). None where the policy keeps no such estimate."""
     chance = getattr(policy, "chance", None)
-    if chance is None or not hasattr(policy, "current"):
+    if chance is None or not hasattr(policy, "miss_cost"):
         return None
     return lambda key, victim: key not in likely or visit_steps(policy, key, likely[key]) < visit_steps(
         policy, victim, chance(victim))

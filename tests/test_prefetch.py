@@ -264,3 +264,44 @@ def test_coactivation_counts_what_consecutive_layer_calls_used(checkpoint, tmp_p
     assert len(decode) >= 11 * L and want.sum() > 0
     np.testing.assert_array_equal(pf.coactive, want)
     assert 0 <= cache.stats()["predictors"]["coactivation"]["precision"] <= 1
+
+
+def test_a_layer_whose_misses_prefetch_hides_gives_up_slots_first():
+    """The victim is the expert with the largest expected time to next use over its
+    layer's miss cost: lowering one layer's cost moves the victim there."""
+    from mlxmoe.cache import Residency
+    from mlxmoe.policies import make_policy
+
+    r = Residency(6, make_policy("activation", 6, 2, 8))
+    for t in range(4):
+        r.policy.tick(1)
+        r.access(0, [0, 1, 2] if t % 2 else [0, 3, 4])
+        r.access(1, [0, 1, 2])
+    layer, _ = r.policy.victim(set())
+    other = 1 - layer
+    r.policy.miss_cost[other] = 1e-3
+    assert r.policy.victim(set())[0] == other
+    r.policy.miss_cost[:] = 1.0
+    assert r.policy.victim(set())[0] == layer
+
+
+def test_miss_costs_follow_the_share_of_loads_prefetch_hides(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    cache = model.expert_cache
+    cost = cache.policy.miss_cost
+    cache.layer_loads[:] = 0.0
+    cache.miss_costs(0, 3, 1)
+    assert cost[0] == pytest.approx(1 - 0.75 * 3 / 5)
+    cache.miss_costs(0, 0, 2)
+    hidden, demand = 3 * 0.98, 0.98 + 2
+    assert cost[0] == pytest.approx(1 - 0.75 * hidden / (hidden + demand + 1))
+    # a run: every layer's cost is what its counts say, and prefetch hid some loads
+    cache.layer_loads[:] = 0.0
+    cost[:] = 1.0
+    tokens(model, tokenizer, 16)
+    cache.prefetcher.drain()
+    counts = cache.layer_loads
+    assert counts[:, 0].sum() > 0
+    assert cost == pytest.approx(1 - 0.75 * counts[:, 0] / counts.sum(axis=1).__add__(1.0))
+    assert cost.min() < 1.0
