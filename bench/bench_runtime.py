@@ -245,6 +245,43 @@ def run_streaming(args, cache_experts=None, memory_budget=None, cold_decode=Fals
             "rss_after_load": rss_loaded, "rss_end": rss_end, "peak_rss": hwm}
 
 
+def run_routing(args):
+    """The same generation with every expert resident, its routing written as a trace:
+    greedy output is the same at every cache size, so this is every run's routing."""
+    import mlxmoe
+
+    path = Path(tempfile.gettempdir()) / f"mlxmoe-bench-routing-{os.getpid()}.trace.jsonl"
+    model, tokenizer = mlxmoe.load(args.checkpoint, cache_experts=args.layers * args.experts, trace_out=str(path))
+    run, _, _ = generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, args.tokens,
+                               window=args.no_repeat)
+    model.expert_cache.close()  # completes the trace
+    return {"trace": str(path), "tokens": run["tokens"], "decode_steps": run["decode_steps"]}
+
+
+def optimal_loads(trace, capacity):
+    """Belady's MIN with `capacity` slots replayed on the run's routing, one fetch per layer
+    call as the runtime makes them: its loads over the decode window (decode steps 2..N,
+    as window_stats counts them: mlx-lm has built two steps when it yields the first token)."""
+    from mlxmoe.cache import Residency
+    from mlxmoe.policies import make_policy
+    from mlxmoe.trace import read_trace, steps
+
+    header, records = read_trace(trace)
+    L, E = header["num_layers"], header["num_experts"]
+    fetches = list(steps(records, L, capacity))
+    future = [(layer, e) for _, layer, experts, *_ in fetches for e in experts]
+    r = Residency(capacity, make_policy("belady", capacity, L, E, future=future))
+    step, loads = -1, 0
+    for tokens, layer, experts, scores, dist in fetches:
+        if tokens:
+            r.policy.tick(tokens)
+            step += tokens == 1  # the single-token calls are the decode steps
+        before = r.misses
+        r.access(layer, experts, scores, dist)
+        loads += (r.misses - before) if step >= 2 else 0
+    return loads
+
+
 def run_one(args):
     config = args.one
     if config == "build":
@@ -266,6 +303,8 @@ def run_one(args):
                              cold_decode="-cold" in config, prefetch="noprefetch" not in config)
     if config == "budget":
         return run_streaming(args, memory_budget=args.budget_bytes)
+    if config == "routing":
+        return run_routing(args)
     raise SystemExit(f"unknown configuration {config!r}")
 
 
@@ -508,6 +547,37 @@ def report(args, ckpt, results, dd):
           ["configuration", "decode tok/s", "ms/token", "compute ms/token (resident)", "IO ms/token at dd speed",
            "ms/token / max(compute, IO)", "useful / (useful + demand)"], rows)
 
+    # 4b. bytes read per token against Belady's optimal cache of the same size
+    trace = results.get("routing", {}).get("trace")
+    rows = []
+    if trace and Path(trace).exists():
+        sys.path.insert(0, str(ROOT))
+        for name in (*CACHE_CONFIGS, "budget"):
+            r = results.get(name, {})
+            if "runs" not in r or "-cold" not in name and name != "budget":
+                continue
+            run, d = r["runs"][0], r["runs"][0]["decode"]
+            if run["tokens"] != results["routing"]["tokens"]:
+                rows.append([name] + ["-"] * 5 + ["routing differs"])
+                continue
+            n = r["plan"]["cache_experts"]
+            steps = max(run["decode_steps"], 1)
+            best = optimal_loads(trace, n)
+            loads = d["loads_demand"] + d.get("loads_prefetched", 0)
+            rows.append([name, str(n), f"{loads / steps:.1f}", f"{d['loads_demand'] / steps:.1f}",
+                         f"{best / steps:.1f}", fmt(loads / best if best else None, ".2f"),
+                         fmt(d["loads_demand"] / best if best else None, ".2f")])
+            summary[f"{name}_reads_over_belady"] = loads / best if best else None
+            summary[f"{name}_demand_over_belady"] = d["loads_demand"] / best if best else None
+        os.unlink(trace)
+    table("4b. Expert reads per decoded token against Belady's MIN with the same slots on the same routing "
+          "(design target: bytes read <= 1.3x Belady's)",
+          ["configuration", "slots", "reads/token (demand + prefetch)", "demand reads/token",
+           "Belady reads/token", "all / Belady", "demand / Belady"], rows)
+    if rows:
+        print("Belady replays the routing the run took (recorded by a run with every expert resident; greedy output "
+              "is the same at every size), counted over the same decode window; every read is one expert.")
+
     # 5. memory vs budget
     r = results.get("budget", {})
     if "runs" in r:
@@ -628,6 +698,8 @@ def main():
     for config in (*CACHE_CONFIGS, "budget"):
         if want(config):
             results[config] = spawn(config, args)
+    if any("runs" in results.get(c, {}) for c in (*CACHE_CONFIGS, "budget")):
+        results["routing"] = spawn("routing", args)
     dd = {}
     if only is None or "dd" in only:
         largest = max(files, key=lambda f: f.stat().st_size)

@@ -371,8 +371,10 @@ class Activation(Policy):
     An expert of a layer d layer steps ahead in a model of L MoE layers is used at that
     layer's next visit with chance p1, and otherwise after about L / g more steps: its
     expected time to next use is d + L (1 - p1) / g, and the victim is the expert whose
-    next use is farthest (Belady's rule on expected times). So slots go to the layers whose
-    routing spreads wider, and right after a layer runs its cold experts go first. A
+    next use is farthest (Belady's rule on expected times), each over its layer's
+    `miss_cost` (1 in a replay; the runtime lowers it where prefetch hides a layer's
+    misses, see ExpertCache.miss_costs). So slots go to the layers whose routing spreads
+    wider, and right after a layer runs its cold experts go first. A
     layer's resident experts are kept sorted by (1 - p1) / g; one inserted since its
     layer's visit is sorted in before the next victim is chosen (an expert used once in a
     long while is often the farthest right after its use).
