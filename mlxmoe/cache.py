@@ -9,7 +9,7 @@ import resource
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import mlx.core as mx
 import numpy as np
@@ -209,6 +209,15 @@ class ExpertCache(Residency):
             L, E = self.store.num_layers, self.store.num_experts
             if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
                 return None
+            if self.failed:  # background reads that failed: read now (a second failure raises)
+                with self.lock:
+                    retry = sorted(self.failed)
+                    self.failed.clear()
+                for layer, e in retry:
+                    self.demand_bytes += self._read(layer, [(e, self.slot_of[(layer, e)])])
+                    self.loads_demand += 1
+                if len(self.slot_of) < L * E:
+                    return None
             table = np.zeros((L, E), dtype=np.uint32)
             for (layer, e), slot in self.slot_of.items():
                 table[layer, e] = slot
@@ -325,10 +334,30 @@ class ExpertCache(Residency):
         cost[layer] = 1.0 - (1.0 - hidden_cost) * cover
 
     def _read(self, layer, missed):
+        """Read `missed` [(expert, slot)] of `layer` on the decode thread (on the IO threads
+        when several). If a read fails or is interrupted (Ctrl-C in `chat`, which carries
+        on), those keys leave the cache once no thread writes into their slots any more:
+        left in, they would pass for resident with another expert's bytes."""
         read = lambda es: self.store.read_expert(layer, es[0], [v[es[1]] for v in self.views])
-        if self.io is not None and len(missed) > 1:
-            return sum(self.io.map(read, missed))
-        return sum(map(read, missed))
+        futures = []
+        try:
+            if self.io is not None and len(missed) > 1:
+                futures = [self.io.submit(read, es) for es in missed]
+                return sum(f.result() for f in futures)
+            return sum(map(read, missed))
+        except BaseException:
+            wait(futures)
+            self.forget([(layer, e) for e, _ in missed])
+            raise
+
+    def forget(self, keys):
+        """Take `keys` out of the cache: their slots are free again, holding nothing."""
+        with self.lock:
+            for key in keys:
+                if key in self.slot_of:
+                    self.policy.remove(key)
+                    self.evicted(key)
+                    self.free.append(self.slot_of.pop(key))
 
     def record(self, layer, rows, probs=None):
         """Write one trace line per token of this layer call; `probs[i]` is token i's router
@@ -345,15 +374,29 @@ class ExpertCache(Residency):
         self.failed.discard(key)
 
     def prewarm(self, keys):
-        """Fill free slots with `keys`, hottest first, in a background thread; the decode
-        thread starts at once and waits only for a key it needs that is still on its way."""
+        """Fill free slots with `keys`, hottest first, in a background thread that claims a
+        slot just before each read: the decode thread starts at once, takes free slots or
+        evicts what is already in, and waits only for a key it needs that is on its way.
+        (Claimed all at once, the slots left the first layer call nothing to take but
+        reads in flight: the first token waited for the whole pre-warm.) Returns how many
+        keys it will read, as far as the cache has free slots now."""
         with self.lock:
-            taken = self._claim(keys, evict=False)
-        if taken:
-            self._prewarm = threading.Thread(target=lambda: [self._load(*kt) for kt in taken], name="mlxmoe-prewarm",
-                                             daemon=True)
+            keys = [k for k in keys if k not in self.slot_of]
+            planned = min(len(keys), len(self.free))
+
+        def run():
+            for key in keys:
+                with self.lock:
+                    if self._stop.is_set() or not self.free:
+                        return
+                    taken = self._claim([key], evict=False)
+                for key_slot in taken:
+                    self._load(*key_slot)
+
+        if planned:
+            self._prewarm = threading.Thread(target=run, name="mlxmoe-prewarm", daemon=True)
             self._prewarm.start()
-        return len(taken)
+        return planned
 
     def prefetch(self, keys, token, layer, worth=None):
         """Load `keys` for `layer`'s call at token count `token` (the next token's for a

@@ -74,6 +74,16 @@ def pop_victim(heap, current, key_of, protected):
             heapq.heappush(heap, entry)
 
 
+def hottest(prior, n):
+    """The n keys with the highest prior rate (those with a rate above 0), hottest first:
+    the keys a policy pins when it has a profile."""
+    if prior is None or n <= 0:
+        return []
+    prior = np.asarray(prior)
+    E = prior.shape[1]
+    return [(int(i // E), int(i % E)) for i in np.argsort(-prior, axis=None, kind="stable")[:n] if prior.flat[i] > 0]
+
+
 def _none_left():
     return MlxmoeError("every resident expert is needed by the current layer; the cache is below its minimum")
 
@@ -186,18 +196,20 @@ class SLRU(Policy):
     """Segmented LRU: new keys enter a probationary segment, a hit promotes to the
     protected segment (80 % of the cache), whose overflow is demoted back. The victim is
     the least frequently used (decayed counts) of the `window` least recent probationary
-    keys. Pinned keys (a profile's hottest) enter the protected segment and stay there."""
+    keys. Pinned keys (by default a profile's hottest, up to `pin_share` of the protected
+    segment) enter the protected segment and stay there."""
 
     name = "slru"
 
     def __init__(self, capacity, num_layers, num_experts, protected_share=0.8, window=4,
-                 half_life=DEFAULT_HALF_LIFE, prior=None, pinned=(), **kw):
+                 half_life=DEFAULT_HALF_LIFE, prior=None, pinned=None, pin_share=0.25, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         self.probation, self.protected = OrderedDict(), OrderedDict()
         self.protected_capacity = max(1, int(capacity * protected_share))
         self.window = window
         self.counts = DecayedCounts(half_life, prior_counts(prior, half_life))
-        self.pinned = set(pinned)
+        # by default a profile's hottest, at most pin_share of the protected segment
+        self.pinned = set(hottest(prior, int(self.protected_capacity * pin_share)) if pinned is None else pinned)
 
     def tick(self, tokens=1):
         self.counts.tick(tokens)
@@ -449,9 +461,7 @@ class Activation(Policy):
         self.miss_cost = np.ones(L)
         self.pinned = set()
         if prior is not None and pin_share > 0:
-            n = int(capacity * pin_share)
-            hottest = np.argsort(-self.prior, axis=None, kind="stable")[:n]
-            self.pinned = {(int(i // E), int(i % E)) for i in hottest if self.prior.flat[i] > 0}
+            self.pinned = set(hottest(self.prior, int(capacity * pin_share)))
 
     def tick(self, tokens=1):
         self.call_tokens = tokens  # every layer call until the next tick has this many tokens

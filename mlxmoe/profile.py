@@ -300,10 +300,13 @@ def write_heatmap_png(path, matrix, scale=None):
 CURVE_SHARES = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
 
 
-def predicted_curve(header, records, policies=("lru", "activation"), shares=CURVE_SHARES):
-    """Hit rate vs cache size (experts) on a recorded access sequence: LRU from one pass
-    of stack distances, the other policies by replay."""
+def predicted_curve(header, records, policies=None, shares=CURVE_SHARES):
+    """Hit rate vs cache size (experts) on a recorded access sequence for each online
+    policy (default: all): LRU from one pass of stack distances, the others by replay."""
+    from .policies import ONLINE
     from .trace import replay, steps
+
+    policies = ONLINE if policies is None else policies
 
     total = header["num_layers"] * header["num_experts"]
     k = max((len(set(r[3])) for r in records), default=1)

@@ -245,3 +245,16 @@ def test_activation_evicts_by_expected_time_with_a_sorted_insert():
     assert evicted == [(0, 2)]
     p = r.policy
     assert p.g[0, 2] < p.g[0, 1] and p.g[0, 2] < p.g[1, 5]
+
+def test_slru_pins_the_profiles_hottest_by_default():
+    import numpy as np
+
+    from mlxmoe.policies import make_policy
+
+    prior = np.zeros((2, 8))
+    prior[1, 3], prior[0, 5], prior[0, 1] = 0.9, 0.5, 0.1
+    p = make_policy("slru", 16, 2, 8, prior=prior)  # protected segment 12, pins at most 3
+    assert p.pinned == {(1, 3), (0, 5), (0, 1)}
+    assert make_policy("slru", 8, 2, 8, prior=prior).pinned == {(1, 3)}  # protected 6: 1 pin
+    assert make_policy("slru", 16, 2, 8).pinned == set()
+    assert make_policy("slru", 16, 2, 8, prior=prior, pinned=()).pinned == set()

@@ -305,3 +305,67 @@ def test_miss_costs_follow_the_share_of_loads_prefetch_hides(checkpoint):
     assert counts[:, 0].sum() > 0
     assert cost == pytest.approx(1 - 0.75 * counts[:, 0] / counts.sum(axis=1).__add__(1.0))
     assert cost.min() < 1.0
+
+
+def test_failed_prewarm_read_is_read_again_before_the_resident_path(checkpoint):
+    """Room for every expert: the pre-warm reads them all; those whose read failed are read
+    again on the decode thread before layers compute from the resident slot table."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want = reference(path)
+    from mlxmoe.store import ExpertStore
+
+    read = ExpertStore.read_expert
+
+    def failing_layer_0(self, layer, expert, outs):
+        if threading.current_thread().name == "mlxmoe-prewarm" and layer == 0:
+            raise MlxmoeError(f"reading {self.files[0]} at offset 123: injected")
+        return read(self, layer, expert, outs)
+
+    ExpertStore.read_expert = failing_layer_0
+    try:
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=10 ** 6)
+        cache = model.expert_cache
+        assert cache.prewarm_done(timeout=30)
+        failed = len(cache.failed)
+        assert failed == cache.store.num_experts
+    finally:
+        ExpertStore.read_expert = read
+    assert tokens(model, tokenizer) == want
+    assert not cache.failed and cache.slot_table is not None
+    assert cache.stats()["loads_demand"] == failed
+
+
+def test_interrupted_demand_read_leaves_no_key_with_wrong_bytes(checkpoint):
+    """Ctrl-C during a read on the decode thread (chat carries on after it): the keys being
+    read leave the cache, and the next generation gives the same tokens as mlx-lm."""
+    import numpy as np
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want = reference(path)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=6, prefetch=0)
+    cache = model.expert_cache
+    store = cache.store
+    read = store.read_expert
+    hit, lock = {}, threading.Lock()
+
+    def interrupted(layer, expert, outs):
+        with lock:
+            first = cache.tokens > 3 and not hit
+            if first:
+                hit["key"] = (layer, expert)
+        if first:
+            outs[0][...] = 0  # half-written
+            raise KeyboardInterrupt
+        return read(layer, expert, outs)
+
+    store.read_expert = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        tokens(model, tokenizer)
+    store.read_expert = read
+    key = hit["key"]
+    if key in cache.slot_of:  # read again since: its slot must hold its bytes
+        outs = [np.empty_like(v[0]) for v in cache.views]
+        read(*key, outs)
+        assert all(np.array_equal(o, v[cache.slot_of[key]]) for o, v in zip(outs, cache.views))
+    assert len(cache.slot_of) + len(cache.free) == cache.capacity
+    assert tokens(model, tokenizer) == want
