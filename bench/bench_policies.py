@@ -3,6 +3,8 @@ experts, on two families of routing, in one run:
 
 - synthetic traces whose per-layer popularity follows Qwen3-30B-A3B's real expert heat
   (../shared/data/qwen3-30b-a3b-expert-heat.json) with temporal locality (bench/traces.py),
+- the same generator with even popularity in Mixtral-8x7B's shape (32 layers x 8 experts,
+  top-2): routing far less skewed, where pinning and frequency help little,
 - traces recorded from the bundled demo model on held-out text in five languages
   (--demo: `mlxmoe trace record` on 16 held-out prompts per language, 64 generated tokens
   each, into bench/out/demo-LANG.trace.jsonl, kept for later runs; or --traces FILES).
@@ -24,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -67,6 +71,11 @@ def synthetic(args):
         records = synthetic_records(heat, k, args.tokens, layers=args.layers, seed=seed)
         header = {"num_layers": args.layers or heat.shape[0], "num_experts": heat.shape[1], "top_k": k}
         results.append(table(f"synthetic Qwen3-30B-A3B heat, seed {seed}", header, records))
+    even = np.ones((32, 8))  # Mixtral-8x7B's shape, every expert equally popular in the long run
+    for seed in range(args.seeds):
+        records = synthetic_records(even, 2, args.tokens // 2, seed=seed)
+        header = {"num_layers": 32, "num_experts": 8, "top_k": 2}
+        results.append(table(f"synthetic even popularity, Mixtral shape, seed {seed}", header, records))
     return results
 
 

@@ -410,7 +410,7 @@ class Activation(Policy):
     wants_router = True
 
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=24, recency_half_life=4,
-                 recency_weight=0.2, router_weight=1.0, prior_weight=0.1, now_weight=0.3, horizon=2.0,
+                 recency_weight=0.2, router_weight=1.0, prior_weight=0.1, now_weight=0.6, horizon=2.0,
                  long_min=16.0, long_max=80.0, long_prior=4.0, prefill_visits=1, now_scale=8.0,
                  pin_share=0.25, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
