@@ -92,10 +92,14 @@ class Residency:
     def _evict(self, protected, victim=None):
         """Evict `victim`, or the policy's victim outside `protected`; return its slot."""
         victim = self.victim(protected) if victim is None else victim
-        self.policy.remove(victim)
         self.evictions += 1
-        self.evicted(victim)
-        return self.slot_of.pop(victim)
+        return self._release(victim)
+
+    def _release(self, key):
+        """Take resident `key` out of the policy and the residency map; return its slot."""
+        self.policy.remove(key)
+        self.evicted(key)
+        return self.slot_of.pop(key)
 
     def victim(self, protected):
         if self.held:
@@ -210,14 +214,7 @@ class ExpertCache(Residency):
             if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
                 return None
             if self.failed:  # background reads that failed: read now (a second failure raises)
-                with self.lock:
-                    retry = sorted(self.failed)
-                    self.failed.clear()
-                for layer, e in retry:
-                    self.demand_bytes += self._read(layer, [(e, self.slot_of[(layer, e)])])
-                    self.loads_demand += 1
-                if len(self.slot_of) < L * E:
-                    return None
+                self._read_failed()
             table = np.zeros((L, E), dtype=np.uint32)
             for (layer, e), slot in self.slot_of.items():
                 table[layer, e] = slot
@@ -306,14 +303,8 @@ class ExpertCache(Residency):
             if not done.is_set():
                 self.prefetch_late += 1
                 done.wait()
-        retry = []
         if self.failed:  # a background read that failed marks its key before its wait ends
-            with self.lock:
-                retry = [(key[1], self.slot_of[key]) for key in ((layer, e) for e in experts) if key in self.failed]
-                self.failed.difference_update((layer, e) for e, _ in retry)
-        if retry:  # background reads that failed: read here, where a second failure raises its error
-            self.demand_bytes += self._read(layer, retry)
-            self.loads_demand += len(retry)
+            self._read_failed([(layer, e) for e in experts])
         self.read_seconds += time.perf_counter() - tic
         return slots
 
@@ -350,14 +341,23 @@ class ExpertCache(Residency):
             self.forget([(layer, e) for e, _ in missed])
             raise
 
+    def _read_failed(self, keys=None):
+        """Read again on the decode thread those of `keys` (default: all) whose background
+        read failed: a second failure raises its error, naming the file and offset."""
+        with self.lock:
+            retry = sorted(self.failed if keys is None else self.failed.intersection(keys))
+            self.failed.difference_update(retry)
+        for layer in sorted({l for l, _ in retry}):
+            missed = [(e, self.slot_of[(l, e)]) for l, e in retry if l == layer]
+            self.demand_bytes += self._read(layer, missed)
+            self.loads_demand += len(missed)
+
     def forget(self, keys):
         """Take `keys` out of the cache: their slots are free again, holding nothing."""
         with self.lock:
             for key in keys:
                 if key in self.slot_of:
-                    self.policy.remove(key)
-                    self.evicted(key)
-                    self.free.append(self.slot_of.pop(key))
+                    self.free.append(self._release(key))
 
     def record(self, layer, rows, probs=None):
         """Write one trace line per token of this layer call; `probs[i]` is token i's router
