@@ -39,7 +39,8 @@ def model_options(f):
 
 def sampling_options(f):
     options = [
-        click.option("--max-tokens", type=int, default=256, show_default=True, help="Tokens to generate."),
+        click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+                     help="Tokens to generate."),
         click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature (0: greedy)."),
         click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass."),
         click.option("--seed", type=int, default=0, show_default=True, help="Random seed."),
@@ -107,7 +108,11 @@ save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=Fa
 def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, top_p, seed, **opts):
     """Generate text from a prompt, streaming it to standard output."""
     from .api import stream_generate
+    from .profile import check_writable, write_atomic
 
+    for path in (stats_json, save_profile):
+        if path:
+            check_writable(path)
     model, tokenizer = _load(opts)
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -129,8 +134,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
                f"{stats['bytes_read'] / 1e6:.1f} MB read, cache {stats['cache_experts']} experts "
                f"({stats['cache_bytes'] / 1e6:.1f} MB), peak memory {stats['peak_memory'] / 1e6:.1f} MB", err=True)
     if stats_json:
-        with open(stats_json, "w") as f:
-            json.dump(stats, f, indent=1)
+        write_atomic(stats_json, json.dumps(stats, indent=1))
 
 
 @main.command()
@@ -145,7 +149,10 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
     from mlx_lm.models.cache import make_prompt_cache
 
     from .api import stream_generate
+    from .profile import check_writable
 
+    if save_profile:
+        check_writable(save_profile)
     model, tokenizer = _load(opts)
     cache = model.expert_cache
     sampler = _sampler(temp, top_p, seed)
@@ -240,19 +247,29 @@ def info(model_path, memory_budget, backend, as_json):
                    f"{100 * b['share_of_experts']:.1f}% of all experts")
 
 
-def _record(opts, prompts_file, chats, chat_template, max_tokens, what):
-    """Load the model and feed it the prompts with a progress bar; Ctrl-C stops early
-    and keeps what was recorded. Returns (model, interrupted)."""
+def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=None):
+    """Load the model (then `on_load(model)`) and feed it the prompts with a progress bar;
+    Ctrl-C stops early and keeps what was recorded. Returns (model, interrupted). On an
+    error, a trace being written is dropped, not left behind half-written."""
     from .api import read_prompts, run_prompts
 
     model, tokenizer = _load(opts)
-    prompts = read_prompts(chats or prompts_file, tokenizer, chats=bool(chats), chat_template=chat_template)
+    cache = model.expert_cache
     interrupted = False
-    with click.progressbar(length=len(prompts), label=f"{what} {len(prompts)} prompts", file=sys.stderr) as bar:
-        try:
-            run_prompts(model, tokenizer, prompts, max_tokens, on_prompt=lambda i, text: bar.update(1))
-        except KeyboardInterrupt:
-            interrupted = True
+    try:
+        prompts = read_prompts(chats or prompts_file, tokenizer, chats=bool(chats), chat_template=chat_template)
+        if on_load is not None:
+            on_load(model)
+        with click.progressbar(length=len(prompts), label=f"{what} {len(prompts)} prompts", file=sys.stderr) as bar:
+            try:
+                run_prompts(model, tokenizer, prompts, max_tokens, on_prompt=lambda i, text: bar.update(1))
+            except KeyboardInterrupt:
+                interrupted = True
+    except BaseException:
+        if cache.trace is not None:
+            cache.trace.abort()
+        cache.close()
+        raise
     if interrupted:
         click.echo("interrupted: keeping what was recorded so far", err=True)
     return model, interrupted
@@ -266,7 +283,8 @@ def prompt_source(f):
                      help="JSONL, one conversation per line ({\"messages\": [{\"role\", \"content\"}, ...]})."),
         click.option("--chat-template/--no-chat-template", default=False,
                      help="Wrap each line of --prompts in the chat template."),
-        click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens generated per prompt."),
+        click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+                     help="Tokens generated per prompt."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -283,37 +301,56 @@ def profile():
 @prompt_source
 @click.option("--workload", "-w", required=True, help='Name of the workload, e.g. "Italian chat".')
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
-@click.option("--half-life", type=float, default=None, help="Decay half-life in tokens (default 4096).")
+@click.option("--half-life", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Decay half-life in tokens (default 4096).")
 def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out, half_life, **opts):
     """Run a workload's prompts through the model and save which experts it used, with
-    a predicted hit-rate-vs-cache-size curve. Ctrl-C saves what was recorded so far."""
+    a predicted hit-rate-vs-cache-size curve. Ctrl-C saves what was recorded so far.
+    With --profile, that profile is the policy's prior and pre-warms the cache; the file
+    written holds only what this run recorded."""
     import tempfile
 
-    from .profile import predicted_curve
+    from .profile import ActivationProfile, check_writable, predicted_curve
     from .trace import read_trace
 
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
+    check_writable(out)
+
+    def fresh_profile(model):  # the live profile starts empty (not from --profile's counts)
+        cache = model.expert_cache
+        old = cache.profile
+        new = ActivationProfile(old.num_layers, old.num_experts, old.top_k, half_life or old.half_life, old.model,
+                                old.fingerprint, workload, expert_bytes=old.expert_bytes,
+                                resident_bytes=old.resident_bytes)
+        with cache.lock:
+            cache.profile = new
+
     keep_trace = opts["trace_out"]
     with tempfile.TemporaryDirectory() as tmp:
         opts["trace_out"] = keep_trace or os.path.join(tmp, "record.trace.jsonl")
-        model, interrupted = _record(opts, prompts_file, chats, chat_template, max_tokens, "recording")
+        model, interrupted = _record(opts, prompts_file, chats, chat_template, max_tokens, "recording",
+                                     on_load=fresh_profile)
         cache = model.expert_cache
         cache.close()
         live = cache.profile
-        if half_life:
-            live.half_life = half_life
-        live.workload = workload
+        live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
         if live.tokens_total:
-            live.curve = predicted_curve(*read_trace(opts["trace_out"]))
-        live.save(out)
+            try:
+                click.echo("predicting the hit rate at each cache size...", err=True)
+                live.curve = predicted_curve(*read_trace(opts["trace_out"]))
+                live.save(out)
+            except KeyboardInterrupt:
+                interrupted = True
+                click.echo("interrupted: saved without the hit-rate curve", err=True)
     click.echo(f"saved {out}: {live.tokens_total} tokens of {workload!r}" + (" (interrupted)" if interrupted else ""),
                err=True)
 
 
 @profile.command("show")
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--top", type=int, default=5, show_default=True, help="Hot experts listed per layer.")
+@click.option("--top", type=click.IntRange(min=0), default=5, show_default=True,
+              help="Hot experts listed per layer.")
 @click.option("--png", type=click.Path(dir_okay=False), help="Write a layers x experts heatmap PNG.")
 @click.option("--budget", help="Also show what this memory budget buys (e.g. 16GB).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -332,7 +369,8 @@ def profile_show(file, top, png, budget, as_json):
         write_heatmap_png(png, p.counts)
     if budget and p.expert_bytes:
         free = parse_size(budget, "budget") - (p.resident_bytes or 0)
-        out["budget"] = {"budget": budget, "cache_experts": max(0, free // p.expert_bytes)}
+        out["budget"] = {"budget": budget,
+                         "cache_experts": min(max(0, free // p.expert_bytes), p.num_layers * p.num_experts)}
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
@@ -350,7 +388,8 @@ def profile_show(file, top, png, budget, as_json):
             click.echo(f"  {c:7d}{mem}" + "".join(f"{100 * p.curve[n][i][1]:11.1f}%" for n in names))
     if "budget" in out:
         c = out["budget"]["cache_experts"]
-        click.echo(f"{budget} holds {c} experts beside {format_size(p.resident_bytes or 0)} of resident weights, "
+        every = " (every expert)" if c == p.num_layers * p.num_experts else ""
+        click.echo(f"{budget} holds {c} experts{every} beside {format_size(p.resident_bytes or 0)} of resident weights, "
                    "KV cache and working memory")
     if png:
         click.echo(f"heatmap: {png}")
@@ -363,8 +402,9 @@ def profile_show(file, top, png, budget, as_json):
 @click.option("--workload", "-w", help="Name of the merged workload.")
 def profile_merge(files, out, weights, workload):
     """Merge profiles (weighted) into one."""
-    from .profile import ActivationProfile
+    from .profile import ActivationProfile, check_writable
 
+    check_writable(out)
     try:
         w = [float(x) for x in weights.split(",")] if weights else None
     except ValueError:
@@ -377,11 +417,12 @@ def profile_merge(files, out, weights, workload):
 @profile.command("diff")
 @click.argument("a", type=click.Path(dir_okay=False))
 @click.argument("b", type=click.Path(dir_okay=False))
-@click.option("--top", type=int, default=5, show_default=True, help="Experts listed per layer.")
+@click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Experts listed per layer.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def profile_diff(a, b, top, as_json):
     """Which experts two workloads disagree on, per layer (with the Jensen-Shannon
-    divergence of their usage, in bits: 0 same, 1 disjoint)."""
+    divergence of their usage, in bits: 0 same, 1 disjoint; n/a where either profile has
+    no activations)."""
     from .profile import ActivationProfile
 
     pa, pb = ActivationProfile.load(a), ActivationProfile.load(b)
@@ -392,7 +433,8 @@ def profile_diff(a, b, top, as_json):
     click.echo(f"{pa.workload!r} vs {pb.workload!r} (rates per token)")
     for row in rows:
         experts = ", ".join(f"{e}: {x:.2f} vs {y:.2f}" for e, x, y in row["experts"])
-        click.echo(f"  layer {row['layer']:3d}  JS {row['js_divergence']:.3f}  {experts}")
+        js = "  n/a" if row["js_divergence"] is None else f"{row['js_divergence']:.3f}"
+        click.echo(f"  layer {row['layer']:3d}  JS {js}  {experts}")
 
 
 @main.group()

@@ -9,6 +9,7 @@ curve computed from the access sequence it was recorded from.
 
 import hashlib
 import json
+import math
 import os
 import struct
 import tempfile
@@ -49,7 +50,23 @@ class ActivationProfile:
         self.created = created or time.time()
         self.curve = curve or {}
         self.expert_bytes, self.resident_bytes = expert_bytes, resident_bytes
-        self._decay = 2.0 ** (-1.0 / half_life) if half_life else 1.0
+        self.source = None  # the file it was loaded from, for messages
+
+    @property
+    def half_life(self):
+        return self._half_life
+
+    @half_life.setter
+    def half_life(self, tokens):
+        """Tokens after which a count weighs half (None or 0: no decay)."""
+        if tokens is not None and not (isinstance(tokens, (int, float)) and math.isfinite(tokens) and tokens >= 0):
+            raise MlxmoeError(f"half-life {tokens!r}: give a positive number of tokens")
+        self._half_life = tokens
+        self._decay = 2.0 ** (-1.0 / tokens) if tokens else 1.0
+
+    def name(self):
+        """How messages call this profile: its file, else its workload."""
+        return self.source or f"profile {self.workload!r}"
 
     # Learning
     def tick(self, tokens=1):
@@ -96,10 +113,10 @@ class ActivationProfile:
         return np.divide(c[:, :n].sum(axis=1), totals, out=np.zeros_like(totals), where=totals > 0)
 
     # Combining
-    def check_compatible(self, other, what="profile"):
+    def check_compatible(self, other):
         if (self.num_layers, self.num_experts) != (other.num_layers, other.num_experts):
-            raise MlxmoeError(f"{what} has {other.num_layers} layers x {other.num_experts} experts, "
-                              f"this one {self.num_layers} x {self.num_experts}")
+            raise MlxmoeError(f"{other.name()} has {other.num_layers} layers x {other.num_experts} experts, "
+                              f"{self.name()} {self.num_layers} x {self.num_experts}")
 
     @classmethod
     def merge(cls, profiles, weights=None, workload=None):
@@ -107,25 +124,31 @@ class ActivationProfile:
         if not profiles:
             raise MlxmoeError("nothing to merge")
         weights = [1.0] * len(profiles) if weights is None else list(weights)
-        if len(weights) != len(profiles) or any(w < 0 for w in weights) or not sum(weights):
-            raise MlxmoeError(f"merge weights {weights} must be one non-negative number per profile")
+        if (len(weights) != len(profiles) or any(not math.isfinite(w) or w < 0 for w in weights)
+                or not sum(weights)):
+            raise MlxmoeError(f"merge weights {weights} must be one finite, non-negative number per profile "
+                              "(not all 0)")
         first = profiles[0]
         for p in profiles[1:]:
             first.check_compatible(p)
             if p.fingerprint != first.fingerprint:
-                raise MlxmoeError(f"cannot merge profiles of different models ({first.model!r} and {p.model!r})")
+                raise MlxmoeError(f"cannot merge profiles of different models: {first.name()} is of "
+                                  f"{first.model!r} (fingerprint {first.fingerprint}), {p.name()} of {p.model!r} "
+                                  f"(fingerprint {p.fingerprint})")
         total = sum(w for w in weights)
         tokens = sum(w * p.tokens for w, p in zip(weights, profiles)) / total
         rates = sum(w * p.rates() for w, p in zip(weights, profiles)) / total
-        mass = sum(w * (p.mass / p.tokens if p.tokens else 0) for w, p in zip(weights, profiles)) / total
+        mass = sum(w * (p.mass / p.tokens if p.tokens else np.zeros_like(p.mass))
+                   for w, p in zip(weights, profiles)) / total
         return cls(first.num_layers, first.num_experts, first.top_k, first.half_life, first.model, first.fingerprint,
                    workload or " + ".join(p.workload for p in profiles), rates * tokens, mass * tokens, tokens,
-                   sum(p.tokens_total for p in profiles), expert_bytes=first.expert_bytes,
+                   sum(p.tokens_total for w, p in zip(weights, profiles) if w > 0), expert_bytes=first.expert_bytes,
                    resident_bytes=first.resident_bytes)
 
     def diff(self, other, n=5):
-        """Per layer: Jensen-Shannon divergence (bits) of the two usage distributions and
-        the experts whose rates differ most (expert, rate here, rate there)."""
+        """Per layer: Jensen-Shannon divergence (bits) of the two usage distributions (None
+        where either profile has no activations there) and the experts whose rates differ
+        most (expert, rate here, rate there)."""
         self.check_compatible(other)
         a, b = self.rates(), other.rates()
         out = []
@@ -147,7 +170,8 @@ class ActivationProfile:
         }
 
     def save(self, path):
-        """Write atomically: a temp file beside `path`, then rename."""
+        """Write atomically: a temp file beside `path`, then rename (check_writable(path)
+        beforehand spares a long recording a late failure)."""
         write_atomic(path, json.dumps(self.to_json(), indent=None, separators=(",", ":")))
 
     @classmethod
@@ -160,6 +184,8 @@ class ActivationProfile:
             raise MlxmoeError(f"profile not found: {path}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise MlxmoeError(f"{path}: not a valid profile (not JSON: {e})") from None
+        except OSError as e:
+            raise MlxmoeError(f"cannot read profile {path}: {e.strerror or e}") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise MlxmoeError(f"{path}: not a {FORMAT} file")
         try:
@@ -168,14 +194,25 @@ class ActivationProfile:
             mass = np.asarray(data.get("router_mass", np.zeros((L, E))), dtype=np.float64)
             if counts.shape != (L, E) or mass.shape != (L, E):
                 raise ValueError(f"counts are {list(counts.shape)}, header says {L} x {E}")
-            if not np.isfinite(counts).all() or (counts < 0).any():
-                raise ValueError("counts must be finite and non-negative")
-            profile = cls(L, E, int(data.get("top_k", 0)), (data.get("decay") or {}).get("half_life_tokens"),
+            for name, values in (("counts", counts), ("router_mass", mass)):
+                if not np.isfinite(values).all() or (values < 0).any():
+                    raise ValueError(f"{name} must be finite and non-negative")
+            tokens = float(data["tokens"])
+            if not math.isfinite(tokens) or tokens < 0:
+                raise ValueError(f"tokens {tokens} must be finite and non-negative")
+            decay = data.get("decay") or {}
+            if not isinstance(decay, dict):
+                raise ValueError(f"decay must be an object with half_life_tokens, not {decay!r}")
+            half_life = decay.get("half_life_tokens")
+            if half_life is not None and (isinstance(half_life, bool) or not isinstance(half_life, (int, float))):
+                raise ValueError(f"half_life_tokens must be a number, not {half_life!r}")
+            profile = cls(L, E, int(data.get("top_k", 0)), half_life,
                           data.get("model", ""), data.get("fingerprint", ""), data.get("workload", ""), counts, mass,
-                          float(data["tokens"]), int(data.get("tokens_total", 0)), data.get("created"),
-                          data.get("curve") or {}, data.get("expert_bytes"), data.get("resident_bytes"))
-        except (KeyError, TypeError, ValueError) as e:
+                          tokens, int(data.get("tokens_total", 0)), data.get("created"),
+                          check_curve(data.get("curve") or {}), data.get("expert_bytes"), data.get("resident_bytes"))
+        except (KeyError, TypeError, ValueError, MlxmoeError) as e:
             raise MlxmoeError(f"{path}: malformed profile ({e})") from None
+        profile.source = str(path)
         if fingerprint is not None:
             profile.check_model(fingerprint, force=force, where=str(path))
         return profile
@@ -192,6 +229,28 @@ class ActivationProfile:
                               f"the model {num_layers} x {num_experts}")
 
 
+def check_curve(curve):
+    """A profile's curve: {policy: [[cache experts, hit rate], ...]}."""
+    if not isinstance(curve, dict):
+        raise ValueError(f"curve must map policies to [experts, hit rate] points, not {type(curve).__name__}")
+    for name, points in curve.items():
+        if not isinstance(points, list) or not all(
+                isinstance(pt, list) and len(pt) == 2 and all(isinstance(v, (int, float)) for v in pt) for pt in points):
+            raise ValueError(f"curve of {name!r} must be a list of [experts, hit rate] points")
+    return curve
+
+
+def check_writable(path):
+    """Fail now, before a long run, if `path` cannot be written at the end."""
+    path = Path(path)
+    if path.is_dir():
+        raise MlxmoeError(f"cannot write {path}: it is a folder")
+    if not path.parent.is_dir():
+        raise MlxmoeError(f"cannot write {path}: folder {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise MlxmoeError(f"cannot write {path}: folder {path.parent} is not writable")
+
+
 def temp_beside(path):
     """A temp file in `path`'s folder (so the final rename is atomic), with the
     permissions a plain open() would give. Returns (fd, temp path)."""
@@ -206,9 +265,10 @@ def temp_beside(path):
 
 
 def write_atomic(path, text):
+    """Write `text` (str or bytes) to `path` through a temp file beside it and a rename."""
     fd, tmp = temp_beside(path)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -223,7 +283,7 @@ def js_divergence(p, q):
     p = np.asarray(p, dtype=np.float64)
     q = np.asarray(q, dtype=np.float64)
     if p.sum() <= 0 or q.sum() <= 0:
-        return 0.0
+        return None  # undefined: a side with no activations
     p, q = p / p.sum(), q / q.sum()
     m = (p + q) / 2
 
@@ -294,7 +354,7 @@ def write_heatmap_png(path, matrix, scale=None):
 
     png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
     png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    Path(path).write_bytes(png)
+    write_atomic(path, png)
 
 
 CURVE_SHARES = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
@@ -312,10 +372,15 @@ def predicted_curve(header, records, policies=None, shares=CURVE_SHARES):
     k = max((len(set(r[3])) for r in records), default=1)
     sizes = sorted({max(k, int(round(total * s))) for s in shares})
     keys = [[(l, x) for x in experts] for _, l, experts, *_ in steps(records, header["num_layers"])]
+    widest = max((len(step) for step in keys), default=0)
     curve = {}
     for name in policies:
         if name == "lru":
-            curve[name] = lru_curve(keys, sizes)
+            # a cache smaller than a layer call's experts (a prefill) splits the call into runs
+            # that fit it, which the stack distances of whole calls do not see: replay those sizes
+            curve[name] = lru_curve(keys, [c for c in sizes if c >= widest]) + [
+                (c, replay(header, records, name, c)["hit_rate"]) for c in sizes if c < widest]
+            curve[name].sort()
         else:
             curve[name] = [(c, replay(header, records, name, c)["hit_rate"]) for c in sizes]
     return {name: [[c, round(r, 4)] for c, r in points] for name, points in curve.items()}

@@ -56,6 +56,12 @@ class TraceWriter:
         self.file.close()
         os.replace(self.tmp, self.path)
 
+    def abort(self):
+        """Drop the trace: nothing is left at `path` or beside it."""
+        if not self.file.closed:
+            self.file.close()
+            os.unlink(self.tmp)
+
 
 def read_trace(path):
     """Return (header, records); records are (s, t, l, experts, probs or None, router
@@ -81,6 +87,7 @@ def read_trace(path):
         try:
             r = json.loads(line)
             s, t, l, e, p = int(r["s"]), int(r["t"]), int(r["l"]), [int(x) for x in r["e"]], r.get("p")
+            p = None if p is None else [float(x) for x in p]
             dist = None if r.get("r") is None else [float(x) for x in r["r"]]
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise MlxmoeError(f"{path}:{n}: malformed trace line ({err})") from None

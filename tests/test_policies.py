@@ -158,6 +158,8 @@ def test_replay_output_and_belady_ceiling(tmp_path):
     ('{"s":0,"t":0,"l":9,"e":[1]}', "out of range"),
     ('{"s":0,"t":0,"e":[1]}', "malformed trace line"),
     ('not json', "malformed trace line"),
+    ('{"s":0,"t":0,"l":0,"e":[1],"p":0.5}', "malformed trace line"),
+    ('{"s":0,"t":0,"l":0,"e":[1],"p":["a"]}', "malformed trace line"),
     ('{"s":0,"t":0,"l":0,"e":[1,2],"p":[0.5]}', "probabilities"),
 ])
 def test_bad_trace_lines(tmp_path, line, message):

@@ -87,6 +87,14 @@ def test_merge_is_weighted():
     ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, -2]], "tokens": 1}',
      "non-negative"),
     ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, 2]]}', "malformed"),
+    ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, 2]], "tokens": 1, '
+     '"decay": 5}', "decay must be an object"),
+    ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, 2]], "tokens": 1, '
+     '"decay": {"half_life_tokens": -5}}', "half-life -5"),
+    ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, 2]], "tokens": 1, '
+     '"curve": {"lru": 5}}', "curve of 'lru'"),
+    ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, 2]], "tokens": 1, '
+     '"router_mass": [[NaN, 1]]}', "router_mass must be finite"),
 ])
 def test_malformed_profiles_are_refused(tmp_path, content, message):
     path = tmp_path / "bad.json"
@@ -94,6 +102,44 @@ def test_malformed_profiles_are_refused(tmp_path, content, message):
     with pytest.raises(MlxmoeError, match=message) as e:
         ActivationProfile.load(path)
     assert str(path) in str(e.value)
+
+
+def test_unreadable_profile_is_named(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(MlxmoeError, match="cannot read profile .*file/p.json"):
+        ActivationProfile.load(tmp_path / "file" / "p.json")
+
+
+def test_merge_edge_cases(tmp_path):
+    a, b = make_profile(seed=0), make_profile(seed=1)
+    for w in ("nan", "inf"):
+        with pytest.raises(MlxmoeError, match="finite"):
+            ActivationProfile.merge([a, b], [float(w), 1.0])
+    assert ActivationProfile.merge([a, b], [1.0, 0.0]).tokens_total == a.tokens_total  # b weighs nothing
+    empty = ActivationProfile(3, 8, 2, model="m", model_fingerprint="fp", workload="empty")  # 0 tokens
+    merged = ActivationProfile.merge([empty, empty])
+    assert merged.tokens == 0 and not merged.mass.any()
+    assert ActivationProfile.merge([a, empty]).rates() == pytest.approx(a.rates() / 2)
+    assert all(row["js_divergence"] is None for row in a.diff(empty))  # undefined, not "the same"
+    a.save(tmp_path / "a.json"), ActivationProfile(2, 8, 2, model_fingerprint="fp").save(tmp_path / "c.json")
+    with pytest.raises(MlxmoeError, match="c.json has 2 layers .*a.json 3"):
+        ActivationProfile.merge([ActivationProfile.load(tmp_path / f) for f in ("a.json", "c.json")])
+
+
+def test_lru_curve_matches_replay_below_a_prefill(tmp_path):
+    """A cache smaller than a prefill's experts splits the call as the runtime does; the
+    curve's LRU points are then replays, equal to `trace replay` at every size."""
+    from mlxmoe.profile import predicted_curve
+    from mlxmoe.trace import replay
+
+    rng = np.random.default_rng(0)
+    header = {"num_layers": 2, "num_experts": 16, "top_k": 2}
+    records = [(0, t, l, rng.choice(16, 2, replace=False).tolist(), None, None) for t in range(12) for l in (0, 1)]
+    records.sort(key=lambda r: (r[2] if r[1] < 8 else 2, r[1]))  # tokens 0-7: one prefill call per layer
+    curve = predicted_curve(header, records, ["lru"], shares=(0.1, 0.25, 0.5, 1.0))["lru"]
+    assert [c for c, _ in curve] == [3, 8, 16, 32]
+    for c, rate in curve:
+        assert rate == pytest.approx(replay(header, records, "lru", c)["hit_rate"], abs=1e-4)
 
 
 def test_profile_of_another_model_is_refused(checkpoint, tmp_path):
@@ -172,6 +218,50 @@ def test_record_show_diff_merge_cli(checkpoint, tmp_path):
                              str(tmp_path / "both.json"), "--weights", "1,1"])
     assert r.exit_code == 0
     assert ActivationProfile.load(tmp_path / "both.json").workload == "it text + en text"
+
+
+def test_record_half_life_fresh_counts_and_bad_paths(checkpoint, tmp_path, monkeypatch):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The cat sleeps on the sofa\nThe house is big and nice\n")
+    runner = CliRunner()
+    args = ["profile", "record", "--model", str(path), "--prompts", str(prompts), "-w", "w", "--max-tokens", "8"]
+    assert runner.invoke(main, args + ["-o", str(tmp_path / "a.json")]).exit_code == 0
+    a = ActivationProfile.load(tmp_path / "a.json")
+    # --half-life decays what is recorded; --profile is a prior, its counts are not recorded again
+    r = runner.invoke(main, args + ["-o", str(tmp_path / "b.json"), "--half-life", "2", "--profile",
+                                    str(tmp_path / "a.json")])
+    assert r.exit_code == 0, r.output
+    b = ActivationProfile.load(tmp_path / "b.json")
+    assert b.half_life == 2 and b.tokens_total == a.tokens_total and b.tokens < 10 < 40 < a.tokens
+    # Ctrl-C while the curve is computed: the profile is saved without it
+    import mlxmoe.profile
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mlxmoe.profile, "predicted_curve", interrupted)
+    r = runner.invoke(main, args + ["-o", str(tmp_path / "c.json")])
+    assert r.exit_code == 0 and "without the hit-rate curve" in r.output
+    c = ActivationProfile.load(tmp_path / "c.json")
+    assert c.tokens_total == a.tokens_total and c.curve == {}
+    # bad input fails before any work and leaves nothing behind
+    before = set(tmp_path.iterdir())
+    for bad in (["-o", str(tmp_path / "nodir" / "p.json")], ["-o", str(tmp_path / "d.json"), "--half-life", "-1"],
+                ["-o", str(tmp_path / "d.json"), "--max-tokens", "0"]):
+        r = runner.invoke(main, args + bad)
+        assert r.exit_code != 0 and "Traceback" not in r.output
+    assert "folder" in str(runner.invoke(main, args + ["-o", str(tmp_path / "nodir" / "p.json")]).exception)
+    (tmp_path / "empty.txt").write_text("\n")
+    r = runner.invoke(main, ["trace", "record", "--model", str(path), "--prompts", str(tmp_path / "empty.txt"),
+                             "-o", str(tmp_path / "t.jsonl")])
+    assert "no prompts" in str(r.exception)
+    assert set(tmp_path.iterdir()) == before | {tmp_path / "empty.txt"}  # no trace, no temp file
+    r = runner.invoke(main, ["generate", "--model", str(path), "-p", "hi", "--stats-json",
+                             str(tmp_path / "nodir" / "s.json")])
+    assert "folder" in str(r.exception)
+    r = runner.invoke(main, ["profile", "show", str(tmp_path / "a.json"), "--budget", "100TB", "--json"])
+    assert json.loads(r.stdout)["budget"]["cache_experts"] == a.num_layers * a.num_experts
 
 
 def test_chat_saves_profile_and_trace(checkpoint, tmp_path):
