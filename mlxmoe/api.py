@@ -9,7 +9,7 @@ from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.utils import load_tokenizer
 
 from . import backend as backends
-from .budget import DEFAULT_CONTEXT, kv_bytes_per_token, parse_size, plan, working_bytes
+from .budget import DEFAULT_CONTEXT, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
 from .errors import MlxmoeError, read_lines
 from .loader import MX_DTYPES, attach_cache, open_checkpoint
@@ -31,22 +31,28 @@ def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_expert
     slot_bytes = sum(int(np.prod(shape)) * backend.pool_dtype(MX_DTYPES[d]).size
                      for shape, d in zip(ckpt.store.tensor_shapes, ckpt.store.tensor_dtypes))
     total = ckpt.num_layers * ckpt.num_experts
+    # where attention is materialised, the working memory holds a full prefill step's
+    # against as many keys; longer prompts take shorter steps to stay within it (prefill_step)
+    attention = attention_bytes(ckpt.config, act_bytes, PREFILL_STEP, PREFILL_STEP) if backend.materialises_attention else 0
     p = plan(parse_size(memory_budget, "memory budget"), resident, slot_bytes, ckpt.top_k,
              kv_bytes_per_token(ckpt.config, act_bytes) * context,
-             working_bytes(ckpt.config, act_bytes, PREFILL_STEP),
-             parse_size(cache_size, "cache size"), cache_experts, memory=backend.memory())
-    if p.cache_experts > total:  # more than every expert: hold them all, no more
-        p.cache_experts, p.expert_cache = total, total * slot_bytes
+             working_bytes(ckpt.config, act_bytes, PREFILL_STEP) + attention,
+             parse_size(cache_size, "cache size"), cache_experts, memory=backend.memory(), all_experts=total)
+    p.attention = attention
+    p.attention_per_key = attention_bytes(ckpt.config, act_bytes, 1, 1)  # per query token and key
     return p
 
 
-def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=None, policy=None, profile=None,
-         tokenizer_config=None, backend=None, io_threads=4, force_profile=False, prewarm=True, trace_out=None,
-         prefetch=1, prefetch_confidence=0.1, io="auto"):
+def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path=None, lazy=False,
+         return_config=False, revision=None, trust_remote_code=False, *, memory_budget=None, cache_size=None,
+         cache_experts=None, policy=None, profile=None, backend=None, io_threads=4, force_profile=False, prewarm=True,
+         trace_out=None, prefetch=1, prefetch_confidence=0.1, io="auto"):
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
-    Returns (model, tokenizer) like `mlx_lm.load`; `model.expert_cache.stats()` gives the
-    cache's stats. `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
+    Takes mlx_lm.load's arguments (LoRA adapters excepted: fuse them first) and returns
+    what it returns, (model, tokenizer) or with `return_config` (model, tokenizer,
+    config); `model.expert_cache.stats()` gives the cache's stats. mlxmoe's own options
+    are keyword-only: `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
     expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
     `profile` (a path or an ActivationProfile) gives the policy its prior and pre-warms
     the cache with its hottest experts in the background (where the cache holds every
@@ -60,8 +66,28 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
     `prefetch_confidence` or the previous token used it too, and its next guesses (up to
     the top 2k) where the cache policy ranks them above its victim (see prefetch.py).
     """
+    if adapter_path is not None:
+        raise MlxmoeError(f"adapter {adapter_path}: LoRA adapters are not supported; fuse them into the model "
+                          "first (mlx_lm.fuse)")
     be = backends.detect(backend)
-    ckpt = open_checkpoint(path_or_hf_repo)
+    ckpt = open_checkpoint(path_or_hf_repo, model_config, revision, trust_remote_code)
+    try:
+        tokenizer = _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy,
+                           profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io)
+    except BaseException:  # nothing stays open: shards, IO threads, a trace's temp file
+        cache = getattr(ckpt.model, "expert_cache", None)
+        if cache is not None:
+            if cache.trace is not None:
+                cache.trace.abort()
+            cache.close()
+        ckpt.store.close()
+        raise
+    return (ckpt.model, tokenizer, ckpt.config) if return_config else (ckpt.model, tokenizer)
+
+
+def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
+           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io):
+    """Give an opened checkpoint its expert cache (model.expert_cache); return the tokenizer."""
     ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
     p = memory_plan(ckpt, be, memory_budget, cache_size, cache_experts)
@@ -72,7 +98,8 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
         prior.check_model(fp, ckpt.num_layers, ckpt.num_experts, force_profile,
                           None if isinstance(profile, ActivationProfile) else str(profile))
         rates = prior.rates()
-    mx.eval(ckpt.model.parameters())
+    if not lazy:
+        mx.eval(ckpt.model.parameters())
     pool_dtypes = [be.pool_dtype(MX_DTYPES[d]) for d in ckpt.store.tensor_dtypes]
     if prior is not None:  # keep learning from where the profile left off
         live = ActivationProfile.merge([prior], workload=prior.workload)
@@ -99,17 +126,34 @@ def load(path_or_hf_repo, memory_budget=None, cache_size=None, cache_experts=Non
             order += [(l, e) for l in range(L) for e in range(E) if (l, e) not in hot]
         if order:
             cache.prewarm(order)
-    return ckpt.model, tokenizer
+    return tokenizer
 
 
 def model_fingerprint(ckpt):
     return fingerprint(ckpt.config, ckpt.store.tensors, ckpt.store.tensor_shapes, ckpt.num_layers, ckpt.num_experts)
 
 
+def prefill_step(plan, tokenizer, prompt, prompt_cache=None):
+    """Prompt tokens per prefill step: PREFILL_STEP, or fewer where attention is
+    materialised and the prompt is long, so that the last step's attention scores (step x
+    all keys so far x heads) stay within the budget's reserve for them (the memory plan's
+    `attention`: a full step against as many keys). At least 16."""
+    if plan is None or not getattr(plan, "attention", 0):
+        return PREFILL_STEP
+    if isinstance(prompt, str):
+        keys = len(tokenizer.encode(prompt))
+    else:
+        keys = len(prompt)
+    keys += max((getattr(c, "offset", 0) for c in prompt_cache or []), default=0)
+    return int(min(PREFILL_STEP, max(16, plan.attention // max(1, keys * plan.attention_per_key))))
+
+
 def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
     """mlx_lm.stream_generate, recording decode speed in the expert cache's stats."""
-    kwargs.setdefault("prefill_step_size", PREFILL_STEP)
     cache = getattr(model, "expert_cache", None)
+    if "prefill_step_size" not in kwargs:
+        kwargs["prefill_step_size"] = prefill_step(getattr(cache, "plan", None), tokenizer, prompt,
+                                                   kwargs.get("prompt_cache"))
     if cache is not None:
         cache.new_sequence()
     for response in _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):

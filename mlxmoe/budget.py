@@ -40,9 +40,17 @@ def machine_memory():
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def text_config(config):
+    """The language model's settings: a multimodal config.json (llama4, qwen3-vl-moe)
+    nests them under "text_config"."""
+    nested = config.get("text_config")
+    return {**config, **nested} if isinstance(nested, dict) else config
+
+
 def kv_bytes_per_token(config, dtype_bytes):
     """KV cache bytes one token of context costs, from config.json (an upper bound for
     models with sliding-window layers)."""
+    config = text_config(config)
     layers = config.get("num_hidden_layers", 0)
     heads = config.get("num_attention_heads", 1)
     if "kv_lora_rank" in config:  # MLA (deepseek): mlx-lm caches the compressed latent and rope key
@@ -56,11 +64,18 @@ def kv_bytes_per_token(config, dtype_bytes):
 
 def working_bytes(config, dtype_bytes, prefill_tokens):
     """Activations of one prefill step: hidden states, the experts' intermediates and logits."""
+    config = text_config(config)
     hidden = config.get("hidden_size", 0)
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size", 0)
     k = config.get("num_experts_per_tok", 1)
     vocab = config.get("vocab_size", 0)
     return prefill_tokens * (8 * hidden + 3 * k * inter + vocab) * dtype_bytes
+
+
+def attention_bytes(config, dtype_bytes, queries, keys):
+    """Attention scores and probabilities of `queries` tokens against `keys` where the
+    backend materialises them (CPU; no fused attention kernel there)."""
+    return 2 * queries * keys * text_config(config).get("num_attention_heads", 1) * dtype_bytes
 
 
 @dataclass
@@ -73,13 +88,16 @@ class Plan:
     cache_experts: int  # slots
     minimum: int  # smallest budget that works
     slot_bytes: int
+    attention: int = 0  # of `working`: a prefill step's attention scores, where the backend materialises them
+    attention_per_key: int = 0  # those bytes per query token and key
 
 
 def plan(budget, resident, slot_bytes, min_experts, kv_reserve, working, cache_size=None, cache_experts=None,
-         memory=None):
+         memory=None, all_experts=None):
     """Split `budget` bytes. `cache_size`/`cache_experts` set the expert cache directly
     (then the budget, when given, must still hold it). With neither, the budget is a
-    safe share of `memory` (default: this machine's)."""
+    safe share of `memory` (default: this machine's). The cache never exceeds
+    `all_experts` (every expert of the model), when given."""
     fixed = resident + kv_reserve + working
     minimum = fixed + min_experts * slot_bytes
     if cache_experts is not None:
@@ -100,7 +118,9 @@ def plan(budget, resident, slot_bytes, min_experts, kv_reserve, working, cache_s
             f"{format_size(working)} working memory + {min_experts} experts of {format_size(slot_bytes)})")
     if slots is None:
         slots = (budget - fixed) // slot_bytes
-    elif budget is not None and fixed + slots * slot_bytes > budget:
+    if all_experts is not None and slots > all_experts:  # more than every expert: hold them all, no more
+        slots = all_experts
+    if budget is not None and fixed + slots * slot_bytes > budget:
         raise MlxmoeError(
             f"an expert cache of {slots} experts ({format_size(slots * slot_bytes)}) does not fit in the memory "
             f"budget {format_size(budget)} beside {format_size(fixed)} of weights, KV cache and working memory")

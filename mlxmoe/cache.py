@@ -192,6 +192,7 @@ class ExpertCache(Residency):
         # decode thread (see miss_costs)
         self.layer_loads = np.zeros((store.num_layers, 2))
         self.step_tokens = 1
+        self.closed = False
         self.reset_stats()
 
     def tick(self, tokens):
@@ -209,6 +210,8 @@ class ExpertCache(Residency):
     def resident_slots(self):
         """Every expert's slot as an mx array [layers, experts] once all are resident and
         none is on its way (with room for all, nothing is evicted: they stay put), else None."""
+        if self.closed:
+            raise MlxmoeError("this model's expert cache is closed; load the model again")
         if self.slot_table is None:
             L, E = self.store.num_layers, self.store.num_experts
             if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
@@ -262,7 +265,21 @@ class ExpertCache(Residency):
             self.trace.new_sequence()
 
     def fetch(self, layer, experts, scores=None, probs=None):
-        """Make the distinct `experts` of `layer` resident; return their slots."""
+        """Make the distinct `experts` of `layer` resident; return their slots. Interrupted
+        (Ctrl-C in `chat`, which carries on) or failed anywhere, the keys of the call that no
+        background read is filling leave the cache: a key given a slot but not yet read
+        would otherwise pass for resident with another expert's bytes."""
+        if self.closed:
+            raise MlxmoeError("this model's expert cache is closed; load the model again")
+        try:
+            return self._fetch(layer, experts, scores, probs)
+        except BaseException:
+            with self.lock:
+                unsure = [(layer, e) for e in experts if (layer, e) not in self.in_flight]
+            self.forget(unsure)
+            raise
+
+    def _fetch(self, layer, experts, scores=None, probs=None):
         with self.lock:
             while True:
                 try:
@@ -500,6 +517,7 @@ class ExpertCache(Residency):
         self.decode_tps = 0.0
 
     def close(self):
+        self.closed = True
         self.flush()
         self._stop.set()
         self.prewarm_done()

@@ -61,10 +61,17 @@ def bundle(src, dst, progress=print):
         raise MlxmoeError(f"{dst} already exists; pass a new folder")
     ckpt = open_checkpoint(src)
     store = ckpt.store
-    if store.bundled:
-        raise MlxmoeError(f"{ckpt.path} is already bundled ({BUNDLE_FORMAT})")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-"))
+    try:
+        if store.bundled:
+            raise MlxmoeError(f"{ckpt.path} is already bundled ({BUNDLE_FORMAT})")
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-"))
+        except OSError as e:
+            raise MlxmoeError(f"cannot write {dst}: {e.strerror or e}") from None
+    except BaseException:
+        store.close()
+        raise
     try:
         _write(ckpt, tmp, progress)
         os.rename(tmp, dst)

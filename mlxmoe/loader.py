@@ -18,6 +18,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config, load_model
 
+from .budget import text_config
 from .errors import MlxmoeError
 from .experts import StreamingExperts, find_router
 from .store import PER_EXPERT, ExpertStore
@@ -55,7 +56,7 @@ class Checkpoint:
         return self.store.num_experts
 
 
-def resolve(path_or_repo):
+def resolve(path_or_repo, revision=None):
     """A local folder, or a Hugging Face repo id downloaded by mlx-lm (needs network);
     None is the bundled demo model."""
     if path_or_repo is None:
@@ -71,7 +72,7 @@ def resolve(path_or_repo):
         from mlx_lm.utils import _download
 
         try:
-            return _download(str(path_or_repo))
+            return _download(str(path_or_repo), revision=revision)
         except Exception as e:  # the hub client raises many types; all mean "could not get it"
             raise MlxmoeError(f"{path_or_repo}: not a local folder and could not be downloaded ({e})") from None
     raise MlxmoeError(f"model folder not found: {path}")
@@ -138,16 +139,29 @@ def _bundled_classes(store):
     return classes
 
 
-def open_checkpoint(path_or_repo):
-    """Read config, index the shards, build the model lazily and map every expert to its bytes."""
-    path = resolve(path_or_repo)
-    config = read_config(path)
+def open_checkpoint(path_or_repo, model_config=None, revision=None, trust_remote_code=False):
+    """Read config, index the shards, build the model lazily and map every expert to its
+    bytes. `model_config` overrides config.json's fields, as in mlx_lm.load."""
+    path = resolve(path_or_repo, revision)
+    read_config(path)  # a clear error for a missing or unknown config.json
     store = ExpertStore(path)
+    try:
+        return _open(path, store, model_config, trust_remote_code)
+    except BaseException:
+        store.close()
+        raise
+
+
+def _open(path, store, model_config=None, trust_remote_code=False):
     classes = _bundled_classes(store) if store.bundled else _get_classes
     try:
-        model, config = load_model(path, lazy=True, strict=True, get_model_classes=classes)
+        model, config = load_model(path, lazy=True, strict=True, model_config=model_config,
+                                   get_model_classes=classes, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise MlxmoeError(f"{path}: the weights do not match config.json: {e}") from None
+    except (TypeError, KeyError) as e:  # a config.json field the model class needs, or a tensor it misses
+        raise MlxmoeError(f"{path}: mlx-lm cannot build this model from config.json and its weights "
+                          f"({type(e).__name__}: {e})") from None
     if store.bundled:
         model.__class__ = model.__class__.__mro__[1]  # mlx-lm's own class again
     switches = sorted(
@@ -206,6 +220,7 @@ def open_checkpoint(path_or_repo):
 
 
 def _top_k(config):
+    config = text_config(config)
     for key in ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k"):
         if isinstance(config.get(key), int):
             return config[key]

@@ -94,6 +94,8 @@ def read_header(path):
         raise MlxmoeError(f"missing shard: {path}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise MlxmoeError(f"{path}: corrupt safetensors header ({e})") from None
+    except OSError as e:
+        raise MlxmoeError(f"cannot read shard {path}: {e.strerror or e}") from None
     if not isinstance(header, dict):
         raise MlxmoeError(f"{path}: corrupt safetensors header (not a JSON object)")
     meta = header.pop("__metadata__", None) or {}
@@ -101,6 +103,8 @@ def read_header(path):
     for name, h in header.items():
         try:
             dtype, shape, (start, end) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
+            if not isinstance(dtype, str) or not all(type(v) is int and v >= 0 for v in (*shape, start, end)):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise MlxmoeError(f"{path}: corrupt safetensors header entry for {name!r}") from None
         if dtype not in DTYPES:
@@ -339,7 +343,9 @@ class ExpertStore:
                         if (info.dtype, tuple(shape)) != (self.tensor_dtypes[i], self.tensor_shapes[i]):
                             raise MlxmoeError(
                                 f"{info.file}: {name} has {info.dtype} {list(shape)} per expert, "
-                                f"other experts have {self.tensor_dtypes[i]} {list(self.tensor_shapes[i])}")
+                                f"other experts have {self.tensor_dtypes[i]} {list(self.tensor_shapes[i])}: "
+                                "experts of mixed precision or shape (e.g. a mixed-bit quantization) are not "
+                                "supported yet; quantize every expert alike")
                     row.append(Range(info.file, start, nbytes))
                 experts.append(row)
             self.ranges.append(experts)
@@ -562,6 +568,14 @@ class ExpertStore:
         for fd in self._fds.values():
             os.close(fd)
         self._fds, self._how, self._align = {}, {}, {}
+
+    def __del__(self):
+        # a model dropped without close() (mlx-lm's users never call it) still closes its shards
+        try:
+            for fd in getattr(self, "_fds", {}).values():
+                os.close(fd)
+        except OSError:
+            pass
 
 
 def to_float32(raw, dtype):

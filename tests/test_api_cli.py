@@ -4,6 +4,7 @@ import json
 
 import mlx.core as mx
 import mlx_lm
+import pytest
 from click.testing import CliRunner
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.sample_utils import make_sampler
@@ -11,6 +12,7 @@ from mlx_lm.sample_utils import make_sampler
 import mlxmoe
 from mlxmoe.backend import detect
 from mlxmoe.cli import main
+from mlxmoe.errors import MlxmoeError
 
 PROMPT = "Once upon a time"
 STATS_KEYS = {"tokens", "hits", "misses", "hit_rate", "bytes_read", "loads_prefetched", "prefetch_useful",
@@ -113,3 +115,66 @@ def test_cli_prefetch_flag(checkpoint, tmp_path):
     assert loads["0"] == 0 and loads["1"] > 0
     r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--prefetch", "-1"])
     assert r.exit_code != 0 and "--prefetch" in r.output
+
+
+def test_load_takes_mlx_lm_arguments(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer, config = mlxmoe.load(str(path), {}, None, return_config=True, lazy=True, cache_experts=8)
+    assert config["model_type"] == "qwen3_moe" and model.expert_cache.capacity == 8
+    model.expert_cache.close()
+    model, _ = mlxmoe.load(str(path), model_config={"rms_norm_eps": 0.5}, cache_experts=8)
+    assert model.args.rms_norm_eps == 0.5
+    model.expert_cache.close()
+    with pytest.raises(MlxmoeError, match="adapters are not supported"):
+        mlxmoe.load(str(path), adapter_path="lora")
+
+
+def test_interrupt_between_slot_and_read_leaves_no_garbage(checkpoint, monkeypatch):
+    """Ctrl-C can land after a miss got its slot and before its bytes were read: the next
+    generation must not compute with whatever that slot held."""
+    from mlxmoe.cache import ExpertCache
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    ref, ref_tok = stock(path)
+    want = [r.token for r in mlx_lm.stream_generate(ref, ref_tok, PROMPT, max_tokens=16)]
+    access = ExpertCache.access
+    for when in range(1, 6):  # interrupt the when-th layer call that has misses
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=20, prefetch=0, prewarm=False)
+        seen = []
+
+        def interrupted(self, *a, **kw):
+            out = access(self, *a, **kw)
+            seen.append(bool(out[1]))
+            if out[1] and sum(seen) == when:
+                raise KeyboardInterrupt
+            return out
+
+        monkeypatch.setattr(ExpertCache, "access", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            mlxmoe.generate(model, tokenizer, "Il gatto e la volpe", max_tokens=30)
+        monkeypatch.setattr(ExpertCache, "access", access)
+        assert [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=16)] == want, when
+        model.expert_cache.close()
+
+
+def test_closed_model_and_no_leaked_files(checkpoint):
+    import gc
+    import os
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    gc.collect()  # models of earlier tests
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):  # refused loads close their shards
+        with pytest.raises(MlxmoeError, match="below the minimum"):
+            mlxmoe.load(str(path), memory_budget="1MB")
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=6)
+    model.expert_cache.close()
+    with pytest.raises(MlxmoeError, match="closed"):
+        mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=4)
+    for _ in range(3):  # a model dropped without close() (as mlx-lm users do) closes its shards too
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=6, prefetch=0)
+        mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=2)
+        del model, tokenizer
+        gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds + 1

@@ -127,3 +127,27 @@ def test_bad_values(checkpoint):
     assert_clean_error(path, "no_such_policy", policy="no_such_policy")
     assert_clean_error(path, "at least 2", cache_experts=1)
     assert_cli_error(["info", "--model", str(path.parent / "nowhere")], "not found", "nowhere")
+
+
+@pytest.mark.parametrize("field,value", [("dtype", [1]), ("shape", "abc"), ("data_offsets", [0, "x"])])
+def test_corrupt_header_fields(copy, field, value):
+    path = copy()
+    f = path / "model.safetensors"
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name][field] = value
+    blob = json.dumps(header, separators=(",", ":")).encode().ljust(n)  # same length: the tensors stay where they were
+    assert len(blob) == n
+    f.write_bytes(data[:8] + blob + data[8 + n:])
+    assert_clean_error(path, "corrupt safetensors header entry", name)
+
+
+def test_config_missing_a_field_the_model_needs(copy):
+    path = copy()
+    config = json.loads((path / "config.json").read_text())
+    del config["num_experts"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert_clean_error(path, "cannot build this model from config.json", "num_experts")
+    assert_cli_error(["info", "--model", str(path)], "config.json")
