@@ -128,3 +128,18 @@ def test_wheel_ships_the_demo_model(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(site), HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_readme_main_command_runs(tmp_path):
+    """The README's first command (generate with the demo model under its memory budget and
+    the Italian profile) works as written, and caches some but not all experts."""
+    root = Path(__file__).resolve().parents[1]
+    line = next(l for l in (root / "README.md").read_text().splitlines() if l.startswith("pip install -e . && mlxmoe"))
+    args = line.split("&& mlxmoe ", 1)[1].replace('"Il file di configurazione"', "PROMPT").split()
+    args = [a if a != "PROMPT" else "Il file di configurazione" for a in args] + ["--max-tokens", "8"]
+    args[args.index("--temp") + 1] = "0"
+    stats = tmp_path / "stats.json"
+    r = subprocess.run([sys.executable, "-m", "mlxmoe", *args, "--stats-json", str(stats)], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert 0 < json.loads(stats.read_text())["cache_experts"] < 128
