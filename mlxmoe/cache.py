@@ -379,11 +379,12 @@ class ExpertCache(Residency):
     def record(self, layer, rows, probs=None):
         """Write one trace line per token of this layer call; `probs[i]` is token i's router
         distribution over all experts, or None."""
+        n = len(rows)
         for i, row in enumerate(rows):
             if probs is None:
-                self.trace.write(self.call_position + i, layer, row)
+                self.trace.write(self.call_position + i, layer, row, tokens=n)
             else:
-                self.trace.write(self.call_position + i, layer, row, probs[i][row].tolist(), probs[i].tolist())
+                self.trace.write(self.call_position + i, layer, row, probs[i][row].tolist(), probs[i].tolist(), n)
 
     def evicted(self, key):
         self.prefetched.discard(key)
@@ -471,7 +472,9 @@ class ExpertCache(Residency):
 
     def resident_per_layer(self):
         counts = [0] * self.store.num_layers
-        for layer, _ in self.slot_of:
+        with self.lock:  # prefetch workers may be changing it
+            keys = list(self.slot_of)
+        for layer, _ in keys:
             counts[layer] += 1
         return counts
 
@@ -511,6 +514,8 @@ class ExpertCache(Residency):
         self.demand_bytes = self.prefetch_bytes = 0
         self.loads_demand = self.loads_prefetched = self.prefetch_useful = self.prefetch_late = 0
         self.prefetch_stale = 0  # predictions dropped because the decode thread got there first
+        with self.lock:  # loads from before the reset are not this window's (prefetch_useful <= loads_prefetched)
+            self.prefetched.clear()
         self.read_seconds = 0.0
         self.background_read_seconds = 0.0  # pre-warm and prefetch reads (the prefetcher paces itself by it)
         self.bookkeeping_seconds = 0.0  # time StreamingExperts spent on top of mlx-lm's own work

@@ -293,13 +293,11 @@ class S3FIFO(Policy):
             from_small = len(self.small) >= self.small_capacity or not self.main
             queue = self.small if from_small else self.main
             key = next((k for k in queue if k not in protected), None)
-            if key is None:
-                if from_small and self.main:
-                    queue = self.main
-                    key = next((k for k in queue if k not in protected), None)
+            if key is None:  # all of that queue is protected (a call using most slots): the other one
+                from_small = not from_small
+                key = next((k for k in (self.small if from_small else self.main) if k not in protected), None)
                 if key is None:
                     raise _none_left()
-                from_small = False
             if from_small:
                 del self.small[key]
                 if self.freq.get(key, 0) > 0:

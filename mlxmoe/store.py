@@ -37,7 +37,7 @@ import re
 import sys
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -463,7 +463,12 @@ class ExpertStore:
             dests.append(dest)
         todo = runs(ranges, dests, ALIGN if self.io == "direct" else 1)
         if self.workers > 1 and len(todo) > 1:  # the ranges of a stacked expert: all at once
-            disk = sum(self._pool().map(self._read_run, todo))
+            futures = [self._pool().submit(self._read_run, run) for run in todo]
+            try:
+                disk = sum(f.result() for f in futures)
+            except BaseException:  # Ctrl-C or an error: no worker may write into the slot once it is given back
+                wait(futures)
+                raise
         else:
             disk = sum(map(self._read_run, todo))
         for out, buf, dtype in converts:

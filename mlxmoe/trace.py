@@ -8,7 +8,11 @@ then one line per token and MoE layer in execution order:
    "r": [the router's distribution over all E experts]}
 `p` and `r` are optional. `r` (written by the runtime, 3 significant digits) lets a replay
 give the policy what the runtime gives it: the router's whole distribution, not only the
-probabilities of the experts it chose.
+probabilities of the experts it chose. The runtime also writes `"n"`, the tokens of the
+layer call a line came from, on the lines of a multi-token call (a prefill): a replay then
+groups exactly those lines into one fetch, as the runtime did. Without it, consecutive
+lines of one sequence and layer with rising positions are taken as one call, which cannot
+tell a prefill from decode steps in a model of one MoE layer.
 """
 
 import json
@@ -42,8 +46,10 @@ class TraceWriter:
     def new_sequence(self):
         self.seq += 1
 
-    def write(self, token, layer, experts, probs=None, router=None):
+    def write(self, token, layer, experts, probs=None, router=None, tokens=1):
         line = {"s": max(self.seq, 0), "t": token, "l": layer, "e": experts}
+        if tokens > 1:
+            line["n"] = tokens
         if probs is not None:
             line["p"] = [round(p, 5) for p in probs]
         if router is not None:
@@ -65,7 +71,7 @@ class TraceWriter:
 
 def read_trace(path):
     """Return (header, records); records are (s, t, l, experts, probs or None, router
-    distribution or None)."""
+    distribution or None, tokens of its layer call or None)."""
     path = Path(path)
     lines = read_lines(path, "trace")
     if not lines:
@@ -89,6 +95,9 @@ def read_trace(path):
             s, t, l, e, p = int(r["s"]), int(r["t"]), int(r["l"]), [int(x) for x in r["e"]], r.get("p")
             p = None if p is None else [float(x) for x in p]
             dist = None if r.get("r") is None else [float(x) for x in r["r"]]
+            call = None if r.get("n") is None else int(r["n"])
+            if call is not None and call < 1:
+                raise ValueError(f"n = {call}: a layer call has at least one token")
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise MlxmoeError(f"{path}:{n}: malformed trace line ({err})") from None
         if not 0 <= l < L or any(not 0 <= x < E for x in e):
@@ -97,20 +106,26 @@ def read_trace(path):
             raise MlxmoeError(f"{path}:{n}: {len(p)} probabilities for {len(e)} experts")
         if dist is not None and len(dist) != E:
             raise MlxmoeError(f"{path}:{n}: a router distribution of {len(dist)} experts, the header says {E}")
-        records.append((s, t, l, e, p, dist))
+        records.append((s, t, l, e, p, dist, call))
     return header, records
 
 
 def layer_calls(records, num_layers):
     """Group the trace's lines into the layer calls that made them: a multi-token call (a
-    prefill) writes one line per token, consecutive, with the same sequence and layer.
-    Yields lists of records."""
-    call = []
+    prefill) writes one line per token, consecutive, with the same sequence and layer, and
+    (the runtime's traces) the call's token count `n`. Yields lists of records."""
+    call, size = [], None
     for rec in records:
         s, t, l = rec[:3]
-        if call and not (num_layers > 1 and (s, l) == (call[-1][0], call[-1][2]) and t > call[-1][1]):
+        if size is not None:
+            same = len(call) < size
+        else:
+            same = num_layers > 1 and (s, l) == (call[-1][0], call[-1][2]) and t > call[-1][1] if call else False
+        if call and not same:
             yield call
             call = []
+        if not call:
+            size = rec[6] if len(rec) > 6 else None
         call.append(rec)
     if call:
         yield call

@@ -178,3 +178,53 @@ def test_closed_model_and_no_leaked_files(checkpoint):
         del model, tokenizer
         gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= fds + 1
+
+
+def test_interrupted_read_leaves_no_writer_behind(checkpoint):
+    """Ctrl-C while the store's threads read a stacked expert's tensors: once the interrupt
+    reaches the caller, no thread writes into the slot (it is given to the next miss)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    path = checkpoint("qwen3_moe")  # float32, stacked: one run per tensor, read by the store's threads
+    model, _ = mlxmoe.load(str(path), cache_experts=2, prefetch=0, prewarm=False)
+    cache = model.expert_cache
+    store, real = cache.store, cache.store._read_run
+    ended = []
+
+    def slow(run):  # a large tensor on a slow disk
+        time.sleep(0.3)
+        try:
+            return real(run)
+        finally:
+            ended.append(time.perf_counter())
+
+    store._read_run = slow
+    cache.tick(1)
+    threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        cache.fetch(0, [0])
+    raised = time.perf_counter()
+    store._read_run = real
+    time.sleep(0.5)
+    assert len(ended) == len(cache.store.tensors) and max(ended) <= raised
+    assert (0, 0) not in cache.slot_of  # and the key left the cache
+    cache.close()
+
+
+def test_stats_after_reset_count_only_the_new_window(checkpoint):
+    path = checkpoint("qwen3_moe")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=12, prefetch=2, prewarm=False)
+    cache = model.expert_cache
+    mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=20)
+    cache.prefetcher.drain()
+    cache.reset_stats()
+    cache.tick(1)
+    for layer in range(cache.store.num_layers):  # every expert: uses whatever was prefetched before the reset
+        cache.fetch(layer, list(range(cache.store.num_experts)))
+    s = cache.stats()
+    assert s["prefetch_useful"] <= s["loads_prefetched"] == 0
+    assert sum(s["resident_per_layer"]) == len(cache.slot_of)
+    cache.close()

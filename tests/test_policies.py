@@ -260,3 +260,45 @@ def test_slru_pins_the_profiles_hottest_by_default():
     assert make_policy("slru", 8, 2, 8, prior=prior).pinned == {(1, 3)}  # protected 6: 1 pin
     assert make_policy("slru", 16, 2, 8).pinned == set()
     assert make_policy("slru", 16, 2, 8, prior=prior, pinned=()).pinned == set()
+
+
+def test_s3fifo_evicts_from_small_when_main_is_all_protected():
+    """A call that needs every slot (a prefill chunk) protects all of main; the victim is
+    then the small queue's unprotected key (S3-FIFO raised 'no victim' there)."""
+    A = list(range(40))
+    calls = [(0, [4]), (0, [1, 2, 3, 4, 5, 7, 12, 13, 15, 17, 18, 19, 20, 21, 22, 25, 26, 27, 32, 33, 34, 36, 37, 39]),
+             (0, [8, 18, 26]), (0, [36]), (1, [6, 37]), (0, [35]), (0, [39]),
+             (0, [0, 1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 13, 14, 15, 16, 18, 19, 20, 23, 25, 26, 27, 28, 29, 30, 31, 33, 34,
+                  35, 37, 38, 39]), (1, A),
+             (0, [0, 4, 5, 7, 8, 9, 10, 11, 13, 14, 15, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 30, 31, 32, 33, 34,
+                  39]),
+             (0, [0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12, 13, 14, 17, 18, 19, 20, 21, 22, 23, 25, 26, 29, 30, 32, 35, 36,
+                  37, 38, 39]), (0, A), (0, [12, 33]), (1, [1])]
+    r = Residency(40, make_policy("s3fifo", 40, 2, 40))
+    for layer, experts in calls:
+        r.access(layer, experts)
+    assert len(r.policy.small) < r.policy.small_capacity  # so the victim is looked for in main first
+    r.access(1, A)  # all 40 slots for layer 1
+    assert set(r.slot_of) == {(1, e) for e in A}
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_replay_matches_the_runtime(checkpoint, tmp_path, layers):
+    """The same hits in a replay of a run's trace as in the run (prefetch off), for every
+    policy; with one MoE layer too, where only the trace's call sizes tell a prefill from
+    decode steps."""
+    import mlxmoe
+    from mlxmoe.policies import ONLINE
+
+    path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": layers})
+    for policy in ONLINE:
+        trace = tmp_path / f"{policy}.trace.jsonl"
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=4, policy=policy, prefetch=0, prewarm=False,
+                                       trace_out=str(trace))
+        for prompt in ("The quick brown fox jumps over the lazy dog", "Hello"):
+            mlxmoe.generate(model, tokenizer, prompt, max_tokens=10)
+        stats = model.expert_cache.stats()
+        model.expert_cache.close()
+        header, records = read_trace(trace)
+        r = replay(header, records, policy, 4)
+        assert (r["hits"], r["accesses"]) == (stats["hits"], stats["hits"] + stats["misses"]), policy
