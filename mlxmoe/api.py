@@ -53,7 +53,7 @@ def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path
     what it returns, (model, tokenizer) or with `return_config` (model, tokenizer,
     config); `model.expert_cache.stats()` gives the cache's stats. mlxmoe's own options
     are keyword-only: `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
-    expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
+    working memory + expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
     `profile` (a path or an ActivationProfile) gives the policy its prior and pre-warms
     the cache with its hottest experts in the background (where the cache holds every
     expert, all of them are read in the background, after the profile's hottest, and once
@@ -66,6 +66,9 @@ def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path
     `prefetch_confidence` or the previous token used it too, and its next guesses (up to
     the top 2k) where the cache policy ranks them above its victim (see prefetch.py).
     """
+    if tokenizer_config is not None and not isinstance(tokenizer_config, dict):
+        raise MlxmoeError(f"tokenizer_config must be a dict, not {tokenizer_config!r} (mlx_lm.load's second "
+                          "argument; mlxmoe's options are keywords: memory_budget=..., cache_experts=...)")
     if adapter_path is not None:
         raise MlxmoeError(f"adapter {adapter_path}: LoRA adapters are not supported; fuse them into the model "
                           "first (mlx_lm.fuse)")
@@ -103,6 +106,7 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     pool_dtypes = [be.pool_dtype(MX_DTYPES[d]) for d in ckpt.store.tensor_dtypes]
     if prior is not None:  # keep learning from where the profile left off
         live = ActivationProfile.merge([prior], workload=prior.workload)
+        live.curve = prior.curve  # its recording's predicted hit rates, kept when the live profile is saved
     else:
         live = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k)
     live.model, live.fingerprint = str(ckpt.path), fp

@@ -88,8 +88,8 @@ def _finish(model, save_profile, workload=None):
     cache = model.expert_cache
     cache.close()
     if save_profile:
-        if workload:
-            cache.profile.workload = workload
+        if workload or not cache.profile.workload:  # unnamed: after its file
+            cache.profile.workload = workload or os.path.splitext(os.path.basename(save_profile))[0]
         cache.profile.save(save_profile)
         click.echo(f"saved profile {save_profile} ({cache.profile.tokens_total} tokens)", err=True)
 
@@ -116,6 +116,8 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
     model, tokenizer = _load(opts)
     if prompt == "-":
         prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise MlxmoeError("the prompt is empty")
     if chat_template:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     response = None
@@ -132,7 +134,8 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
                    f"generation: {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s", err=True)
     click.echo(f"experts: hit rate {100 * stats['hit_rate']:.1f}%, {stats['misses']} loads, "
                f"{stats['bytes_read'] / 1e6:.1f} MB read, cache {stats['cache_experts']} experts "
-               f"({stats['cache_bytes'] / 1e6:.1f} MB), peak memory {stats['peak_memory'] / 1e6:.1f} MB", err=True)
+               f"({stats['cache_bytes'] / 1e6:.1f} MB), MLX peak memory {stats['peak_memory'] / 1e6:.1f} MB, "
+               f"process peak RSS {stats['peak_rss'] / 1e6:.1f} MB", err=True)
     if stats_json:
         write_atomic(stats_json, json.dumps(stats, indent=1))
 
@@ -168,7 +171,9 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
             except (EOFError, KeyboardInterrupt):
                 click.echo()
                 break
-            if query.strip() in ("/quit", "/exit", "q"):
+            if not query.strip():
+                continue
+            if query.strip() in ("/quit", "/exit"):
                 break
             if query.strip() == "/reset":
                 prompt_cache, first = make_prompt_cache(model), True
@@ -397,7 +402,7 @@ def profile_show(file, top, png, budget, as_json):
 
 @profile.command("merge")
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Merged profile file to write.")
 @click.option("--weights", help="Comma-separated weight per profile (default: equal).")
 @click.option("--workload", "-w", help="Name of the merged workload.")
 def profile_merge(files, out, weights, workload):
@@ -450,6 +455,8 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
     """Run prompts through the model and write the routing of every token and layer."""
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
+    if opts["trace_out"]:
+        raise click.UsageError("trace record writes its trace to --out; --trace-out is for the other commands")
     opts["trace_out"] = out
     model, _ = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
     model.expert_cache.close()

@@ -151,3 +151,26 @@ def test_config_missing_a_field_the_model_needs(copy):
     (path / "config.json").write_text(json.dumps(config))
     assert_clean_error(path, "cannot build this model from config.json", "num_experts")
     assert_cli_error(["info", "--model", str(path)], "config.json")
+
+
+def test_cli_mistakes_are_refused_clearly(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    assert_cli_error(["generate", "--model", str(path), "--prompt", " "], "the prompt is empty")
+    (tmp_path / "p.txt").write_text("hello\n")
+    r = cli("trace", "record", "--model", str(path), "--prompts", str(tmp_path / "p.txt"), "-o",
+            str(tmp_path / "a.jsonl"), "--trace-out", str(tmp_path / "b.jsonl"))
+    assert r.returncode == 2 and "--trace-out" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(MlxmoeError, match="memory_budget="):
+        mlxmoe.load(str(path), "42MB")  # mlx_lm.load's second argument is tokenizer_config
+
+
+def test_converted_checkpoint_is_readable_by_others(checkpoint, tmp_path):
+    import os
+    import stat
+
+    from mlxmoe.convert import bundle
+
+    dst = bundle(checkpoint("qwen3_moe", quant="4bit"), tmp_path / "bundled", progress=lambda _: None)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(dst.stat().st_mode) == 0o777 & ~umask

@@ -270,9 +270,24 @@ def test_chat_saves_profile_and_trace(checkpoint, tmp_path):
                                   str(tmp_path / "live.json"), "--trace-out", str(tmp_path / "t.jsonl")],
                            input="ciao\n/quit\n")
     assert r.exit_code == 0, r.output
-    assert ActivationProfile.load(tmp_path / "live.json").tokens_total > 8
+    live = ActivationProfile.load(tmp_path / "live.json")
+    assert live.tokens_total > 8 and live.workload == "live"  # unnamed: after its file
     lines = (tmp_path / "t.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["format"] == "mlxmoe.trace/1" and len(lines) > 10
+    # a profile loaded and saved back keeps its predicted hit-rate curve; blank lines are not sent
+    p = make_profile()
+    p.curve = {"lru": [[4, 0.5]]}
+    p.model, p.fingerprint = live.model, live.fingerprint
+    p.num_layers, p.num_experts = live.num_layers, live.num_experts
+    p.counts, p.mass = live.counts, live.mass
+    p.save(tmp_path / "named.json")
+    r = CliRunner().invoke(main, ["chat", "--model", str(path), "--max-tokens", "4", "--profile",
+                                  str(tmp_path / "named.json"), "--save-profile", str(tmp_path / "named.json")],
+                           input="\n\nciao\nq\n/quit\n")
+    assert r.exit_code == 0, r.output
+    saved = ActivationProfile.load(tmp_path / "named.json")
+    assert saved.curve == {"lru": [[4, 0.5]]} and saved.workload == "w"
+    assert r.stderr.count(" tok/s, expert hit rate") == 2  # "ciao" and "q" got replies; the blank lines did not
 
 
 def test_ctrl_c_during_record_leaves_a_valid_profile(checkpoint, tmp_path):
