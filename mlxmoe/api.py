@@ -80,9 +80,7 @@ def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path
     except BaseException:  # nothing stays open: shards, IO threads, a trace's temp file
         cache = getattr(ckpt.model, "expert_cache", None)
         if cache is not None:
-            if cache.trace is not None:
-                cache.trace.abort()
-            cache.close()
+            cache.abort()
         ckpt.store.close()
         raise
     return (ckpt.model, tokenizer, ckpt.config) if return_config else (ckpt.model, tokenizer)

@@ -210,8 +210,7 @@ class ExpertCache(Residency):
     def resident_slots(self):
         """Every expert's slot as an mx array [layers, experts] once all are resident and
         none is on its way (with room for all, nothing is evicted: they stay put), else None."""
-        if self.closed:
-            raise MlxmoeError("this model's expert cache is closed; load the model again")
+        self._check_open()
         if self.slot_table is None:
             L, E = self.store.num_layers, self.store.num_experts
             if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
@@ -269,8 +268,7 @@ class ExpertCache(Residency):
         (Ctrl-C in `chat`, which carries on) or failed anywhere, the keys of the call that no
         background read is filling leave the cache: a key given a slot but not yet read
         would otherwise pass for resident with another expert's bytes."""
-        if self.closed:
-            raise MlxmoeError("this model's expert cache is closed; load the model again")
+        self._check_open()
         try:
             return self._fetch(layer, experts, scores, probs)
         except BaseException:
@@ -278,6 +276,10 @@ class ExpertCache(Residency):
                 unsure = [(layer, e) for e in experts if (layer, e) not in self.in_flight]
             self.forget(unsure)
             raise
+
+    def _check_open(self):
+        if self.closed:
+            raise MlxmoeError("this model's expert cache is closed; load the model again")
 
     def _fetch(self, layer, experts, scores=None, probs=None):
         with self.lock:
@@ -520,6 +522,12 @@ class ExpertCache(Residency):
         self.background_read_seconds = 0.0  # pre-warm and prefetch reads (the prefetcher paces itself by it)
         self.bookkeeping_seconds = 0.0  # time StreamingExperts spent on top of mlx-lm's own work
         self.decode_tps = 0.0
+
+    def abort(self):
+        """close() after a failure: a trace being written is dropped, not completed."""
+        if self.trace is not None:
+            self.trace.abort()
+        self.close()
 
     def close(self):
         self.closed = True

@@ -271,9 +271,7 @@ def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=
             except KeyboardInterrupt:
                 interrupted = True
     except BaseException:
-        if cache.trace is not None:
-            cache.trace.abort()
-        cache.close()
+        cache.abort()
         raise
     if interrupted:
         click.echo("interrupted: keeping what was recorded so far", err=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MlxmoeError
+from .errors import MlxmoeError, umask
 from .store import ALIGN, BUNDLE_FORMAT, DTYPES, align_up, tensor_bytes
 
 COPY_CHUNK = 16 << 20
@@ -67,9 +67,7 @@ def bundle(src, dst, progress=print):
         try:
             dst.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-"))
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would stay on DST
+            os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 would stay on DST
         except OSError as e:
             raise MlxmoeError(f"cannot write {dst}: {e.strerror or e}") from None
     except BaseException:

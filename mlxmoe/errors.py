@@ -1,8 +1,17 @@
 """The one exception type mlxmoe raises for bad input; the CLI prints it without a traceback."""
 
+import os
+
 
 class MlxmoeError(Exception):
     """A problem with the user's input (files, sizes, options) that names what is wrong."""
+
+
+def umask():
+    """The process's file-mode creation mask (reading it means setting it: set it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def read_lines(path, what):

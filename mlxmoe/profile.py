@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MlxmoeError
+from .errors import MlxmoeError, umask
 
 FORMAT = "mlxmoe.profile/1"
 DEFAULT_HALF_LIFE = 4096  # tokens: a profile remembers a long session, and still adapts
@@ -258,9 +258,7 @@ def temp_beside(path):
     if not path.parent.is_dir():
         raise MlxmoeError(f"cannot write {path}: folder {path.parent} does not exist")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
+    os.chmod(tmp, 0o666 & ~umask())
     return fd, tmp
 
 

@@ -114,16 +114,17 @@ def layer_calls(records, num_layers):
     """Group the trace's lines into the layer calls that made them: a multi-token call (a
     prefill) writes one line per token, consecutive, with the same sequence and layer, and
     (the runtime's traces) the call's token count `n`. Yields lists of records."""
-    call, size = [], None
+    call, size = [], None  # size: the call's tokens where the trace says (n), else None
     for rec in records:
-        s, t, l = rec[:3]
-        if size is not None:
-            same = len(call) < size
-        else:
-            same = num_layers > 1 and (s, l) == (call[-1][0], call[-1][2]) and t > call[-1][1] if call else False
-        if call and not same:
-            yield call
-            call = []
+        if call:
+            if size is not None:
+                same = len(call) < size
+            else:
+                s, t, l = rec[:3]
+                same = num_layers > 1 and (s, l) == (call[-1][0], call[-1][2]) and t > call[-1][1]
+            if not same:
+                yield call
+                call = []
         if not call:
             size = rec[6] if len(rec) > 6 else None
         call.append(rec)
