@@ -192,9 +192,9 @@ class ActivationProfile:
             L, E = int(data["num_layers"]), int(data["num_experts"])
             counts = np.asarray(data["counts"], dtype=np.float64)
             mass = np.asarray(data.get("router_mass", np.zeros((L, E))), dtype=np.float64)
-            if counts.shape != (L, E) or mass.shape != (L, E):
-                raise ValueError(f"counts are {list(counts.shape)}, header says {L} x {E}")
             for name, values in (("counts", counts), ("router_mass", mass)):
+                if values.shape != (L, E):
+                    raise ValueError(f"{name} is {list(values.shape)}, the header says {L} x {E}")
                 if not np.isfinite(values).all() or (values < 0).any():
                     raise ValueError(f"{name} must be finite and non-negative")
             tokens = float(data["tokens"])

@@ -83,7 +83,9 @@ def test_merge_is_weighted():
     ("{not json", "not JSON"),
     ('{"format": "something/1"}', "not a mlxmoe.profile/1"),
     ('{"format": "mlxmoe.profile/1", "num_layers": 2, "num_experts": 3, "counts": [[1, 2]], "tokens": 1}',
-     "malformed profile"),
+     r"malformed profile \(counts is \[1, 2\], the header says 2 x 3\)"),
+    ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, 2]], "tokens": 1, '
+     '"router_mass": [[1, 2, 3]]}', r"router_mass is \[1, 3\], the header says 1 x 2"),
     ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, -2]], "tokens": 1}',
      "non-negative"),
     ('{"format": "mlxmoe.profile/1", "num_layers": 1, "num_experts": 2, "counts": [[1, 2]]}', "malformed"),
