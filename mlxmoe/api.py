@@ -186,24 +186,28 @@ def read_prompts(path, tokenizer=None, chats=False, chat_template=False):
     """Prompts from a file: one per non-empty line, or (`chats`) one JSON conversation per
     line ({"messages": [...]} or a list of {"role", "content"}) rendered with the chat
     template up to the assistant's turn."""
-    lines = [l for l in read_lines(path, "prompts file") if l.strip()]
+    lines = [(n, l) for n, l in enumerate(read_lines(path, "prompts file"), start=1) if l.strip()]
     if not lines:
         raise MlxmoeError(f"{path}: no prompts")
     if not chats:
         if chat_template:
             return [tokenizer.apply_chat_template([{"role": "user", "content": l}], add_generation_prompt=True)
-                    for l in lines]
-        return lines
+                    for _, l in lines]
+        return [l for _, l in lines]
     prompts = []
-    for n, line in enumerate(lines, start=1):
+    for n, line in lines:  # n: the line's number in the file, blank lines counted
         try:
             chat = json.loads(line)
             messages = chat["messages"] if isinstance(chat, dict) else chat
+            if not isinstance(messages, list) or not messages:
+                raise ValueError("a chat is a non-empty list of messages")
             if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
                 raise ValueError("each message needs a role and a content")
+            prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise MlxmoeError(f"{path}:{n}: not a chat ({e})") from None
-        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        except Exception as e:  # the template's own checks (jinja2 errors: roles out of order...)
+            raise MlxmoeError(f"{path}:{n}: the chat template refused this chat ({e})") from None
     return prompts
 
 

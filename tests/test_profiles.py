@@ -346,3 +346,22 @@ def test_first_token_does_not_wait_for_the_prewarm(monkeypatch):
     assert got == want
     assert cache.prewarm_done(timeout=30)
     cache.close()
+
+
+def test_chats_file_renders_with_the_template_and_names_bad_lines(tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    from mlxmoe.api import read_prompts
+    from mlxmoe.loader import DEMO_MODEL
+
+    tokenizer = load_tokenizer(DEMO_MODEL)
+    chat = [{"role": "user", "content": "Ciao, come stai?"}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": chat}) + "\n\n" + json.dumps(chat) + "\n")
+    want = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    assert read_prompts(path, tokenizer, chats=True) == [want, want]
+    for bad, message in [('{"messages": []}', "non-empty list of messages"), ('{"messages": "hi"}', "non-empty list"),
+                         ("not json", "not a chat"), ('[{"role": "user"}]', "a role and a content")]:
+        path.write_text(json.dumps(chat) + "\n\n" + bad + "\n")  # line 3: blank lines count
+        with pytest.raises(MlxmoeError, match=f"chats.jsonl:3: .*{message}"):
+            read_prompts(path, tokenizer, chats=True)
