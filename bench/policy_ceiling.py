@@ -8,11 +8,13 @@ layer steps ("expected-time"), or d + L(1/p1 - 1) (next-visit only, the rule
 
 With --traces (recorded mlxmoe.trace/1 files, e.g. the demo model's in bench/out), there
 is no hidden state to know; the oracle there knows exactly which experts each layer uses
-at its next visit (p1 = 1 or 0) and keeps `activation`'s own long-run rates: no online
-policy predicts the next token's routing that well.
+at its next visit (p1 = 1 or 0), or at its next m visits (--visits), and keeps
+`activation`'s own long-run rates for the rest: no online policy predicts the next
+token's routing that well, let alone the routing of the tokens after it.
 
     python bench/policy_ceiling.py [--seed 0] [--tokens 800] [--layers 16]
-    python bench/policy_ceiling.py --traces bench/out/demo-*.trace.jsonl
+    python bench/policy_ceiling.py --traces bench/out/demo-*.trace.jsonl [--visits 1,2,4]
+    python bench/policy_ceiling.py --traces bench/out/demo-*.trace.jsonl --search 400
 """
 
 import argparse
@@ -90,29 +92,39 @@ class Oracle(Policy):
 
 
 class NextVisit(Activation):
-    """`activation` told the experts each layer uses at its next visit: p1 is 1 for those
-    and 0 for the others; its long-run rates are its own."""
+    """`activation` told the experts each layer uses at its next `visits` visits: an expert
+    used at the j-th of them is j - 1 visits from its next use, one used at none of them
+    `visits` + 1/g (its own long-run rate g, as `activation` estimates it). With one visit
+    this is p1 = 1 or 0 in activation's d + L (1 - p1) / g."""
 
-    def __init__(self, capacity, num_layers, num_experts, next_uses=None, **kw):
+    def __init__(self, capacity, num_layers, num_experts, next_uses=None, visits=1, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         self.next_uses, self.seen = next_uses, [0] * num_layers  # next_uses[layer][i]: experts at its i-th call
+        self.known = visits
 
     def visit(self, layer, experts, scores=None, probs=None):
         super().visit(layer, experts, scores, probs)
         i = self.seen[layer] = self.seen[layer] + 1
-        p1 = np.zeros(self.num_experts)
-        p1[self.next_uses[layer][i] if i < len(self.next_uses[layer]) else []] = 1.0
-        self.p[layer] = p1
-        self.cost[layer] = (1.0 - p1) / self.g[layer]
+        uses = self.next_uses[layer]
+        ahead = self.known + 1.0 / self.g[layer]
+        for j in range(min(self.known, len(uses) - i) - 1, -1, -1):  # the nearest use wins
+            ahead[uses[i + j]] = j
+        self.p[layer] = ahead == 0
+        self.cost[layer] = ahead
         self._sort(layer)
 
+    def _tail(self, key, p1=None):
+        return self.num_layers * self.cost[key]
 
-def recorded(paths):
-    """Gap closed at 25/50/75 % on recorded traces: activation against the next-visit oracle."""
+
+def recorded(paths, visits=(1,)):
+    """Gap closed at 25/50/75 % on recorded traces: activation against oracles that know
+    each layer's experts at its next 1, 2, ... visits."""
     from mlxmoe.policies import POLICIES
     POLICIES.setdefault("next-visit", NextVisit)
-    print(f"{'trace':>22} {'cache':>6} {'lru':>8} {'activation':>11} {'next-visit oracle':>18} {'belady':>8}"
-          "   gap closed (activation / oracle)")
+    oracles = [f"next {m} visit{'s' if m > 1 else ''}" for m in visits]
+    print(f"{'trace':>22} {'cache':>6} {'lru':>8} {'activation':>11} {'belady':>8}   gap closed: activation / "
+          + " / ".join(oracles))
     for path in paths:
         header, records = read_trace(path)
         L, E = header["num_layers"], header["num_experts"]
@@ -121,12 +133,43 @@ def recorded(paths):
             uses = [[] for _ in range(L)]
             for _, layer, experts, *_ in steps(records, L, n):
                 uses[layer].append(experts)
-            rates = [replay(header, records, p, n, **({"next_uses": uses} if p == "next-visit" else {}))["hit_rate"]
-                     for p in ("lru", "activation", "next-visit", "belady")]
-            gap = rates[3] - rates[0]
-            print(f"{Path(path).name:>22} {share:>6.0%} " + " ".join(
-                f"{100 * r:>{w}.2f}" for r, w in zip(rates, (8, 11, 18, 8)))
-                + "   " + " / ".join(f"{(r - rates[0]) / gap:.2f}" for r in rates[1:3]), flush=True)
+            lru, act, best = (replay(header, records, p, n)["hit_rate"] for p in ("lru", "activation", "belady"))
+            known = [replay(header, records, "next-visit", n, next_uses=uses, visits=m)["hit_rate"] for m in visits]
+            gap = best - lru
+            print(f"{Path(path).name:>22} {share:>6.0%} {100 * lru:>8.2f} {100 * act:>11.2f} {100 * best:>8.2f}   "
+                  + " / ".join(f"{(r - lru) / gap:.2f}" for r in [act] + known), flush=True)
+
+
+SEARCH_SPACE = dict(half_life=[8, 12, 24, 48, 96], recency_half_life=[1, 2, 4, 8], recency_weight=[0, 0.1, 0.2, 0.4, 0.6],
+                    router_weight=[0, 0.5, 1, 2], now_weight=[0.3, 0.45, 0.6, 0.75, 0.9], now_scale=[2, 4, 8, 16, 32],
+                    horizon=[1, 2, 4], long_min=[4, 8, 16, 32], long_max=[40, 80, 160, 320], long_prior=[1, 4, 16])
+
+
+def search(paths, tries, seed=0, share=0.5):
+    """Random search over `activation`'s parameters (SEARCH_SPACE), scored in sample on the
+    traces themselves by the gap closed at `share`: how far its rule can go at best."""
+    import random
+    data = []
+    for path in paths:
+        header, records = read_trace(path)
+        n = int(header["num_layers"] * header["num_experts"] * share)
+        lru, best = (replay(header, records, p, n)["hit_rate"] for p in ("lru", "belady"))
+        data.append((header, records, n, lru, best))
+
+    def closed(kw):
+        return [(replay(h, r, "activation", n, **kw)["hit_rate"] - lru) / (best - lru) for h, r, n, lru, best in data]
+
+    rng = random.Random(seed)
+    shipped = closed({})
+    top = list(shipped)
+    print("shipped settings: " + " / ".join(f"{c:.3f}" for c in shipped))
+    for i in range(tries):
+        kw = {k: rng.choice(v) for k, v in SEARCH_SPACE.items()}
+        scores = closed(kw)
+        if any(c > t for c, t in zip(scores, top)):
+            top = [max(c, t) for c, t in zip(scores, top)]
+            print(f"try {i}: " + " / ".join(f"{c:.3f}" for c in scores) + f"  {kw}", flush=True)
+    print(f"best of {tries} per trace: " + " / ".join(f"{t:.3f}" for t in top))
 
 
 def hit_rate(records, policy, capacity):
@@ -144,10 +187,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=800)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--traces", nargs="*", default=[], help="Recorded traces: the next-visit oracle on each.")
+    ap.add_argument("--traces", nargs="*", default=[], help="Recorded traces: the next-visit oracles on each.")
+    ap.add_argument("--visits", default="1,2,4", help="With --traces: how many next visits each oracle knows.")
+    ap.add_argument("--search", type=int, default=0, metavar="N",
+                    help="With --traces: random search of N settings of activation's parameters instead.")
     args = ap.parse_args()
+    if args.traces and args.search:
+        return search(args.traces, args.search, args.seed)
     if args.traces:
-        return recorded(args.traces)
+        return recorded(args.traces, [int(m) for m in args.visits.split(",")])
     heat, k = load_heat()
     records, chances = records_with_state(heat, k, args.tokens, args.layers, seed=args.seed)
     L, E = args.layers, heat.shape[1]

@@ -76,8 +76,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--even", action="store_true", help="Even popularity in Mixtral-8x7B's shape (32 x 8, top-2).")
     args = ap.parse_args()
-    heat, k = load_heat()
+    heat, k = (np.ones((32, 8)), 2) if args.even else load_heat()
     records = synthetic_records(heat, k, args.tokens, layers=args.layers, seed=args.seed)
     L = args.layers or heat.shape[0]
     write_trace(args.out, records, L, heat.shape[1], k)
