@@ -360,7 +360,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
 def profile_show(file, top, png, budget, as_json):
     """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
     from .budget import format_size, parse_size
-    from .profile import ActivationProfile, write_heatmap_png
+    from .profile import ActivationProfile, curve_at, write_heatmap_png
 
     p = ActivationProfile.load(file)
     share = p.hot_share(0.25)
@@ -372,8 +372,10 @@ def profile_show(file, top, png, budget, as_json):
         write_heatmap_png(png, p.counts)
     if budget and p.expert_bytes:
         free = parse_size(budget, "budget") - (p.resident_bytes or 0)
-        out["budget"] = {"budget": budget,
-                         "cache_experts": min(max(0, free // p.expert_bytes), p.num_layers * p.num_experts)}
+        c = min(max(0, free // p.expert_bytes), p.num_layers * p.num_experts)
+        predicted = {name: curve_at(points, c) for name, points in p.curve.items()}
+        out["budget"] = {"budget": budget, "cache_experts": c,
+                         "predicted_hit_rate": {n: round(r, 4) for n, r in predicted.items() if r is not None}}
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
@@ -394,6 +396,11 @@ def profile_show(file, top, png, budget, as_json):
         every = " (every expert)" if c == p.num_layers * p.num_experts else ""
         click.echo(f"{budget} holds {c} experts{every} beside {format_size(p.resident_bytes or 0)} of resident weights, "
                    "KV cache and working memory")
+        if c < p.top_k:
+            click.echo(f"  too small: a layer needs {p.top_k} experts at once")
+        elif out["budget"]["predicted_hit_rate"]:
+            rates = out["budget"]["predicted_hit_rate"]
+            click.echo("  predicted hit rate there: " + ", ".join(f"{n} {100 * r:.1f}%" for n, r in rates.items()))
     if png:
         click.echo(f"heatmap: {png}")
 

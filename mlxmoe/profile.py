@@ -358,6 +358,18 @@ def write_heatmap_png(path, matrix, scale=None):
 CURVE_SHARES = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
 
 
+def curve_at(points, experts):
+    """A policy's predicted hit rate at a cache of `experts` experts, read off its curve
+    ([[experts, hit rate], ...] by size) by linear interpolation; None outside it."""
+    for c, r in points:
+        if c == experts:
+            return r
+    for (c0, r0), (c1, r1) in zip(points, points[1:]):
+        if c0 < experts < c1:
+            return r0 + (r1 - r0) * (experts - c0) / (c1 - c0)
+    return None
+
+
 def predicted_curve(header, records, policies=None, shares=CURVE_SHARES):
     """Hit rate vs cache size (experts) on a recorded access sequence for each online
     policy (default: all): LRU from one pass of stack distances, the others by replay."""

@@ -266,6 +266,24 @@ def test_record_half_life_fresh_counts_and_bad_paths(checkpoint, tmp_path, monke
     assert json.loads(r.stdout)["budget"]["cache_experts"] == a.num_layers * a.num_experts
 
 
+def test_show_reads_the_hit_rate_a_budget_buys_off_the_curve(tmp_path):
+    from mlxmoe.profile import curve_at
+
+    points = [[2, 0.1], [6, 0.5], [12, 0.9]]
+    assert curve_at(points, 4) == pytest.approx(0.3) and curve_at(points, 12) == 0.9 and curve_at(points, 2) == 0.1
+    assert curve_at(points, 1) is None and curve_at(points, 13) is None
+    p = ActivationProfile(2, 8, 2, expert_bytes=1000, resident_bytes=10_000)
+    p.curve = {"lru": points, "activation": [[2, 0.2], [6, 0.6], [12, 0.95]]}
+    p.save(tmp_path / "p.json")
+    show = lambda budget, *more: CliRunner().invoke(main, ["profile", "show", str(tmp_path / "p.json"),
+                                                           "--budget", budget, *more])
+    out = json.loads(show("14000B", "--json").stdout)["budget"]  # 4 experts beside 10,000 bytes
+    assert out["cache_experts"] == 4
+    assert out["predicted_hit_rate"] == {"lru": pytest.approx(0.3), "activation": pytest.approx(0.4)}
+    assert "predicted hit rate there: lru 30.0%, activation 40.0%" in show("14000B").output
+    assert "too small: a layer needs 2 experts at once" in show("11000B").output
+
+
 def test_chat_saves_profile_and_trace(checkpoint, tmp_path):
     path = checkpoint("qwen3_moe", quant="4bit")
     r = CliRunner().invoke(main, ["chat", "--model", str(path), "--max-tokens", "8", "--save-profile",
