@@ -2,6 +2,9 @@
 
 1. pre-warm: hit rate over the first 64 generated tokens of Italian prompts at 50 % cache,
    with the Italian profile, with none, and with the English profile;
+   and, replayed on the held-out traces of bench_policies.py --demo (bench/out), the hit
+   rate of `activation` with the matching profile as prior, with none, and with the
+   other language's (a mismatched profile: its pins must let go);
 2. profile switch: a session that starts in Italian (Italian profile) and changes to
    English: how many tokens `activation` (and LRU) need to get back to their English
    steady-state hit rate, replayed on traces recorded from the model;
@@ -17,6 +20,7 @@ Results go to bench/out/profiles.json.
 
     python bench/bench_profiles.py [--model DIR] [--profiles profiles/]
     python bench/bench_profiles.py --only-bookkeeping   # section 3 alone (about a minute)
+    python bench/bench_profiles.py --only-prior         # section 1's replays alone (seconds)
 """
 
 import argparse
@@ -35,7 +39,7 @@ from mlxmoe.cache import Residency
 from mlxmoe.loader import DEMO_MODEL
 from mlxmoe.policies import make_policy
 from mlxmoe.profile import ActivationProfile
-from mlxmoe.trace import layer_calls, read_trace, steps
+from mlxmoe.trace import layer_calls, read_trace, replay, steps
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"
@@ -62,6 +66,27 @@ def prewarm(model_path, profiles_dir, italian, tokens=64, share=0.5):
         rows[name or "none"] = float(np.mean(rates))
         print(f"  profile {name or 'none':>8}: hit rate over the first {tokens} generated tokens "
               f"{100 * rows[name or 'none']:.1f}%")
+    return rows
+
+
+def prior_replays(profiles_dir, shares=(0.25, 0.5, 0.75)):
+    """`activation`'s hit rate replayed on the held-out Italian and English traces with
+    each profile as prior and with none (the traces of bench_policies.py --demo)."""
+    rates = {name: ActivationProfile.load(profiles_dir / f"{name}.json").rates() for name in ("italian", "english")}
+    rows = {}
+    for lang in ("it", "en"):
+        path = OUT / f"demo-{lang}.trace.jsonl"
+        if not path.exists():
+            print(f"  {path} missing: run python bench/bench_policies.py --demo first")
+            continue
+        header, records = read_trace(path)
+        n = header["num_layers"] * header["num_experts"]
+        for name in ("italian", "english", None):
+            kw = {} if name is None else {"prior": rates[name]}
+            hit = [replay(header, records, "activation", int(n * s), **kw)["hit_rate"] for s in shares]
+            rows[f"{lang}/{name or 'none'}"] = hit
+            print(f"  {lang} held-out, {name or 'no'} profile: " + " / ".join(f"{100 * h:.2f}%" for h in hit)
+                  + " at " + " / ".join(f"{s:.0%}" for s in shares))
     return rows
 
 
@@ -293,6 +318,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=4, help="Held-out prompts per language.")
     ap.add_argument("--only-prefetch", action="store_true", help="Run section 4 alone.")
     ap.add_argument("--only-bookkeeping", action="store_true", help="Run section 3 alone (bench/out/bookkeeping.json).")
+    ap.add_argument("--only-prior", action="store_true", help="Run section 1's replays with profiles as prior alone.")
     args = ap.parse_args()
     profiles = Path(args.profiles)
     OUT.mkdir(exist_ok=True)
@@ -301,12 +327,16 @@ def main():
     out = {}
     if args.only_prefetch:
         return prefetch_section(args.model, out)
+    if args.only_prior:
+        prior_replays(profiles)
+        return
     if args.only_bookkeeping:
         bookkeeping_section(args.model, it[0], out)
         (OUT / "bookkeeping.json").write_text(json.dumps(out, indent=1))
         return
     print("1. pre-warm at 50 % cache (Italian prompts)")
     out["prewarm"] = prewarm(args.model, profiles, it)
+    out["prior_replays"] = prior_replays(profiles)
     print("2. profile switch: Italian -> English, replayed at 50 % cache")
     header, it_rec = record(args.model, prompts("it", 4 * args.prompts), OUT / "switch-it.trace.jsonl")
     _, en_rec = record(args.model, prompts("en", 4 * args.prompts), OUT / "switch-en.trace.jsonl")

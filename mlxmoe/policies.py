@@ -393,7 +393,11 @@ class Activation(Policy):
     its hundreds of tokens should not outweigh them); counted as several visits, its
     estimates decay that many times towards the share of its tokens that used each expert,
     estimated from the router's mean distribution times top-k.
-    The prior's hottest experts are pinned, at most `pin_share` of the cache.
+    The prior's hottest experts are pinned, at most `pin_share` of the cache, each while the
+    workload bears the profile out: while its live decayed frequency F is at least
+    `pin_release` x its prior rate (F starts at the prior; when the workload turns out to
+    be another one, such pins let go within about `half_life` tokens instead of holding a
+    mismatched profile's experts for good).
 
     Cost per layer call (it runs on the decode thread between a layer's routing and its
     compute): a layer's F, R, M, prior term and U are rows of one array, so a visit is
@@ -410,7 +414,7 @@ class Activation(Policy):
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=24, recency_half_life=4,
                  recency_weight=0.2, router_weight=1.0, prior_weight=0.1, now_weight=0.6, horizon=2.0,
                  long_min=16.0, long_max=80.0, long_prior=4.0, prefill_visits=1, now_scale=8.0,
-                 pin_share=0.25, **kw):
+                 pin_share=0.25, pin_release=0.5, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         L, E = num_layers, num_experts
         self.slow = 2.0 ** (-1.0 / half_life)
@@ -457,9 +461,13 @@ class Activation(Policy):
         # runtime lowers a layer's where prefetch hides its misses (ExpertCache.miss_costs),
         # and the victim is the expert with the largest expected time to next use / cost
         self.miss_cost = np.ones(L)
-        self.pinned = set()
+        self.pinned = set()  # those of the pin candidates the workload bears out (see _hold_pins)
+        self.pin_release = pin_release
+        self.pin_candidates = [np.zeros(0, dtype=np.intp) for _ in range(L)]  # per layer
         if prior is not None and pin_share > 0:
             self.pinned = set(hottest(self.prior, int(capacity * pin_share)))
+            for layer in range(L):
+                self.pin_candidates[layer] = np.array(sorted(e for l, e in self.pinned if l == layer), dtype=np.intp)
 
     def tick(self, tokens=1):
         self.call_tokens = tokens  # every layer call until the next tick has this many tokens
@@ -516,8 +524,18 @@ class Activation(Policy):
         self.visits += 1
         self.visited_at[layer] = self.visits
         self.order[layer] = list(self.resident[layer])
+        if len(self.pin_candidates[layer]):
+            self._hold_pins(layer)
         self._sort(layer)
         self.unsorted.discard(layer)
+
+    def _hold_pins(self, layer):
+        """Pin those of `layer`'s candidates whose live frequency is at least pin_release
+        x their prior rate, unpin the others."""
+        candidates = self.pin_candidates[layer]
+        held = self.F[layer, candidates] >= self.pin_release * self.prior[layer, candidates]
+        for e, pin in zip(candidates.tolist(), held.tolist()):
+            (self.pinned.add if pin else self.pinned.discard)((layer, e))
 
     def _mix(self, layer, out=None):
         """p1 from the decayed estimates: ((1 - rw) F + rw R) + router_weight M + prior_weight P,

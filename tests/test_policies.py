@@ -111,6 +111,26 @@ def test_activation_prefers_frequent_and_pins_prior():
     assert (0, 7) not in evicted and (0, 7) in r.slot_of
 
 
+def test_activation_lets_go_of_pins_the_workload_does_not_bear_out():
+    # expert 7's prior rate is 0.9 per token. Its live frequency F starts there, takes the
+    # use at the first token, then halves every 24 tokens unused: the pin holds while F is
+    # at least half the prior rate, and lets go at the first token where it is not
+    prior = np.zeros((1, 16))
+    prior[0, 7] = 0.9
+    decay = 2 ** (-1 / 24)
+    release = next(n for n in range(1, 100) if (0.9 * decay + 1 - decay) * decay ** n < 0.5 * 0.9)
+    assert release == 25
+    others = list(range(1, 7)) * 5
+    _, r = run("activation", 2, single(7, *others[:release - 1]), prior=prior, pin_share=0.5)
+    assert r.policy.pinned == {(0, 7)}
+    _, r = run("activation", 2, single(7, *others[:release]), prior=prior, pin_share=0.5)
+    assert r.policy.pinned == set()
+    # used at about the prior's rate, it stays pinned
+    evicted, r = run("activation", 2, single(*[e for o in others for e in (7, 7, 7, 7, 7, 7, 7, 7, 7, o)]),
+                     prior=prior, pin_share=0.5)
+    assert (0, 7) not in evicted and r.policy.pinned == {(0, 7)}
+
+
 def test_activation_evicts_from_the_layer_just_run_on_ties():
     # two layers, equal histories: after layer 0 runs, its experts are next needed a
     # whole token later, layer 1's in one step; the victim comes from layer 0
