@@ -46,7 +46,15 @@ class Busy(Exception):
 
 
 class Residency:
-    def __init__(self, capacity, policy):
+    """`defer_hits`: a layer call whose experts are all resident needs nothing from the
+    policy now, so its policy updates (visit, accesses) wait in `pending` until something
+    needs the policy's state (a victim, a claim, a key leaving, a tick) and are then made in
+    the same order: the same decisions as without deferring (the replay does not defer),
+    and on the decode thread a run of them costs about half what they cost one by one right
+    after each layer's sync, where the host's caches are cold (or they run in a prefetch
+    worker, whose claim catches up first)."""
+
+    def __init__(self, capacity, policy, defer_hits=False):
         if capacity < 1:
             raise MlxmoeError(f"the expert cache needs at least one slot, got {capacity}")
         self.capacity = capacity
@@ -56,6 +64,21 @@ class Residency:
         self.in_flight = set()  # keys whose slot is being filled by a background read: never victims
         self.held = set()  # prefetched for a coming layer call: victims only when nothing else is
         self.hits = self.misses = self.evictions = 0
+        self.defer_hits = defer_hits
+        self.pending = []  # all-hit layer calls (layer, experts, scores, probs) the policy has not seen yet
+
+    def catch_up(self):
+        """Give the policy the layer calls deferred so far, in order."""
+        pending, self.pending = self.pending, []
+        for layer, experts, scores, probs in pending:
+            self.policy.visit(layer, experts, scores, probs)
+            for i, e in enumerate(experts):
+                self.policy.access((layer, int(e)), True, None if scores is None else scores[i])
+
+    def tick(self, tokens):
+        """New tokens start: the policy's clock moves (after the calls deferred before)."""
+        self.catch_up()
+        self.policy.tick(tokens)
 
     def access(self, layer, experts, scores=None, probs=None):
         """Make `experts` (distinct ids) of `layer` resident; `scores` are their router
@@ -66,6 +89,13 @@ class Residency:
         """
         if len(experts) > self.capacity:
             raise MlxmoeError(f"layer {layer} needs {len(experts)} experts at once; the cache holds {self.capacity}")
+        if self.defer_hits:
+            slots = [self.slot_of.get((layer, int(e))) for e in experts]
+            if None not in slots:
+                self.pending.append((layer, experts, scores, probs))
+                self.hits += len(experts)
+                return slots, []
+            self.catch_up()
         protected = {(layer, int(e)) for e in experts} | self.in_flight
         if self.in_flight:  # background reads hold slots: wait for them rather than run out of victims
             missing = sum((layer, int(e)) not in self.slot_of for e in experts)
@@ -97,11 +127,13 @@ class Residency:
 
     def _release(self, key):
         """Take resident `key` out of the policy and the residency map; return its slot."""
+        self.catch_up()
         self.policy.remove(key)
         self.evicted(key)
         return self.slot_of.pop(key)
 
     def victim(self, protected):
+        self.catch_up()
         if self.held:
             try:
                 return self.policy.victim(protected | self.held)
@@ -114,6 +146,7 @@ class Residency:
         free slots, and victims outside `protected` when `evict`, as far as they go. A key
         with `worth(key, victim)` false stops the claim there rather than evict that victim.
         The policy sees the most important inserted last. Returns [(key, slot)]."""
+        self.catch_up()
         taken = []
         for key in keys:
             if key in self.slot_of:
@@ -150,7 +183,7 @@ class ExpertCache(Residency):
     """
 
     def __init__(self, store, capacity, policy, pool_dtypes, io_threads=4, profile=None):
-        super().__init__(capacity, policy)
+        super().__init__(capacity, policy, defer_hits=True)
         self.store = store
         self.pools = []  # mx arrays [capacity, *shape], one per expert tensor
         self.views = []  # writable numpy views of the pools' memory
@@ -201,7 +234,7 @@ class ExpertCache(Residency):
             self.current_layer = -1
             self.tokens += tokens
             self.step_tokens = tokens
-            self.policy.tick(tokens)
+            super().tick(tokens)
             if self.profile is not None:
                 self.profile.tick(tokens)
         self.call_position = self.position

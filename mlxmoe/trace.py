@@ -168,7 +168,7 @@ def replay(header, records, policy, cache_experts, **policy_kw):
     residency = Residency(cache_experts, make_policy(policy, cache_experts, L, E, **policy_kw))
     for tokens, layer, experts, scores, dist in steps(records, L, cache_experts):
         if tokens:
-            residency.policy.tick(tokens)
+            residency.tick(tokens)
         residency.access(layer, experts, scores, dist)
     accesses = residency.hits + residency.misses
     return {"policy": policy, "cache_experts": cache_experts, "accesses": accesses, "hits": residency.hits,

@@ -322,3 +322,38 @@ def test_replay_matches_the_runtime(checkpoint, tmp_path, layers):
         header, records = read_trace(trace)
         r = replay(header, records, policy, 4)
         assert (r["hits"], r["accesses"]) == (stats["hits"], stats["hits"] + stats["misses"]), policy
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "slru", "s3fifo", "activation"])
+def test_deferring_all_hit_calls_changes_no_decision(name):
+    """The runtime's Residency defers the policy updates of layer calls that hit; the
+    policy must see the same calls in the same order, so every eviction, claim and hit is
+    the one the replay (which does not defer) makes."""
+    rng = np.random.default_rng(0)
+    L, E, k = 3, 8, 2
+    runs = [Residency(9, make_policy(name, 9, L, E), defer_hits=defer) for defer in (False, True)]
+    log, deferred = [[], []], 0
+    for r, out in zip(runs, log):
+        r.evicted = out.append
+    for t in range(300):
+        n = 3 if t % 40 == 0 else 1  # now and then a prefill-like call of 3 tokens
+        for layer in range(L):
+            hot = rng.choice(E, size=k * n, replace=True, p=np.linspace(2, 1, E) / np.linspace(2, 1, E).sum())
+            experts = sorted(set(hot.tolist()))
+            probs = rng.dirichlet(np.ones(E))
+            claim = [(int((layer + 1) % L), int(e)) for e in rng.choice(E, size=2, replace=False)]
+            for r, out in zip(runs, log):
+                if layer == 0:
+                    r.tick(n)
+                before = len(r.pending)
+                slots, missed = r.access(layer, experts, probs[experts].tolist(), probs)
+                deferred += len(r.pending) > before
+                out.append(("access", tuple(slots), tuple(missed)))
+                if t % 3 == 0:  # a prefetch claims two keys of the next layer
+                    out.append(("claim", tuple(r.claim(claim, {(layer, e) for e in experts}, evict=True))))
+                if t % 50 == 7 and r.slot_of:  # a key leaves (an interrupted read)
+                    key = sorted(r.slot_of)[0]
+                    r.free.append(r._release(key))
+    assert log[0] == log[1]
+    assert (runs[0].hits, runs[0].misses) == (runs[1].hits, runs[1].misses)
+    assert deferred > 50  # of 900 layer calls, many hit and waited for the policy
