@@ -49,10 +49,10 @@ class Residency:
     """`defer_hits`: a layer call whose experts are all resident needs nothing from the
     policy now, so its policy updates (visit, accesses) wait in `pending` until something
     needs the policy's state (a victim, a claim, a key leaving, a tick) and are then made in
-    the same order: the same decisions as without deferring (the replay does not defer),
-    and on the decode thread a run of them costs about half what they cost one by one right
-    after each layer's sync, where the host's caches are cold (or they run in a prefetch
-    worker, whose claim catches up first)."""
+    the same order: the same decisions as without deferring (the replay does not defer).
+    Made in a run they cost less than one by one right after each layer's sync, where the
+    host's caches are cold (about half in a replay loop paused between calls), and most
+    are made by a prefetch worker, whose claim catches up first, off the decode thread."""
 
     def __init__(self, capacity, policy, defer_hits=False):
         if capacity < 1:
