@@ -145,7 +145,7 @@ def switch(header, it_records, en_records, profile, policy, share=0.5, window=16
         position = call[-1][:2]
         for tokens, layer, experts, scores, dist in steps(call, L, size):
             if tokens:
-                r.policy.tick(tokens)
+                r.tick(tokens)
             before = r.hits
             r.access(layer, experts, scores, dist)
             hits[position] = hits.get(position, 0) + r.hits - before

@@ -274,7 +274,7 @@ def optimal_loads(trace, capacity):
     step, loads = -1, 0
     for tokens, layer, experts, scores, dist in fetches:
         if tokens:
-            r.policy.tick(tokens)
+            r.tick(tokens)
             step += tokens == 1  # the single-token calls are the decode steps
         before = r.misses
         r.access(layer, experts, scores, dist)

@@ -176,7 +176,7 @@ def hit_rate(records, policy, capacity):
     r, last = Residency(capacity, policy), None
     for t, l, experts in records:
         if t != last:
-            policy.tick(1)
+            r.tick(1)
             last = t
         r.access(l, experts)
     return r.hits / (r.hits + r.misses)

@@ -25,7 +25,7 @@ def run(policy, capacity, sequence, layers=1, experts=16, **kw):
     r.evicted = evicted.append
     for layer, es in sequence:
         if layer == 0:
-            r.policy.tick(1)
+            r.tick(1)
         r.access(layer, es)
     return evicted, r
 

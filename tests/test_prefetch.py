@@ -176,7 +176,7 @@ def test_claim_asks_worth_and_never_evicts_protected():
 
     r = Residency(4, make_policy("activation", 4, 2, 8))
     for t in range(6):  # layer 0 uses 0 and 1 every token, layer 1 uses 0 and 1 once
-        r.policy.tick(1)
+        r.tick(1)
         r.access(0, [0, 1])
         r.access(1, [0, 1] if t == 0 else [2, 3])
     protected = {(1, 2), (1, 3)}
@@ -274,7 +274,7 @@ def test_a_layer_whose_misses_prefetch_hides_gives_up_slots_first():
 
     r = Residency(6, make_policy("activation", 6, 2, 8))
     for t in range(4):
-        r.policy.tick(1)
+        r.tick(1)
         r.access(0, [0, 1, 2] if t % 2 else [0, 3, 4])
         r.access(1, [0, 1, 2])
     layer, _ = r.policy.victim(set())
