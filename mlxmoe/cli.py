@@ -488,6 +488,52 @@ def trace_replay(trace_file, policy, cache_experts, as_json):
                        f"belady {100 * r['belady_hit_rate']:.2f}%")
 
 
+@trace.command("import")
+@click.argument("fmt", metavar="FORMAT", type=click.Choice(["specmoe", "bigmoeonedge", "moe-ocs", "vllm", "sglang"]))
+@click.argument("src", type=click.Path(dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Trace file to write (JSONL).")
+@click.option("--only", help="Keep only these sequences, comma-separated: problem ids (specmoe), turns "
+              "(bigmoeonedge), request ids (vllm, sglang).")
+@click.option("--num-layers", type=click.IntRange(min=1), help="MoE layers (sglang: the layers of its array, "
+              "dense ones included). Default: what the file says, else the largest layer + 1.")
+@click.option("--num-experts", type=click.IntRange(min=1), help="Experts per layer. Default: what the file says, "
+              "else the largest id + 1.")
+@click.option("--top-k", type=click.IntRange(min=1), help="Experts per token (sglang, when the response lacks "
+              "its token counts).")
+@click.option("--model", "model_name", help="Model name for the trace header. Default: what the file says.")
+def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name):
+    """Convert routing recorded by another engine (FORMAT, file SRC) into an mlxmoe trace,
+    to replay here (`trace replay`, `profile from-trace`) and see what a cache size buys.
+
+    \b
+    FORMAT is one of
+      specmoe       speculative-moe JSONL (Mixtral-8x7B): {"dataset", "problem_id", "layer",
+                    "token_idx", "experts", "gating_probs"}; one sequence per problem
+      bigmoeonedge  BigMoeOnEdge route_trace CSV (`#` preamble, turn,phase,step,layer,slot,expert,weight)
+      moe-ocs       moe_ocs_learning JSON ({"meta", "routes": [{"token_pos", "phase", "layers"}]})
+      vllm          JSONL of {"type": "route", "req_id", "token_idx", "layer", "topk_ids",
+                    "topk_weights"[, "phase"]}; one sequence per req_id; a profiling run's
+                    repeated routing at the start is dropped (with a warning)
+      sglang        SGLang responses with return_routed_experts (meta_info.routed_experts or
+                    choices[].sgl_ext.routed_experts: base64 int32 [tokens, layers, top_k]);
+                    needs --num-layers
+
+    Each sequence is written as mlxmoe runs a request: its prompt as one layer call per
+    layer (lines marked "ph": "prefill"), then each token through every layer; gating
+    weights are kept as the lines' "p"."""
+    from .profile import check_writable
+    from .trace import import_trace
+
+    check_writable(out)
+    wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None
+    summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name)
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+    click.echo(f"saved {out}: {summary['sequences']} sequences, {summary['tokens']} tokens "
+               f"({summary['prefill_tokens']} of prompts), {summary['num_layers']} layers x "
+               f"{summary['num_experts']} experts, top-{summary['top_k']}", err=True)
+
+
 @main.command()
 @click.argument("src", type=click.Path(file_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
