@@ -376,17 +376,22 @@ def read_moe_ocs(path):
 
 def read_vllm(path):
     """vLLM-style routing logs: one line per token and layer, {"type": "route", "req_id",
-    "token_idx", "layer", "topk_ids", "topk_weights"} (other types are skipped), an optional
-    "phase" ("prefill"/"decode"). Each req_id is a sequence. Without "phase", a run of a
+    "token_idx", "layer", "topk_ids", "topk_weights"} and an optional "phase"
+    ("prefill"/"decode"); a {"type": "meta"} line may give model_id, num_experts, top_k;
+    other types are skipped. Each req_id is a sequence. Without "phase", a run of a
     request's consecutive lines at one layer holding several tokens is a prefill (the
-    engine logs a forward pass layer by layer); single tokens are decode. A dump that
-    opens with one routing repeated (vLLM's profiling run on dummy tokens) loses those
-    rows, with a warning."""
+    engine logs a forward pass layer by layer), single tokens are decode; a log of one
+    layer cannot show this and is taken as decode. A dump that opens with one routing
+    repeated (vLLM's profiling run on dummy tokens) loses those rows, with a warning."""
     rows = []
+    meta = {"num_layers": None, "num_experts": None, "top_k": None, "model": None}
     for n, r in _json_lines(path):
         where = f"{path}:{n}"
         if not isinstance(r, dict):
             raise MlxmoeError(f"{where}: not a routing record (a JSON object)")
+        if r.get("type") == "meta":
+            for key, name in (("num_experts", "num_experts"), ("top_k", "top_k"), ("model", "model_id")):
+                meta[key] = r.get(name, meta[key])
         if r.get("type", "route") != "route":
             continue
         if "req_id" not in r:
@@ -401,6 +406,7 @@ def read_vllm(path):
     by_request = {}
     for row in rows:
         by_request.setdefault(row[0], []).append(row[1:])
+    several_layers = len({row[2] for row in rows}) > 1
     sequences = []
     for req, lines in by_request.items():
         entries, i = [], 0
@@ -409,11 +415,11 @@ def read_vllm(path):
             while j < len(lines) and lines[j][1] == lines[i][1]:
                 j += 1
             for token, layer, experts, probs, phase, where in lines[i:j]:
-                prefill = phase == "prefill" if phase else j - i > 1
+                prefill = phase == "prefill" if phase else several_layers and j - i > 1
                 entries.append((token, layer, experts, probs, prefill, where))
             i = j
         sequences.append((req, entries))
-    return {"num_layers": None, "num_experts": None, "top_k": None, "model": None}, sequences, warnings
+    return meta, sequences, warnings
 
 
 def _drop_repeated_opening(path, rows):
@@ -429,7 +435,7 @@ def _drop_repeated_opening(path, rows):
         end += 1
     if not seen or min(seen.values()) < REPEAT_RUN:
         return [], rows
-    return [f"{path}: dropped the first {end} routing rows (to {rows[end - 1][-1].rsplit(':', 1)[-1]}): one "
+    return [f"{path}: dropped the first {end} routing rows (through line {rows[end - 1][-1].rsplit(':', 1)[-1]}): one "
             f"routing repeated at every layer, as a profiling run on dummy tokens makes"], rows[end:]
 
 

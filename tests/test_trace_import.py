@@ -147,7 +147,7 @@ def test_vllm_requests_prefill_runs_and_profiling_run_dropped(tmp_path):
                              "topk_weights": [0.6, 0.4]})
     src = write_jsonl(tmp_path / "routes.jsonl", rows)
     summary, warnings = import_trace("vllm", src, tmp_path / "t.jsonl", num_experts=8)
-    assert any("dropped the first 20 routing rows (to 20)" in w for w in warnings)
+    assert any("dropped the first 20 routing rows (through line 20)" in w for w in warnings)
     assert summary["sequences"] == 2 and summary["prefill_tokens"] == 3
     header, records = read_trace(tmp_path / "t.jsonl")
     assert header["sequences"] == ["a", "b"] and header["num_experts"] == 8
@@ -162,6 +162,12 @@ def test_vllm_requests_prefill_runs_and_profiling_run_dropped(tmp_path):
     # without --num-experts the largest id + 1 is taken, with a warning
     summary, warnings = import_trace("vllm", src, tmp_path / "t.jsonl")
     assert summary["num_experts"] == 6 and any("--num-experts" in w for w in warnings)
+    # a meta line names the model; a log of one layer has no prefill runs to see: decode
+    one = [{"type": "meta", "model_id": "org/Tiny", "num_experts": 7, "top_k": 2}] + [r for r in rows[21:] if r["layer"] == 0]
+    summary, warnings = import_trace("vllm", write_jsonl(tmp_path / "one.jsonl", one), tmp_path / "t.jsonl")
+    header, records = read_trace(tmp_path / "t.jsonl")
+    assert (header["model"], header["num_experts"], summary["prefill_tokens"], warnings) == ("org/Tiny", 7, 0, [])
+    assert [(r[1], r[6]) for r in records[:3]] == [(0, None), (1, None), (2, None)]
     rows[25] = {"type": "route", "req_id": "a", "token_idx": 1, "layer": 0, "topk_ids": "x"}
     write_jsonl(src, rows)
     with pytest.raises(MlxmoeError, match=r"routes\.jsonl:26: expert ids and weights must be lists"):
