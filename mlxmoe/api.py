@@ -15,7 +15,7 @@ from .errors import MlxmoeError, read_lines
 from .loader import MX_DTYPES, attach_cache, open_checkpoint
 from .policies import make_policy
 from .prefetch import Prefetcher
-from .profile import ActivationProfile, fingerprint
+from .profile import ActivationProfile, fingerprint, prewarm_order
 from .trace import TraceWriter
 
 # Prompt tokens per prefill step; smaller than mlx-lm's 2048 so the logits and
@@ -118,14 +118,10 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
         cache.prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch,
                                       prior=rates, confidence=prefetch_confidence)
     if trace_out is not None:
-        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path)
+        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path, fingerprint=fp)
     tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
     if prewarm:
-        order = [] if prior is None else prior.priority()
-        L, E = ckpt.num_layers, ckpt.num_experts
-        if p.cache_experts >= L * E:  # room for every expert: read them all, as stock mlx-lm would
-            hot = set(order)
-            order += [(l, e) for l in range(L) for e in range(E) if (l, e) not in hot]
+        order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:
             cache.prewarm(order)
     return tokenizer

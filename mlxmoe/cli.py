@@ -350,6 +350,36 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
                err=True)
 
 
+@profile.command("from-trace")
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
+@click.option("--workload", "-w", help="Name of the workload (default: the first trace's file name).")
+@click.option("--half-life", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Decay half-life in tokens (default 4096).")
+@click.option("--curve/--no-curve", default=True, show_default=True,
+              help="Predict the hit rate at each cache size by replaying the traces.")
+def profile_from_trace(traces, out, workload, half_life, curve):
+    """Build a profile from routing traces (trace record, or trace import) of one model,
+    learnt as a run's live profile learns. The model is the traces' header's. A trace
+    recorded by mlxmoe carries its model's fingerprint; an imported one only its shape
+    (fingerprint shape-LxE), so its profile loads on a real model with --force, where the
+    layer and expert counts agree."""
+    from .profile import DEFAULT_HALF_LIFE, check_writable, predicted_curve
+    from .trace import build_profile, read_trace
+
+    check_writable(out)
+    loaded = [(path, *read_trace(path)) for path in traces]
+    name = workload or os.path.basename(traces[0]).split(".")[0]
+    p = build_profile(loaded, name, half_life or DEFAULT_HALF_LIFE)
+    p.save(out)
+    if curve:
+        header = loaded[0][1]
+        p.curve = predicted_curve(header, [r for _, _, records in loaded for r in records])
+        p.save(out)
+    click.echo(f"saved {out}: {p.tokens_total} tokens of {p.workload!r} ({p.model}, fingerprint {p.fingerprint})",
+               err=True)
+
+
 @profile.command("show")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True,
@@ -473,13 +503,22 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
 @click.option("--policy", default="all", show_default=True, type=click.Choice(ONLINE + ["belady", "all"]))
 @click.option("--cache-experts", type=int, required=True, help="Cache size in experts (all layers).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per policy.")
-def trace_replay(trace_file, policy, cache_experts, as_json):
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
+              help="Start as a model loaded with this profile does: the policy's prior and pins, the cache "
+              "pre-warmed with its hottest experts.")
+@click.option("--force", is_flag=True, help="Use a profile of another model whose layer and expert counts agree.")
+def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force):
     """Hit rate of a policy (or all) at a cache size on a recorded trace, beside Belady's
     optimum for the same size."""
-    from .trace import policy_names, read_trace, replay_all
+    from .profile import ActivationProfile
+    from .trace import policy_names, read_trace, replay_all, trace_fingerprint
 
     header, records = read_trace(trace_file)
-    results = replay_all(header, records, policy_names(policy), cache_experts)
+    prior = None
+    if profile_path:
+        prior = ActivationProfile.load(profile_path)
+        prior.check_model(trace_fingerprint(header), header["num_layers"], header["num_experts"], force, profile_path)
+    results = replay_all(header, records, policy_names(policy), cache_experts, prior)
     for r in results:
         if as_json:
             click.echo(json.dumps(r))
