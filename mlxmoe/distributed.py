@@ -11,9 +11,9 @@ collectives that wait on a peer that may never come are bounded by a watchdog.
 
 import json
 import os
+import signal
 import socket
-import sys
-import threading
+import subprocess
 import time
 
 import mlx.core as mx
@@ -41,25 +41,21 @@ def launched():
 
 def bounded(what, fn, seconds=None):
     """fn(), or if it has not returned after `seconds` (a peer that never came, or died
-    without a word): the error on standard error and the process ends (a collective
-    blocked in MLX cannot be interrupted)."""
+    without a word): the error on standard error and the process ends. The watchdog is a
+    separate process: a collective blocked in MLX holds the GIL, so no Python thread or
+    signal handler of this process would run."""
     seconds = timeout() if seconds is None else seconds
     if not seconds:
         return fn()
-    done = threading.Event()
-
-    def watch():
-        if not done.wait(seconds):
-            sys.stderr.write(f"error: {what} did not finish within {seconds:.0f} s (a rank did not start or "
-                             f"stopped; {TIMEOUT_ENV} sets this limit)\n")
-            sys.stderr.flush()
-            os._exit(2)
-
-    threading.Thread(target=watch, name="mlxmoe-watchdog", daemon=True).start()
+    message = (f"error: {what} did not finish within {seconds:g} s (a rank did not start or stopped; "
+               f"{TIMEOUT_ENV} sets this limit)")
+    watchdog = subprocess.Popen(["sh", "-c", f'sleep {seconds} && echo "$0" >&2 && kill -TERM {os.getpid()}',
+                                 message], stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         return fn()
     finally:
-        done.set()
+        os.killpg(watchdog.pid, signal.SIGKILL)  # its sleep too
+        watchdog.wait()
 
 
 def init(backend="any"):
@@ -127,10 +123,13 @@ def gather_stats(group, stats):
 
 
 def merge_counts(group, offset, counts, total_layers):
-    """Each rank's [local layers, experts] array placed at its layers, summed: the whole model's."""
-    full = np.zeros((total_layers, counts.shape[1]), dtype=np.float32)
-    full[offset:offset + counts.shape[0]] = counts
-    return np.array(mx.distributed.all_sum(mx.array(full), group=group, stream=mx.cpu), dtype=np.float64)
+    """Each rank's [local layers, experts] array placed at its layers: the whole model's
+    (exchanged as JSON, so float64 values arrive exact)."""
+    full = np.zeros((total_layers, counts.shape[1]))
+    for part in exchange(group, {"offset": offset, "counts": np.asarray(counts).tolist()}):
+        rows = np.array(part["counts"], dtype=np.float64).reshape(-1, counts.shape[1])
+        full[part["offset"]:part["offset"] + len(rows)] = rows
+    return full
 
 
 def merge_traces(group, offset, text):
