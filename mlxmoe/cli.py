@@ -51,12 +51,44 @@ def sampling_options(f):
 
 
 def _load(opts):
-    from . import load
+    from . import distributed, load
 
+    group = distributed.init()  # None unless started as several ranks (mlx.launch)
+    if group is not None and group.rank() != 0:  # rank 0 speaks for all
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                 profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
-                io=opts["io"], prefetch=opts["prefetch"])
+                io=opts["io"], prefetch=opts["prefetch"], group=group)
+
+
+def _main_rank(model):
+    group = getattr(model.expert_cache, "group", None)
+    return group is None or group.rank() == 0
+
+
+def _stats(model):
+    """The cache's stats; under several ranks (a collective) summed over them, with "per_rank"."""
+    from .distributed import cluster_stats
+
+    stats = cluster_stats(model)
+    return stats["total"] if len(stats["ranks"]) == 1 else {**stats["total"], "per_rank": stats["ranks"]}
+
+
+def _gather(model):
+    """After cache.close() on every rank: the whole model's trace written (by rank 0) and
+    its live profile (the stages' merged). Bounded: after a failure a rank may be gone."""
+    from . import distributed
+
+    cache = model.expert_cache
+    if getattr(cache, "group", None) is None:
+        return cache.profile
+
+    def merge():
+        distributed.finish_trace(cache)
+        return distributed.whole_profile(cache)
+
+    return distributed.bounded("merging the ranks' trace and profile", merge, 60)
 
 
 def _sampler(temp, top_p, seed):
@@ -87,11 +119,12 @@ def _finish(model, save_profile, workload=None):
     """Close the cache (ending a trace) and save the live profile, atomically."""
     cache = model.expert_cache
     cache.close()
-    if save_profile:
-        if workload or not cache.profile.workload:  # unnamed: after its file
-            cache.profile.workload = workload or os.path.splitext(os.path.basename(save_profile))[0]
-        cache.profile.save(save_profile)
-        click.echo(f"saved profile {save_profile} ({cache.profile.tokens_total} tokens)", err=True)
+    live = _gather(model)
+    if save_profile and _main_rank(model):
+        if workload or not live.workload:  # unnamed: after its file
+            live.workload = workload or os.path.splitext(os.path.basename(save_profile))[0]
+        live.save(save_profile)
+        click.echo(f"saved profile {save_profile} ({live.tokens_total} tokens)", err=True)
 
 
 save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=False),
@@ -128,7 +161,11 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         click.echo()
     finally:
         _finish(model, save_profile)
-    stats = model.expert_cache.stats()
+    stats = _stats(model)
+    for r, s in enumerate(stats.get("per_rank", [])):
+        click.echo(f"rank {r}: hit rate {100 * s['hit_rate']:.1f}%, {s['misses']} loads, "
+                   f"{s['bytes_read'] / 1e6:.1f} MB read, cache {s['cache_experts']} experts, "
+                   f"process peak RSS {s['peak_rss'] / 1e6:.1f} MB", err=True)
     if response is not None:
         click.echo(f"prompt: {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s; "
                    f"generation: {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s", err=True)
@@ -136,7 +173,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
                f"{stats['bytes_read'] / 1e6:.1f} MB read, cache {stats['cache_experts']} experts "
                f"({stats['cache_bytes'] / 1e6:.1f} MB), MLX peak memory {stats['peak_memory'] / 1e6:.1f} MB, "
                f"process peak RSS {stats['peak_rss'] / 1e6:.1f} MB", err=True)
-    if stats_json:
+    if stats_json and _main_rank(model):
         write_atomic(stats_json, json.dumps(stats, indent=1))
 
 
@@ -179,12 +216,12 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
                 prompt_cache, first = make_prompt_cache(model), True
                 continue
             if query.strip() == "/stats":
-                click.echo(json.dumps(cache.stats(), indent=1))
+                click.echo(json.dumps(_stats(model), indent=1))
                 continue
             messages = [{"role": "system", "content": system_prompt}] if system_prompt and first else []
             messages.append({"role": "user", "content": query})
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            before = cache.stats()
+            before = _stats(model)
             response = None
             try:
                 for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
@@ -197,7 +234,7 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
             first = False
             click.echo()
             if response is not None:
-                click.echo(summary(cache.stats(), before, response.generation_tokens, response.generation_tps),
+                click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps),
                            err=True)
     finally:
         _finish(model, save_profile)
@@ -336,7 +373,9 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
                                      on_load=fresh_profile)
         cache = model.expert_cache
         cache.close()
-        live = cache.profile
+        live = _gather(model)
+        if not _main_rank(model):  # rank 0 writes the whole model's profile
+            return
         live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
         if live.tokens_total:
             try:
@@ -495,6 +534,7 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
     opts["trace_out"] = out
     model, _ = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
     model.expert_cache.close()
+    _gather(model)
     click.echo(f"saved {out}", err=True)
 
 
@@ -602,7 +642,11 @@ def run():
     try:
         main(standalone_mode=False)
     except MlxmoeError as e:
-        click.echo(f"error: {e}", err=True)
+        rank = os.environ.get("MLX_RANK", "0")  # under mlx.launch every rank says it, rank 0 first
+        if rank == "0":
+            click.echo(f"error: {e}", err=True)
+        else:  # its stderr is silenced (see _load)
+            click.echo(f"[rank {rank}] error: {e}", file=sys.__stderr__)
         sys.exit(2)
     except click.exceptions.Abort:
         sys.exit(130)
