@@ -139,7 +139,7 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     else:
         live = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k)
     live.model, live.fingerprint = str(ckpt.path), fp
-    live.expert_bytes, live.resident_bytes = p.slot_bytes, p.resident + p.kv_reserve + p.working
+    live.expert_bytes, live.resident_bytes = profile_sizes(p)
     policy = make_policy(policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
     cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, io_threads, profile=live)
     attach_cache(ckpt, cache)
@@ -159,6 +159,19 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
         if order:
             cache.prewarm(order)
     return tokenizer
+
+
+def profile_sizes(plan):
+    """What a profile records of a memory plan: (bytes of one expert, bytes beside the
+    expert cache), so that `profile show --budget` can say what a budget buys."""
+    return plan.slot_bytes, plan.resident + plan.kv_reserve + plan.working
+
+
+def profile_identity(ckpt, backend):
+    """(fingerprint, profile_sizes) of an opened checkpoint on `backend`, as a profile
+    recorded on it would hold them."""
+    backend.apply_dtype_policy(ckpt.model)
+    return model_fingerprint(ckpt), profile_sizes(memory_plan(ckpt, backend, cache_experts=ckpt.top_k))
 
 
 def model_fingerprint(ckpt):

@@ -397,12 +397,15 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
               help="Decay half-life in tokens (default 4096).")
 @click.option("--curve/--no-curve", default=True, show_default=True,
               help="Predict the hit rate at each cache size by replaying the traces.")
-def profile_from_trace(traces, out, workload, half_life, curve):
+@click.option("--model", "-m", "model_path", help="The checkpoint (folder or repo id) the profile is for: its "
+              "fingerprint and expert size (then `profile show --budget` works). Its layer and expert counts must "
+              "be the traces'.")
+def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     """Build a profile from routing traces (trace record, or trace import) of one model,
     learnt as a run's live profile learns. The model is the traces' header's. A trace
     recorded by mlxmoe carries its model's fingerprint; an imported one only its shape
     (fingerprint shape-LxE), so its profile loads on a real model with --force, where the
-    layer and expert counts agree."""
+    layer and expert counts agree, or without once built with --model naming it."""
     from .profile import DEFAULT_HALF_LIFE, check_writable, predicted_curve
     from .trace import build_profile, read_trace
 
@@ -410,6 +413,20 @@ def profile_from_trace(traces, out, workload, half_life, curve):
     loaded = [(path, *read_trace(path)) for path in traces]
     name = workload or os.path.basename(traces[0]).split(".")[0]
     p = build_profile(loaded, name, half_life or DEFAULT_HALF_LIFE)
+    if model_path:
+        from . import backend as backends
+        from .api import profile_identity
+        from .loader import open_checkpoint
+
+        ckpt = open_checkpoint(model_path)
+        try:
+            fp, sizes = profile_identity(ckpt, backends.detect(None))
+        finally:
+            ckpt.store.close()
+        # a trace of this shape (imported) becomes this model's; one recorded on another model does not
+        p.check_model(fp, ckpt.num_layers, ckpt.num_experts, force=p.fingerprint.startswith("shape-"),
+                      where=f"{traces[0]} (for --model {model_path})")
+        p.model, p.fingerprint, (p.expert_bytes, p.resident_bytes) = str(ckpt.path), fp, sizes
     p.save(out)
     if curve:
         header = loaded[0][1]

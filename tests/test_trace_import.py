@@ -318,3 +318,45 @@ def test_replay_with_profile_matches_a_run_loaded_with_it(checkpoint, tmp_path):
         assert (warm["hits"], warm["accesses"]) == (stats["hits"], stats["hits"] + stats["misses"]), policy
         differs.append(replay(header, records, policy, 6)["hits"] != warm["hits"])
     assert all(differs)  # the profile changed every policy's hits (not ignored by the replay)
+
+
+def test_imported_profile_on_a_real_checkpoint(checkpoint, tmp_path):
+    """An imported trace's profile loads on a checkpoint of its shape only with --force;
+    built with --model naming the checkpoint it takes its fingerprint and expert size, loads
+    without --force, and `profile show --budget` says what a budget buys. A checkpoint of
+    another shape is refused."""
+    import mlxmoe
+    from mlxmoe.loader import open_checkpoint
+
+    path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 2})
+    ckpt = open_checkpoint(str(path))
+    L, E, k = ckpt.num_layers, ckpt.num_experts, ckpt.top_k
+    ckpt.store.close()
+    rng = np.random.default_rng(2)
+    rows = [{"type": "route", "req_id": f"q{q}", "token_idx": t, "layer": l,
+             "topk_ids": rng.choice(E, k, replace=False).tolist(), "topk_weights": [1 / k] * k}
+            for q in range(2) for t in range(12) for l in range(L)]
+    trace = tmp_path / "served.trace.jsonl"
+    import_trace("vllm", write_jsonl(tmp_path / "routes.jsonl", rows), trace, num_experts=E)
+    bare, named = tmp_path / "bare.json", tmp_path / "named.json"
+    for out, extra in ((bare, []), (named, ["--model", str(path)])):
+        r = CliRunner().invoke(main, ["profile", "from-trace", str(trace), "-o", str(out)] + extra)
+        assert r.exit_code == 0, r.output
+    with pytest.raises(MlxmoeError, match="pass --force"):
+        mlxmoe.load(str(path), cache_experts=4, profile=str(bare))
+    model, _ = mlxmoe.load(str(path), cache_experts=4, profile=str(bare), force_profile=True, prefetch=0)
+    model.expert_cache.close()
+    model, _ = mlxmoe.load(str(path), cache_experts=4, profile=str(named), prefetch=0)
+    live = model.expert_cache.profile
+    model.expert_cache.close()
+    p = ActivationProfile.load(named)
+    assert (p.fingerprint, p.expert_bytes, p.resident_bytes) == (live.fingerprint, live.expert_bytes,
+                                                                  live.resident_bytes)
+    budget = p.resident_bytes + 10 * p.expert_bytes
+    r = CliRunner().invoke(main, ["profile", "show", str(named), "--budget", str(budget), "--json"])
+    shown = json.loads(r.stdout)["budget"]
+    assert shown["cache_experts"] == 10 and set(shown["predicted_hit_rate"]) >= {"lru", "activation"}
+    other = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 3})
+    r = CliRunner().invoke(main, ["profile", "from-trace", str(trace), "-o", str(tmp_path / "x.json"), "--model",
+                                  str(other)], standalone_mode=False)
+    assert isinstance(r.exception, MlxmoeError) and f"{L} layers x {E} experts, the model 3 x {E}" in str(r.exception)
