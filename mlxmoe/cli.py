@@ -596,7 +596,7 @@ def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force
               "else the largest id + 1.")
 @click.option("--top-k", type=click.IntRange(min=1), help="Experts per token (sglang, when the response lacks "
               "its token counts).")
-@click.option("--model", "model_name", help="Model name for the trace header. Default: what the file says.")
+@click.option("--model-name", help="Model name for the trace header. Default: what the file says.")
 def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name):
     """Convert routing recorded by another engine (FORMAT, file SRC) into an mlxmoe trace,
     to replay here (`trace replay`, `profile from-trace`) and see what a cache size buys.
@@ -614,9 +614,10 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
                     choices[].sgl_ext.routed_experts: base64 int32 [tokens, layers, top_k]);
                     needs --num-layers
 
-    Each sequence is written as mlxmoe runs a request: its prompt as one layer call per
-    layer (lines marked "ph": "prefill"), then each token through every layer; gating
-    weights are kept as the lines' "p"."""
+    Each sequence is written as mlxmoe runs a request: its prompt as mlx-lm prefills it
+    (all its tokens but the last in one call per layer, then the last; lines marked "ph":
+    "prefill"), then each generated token through every layer; gating weights are kept as
+    the lines' "p"."""
     from .profile import check_writable
     from .trace import import_trace
 
