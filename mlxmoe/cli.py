@@ -108,7 +108,7 @@ save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=Fa
 def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, top_p, seed, **opts):
     """Generate text from a prompt, streaming it to standard output."""
     from .api import stream_generate
-    from .profile import check_writable, write_atomic
+    from .files import check_writable, write_atomic
 
     for path in (stats_json, save_profile):
         if path:
@@ -152,7 +152,7 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
     from mlx_lm.models.cache import make_prompt_cache
 
     from .api import stream_generate
-    from .profile import check_writable
+    from .files import check_writable
 
     if save_profile:
         check_writable(save_profile)
@@ -313,7 +313,9 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
     written holds only what this run recorded."""
     import tempfile
 
-    from .profile import ActivationProfile, check_writable, predicted_curve
+    from .curves import predicted_curve
+    from .files import check_writable
+    from .profile import ActivationProfile
     from .trace import read_trace
 
     if not (prompts_file or chats):
@@ -360,7 +362,9 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
 def profile_show(file, top, png, budget, as_json):
     """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
     from .budget import format_size, parse_size
-    from .profile import ActivationProfile, curve_at, write_heatmap_png
+    from .curves import curve_at
+    from .heatmap import write_heatmap_png
+    from .profile import ActivationProfile
 
     p = ActivationProfile.load(file)
     share = p.hot_share(0.25)
@@ -412,7 +416,8 @@ def profile_show(file, top, png, budget, as_json):
 @click.option("--workload", "-w", help="Name of the merged workload.")
 def profile_merge(files, out, weights, workload):
     """Merge profiles (weighted) into one."""
-    from .profile import ActivationProfile, check_writable
+    from .files import check_writable
+    from .profile import ActivationProfile
 
     check_writable(out)
     try:

@@ -7,13 +7,6 @@ class MlxmoeError(Exception):
     """A problem with the user's input (files, sizes, options) that names what is wrong."""
 
 
-def umask():
-    """The process's file-mode creation mask (reading it means setting it: set it back)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def read_lines(path, what):
     """The lines of a user's text file, or an MlxmoeError that names it."""
     try:

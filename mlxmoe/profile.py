@@ -4,22 +4,19 @@ Per (layer, expert): activation counts and router probability mass, both decayed
 half-life in tokens (so a profile follows a workload that changes), the decayed number
 of tokens they came from, and the model's fingerprint. Rates (counts / tokens) are what
 policies take as their prior. A profile can carry a predicted hit-rate-vs-cache-size
-curve computed from the access sequence it was recorded from.
+curve computed from the access sequence it was recorded from (curves.py).
 """
 
 import hashlib
 import json
 import math
-import os
-import struct
-import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 
-from .errors import MlxmoeError, umask
+from .errors import MlxmoeError
+from .files import write_atomic
 
 FORMAT = "mlxmoe.profile/1"
 DEFAULT_HALF_LIFE = 4096  # tokens: a profile remembers a long session, and still adapts
@@ -240,42 +237,6 @@ def check_curve(curve):
     return curve
 
 
-def check_writable(path):
-    """Fail now, before a long run, if `path` cannot be written at the end."""
-    path = Path(path)
-    if path.is_dir():
-        raise MlxmoeError(f"cannot write {path}: it is a folder")
-    if not path.parent.is_dir():
-        raise MlxmoeError(f"cannot write {path}: folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise MlxmoeError(f"cannot write {path}: folder {path.parent} is not writable")
-
-
-def temp_beside(path):
-    """A temp file in `path`'s folder (so the final rename is atomic), with the
-    permissions a plain open() would give. Returns (fd, temp path)."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise MlxmoeError(f"cannot write {path}: folder {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.chmod(tmp, 0o666 & ~umask())
-    return fd, tmp
-
-
-def write_atomic(path, text):
-    """Write `text` (str or bytes) to `path` through a temp file beside it and a rename."""
-    fd, tmp = temp_beside(path)
-    try:
-        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def js_divergence(p, q):
     """Jensen-Shannon divergence in bits between two (unnormalised) distributions."""
     p = np.asarray(p, dtype=np.float64)
@@ -290,107 +251,3 @@ def js_divergence(p, q):
         return float((a[nz] * np.log2(a[nz] / b[nz])).sum())
 
     return (kl(p, m) + kl(q, m)) / 2
-
-
-def lru_curve(steps_keys, sizes):
-    """Hit rate of the runtime's LRU cache of each size in `sizes` on an access sequence
-    given as steps (the distinct keys of one layer call each), from one pass of stack
-    distances (a Fenwick tree over last-access positions). A step's keys count as
-    accessed together, as the cache protects them from each other."""
-    n = sum(len(step) for step in steps_keys)
-    tree = [0] * (n + 1)
-
-    def add(i, v):
-        i += 1
-        while i <= n:
-            tree[i] += v
-            i += i & -i
-
-    def prefix(i):  # sum over positions [0, i)
-        s = 0
-        while i > 0:
-            s += tree[i]
-            i -= i & -i
-        return s
-
-    last = {}
-    distances = []
-    pos = 0
-    for step in steps_keys:
-        start = prefix(pos)
-        for key in step:
-            if key in last:  # distinct keys touched since, before this step
-                distances.append(start - prefix(last[key] + 1))
-        for key in step:
-            if key in last:
-                add(last[key], -1)
-            add(pos, 1)
-            last[key] = pos
-            pos += 1
-    distances = np.sort(np.asarray(distances, dtype=np.int64))
-    return [(int(c), float(np.searchsorted(distances, c, side="left")) / n if n else 0.0) for c in sizes]
-
-
-def write_heatmap_png(path, matrix, scale=None):
-    """A layers x experts heatmap (dark = cold, yellow = hot), each layer on its own
-    scale; one cell is `scale` pixels (default: about 768 pixels wide)."""
-    m = np.asarray(matrix, dtype=np.float64)
-    scale = scale or max(2, min(24, 768 // m.shape[1]))
-    rows_max = m.max(axis=1, keepdims=True)
-    v = np.divide(m, rows_max, out=np.zeros_like(m), where=rows_max > 0)  # each layer on its own scale
-    stops = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=np.float64)
-    pos = v * (len(stops) - 1)
-    lo = np.clip(pos.astype(int), 0, len(stops) - 2)
-    frac = (pos - lo)[..., None]
-    rgb = (stops[lo] * (1 - frac) + stops[lo + 1] * frac).astype(np.uint8)
-    rgb = rgb.repeat(scale, axis=0).repeat(scale, axis=1)
-    h, w, _ = rgb.shape
-    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    write_atomic(path, png)
-
-
-CURVE_SHARES = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
-
-
-def curve_at(points, experts):
-    """A policy's predicted hit rate at a cache of `experts` experts, read off its curve
-    ([[experts, hit rate], ...] by size) by linear interpolation; None outside it."""
-    for c, r in points:
-        if c == experts:
-            return r
-    for (c0, r0), (c1, r1) in zip(points, points[1:]):
-        if c0 < experts < c1:
-            return r0 + (r1 - r0) * (experts - c0) / (c1 - c0)
-    return None
-
-
-def predicted_curve(header, records, policies=None, shares=CURVE_SHARES):
-    """Hit rate vs cache size (experts) on a recorded access sequence for each online
-    policy (default: all): LRU from one pass of stack distances, the others by replay."""
-    from .policies import ONLINE
-    from .trace import replay, steps
-
-    policies = ONLINE if policies is None else policies
-
-    total = header["num_layers"] * header["num_experts"]
-    k = max((len(set(r[3])) for r in records), default=1)
-    sizes = sorted({max(k, int(round(total * s))) for s in shares})
-    keys = [[(l, x) for x in experts] for _, l, experts, *_ in steps(records, header["num_layers"])]
-    widest = max((len(step) for step in keys), default=0)
-    curve = {}
-    for name in policies:
-        if name == "lru":
-            # a cache smaller than a layer call's experts (a prefill) splits the call into runs
-            # that fit it, which the stack distances of whole calls do not see: replay those sizes
-            curve[name] = lru_curve(keys, [c for c in sizes if c >= widest]) + [
-                (c, replay(header, records, name, c)["hit_rate"]) for c in sizes if c < widest]
-            curve[name].sort()
-        else:
-            curve[name] = [(c, replay(header, records, name, c)["hit_rate"]) for c in sizes]
-    return {name: [[c, round(r, 4)] for c, r in points] for name, points in curve.items()}

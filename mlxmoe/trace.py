@@ -24,9 +24,9 @@ import numpy as np
 
 from .cache import Residency, token_chunks
 from .errors import MlxmoeError, read_lines
+from .files import temp_beside
 from .policies import ONLINE, make_policy
 from .prefetch import count_prediction, hottest_per_layer, precision_recall
-from .profile import temp_beside
 
 FORMAT = "mlxmoe.trace/1"
 
