@@ -11,8 +11,9 @@ from mlx_lm.utils import load_tokenizer
 from . import backend as backends
 from .budget import DEFAULT_CONTEXT, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
-from .errors import MlxmoeError, read_lines
-from .loader import MX_DTYPES, attach_cache, open_checkpoint
+from .errors import MlxmoeError
+from .files import read_lines
+from .loader import MX_DTYPES, attach_cache, check_tokenizer_files, open_checkpoint
 from .policies import make_policy
 from .prefetch import Prefetcher
 from .profile import ActivationProfile, fingerprint
@@ -89,6 +90,7 @@ def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path
 def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
            force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io):
     """Give an opened checkpoint its expert cache (model.expert_cache); return the tokenizer."""
+    check_tokenizer_files(ckpt.path)
     ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
     p = memory_plan(ckpt, be, memory_budget, cache_size, cache_experts)
@@ -119,7 +121,10 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
                                       prior=rates, confidence=prefetch_confidence)
     if trace_out is not None:
         cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path)
-    tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
+    try:
+        tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
+    except Exception as e:  # transformers and tokenizers raise many types; all mean "cannot load it"
+        raise MlxmoeError(f"{ckpt.path}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]})") from None
     if prewarm:
         order = [] if prior is None else prior.priority()
         L, E = ckpt.num_layers, ckpt.num_experts

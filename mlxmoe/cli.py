@@ -1,7 +1,10 @@
 """The `mlxmoe` command: generate, chat, info, profile, trace, convert."""
 
+import contextlib
 import json
+import math
 import os
+import signal
 import sys
 
 import click
@@ -10,15 +13,83 @@ from .errors import MlxmoeError
 from .policies import DEFAULT_POLICY, ONLINE
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C (what was recorded is saved), but it also ends a chat."""
+
+
+class Size(click.ParamType):
+    """A memory size such as 12GB (budget.parse_size), checked when the option is read."""
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        from .budget import parse_size
+
+        try:
+            parse_size(value, "size")
+        except MlxmoeError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
+class Number(click.ParamType):
+    """A finite int or float between `low` and `high` (ends excluded where `open`)."""
+
+    def __init__(self, kind=float, low=None, high=None, low_open=False):
+        self.kind, self.low, self.high, self.low_open = kind, low, high, low_open
+        self.name = "integer" if kind is int else "number"
+
+    def convert(self, value, param, ctx):
+        try:
+            x = self.kind(value)
+        except (TypeError, ValueError, OverflowError):
+            self.fail(f"{str(value)[:40]!r} is not {'an integer' if self.kind is int else 'a number'}", param, ctx)
+        below = self.low is not None and (x <= self.low if self.low_open else x < self.low)
+        if (self.kind is float and not math.isfinite(x)) or below or (self.high is not None and x > self.high):
+            lo = "" if self.low is None else f"{'above' if self.low_open else 'at least'} {self.low}"
+            hi = "" if self.high is None else f"at most {self.high}"
+            what = "an integer" if self.kind is int else "a finite number"
+            self.fail(f"{str(value)[:40]} is not {what} {' and '.join(s for s in (lo, hi) if s)}", param, ctx)
+        return x
+
+
+def exclusive(**given):
+    """Refuse options that exclude each other when more than one is given."""
+    named = [name for name, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise click.UsageError(f"{' and '.join('--' + n.replace('_', '-') for n in named)} exclude each other; "
+                               "give one")
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Ctrl-C and SIGTERM wait until the block is done (a save that must not be lost),
+    then act as they would have (main thread only: Python runs signal handlers there)."""
+    caught = []
+    old = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if caught:
+            handler = old[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)
+            else:
+                os.kill(os.getpid(), caught[0])
+
+
 def model_options(f):
     """Options shared by every command that loads a model."""
     options = [
         click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the "
                      "small demo model that ships with mlxmoe."),
-        click.option("--memory-budget", help="Memory for the whole model: resident weights + KV cache + expert "
-                     "cache, e.g. 12GB. Default: 60% of this machine's memory."),
-        click.option("--cache-size", help="Expert cache size in bytes (e.g. 2GB); overrides the budget's share."),
-        click.option("--cache-experts", type=int, help="Expert cache size as a number of experts (all layers)."),
+        click.option("--memory-budget", type=Size(), help="Memory for the whole model: resident weights + KV cache "
+                     "+ expert cache, e.g. 12GB. Default: 60% of this machine's memory."),
+        click.option("--cache-size", type=Size(), help="Expert cache size in bytes (e.g. 2GB); overrides the budget's "
+                     "share."),
+        click.option("--cache-experts", type=Number(int, 1), help="Expert cache size as a number of experts (all "
+                     "layers)."),
         click.option("--policy", type=click.Choice(ONLINE), help=f"Eviction policy (default: {DEFAULT_POLICY})."),
         click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available."),
         click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
@@ -29,7 +100,7 @@ def model_options(f):
         click.option("--trace-out", type=click.Path(dir_okay=False), help="Record the routing trace here."),
         click.option("--io", type=click.Choice(["auto", "mmap", "pread", "direct"]), default="auto", show_default=True,
                      help="How experts are read: mmap or pread (through the page cache), direct (around it)."),
-        click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
+        click.option("--prefetch", type=Number(int, 0, 64), default=1, show_default=True,
                      help="Read predicted experts this many layer calls ahead in the background (0: off)."),
     ]
     for option in reversed(options):
@@ -39,11 +110,13 @@ def model_options(f):
 
 def sampling_options(f):
     options = [
-        click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+        click.option("--max-tokens", type=Number(int, 1, 1 << 31), default=256, show_default=True,
                      help="Tokens to generate."),
-        click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature (0: greedy)."),
-        click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass."),
-        click.option("--seed", type=int, default=0, show_default=True, help="Random seed."),
+        click.option("--temp", type=Number(float, 0), default=0.0, show_default=True,
+                     help="Sampling temperature (0: greedy)."),
+        click.option("--top-p", type=Number(float, 0, 1, low_open=True), default=1.0, show_default=True,
+                     help="Nucleus sampling mass, in (0, 1]."),
+        click.option("--seed", type=Number(int, 0, (1 << 64) - 1), default=0, show_default=True, help="Random seed."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -53,6 +126,7 @@ def sampling_options(f):
 def _load(opts):
     from . import load
 
+    exclusive(cache_size=opts["cache_size"], cache_experts=opts["cache_experts"])
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                 profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
@@ -86,11 +160,13 @@ def main():
 def _finish(model, save_profile, workload=None):
     """Close the cache (ending a trace) and save the live profile, atomically."""
     cache = model.expert_cache
-    cache.close()
+    with signals_deferred():
+        cache.close()
+        if save_profile:
+            if workload or not cache.profile.workload:  # unnamed: after its file
+                cache.profile.workload = workload or os.path.splitext(os.path.basename(save_profile))[0]
+            cache.profile.save(save_profile)
     if save_profile:
-        if workload or not cache.profile.workload:  # unnamed: after its file
-            cache.profile.workload = workload or os.path.splitext(os.path.basename(save_profile))[0]
-        cache.profile.save(save_profile)
         click.echo(f"saved profile {save_profile} ({cache.profile.tokens_total} tokens)", err=True)
 
 
@@ -168,7 +244,7 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
         while True:
             try:
                 query = input(">> ")
-            except (EOFError, KeyboardInterrupt):
+            except (EOFError, KeyboardInterrupt):  # SIGTERM too
                 click.echo()
                 break
             if not query.strip():
@@ -190,6 +266,8 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
                 for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
                                                 prompt_cache=prompt_cache):
                     click.echo(response.text, nl=False)
+            except Terminated:
+                raise
             except KeyboardInterrupt:
                 click.echo("\n[interrupted]")
                 prompt_cache, first = make_prompt_cache(model), True
@@ -205,7 +283,7 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
 
 @main.command()
 @click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the demo model.")
-@click.option("--memory-budget", help="Show what this budget buys, e.g. 12GB.")
+@click.option("--memory-budget", type=Size(), help="Show what this budget buys, e.g. 12GB.")
 @click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def info(model_path, memory_budget, backend, as_json):
@@ -286,7 +364,7 @@ def prompt_source(f):
                      help="JSONL, one conversation per line ({\"messages\": [{\"role\", \"content\"}, ...]})."),
         click.option("--chat-template/--no-chat-template", default=False,
                      help="Wrap each line of --prompts in the chat template."),
-        click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+        click.option("--max-tokens", type=Number(int, 1, 1 << 31), default=64, show_default=True,
                      help="Tokens generated per prompt."),
     ]
     for option in reversed(options):
@@ -304,15 +382,13 @@ def profile():
 @prompt_source
 @click.option("--workload", "-w", required=True, help='Name of the workload, e.g. "Italian chat".')
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
-@click.option("--half-life", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--half-life", type=Number(float, 0, low_open=True), default=None,
               help="Decay half-life in tokens (default 4096).")
 def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out, half_life, **opts):
     """Run a workload's prompts through the model and save which experts it used, with
     a predicted hit-rate-vs-cache-size curve. Ctrl-C saves what was recorded so far.
     With --profile, that profile is the policy's prior and pre-warms the cache; the file
     written holds only what this run recorded."""
-    import tempfile
-
     from .curves import predicted_curve
     from .files import check_writable
     from .profile import ActivationProfile
@@ -320,6 +396,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
 
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
+    exclusive(prompts=prompts_file, chats=chats)
     check_writable(out)
 
     def fresh_profile(model):  # the live profile starts empty (not from --profile's counts)
@@ -331,33 +408,41 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
         with cache.lock:
             cache.profile = new
 
-    keep_trace = opts["trace_out"]
-    with tempfile.TemporaryDirectory() as tmp:
-        opts["trace_out"] = keep_trace or os.path.join(tmp, "record.trace.jsonl")
+    # without --trace-out, the trace the curve is computed from is a partial file of OUT's
+    # (files.py naming): removed at the end, or by the next run if this one is killed
+    scratch = None if opts["trace_out"] else f"{out}.{os.getpid()}-trace.tmp"
+    opts["trace_out"] = opts["trace_out"] or scratch
+    try:
         model, interrupted = _record(opts, prompts_file, chats, chat_template, max_tokens, "recording",
                                      on_load=fresh_profile)
         cache = model.expert_cache
-        cache.close()
         live = cache.profile
-        live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
-        if live.tokens_total:
-            try:
+        try:
+            with signals_deferred():  # Ctrl-C from here on keeps what was recorded
+                cache.close()
+                live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
+            if live.tokens_total:
                 click.echo("predicting the hit rate at each cache size...", err=True)
-                live.curve = predicted_curve(*read_trace(opts["trace_out"]))
-                live.save(out)
-            except KeyboardInterrupt:
-                interrupted = True
-                click.echo("interrupted: saved without the hit-rate curve", err=True)
+                curve = predicted_curve(*read_trace(opts["trace_out"]))
+                with signals_deferred():
+                    live.curve = curve
+                    live.save(out)
+        except KeyboardInterrupt:
+            interrupted = True
+            click.echo("interrupted: saved without the hit-rate curve", err=True)
+    finally:
+        if scratch is not None and os.path.exists(scratch):
+            os.unlink(scratch)
     click.echo(f"saved {out}: {live.tokens_total} tokens of {workload!r}" + (" (interrupted)" if interrupted else ""),
                err=True)
 
 
 @profile.command("show")
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--top", type=click.IntRange(min=0), default=5, show_default=True,
+@click.option("--top", type=Number(int, 0, 1 << 31), default=5, show_default=True,
               help="Hot experts listed per layer.")
 @click.option("--png", type=click.Path(dir_okay=False), help="Write a layers x experts heatmap PNG.")
-@click.option("--budget", help="Also show what this memory budget buys (e.g. 16GB).")
+@click.option("--budget", type=Size(), help="Also show what this memory budget buys (e.g. 16GB).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def profile_show(file, top, png, budget, as_json):
     """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
@@ -423,7 +508,10 @@ def profile_merge(files, out, weights, workload):
     try:
         w = [float(x) for x in weights.split(",")] if weights else None
     except ValueError:
-        raise MlxmoeError(f"--weights {weights!r}: give numbers separated by commas") from None
+        raise click.BadParameter("give numbers separated by commas", param_hint="--weights") from None
+    if w is not None and (len(w) != len(files) or not all(math.isfinite(x) and x >= 0 for x in w) or not any(w)):
+        raise click.BadParameter(f"{weights[:80]!r}: give one finite, non-negative number per profile (not all 0)",
+                                 param_hint="--weights")
     merged = ActivationProfile.merge([ActivationProfile.load(f) for f in files], w, workload)
     merged.save(out)
     click.echo(f"saved {out}: {merged.workload!r}", err=True)
@@ -432,7 +520,7 @@ def profile_merge(files, out, weights, workload):
 @profile.command("diff")
 @click.argument("a", type=click.Path(dir_okay=False))
 @click.argument("b", type=click.Path(dir_okay=False))
-@click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Experts listed per layer.")
+@click.option("--top", type=Number(int, 0, 1 << 31), default=5, show_default=True, help="Experts listed per layer.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def profile_diff(a, b, top, as_json):
     """Which experts two workloads disagree on, per layer (with the Jensen-Shannon
@@ -465,6 +553,7 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
     """Run prompts through the model and write the routing of every token and layer."""
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
+    exclusive(prompts=prompts_file, chats=chats)
     if opts["trace_out"]:
         raise click.UsageError("trace record writes its trace to --out; --trace-out is for the other commands")
     opts["trace_out"] = out
@@ -476,7 +565,7 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
 @trace.command("replay")
 @click.argument("trace_file", type=click.Path(dir_okay=False))
 @click.option("--policy", default="all", show_default=True, type=click.Choice(ONLINE + ["belady", "all"]))
-@click.option("--cache-experts", type=int, required=True, help="Cache size in experts (all layers).")
+@click.option("--cache-experts", type=Number(int, 1), required=True, help="Cache size in experts (all layers).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per policy.")
 def trace_replay(trace_file, policy, cache_experts, as_json):
     """Hit rate of a policy (or all) at a cache size on a recorded trace, beside Belady's
@@ -517,15 +606,25 @@ def convert(src, dst, bundle):
     click.echo(f"wrote {dst}", err=True)
 
 
-def run():
-    """Entry point: bad input prints one clear line, not a traceback."""
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def run(args=None):
+    """Entry point: bad input prints one clear line, not a traceback; SIGTERM is handled
+    like Ctrl-C (what was recorded is saved, temp files removed), and either exits 130."""
+    signal.signal(signal.SIGTERM, _terminate)
     try:
-        main(standalone_mode=False)
+        main(args, standalone_mode=False)
     except MlxmoeError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("interrupted", err=True)
         sys.exit(130)
+    except click.UsageError as e:  # one line, as for bad input (-h shows the usage)
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

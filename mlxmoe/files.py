@@ -75,7 +75,8 @@ def clean_stale(path):
 
 
 def check_writable(path):
-    """Fail now, before a long run, if `path` cannot be written at the end."""
+    """Fail now, before a long run, if `path` cannot be written at the end; remove the
+    stale partials of `path` that killed runs left."""
     path = Path(path)
     if path.is_dir():
         raise MlxmoeError(f"cannot write {path}: it is a folder")
@@ -85,6 +86,7 @@ def check_writable(path):
         raise MlxmoeError(f"cannot write {path}: folder {path.parent} does not exist")
     if not os.access(path.parent, os.W_OK):
         raise MlxmoeError(f"cannot write {path}: folder {path.parent} is not writable")
+    clean_stale(path)
 
 
 def temp_beside(path):
@@ -147,6 +149,18 @@ def regular_file(path, what):
     if not stat.S_ISREG(mode):
         raise MlxmoeError(f"{what} {path} is not a regular file")
     return path
+
+
+def read_lines(path, what):
+    """The lines of a user's text file, or an MlxmoeError that names it."""
+    path = regular_file(path, what)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except UnicodeDecodeError:
+        raise MlxmoeError(f"{path}: not a UTF-8 text file") from None
+    except OSError as e:
+        raise MlxmoeError(f"cannot read {what} {path}: {e.strerror or e}") from None
 
 
 def read_bytes(path, what, limit):

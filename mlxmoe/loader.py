@@ -20,6 +20,7 @@ from mlx_lm.utils import _get_classes, load_config, load_model
 
 from .budget import text_config
 from .errors import MlxmoeError
+from .files import read_bytes
 from .experts import StreamingExperts, find_router
 from .store import PER_EXPERT, ExpertStore
 
@@ -29,6 +30,7 @@ MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": m
 
 # The small MoE model trained by bench/train_demo.py that ships inside the package.
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
+MAX_JSON_BYTES = 1 << 30  # config.json, tokenizer.json: the largest real ones are ~30 MB
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 LINEARS = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
@@ -78,19 +80,59 @@ def resolve(path_or_repo, revision=None):
     raise MlxmoeError(f"model folder not found: {path}")
 
 
+# config.json fields mlxmoe reads (sizes, counts): a positive integer where present
+INT_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+              "intermediate_size", "moe_intermediate_size", "num_experts", "n_routed_experts", "num_local_experts",
+              "num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k", "vocab_size", "kv_lora_rank",
+              "qk_rope_head_dim")
+# The tokenizer's JSON files: each, where present, a readable JSON object
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                  "generation_config.json", "vocab.json")
+# One of these holds the vocabulary
+TOKENIZER_VOCAB = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "vocab.txt")
+
+
+def read_json_object(path, what):
+    """The JSON object in the regular file `path`, or an MlxmoeError naming it."""
+    data = read_bytes(path, what, MAX_JSON_BYTES)
+    try:
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise MlxmoeError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(value, dict):
+        raise MlxmoeError(f"{path}: not a JSON object")
+    return value
+
+
 def read_config(path):
+    read_json_object(path / "config.json", "config")
     try:
         config = load_config(path)
-    except json.JSONDecodeError as e:
-        raise MlxmoeError(f"{path / 'config.json'}: not valid JSON ({e})") from None
-    if "model_type" not in config:
+    except (json.JSONDecodeError, OSError) as e:  # changed since the check above
+        raise MlxmoeError(f"{path / 'config.json'}: cannot read it ({e})") from None
+    if "model_type" not in config or not isinstance(config["model_type"], str):
         raise MlxmoeError(f"{path / 'config.json'}: no model_type")
+    for cfg in (config, config.get("text_config")):
+        for key in INT_FIELDS:
+            v = cfg.get(key) if isinstance(cfg, dict) else None
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 1 << 40):
+                raise MlxmoeError(f"{path / 'config.json'}: {key} must be a positive integer, not {str(v)[:40]!r}")
     try:
         _get_classes(config)
     except ValueError:
         raise MlxmoeError(
             f"{path / 'config.json'}: model_type {config['model_type']!r} is not an architecture mlx-lm knows") from None
     return config
+
+
+def check_tokenizer_files(path):
+    """Refuse a checkpoint whose tokenizer cannot load, naming the file: no vocabulary,
+    or a tokenizer JSON file that is not a readable JSON object."""
+    if not any((path / name).exists() for name in TOKENIZER_VOCAB):
+        raise MlxmoeError(f"{path}: no tokenizer (none of {', '.join(TOKENIZER_VOCAB)})")
+    for name in TOKENIZER_JSON:
+        if (path / name).exists() or (path / name).is_symlink():
+            read_json_object(path / name, "tokenizer file")
 
 
 def _layer_order(path):

@@ -16,10 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from .errors import MlxmoeError
-from .files import write_atomic
+from .files import read_bytes, write_atomic
 
 FORMAT = "mlxmoe.profile/1"
 DEFAULT_HALF_LIFE = 4096  # tokens: a profile remembers a long session, and still adapts
+MAX_CELLS = 1 << 22  # layers x experts a profile may claim (the largest MoE models have ~50 000)
+MAX_INT = 1 << 62  # token counts, bytes: anything above is not a real value (and overflows numpy)
+MAX_FILE_BYTES = 256 << 20  # a profile of MAX_CELLS experts with both matrices fits in ~100 MB
 
 
 def fingerprint(config, tensors, shapes, num_layers, num_experts):
@@ -132,7 +135,8 @@ class ActivationProfile:
                 raise MlxmoeError(f"cannot merge profiles of different models: {first.name()} is of "
                                   f"{first.model!r} (fingerprint {first.fingerprint}), {p.name()} of {p.model!r} "
                                   f"(fingerprint {p.fingerprint})")
-        total = sum(w for w in weights)
+        weights = [w / max(weights) for w in weights]  # the same merge, with sums that cannot overflow
+        total = sum(weights)
         tokens = sum(w * p.tokens for w, p in zip(weights, profiles)) / total
         rates = sum(w * p.rates() for w, p in zip(weights, profiles)) / total
         mass = sum(w * (p.mass / p.tokens if p.tokens else np.zeros_like(p.mass))
@@ -168,45 +172,30 @@ class ActivationProfile:
 
     def save(self, path):
         """Write atomically: a temp file beside `path`, then rename (check_writable(path)
-        beforehand spares a long recording a late failure)."""
-        write_atomic(path, json.dumps(self.to_json(), indent=None, separators=(",", ":")))
+        beforehand spares a long recording a late failure). What load() would refuse
+        (counts that overflowed a merge) is refused here, naming `path`."""
+        data = self.to_json()
+        try:
+            parse(data)
+        except (KeyError, TypeError, ValueError, MlxmoeError) as e:
+            raise MlxmoeError(f"cannot write {path}: the profile is not valid ({e})") from None
+        write_atomic(path, json.dumps(data, indent=None, separators=(",", ":"), allow_nan=False))
 
     @classmethod
     def load(cls, path, fingerprint=None, force=False):
         """Read a profile; refuse one of another model unless `force` and the shapes agree."""
         path = Path(path)
+        raw = read_bytes(path, "profile", MAX_FILE_BYTES)
         try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise MlxmoeError(f"profile not found: {path}") from None
+            data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise MlxmoeError(f"{path}: not a valid profile (not JSON: {e})") from None
-        except OSError as e:
-            raise MlxmoeError(f"cannot read profile {path}: {e.strerror or e}") from None
+        except RecursionError:
+            raise MlxmoeError(f"{path}: not a valid profile (JSON nested too deeply)") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise MlxmoeError(f"{path}: not a {FORMAT} file")
         try:
-            L, E = int(data["num_layers"]), int(data["num_experts"])
-            counts = np.asarray(data["counts"], dtype=np.float64)
-            mass = np.asarray(data.get("router_mass", np.zeros((L, E))), dtype=np.float64)
-            for name, values in (("counts", counts), ("router_mass", mass)):
-                if values.shape != (L, E):
-                    raise ValueError(f"{name} is {list(values.shape)}, the header says {L} x {E}")
-                if not np.isfinite(values).all() or (values < 0).any():
-                    raise ValueError(f"{name} must be finite and non-negative")
-            tokens = float(data["tokens"])
-            if not math.isfinite(tokens) or tokens < 0:
-                raise ValueError(f"tokens {tokens} must be finite and non-negative")
-            decay = data.get("decay") or {}
-            if not isinstance(decay, dict):
-                raise ValueError(f"decay must be an object with half_life_tokens, not {decay!r}")
-            half_life = decay.get("half_life_tokens")
-            if half_life is not None and (isinstance(half_life, bool) or not isinstance(half_life, (int, float))):
-                raise ValueError(f"half_life_tokens must be a number, not {half_life!r}")
-            profile = cls(L, E, int(data.get("top_k", 0)), half_life,
-                          data.get("model", ""), data.get("fingerprint", ""), data.get("workload", ""), counts, mass,
-                          tokens, int(data.get("tokens_total", 0)), data.get("created"),
-                          check_curve(data.get("curve") or {}), data.get("expert_bytes"), data.get("resident_bytes"))
+            profile = cls(**parse(data))
         except (KeyError, TypeError, ValueError, MlxmoeError) as e:
             raise MlxmoeError(f"{path}: malformed profile ({e})") from None
         profile.source = str(path)
@@ -226,14 +215,71 @@ class ActivationProfile:
                               f"the model {num_layers} x {num_experts}")
 
 
+def _number(data, key, default, kind=(int, float), low=0, optional=False):
+    """data[key] (or `default` where absent) as a finite number >= low of `kind`; None
+    where `optional` and null."""
+    value = data.get(key, default)
+    if value is None and optional:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, kind) or value < low
+            or (isinstance(value, float) and not math.isfinite(value))
+            or (isinstance(value, int) and value > MAX_INT)):
+        kinds = "an integer" if kind is int else "a number"
+        raise ValueError(f"{key} must be {kinds} between {low} and {MAX_INT}, not {str(value)[:40]}")
+    return value
+
+
+def _matrix(data, key, shape):
+    """data[key] as a finite, non-negative float64 array of `shape` (checked before it
+    is converted, so that a deep or ragged value is refused cheaply)."""
+    rows = data[key]
+    if not (isinstance(rows, list) and len(rows) == shape[0]
+            and all(isinstance(row, list) and len(row) == shape[1] for row in rows)):
+        outer = [len(rows)] if isinstance(rows, list) else []
+        inner = [len(rows[0])] if outer and rows and isinstance(rows[0], list) else []
+        raise ValueError(f"{key} is {outer + inner}, the header says {shape[0]} x {shape[1]}")
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for row in rows for v in row):
+        raise ValueError(f"{key} must hold numbers only")
+    values = np.asarray(rows, dtype=np.float64)
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError(f"{key} must be finite and non-negative")
+    return values
+
+
+def parse(data):
+    """The constructor's arguments from a profile's JSON object, every field checked
+    (type, range, shape) so that nothing malformed fails later."""
+    L, E = _number(data, "num_layers", None, int, 1), _number(data, "num_experts", None, int, 1)
+    if L * E > MAX_CELLS:
+        raise ValueError(f"{L} layers x {E} experts is more than {MAX_CELLS} experts")
+    for key in ("model", "fingerprint", "workload"):
+        if not isinstance(data.get(key, ""), str):
+            raise ValueError(f"{key} must be a string, not {data[key]!r}")
+    decay = data.get("decay") or {}
+    if not isinstance(decay, dict):
+        raise ValueError(f"decay must be an object with half_life_tokens, not {decay!r}")
+    return dict(num_layers=L, num_experts=E, top_k=_number(data, "top_k", 0, int),
+                half_life=_number(decay, "half_life_tokens", None, low=-math.inf, optional=True), model=data.get("model", ""),
+                model_fingerprint=data.get("fingerprint", ""), workload=data.get("workload", ""),
+                counts=_matrix(data, "counts", (L, E)),
+                mass=_matrix(data, "router_mass", (L, E)) if "router_mass" in data else None,
+                tokens=float(_number(data, "tokens", None)), tokens_total=_number(data, "tokens_total", 0, int),
+                created=_number(data, "created", None, optional=True), curve=check_curve(data.get("curve") or {}),
+                expert_bytes=_number(data, "expert_bytes", None, int, 1, optional=True),
+                resident_bytes=_number(data, "resident_bytes", None, int, 0, optional=True))
+
+
 def check_curve(curve):
-    """A profile's curve: {policy: [[cache experts, hit rate], ...]}."""
+    """A profile's curve: {policy: [[cache experts >= 0, hit rate in [0, 1]], ...]}."""
     if not isinstance(curve, dict):
         raise ValueError(f"curve must map policies to [experts, hit rate] points, not {type(curve).__name__}")
     for name, points in curve.items():
         if not isinstance(points, list) or not all(
-                isinstance(pt, list) and len(pt) == 2 and all(isinstance(v, (int, float)) for v in pt) for pt in points):
-            raise ValueError(f"curve of {name!r} must be a list of [experts, hit rate] points")
+                isinstance(pt, (list, tuple)) and len(pt) == 2
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pt)
+                and pt[0] >= 0 and 0 <= pt[1] <= 1 for pt in points):
+            raise ValueError(f"curve of {name!r} must be a list of [experts, hit rate] points (finite numbers, "
+                             "hit rates between 0 and 1)")
     return curve
 
 

@@ -34,6 +34,7 @@ import json
 import mmap
 import os
 import re
+import stat
 import sys
 import threading
 import warnings
@@ -77,10 +78,18 @@ class Range:
     nbytes: int
 
 
+def stamp(path):
+    """What says a shard is the one that was indexed: (size, mtime in ns)."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
 def read_header(path):
     """Return {name: TensorInfo} of one safetensors file, checking it is whole."""
     path = Path(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would hang the read, a device never end
+            raise MlxmoeError(f"{path}: a shard must be a regular file")
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
@@ -276,7 +285,12 @@ class ExpertStore:
         self.path = Path(model_path)
         self.files = shard_files(self.path)
         self.index = {}
+        self.stamps = {}  # file -> stamp() when its header was read: a shard changed since is refused
         for f in self.files:
+            try:
+                self.stamps[f] = stamp(f)
+            except OSError as e:
+                raise MlxmoeError(f"cannot read shard {f}: {e.strerror or e}") from None
             self.index.update(read_header(f))
         self.tensors = []  # names of one expert's tensors, in read order
         self.tensor_dtypes = []  # safetensors dtype of each
@@ -471,6 +485,8 @@ class ExpertStore:
                 raise
         else:
             disk = sum(map(self._read_run, todo))
+        for file in {r.file for r in ranges}:
+            self.check_unchanged(file)
         for out, buf, dtype in converts:
             out[...] = to_float32(buf, dtype) if out.dtype == np.float32 else buf.astype(out.dtype)
         useful = sum(r.nbytes for r in ranges)
@@ -479,6 +495,18 @@ class ExpertStore:
             self.disk_bytes += disk
             self.reads += len(todo)
         return useful
+
+    def check_unchanged(self, file):
+        """Refuse a shard whose size or modification time changed since it was indexed:
+        its bytes may no longer be the tensors the header described."""
+        try:
+            now = stamp(file)
+        except OSError as e:
+            raise MlxmoeError(f"shard {file} changed on disk since the model was loaded ({e.strerror or e}); "
+                              "load it again") from None
+        if self.stamps.setdefault(file, now) != now:  # (a file not indexed: as at its first read)
+            raise MlxmoeError(f"shard {file} changed on disk since the model was loaded (size, modification "
+                              f"time {self.stamps[file]} -> {now}); load it again")
 
     def _pool(self):
         if self._workers is None:
