@@ -9,6 +9,7 @@ from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.utils import load_tokenizer
 
 from . import backend as backends
+from . import distributed
 from .budget import DEFAULT_CONTEXT, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
 from .errors import MlxmoeError
@@ -36,7 +37,7 @@ def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_expert
     # against as many keys; longer prompts take shorter steps to stay within it (prefill_step)
     attention = attention_bytes(ckpt.config, act_bytes, PREFILL_STEP, PREFILL_STEP) if backend.materialises_attention else 0
     p = plan(parse_size(memory_budget, "memory budget"), resident, slot_bytes, ckpt.top_k,
-             kv_bytes_per_token(ckpt.config, act_bytes) * context,
+             int(kv_bytes_per_token(ckpt.config, act_bytes) * context * ckpt.stage_share),
              working_bytes(ckpt.config, act_bytes, PREFILL_STEP) + attention,
              parse_size(cache_size, "cache size"), cache_experts, memory=backend.memory(), all_experts=total)
     p.attention = attention
@@ -47,7 +48,7 @@ def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_expert
 def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path=None, lazy=False,
          return_config=False, revision=None, trust_remote_code=False, *, memory_budget=None, cache_size=None,
          cache_experts=None, policy=None, profile=None, backend=None, io_threads=4, force_profile=False, prewarm=True,
-         trace_out=None, prefetch=1, prefetch_confidence=0.1, io="auto"):
+         trace_out=None, prefetch=1, prefetch_confidence=0.1, io="auto", group=None):
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
     Takes mlx_lm.load's arguments (LoRA adapters excepted: fuse them first) and returns
@@ -66,7 +67,35 @@ def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path
     only on demand); a router guess is loaded when its probability reaches
     `prefetch_confidence` or the previous token used it too, and its next guesses (up to
     the top 2k) where the cache policy ranks them above its victim (see prefetch.py).
+
+    `group` (an mx.distributed group of several ranks, from `mx.distributed.init()` under
+    `mlx.launch`) splits the model into mlx-lm's pipeline stages: this rank builds and
+    streams only its stage's layers, within its own `memory_budget`; every rank must call
+    load, generate and the stats/profile exchanges of mlxmoe.distributed alike. A rank that
+    fails to load makes every rank raise, naming it.
     """
+    group = group if group is not None and group.size() > 1 else None
+    try:
+        loaded = _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
+                       trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend,
+                       io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group)
+    except Exception as e:
+        if group is None:
+            raise
+        distributed.check(group, e)  # raises on every rank, naming this one
+        raise
+    if group is not None:
+        try:
+            distributed.check(group)  # every rank loaded
+        except BaseException:
+            loaded[0].expert_cache.abort()
+            raise
+    return loaded
+
+
+def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
+          trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend, io_threads,
+          force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group):
     if tokenizer_config is not None and not isinstance(tokenizer_config, dict):
         raise MlxmoeError(f"tokenizer_config must be a dict, not {tokenizer_config!r} (mlx_lm.load's second "
                           "argument; mlxmoe's options are keywords: memory_budget=..., cache_experts=...)")
@@ -74,7 +103,7 @@ def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path
         raise MlxmoeError(f"adapter {adapter_path}: LoRA adapters are not supported; fuse them into the model "
                           "first (mlx_lm.fuse)")
     be = backends.detect(backend)
-    ckpt = open_checkpoint(path_or_hf_repo, model_config, revision, trust_remote_code)
+    ckpt = open_checkpoint(path_or_hf_repo, model_config, revision, trust_remote_code, group)
     try:
         tokenizer = _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy,
                            profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io)
@@ -98,8 +127,10 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     prior = rates = None
     if profile is not None:
         prior = profile if isinstance(profile, ActivationProfile) else ActivationProfile.load(profile)
-        prior.check_model(fp, ckpt.num_layers, ckpt.num_experts, force_profile,
+        prior.check_model(fp, ckpt.all_layers, ckpt.num_experts, force_profile,
                           None if isinstance(profile, ActivationProfile) else str(profile))
+        if ckpt.group is not None:  # a profile of the whole model: this stage's layers
+            prior = distributed.stage_profile(prior, ckpt.layer_offset, ckpt.num_layers)
         rates = prior.rates()
     if not lazy:
         mx.eval(ckpt.model.parameters())
@@ -116,10 +147,13 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     attach_cache(ckpt, cache)
     be.activate(p.budget)
     cache.plan, cache.backend, cache.checkpoint = p, be, ckpt
+    cache.group, cache.error = ckpt.group, None  # error: a read that failed on a rank of a group (see experts.py)
     if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
         cache.prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch,
                                       prior=rates, confidence=prefetch_confidence)
     if trace_out is not None:
+        if ckpt.group is not None:  # this stage's part, merged into trace_out by distributed.finish_trace
+            cache.trace_target, trace_out = trace_out, f"{trace_out}.rank{ckpt.group.rank()}"
         cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path)
     try:
         tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
@@ -137,7 +171,7 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
 
 
 def model_fingerprint(ckpt):
-    return fingerprint(ckpt.config, ckpt.store.tensors, ckpt.store.tensor_shapes, ckpt.num_layers, ckpt.num_experts)
+    return fingerprint(ckpt.config, ckpt.store.tensors, ckpt.store.tensor_shapes, ckpt.all_layers, ckpt.num_experts)
 
 
 def prefill_step(plan, tokenizer, prompt, prompt_cache=None):
@@ -163,9 +197,12 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
                                                    kwargs.get("prompt_cache"))
     if cache is not None:
         cache.new_sequence()
+    group = getattr(cache, "group", None)
     for response in _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
         if cache is not None:
             cache.decode_tps = response.generation_tps
+        if group is not None and distributed.failed_any(group, cache.error):
+            distributed.check(group, cache.error, bound=False)
         yield response
     if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
         cache.flush()

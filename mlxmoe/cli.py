@@ -124,13 +124,45 @@ def sampling_options(f):
 
 
 def _load(opts):
-    from . import load
+    from . import distributed, load
 
     exclusive(cache_size=opts["cache_size"], cache_experts=opts["cache_experts"])
+    group = distributed.init()  # None unless started as several ranks (mlx.launch)
+    if group is not None and group.rank() != 0:  # rank 0 speaks for all
+        sys.stdout = sys.stderr = open(os.devnull, "w")
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                 profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
-                io=opts["io"], prefetch=opts["prefetch"])
+                io=opts["io"], prefetch=opts["prefetch"], group=group)
+
+
+def _main_rank(model):
+    group = getattr(model.expert_cache, "group", None)
+    return group is None or group.rank() == 0
+
+
+def _stats(model):
+    """The cache's stats; under several ranks (a collective) summed over them, with "per_rank"."""
+    from .distributed import cluster_stats
+
+    stats = cluster_stats(model)
+    return stats["total"] if len(stats["ranks"]) == 1 else {**stats["total"], "per_rank": stats["ranks"]}
+
+
+def _gather(model):
+    """After cache.close() on every rank: the whole model's trace written (by rank 0) and
+    its live profile (the stages' merged). Bounded: after a failure a rank may be gone."""
+    from . import distributed
+
+    cache = model.expert_cache
+    if getattr(cache, "group", None) is None:
+        return cache.profile
+
+    def merge():
+        distributed.finish_trace(cache)
+        return distributed.whole_profile(cache)
+
+    return distributed.bounded("merging the ranks' trace and profile", merge, 60)
 
 
 def _sampler(temp, top_p, seed):
@@ -162,12 +194,14 @@ def _finish(model, save_profile, workload=None):
     cache = model.expert_cache
     with signals_deferred():
         cache.close()
-        if save_profile:
-            if workload or not cache.profile.workload:  # unnamed: after its file
-                cache.profile.workload = workload or os.path.splitext(os.path.basename(save_profile))[0]
-            cache.profile.save(save_profile)
-    if save_profile:
-        click.echo(f"saved profile {save_profile} ({cache.profile.tokens_total} tokens)", err=True)
+        live = _gather(model)
+        save = save_profile and _main_rank(model)
+        if save:
+            if workload or not live.workload:  # unnamed: after its file
+                live.workload = workload or os.path.splitext(os.path.basename(save_profile))[0]
+            live.save(save_profile)
+    if save:
+        click.echo(f"saved profile {save_profile} ({live.tokens_total} tokens)", err=True)
 
 
 save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=False),
@@ -204,7 +238,11 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         click.echo()
     finally:
         _finish(model, save_profile)
-    stats = model.expert_cache.stats()
+    stats = _stats(model)
+    for r, s in enumerate(stats.get("per_rank", [])):
+        click.echo(f"rank {r}: hit rate {100 * s['hit_rate']:.1f}%, {s['misses']} loads, "
+                   f"{s['bytes_read'] / 1e6:.1f} MB read, cache {s['cache_experts']} experts, "
+                   f"process peak RSS {s['peak_rss'] / 1e6:.1f} MB", err=True)
     if response is not None:
         click.echo(f"prompt: {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s; "
                    f"generation: {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s", err=True)
@@ -212,7 +250,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
                f"{stats['bytes_read'] / 1e6:.1f} MB read, cache {stats['cache_experts']} experts "
                f"({stats['cache_bytes'] / 1e6:.1f} MB), MLX peak memory {stats['peak_memory'] / 1e6:.1f} MB, "
                f"process peak RSS {stats['peak_rss'] / 1e6:.1f} MB", err=True)
-    if stats_json:
+    if stats_json and _main_rank(model):
         write_atomic(stats_json, json.dumps(stats, indent=1))
 
 
@@ -255,12 +293,12 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
                 prompt_cache, first = make_prompt_cache(model), True
                 continue
             if query.strip() == "/stats":
-                click.echo(json.dumps(cache.stats(), indent=1))
+                click.echo(json.dumps(_stats(model), indent=1))
                 continue
             messages = [{"role": "system", "content": system_prompt}] if system_prompt and first else []
             messages.append({"role": "user", "content": query})
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            before = cache.stats()
+            before = _stats(model)
             response = None
             try:
                 for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
@@ -275,7 +313,7 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
             first = False
             click.echo()
             if response is not None:
-                click.echo(summary(cache.stats(), before, response.generation_tokens, response.generation_tps),
+                click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps),
                            err=True)
     finally:
         _finish(model, save_profile)
@@ -420,6 +458,9 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
         try:
             with signals_deferred():  # Ctrl-C from here on keeps what was recorded
                 cache.close()
+                live = _gather(model)
+                if not _main_rank(model):  # rank 0 writes the whole model's profile
+                    return
                 live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
             if live.tokens_total:
                 click.echo("predicting the hit rate at each cache size...", err=True)
@@ -559,6 +600,7 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
     opts["trace_out"] = out
     model, _ = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
     model.expert_cache.close()
+    _gather(model)
     click.echo(f"saved {out}", err=True)
 
 
@@ -580,6 +622,52 @@ def trace_replay(trace_file, policy, cache_experts, as_json):
         else:
             click.echo(f"{r['policy']:>10}: hit rate {100 * r['hit_rate']:.2f}% ({r['hits']}/{r['accesses']}), "
                        f"belady {100 * r['belady_hit_rate']:.2f}%")
+
+
+@trace.command("import")
+@click.argument("fmt", metavar="FORMAT", type=click.Choice(["specmoe", "bigmoeonedge", "moe-ocs", "vllm", "sglang"]))
+@click.argument("src", type=click.Path(dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Trace file to write (JSONL).")
+@click.option("--only", help="Keep only these sequences, comma-separated: problem ids (specmoe), turns "
+              "(bigmoeonedge), request ids (vllm, sglang).")
+@click.option("--num-layers", type=click.IntRange(min=1), help="MoE layers (sglang: the layers of its array, "
+              "dense ones included). Default: what the file says, else the largest layer + 1.")
+@click.option("--num-experts", type=click.IntRange(min=1), help="Experts per layer. Default: what the file says, "
+              "else the largest id + 1.")
+@click.option("--top-k", type=click.IntRange(min=1), help="Experts per token (sglang, when the response lacks "
+              "its token counts).")
+@click.option("--model", "model_name", help="Model name for the trace header. Default: what the file says.")
+def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name):
+    """Convert routing recorded by another engine (FORMAT, file SRC) into an mlxmoe trace,
+    to replay here (`trace replay`, `profile from-trace`) and see what a cache size buys.
+
+    \b
+    FORMAT is one of
+      specmoe       speculative-moe JSONL (Mixtral-8x7B): {"dataset", "problem_id", "layer",
+                    "token_idx", "experts", "gating_probs"}; one sequence per problem
+      bigmoeonedge  BigMoeOnEdge route_trace CSV (`#` preamble, turn,phase,step,layer,slot,expert,weight)
+      moe-ocs       moe_ocs_learning JSON ({"meta", "routes": [{"token_pos", "phase", "layers"}]})
+      vllm          JSONL of {"type": "route", "req_id", "token_idx", "layer", "topk_ids",
+                    "topk_weights"[, "phase"]}; one sequence per req_id; a profiling run's
+                    repeated routing at the start is dropped (with a warning)
+      sglang        SGLang responses with return_routed_experts (meta_info.routed_experts or
+                    choices[].sgl_ext.routed_experts: base64 int32 [tokens, layers, top_k]);
+                    needs --num-layers
+
+    Each sequence is written as mlxmoe runs a request: its prompt as one layer call per
+    layer (lines marked "ph": "prefill"), then each token through every layer; gating
+    weights are kept as the lines' "p"."""
+    from .files import check_writable
+    from .trace import import_trace
+
+    check_writable(out)
+    wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None
+    summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name)
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+    click.echo(f"saved {out}: {summary['sequences']} sequences, {summary['tokens']} tokens "
+               f"({summary['prefill_tokens']} of prompts), {summary['num_layers']} layers x "
+               f"{summary['num_experts']} experts, top-{summary['top_k']}", err=True)
 
 
 @main.command()
@@ -617,7 +705,11 @@ def run(args=None):
     try:
         main(args, standalone_mode=False)
     except MlxmoeError as e:
-        click.echo(f"error: {e}", err=True)
+        rank = os.environ.get("MLX_RANK", "0")  # under mlx.launch every rank says it, rank 0 first
+        if rank == "0":
+            click.echo(f"error: {e}", err=True)
+        else:  # its stderr is silenced (see _load)
+            click.echo(f"[rank {rank}] error: {e}", file=sys.__stderr__)
         sys.exit(2)
     except (click.exceptions.Abort, KeyboardInterrupt):
         click.echo("interrupted", err=True)

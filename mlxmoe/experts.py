@@ -12,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .cache import token_chunks
+from .errors import MlxmoeError
 
 
 def _tapped(cls):
@@ -62,6 +63,17 @@ class StreamingExperts(nn.Module):
         self._cache = cache
 
     def __call__(self, x, indices):
+        if getattr(self._cache, "group", None) is None:
+            return self._call(x, indices)
+        try:
+            return self._call(x, indices)
+        except MlxmoeError as e:
+            # A rank of a group keeps its peers' pipeline going with zeros for this layer;
+            # after this token every rank stops with the error (api.stream_generate).
+            self._cache.error = self._cache.error or e
+            return mx.zeros((*indices.shape, x.shape[-1]), x.dtype)
+
+    def _call(self, x, indices):
         cache = self._cache
         table = cache.resident_slots()
         if table is not None:

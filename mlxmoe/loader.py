@@ -48,6 +48,14 @@ class Checkpoint:
     module_paths: list = field(default_factory=list)
     routers: list = field(default_factory=list)  # per MoE layer: x -> router scores, or None
     top_k: int = 0
+    layer_offset: int = 0  # under a pipeline split: the whole model's index of this stage's first MoE layer
+    total_layers: int = 0  # the whole model's MoE layers (this stage's alone when 0)
+    group: object = None  # the mx.distributed group of a pipeline split, else None
+    stage_share: float = 1.0  # the share of the model's decoder layers this stage runs
+
+    @property
+    def all_layers(self):
+        return self.total_layers or self.num_layers
 
     @property
     def num_layers(self):
@@ -181,20 +189,45 @@ def _bundled_classes(store):
     return classes
 
 
-def open_checkpoint(path_or_repo, model_config=None, revision=None, trust_remote_code=False):
+def open_checkpoint(path_or_repo, model_config=None, revision=None, trust_remote_code=False, group=None):
     """Read config, index the shards, build the model lazily and map every expert to its
-    bytes. `model_config` overrides config.json's fields, as in mlx_lm.load."""
+    bytes. `model_config` overrides config.json's fields, as in mlx_lm.load. With a
+    `group` of several ranks, mlx-lm splits the model into pipeline stages and only this
+    rank's stage is built and mapped."""
     path = resolve(path_or_repo, revision)
     read_config(path)  # a clear error for a missing or unknown config.json
     store = ExpertStore(path)
     try:
-        return _open(path, store, model_config, trust_remote_code)
+        return _open(path, store, model_config, trust_remote_code, group)
     except BaseException:
         store.close()
         raise
 
 
-def _open(path, store, model_config=None, trust_remote_code=False):
+def _stage_layer(module_path):
+    """The decoder layer a module path lies in (mlx-lm's sharded_load matches layers so too)."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", module_path)
+    return None if m is None else int(m.group(1))
+
+
+def _pipeline(path, config, model, switches, group):
+    """Split `model` with mlx-lm's own `model.model.pipeline(group)`; return this stage's
+    switches, the whole model's index of its first MoE layer and the stage's share of the
+    decoder layers (of the KV cache)."""
+    if not hasattr(getattr(model, "model", None), "pipeline"):
+        raise MlxmoeError(f"{path}: mlx-lm cannot split model_type {config['model_type']!r} into pipeline stages "
+                          "(its model has no pipeline()); run it as one process")
+    decoder_layers = len(model.model.layers)
+    model.model.pipeline(group)
+    start, end = model.model.start_idx, model.model.end_idx
+    local = [i for i, (p, _) in enumerate(switches) if start <= (_stage_layer(p) or 0) < end]
+    if not local:
+        raise MlxmoeError(f"{path}: rank {group.rank()}'s pipeline stage (layers {start}-{end - 1}) holds no MoE "
+                          f"layer to stream; use fewer ranks")
+    return switches[local[0]:local[-1] + 1], local[0], (end - start) / decoder_layers
+
+
+def _open(path, store, model_config=None, trust_remote_code=False, group=None):
     classes = _bundled_classes(store) if store.bundled else _get_classes
     try:
         model, config = load_model(path, lazy=True, strict=True, model_config=model_config,
@@ -210,6 +243,9 @@ def _open(path, store, model_config=None, trust_remote_code=False):
         ((p, m) for p, m in model.named_modules() if isinstance(m, SWITCH_TYPES)), key=lambda pm: _layer_order(pm[0]))
     if not switches:
         raise MlxmoeError(f"{path}: model_type {config['model_type']!r} has no SwitchGLU/SwitchMLP experts to stream")
+    total, offset, share = len(switches), 0, 1.0
+    if group is not None:
+        switches, offset, share = _pipeline(path, config, model, switches, group)
     per_expert = _per_expert_sources(model, store)
     layers = []
     for mpath, module in switches:
@@ -239,7 +275,8 @@ def _open(path, store, model_config=None, trust_remote_code=False):
         raise MlxmoeError(f"{path}: experts with a global scale (nvfp4) are not supported yet")
     store.map_layers(layers)
 
-    ckpt = Checkpoint(path, config, model, store, module_paths=[p for p, _ in switches])
+    ckpt = Checkpoint(path, config, model, store, module_paths=[p for p, _ in switches], layer_offset=offset,
+                      total_layers=total, group=group, stage_share=share)
     swaps = []
     for layer, (mpath, module) in enumerate(switches):
         # Drop the lazy expert arrays: nothing will ever evaluate (read) them.

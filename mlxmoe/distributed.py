@@ -1,0 +1,205 @@
+"""Several ranks started by `mlx.launch`: mlx-lm's pipeline split, one expert stream per stage.
+
+Every rank runs the same program. mlx-lm's `model.model.pipeline(group)` gives each rank
+a contiguous run of layers (the last rank the first layers); a rank builds only those
+layers' weights and StreamingExperts, and streams only their experts under its own
+budget. Ranks exchange small JSON messages (errors, stats, profiles, traces) with
+`all_gather`: each exchange is a collective that every rank makes at the same point.
+A rank that fails reports its error through the next exchange, so that rank 0 names it;
+collectives that wait on a peer that may never come are bounded by a watchdog.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import MlxmoeError
+from .files import write_atomic
+from .profile import ActivationProfile
+
+# Seconds a rank waits for its peers to join (start-up) or to finish loading; 0: forever.
+TIMEOUT_ENV = "MLXMOE_DIST_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+
+
+def timeout():
+    try:
+        return float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
+    except ValueError:
+        raise MlxmoeError(f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} is not a number of seconds") from None
+
+
+def launched():
+    """Whether a launcher (mlx.launch, mpirun) started this process as one of several ranks."""
+    return "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ
+
+
+def bounded(what, fn, seconds=None):
+    """fn(), or if it has not returned after `seconds` (a peer that never came, or died
+    without a word): the error on standard error and the process ends. The watchdog is a
+    separate process: a collective blocked in MLX holds the GIL, so no Python thread or
+    signal handler of this process would run."""
+    seconds = timeout() if seconds is None else seconds
+    if not seconds:
+        return fn()
+    message = (f"error: {what} did not finish within {seconds:g} s (a rank did not start or stopped; "
+               f"{TIMEOUT_ENV} sets this limit)")
+    watchdog = subprocess.Popen(["sh", "-c", f'sleep {seconds} && echo "$0" >&2 && kill -TERM {os.getpid()}',
+                                 message], stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        return fn()
+    finally:
+        os.killpg(watchdog.pid, signal.SIGKILL)  # its sleep too
+        watchdog.wait()
+
+
+def init(backend="any"):
+    """The world group when launched as several ranks, else None. Start-up is bounded."""
+    if not launched():
+        return None
+    group = bounded("joining the other ranks (mx.distributed.init)", lambda: mx.distributed.init(backend=backend))
+    return group if group.size() > 1 else None
+
+
+def _all_gather(group, array):
+    return mx.distributed.all_gather(array, group=group, stream=mx.cpu)
+
+
+def exchange(group, obj):
+    """Every rank's `obj` (JSON-able), in rank order, on every rank."""
+    data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+    sizes = np.array(_all_gather(group, mx.array([data.size], dtype=mx.int32)))
+    buf = np.zeros(int(sizes.max()), dtype=np.uint8)
+    buf[:data.size] = data
+    rows = np.array(_all_gather(group, mx.array(buf)[None]))
+    return [json.loads(bytes(row[:n])) for row, n in zip(rows, sizes.tolist())]
+
+
+def check(group, error=None, bound=True):
+    """Every rank says whether it failed (`error`: an exception or message, None if not);
+    if any did, every rank raises MlxmoeError naming the first failing rank and its error.
+    Rank 0 raises first: the others wait a moment, so that a launcher that stops all ranks
+    once one exits has rank 0's report."""
+    mine = None if error is None else {"host": socket.gethostname(), "error": str(error)}
+    errors = bounded("waiting for the other ranks", lambda: exchange(group, mine)) if bound else exchange(group, mine)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    r, e = failed[0]
+    if group.rank() != 0:
+        time.sleep(1.0)
+    raise MlxmoeError(f"rank {r} ({e['host']}) failed: {e['error']}")
+
+
+def failed_any(group, error):
+    """One cheap collective: whether any rank has an error to report (then call check)."""
+    flag = mx.distributed.all_sum(mx.array([0 if error is None else 1], dtype=mx.int32), group=group, stream=mx.cpu)
+    return int(flag.item()) > 0
+
+
+SUMMED = ("tokens", "hits", "misses", "bytes_read", "loads_demand", "loads_prefetched", "prefetch_useful",
+          "prefetch_late", "prefetch_stale", "read_seconds", "bookkeeping_seconds", "evictions", "cache_experts",
+          "cache_bytes", "peak_memory", "peak_rss")
+
+
+def gather_stats(group, stats):
+    """{"ranks": [each rank's stats], "total": the sums} on every rank. Every rank sees
+    every token, so `tokens` and `decode_tps` are the same on each: the total keeps rank 0's;
+    hit_rate is recomputed from the summed hits and misses."""
+    ranks = exchange(group, stats)
+    total = {k: sum(s[k] for s in ranks) for k in SUMMED}
+    total["tokens"] = ranks[0]["tokens"]
+    total["decode_tps"] = ranks[0]["decode_tps"]
+    accesses = total["hits"] + total["misses"]
+    total["hit_rate"] = total["hits"] / accesses if accesses else 0.0
+    total["resident_per_layer"] = [n for s in ranks[::-1] for n in s["resident_per_layer"]]
+    total["ranks"] = len(ranks)
+    return {"ranks": ranks, "total": total}
+
+
+def merge_counts(group, offset, counts, total_layers):
+    """Each rank's [local layers, experts] array placed at its layers: the whole model's
+    (exchanged as JSON, so float64 values arrive exact)."""
+    full = np.zeros((total_layers, counts.shape[1]))
+    for part in exchange(group, {"offset": offset, "counts": np.asarray(counts).tolist()}):
+        rows = np.array(part["counts"], dtype=np.float64).reshape(-1, counts.shape[1])
+        full[part["offset"]:part["offset"] + len(rows)] = rows
+    return full
+
+
+def merge_traces(group, offset, text):
+    """The whole model's trace from each rank's (its layers numbered from 0): on rank 0 the
+    merged text, on other ranks None. Lines are ordered as one process writes them: by
+    sequence, layer call (its first token), then layer."""
+    texts = exchange(group, {"offset": offset, "text": text})
+    if group.rank() != 0:
+        return None
+    header, lines = None, []
+    for part in texts:
+        rows = part["text"].splitlines()
+        head = json.loads(rows[0])
+        if header is None:
+            header = head
+        else:
+            header["num_layers"] += head["num_layers"]
+        call, left = None, 0  # the current multi-token call's first token and lines still to come
+        for n, row in enumerate(rows[1:]):
+            line = json.loads(row)
+            line["l"] += part["offset"]
+            if left and line.get("n") and (line["s"], line["l"]) == call[:2]:
+                left -= 1
+            else:
+                call, left = (line["s"], line["l"], line["t"]), line.get("n", 1) - 1
+            lines.append(((line["s"], call[2], line["l"], n), line))
+    lines.sort(key=lambda kv: kv[0])
+    return "\n".join([json.dumps(header)] + [json.dumps(l, separators=(",", ":")) for _, l in lines]) + "\n"
+
+
+def stage_profile(profile, offset, layers):
+    """The part of a whole-model profile for the stage whose MoE layers start at `offset`."""
+    part = slice(offset, offset + layers)
+    return ActivationProfile(layers, profile.num_experts, profile.top_k, profile.half_life, profile.model,
+                             profile.fingerprint, profile.workload, profile.counts[part], profile.mass[part],
+                             profile.tokens, profile.tokens_total, profile.created, profile.curve,
+                             profile.expert_bytes, profile.resident_bytes)
+
+
+def whole_profile(cache):
+    """The whole model's live profile from every rank's stage (a collective): the format of
+    a one-process profile (resident_bytes: the stages' sum)."""
+    p, ckpt = cache.profile, cache.checkpoint
+    counts = merge_counts(ckpt.group, ckpt.layer_offset, p.counts, ckpt.all_layers)
+    mass = merge_counts(ckpt.group, ckpt.layer_offset, p.mass, ckpt.all_layers)
+    resident = sum(r or 0 for r in exchange(ckpt.group, p.resident_bytes))
+    return ActivationProfile(ckpt.all_layers, p.num_experts, p.top_k, p.half_life, p.model, p.fingerprint,
+                             p.workload, counts, mass, p.tokens, p.tokens_total, p.created, p.curve,
+                             p.expert_bytes, resident)
+
+
+def finish_trace(cache):
+    """After cache.close() on every rank: the stages' traces merged into the requested file
+    on rank 0 (atomically); each rank's part removed."""
+    target = getattr(cache, "trace_target", None)
+    if target is None:
+        return
+    part = cache.trace.path
+    text = part.read_text()
+    part.unlink()
+    merged = merge_traces(cache.checkpoint.group, cache.checkpoint.layer_offset, text)
+    if merged is not None:
+        write_atomic(target, merged)
+
+
+def cluster_stats(model):
+    """gather_stats of every rank's model.expert_cache.stats() (a collective)."""
+    cache = model.expert_cache
+    stats = cache.stats()
+    if getattr(cache, "group", None) is None:
+        return {"ranks": [stats], "total": stats}
+    return gather_stats(cache.group, stats)

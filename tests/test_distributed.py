@@ -1,0 +1,186 @@
+"""Several ranks on 127.0.0.1 (mlx.launch, ring backend): mlx-lm's pipeline split with one
+expert stream per stage gives the tokens of one process, each rank reads only its own
+layers' experts within its own budget, profiles merge on rank 0, failures stop every rank."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx_lm
+import pytest
+
+import mlxmoe
+from mlxmoe.profile import ActivationProfile
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+DEEPSEEK = {"num_hidden_layers": 6}  # its first layer is dense: every stage of 2 or 3 keeps a MoE layer
+LIMIT = 150  # seconds for one launch
+
+
+def free_port_base(count):
+    """A port p with p .. p+count-1 free on 127.0.0.1 (the ring backend listens on them)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65536:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def launch(ranks, *command, timeout=LIMIT, python=True):
+    """Run `command` as `ranks` ranks under mlx.launch; (returncode, output, seconds)."""
+    env = dict(os.environ, MLXMOE_DIST_TIMEOUT="60", HF_HUB_OFFLINE="1")
+    cmd = [shutil.which("mlx.launch") or "mlx.launch", "--backend", "ring", "-n", str(ranks),
+           "-p", str(free_port_base(ranks))]
+    if python:
+        cmd += ["--python", sys.executable]
+    tic = time.monotonic()
+    r = subprocess.run(cmd + ["--", *command], capture_output=True, text=True, timeout=timeout, env=env)
+    return r.returncode, r.stdout + r.stderr, time.monotonic() - tic
+
+
+def run_worker(tmp_path, ranks, *args):
+    out = tmp_path / f"out{ranks}-{args[1] if len(args) > 1 else ''}{time.monotonic_ns()}"
+    out.mkdir()
+    rc, log, _ = launch(ranks, str(WORKER), str(args[0]), str(out), *map(str, args[1:]))
+    assert rc == 0, log
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def one_process(path, cache_experts):
+    model, tokenizer = mlxmoe.load(path, cache_experts=cache_experts)
+    got = [r.token for r in mlxmoe.stream_generate(model, tokenizer, "Once upon a time there was a fox", max_tokens=10)]
+    model.expert_cache.close()
+    return got, model.expert_cache.stats()["bytes_read"]
+
+
+def stock(path):
+    model, tokenizer = mlx_lm.load(str(path))
+    return [r.token for r in mlx_lm.stream_generate(model, tokenizer, "Once upon a time there was a fox",
+                                                    max_tokens=10)]
+
+
+@pytest.mark.parametrize("arch,overrides", [("qwen3_moe", {}), ("deepseek_v3", DEEPSEEK)])
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_tokens_equal_one_process_and_stock(checkpoint, tmp_path, arch, overrides, ranks):
+    path = checkpoint(arch, config_overrides=overrides)
+    results = run_worker(tmp_path, ranks, path, "parity")
+    first = results[0]["full"]
+    L, E = first["all_layers"], first["num_experts"]
+    want = stock(path)
+    full, full_bytes = one_process(path, L * E)
+    half, _ = one_process(path, L * E // 2)
+    assert full == want and half == want
+    for name in ("full", "half"):
+        for r in results:
+            assert r[name]["tokens"] == want, (name, r)
+    # mlx-lm's split: rank r runs the layers after those of ranks r+1.., together all of them once
+    stages = sorted((r["full"]["layer_offset"], r["full"]["num_layers"]) for r in results)
+    assert stages[0][0] == 0 and sum(n for _, n in stages) == L
+    assert all(a + n == b for (a, n), (b, _) in zip(stages, stages[1:]))
+    assert results[-1]["full"]["layer_offset"] == 0  # the last rank has the first layers
+    for r in results:
+        f, h = r["full"], r["half"]
+        # each rank read exactly its own layers' experts (at full cache: each once), nothing else
+        assert f["bytes_read"] == f["num_layers"] * E * f["expert_file_bytes"]
+        assert f["useful_bytes"] == f["bytes_read"] and h["useful_bytes"] == h["bytes_read"]
+        assert h["cache_experts"] == f["num_layers"] * E // 2
+    assert sum(r["full"]["bytes_read"] for r in results) == full_bytes  # the whole model, once
+    assert results[0]["full"]["total_bytes_read"] == full_bytes  # aggregated on rank 0
+
+
+def test_each_rank_streams_within_its_budget(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe", config_overrides={"hidden_size": 256, "moe_intermediate_size": 512,
+                                                      "num_experts": 32, "num_hidden_layers": 4})
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    budget = size // 4  # each rank's; its stage holds about half the checkpoint
+    for m in run_worker(tmp_path, 2, path, "budget", budget):
+        assert m["budget"] == budget
+        assert m["cache_experts"] < m["local_experts"] and m["misses"] > 0  # the experts really stream
+        assert m["mlx_peak"] <= 1.05 * budget, m
+        assert m["peak_rss"] - m["base_rss"] <= 1.05 * budget, m
+
+
+def test_profile_recorded_under_two_ranks_equals_one_process(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nIl modello a miscela di esperti\n")
+    # every expert cached: in one process the counts differ between cache sizes (6 and 12 experts here)
+    record = ["profile", "record", "-m", str(path), "--prompts", str(prompts), "--max-tokens", "6", "-w", "tale"]
+    one = subprocess.run([sys.executable, "-m", "mlxmoe", *record, "-o", str(tmp_path / "one.json")],
+                         capture_output=True, text=True, timeout=LIMIT)
+    assert one.returncode == 0, one.stderr
+    rc, log, _ = launch(2, sys.executable, "-m", "mlxmoe", *record, "-o", str(tmp_path / "two.json"),
+                        python=False)
+    assert rc == 0, log
+    a, b = ActivationProfile.load(tmp_path / "one.json"), ActivationProfile.load(tmp_path / "two.json")
+    assert (a.num_layers, a.fingerprint, a.tokens_total) == (b.num_layers, b.fingerprint, b.tokens_total)
+    assert (a.counts == b.counts).all() and a.counts.sum() > 0
+    assert a.curve == b.curve  # predicted from the ranks' traces merged on rank 0
+    # and a whole-model profile loads on any split
+    rc, log, _ = launch(3, sys.executable, "-m", "mlxmoe", "generate", "-m", str(path), "-p", "Once", "--max-tokens",
+                        "2", "--profile", str(tmp_path / "two.json"), python=False)
+    assert rc == 0, log
+
+
+def test_missing_shard_on_one_rank_stops_all_named_on_rank0(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe", max_shard_bytes=200_000)
+    broken = tmp_path / "m1"
+    shutil.copytree(path, broken)
+    shards = sorted(broken.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    shutil.copytree(path, tmp_path / "m0")
+    rc, log, seconds = launch(2, "bash", "-c", f'exec "{sys.executable}" -m mlxmoe generate -m {tmp_path}/m$MLX_RANK '
+                              '-p Once --max-tokens 2', python=False)
+    assert "rank 0 exited with code 2" in log  # (mlx.launch itself returns 0 whatever its ranks did)
+    rank0 = [l for l in log.splitlines() if l.startswith("error: ")]
+    assert rank0 and "rank 1" in rank0[0] and "missing shard" in rank0[0] and shards[-1].name in rank0[0], log
+    assert seconds < LIMIT
+
+
+def test_read_error_while_decoding_stops_all_ranks(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe")
+    copy = tmp_path / "m"
+    shutil.copytree(path, copy)
+    shutil.copytree(path, str(copy) + "-rank1")
+    r0, r1 = run_worker(tmp_path, 2, copy, "readfail")
+    assert r0["error"] == r1["error"]
+    assert r0["error"].startswith("rank 1 ") and "truncated" in r0["error"], r0
+
+
+def test_architecture_without_pipeline_refused(checkpoint):
+    path = checkpoint("mixtral")
+    rc, log, _ = launch(2, sys.executable, "-m", "mlxmoe", "generate", "-m", str(path), "-p", "Once", python=False)
+    rank0 = [l for l in log.splitlines() if l.startswith("error: ")]
+    assert rank0 and "'mixtral'" in rank0[0] and "pipeline" in rank0[0], log
+
+
+def test_start_up_without_peers_is_bounded(tmp_path):
+    hosts = tmp_path / "hosts.json"
+    base = free_port_base(2)
+    hosts.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    env = dict(os.environ, MLX_HOSTFILE=str(hosts), MLX_RANK="0", MLXMOE_DIST_TIMEOUT="3")
+    tic = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "mlxmoe", "generate", "-p", "Once"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode != 0 and "did not finish within 3 s" in r.stderr, r.stderr
+    assert time.monotonic() - tic < 30
