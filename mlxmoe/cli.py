@@ -381,11 +381,12 @@ def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=
         prompts = read_prompts(chats or prompts_file, tokenizer, chats=bool(chats), chat_template=chat_template)
         if on_load is not None:
             on_load(model)
-        with click.progressbar(length=len(prompts), label=f"{what} {len(prompts)} prompts", file=sys.stderr) as bar:
-            try:
+        try:  # (the bar too: an interrupt while it draws stops the run like any other)
+            with click.progressbar(length=len(prompts), label=f"{what} {len(prompts)} prompts",
+                                   file=sys.stderr) as bar:
                 run_prompts(model, tokenizer, prompts, max_tokens, on_prompt=lambda i, text: bar.update(1))
-            except KeyboardInterrupt:
-                interrupted = True
+        except KeyboardInterrupt:
+            interrupted = True
     except BaseException:
         cache.abort()
         raise
