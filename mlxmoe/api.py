@@ -6,7 +6,6 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
-from mlx_lm.utils import load_tokenizer
 
 from . import backend as backends
 from . import distributed
@@ -14,7 +13,7 @@ from .budget import DEFAULT_CONTEXT, attention_bytes, kv_bytes_per_token, parse_
 from .cache import ExpertCache
 from .errors import MlxmoeError
 from .files import read_lines
-from .loader import MX_DTYPES, attach_cache, check_tokenizer_files, open_checkpoint
+from .loader import MX_DTYPES, attach_cache, open_checkpoint, read_tokenizer
 from .policies import make_policy
 from .prefetch import Prefetcher
 from .profile import ActivationProfile, fingerprint
@@ -119,7 +118,7 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
 def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
            force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io):
     """Give an opened checkpoint its expert cache (model.expert_cache); return the tokenizer."""
-    check_tokenizer_files(ckpt.path)
+    tokenizer = read_tokenizer(ckpt.path, tokenizer_config, ckpt.config.get("eos_token_id"))
     ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
     p = memory_plan(ckpt, be, memory_budget, cache_size, cache_experts)
@@ -155,10 +154,6 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
         if ckpt.group is not None:  # this stage's part, merged into trace_out by distributed.finish_trace
             cache.trace_target, trace_out = trace_out, f"{trace_out}.rank{ckpt.group.rank()}"
         cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path)
-    try:
-        tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
-    except Exception as e:  # transformers and tokenizers raise many types; all mean "cannot load it"
-        raise MlxmoeError(f"{ckpt.path}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]})") from None
     if prewarm:
         order = [] if prior is None else prior.priority()
         L, E = ckpt.num_layers, ckpt.num_experts

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.utils import _get_classes, load_config, load_model
+from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .budget import text_config
 from .errors import MlxmoeError
@@ -88,11 +88,14 @@ def resolve(path_or_repo, revision=None):
     raise MlxmoeError(f"model folder not found: {path}")
 
 
-# config.json fields mlxmoe reads (sizes, counts): a positive integer where present
-INT_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
-              "intermediate_size", "moe_intermediate_size", "num_experts", "n_routed_experts", "num_local_experts",
-              "num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k", "vocab_size", "kv_lora_rank",
-              "qk_rope_head_dim")
+# config.json's sizes and counts: a positive integer at most this where present (the
+# largest real models use about a tenth; more is a typo, and building the model would hang)
+INT_FIELDS = {"num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
+              "head_dim": 1 << 14, "hidden_size": 1 << 18, "intermediate_size": 1 << 20,
+              "moe_intermediate_size": 1 << 20, "num_experts": 1 << 16, "n_routed_experts": 1 << 16,
+              "num_local_experts": 1 << 16, "num_experts_per_tok": 1 << 16, "moe_top_k": 1 << 16,
+              "num_experts_per_token": 1 << 16, "top_k": 1 << 16, "vocab_size": 1 << 24, "kv_lora_rank": 1 << 16,
+              "qk_rope_head_dim": 1 << 14}
 # The tokenizer's JSON files: each, where present, a readable JSON object
 TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                   "generation_config.json", "vocab.json")
@@ -121,16 +124,37 @@ def read_config(path):
     if "model_type" not in config or not isinstance(config["model_type"], str):
         raise MlxmoeError(f"{path / 'config.json'}: no model_type")
     for cfg in (config, config.get("text_config")):
-        for key in INT_FIELDS:
+        for key, most in INT_FIELDS.items():
             v = cfg.get(key) if isinstance(cfg, dict) else None
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 1 << 40):
-                raise MlxmoeError(f"{path / 'config.json'}: {key} must be a positive integer, not {str(v)[:40]!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most):
+                raise MlxmoeError(f"{path / 'config.json'}: {key} must be an integer from 1 to {most}, "
+                                  f"not {str(v)[:40]!r}")
+    for key in ("quantization", "quantization_config"):  # (MLX's; not another library's, with its quant_method)
+        if not (isinstance(config.get(key), dict) and "quant_method" in config[key]):
+            _check_quantization(path, key, config.get(key))
     try:
         _get_classes(config)
     except ValueError:
         raise MlxmoeError(
             f"{path / 'config.json'}: model_type {config['model_type']!r} is not an architecture mlx-lm knows") from None
+    except Exception as e:  # a field mlx-lm reads to pick the class (architectures) of the wrong type
+        raise MlxmoeError(f"{path / 'config.json'}: mlx-lm cannot read it ({type(e).__name__}: {e})") from None
     return config
+
+
+def _check_quantization(path, key, q):
+    """A quantization block: its group_size and bits (and each per-layer override's)
+    positive integers in range; MLX divides by them (a group size of 0 kills the process)."""
+    if q is None:
+        return
+    if not isinstance(q, dict):
+        raise MlxmoeError(f"{path / 'config.json'}: {key} must be an object, not {str(q)[:40]!r}")
+    for where, block in [(key, q)] + [(f"{key}.{k}", v) for k, v in q.items() if isinstance(v, dict)]:
+        for field, most in (("group_size", 4096), ("bits", 16)):
+            v = block.get(field)
+            if (v is not None or block is q) and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most):
+                raise MlxmoeError(f"{path / 'config.json'}: {where}.{field} must be an integer from 1 to {most}, "
+                                  f"not {str(v)[:40]!r}")
 
 
 def check_tokenizer_files(path):
@@ -141,6 +165,17 @@ def check_tokenizer_files(path):
     for name in TOKENIZER_JSON:
         if (path / name).exists() or (path / name).is_symlink():
             read_json_object(path / name, "tokenizer file")
+
+
+def read_tokenizer(path, tokenizer_config=None, eos_token_ids=None):
+    """mlx-lm's tokenizer of checkpoint `path`, or an MlxmoeError naming what is wrong."""
+    check_tokenizer_files(path)
+    try:
+        return load_tokenizer(path, tokenizer_config or {}, eos_token_ids=eos_token_ids)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # transformers and tokenizers raise many types (a Rust panic is a BaseException)
+        raise MlxmoeError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _layer_order(path):
@@ -234,9 +269,9 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None):
                                    get_model_classes=classes, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise MlxmoeError(f"{path}: the weights do not match config.json: {e}") from None
-    except (TypeError, KeyError) as e:  # a config.json field the model class needs, or a tensor it misses
+    except Exception as e:  # mlx-lm's model classes take config.json's fields as they come: any error there
         raise MlxmoeError(f"{path}: mlx-lm cannot build this model from config.json and its weights "
-                          f"({type(e).__name__}: {e})") from None
+                          f"({type(e).__name__}: {str(e)[:200]})") from None
     if store.bundled:
         model.__class__ = model.__class__.__mro__[1]  # mlx-lm's own class again
     switches = sorted(

@@ -177,7 +177,7 @@ class ActivationProfile:
         data = self.to_json()
         try:
             parse(data)
-        except (KeyError, TypeError, ValueError, MlxmoeError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError, MlxmoeError) as e:
             raise MlxmoeError(f"cannot write {path}: the profile is not valid ({e})") from None
         write_atomic(path, json.dumps(data, indent=None, separators=(",", ":"), allow_nan=False))
 
@@ -196,7 +196,7 @@ class ActivationProfile:
             raise MlxmoeError(f"{path}: not a {FORMAT} file")
         try:
             profile = cls(**parse(data))
-        except (KeyError, TypeError, ValueError, MlxmoeError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError, MlxmoeError) as e:
             raise MlxmoeError(f"{path}: malformed profile ({e})") from None
         profile.source = str(path)
         if fingerprint is not None:

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 import mlxmoe
-from mlxmoe.cli import main, run
+from mlxmoe.cli import main
 from mlxmoe.errors import MlxmoeError
 from mlxmoe.loader import DEMO_MODEL
 from mlxmoe.profile import ActivationProfile
@@ -25,25 +25,6 @@ from mlxmoe.trace import read_trace
 def demo(tmp_path):
     """A copy of the bundled demo checkpoint to damage."""
     return shutil.copytree(DEMO_MODEL, tmp_path / "c")
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    """cli(*args) -> (exit code, stderr): the `mlxmoe` entry point, in this process."""
-    def call(*args):
-        old = signal.getsignal(signal.SIGTERM)
-        monkeypatch.setattr(sys, "argv", ["mlxmoe", *map(str, args)])
-        try:
-            run()
-            code = 0
-        except SystemExit as e:
-            code = e.code
-        finally:
-            signal.signal(signal.SIGTERM, old)
-        err = capsys.readouterr().err
-        assert "Traceback" not in err
-        return code, err
-    return call
 
 
 def assert_cli_error(cli, args, *needles):
