@@ -34,6 +34,7 @@ from .errors import MlxmoeError
 from .files import read_lines, temp_beside
 from .policies import ONLINE, make_policy
 from .prefetch import count_prediction, hottest_per_layer, precision_recall
+from .profile import DEFAULT_HALF_LIFE, ActivationProfile, prewarm_order, shape_fingerprint
 
 FORMAT = "mlxmoe.trace/1"
 MAX_EXPERTS = 1 << 22  # layers x experts a header may claim
@@ -214,15 +215,27 @@ def steps(records, num_layers, capacity=None):
             yield (len(call) if layer == 0 and a == 0 else 0), layer, experts, scores, dist
 
 
-def replay(header, records, policy, cache_experts, **policy_kw):
-    """Hits of `policy` with `cache_experts` slots on this trace."""
+def replay(header, records, policy, cache_experts, profile=None, **policy_kw):
+    """Hits of `policy` with `cache_experts` slots on this trace. With `profile` (an
+    ActivationProfile) the cache starts as the runtime's does when loaded with it: the
+    policy takes its rates as prior (and its pins from them), and the free slots are
+    pre-warmed in its order, one claim per key as the pre-warm thread claims them (all of
+    them before the first token: the runtime reads them in the background meanwhile)."""
     L, E = header["num_layers"], header["num_experts"]
     k = max((len(set(r[3])) for r in records), default=1)
     if cache_experts < k:
         raise MlxmoeError(f"--cache-experts must be at least {k} (the most experts one layer uses at once)")
     if policy == "belady":
         policy_kw["future"] = [(l, x) for _, l, experts, *_ in steps(records, L, cache_experts) for x in experts]
+    if profile is not None:
+        if policy == "belady":
+            raise MlxmoeError("belady starts from a cold cache: a profile is for the online policies")
+        profile.check_model(trace_fingerprint(header), L, E, force=True, where=profile.name())  # shapes must agree
+        policy_kw["prior"] = profile.rates()
     residency = Residency(cache_experts, make_policy(policy, cache_experts, L, E, **policy_kw))
+    if profile is not None:
+        for key in prewarm_order(profile, L, E, cache_experts)[:cache_experts]:
+            residency.claim([key])
     for tokens, layer, experts, scores, dist in steps(records, L, cache_experts):
         if tokens:
             residency.tick(tokens)
@@ -232,15 +245,44 @@ def replay(header, records, policy, cache_experts, **policy_kw):
             "hit_rate": residency.hits / accesses if accesses else 0.0}
 
 
-def replay_all(header, records, policies, cache_experts, **policy_kw):
-    """replay() for each policy, each with `belady_hit_rate` of the same size."""
+def replay_all(header, records, policies, cache_experts, profile=None, **policy_kw):
+    """replay() for each policy, each with `belady_hit_rate` of the same size (from a
+    cold cache: the profile is for the online policies)."""
     best = replay(header, records, "belady", cache_experts)
     out = []
     for name in policies:
-        r = dict(best) if name == "belady" else replay(header, records, name, cache_experts, **policy_kw)
+        r = dict(best) if name == "belady" else replay(header, records, name, cache_experts, profile, **policy_kw)
         r["belady_hit_rate"] = best["hit_rate"]
         out.append(r)
     return out
+
+
+def trace_fingerprint(header):
+    """The model fingerprint a trace stands for: the one the runtime wrote in its header,
+    else (an imported trace) its shape's (profile.shape_fingerprint)."""
+    return header.get("fingerprint") or shape_fingerprint(header["num_layers"], header["num_experts"])
+
+
+def build_profile(traces, workload="", half_life=DEFAULT_HALF_LIFE):
+    """An ActivationProfile learnt from traces [(name, header, records)] of one model, as
+    the runtime's live profile learns from a run: the first layer of each layer call
+    ticks it by the call's tokens, every call counts its distinct experts once, with their
+    router scores (the whole distribution where the trace has it)."""
+    name, first, _ = traces[0]
+    L, E, fp = first["num_layers"], first["num_experts"], trace_fingerprint(first)
+    for other, header, _ in traces[1:]:
+        if (header["num_layers"], header["num_experts"], trace_fingerprint(header)) != (L, E, fp):
+            raise MlxmoeError(f"{other} is of another model than {name}: {header['num_layers']} layers x "
+                              f"{header['num_experts']} experts, fingerprint {trace_fingerprint(header)}; {name}: "
+                              f"{L} x {E}, {fp}")
+    top_k = max(int(h.get("top_k") or 0) for _, h, _ in traces)
+    profile = ActivationProfile(L, E, top_k, half_life, str(first.get("model", "")), fp, workload)
+    for _, header, records in traces:
+        for tokens, layer, experts, scores, dist in steps(records, L):
+            if tokens:
+                profile.tick(tokens)
+            profile.observe(layer, experts, scores, dist)
+    return profile
 
 
 def policy_names(name):

@@ -379,6 +379,13 @@ OPTIONS = {
     "--budget": (["profile", "show", "{missing}", "--budget", "{}"], valid_size),
     "info --memory-budget": (["info", "-m", MISSING, "--memory-budget", "{}"], valid_size),
     "replay --cache-experts": (["trace", "replay", "{missing}", "--cache-experts", "{}"], in_range(int, 1)),
+    "--num-layers": (["trace", "import", "vllm", "{missing}", "-o", "{out}", "--num-layers", "{}"],
+                     in_range(int, 1, 2 ** 16)),
+    "--num-experts": (["trace", "import", "vllm", "{missing}", "-o", "{out}", "--num-experts", "{}"],
+                      in_range(int, 1, 2 ** 16)),
+    "--top-k": (["trace", "import", "vllm", "{missing}", "-o", "{out}", "--top-k", "{}"], in_range(int, 1, 2 ** 16)),
+    "from-trace --half-life": (["profile", "from-trace", "{missing}", "-o", "{out}", "--half-life", "{}"],
+                               in_range(float, 0, low_open=True)),
     "--weights": (["profile", "merge", "{missing}", "{missing}", "-o", "{out}", "--weights", "{}"],
                   lambda text: all(number(x, float) is not None and number(x, float) >= 0 for x in text.split(","))
                   and len(text.split(",")) == 2 and any(number(x, float) for x in text.split(","))),

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from mlxmoe.cli import main
 from mlxmoe.errors import MlxmoeError
+from mlxmoe.profile import ActivationProfile
 from mlxmoe.trace import PREFILL_STEP, import_trace, layer_calls, read_trace, replay
 
 
@@ -246,3 +247,116 @@ def test_imported_trace_replays(tmp_path):
         assert got["hits"] == replay(dh, dr, policy, 12)["hits"]
     r = CliRunner().invoke(main, ["trace", "replay", str(out), "--policy", "lru", "--cache-experts", "12", "--json"])
     assert json.loads(r.stdout)["hits"] == replay(dh, dr, "lru", 12)["hits"]
+
+
+def test_profile_from_trace_counts_as_the_live_profile_learns(tmp_path):
+    """Each layer call counts its distinct experts once (a prefill of 2 tokens too), the
+    first layer ticks by the call's tokens; an imported trace's profile has its shape's
+    fingerprint, so a real model takes it only with --force and agreeing shapes."""
+    routes = [{"token_pos": t, "phase": "prefill" if t < 3 else "decode",
+               "layers": {"0": {"experts": [t % 2, 2], "weights": [0.5, 0.5]},
+                          "1": {"experts": [3, 1], "weights": [0.75, 0.25]}}} for t in range(5)]
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps({"meta": {"model_id": "Tiny", "num_moe_layers": 2, "num_experts": 4, "top_k": 2},
+                               "routes": routes}))
+    trace = tmp_path / "t.trace.jsonl"
+    import_trace("moe-ocs", src, trace)
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(main, ["profile", "from-trace", str(trace), str(trace), "-o", str(out), "--half-life",
+                                  "1e12"])
+    assert r.exit_code == 0, r.output
+    p = ActivationProfile.load(out)
+    assert (p.model, p.fingerprint, p.workload, p.num_layers, p.num_experts) == ("Tiny", "shape-2x4", "t", 2, 4)
+    # per trace: calls = the 2-token prefill, then tokens 2, 3, 4 alone: 4 calls, 5 tokens
+    assert p.tokens_total == 10
+    assert np.allclose(p.counts, 2 * np.array([[3, 2, 4, 0], [0, 4, 0, 4]]))
+    assert set(p.curve) >= {"lru", "activation"}
+    with pytest.raises(MlxmoeError, match="pass --force"):
+        p.check_model("0123456789abcdef", 2, 4)
+    p.check_model("0123456789abcdef", 2, 4, force=True)
+    with pytest.raises(MlxmoeError, match="2 layers x 4 experts, the model 3 x 4"):
+        p.check_model("0123456789abcdef", 3, 4, force=True)
+    # a trace of another shape is refused, naming both
+    other = tmp_path / "o.trace.jsonl"
+    other.write_text(json.dumps({"format": "mlxmoe.trace/1", "num_layers": 3, "num_experts": 4, "top_k": 2}) + "\n"
+                     + json.dumps({"s": 0, "t": 0, "l": 0, "e": [1]}) + "\n")
+    r = CliRunner().invoke(main, ["profile", "from-trace", str(trace), str(other), "-o", str(out)],
+                           standalone_mode=False)
+    assert isinstance(r.exception, MlxmoeError) and "o.trace.jsonl is of another model" in str(r.exception)
+
+
+def test_replay_with_profile_matches_a_run_loaded_with_it(checkpoint, tmp_path):
+    """A profile built from one run's trace, given to a new load (pre-warm finished before
+    the first token, prefetch off): the run's hits are those of `trace replay --profile`
+    on its trace, for every policy. A recorded trace carries its model's fingerprint, so
+    the profile loads without --force."""
+    import mlxmoe
+    from mlxmoe.policies import ONLINE
+
+    path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 2})
+    first = tmp_path / "first.trace.jsonl"
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=4, prefetch=0, prewarm=False, trace_out=str(first))
+    mlxmoe.generate(model, tokenizer, "The quick brown fox jumps over the lazy dog", max_tokens=12)
+    model.expert_cache.close()
+    profile_path = tmp_path / "p.json"
+    r = CliRunner().invoke(main, ["profile", "from-trace", str(first), "-o", str(profile_path), "--no-curve"])
+    assert r.exit_code == 0, r.output
+    prior = ActivationProfile.load(profile_path)
+    assert len(prior.fingerprint) == 16 and prior.fingerprint == read_trace(first)[0]["fingerprint"]
+    differs = []
+    for policy in ONLINE:
+        trace = tmp_path / f"{policy}.trace.jsonl"
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=6, policy=policy, prefetch=0,
+                                       profile=str(profile_path), trace_out=str(trace))
+        assert model.expert_cache.prewarm_done(timeout=60)
+        for prompt in ("Hello there, how are you", "A lazy dog"):
+            mlxmoe.generate(model, tokenizer, prompt, max_tokens=8)
+        stats = model.expert_cache.stats()
+        model.expert_cache.close()
+        header, records = read_trace(trace)
+        warm = replay(header, records, policy, 6, profile=prior)
+        assert (warm["hits"], warm["accesses"]) == (stats["hits"], stats["hits"] + stats["misses"]), policy
+        differs.append(replay(header, records, policy, 6)["hits"] != warm["hits"])
+    assert all(differs)  # the profile changed every policy's hits (not ignored by the replay)
+
+
+def test_imported_profile_on_a_real_checkpoint(checkpoint, tmp_path):
+    """An imported trace's profile loads on a checkpoint of its shape only with --force;
+    built with --model naming the checkpoint it takes its fingerprint and expert size, loads
+    without --force, and `profile show --budget` says what a budget buys. A checkpoint of
+    another shape is refused."""
+    import mlxmoe
+    from mlxmoe.loader import open_checkpoint
+
+    path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 2})
+    ckpt = open_checkpoint(str(path))
+    L, E, k = ckpt.num_layers, ckpt.num_experts, ckpt.top_k
+    ckpt.store.close()
+    rng = np.random.default_rng(2)
+    rows = [{"type": "route", "req_id": f"q{q}", "token_idx": t, "layer": l,
+             "topk_ids": rng.choice(E, k, replace=False).tolist(), "topk_weights": [1 / k] * k}
+            for q in range(2) for t in range(12) for l in range(L)]
+    trace = tmp_path / "served.trace.jsonl"
+    import_trace("vllm", write_jsonl(tmp_path / "routes.jsonl", rows), trace, num_experts=E)
+    bare, named = tmp_path / "bare.json", tmp_path / "named.json"
+    for out, extra in ((bare, []), (named, ["--model", str(path)])):
+        r = CliRunner().invoke(main, ["profile", "from-trace", str(trace), "-o", str(out)] + extra)
+        assert r.exit_code == 0, r.output
+    with pytest.raises(MlxmoeError, match="pass --force"):
+        mlxmoe.load(str(path), cache_experts=4, profile=str(bare))
+    model, _ = mlxmoe.load(str(path), cache_experts=4, profile=str(bare), force_profile=True, prefetch=0)
+    model.expert_cache.close()
+    model, _ = mlxmoe.load(str(path), cache_experts=4, profile=str(named), prefetch=0)
+    live = model.expert_cache.profile
+    model.expert_cache.close()
+    p = ActivationProfile.load(named)
+    assert (p.fingerprint, p.expert_bytes, p.resident_bytes) == (live.fingerprint, live.expert_bytes,
+                                                                  live.resident_bytes)
+    budget = p.resident_bytes + 10 * p.expert_bytes
+    r = CliRunner().invoke(main, ["profile", "show", str(named), "--budget", str(budget), "--json"])
+    shown = json.loads(r.stdout)["budget"]
+    assert shown["cache_experts"] == 10 and set(shown["predicted_hit_rate"]) >= {"lru", "activation"}
+    other = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 3})
+    r = CliRunner().invoke(main, ["profile", "from-trace", str(trace), "-o", str(tmp_path / "x.json"), "--model",
+                                  str(other)], standalone_mode=False)
+    assert isinstance(r.exception, MlxmoeError) and f"{L} layers x {E} experts, the model 3 x {E}" in str(r.exception)
