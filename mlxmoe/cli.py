@@ -763,6 +763,8 @@ def run(args=None):
     like Ctrl-C (what was recorded is saved, temp files removed), and either exits 130."""
     signal.signal(signal.SIGTERM, _terminate)
     try:
+        with signals_deferred():  # Ctrl-C while MLX's extension initialises would abort the process
+            from . import api  # noqa: F401
         main(args, standalone_mode=False)
     except MlxmoeError as e:
         rank = os.environ.get("MLX_RANK", "0")  # under mlx.launch every rank says it, rank 0 first

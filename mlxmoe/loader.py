@@ -132,6 +132,12 @@ def read_config(path):
     for key in ("quantization", "quantization_config"):  # (MLX's; not another library's, with its quant_method)
         if not (isinstance(config.get(key), dict) and "quant_method" in config[key]):
             _check_quantization(path, key, config.get(key))
+    q = config.get("quantization")
+    group = q.get("group_size") if isinstance(q, dict) and isinstance(q.get("group_size"), int) else 0
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size"):  # a layer narrower than a group:
+        if isinstance(config.get(key), int) and config[key] < group:  # built quantized, MLX dies (SIGFPE)
+            raise MlxmoeError(f"{path / 'config.json'}: {key} {config[key]} is below the quantization group size "
+                              f"{group}")
     try:
         _get_classes(config)
     except ValueError:

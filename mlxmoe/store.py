@@ -31,6 +31,7 @@ bundled tensor like a stacked one whose experts lie `stride` bytes apart.
 """
 
 import json
+import math
 import mmap
 import os
 import re
@@ -112,7 +113,7 @@ def read_header(path):
     for name, h in header.items():
         try:
             dtype, shape, (start, end) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
-            if not isinstance(dtype, str) or not all(type(v) is int and v >= 0 for v in (*shape, start, end)):
+            if not isinstance(dtype, str) or not all(type(v) is int and 0 <= v < 1 << 53 for v in (*shape, start, end)):
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             raise MlxmoeError(f"{path}: corrupt safetensors header entry for {name!r}") from None
@@ -133,7 +134,7 @@ def read_header(path):
 
 
 def tensor_bytes(dtype, shape):
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+    return math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize  # Python ints: a huge shape cannot wrap around
 
 
 def unbundle(path, tensors, meta):
@@ -142,12 +143,18 @@ def unbundle(path, tensors, meta):
         raise MlxmoeError(f"{path}: bundle format {meta['format']!r}; this mlxmoe reads {BUNDLE_FORMAT}")
     out = dict(tensors)
     try:
-        for bname, parts in json.loads(meta["bundles"]).items():
+        bundles = json.loads(meta["bundles"])
+        if not isinstance(bundles, dict):
+            raise ValueError("bundles must map each bundle tensor to its parts")
+        for bname, parts in bundles.items():
             b = out.pop(bname)
             if b.dtype != "U8" or len(b.shape) != 2 or b.offset % ALIGN or b.shape[1] % ALIGN:
                 raise ValueError(f"{bname} is {b.dtype} {list(b.shape)} at byte {b.offset}, not aligned uint8 rows")
             experts, stride = b.shape
             for name, dtype, shape, offset in parts:
+                if not (isinstance(name, str) and isinstance(shape, list)
+                        and all(type(v) is int and 0 <= v < 1 << 53 for v in (*shape, offset))):
+                    raise ValueError(f"part {str(name)[:60]} of {bname}: a name, a shape and an offset in bytes")
                 n = tensor_bytes(dtype, shape)
                 if not 0 <= offset <= offset + n <= stride:
                     raise ValueError(f"{name} ({n} bytes at {offset}) overflows the {stride}-byte rows of {bname}")
