@@ -201,6 +201,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
         yield response
     if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
         cache.flush()
+    if group is not None:
+        distributed.barrier(group)
 
 
 def generate(model, tokenizer, prompt, verbose=False, **kwargs):

@@ -176,7 +176,10 @@ def _pipeline(path, config, model, switches, group):
         raise MlxmoeError(f"{path}: mlx-lm cannot split model_type {config['model_type']!r} into pipeline stages "
                           "(its model has no pipeline()); run it as one process")
     decoder_layers = len(model.model.layers)
-    model.model.pipeline(group)
+    try:
+        model.model.pipeline(group)
+    except ValueError as e:  # e.g. more ranks than layers
+        raise MlxmoeError(f"{path}: mlx-lm cannot split {decoder_layers} layers over {group.size()} ranks ({e})") from None
     start, end = model.model.start_idx, model.model.end_idx
     local = [i for i, (p, _) in enumerate(switches) if start <= (_stage_layer(p) or 0) < end]
     if not local:

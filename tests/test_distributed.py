@@ -15,34 +15,12 @@ import mlx_lm
 import pytest
 
 import mlxmoe
+from mlxmoe.distributed import free_port_base
 from mlxmoe.profile import ActivationProfile
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 DEEPSEEK = {"num_hidden_layers": 6}  # its first layer is dense: every stage of 2 or 3 keeps a MoE layer
 LIMIT = 150  # seconds for one launch
-
-
-def free_port_base(count):
-    """A port p with p .. p+count-1 free on 127.0.0.1 (the ring backend listens on them)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65536:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def launch(ranks, *command, timeout=LIMIT, python=True):
@@ -184,3 +162,16 @@ def test_start_up_without_peers_is_bounded(tmp_path):
                        timeout=60, env=env)
     assert r.returncode != 0 and "did not finish within 3 s" in r.stderr, r.stderr
     assert time.monotonic() - tic < 30
+
+
+def test_chat_under_two_ranks_answers_as_one_process(checkpoint):
+    path = checkpoint("qwen3_moe")
+    turns = "Once upon a time\nIl modello\n/quit\n"
+    chat = ["-m", "mlxmoe", "chat", "-m", str(path), "--max-tokens", "6"]
+    one = subprocess.run([sys.executable, *chat], input=turns, capture_output=True, text=True, timeout=LIMIT)
+    assert one.returncode == 0, one.stderr
+    env = dict(os.environ, MLXMOE_DIST_TIMEOUT="60")
+    cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "-p", str(free_port_base(2)), "--", sys.executable, *chat]
+    two = subprocess.run(cmd, input=turns, capture_output=True, text=True, timeout=LIMIT, env=env)
+    assert two.stdout == one.stdout, two.stdout + two.stderr  # rank 0's replies only, the same
+    assert two.stderr.count("tok/s, expert hit rate") == 2  # one summary per turn (rank 0's)
