@@ -16,7 +16,7 @@ from .errors import MlxmoeError, read_lines
 from .loader import MX_DTYPES, attach_cache, open_checkpoint
 from .policies import make_policy
 from .prefetch import Prefetcher
-from .profile import ActivationProfile, fingerprint
+from .profile import ActivationProfile, fingerprint, prewarm_order
 from .trace import TraceWriter
 
 # Prompt tokens per prefill step; smaller than mlx-lm's 2048 so the logits and
@@ -139,7 +139,7 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     else:
         live = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k)
     live.model, live.fingerprint = str(ckpt.path), fp
-    live.expert_bytes, live.resident_bytes = p.slot_bytes, p.resident + p.kv_reserve + p.working
+    live.expert_bytes, live.resident_bytes = profile_sizes(p)
     policy = make_policy(policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
     cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, io_threads, profile=live)
     attach_cache(ckpt, cache)
@@ -152,17 +152,26 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     if trace_out is not None:
         if ckpt.group is not None:  # this stage's part, merged into trace_out by distributed.finish_trace
             cache.trace_target, trace_out = trace_out, f"{trace_out}.rank{ckpt.group.rank()}"
-        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path)
+        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path, fingerprint=fp)
     tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
     if prewarm:
-        order = [] if prior is None else prior.priority()
-        L, E = ckpt.num_layers, ckpt.num_experts
-        if p.cache_experts >= L * E:  # room for every expert: read them all, as stock mlx-lm would
-            hot = set(order)
-            order += [(l, e) for l in range(L) for e in range(E) if (l, e) not in hot]
+        order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:
             cache.prewarm(order)
     return tokenizer
+
+
+def profile_sizes(plan):
+    """What a profile records of a memory plan: (bytes of one expert, bytes beside the
+    expert cache), so that `profile show --budget` can say what a budget buys."""
+    return plan.slot_bytes, plan.resident + plan.kv_reserve + plan.working
+
+
+def profile_identity(ckpt, backend):
+    """(fingerprint, profile_sizes) of an opened checkpoint on `backend`, as a profile
+    recorded on it would hold them."""
+    backend.apply_dtype_policy(ckpt.model)
+    return model_fingerprint(ckpt), profile_sizes(memory_plan(ckpt, backend, cache_experts=ckpt.top_k))
 
 
 def model_fingerprint(ckpt):

@@ -389,6 +389,53 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
                err=True)
 
 
+@profile.command("from-trace")
+@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
+@click.option("--workload", "-w", help="Name of the workload (default: the first trace's file name).")
+@click.option("--half-life", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Decay half-life in tokens (default 4096).")
+@click.option("--curve/--no-curve", default=True, show_default=True,
+              help="Predict the hit rate at each cache size by replaying the traces.")
+@click.option("--model", "-m", "model_path", help="The checkpoint (folder or repo id) the profile is for: its "
+              "fingerprint and expert size (then `profile show --budget` works). Its layer and expert counts must "
+              "be the traces'.")
+def profile_from_trace(traces, out, workload, half_life, curve, model_path):
+    """Build a profile from routing traces (trace record, or trace import) of one model,
+    learnt as a run's live profile learns. The model is the traces' header's. A trace
+    recorded by mlxmoe carries its model's fingerprint; an imported one only its shape
+    (fingerprint shape-LxE), so its profile loads on a real model with --force, where the
+    layer and expert counts agree, or without once built with --model naming it."""
+    from .profile import DEFAULT_HALF_LIFE, check_writable, predicted_curve
+    from .trace import build_profile, read_trace
+
+    check_writable(out)
+    loaded = [(path, *read_trace(path)) for path in traces]
+    name = workload or os.path.basename(traces[0]).split(".")[0]
+    p = build_profile(loaded, name, half_life or DEFAULT_HALF_LIFE)
+    if model_path:
+        from . import backend as backends
+        from .api import profile_identity
+        from .loader import open_checkpoint
+
+        ckpt = open_checkpoint(model_path)
+        try:
+            fp, sizes = profile_identity(ckpt, backends.detect(None))
+        finally:
+            ckpt.store.close()
+        # a trace of this shape (imported) becomes this model's; one recorded on another model does not
+        p.check_model(fp, ckpt.num_layers, ckpt.num_experts, force=p.fingerprint.startswith("shape-"),
+                      where=f"{traces[0]} (for --model {model_path})")
+        p.model, p.fingerprint, (p.expert_bytes, p.resident_bytes) = str(ckpt.path), fp, sizes
+    p.save(out)
+    if curve:
+        header = loaded[0][1]
+        p.curve = predicted_curve(header, [r for _, _, records in loaded for r in records])
+        p.save(out)
+    click.echo(f"saved {out}: {p.tokens_total} tokens of {p.workload!r} ({p.model}, fingerprint {p.fingerprint})",
+               err=True)
+
+
 @profile.command("show")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--top", type=click.IntRange(min=0), default=5, show_default=True,
@@ -513,19 +560,75 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
 @click.option("--policy", default="all", show_default=True, type=click.Choice(ONLINE + ["belady", "all"]))
 @click.option("--cache-experts", type=int, required=True, help="Cache size in experts (all layers).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per policy.")
-def trace_replay(trace_file, policy, cache_experts, as_json):
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
+              help="Start as a model loaded with this profile does: the policy's prior and pins, the cache "
+              "pre-warmed with its hottest experts.")
+@click.option("--force", is_flag=True, help="Use a profile of another model whose layer and expert counts agree.")
+def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force):
     """Hit rate of a policy (or all) at a cache size on a recorded trace, beside Belady's
     optimum for the same size."""
-    from .trace import policy_names, read_trace, replay_all
+    from .profile import ActivationProfile
+    from .trace import policy_names, read_trace, replay_all, trace_fingerprint
 
     header, records = read_trace(trace_file)
-    results = replay_all(header, records, policy_names(policy), cache_experts)
+    prior = None
+    if profile_path:
+        prior = ActivationProfile.load(profile_path)
+        prior.check_model(trace_fingerprint(header), header["num_layers"], header["num_experts"], force, profile_path)
+    results = replay_all(header, records, policy_names(policy), cache_experts, prior)
     for r in results:
         if as_json:
             click.echo(json.dumps(r))
         else:
             click.echo(f"{r['policy']:>10}: hit rate {100 * r['hit_rate']:.2f}% ({r['hits']}/{r['accesses']}), "
                        f"belady {100 * r['belady_hit_rate']:.2f}%")
+
+
+@trace.command("import")
+@click.argument("fmt", metavar="FORMAT", type=click.Choice(["specmoe", "bigmoeonedge", "moe-ocs", "vllm", "sglang"]))
+@click.argument("src", type=click.Path(dir_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Trace file to write (JSONL).")
+@click.option("--only", help="Keep only these sequences, comma-separated: problem ids (specmoe), turns "
+              "(bigmoeonedge), request ids (vllm, sglang).")
+@click.option("--num-layers", type=click.IntRange(min=1), help="MoE layers (sglang: the layers of its array, "
+              "dense ones included). Default: what the file says, else the largest layer + 1.")
+@click.option("--num-experts", type=click.IntRange(min=1), help="Experts per layer. Default: what the file says, "
+              "else the largest id + 1.")
+@click.option("--top-k", type=click.IntRange(min=1), help="Experts per token (sglang, when the response lacks "
+              "its token counts).")
+@click.option("--model-name", help="Model name for the trace header. Default: what the file says.")
+def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name):
+    """Convert routing recorded by another engine (FORMAT, file SRC) into an mlxmoe trace,
+    to replay here (`trace replay`, `profile from-trace`) and see what a cache size buys.
+
+    \b
+    FORMAT is one of
+      specmoe       speculative-moe JSONL (Mixtral-8x7B): {"dataset", "problem_id", "layer",
+                    "token_idx", "experts", "gating_probs"}; one sequence per problem
+      bigmoeonedge  BigMoeOnEdge route_trace CSV (`#` preamble, turn,phase,step,layer,slot,expert,weight)
+      moe-ocs       moe_ocs_learning JSON ({"meta", "routes": [{"token_pos", "phase", "layers"}]})
+      vllm          JSONL of {"type": "route", "req_id", "token_idx", "layer", "topk_ids",
+                    "topk_weights"[, "phase"]}; one sequence per req_id; a profiling run's
+                    repeated routing at the start is dropped (with a warning)
+      sglang        SGLang responses with return_routed_experts (meta_info.routed_experts or
+                    choices[].sgl_ext.routed_experts: base64 int32 [tokens, layers, top_k]);
+                    needs --num-layers
+
+    Each sequence is written as mlxmoe runs a request: its prompt as mlx-lm prefills it
+    (all its tokens but the last in one call per layer, then the last; lines marked "ph":
+    "prefill"), then each generated token through every layer; gating weights are kept as
+    the lines' "p"."""
+    from .profile import check_writable
+    from .trace import import_trace
+
+    check_writable(out)
+    wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None
+    summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name)
+    for w in warnings:
+        click.echo(f"warning: {w}", err=True)
+    click.echo(f"saved {out}: {summary['sequences']} sequences, {summary['tokens']} tokens "
+               f"({summary['prefill_tokens']} of prompts), {summary['num_layers']} layers x "
+               f"{summary['num_experts']} experts, top-{summary['top_k']}", err=True)
 
 
 @main.command()

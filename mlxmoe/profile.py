@@ -35,6 +35,24 @@ def fingerprint(config, tensors, shapes, num_layers, num_experts):
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def shape_fingerprint(num_layers, num_experts):
+    """The fingerprint of a model known only by its shape (routing imported from another
+    engine, with no checkpoint to hash): a real checkpoint's fingerprint never equals it,
+    so such a profile is used on a real model with --force, where the shapes agree."""
+    return f"shape-{num_layers}x{num_experts}"
+
+
+def prewarm_order(prior, num_layers, num_experts, cache_experts):
+    """The keys a cache pre-warms at load, in order: the profile's activated experts,
+    hottest first (`prior` may be None), then, where the cache holds every expert, all
+    the others, as stock mlx-lm would have them."""
+    order = [] if prior is None else prior.priority()
+    if cache_experts >= num_layers * num_experts:
+        hot = set(order)
+        order += [(l, e) for l in range(num_layers) for e in range(num_experts) if (l, e) not in hot]
+    return order
+
+
 class ActivationProfile:
     def __init__(self, num_layers, num_experts, top_k, half_life=DEFAULT_HALF_LIFE, model="", model_fingerprint="",
                  workload="", counts=None, mass=None, tokens=0.0, tokens_total=0, created=None, curve=None,
