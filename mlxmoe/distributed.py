@@ -139,17 +139,21 @@ SUMMED = ("tokens", "hits", "misses", "bytes_read", "loads_demand", "loads_prefe
           "cache_bytes", "peak_memory", "peak_rss")
 
 
-def gather_stats(group, stats):
+def gather_stats(group, stats, pipeline=True):
     """{"ranks": [each rank's stats], "total": the sums} on every rank. Every rank sees
     every token, so `tokens` and `decode_tps` are the same on each: the total keeps rank 0's;
-    hit_rate is recomputed from the summed hits and misses."""
+    hit_rate is recomputed from the summed hits and misses. Under the tensor split each
+    rank caches a slice of the same experts: the expert counts are rank 0's."""
     ranks = exchange(group, stats)
     total = {k: sum(s[k] for s in ranks) for k in SUMMED}
     total["tokens"] = ranks[0]["tokens"]
     total["decode_tps"] = ranks[0]["decode_tps"]
+    if not pipeline:
+        total["cache_experts"] = ranks[0]["cache_experts"]
     accesses = total["hits"] + total["misses"]
     total["hit_rate"] = total["hits"] / accesses if accesses else 0.0
-    total["resident_per_layer"] = [n for s in ranks[::-1] for n in s["resident_per_layer"]]
+    total["resident_per_layer"] = ([n for s in ranks[::-1] for n in s["resident_per_layer"]] if pipeline
+                                   else ranks[0]["resident_per_layer"])
     total["ranks"] = len(ranks)
     return {"ranks": ranks, "total": total}
 
@@ -233,4 +237,4 @@ def cluster_stats(model):
     stats = cache.stats()
     if getattr(cache, "group", None) is None:
         return {"ranks": [stats], "total": stats}
-    return gather_stats(cache.group, stats)
+    return gather_stats(cache.group, stats, cache.checkpoint.split == "pipeline")

@@ -179,3 +179,20 @@ def test_chat_under_two_ranks_answers_as_one_process(checkpoint):
     assert two.stdout == one.stdout, two.stdout + two.stderr  # rank 0's replies only, the same
     assert two.stderr.count("tok/s, expert hit rate") == 2  # one summary per turn (rank 0's)
     assert "exited with code" not in two.stderr, two.stderr
+
+
+def test_tensor_split_streams_a_slice_of_every_expert(checkpoint, tmp_path):
+    """mlx-lm's model.shard: every rank runs every layer with half of each expert's rows
+    (gate, up) and columns (down), streamed from the stacked tensors."""
+    path = checkpoint("qwen3_moe")
+    want = stock(path)
+    full, full_bytes = one_process(path, 3 * 8)
+    results = run_worker(tmp_path, 2, path, "tensor")
+    for r in results:
+        assert r["stock"] == want == full
+        assert r["full"]["tokens"] == want and r["half"]["tokens"] == want
+        # half of each expert's bytes, each expert once at full cache
+        assert 2 * r["full"]["expert_file_bytes"] * 3 * 8 == full_bytes == 2 * r["full"]["bytes_read"]
+        assert r["full"]["io"]["useful_bytes"] == r["full"]["bytes_read"]
+        # the down projection's columns are strided: its whole span is read, never more
+        assert r["full"]["io"]["disk_bytes"] <= 1.5 * r["full"]["bytes_read"] + (1 << 16)
