@@ -148,6 +148,7 @@ def gather_stats(group, stats, pipeline=True):
     total = {k: sum(s[k] for s in ranks) for k in SUMMED}
     total["tokens"] = ranks[0]["tokens"]
     total["decode_tps"] = ranks[0]["decode_tps"]
+    total["policy"] = ranks[0]["policy"]
     if not pipeline:
         total["cache_experts"] = ranks[0]["cache_experts"]
     accesses = total["hits"] + total["misses"]
