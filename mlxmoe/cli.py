@@ -597,7 +597,7 @@ def profile_merge(files, out, weights, workload):
 
     check_writable(out)
     try:
-        w = [float(x) for x in weights.split(",")] if weights else None
+        w = [float(x) for x in weights.split(",")] if weights is not None else None
     except ValueError:
         raise click.BadParameter("give numbers separated by commas", param_hint="--weights") from None
     if w is not None and (len(w) != len(files) or not all(math.isfinite(x) and x >= 0 for x in w) or not any(w)):
