@@ -3,7 +3,7 @@
 from .errors import MlxmoeError
 
 __version__ = "0.1.0"
-__all__ = ["load", "generate", "stream_generate", "MlxmoeError", "__version__"]
+__all__ = ["DEMO_MODEL", "load", "generate", "stream_generate", "MlxmoeError", "__version__"]
 
 
 def __getattr__(name):
@@ -13,4 +13,8 @@ def __getattr__(name):
         from . import api
 
         return getattr(api, name)
+    if name == "DEMO_MODEL":
+        from .loader import DEMO_MODEL
+
+        return DEMO_MODEL
     raise AttributeError(f"module 'mlxmoe' has no attribute {name!r}")
