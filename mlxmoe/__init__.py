@@ -13,7 +13,7 @@ def __getattr__(name):
         from . import api
 
         return getattr(api, name)
-    if name == "DEMO_MODEL":
+    if name == "DEMO_MODEL":  # the bundled demo model's folder
         from .loader import DEMO_MODEL
 
         return DEMO_MODEL

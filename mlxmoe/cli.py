@@ -315,7 +315,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
 @model_options
 @sampling_options
 @click.option("--system-prompt", help="System message for the chat template.")
-@click.option("--repetition-penalty", type=Number(float, 1.0), default=1.3, show_default=True,
+@click.option("--repetition-penalty", type=click.FloatRange(min=1.0), default=1.3, show_default=True,
               help="Penalty on tokens of the last 64 (mlx-lm's): keeps small models out of loops; 1 turns it off.")
 @save_profile_option
 def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_p, seed, **opts):
@@ -453,9 +453,9 @@ def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=
         prompts = read_prompts(chats or prompts_file, tokenizer, chats=bool(chats), chat_template=chat_template)
         if on_load is not None:
             on_load(model)
-        label = f"{what} {len(prompts)} prompt{'s' if len(prompts) != 1 else ''}"
         try:  # (the bar too: an interrupt while it draws stops the run like any other)
-            with click.progressbar(length=len(prompts), label=label, file=sys.stderr) as bar:
+            with click.progressbar(length=len(prompts), file=sys.stderr,
+                                   label=f"{what} {len(prompts)} prompt{'s' if len(prompts) != 1 else ''}") as bar:
                 run_prompts(model, tokenizer, prompts, max_tokens, on_prompt=lambda i, text: bar.update(1))
         except KeyboardInterrupt:
             interrupted = True
@@ -669,7 +669,7 @@ def profile_merge(files, out, weights, workload):
 
     check_writable(out)
     try:
-        w = [float(x) for x in weights.split(",")] if weights is not None else None
+        w = [float(x) for x in weights.split(",")] if weights else None
     except ValueError:
         raise click.BadParameter("give numbers separated by commas", param_hint="--weights") from None
     if w is not None and (len(w) != len(files) or not all(math.isfinite(x) and x >= 0 for x in w) or not any(w)):
