@@ -318,7 +318,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
 @model_options
 @sampling_options
 @click.option("--system-prompt", help="System message for the chat template.")
-@click.option("--repetition-penalty", type=click.FloatRange(min=1.0), default=1.3, show_default=True,
+@click.option("--repetition-penalty", type=Number(float, 1.0), default=1.3, show_default=True,
               help="Penalty on tokens of the last 64 (mlx-lm's): keeps small models out of loops; 1 turns it off.")
 @save_profile_option
 def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_p, seed, **opts):
@@ -672,7 +672,7 @@ def profile_merge(files, out, weights, workload):
 
     check_writable(out)
     try:
-        w = [float(x) for x in weights.split(",")] if weights else None
+        w = [float(x) for x in weights.split(",")] if weights is not None else None
     except ValueError:
         raise click.BadParameter("give numbers separated by commas", param_hint="--weights") from None
     if w is not None and (len(w) != len(files) or not all(math.isfinite(x) and x >= 0 for x in w) or not any(w)):
