@@ -451,8 +451,11 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
         live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
         if live.tokens_total:
             try:
-                click.echo("predicting the hit rate at each cache size...", err=True)
-                live.curve = predicted_curve(*read_trace(opts["trace_out"]))
+                header, records = read_trace(opts["trace_out"])
+                with click.progressbar(ONLINE, label="predicting the hit rate at each cache size, policy by policy",
+                                       file=sys.stderr) as policies:
+                    live.curve = {name: points for policy in policies
+                                  for name, points in predicted_curve(header, records, [policy]).items()}
                 live.save(out)
             except KeyboardInterrupt:
                 interrupted = True
