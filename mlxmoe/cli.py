@@ -1,6 +1,7 @@
 """The `mlxmoe` command: generate, chat, info, profile, trace, convert."""
 
 import json
+import math
 import os
 import sys
 
@@ -353,8 +354,8 @@ def info(model_path, memory_budget, backend, as_json):
                f"({format_size(out['expert_bytes_on_disk'])} on disk); all experts {format_size(out['all_experts_bytes'])}")
     click.echo(f"  resident weights: {format_size(out['resident_bytes'])}, KV reserve {format_size(out['kv_reserve_bytes'])}, "
                f"working memory {format_size(out['working_bytes'])}")
-    click.echo(f"  smallest budget that works: {format_size(out['minimum_budget'])}; "
-               f"everything resident: {format_size(out['all_resident_budget'])}")
+    click.echo(f"  smallest budget that works: {format_size(out['minimum_budget'], math.ceil)}; "
+               f"everything resident: {format_size(out['all_resident_budget'], math.ceil)}")
     if memory_budget:
         b = out["budget"]
         click.echo(f"  {memory_budget} buys {b['cache_experts']} experts ({format_size(b['cache_bytes'])}), "
