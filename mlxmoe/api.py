@@ -7,14 +7,14 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
-from mlx_lm.utils import load_tokenizer
 
 from . import backend as backends
 from . import distributed
 from .budget import DEFAULT_CONTEXT, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
-from .errors import MlxmoeError, read_lines
-from .loader import DEMO_MODEL, MX_DTYPES, attach_cache, open_checkpoint
+from .errors import MlxmoeError
+from .files import read_lines
+from .loader import DEMO_MODEL, MX_DTYPES, attach_cache, open_checkpoint, read_tokenizer
 from .policies import make_policy
 from .prefetch import Prefetcher
 from .profile import ActivationProfile, fingerprint, prewarm_order
@@ -119,6 +119,7 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
 def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
            force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io):
     """Give an opened checkpoint its expert cache (model.expert_cache); return the tokenizer."""
+    tokenizer = read_tokenizer(ckpt.path, tokenizer_config, ckpt.config.get("eos_token_id"))
     ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
     p = memory_plan(ckpt, be, memory_budget, cache_size, cache_experts)
@@ -153,8 +154,8 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     if trace_out is not None:
         if ckpt.group is not None:  # this stage's part, merged into trace_out by distributed.finish_trace
             cache.trace_target, trace_out = trace_out, f"{trace_out}.rank{ckpt.group.rank()}"
-        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model_name(ckpt.path), fingerprint=fp)
-    tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
+        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model_name(ckpt.path),
+                                  fingerprint=fp)
     if prewarm:
         order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:

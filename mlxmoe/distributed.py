@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import MlxmoeError
-from .profile import ActivationProfile, write_atomic
+from .files import write_atomic
+from .profile import ActivationProfile
 
 # Seconds a rank waits for its peers to join (start-up) or to finish loading; 0: forever.
 TIMEOUT_ENV = "MLXMOE_DIST_TIMEOUT"

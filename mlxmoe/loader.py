@@ -16,10 +16,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.utils import _get_classes, load_config, load_model
+from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .budget import text_config
 from .errors import MlxmoeError
+from .files import read_bytes
 from .experts import StreamingExperts, find_router
 from .store import PER_EXPERT, ExpertStore
 
@@ -29,6 +30,7 @@ MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": m
 
 # The small MoE model trained by bench/train_demo.py that ships inside the package.
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
+MAX_JSON_BYTES = 1 << 30  # config.json, tokenizer.json: the largest real ones are ~30 MB
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 LINEARS = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
@@ -86,19 +88,100 @@ def resolve(path_or_repo, revision=None):
     raise MlxmoeError(f"model folder not found: {path}")
 
 
+# config.json's sizes and counts: a positive integer at most this where present (the
+# largest real models use about a tenth; more is a typo, and building the model would hang)
+INT_FIELDS = {"num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
+              "head_dim": 1 << 14, "hidden_size": 1 << 18, "intermediate_size": 1 << 20,
+              "moe_intermediate_size": 1 << 20, "num_experts": 1 << 16, "n_routed_experts": 1 << 16,
+              "num_local_experts": 1 << 16, "num_experts_per_tok": 1 << 16, "moe_top_k": 1 << 16,
+              "num_experts_per_token": 1 << 16, "top_k": 1 << 16, "vocab_size": 1 << 24, "kv_lora_rank": 1 << 16,
+              "qk_rope_head_dim": 1 << 14}
+# The tokenizer's JSON files: each, where present, a readable JSON object
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                  "generation_config.json", "vocab.json")
+# One of these holds the vocabulary
+TOKENIZER_VOCAB = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "vocab.txt")
+
+
+def read_json_object(path, what):
+    """The JSON object in the regular file `path`, or an MlxmoeError naming it."""
+    data = read_bytes(path, what, MAX_JSON_BYTES)
+    try:
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise MlxmoeError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(value, dict):
+        raise MlxmoeError(f"{path}: not a JSON object")
+    return value
+
+
 def read_config(path):
+    read_json_object(path / "config.json", "config")
     try:
         config = load_config(path)
-    except json.JSONDecodeError as e:
-        raise MlxmoeError(f"{path / 'config.json'}: not valid JSON ({e})") from None
-    if "model_type" not in config:
+    except (json.JSONDecodeError, OSError) as e:  # changed since the check above
+        raise MlxmoeError(f"{path / 'config.json'}: cannot read it ({e})") from None
+    if "model_type" not in config or not isinstance(config["model_type"], str):
         raise MlxmoeError(f"{path / 'config.json'}: no model_type")
+    for cfg in (config, config.get("text_config")):
+        for key, most in INT_FIELDS.items():
+            v = cfg.get(key) if isinstance(cfg, dict) else None
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most):
+                raise MlxmoeError(f"{path / 'config.json'}: {key} must be an integer from 1 to {most}, "
+                                  f"not {str(v)[:40]!r}")
+    for key in ("quantization", "quantization_config"):  # (MLX's; not another library's, with its quant_method)
+        if not (isinstance(config.get(key), dict) and "quant_method" in config[key]):
+            _check_quantization(path, key, config.get(key))
+    q = config.get("quantization")
+    group = q.get("group_size") if isinstance(q, dict) and isinstance(q.get("group_size"), int) else 0
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size"):  # a layer narrower than a group:
+        if isinstance(config.get(key), int) and config[key] < group:  # built quantized, MLX dies (SIGFPE)
+            raise MlxmoeError(f"{path / 'config.json'}: {key} {config[key]} is below the quantization group size "
+                              f"{group}")
     try:
         _get_classes(config)
     except ValueError:
         raise MlxmoeError(
             f"{path / 'config.json'}: model_type {config['model_type']!r} is not an architecture mlx-lm knows") from None
+    except Exception as e:  # a field mlx-lm reads to pick the class (architectures) of the wrong type
+        raise MlxmoeError(f"{path / 'config.json'}: mlx-lm cannot read it ({type(e).__name__}: {e})") from None
     return config
+
+
+def _check_quantization(path, key, q):
+    """A quantization block: its group_size and bits (and each per-layer override's)
+    positive integers in range; MLX divides by them (a group size of 0 kills the process)."""
+    if q is None:
+        return
+    if not isinstance(q, dict):
+        raise MlxmoeError(f"{path / 'config.json'}: {key} must be an object, not {str(q)[:40]!r}")
+    for where, block in [(key, q)] + [(f"{key}.{k}", v) for k, v in q.items() if isinstance(v, dict)]:
+        for field, most in (("group_size", 4096), ("bits", 16)):
+            v = block.get(field)
+            if (v is not None or block is q) and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most):
+                raise MlxmoeError(f"{path / 'config.json'}: {where}.{field} must be an integer from 1 to {most}, "
+                                  f"not {str(v)[:40]!r}")
+
+
+def check_tokenizer_files(path):
+    """Refuse a checkpoint whose tokenizer cannot load, naming the file: no vocabulary,
+    or a tokenizer JSON file that is not a readable JSON object."""
+    if not any((path / name).exists() for name in TOKENIZER_VOCAB):
+        raise MlxmoeError(f"{path}: no tokenizer (none of {', '.join(TOKENIZER_VOCAB)})")
+    for name in TOKENIZER_JSON:
+        if (path / name).exists() or (path / name).is_symlink():
+            read_json_object(path / name, "tokenizer file")
+
+
+def read_tokenizer(path, tokenizer_config=None, eos_token_ids=None):
+    """mlx-lm's tokenizer of checkpoint `path`, or an MlxmoeError naming what is wrong."""
+    check_tokenizer_files(path)
+    try:
+        return load_tokenizer(path, tokenizer_config or {}, eos_token_ids=eos_token_ids)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # transformers and tokenizers raise many types (a Rust panic is a BaseException)
+        raise MlxmoeError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _layer_order(path):
@@ -192,9 +275,9 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None):
                                    get_model_classes=classes, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise MlxmoeError(f"{path}: the weights do not match config.json: {e}") from None
-    except (TypeError, KeyError) as e:  # a config.json field the model class needs, or a tensor it misses
+    except Exception as e:  # mlx-lm's model classes take config.json's fields as they come: any error there
         raise MlxmoeError(f"{path}: mlx-lm cannot build this model from config.json and its weights "
-                          f"({type(e).__name__}: {e})") from None
+                          f"({type(e).__name__}: {str(e)[:200]})") from None
     if store.bundled:
         model.__class__ = model.__class__.__mro__[1]  # mlx-lm's own class again
     switches = sorted(

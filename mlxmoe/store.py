@@ -31,9 +31,11 @@ bundled tensor like a stacked one whose experts lie `stride` bytes apart.
 """
 
 import json
+import math
 import mmap
 import os
 import re
+import stat
 import sys
 import threading
 import warnings
@@ -77,10 +79,18 @@ class Range:
     nbytes: int
 
 
+def stamp(path):
+    """What says a shard is the one that was indexed: (size, mtime in ns)."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
 def read_header(path):
     """Return {name: TensorInfo} of one safetensors file, checking it is whole."""
     path = Path(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would hang the read, a device never end
+            raise MlxmoeError(f"{path}: a shard must be a regular file")
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
@@ -103,7 +113,7 @@ def read_header(path):
     for name, h in header.items():
         try:
             dtype, shape, (start, end) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
-            if not isinstance(dtype, str) or not all(type(v) is int and v >= 0 for v in (*shape, start, end)):
+            if not isinstance(dtype, str) or not all(type(v) is int and 0 <= v < 1 << 53 for v in (*shape, start, end)):
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             raise MlxmoeError(f"{path}: corrupt safetensors header entry for {name!r}") from None
@@ -124,7 +134,7 @@ def read_header(path):
 
 
 def tensor_bytes(dtype, shape):
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+    return math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize  # Python ints: a huge shape cannot wrap around
 
 
 def unbundle(path, tensors, meta):
@@ -133,12 +143,18 @@ def unbundle(path, tensors, meta):
         raise MlxmoeError(f"{path}: bundle format {meta['format']!r}; this mlxmoe reads {BUNDLE_FORMAT}")
     out = dict(tensors)
     try:
-        for bname, parts in json.loads(meta["bundles"]).items():
+        bundles = json.loads(meta["bundles"])
+        if not isinstance(bundles, dict):
+            raise ValueError("bundles must map each bundle tensor to its parts")
+        for bname, parts in bundles.items():
             b = out.pop(bname)
             if b.dtype != "U8" or len(b.shape) != 2 or b.offset % ALIGN or b.shape[1] % ALIGN:
                 raise ValueError(f"{bname} is {b.dtype} {list(b.shape)} at byte {b.offset}, not aligned uint8 rows")
             experts, stride = b.shape
             for name, dtype, shape, offset in parts:
+                if not (isinstance(name, str) and isinstance(shape, list)
+                        and all(type(v) is int and 0 <= v < 1 << 53 for v in (*shape, offset))):
+                    raise ValueError(f"part {str(name)[:60]} of {bname}: a name, a shape and an offset in bytes")
                 n = tensor_bytes(dtype, shape)
                 if not 0 <= offset <= offset + n <= stride:
                     raise ValueError(f"{name} ({n} bytes at {offset}) overflows the {stride}-byte rows of {bname}")
@@ -268,7 +284,12 @@ class ExpertStore:
         self.path = Path(model_path)
         self.files = shard_files(self.path)
         self.index = {}
+        self.stamps = {}  # file -> stamp() when its header was read: a shard changed since is refused
         for f in self.files:
+            try:
+                self.stamps[f] = stamp(f)
+            except OSError as e:
+                raise MlxmoeError(f"cannot read shard {f}: {e.strerror or e}") from None
             self.index.update(read_header(f))
         self.tensors = []  # names of one expert's tensors, in read order
         self.tensor_dtypes = []  # safetensors dtype of each
@@ -463,6 +484,8 @@ class ExpertStore:
                 raise
         else:
             disk = sum(map(self._read_run, todo))
+        for file in {r.file for r in ranges}:
+            self.check_unchanged(file)
         for out, buf, dtype in converts:
             out[...] = to_float32(buf, dtype) if out.dtype == np.float32 else buf.astype(out.dtype)
         useful = sum(r.nbytes for r in ranges)
@@ -471,6 +494,18 @@ class ExpertStore:
             self.disk_bytes += disk
             self.reads += len(todo)
         return useful
+
+    def check_unchanged(self, file):
+        """Refuse a shard whose size or modification time changed since it was indexed:
+        its bytes may no longer be the tensors the header described."""
+        try:
+            now = stamp(file)
+        except OSError as e:
+            raise MlxmoeError(f"shard {file} changed on disk since the model was loaded ({e.strerror or e}); "
+                              "load it again") from None
+        if self.stamps.setdefault(file, now) != now:  # (a file not indexed: as at its first read)
+            raise MlxmoeError(f"shard {file} changed on disk since the model was loaded (size, modification "
+                              f"time {self.stamps[file]} -> {now}); load it again")
 
     def _pool(self):
         if self._workers is None:

@@ -10,7 +10,7 @@ import pytest
 from mlxmoe.cache import Residency
 from mlxmoe.errors import MlxmoeError
 from mlxmoe.policies import make_policy
-from mlxmoe.profile import lru_curve
+from mlxmoe.curves import lru_curve
 from mlxmoe.trace import read_trace, replay, replay_all, steps
 
 
