@@ -102,6 +102,9 @@ def model_options(f):
                      help="How experts are read: mmap or pread (through the page cache), direct (around it)."),
         click.option("--prefetch", type=Number(int, 0, 64), default=1, show_default=True,
                      help="Read predicted experts this many layer calls ahead in the background (0: off)."),
+        click.option("--split", type=click.Choice(["pipeline", "tensor"]), default="pipeline", show_default=True,
+                     help="Under mlx.launch: each rank runs a stage of layers (pipeline), or a slice of "
+                     "every layer (tensor, where mlx-lm can shard the model)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -135,7 +138,7 @@ def _load(opts):
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                 profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
-                io=opts["io"], prefetch=opts["prefetch"], group=group)
+                io=opts["io"], prefetch=opts["prefetch"], group=group, split=opts["split"])
 
 
 def first_cpu_run():

@@ -51,7 +51,8 @@ class Checkpoint:
     layer_offset: int = 0  # under a pipeline split: the whole model's index of this stage's first MoE layer
     total_layers: int = 0  # the whole model's MoE layers (this stage's alone when 0)
     group: object = None  # the mx.distributed group of a pipeline split, else None
-    stage_share: float = 1.0  # the share of the model's decoder layers this stage runs
+    stage_share: float = 1.0  # the share of the model's KV cache this rank keeps
+    split: str = "pipeline"  # under a group: "pipeline" (a stage of layers) or "tensor" (a slice of each)
 
     @property
     def all_layers(self):
@@ -230,16 +231,18 @@ def _bundled_classes(store):
     return classes
 
 
-def open_checkpoint(path_or_repo, model_config=None, revision=None, trust_remote_code=False, group=None):
+def open_checkpoint(path_or_repo, model_config=None, revision=None, trust_remote_code=False, group=None,
+                    split="pipeline"):
     """Read config, index the shards, build the model lazily and map every expert to its
     bytes. `model_config` overrides config.json's fields, as in mlx_lm.load. With a
     `group` of several ranks, mlx-lm splits the model into pipeline stages and only this
-    rank's stage is built and mapped."""
+    rank's stage is built and mapped; with split="tensor", mlx-lm's `model.shard(group)`
+    shards every layer in place and this rank maps its slice of every expert."""
     path = resolve(path_or_repo, revision)
     read_config(path)  # a clear error for a missing or unknown config.json
     store = ExpertStore(path)
     try:
-        return _open(path, store, model_config, trust_remote_code, group)
+        return _open(path, store, model_config, trust_remote_code, group, split)
     except BaseException:
         store.close()
         raise
@@ -259,7 +262,10 @@ def _pipeline(path, config, model, switches, group):
         raise MlxmoeError(f"{path}: mlx-lm cannot split model_type {config['model_type']!r} into pipeline stages "
                           "(its model has no pipeline()); run it as one process")
     decoder_layers = len(model.model.layers)
-    model.model.pipeline(group)
+    try:
+        model.model.pipeline(group)
+    except ValueError as e:  # e.g. more ranks than layers
+        raise MlxmoeError(f"{path}: mlx-lm cannot split {decoder_layers} layers over {group.size()} ranks ({e})") from None
     start, end = model.model.start_idx, model.model.end_idx
     local = [i for i, (p, _) in enumerate(switches) if start <= (_stage_layer(p) or 0) < end]
     if not local:
@@ -268,7 +274,34 @@ def _pipeline(path, config, model, switches, group):
     return switches[local[0]:local[-1] + 1], local[0], (end - start) / decoder_layers
 
 
-def _open(path, store, model_config=None, trust_remote_code=False, group=None):
+def _shard(path, config, model, store, group):
+    """Shard `model` with mlx-lm's own `model.shard(group)` (attention heads, dense MLPs,
+    experts in place); return the share of the KV cache a rank keeps."""
+    if not hasattr(model, "shard"):
+        raise MlxmoeError(f"{path}: mlx-lm cannot shard model_type {config['model_type']!r} over ranks (its model "
+                          "has no shard()); use the pipeline split")
+    if store.bundled or any(PER_EXPERT.search(n) for n in store.index):
+        raise MlxmoeError(f"{path}: the tensor split reads slices of stacked experts; this checkpoint's layout "
+                          "is not stacked (repack it with `mlx_lm.convert`)")
+    try:
+        model.shard(group)
+    except ValueError as e:  # heads or widths that do not divide by the ranks
+        raise MlxmoeError(f"{path}: mlx-lm cannot shard this model over {group.size()} ranks ({e})") from None
+    return 1.0 / group.size()
+
+
+def _shard_axis(info, shape, group):
+    """The axis of one expert's tensor that model.shard split (None: not split), checked."""
+    if info.shape == tuple(shape):
+        return None
+    differ = [a for a, (full, part) in enumerate(zip(info.shape, shape)) if full != part]
+    if group is None or len(info.shape) != len(shape) or len(differ) != 1 \
+            or shape[differ[0]] * group.size() != info.shape[differ[0]] or differ[0] == 0:
+        raise MlxmoeError(f"{info.file}: {info.name} has shape {list(info.shape)}, config.json implies {list(shape)}")
+    return differ[0] - 1, group.size(), group.rank()
+
+
+def _open(path, store, model_config=None, trust_remote_code=False, group=None, split="pipeline"):
     classes = _bundled_classes(store) if store.bundled else _get_classes
     try:
         model, config = load_model(path, lazy=True, strict=True, model_config=model_config,
@@ -285,7 +318,9 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None):
     if not switches:
         raise MlxmoeError(f"{path}: model_type {config['model_type']!r} has no SwitchGLU/SwitchMLP experts to stream")
     total, offset, share = len(switches), 0, 1.0
-    if group is not None:
+    if group is not None and split == "tensor":
+        share = _shard(path, config, model, store, group)
+    elif group is not None:
         switches, offset, share = _pipeline(path, config, model, switches, group)
     per_expert = _per_expert_sources(model, store)
     layers = []
@@ -300,11 +335,8 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None):
                     continue
                 full, E = f"{mpath}.{lin}.{p}", v.shape[0]
                 if full in store.index:
-                    info = store.index[full]
-                    if info.shape != tuple(v.shape):
-                        raise MlxmoeError(f"{info.file}: {full} has shape {list(info.shape)}, "
-                                          f"config.json implies {list(v.shape)}")
-                    tensors[f"{lin}.{p}"] = [(full, e) for e in range(E)]
+                    shard = _shard_axis(store.index[full], v.shape, group if split == "tensor" else None)
+                    tensors[f"{lin}.{p}"] = [(full, e, shard) for e in range(E)]
                 elif full in per_expert and len(per_expert[full]) == E:
                     tensors[f"{lin}.{p}"] = [(n, None) for n in per_expert[full]]
                 else:
@@ -317,7 +349,7 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None):
     store.map_layers(layers)
 
     ckpt = Checkpoint(path, config, model, store, module_paths=[p for p, _ in switches], layer_offset=offset,
-                      total_layers=total, group=group, stage_share=share)
+                      total_layers=total, group=group, stage_share=share, split=split)
     swaps = []
     for layer, (mpath, module) in enumerate(switches):
         # Drop the lazy expert arrays: nothing will ever evaluate (read) them.

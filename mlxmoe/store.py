@@ -73,10 +73,27 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Range:
-    """One contiguous run of bytes of one expert's tensor."""
+    """One contiguous run of bytes of one expert's tensor, or (runs > 1, a tensor-parallel
+    slice along its last axis) `runs` equal runs, `step` bytes apart, nbytes in all."""
     file: Path
     offset: int
     nbytes: int
+    runs: int = 1
+    step: int = 0
+
+
+def shard_slice(shape, start, nbytes, axis, parts, index):
+    """(shape, Range fields) of part `index` of `parts` of a tensor of `shape` stored
+    row-major at `start`, split along `axis` (as mlx's shard_inplace splits it)."""
+    shape = list(shape)
+    inner = nbytes // math.prod(shape[:axis + 1])  # bytes of one step along `axis`
+    piece = shape[axis] // parts
+    outer = math.prod(shape[:axis])
+    start += index * piece * inner
+    shape[axis] = piece
+    if outer == 1:
+        return tuple(shape), dict(offset=start, nbytes=piece * inner)
+    return tuple(shape), dict(offset=start, nbytes=outer * piece * inner, runs=outer, step=shape[axis] * parts * inner)
 
 
 def stamp(path):
@@ -329,8 +346,9 @@ class ExpertStore:
     def map_layers(self, layers):
         """Record the byte ranges of every expert.
 
-        `layers[l]` is {tensor: [(file tensor name, expert row or None)] * num_experts}:
-        a row index into a stacked [E, ...] tensor, or None for a per-expert tensor.
+        `layers[l]` is {tensor: [(file tensor name, expert row or None[, shard])] * num_experts}:
+        a row index into a stacked [E, ...] tensor, or None for a per-expert tensor; shard
+        (axis of one expert's tensor, parts, index): only that part (tensor parallelism).
         """
         self.tensors = list(layers[0])
         for l, layer in enumerate(layers):
@@ -340,7 +358,7 @@ class ExpertStore:
             for e in range(len(next(iter(layer.values())))):
                 row = []
                 for t, sources in layer.items():
-                    name, k = sources[e]
+                    name, k, *shard = sources[e]
                     info = self.index[name]
                     self.expert_names.add(name)
                     if k is None:
@@ -348,6 +366,9 @@ class ExpertStore:
                     else:
                         nbytes = info.nbytes // info.shape[0]
                         shape, start = info.shape[1:], info.offset + k * (info.stride or nbytes)
+                    where = dict(offset=start, nbytes=nbytes)
+                    if shard and shard[0] is not None:
+                        shape, where = shard_slice(shape, start, nbytes, *shard[0])
                     if l == 0 and e == 0:
                         self.tensor_dtypes.append(info.dtype)
                         self.tensor_shapes.append(tuple(shape))
@@ -359,7 +380,7 @@ class ExpertStore:
                                 f"other experts have {self.tensor_dtypes[i]} {list(self.tensor_shapes[i])}: "
                                 "experts of mixed precision or shape (e.g. a mixed-bit quantization) are not "
                                 "supported yet; quantize every expert alike")
-                    row.append(Range(info.file, start, nbytes))
+                    row.append(Range(info.file, **where))
                 experts.append(row)
             self.ranges.append(experts)
         # Open every shard now: IO threads then only read a dict.
@@ -459,8 +480,8 @@ class ExpertStore:
         Returns the number of useful bytes read (the expert's bytes on disk);
         `disk_bytes` also counts what the mode read around them.
         """
-        ranges = self.ranges[layer][expert]
-        dests, converts = [], []
+        ranges, plain = self.ranges[layer][expert], []
+        dests, converts, sliced = [], [], []
         for r, out, dtype in zip(ranges, outs, self.tensor_dtypes):
             raw_dtype = DTYPES[dtype]
             if out.dtype == raw_dtype or (dtype == "BF16" and out.dtype == np.uint16):
@@ -473,8 +494,12 @@ class ExpertStore:
             dest = buf.reshape(-1).view(np.uint8)
             if dest.nbytes != r.nbytes:
                 raise MlxmoeError(f"a slot of {dest.nbytes} bytes for {r.nbytes} bytes at {r.file}:{r.offset}")
-            dests.append(dest)
-        todo = runs(ranges, dests, ALIGN if self.io == "direct" else 1)
+            if r.runs > 1:
+                sliced.append((r, dest))
+            else:
+                plain.append(r)
+                dests.append(dest)
+        todo = runs(plain, dests, ALIGN if self.io == "direct" else 1)
         if self.workers > 1 and len(todo) > 1:  # the ranges of a stacked expert: all at once
             futures = [self._pool().submit(self._read_run, run) for run in todo]
             try:
@@ -484,6 +509,7 @@ class ExpertStore:
                 raise
         else:
             disk = sum(map(self._read_run, todo))
+        disk += sum(self._read_slice(r, dest) for r, dest in sliced)
         for file in {r.file for r in ranges}:
             self.check_unchanged(file)
         for out, buf, dtype in converts:
@@ -506,6 +532,16 @@ class ExpertStore:
         if self.stamps.setdefault(file, now) != now:  # (a file not indexed: as at its first read)
             raise MlxmoeError(f"shard {file} changed on disk since the model was loaded (size, modification "
                               f"time {self.stamps[file]} -> {now}); load it again")
+
+    def _read_slice(self, r, dest):
+        """A tensor-parallel slice along the last axis: its runs lie `step` apart, so the
+        span that holds them is read and this rank's runs kept (the span's bytes count as read)."""
+        per_run = r.nbytes // r.runs
+        span = r.step * (r.runs - 1) + per_run
+        buf = np.empty(span, np.uint8)
+        disk = self._read_run((r.file, r.offset, r.offset + span, [(r.offset, buf)]))
+        dest.reshape(r.runs, per_run)[...] = np.lib.stride_tricks.as_strided(buf, (r.runs, per_run), (r.step, 1))
+        return disk
 
     def _pool(self):
         if self._workers is None:
