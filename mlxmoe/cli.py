@@ -435,8 +435,8 @@ def info(model_path, memory_budget, backend, as_json):
                f"({format_size(out['expert_bytes_on_disk'])} on disk); all experts {format_size(out['all_experts_bytes'])}")
     click.echo(f"  resident weights: {format_size(out['resident_bytes'])}, KV reserve {format_size(out['kv_reserve_bytes'])}, "
                f"working memory {format_size(out['working_bytes'])}")
-    click.echo(f"  smallest budget that works: {format_size(out['minimum_budget'])}; "
-               f"everything resident: {format_size(out['all_resident_budget'])}")
+    click.echo(f"  smallest budget that works: {format_size(out['minimum_budget'], math.ceil)}; "
+               f"everything resident: {format_size(out['all_resident_budget'], math.ceil)}")
     if memory_budget:
         b = out["budget"]
         click.echo(f"  {memory_budget} buys {b['cache_experts']} experts ({format_size(b['cache_bytes'])}), "
@@ -539,8 +539,11 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
                     return
                 live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
             if live.tokens_total:
-                click.echo("predicting the hit rate at each cache size...", err=True)
-                curve = predicted_curve(*read_trace(opts["trace_out"]))
+                header, records = read_trace(opts["trace_out"])
+                with click.progressbar(ONLINE, label="predicting the hit rate at each cache size, policy by policy",
+                                       file=sys.stderr) as policies:
+                    curve = {name: points for policy in policies
+                             for name, points in predicted_curve(header, records, [policy]).items()}
                 with signals_deferred():
                     live.curve = curve
                     live.save(out)
