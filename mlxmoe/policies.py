@@ -358,6 +358,7 @@ class Belady(Policy):
 
 
 AGING = 4
+FLOOR_SHARE = 1.0  # activation-floor's floor, as a share of a layer's even share (bench_policies --lofo)
 
 
 class Activation(Policy):
@@ -414,9 +415,11 @@ class Activation(Policy):
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=24, recency_half_life=4,
                  recency_weight=0.2, router_weight=1.0, prior_weight=0.1, now_weight=0.6, horizon=2.0,
                  long_min=16.0, long_max=80.0, long_prior=4.0, prefill_visits=1, now_scale=8.0,
-                 pin_share=0.25, pin_release=0.5, **kw):
+                 pin_share=0.25, pin_release=0.5, floor_share=None, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         L, E = num_layers, num_experts
+        self.floor_share = floor_share  # None: no floor (see ActivationFloor)
+        self.held = np.zeros(L)  # -inf where a layer is at or under its floor (floor_share), else 0
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
         self.recency_weight, self.router_weight, self.prior_weight = recency_weight, router_weight, prior_weight
@@ -446,6 +449,8 @@ class Activation(Policy):
         self.current = 0
         self.call_tokens = 1
         self.top_k = 1  # the most experts one token has used (seen at single-token calls)
+        if floor_share is not None:
+            self._set_floor()
         self.visits = 0  # layer calls so far
         self.visited_at = [0] * L  # the call count at each layer's last visit
         # victim() without a loop over layers: the second term of steps() of each layer's
@@ -481,8 +486,10 @@ class Activation(Policy):
         # long-run counts take a call as one visit of the experts it used.
         # (At E = 32-128 each numpy call costs about its overhead: few calls, in place.)
         n = min(self.call_tokens, self.prefill_visits)
-        if self.call_tokens == 1:
-            self.top_k = max(self.top_k, len(experts))
+        if self.call_tokens == 1 and len(experts) > self.top_k:
+            self.top_k = len(experts)
+            if self.floor_share is not None:
+                self._set_floor()
         experts = np.asarray(experts, dtype=np.intp)
         probs = None if probs is None else np.asarray(probs)
         slow, fast = self.slow ** n, self.fast ** n
@@ -566,12 +573,16 @@ class Activation(Policy):
 
     def insert(self, key):
         self.resident[key[0]].add(key[1])
+        if self.floor_share is not None:
+            self.held[key[0]] = -np.inf if len(self.resident[key[0]]) <= self.floor else 0.0
         self.order[key[0]].append(key[1])
         self.unsorted.add(key[0])  # sorted before the next victim: a rare expert just used can be the farthest
 
     def remove(self, key):
         layer, e = key
         self.resident[layer].discard(e)
+        if self.floor_share is not None:
+            self.held[layer] = -np.inf if len(self.resident[layer]) <= self.floor else 0.0
         order = self.order[layer]
         if e in order:
             head = order[0] == e
@@ -587,6 +598,28 @@ class Activation(Policy):
         # steps() of every layer's farthest expert at once; the layers whose candidate is
         # another one (their farthest is protected or pinned) or whose p1 has aged are redone
         steps = (self.distance[self.current] + self.head) / self.miss_cost
+        if self.floor_share is not None:  # layers at or under their floor are out of reach while another can pay
+            own = steps[self.current]  # the current layer pays for itself
+            steps += self.held
+            steps[self.current] = own
+            found = self._victim(protected, steps)
+            if found:
+                return found
+            steps = (self.distance[self.current] + self.head) / self.miss_cost
+        found = self._victim(protected, steps)
+        if found:
+            return found
+        raise _none_left()
+
+    def _set_floor(self):
+        """The floor from top_k and the share, and which layers are at or under it."""
+        share = self.capacity // self.num_layers
+        self.floor = max(min(self.top_k, share), int(self.floor_share * share))
+        for layer, resident in enumerate(self.resident):
+            self.held[layer] = -np.inf if len(resident) <= self.floor else 0.0
+
+    def _victim(self, protected, steps):
+        """The expert of largest steps() over the layers whose steps are not -inf, or None."""
         order = self.order
         redo = {l for l, e in protected if order[l] and order[l][0] == e}
         oldest = self.visits - self.num_layers
@@ -597,6 +630,8 @@ class Activation(Policy):
             if again:
                 s = steps.copy()
                 for layer in again:
+                    if steps[layer] == -np.inf:  # held at its floor (or empty)
+                        continue
                     s[layer] = -np.inf
                     for e in order[layer]:
                         key = (layer, e)
@@ -608,7 +643,7 @@ class Activation(Policy):
             layer = int(np.argmax(s))  # the first of equals, as a loop over layers would
             if s[layer] != -np.inf:
                 return layer, candidates.get(layer, order[layer][0] if order[layer] else None)
-        raise _none_left()
+        return None
 
     def steps(self, key, p1=None):
         """Expected layer steps until `key` is used: d + L (1 - p1) / g, with p1 its chance
@@ -640,6 +675,20 @@ class Activation(Policy):
         slow, fast = self.slow ** age, self.fast ** age
         return ((1 - self.recency_weight) * self.F[key] * slow + self.recency_weight * self.R[key] * fast
                 + self.router_weight * self.M[key] * slow + self.prior_weight * self.prior[key])
+
+
+class ActivationFloor(Activation):
+    """`activation` that never takes a layer below its floor while another layer can pay:
+    max(min(top_k, share), floor_share x share), share being the layer's even share of the
+    slots. Where slots are as scarce as one token's experts per layer it keeps each layer's
+    last token as per-layer LRU does; at floor_share 1 it is a per-layer split whose layers
+    rank their experts by activation's expected next use (the slots left over by the even
+    split still move between layers by it)."""
+
+    name = "activation-floor"
+
+    def __init__(self, capacity, num_layers, num_experts, floor_share=FLOOR_SHARE, **kw):
+        super().__init__(capacity, num_layers, num_experts, floor_share=floor_share, **kw)
 
 
 class LayerSplit(Policy):
@@ -746,7 +795,8 @@ class LFUDA(LayerSplit):
         return self.priority[key]
 
 
-POLICIES = {p.name: p for p in (LRU, LFU, SLRU, S3FIFO, LayerLRU, LayerLFU, LFUDA, Activation, Belady)}
+POLICIES = {p.name: p for p in (LRU, LFU, SLRU, S3FIFO, LayerLRU, LayerLFU, LFUDA, Activation, ActivationFloor,
+                                Belady)}
 DEFAULT_POLICY = "activation"
 ONLINE = [name for name, p in POLICIES.items() if not p.offline]
 

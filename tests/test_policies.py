@@ -175,7 +175,38 @@ def test_activation_evicts_from_the_layer_just_run_on_ties():
     assert evicted == [(0, 1)]
 
 
-@pytest.mark.parametrize("name", ["lru", "lfu", "slru", "s3fifo", "layer-lru", "layer-lfu", "lfuda", "activation"])
+def test_floor_keeps_a_layer_at_its_share():
+    # 2 layers x 1 slot, top-1: layer 1 has used expert 3 at every token, so when it turns
+    # to expert 1, `activation` expects 3 back sooner than layer 0's last expert and takes
+    # layer 0's slot (layer 0 down to none); activation-floor keeps each layer at its share
+    # and layer 1 pays for itself
+    seq = [(0, [3]), (1, [3]), (0, [0]), (1, [3]), (0, [2]), (1, [1])]
+    assert run("activation", 2, seq, layers=2, experts=4)[0] == [(0, 3), (0, 0), (0, 2)]
+    assert run("activation-floor", 2, seq, layers=2, experts=4)[0] == [(0, 3), (0, 0), (1, 3)]
+
+
+@pytest.mark.parametrize("name", ["activation-floor"])
+def test_never_below_layer_lru_at_one_token_per_layer(name):
+    """Where the cache holds exactly one token's experts per layer, keeping each layer's
+    last token (per-layer LRU) is what a policy must not fall below; plain `activation`
+    does on this sequence (slots wander to the layers whose routing it judges steadier)."""
+    rng = np.random.default_rng(3)
+    L, E, k = 4, 8, 2
+    seq = []
+    for t in range(300):
+        for layer in range(L):
+            # layer 0 repeats its last pair half of the time, the others are fresh each token
+            if layer == 0 and t and rng.random() < 0.5:
+                seq.append(seq[-L])
+            else:
+                seq.append((layer, sorted(rng.choice(E, k, replace=False).tolist())))
+    hits = {p: run(p, L * k, seq, layers=L, experts=E)[1].hits for p in ("layer-lru", "activation", name)}
+    assert hits[name] >= hits["layer-lru"], hits
+    assert hits["activation"] < hits["layer-lru"], hits  # the case is one that matters
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "slru", "s3fifo", "layer-lru", "layer-lfu", "lfuda", "activation",
+                                  "activation-floor"])
 def test_never_evicts_what_the_layer_needs(name):
     rng = np.random.default_rng(0)
     seq = [(l, sorted(rng.choice(16, 4, replace=False).tolist())) for _ in range(50) for l in range(3)]
@@ -360,7 +391,7 @@ def test_replay_matches_the_runtime(checkpoint, tmp_path, layers):
         assert (r["hits"], r["accesses"]) == (stats["hits"], stats["hits"] + stats["misses"]), policy
 
 
-@pytest.mark.parametrize("name", ["lru", "lfu", "slru", "s3fifo", "activation"])
+@pytest.mark.parametrize("name", ["lru", "lfu", "slru", "s3fifo", "activation", "activation-floor"])
 def test_deferring_all_hit_calls_changes_no_decision(name):
     """The runtime's Residency defers the policy updates of layer calls that hit; the
     policy must see the same calls in the same order, so every eviction, claim and hit is
