@@ -24,6 +24,7 @@ import argparse
 import copy
 import json
 import logging
+import re
 import signal
 import sys
 import threading
@@ -41,7 +42,7 @@ from .api import generation_lock, model_fingerprint, stream_generate
 from .budget import DEFAULT_CONTEXT
 from .errors import MlxmoeError
 from .prefetch import hottest_per_layer
-from .profile import ActivationProfile, js_divergence
+from .profile import ActivationProfile, js_divergence, prewarm_order
 
 PROFILE_HEADER = "X-Mlxmoe-Profile"
 ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -179,7 +180,12 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
             self.last_stats = cache.stats()
 
     def _use_profile(self, cache, name):
-        rates = self.profiles.by_name[name].rates()
+        """`name`'s rates become the policy's prior and the prefetcher's profile guess;
+        its hottest experts fill the cache's free slots in the background."""
+        prof = self.profiles.by_name[name]
+        rates = prof.rates()
+        if cache.prewarm_done(0):
+            cache.prewarm(prewarm_order(prof, prof.num_layers, prof.num_experts, cache.capacity))
         with cache.lock:
             cache.policy.set_prior(rates)
             if cache.prefetcher is not None and cache.prefetcher.hottest is not None:
@@ -198,6 +204,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         else:
             stats = dict(self.last_stats, busy=True)
         stats["server"] = {"requests": self.served, "context": self.context,
+                           "memory_budget": model.expert_cache.plan.budget,
                            "profiles": {n: self.profiles.matched[n] for n in self.profiles.by_name}
                            if self.profiles is not None else {}}
         return stats
@@ -207,6 +214,28 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
             self.profiles.save()
         elif self.live is not None and self.profile_path is not None:
             self.live.save(self.profile_path)
+
+
+class OpenAIErrors:
+    """mlx-lm's error bodies, {"error": "max_tokens must be ..."}, in OpenAI's form (what
+    clients read the message from): {"error": {"message", "type", "param": the field}}."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def write(self, data):
+        try:
+            body = json.loads(data)
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and list(body) == ["error"] and isinstance(body["error"], str):
+            field = re.match(r"([A-Za-z_][\w.\[\]]*)(:| must)", body["error"])
+            data = json.dumps({"error": {"message": body["error"], "type": "invalid_request_error",
+                                         "param": field and field.group(1), "code": None}}).encode()
+        return self.out.write(data)
+
+    def flush(self):
+        self.out.flush()
 
 
 class AnthropicStream:
@@ -294,7 +323,11 @@ class Handler(mlx_server.APIHandler):
     def do_POST(self):
         if self.path == "/v1/messages":
             self.anthropic, self.path = True, "/v1/chat/completions"
-        super().do_POST()
+        wfile, self.wfile = self.wfile, OpenAIErrors(self.wfile)
+        try:
+            super().do_POST()
+        finally:
+            self.wfile = wfile
 
     def _send_json(self, status, body):
         data = json.dumps(body).encode()
