@@ -2,6 +2,7 @@
 
 import json
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -14,7 +15,7 @@ from . import distributed
 from .budget import DEFAULT_CONTEXT, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
 from .errors import MlxmoeError, read_lines
-from .loader import MX_DTYPES, attach_cache, open_checkpoint
+from .loader import DEMO_MODEL, MX_DTYPES, attach_cache, open_checkpoint
 from .policies import make_policy
 from .prefetch import Prefetcher
 from .profile import ActivationProfile, fingerprint, prewarm_order
@@ -139,7 +140,7 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
         live.curve = prior.curve  # its recording's predicted hit rates, kept when the live profile is saved
     else:
         live = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k)
-    live.model, live.fingerprint = str(ckpt.path), fp
+    live.model, live.fingerprint = model_name(ckpt.path), fp
     live.expert_bytes, live.resident_bytes = profile_sizes(p)
     policy = make_policy(policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
     cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, io_threads, profile=live)
@@ -153,7 +154,7 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     if trace_out is not None:
         if ckpt.group is not None:  # this stage's part, merged into trace_out by distributed.finish_trace
             cache.trace_target, trace_out = trace_out, f"{trace_out}.rank{ckpt.group.rank()}"
-        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, ckpt.path, fingerprint=fp)
+        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model_name(ckpt.path), fingerprint=fp)
     tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
     if prewarm:
         order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
@@ -173,6 +174,12 @@ def profile_identity(ckpt, backend):
     recorded on it would hold them."""
     backend.apply_dtype_policy(ckpt.model)
     return model_fingerprint(ckpt), profile_sizes(memory_plan(ckpt, backend, cache_experts=ckpt.top_k))
+
+
+def model_name(path):
+    """How profiles and traces name a checkpoint: its folder, or "mlxmoe-demo" for the bundled
+    demo model (whose folder differs on every install)."""
+    return "mlxmoe-demo" if path is not None and Path(path).resolve() == DEMO_MODEL else str(path)
 
 
 def model_fingerprint(ckpt):

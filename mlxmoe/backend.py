@@ -15,13 +15,11 @@ FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 @dataclass
 class Backend:
     name: str  # "cpu" | "metal" | "cuda"
-    device: mx.Device
     # On CPU, bf16/f16 matmuls are 8-40x slower than float32 (mlx-notes): compute in
     # float32 there, keep the checkpoint's dtype on GPUs.
     compute_dtype: mx.Dtype = None
     # On CPU a prefill step's attention scores and probabilities are whole arrays (queries
-    # x keys x heads, measured: 1.9x the budget for a 3,500-token prompt on the demo model
-    # before prefill steps shrank to fit them); Metal runs it in a fused kernel
+    # x keys x heads), so they count in the working memory; Metal runs it in a fused kernel
     materialises_attention: bool = False
 
     def pool_dtype(self, file_dtype):
@@ -68,4 +66,4 @@ def detect(name=None):
         raise MlxmoeError(f"backend {name!r} is not available in this MLX build")
     device = mx.cpu if name == "cpu" else mx.gpu
     mx.set_default_device(device)
-    return Backend(name, device, mx.float32 if name == "cpu" else None, materialises_attention=name == "cpu")
+    return Backend(name, mx.float32 if name == "cpu" else None, materialises_attention=name == "cpu")

@@ -113,7 +113,8 @@ def plan(budget, resident, slot_bytes, min_experts, kv_reserve, working, cache_s
                               f"{DEFAULT_SHARE:.0%} of this machine's memory. Pass --memory-budget to use more.")
     if budget is not None and budget < minimum:
         raise MlxmoeError(
-            f"memory budget {format_size(budget)} is below the minimum of {format_size(minimum)} for this model "
+            f"memory budget {format_size(budget)} is below the minimum of {format_size(minimum)}"
+            f"{f' ({minimum - budget} B short)' if format_size(budget) == format_size(minimum) else ''} for this model "
             f"({format_size(resident)} resident weights + {format_size(kv_reserve)} KV cache + "
             f"{format_size(working)} working memory + {min_experts} experts of {format_size(slot_bytes)})")
     if slots is None:

@@ -56,10 +56,25 @@ def _load(opts):
     group = distributed.init()  # None unless started as several ranks (mlx.launch)
     if group is not None and group.rank() != 0:  # rank 0 speaks for all
         sys.stdout = sys.stderr = open(os.devnull, "w")
+    if first_cpu_run():
+        click.echo("first run: MLX compiles its CPU kernels (a few seconds, once)", err=True)
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                 profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
                 io=opts["io"], prefetch=opts["prefetch"], group=group)
+
+
+def first_cpu_run():
+    """True when MLX's CPU backend has no compiled kernels cached yet (it builds them with
+    the C++ compiler on first use, into <tmp>/mlx/<version>/cpu)."""
+    import tempfile
+
+    import mlx.core as mx
+
+    if mx.metal.is_available() or mx.cuda.is_available():
+        return False
+    kernels = os.path.join(tempfile.gettempdir(), "mlx", mx.__version__, "cpu")
+    return not os.path.isdir(kernels) or not os.listdir(kernels)
 
 
 def _main_rank(model):
@@ -100,12 +115,56 @@ def _sampler(temp, top_p, seed):
 
 
 def summary(stats, before, elapsed_tokens, tps):
-    """One line per reply: speed, hit rate and MB read since `before`."""
+    """One line per reply: speed, hit rate and bytes read since `before`."""
+    from .budget import format_size
+
     hits = stats["hits"] - before["hits"]
     total = hits + stats["misses"] - before["misses"]
-    mb = (stats["bytes_read"] - before["bytes_read"]) / 1e6
+    read = format_size(stats["bytes_read"] - before["bytes_read"])
     rate = f"{100 * hits / total:.1f}%" if total else "n/a"
-    return f"[{elapsed_tokens} tokens, {tps:.1f} tok/s, expert hit rate {rate}, {mb:.1f} MB read]"
+    return f"[{elapsed_tokens} tokens, {tps:.1f} tok/s, expert hit rate {rate}, {read} read]"
+
+
+CHAT_HELP = """/help    this list
+/reset   start a new conversation (the expert cache and the live profile are kept)
+/stats   the expert cache's figures so far
+/quit    leave (also /exit or Ctrl-D); Ctrl-C stops a reply"""
+
+
+def stats_table(stats):
+    """The cache's stats as a few aligned lines (the whole set is in --stats-json)."""
+    from .budget import format_size as size
+
+    rows = [("tokens", stats["tokens"]),
+            ("hit rate", f"{100 * stats['hit_rate']:.1f}% ({stats['hits']} hits, {stats['misses']} misses)"),
+            ("loads", f"{stats['loads_demand']} on demand, {stats['loads_prefetched']} prefetched "
+                      f"({stats['prefetch_useful']} of them used)"),
+            ("read", size(stats["bytes_read"])),
+            ("cache", f"{stats['cache_experts']} experts ({size(stats['cache_bytes'])}), policy {stats['policy']}"),
+            ("memory", f"MLX peak {size(stats['peak_memory'])}, process peak RSS {size(stats['peak_rss'])}")]
+    return "\n".join(f"{name:<9}{value}" for name, value in rows)
+
+
+def expert_line(stats, baseline_rss):
+    """The run's expert-cache summary: every figure in the same binary units as the budget,
+    loads split the way the bytes were read, and the memory Python and MLX take before any
+    weight is loaded named apart from the model's."""
+    from .budget import format_size as size
+
+    return (f"experts: hit rate {100 * stats['hit_rate']:.1f}%, {size(stats['bytes_read'])} read "
+            f"({stats['loads_demand']} loads on demand + {stats['loads_prefetched']} prefetched), "
+            f"cache {stats['cache_experts']} experts ({size(stats['cache_bytes'])}); "
+            f"MLX peak memory {size(stats['peak_memory'])}, process peak RSS {size(stats['peak_rss'])} "
+            f"(Python and MLX before loading: {size(baseline_rss)})")
+
+
+def current_rss():
+    """The process's resident memory now, in bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -146,6 +205,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
     for path in (stats_json, save_profile):
         if path:
             check_writable(path)
+    baseline_rss = current_rss()  # Python, MLX and mlx-lm imported, no weights yet
     model, tokenizer = _load(opts)
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -169,10 +229,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
     if response is not None:
         click.echo(f"prompt: {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s; "
                    f"generation: {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s", err=True)
-    click.echo(f"experts: hit rate {100 * stats['hit_rate']:.1f}%, {stats['misses']} loads, "
-               f"{stats['bytes_read'] / 1e6:.1f} MB read, cache {stats['cache_experts']} experts "
-               f"({stats['cache_bytes'] / 1e6:.1f} MB), MLX peak memory {stats['peak_memory'] / 1e6:.1f} MB, "
-               f"process peak RSS {stats['peak_rss'] / 1e6:.1f} MB", err=True)
+    click.echo(expert_line(stats, baseline_rss), err=True)
     if stats_json and _main_rank(model):
         write_atomic(stats_json, json.dumps(stats, indent=1))
 
@@ -181,12 +238,15 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
 @model_options
 @sampling_options
 @click.option("--system-prompt", help="System message for the chat template.")
+@click.option("--repetition-penalty", type=click.FloatRange(min=1.0), default=1.3, show_default=True,
+              help="Penalty on tokens of the last 64 (mlx-lm's): keeps small models out of loops; 1 turns it off.")
 @save_profile_option
-def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
+def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_p, seed, **opts):
     """Chat with the model. The KV cache carries over between turns; after each reply a
-    line gives tokens/s, the expert hit rate and MB read. Type /reset to start over,
-    /stats for the cache's stats, /quit (or Ctrl-D) to leave."""
+    line gives tokens/s, the expert hit rate and the bytes read. /help lists the commands
+    (/reset, /stats, /quit)."""
     from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_logits_processors
 
     from .api import stream_generate
     from .profile import check_writable
@@ -196,11 +256,12 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
     model, tokenizer = _load(opts)
     cache = model.expert_cache
     sampler = _sampler(temp, top_p, seed)
+    penalty = make_logits_processors(repetition_penalty=repetition_penalty, repetition_context_size=64)
     prompt_cache = make_prompt_cache(model)
     first = True
     profile = f", profile {cache.profile.workload!r}" if opts["profile_path"] else ""
-    click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {cache.capacity} experts cached{profile}. /quit to leave.",
-               err=True)
+    click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {cache.capacity} experts cached{profile}. "
+               "/help for commands, /quit to leave.", err=True)
     try:
         while True:
             try:
@@ -208,16 +269,27 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
             except (EOFError, KeyboardInterrupt):
                 click.echo()
                 break
-            if not query.strip():
+            command = query.strip()
+            if not command:
                 continue
-            if query.strip() in ("/quit", "/exit"):
+            if command in ("/quit", "/exit"):
                 break
-            if query.strip() == "/reset":
+            if command == "/reset":
                 prompt_cache, first = make_prompt_cache(model), True
+                click.echo("[conversation cleared; the expert cache and the live profile are kept]")
                 continue
-            if query.strip() == "/stats":
-                click.echo(json.dumps(_stats(model), indent=1))
+            if command == "/stats":
+                click.echo(stats_table(_stats(model)))
                 continue
+            if command == "/help":
+                click.echo(CHAT_HELP)
+                continue
+            if command.startswith("/") and not command.startswith("//"):
+                click.echo(f"unknown command {command.split()[0]}; /help lists the commands "
+                           "(start a message with // to send one that begins with /)")
+                continue
+            if command.startswith("//"):
+                query = query.replace("//", "/", 1)
             messages = [{"role": "system", "content": system_prompt}] if system_prompt and first else []
             messages.append({"role": "user", "content": query})
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -225,7 +297,7 @@ def chat(system_prompt, save_profile, max_tokens, temp, top_p, seed, **opts):
             response = None
             try:
                 for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
-                                                prompt_cache=prompt_cache):
+                                                logits_processors=penalty, prompt_cache=prompt_cache):
                     click.echo(response.text, nl=False)
             except KeyboardInterrupt:
                 click.echo("\n[interrupted]")
@@ -302,7 +374,7 @@ def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=
         prompts = read_prompts(chats or prompts_file, tokenizer, chats=bool(chats), chat_template=chat_template)
         if on_load is not None:
             on_load(model)
-        with click.progressbar(length=len(prompts), label=f"{what} {len(prompts)} prompts", file=sys.stderr) as bar:
+        with click.progressbar(length=len(prompts), label=f"{what} {len(prompts)} prompt{'s' if len(prompts) != 1 else ''}", file=sys.stderr) as bar:
             try:
                 run_prompts(model, tokenizer, prompts, max_tokens, on_prompt=lambda i, text: bar.update(1))
             except KeyboardInterrupt:

@@ -171,17 +171,10 @@ def shard_files(model_path):
 IO_MODES = ("mmap", "pread", "direct")
 BYPASSES = ("o_direct", "f_nocache", "fadvise")
 
-# What io="auto" means per platform. bench/bench_io.py on Linux (ext4 on a virtio disk,
-# 2 cores shared with other jobs; cold reads of 300 random Qwen3-30B-A3B-shaped 4-bit
-# experts, 2.95 MB each in 9 ranges; 4 threads; 4 runs, dd iflag=direct 0.85-1.03 GB/s):
-#   mmap    0.89-1.06 GB/s   page cache +892 MB for 885 MB read   amplification 1.012
-#   pread   0.63-1.07 GB/s   page cache +892 MB                   1.000
-#   direct  0.72-1.14 GB/s   page cache +0 (O_DIRECT)             1.002 (512-byte aligned)
-# 5 interleaved repeats, medians, 4 threads: 0.86 / 0.95 / 0.81 GB/s (dd 0.83), 1 thread:
-# 0.73 / 0.75 / 0.84. The modes are within the noise of each other at 4 threads and
-# direct leads with one; only direct keeps the page cache from holding a second copy of
-# every expert read, so it is the fastest within the budget. macOS: direct is
-# F_NOCACHE, not yet measured there (run bench/bench_io.py on a Mac).
+# What io="auto" means per platform: direct, because the modes read at the same speed
+# within noise (bench/RESULTS.md, IO) and only direct keeps the page cache from holding a
+# second copy of every expert read, which would compete with the budget. On macOS direct
+# is F_NOCACHE.
 DEFAULT_IO = {"linux": "direct", "darwin": "direct"}
 
 # O_DIRECT needs file offsets, lengths and buffer addresses aligned to the device's
@@ -189,9 +182,8 @@ DEFAULT_IO = {"linux": "direct", "darwin": "direct"}
 # are page aligned, and runs of ranges are grouped by page.
 ALIGN = 4096
 # The ranges of one expert in a stacked checkpoint (weight, scales, biases of gate, up,
-# down: 9 far apart) are read by this many threads at once. O_DIRECT, 6 interleaved
-# repeats (bench_io): experts read one at a time 0.63 -> 0.81 GB/s, two at a time
-# 0.77 -> 0.89, four at a time 0.86 either way.
+# down: 9 far apart) are read by this many threads at once: with O_DIRECT one request in
+# flight leaves the disk idle between ranges.
 IO_WORKERS = 4
 BOUNCE = 4 << 20  # per-thread bounce buffer (a multiple of ALIGN): O_DIRECT reads of at most this
 

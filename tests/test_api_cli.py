@@ -1,6 +1,8 @@
 """The API mirrors mlx-lm's; the CLI's generate, chat and info work end to end."""
 
 import json
+from pathlib import Path
+import re
 
 import mlx.core as mx
 import mlx_lm
@@ -63,8 +65,39 @@ def test_cli_chat_two_turns(checkpoint):
     assert r.exit_code == 0, r.output
     summaries = [l for l in r.stderr.splitlines() if "expert hit rate" in l]
     assert len(summaries) == 2, r.stderr
-    assert all("tok/s" in l and "MB read" in l for l in summaries)
-    assert '"hit_rate"' in r.stdout
+    assert all("tok/s" in l and " read]" in l for l in summaries)
+    assert "hit rate" in r.stdout and "on demand" in r.stdout  # /stats: a short table
+
+
+def test_chat_commands(checkpoint):
+    """/help lists the commands, /reset says what it did, an unknown /command is refused
+    rather than sent to the model, and // sends a message that starts with /."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    r = CliRunner().invoke(main, ["chat", "--model", str(path), "--max-tokens", "4", "--cache-experts", "8"],
+                           input="/help\n/foo\n/reset\n//etc is a folder\n/quit\n")
+    assert r.exit_code == 0, r.output
+    assert "/reset" in r.stdout and "/stats" in r.stdout  # the /help text
+    assert "unknown command /foo" in r.stdout
+    assert "conversation cleared" in r.stdout
+    assert len([l for l in r.stderr.splitlines() if "expert hit rate" in l]) == 1  # only the // message was sent
+
+
+def test_generate_summary_adds_up(checkpoint):
+    """The summary's bytes read are its demand plus prefetched loads at the expert's size,
+    in the budget's binary units, with the process's memory before loading named."""
+    from mlxmoe.budget import format_size
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "8",
+                                  "--cache-experts", "8"])
+    assert r.exit_code == 0, r.output
+    line = next(l for l in r.stderr.splitlines() if l.startswith("experts:"))
+    m = re.search(r"([\d.]+ \w+) read \((\d+) loads on demand \+ (\d+) prefetched\)", line)
+    assert m, line
+    model, _ = mlxmoe.load(str(path), cache_experts=8)
+    expert = model.expert_cache.stats()["cache_bytes"] // 8
+    assert m.group(1) == format_size((int(m.group(2)) + int(m.group(3))) * expert)
+    assert "Python and MLX before loading" in line
 
 
 def test_chat_reuses_the_prompt_cache(checkpoint):
@@ -95,7 +128,7 @@ def test_info_minimum_budget_is_the_real_minimum(checkpoint):
     try:
         mlxmoe.load(str(path), memory_budget=info["minimum_budget"] - 1)
     except mlxmoe.MlxmoeError as e:
-        assert "below the minimum" in str(e)
+        assert "below the minimum" in str(e) and "(1 B short)" in str(e)  # the two sizes print alike
     else:
         raise AssertionError("a budget one byte below the minimum was accepted")
     text = CliRunner().invoke(main, ["info", "--model", str(path)]).stdout
@@ -228,3 +261,12 @@ def test_stats_after_reset_count_only_the_new_window(checkpoint):
     assert s["prefetch_useful"] <= s["loads_prefetched"] == 0
     assert sum(s["resident_per_layer"]) == len(cache.slot_of)
     cache.close()
+
+
+def test_demo_model_is_named_not_located():
+    """Profiles of the bundled demo model name it, not the folder it was installed in."""
+    model, _ = mlxmoe.load(mlxmoe.DEMO_MODEL, cache_experts=8)
+    assert model.expert_cache.profile.model == "mlxmoe-demo"
+    root = Path(__file__).resolve().parent.parent
+    for name in ("italian.json", "english.json"):
+        assert json.loads((root / "profiles" / name).read_text())["model"] == "mlxmoe-demo"

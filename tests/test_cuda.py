@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's 
 
 def test_detect_picks_cuda_with_the_gpu_memory():
     be = detect()
-    assert be.name == "cuda" and be.device == mx.gpu and be.compute_dtype is None
+    assert be.name == "cuda" and mx.default_device() == mx.gpu and be.compute_dtype is None
     assert be.memory() == mx.device_info()["total_memory"]
     model = nn.Linear(4, 4)
     model.set_dtype(mx.bfloat16)
