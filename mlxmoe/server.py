@@ -66,11 +66,14 @@ class Profiles:
 
     def nearest(self, observed):
         """The profile whose per-layer expert usage is nearest `observed`'s (a request's
-        prefill): the least mean Jensen-Shannon divergence over the layers both used."""
+        prefill): the least mean Jensen-Shannon divergence over the layers both used. Usage
+        is the router's probability mass where both recorded it (a prefill's distinct
+        experts are most of a layer's: their counts barely tell prompts apart), else counts."""
+        use_mass = observed.mass.sum() > 0 and all(p.mass.sum() > 0 for p in self.by_name.values())
+
         def distance(prof):
-            rates = prof.rates()
-            d = [js_divergence(observed.counts[l], rates[l]) for l in range(observed.num_layers)
-                 if observed.counts[l].sum() > 0 and rates[l].sum() > 0]
+            a, b = (observed.mass, prof.mass) if use_mass else (observed.counts, prof.counts)
+            d = [js_divergence(a[l], b[l]) for l in range(observed.num_layers) if a[l].sum() > 0 and b[l].sum() > 0]
             return float(np.mean(d)) if d else float("inf")
         return min(self.by_name, key=lambda name: distance(self.by_name[name]))
 
