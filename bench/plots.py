@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traces import load_heat, synthetic_records  # noqa: E402
 
 from mlxmoe.policies import ONLINE  # noqa: E402
-from mlxmoe.profile import ActivationProfile, write_heatmap_png  # noqa: E402
+from mlxmoe.heatmap import write_heatmap_png  # noqa: E402
+from mlxmoe.profile import ActivationProfile  # noqa: E402
 from mlxmoe.trace import read_trace, replay  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -1,8 +1,20 @@
 """mlxmoe: run Mixture-of-Experts models larger than memory by streaming experts from SSD."""
 
-from .api import generate, load, stream_generate
 from .errors import MlxmoeError
-from .loader import DEMO_MODEL
 
 __version__ = "0.1.0"
 __all__ = ["DEMO_MODEL", "load", "generate", "stream_generate", "MlxmoeError", "__version__"]
+
+
+def __getattr__(name):
+    # The API (and MLX with it) is imported on first use, so that `mlxmoe` the command
+    # starts handling Ctrl-C and SIGTERM before the slow imports.
+    if name in ("load", "generate", "stream_generate"):
+        from . import api
+
+        return getattr(api, name)
+    if name == "DEMO_MODEL":  # the bundled demo model's folder
+        from .loader import DEMO_MODEL
+
+        return DEMO_MODEL
+    raise AttributeError(f"module 'mlxmoe' has no attribute {name!r}")

@@ -8,14 +8,14 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
-from mlx_lm.utils import load_tokenizer
 
 from . import backend as backends
 from . import distributed
 from .budget import DEFAULT_CONTEXT, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
-from .errors import MlxmoeError, read_lines
-from .loader import DEMO_MODEL, MX_DTYPES, attach_cache, open_checkpoint
+from .errors import MlxmoeError
+from .files import read_lines
+from .loader import DEMO_MODEL, MX_DTYPES, attach_cache, open_checkpoint, read_tokenizer
 from .policies import make_policy
 from .prefetch import Prefetcher
 from .profile import ActivationProfile, fingerprint, prewarm_order
@@ -49,7 +49,7 @@ def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_expert
 def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path=None, lazy=False,
          return_config=False, revision=None, trust_remote_code=False, *, memory_budget=None, cache_size=None,
          cache_experts=None, policy=None, profile=None, backend=None, io_threads=4, force_profile=False, prewarm=True,
-         trace_out=None, prefetch=1, prefetch_confidence=0.1, io="auto", group=None):
+         trace_out=None, prefetch=1, prefetch_confidence=0.1, io="auto", group=None, split="pipeline"):
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
     Takes mlx_lm.load's arguments (LoRA adapters excepted: fuse them first) and returns
@@ -73,13 +73,17 @@ def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path
     `mlx.launch`) splits the model into mlx-lm's pipeline stages: this rank builds and
     streams only its stage's layers, within its own `memory_budget`; every rank must call
     load, generate and the stats/profile exchanges of mlxmoe.distributed alike. A rank that
-    fails to load makes every rank raise, naming it.
+    fails to load makes every rank raise, naming it. `split="tensor"` shards every layer
+    with mlx-lm's `model.shard(group)` instead: each rank streams its slice of each expert.
     """
+    if split not in ("pipeline", "tensor"):
+        raise MlxmoeError(f"split {split!r}: choose pipeline or tensor")
     group = group if group is not None and group.size() > 1 else None
     try:
         loaded = _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
                        trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend,
-                       io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group)
+                       io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group,
+                       split)
     except Exception as e:
         if group is None:
             raise
@@ -96,7 +100,7 @@ def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path
 
 def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
           trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend, io_threads,
-          force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group):
+          force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group, split="pipeline"):
     if tokenizer_config is not None and not isinstance(tokenizer_config, dict):
         raise MlxmoeError(f"tokenizer_config must be a dict, not {tokenizer_config!r} (mlx_lm.load's second "
                           "argument; mlxmoe's options are keywords: memory_budget=..., cache_experts=...)")
@@ -104,7 +108,7 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
         raise MlxmoeError(f"adapter {adapter_path}: LoRA adapters are not supported; fuse them into the model "
                           "first (mlx_lm.fuse)")
     be = backends.detect(backend)
-    ckpt = open_checkpoint(path_or_hf_repo, model_config, revision, trust_remote_code, group)
+    ckpt = open_checkpoint(path_or_hf_repo, model_config, revision, trust_remote_code, group, split)
     try:
         tokenizer = _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy,
                            profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io)
@@ -120,6 +124,7 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
 def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
            force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io):
     """Give an opened checkpoint its expert cache (model.expert_cache); return the tokenizer."""
+    tokenizer = read_tokenizer(ckpt.path, tokenizer_config, ckpt.config.get("eos_token_id"))
     ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
     p = memory_plan(ckpt, be, memory_budget, cache_size, cache_experts)
@@ -151,11 +156,13 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
         cache.prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch,
                                       prior=rates, confidence=prefetch_confidence)
+    if trace_out is not None and ckpt.group is not None and ckpt.split == "tensor" and ckpt.group.rank():
+        trace_out = None  # every rank routes alike: rank 0's trace is the model's
     if trace_out is not None:
-        if ckpt.group is not None:  # this stage's part, merged into trace_out by distributed.finish_trace
+        if ckpt.group is not None and ckpt.split == "pipeline":  # this stage's part, merged by finish_trace
             cache.trace_target, trace_out = trace_out, f"{trace_out}.rank{ckpt.group.rank()}"
-        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model_name(ckpt.path), fingerprint=fp)
-    tokenizer = load_tokenizer(ckpt.path, tokenizer_config or {}, eos_token_ids=ckpt.config.get("eos_token_id"))
+        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model_name(ckpt.path),
+                                  fingerprint=fp)
     if prewarm:
         order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:
@@ -236,6 +243,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
             yield response
         if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
             cache.flush()
+        if group is not None:
+            distributed.barrier(group)
     finally:
         if cache is not None and cache.deferred:  # closed early: its arrays are this thread's
             mx.eval([a for _, side in cache.deferred for a in side])

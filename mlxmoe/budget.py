@@ -7,8 +7,11 @@ from dataclasses import dataclass
 
 from .errors import MlxmoeError
 
-UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
-         "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TIB": 1 << 40}
+# Binary units; each also all in lower case (12gb). Mixed cases (Mb: megabits) are refused.
+UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KiB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+         "MiB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GiB": 1 << 30, "T": 1 << 40, "TB": 1 << 40, "TiB": 1 << 40}
+UNITS.update({unit.lower(): n for unit, n in UNITS.items()})
+MAX_SIZE = 1 << 60  # an exabyte: anything larger is a typo
 
 # Share of the machine's memory used when no budget is given.
 DEFAULT_SHARE = 0.6
@@ -20,12 +23,19 @@ def parse_size(value, what="size"):
     """'12GB', '512MB', '1.5G', 1000 -> bytes (binary units: 1 GB = 2**30)."""
     if value is None:
         return None
+    if isinstance(value, bool):
+        raise MlxmoeError(f"cannot read {what} {value!r}: give bytes or a size such as 12GB")
     if isinstance(value, (int, float)):
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).upper() not in UNITS:
-        raise MlxmoeError(f"cannot read {what} {value!r}: use a number with an optional unit, e.g. 12GB or 512MB")
-    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        if not m or m.group(2) not in UNITS:
+            raise MlxmoeError(f"cannot read {what} {str(value)[:40]!r}: use a number with an optional unit, e.g. "
+                              "12GB or 512MB (units: B, K/KB/KiB, M/MB/MiB, G/GB/GiB, T/TB/TiB, all binary)")
+        n = float(m.group(1)) * UNITS[m.group(2)]
+    if not 0 <= n <= MAX_SIZE:  # also NaN
+        raise MlxmoeError(f"{what} {str(value)[:40]!r} is not a size between 0 and {MAX_SIZE >> 60} EB")
+    return int(n)
 
 
 def format_size(n):

@@ -1,7 +1,10 @@
 """The `mlxmoe` command: generate, chat, info, profile, trace, convert."""
 
+import contextlib
 import json
+import math
 import os
+import signal
 import sys
 
 import click
@@ -10,15 +13,83 @@ from .errors import MlxmoeError
 from .policies import DEFAULT_POLICY, ONLINE
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C (what was recorded is saved), but it also ends a chat."""
+
+
+class Size(click.ParamType):
+    """A memory size such as 12GB (budget.parse_size), checked when the option is read."""
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        from .budget import parse_size
+
+        try:
+            parse_size(value, "size")
+        except MlxmoeError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
+class Number(click.ParamType):
+    """A finite int or float between `low` and `high` (ends excluded where `open`)."""
+
+    def __init__(self, kind=float, low=None, high=None, low_open=False):
+        self.kind, self.low, self.high, self.low_open = kind, low, high, low_open
+        self.name = "integer" if kind is int else "number"
+
+    def convert(self, value, param, ctx):
+        try:
+            x = self.kind(value)
+        except (TypeError, ValueError, OverflowError):
+            self.fail(f"{str(value)[:40]!r} is not {'an integer' if self.kind is int else 'a number'}", param, ctx)
+        below = self.low is not None and (x <= self.low if self.low_open else x < self.low)
+        if (self.kind is float and not math.isfinite(x)) or below or (self.high is not None and x > self.high):
+            lo = "" if self.low is None else f"{'above' if self.low_open else 'at least'} {self.low}"
+            hi = "" if self.high is None else f"at most {self.high}"
+            what = "an integer" if self.kind is int else "a finite number"
+            self.fail(f"{str(value)[:40]} is not {what} {' and '.join(s for s in (lo, hi) if s)}", param, ctx)
+        return x
+
+
+def exclusive(**given):
+    """Refuse options that exclude each other when more than one is given."""
+    named = [name for name, value in given.items() if value is not None]
+    if len(named) > 1:
+        raise click.UsageError(f"{' and '.join('--' + n.replace('_', '-') for n in named)} exclude each other; "
+                               "give one")
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Ctrl-C and SIGTERM wait until the block is done (a save that must not be lost),
+    then act as they would have (main thread only: Python runs signal handlers there)."""
+    caught = []
+    old = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if caught:
+            handler = old[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)
+            else:
+                os.kill(os.getpid(), caught[0])
+
+
 def model_options(f):
     """Options shared by every command that loads a model."""
     options = [
         click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the "
                      "small demo model that ships with mlxmoe."),
-        click.option("--memory-budget", help="Memory for the whole model: resident weights + KV cache + expert "
-                     "cache, e.g. 12GB. Default: 60% of this machine's memory."),
-        click.option("--cache-size", help="Expert cache size in bytes (e.g. 2GB); overrides the budget's share."),
-        click.option("--cache-experts", type=int, help="Expert cache size as a number of experts (all layers)."),
+        click.option("--memory-budget", type=Size(), help="Memory for the whole model: resident weights + KV cache "
+                     "+ expert cache, e.g. 12GB. Default: 60% of this machine's memory."),
+        click.option("--cache-size", type=Size(), help="Expert cache size in bytes (e.g. 2GB); overrides the budget's "
+                     "share."),
+        click.option("--cache-experts", type=Number(int, 1), help="Expert cache size as a number of experts (all "
+                     "layers)."),
         click.option("--policy", type=click.Choice(ONLINE), help=f"Eviction policy (default: {DEFAULT_POLICY})."),
         click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available."),
         click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
@@ -29,8 +100,11 @@ def model_options(f):
         click.option("--trace-out", type=click.Path(dir_okay=False), help="Record the routing trace here."),
         click.option("--io", type=click.Choice(["auto", "mmap", "pread", "direct"]), default="auto", show_default=True,
                      help="How experts are read: mmap or pread (through the page cache), direct (around it)."),
-        click.option("--prefetch", type=click.IntRange(min=0), default=1, show_default=True,
+        click.option("--prefetch", type=Number(int, 0, 64), default=1, show_default=True,
                      help="Read predicted experts this many layer calls ahead in the background (0: off)."),
+        click.option("--split", type=click.Choice(["pipeline", "tensor"]), default="pipeline", show_default=True,
+                     help="Under mlx.launch: each rank runs a stage of layers (pipeline), or a slice of "
+                     "every layer (tensor, where mlx-lm can shard the model)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -39,11 +113,13 @@ def model_options(f):
 
 def sampling_options(f):
     options = [
-        click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+        click.option("--max-tokens", type=Number(int, 1, 1 << 31), default=256, show_default=True,
                      help="Tokens to generate."),
-        click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature (0: greedy)."),
-        click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus sampling mass."),
-        click.option("--seed", type=int, default=0, show_default=True, help="Random seed."),
+        click.option("--temp", type=Number(float, 0), default=0.0, show_default=True,
+                     help="Sampling temperature (0: greedy)."),
+        click.option("--top-p", type=Number(float, 0, 1, low_open=True), default=1.0, show_default=True,
+                     help="Nucleus sampling mass, in (0, 1]."),
+        click.option("--seed", type=Number(int, 0, (1 << 64) - 1), default=0, show_default=True, help="Random seed."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -53,6 +129,7 @@ def sampling_options(f):
 def _load(opts):
     from . import distributed, load
 
+    exclusive(cache_size=opts["cache_size"], cache_experts=opts["cache_experts"])
     group = distributed.init()  # None unless started as several ranks (mlx.launch)
     if group is not None and group.rank() != 0:  # rank 0 speaks for all
         sys.stdout = sys.stderr = open(os.devnull, "w")
@@ -61,7 +138,7 @@ def _load(opts):
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                 profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
-                io=opts["io"], prefetch=opts["prefetch"], group=group)
+                io=opts["io"], prefetch=opts["prefetch"], group=group, split=opts["split"])
 
 
 def first_cpu_run():
@@ -177,12 +254,15 @@ def main():
 def _finish(model, save_profile, workload=None):
     """Close the cache (ending a trace) and save the live profile, atomically."""
     cache = model.expert_cache
-    cache.close()
-    live = _gather(model)
-    if save_profile and _main_rank(model):
-        if workload or not live.workload:  # unnamed: after its file
-            live.workload = workload or os.path.splitext(os.path.basename(save_profile))[0]
-        live.save(save_profile)
+    with signals_deferred():
+        cache.close()
+        live = _gather(model)
+        save = save_profile and _main_rank(model)
+        if save:
+            if workload or not live.workload:  # unnamed: after its file
+                live.workload = workload or os.path.splitext(os.path.basename(save_profile))[0]
+            live.save(save_profile)
+    if save:
         click.echo(f"saved profile {save_profile} ({live.tokens_total} tokens)", err=True)
 
 
@@ -200,7 +280,7 @@ save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=Fa
 def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, top_p, seed, **opts):
     """Generate text from a prompt, streaming it to standard output."""
     from .api import stream_generate
-    from .profile import check_writable, write_atomic
+    from .files import check_writable, write_atomic
 
     for path in (stats_json, save_profile):
         if path:
@@ -249,7 +329,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     from mlx_lm.sample_utils import make_logits_processors
 
     from .api import stream_generate
-    from .profile import check_writable
+    from .files import check_writable
 
     if save_profile:
         check_writable(save_profile)
@@ -266,7 +346,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
         while True:
             try:
                 query = input(">> ")
-            except (EOFError, KeyboardInterrupt):
+            except (EOFError, KeyboardInterrupt):  # SIGTERM too
                 click.echo()
                 break
             command = query.strip()
@@ -299,6 +379,8 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
                                                 logits_processors=penalty, prompt_cache=prompt_cache):
                     click.echo(response.text, nl=False)
+            except Terminated:
+                raise
             except KeyboardInterrupt:
                 click.echo("\n[interrupted]")
                 prompt_cache, first = make_prompt_cache(model), True
@@ -314,7 +396,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
 
 @main.command()
 @click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the demo model.")
-@click.option("--memory-budget", help="Show what this budget buys, e.g. 12GB.")
+@click.option("--memory-budget", type=Size(), help="Show what this budget buys, e.g. 12GB.")
 @click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def info(model_path, memory_budget, backend, as_json):
@@ -374,11 +456,12 @@ def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=
         prompts = read_prompts(chats or prompts_file, tokenizer, chats=bool(chats), chat_template=chat_template)
         if on_load is not None:
             on_load(model)
-        with click.progressbar(length=len(prompts), label=f"{what} {len(prompts)} prompt{'s' if len(prompts) != 1 else ''}", file=sys.stderr) as bar:
-            try:
+        try:  # (the bar too: an interrupt while it draws stops the run like any other)
+            with click.progressbar(length=len(prompts), file=sys.stderr,
+                                   label=f"{what} {len(prompts)} prompt{'s' if len(prompts) != 1 else ''}") as bar:
                 run_prompts(model, tokenizer, prompts, max_tokens, on_prompt=lambda i, text: bar.update(1))
-            except KeyboardInterrupt:
-                interrupted = True
+        except KeyboardInterrupt:
+            interrupted = True
     except BaseException:
         cache.abort()
         raise
@@ -395,7 +478,7 @@ def prompt_source(f):
                      help="JSONL, one conversation per line ({\"messages\": [{\"role\", \"content\"}, ...]})."),
         click.option("--chat-template/--no-chat-template", default=False,
                      help="Wrap each line of --prompts in the chat template."),
-        click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+        click.option("--max-tokens", type=Number(int, 1, 1 << 31), default=64, show_default=True,
                      help="Tokens generated per prompt."),
     ]
     for option in reversed(options):
@@ -413,20 +496,21 @@ def profile():
 @prompt_source
 @click.option("--workload", "-w", required=True, help='Name of the workload, e.g. "Italian chat".')
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
-@click.option("--half-life", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--half-life", type=Number(float, 0, low_open=True), default=None,
               help="Decay half-life in tokens (default 4096).")
 def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out, half_life, **opts):
     """Run a workload's prompts through the model and save which experts it used, with
     a predicted hit-rate-vs-cache-size curve. Ctrl-C saves what was recorded so far.
     With --profile, that profile is the policy's prior and pre-warms the cache; the file
     written holds only what this run recorded."""
-    import tempfile
-
-    from .profile import ActivationProfile, check_writable, predicted_curve
+    from .curves import predicted_curve
+    from .files import check_writable
+    from .profile import ActivationProfile
     from .trace import read_trace
 
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
+    exclusive(prompts=prompts_file, chats=chats)
     check_writable(out)
 
     def fresh_profile(model):  # the live profile starts empty (not from --profile's counts)
@@ -438,25 +522,34 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
         with cache.lock:
             cache.profile = new
 
-    keep_trace = opts["trace_out"]
-    with tempfile.TemporaryDirectory() as tmp:
-        opts["trace_out"] = keep_trace or os.path.join(tmp, "record.trace.jsonl")
+    # without --trace-out, the trace the curve is computed from is a partial file of OUT's
+    # (files.py naming): removed at the end, or by the next run if this one is killed
+    scratch = None if opts["trace_out"] else f"{out}.{os.getpid()}-trace.tmp"
+    opts["trace_out"] = opts["trace_out"] or scratch
+    try:
         model, interrupted = _record(opts, prompts_file, chats, chat_template, max_tokens, "recording",
                                      on_load=fresh_profile)
         cache = model.expert_cache
-        cache.close()
-        live = _gather(model)
-        if not _main_rank(model):  # rank 0 writes the whole model's profile
-            return
-        live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
-        if live.tokens_total:
-            try:
+        live = cache.profile
+        try:
+            with signals_deferred():  # Ctrl-C from here on keeps what was recorded
+                cache.close()
+                live = _gather(model)
+                if not _main_rank(model):  # rank 0 writes the whole model's profile
+                    return
+                live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
+            if live.tokens_total:
                 click.echo("predicting the hit rate at each cache size...", err=True)
-                live.curve = predicted_curve(*read_trace(opts["trace_out"]))
-                live.save(out)
-            except KeyboardInterrupt:
-                interrupted = True
-                click.echo("interrupted: saved without the hit-rate curve", err=True)
+                curve = predicted_curve(*read_trace(opts["trace_out"]))
+                with signals_deferred():
+                    live.curve = curve
+                    live.save(out)
+        except KeyboardInterrupt:
+            interrupted = True
+            click.echo("interrupted: saved without the hit-rate curve", err=True)
+    finally:
+        if scratch is not None and os.path.exists(scratch):
+            os.unlink(scratch)
     click.echo(f"saved {out}: {live.tokens_total} tokens of {workload!r}" + (" (interrupted)" if interrupted else ""),
                err=True)
 
@@ -465,7 +558,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
 @click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
 @click.option("--workload", "-w", help="Name of the workload (default: the first trace's file name).")
-@click.option("--half-life", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--half-life", type=Number(float, 0, low_open=True), default=None,
               help="Decay half-life in tokens (default 4096).")
 @click.option("--curve/--no-curve", default=True, show_default=True,
               help="Predict the hit rate at each cache size by replaying the traces.")
@@ -478,7 +571,9 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     recorded by mlxmoe carries its model's fingerprint; an imported one only its shape
     (fingerprint shape-LxE), so its profile loads on a real model with --force, where the
     layer and expert counts agree, or without once built with --model naming it."""
-    from .profile import DEFAULT_HALF_LIFE, check_writable, predicted_curve
+    from .curves import predicted_curve
+    from .files import check_writable
+    from .profile import DEFAULT_HALF_LIFE
     from .trace import build_profile, read_trace
 
     check_writable(out)
@@ -510,15 +605,17 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
 
 @profile.command("show")
 @click.argument("file", type=click.Path(dir_okay=False))
-@click.option("--top", type=click.IntRange(min=0), default=5, show_default=True,
+@click.option("--top", type=Number(int, 0, 1 << 31), default=5, show_default=True,
               help="Hot experts listed per layer.")
 @click.option("--png", type=click.Path(dir_okay=False), help="Write a layers x experts heatmap PNG.")
-@click.option("--budget", help="Also show what this memory budget buys (e.g. 16GB).")
+@click.option("--budget", type=Size(), help="Also show what this memory budget buys (e.g. 16GB).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def profile_show(file, top, png, budget, as_json):
     """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
     from .budget import format_size, parse_size
-    from .profile import ActivationProfile, curve_at, write_heatmap_png
+    from .curves import curve_at
+    from .heatmap import write_heatmap_png
+    from .profile import ActivationProfile
 
     p = ActivationProfile.load(file)
     share = p.hot_share(0.25)
@@ -570,13 +667,17 @@ def profile_show(file, top, png, budget, as_json):
 @click.option("--workload", "-w", help="Name of the merged workload.")
 def profile_merge(files, out, weights, workload):
     """Merge profiles (weighted) into one."""
-    from .profile import ActivationProfile, check_writable
+    from .files import check_writable
+    from .profile import ActivationProfile
 
     check_writable(out)
     try:
         w = [float(x) for x in weights.split(",")] if weights else None
     except ValueError:
-        raise MlxmoeError(f"--weights {weights!r}: give numbers separated by commas") from None
+        raise click.BadParameter("give numbers separated by commas", param_hint="--weights") from None
+    if w is not None and (len(w) != len(files) or not all(math.isfinite(x) and x >= 0 for x in w) or not any(w)):
+        raise click.BadParameter(f"{weights[:80]!r}: give one finite, non-negative number per profile (not all 0)",
+                                 param_hint="--weights")
     merged = ActivationProfile.merge([ActivationProfile.load(f) for f in files], w, workload)
     merged.save(out)
     click.echo(f"saved {out}: {merged.workload!r}", err=True)
@@ -585,7 +686,7 @@ def profile_merge(files, out, weights, workload):
 @profile.command("diff")
 @click.argument("a", type=click.Path(dir_okay=False))
 @click.argument("b", type=click.Path(dir_okay=False))
-@click.option("--top", type=click.IntRange(min=0), default=5, show_default=True, help="Experts listed per layer.")
+@click.option("--top", type=Number(int, 0, 1 << 31), default=5, show_default=True, help="Experts listed per layer.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def profile_diff(a, b, top, as_json):
     """Which experts two workloads disagree on, per layer (with the Jensen-Shannon
@@ -618,6 +719,7 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
     """Run prompts through the model and write the routing of every token and layer."""
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
+    exclusive(prompts=prompts_file, chats=chats)
     if opts["trace_out"]:
         raise click.UsageError("trace record writes its trace to --out; --trace-out is for the other commands")
     opts["trace_out"] = out
@@ -630,7 +732,7 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
 @trace.command("replay")
 @click.argument("trace_file", type=click.Path(dir_okay=False))
 @click.option("--policy", default="all", show_default=True, type=click.Choice(ONLINE + ["belady", "all"]))
-@click.option("--cache-experts", type=int, required=True, help="Cache size in experts (all layers).")
+@click.option("--cache-experts", type=Number(int, 1), required=True, help="Cache size in experts (all layers).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per policy.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="Start as a model loaded with this profile does: the policy's prior and pins, the cache "
@@ -662,11 +764,11 @@ def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Trace file to write (JSONL).")
 @click.option("--only", help="Keep only these sequences, comma-separated: problem ids (specmoe), turns "
               "(bigmoeonedge), request ids (vllm, sglang).")
-@click.option("--num-layers", type=click.IntRange(min=1), help="MoE layers (sglang: the layers of its array, "
+@click.option("--num-layers", type=Number(int, 1, 1 << 16), help="MoE layers (sglang: the layers of its array, "
               "dense ones included). Default: what the file says, else the largest layer + 1.")
-@click.option("--num-experts", type=click.IntRange(min=1), help="Experts per layer. Default: what the file says, "
+@click.option("--num-experts", type=Number(int, 1, 1 << 16), help="Experts per layer. Default: what the file says, "
               "else the largest id + 1.")
-@click.option("--top-k", type=click.IntRange(min=1), help="Experts per token (sglang, when the response lacks "
+@click.option("--top-k", type=Number(int, 1, 1 << 16), help="Experts per token (sglang, when the response lacks "
               "its token counts).")
 @click.option("--model-name", help="Model name for the trace header. Default: what the file says.")
 def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name):
@@ -690,7 +792,7 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
     (all its tokens but the last in one call per layer, then the last; lines marked "ph":
     "prefill"), then each generated token through every layer; gating weights are kept as
     the lines' "p"."""
-    from .profile import check_writable
+    from .files import check_writable
     from .trace import import_trace
 
     check_writable(out)
@@ -763,10 +865,18 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
         model.expert_cache.close()
 
 
-def run():
-    """Entry point: bad input prints one clear line, not a traceback."""
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def run(args=None):
+    """Entry point: bad input prints one clear line, not a traceback; SIGTERM is handled
+    like Ctrl-C (what was recorded is saved, temp files removed), and either exits 130."""
+    signal.signal(signal.SIGTERM, _terminate)
     try:
-        main(standalone_mode=False)
+        with signals_deferred():  # Ctrl-C while MLX's extension initialises would abort the process
+            from . import api  # noqa: F401
+        main(args, standalone_mode=False)
     except MlxmoeError as e:
         rank = os.environ.get("MLX_RANK", "0")  # under mlx.launch every rank says it, rank 0 first
         if rank == "0":
@@ -774,8 +884,12 @@ def run():
         else:  # its stderr is silenced (see _load)
             click.echo(f"[rank {rank}] error: {e}", file=sys.__stderr__)
         sys.exit(2)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("interrupted", err=True)
         sys.exit(130)
+    except click.UsageError as e:  # one line, as for bad input (-h shows the usage)
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

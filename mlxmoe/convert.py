@@ -3,20 +3,21 @@
 The bundled layout (`mlxmoe.bundle/1`, described in store.py) keeps every non-expert
 tensor as it is in one ordinary safetensors shard and writes one shard per MoE layer
 holding that layer's experts; config.json, the tokenizer and the other small files are
-copied. The folder is written under a temporary name next to DST and renamed at the end,
-so an error or Ctrl-C leaves no DST.
+copied. The folder is written under a temporary name next to DST (files.py) and renamed
+at the end, so an error, Ctrl-C or SIGTERM leaves no DST, and a later run removes what a
+SIGKILL left.
 """
 
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from .errors import MlxmoeError, umask
+from .errors import MlxmoeError
+from .files import temp_folder_beside
 from .store import ALIGN, BUNDLE_FORMAT, DTYPES, align_up, tensor_bytes
 
 COPY_CHUNK = 16 << 20
@@ -59,17 +60,14 @@ def bundle(src, dst, progress=print):
     dst = Path(dst)
     if dst.exists():
         raise MlxmoeError(f"{dst} already exists; pass a new folder")
+    if not dst.parent.is_dir():
+        raise MlxmoeError(f"cannot write {dst}: folder {dst.parent} does not exist")
     ckpt = open_checkpoint(src)
     store = ckpt.store
     try:
         if store.bundled:
             raise MlxmoeError(f"{ckpt.path} is already bundled ({BUNDLE_FORMAT})")
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.partial-"))
-            os.chmod(tmp, 0o777 & ~umask())  # mkdtemp's 0700 would stay on DST
-        except OSError as e:
-            raise MlxmoeError(f"cannot write {dst}: {e.strerror or e}") from None
+        tmp = temp_folder_beside(dst)
     except BaseException:
         store.close()
         raise

@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import MlxmoeError
-from .profile import ActivationProfile, write_atomic
+from .files import write_atomic
+from .profile import ActivationProfile
 
 # Seconds a rank waits for its peers to join (start-up) or to finish loading; 0: forever.
 TIMEOUT_ENV = "MLXMOE_DIST_TIMEOUT"
@@ -66,6 +67,30 @@ def init(backend="any"):
     return group if group.size() > 1 else None
 
 
+def free_port_base(count):
+    """A port p with p .. p+count-1 free on 127.0.0.1: `mlx.launch -p p` for `count` local ranks
+    (the ring backend listens on one port per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count >= 65536:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise MlxmoeError("no free ports on 127.0.0.1")
+
+
 def _all_gather(group, array):
     return mx.distributed.all_gather(array, group=group, stream=mx.cpu)
 
@@ -85,6 +110,8 @@ def check(group, error=None, bound=True):
     if any did, every rank raises MlxmoeError naming the first failing rank and its error.
     Rank 0 raises first: the others wait a moment, so that a launcher that stops all ranks
     once one exits has rank 0's report."""
+    if error is not None and not isinstance(error, (MlxmoeError, str)):  # a bug, not bad input: say what it was
+        error = f"{type(error).__name__}: {error}"
     mine = None if error is None else {"host": socket.gethostname(), "error": str(error)}
     errors = bounded("waiting for the other ranks", lambda: exchange(group, mine)) if bound else exchange(group, mine)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
@@ -94,6 +121,12 @@ def check(group, error=None, bound=True):
     if group.rank() != 0:
         time.sleep(1.0)
     raise MlxmoeError(f"rank {r} ({e['host']}) failed: {e['error']}")
+
+
+def barrier(group):
+    """Wait until every rank has finished what it queued (mlx-lm queues the step after the
+    last token: a rank that exits before its peers ran it leaves them a lost connection)."""
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
 
 
 def failed_any(group, error):
@@ -107,17 +140,22 @@ SUMMED = ("tokens", "hits", "misses", "bytes_read", "loads_demand", "loads_prefe
           "cache_bytes", "peak_memory", "peak_rss")
 
 
-def gather_stats(group, stats):
+def gather_stats(group, stats, pipeline=True):
     """{"ranks": [each rank's stats], "total": the sums} on every rank. Every rank sees
     every token, so `tokens` and `decode_tps` are the same on each: the total keeps rank 0's;
-    hit_rate is recomputed from the summed hits and misses."""
+    hit_rate is recomputed from the summed hits and misses. Under the tensor split each
+    rank caches a slice of the same experts: the expert counts are rank 0's."""
     ranks = exchange(group, stats)
     total = {k: sum(s[k] for s in ranks) for k in SUMMED}
     total["tokens"] = ranks[0]["tokens"]
     total["decode_tps"] = ranks[0]["decode_tps"]
+    total["policy"] = ranks[0]["policy"]
+    if not pipeline:
+        total["cache_experts"] = ranks[0]["cache_experts"]
     accesses = total["hits"] + total["misses"]
     total["hit_rate"] = total["hits"] / accesses if accesses else 0.0
-    total["resident_per_layer"] = [n for s in ranks[::-1] for n in s["resident_per_layer"]]
+    total["resident_per_layer"] = ([n for s in ranks[::-1] for n in s["resident_per_layer"]] if pipeline
+                                   else ranks[0]["resident_per_layer"])
     total["ranks"] = len(ranks)
     return {"ranks": ranks, "total": total}
 
@@ -201,4 +239,4 @@ def cluster_stats(model):
     stats = cache.stats()
     if getattr(cache, "group", None) is None:
         return {"ranks": [stats], "total": stats}
-    return gather_stats(cache.group, stats)
+    return gather_stats(cache.group, stats, cache.checkpoint.split == "pipeline")

@@ -16,10 +16,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-from mlx_lm.utils import _get_classes, load_config, load_model
+from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .budget import text_config
 from .errors import MlxmoeError
+from .files import read_bytes
 from .experts import StreamingExperts, find_router
 from .store import PER_EXPERT, ExpertStore
 
@@ -29,6 +30,7 @@ MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": m
 
 # The small MoE model trained by bench/train_demo.py that ships inside the package.
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
+MAX_JSON_BYTES = 1 << 30  # config.json, tokenizer.json: the largest real ones are ~30 MB
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)
 LINEARS = ("gate_proj", "up_proj", "down_proj", "fc1", "fc2")
@@ -49,7 +51,8 @@ class Checkpoint:
     layer_offset: int = 0  # under a pipeline split: the whole model's index of this stage's first MoE layer
     total_layers: int = 0  # the whole model's MoE layers (this stage's alone when 0)
     group: object = None  # the mx.distributed group of a pipeline split, else None
-    stage_share: float = 1.0  # the share of the model's decoder layers this stage runs
+    stage_share: float = 1.0  # the share of the model's KV cache this rank keeps
+    split: str = "pipeline"  # under a group: "pipeline" (a stage of layers) or "tensor" (a slice of each)
 
     @property
     def all_layers(self):
@@ -86,19 +89,100 @@ def resolve(path_or_repo, revision=None):
     raise MlxmoeError(f"model folder not found: {path}")
 
 
+# config.json's sizes and counts: a positive integer at most this where present (the
+# largest real models use about a tenth; more is a typo, and building the model would hang)
+INT_FIELDS = {"num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12,
+              "head_dim": 1 << 14, "hidden_size": 1 << 18, "intermediate_size": 1 << 20,
+              "moe_intermediate_size": 1 << 20, "num_experts": 1 << 16, "n_routed_experts": 1 << 16,
+              "num_local_experts": 1 << 16, "num_experts_per_tok": 1 << 16, "moe_top_k": 1 << 16,
+              "num_experts_per_token": 1 << 16, "top_k": 1 << 16, "vocab_size": 1 << 24, "kv_lora_rank": 1 << 16,
+              "qk_rope_head_dim": 1 << 14}
+# The tokenizer's JSON files: each, where present, a readable JSON object
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                  "generation_config.json", "vocab.json")
+# One of these holds the vocabulary
+TOKENIZER_VOCAB = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "vocab.txt")
+
+
+def read_json_object(path, what):
+    """The JSON object in the regular file `path`, or an MlxmoeError naming it."""
+    data = read_bytes(path, what, MAX_JSON_BYTES)
+    try:
+        value = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise MlxmoeError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(value, dict):
+        raise MlxmoeError(f"{path}: not a JSON object")
+    return value
+
+
 def read_config(path):
+    read_json_object(path / "config.json", "config")
     try:
         config = load_config(path)
-    except json.JSONDecodeError as e:
-        raise MlxmoeError(f"{path / 'config.json'}: not valid JSON ({e})") from None
-    if "model_type" not in config:
+    except (json.JSONDecodeError, OSError) as e:  # changed since the check above
+        raise MlxmoeError(f"{path / 'config.json'}: cannot read it ({e})") from None
+    if "model_type" not in config or not isinstance(config["model_type"], str):
         raise MlxmoeError(f"{path / 'config.json'}: no model_type")
+    for cfg in (config, config.get("text_config")):
+        for key, most in INT_FIELDS.items():
+            v = cfg.get(key) if isinstance(cfg, dict) else None
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most):
+                raise MlxmoeError(f"{path / 'config.json'}: {key} must be an integer from 1 to {most}, "
+                                  f"not {str(v)[:40]!r}")
+    for key in ("quantization", "quantization_config"):  # (MLX's; not another library's, with its quant_method)
+        if not (isinstance(config.get(key), dict) and "quant_method" in config[key]):
+            _check_quantization(path, key, config.get(key))
+    q = config.get("quantization")
+    group = q.get("group_size") if isinstance(q, dict) and isinstance(q.get("group_size"), int) else 0
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size"):  # a layer narrower than a group:
+        if isinstance(config.get(key), int) and config[key] < group:  # built quantized, MLX dies (SIGFPE)
+            raise MlxmoeError(f"{path / 'config.json'}: {key} {config[key]} is below the quantization group size "
+                              f"{group}")
     try:
         _get_classes(config)
     except ValueError:
         raise MlxmoeError(
             f"{path / 'config.json'}: model_type {config['model_type']!r} is not an architecture mlx-lm knows") from None
+    except Exception as e:  # a field mlx-lm reads to pick the class (architectures) of the wrong type
+        raise MlxmoeError(f"{path / 'config.json'}: mlx-lm cannot read it ({type(e).__name__}: {e})") from None
     return config
+
+
+def _check_quantization(path, key, q):
+    """A quantization block: its group_size and bits (and each per-layer override's)
+    positive integers in range; MLX divides by them (a group size of 0 kills the process)."""
+    if q is None:
+        return
+    if not isinstance(q, dict):
+        raise MlxmoeError(f"{path / 'config.json'}: {key} must be an object, not {str(q)[:40]!r}")
+    for where, block in [(key, q)] + [(f"{key}.{k}", v) for k, v in q.items() if isinstance(v, dict)]:
+        for field, most in (("group_size", 4096), ("bits", 16)):
+            v = block.get(field)
+            if (v is not None or block is q) and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most):
+                raise MlxmoeError(f"{path / 'config.json'}: {where}.{field} must be an integer from 1 to {most}, "
+                                  f"not {str(v)[:40]!r}")
+
+
+def check_tokenizer_files(path):
+    """Refuse a checkpoint whose tokenizer cannot load, naming the file: no vocabulary,
+    or a tokenizer JSON file that is not a readable JSON object."""
+    if not any((path / name).exists() for name in TOKENIZER_VOCAB):
+        raise MlxmoeError(f"{path}: no tokenizer (none of {', '.join(TOKENIZER_VOCAB)})")
+    for name in TOKENIZER_JSON:
+        if (path / name).exists() or (path / name).is_symlink():
+            read_json_object(path / name, "tokenizer file")
+
+
+def read_tokenizer(path, tokenizer_config=None, eos_token_ids=None):
+    """mlx-lm's tokenizer of checkpoint `path`, or an MlxmoeError naming what is wrong."""
+    check_tokenizer_files(path)
+    try:
+        return load_tokenizer(path, tokenizer_config or {}, eos_token_ids=eos_token_ids)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # transformers and tokenizers raise many types (a Rust panic is a BaseException)
+        raise MlxmoeError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _layer_order(path):
@@ -147,16 +231,18 @@ def _bundled_classes(store):
     return classes
 
 
-def open_checkpoint(path_or_repo, model_config=None, revision=None, trust_remote_code=False, group=None):
+def open_checkpoint(path_or_repo, model_config=None, revision=None, trust_remote_code=False, group=None,
+                    split="pipeline"):
     """Read config, index the shards, build the model lazily and map every expert to its
     bytes. `model_config` overrides config.json's fields, as in mlx_lm.load. With a
     `group` of several ranks, mlx-lm splits the model into pipeline stages and only this
-    rank's stage is built and mapped."""
+    rank's stage is built and mapped; with split="tensor", mlx-lm's `model.shard(group)`
+    shards every layer in place and this rank maps its slice of every expert."""
     path = resolve(path_or_repo, revision)
     read_config(path)  # a clear error for a missing or unknown config.json
     store = ExpertStore(path)
     try:
-        return _open(path, store, model_config, trust_remote_code, group)
+        return _open(path, store, model_config, trust_remote_code, group, split)
     except BaseException:
         store.close()
         raise
@@ -176,7 +262,10 @@ def _pipeline(path, config, model, switches, group):
         raise MlxmoeError(f"{path}: mlx-lm cannot split model_type {config['model_type']!r} into pipeline stages "
                           "(its model has no pipeline()); run it as one process")
     decoder_layers = len(model.model.layers)
-    model.model.pipeline(group)
+    try:
+        model.model.pipeline(group)
+    except ValueError as e:  # e.g. more ranks than layers
+        raise MlxmoeError(f"{path}: mlx-lm cannot split {decoder_layers} layers over {group.size()} ranks ({e})") from None
     start, end = model.model.start_idx, model.model.end_idx
     local = [i for i, (p, _) in enumerate(switches) if start <= (_stage_layer(p) or 0) < end]
     if not local:
@@ -185,16 +274,43 @@ def _pipeline(path, config, model, switches, group):
     return switches[local[0]:local[-1] + 1], local[0], (end - start) / decoder_layers
 
 
-def _open(path, store, model_config=None, trust_remote_code=False, group=None):
+def _shard(path, config, model, store, group):
+    """Shard `model` with mlx-lm's own `model.shard(group)` (attention heads, dense MLPs,
+    experts in place); return the share of the KV cache a rank keeps."""
+    if not hasattr(model, "shard"):
+        raise MlxmoeError(f"{path}: mlx-lm cannot shard model_type {config['model_type']!r} over ranks (its model "
+                          "has no shard()); use the pipeline split")
+    if store.bundled or any(PER_EXPERT.search(n) for n in store.index):
+        raise MlxmoeError(f"{path}: the tensor split reads slices of stacked experts; this checkpoint's layout "
+                          "is not stacked (repack it with `mlx_lm.convert`)")
+    try:
+        model.shard(group)
+    except ValueError as e:  # heads or widths that do not divide by the ranks
+        raise MlxmoeError(f"{path}: mlx-lm cannot shard this model over {group.size()} ranks ({e})") from None
+    return 1.0 / group.size()
+
+
+def _shard_axis(info, shape, group):
+    """The axis of one expert's tensor that model.shard split (None: not split), checked."""
+    if info.shape == tuple(shape):
+        return None
+    differ = [a for a, (full, part) in enumerate(zip(info.shape, shape)) if full != part]
+    if group is None or len(info.shape) != len(shape) or len(differ) != 1 \
+            or shape[differ[0]] * group.size() != info.shape[differ[0]] or differ[0] == 0:
+        raise MlxmoeError(f"{info.file}: {info.name} has shape {list(info.shape)}, config.json implies {list(shape)}")
+    return differ[0] - 1, group.size(), group.rank()
+
+
+def _open(path, store, model_config=None, trust_remote_code=False, group=None, split="pipeline"):
     classes = _bundled_classes(store) if store.bundled else _get_classes
     try:
         model, config = load_model(path, lazy=True, strict=True, model_config=model_config,
                                    get_model_classes=classes, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise MlxmoeError(f"{path}: the weights do not match config.json: {e}") from None
-    except (TypeError, KeyError) as e:  # a config.json field the model class needs, or a tensor it misses
+    except Exception as e:  # mlx-lm's model classes take config.json's fields as they come: any error there
         raise MlxmoeError(f"{path}: mlx-lm cannot build this model from config.json and its weights "
-                          f"({type(e).__name__}: {e})") from None
+                          f"({type(e).__name__}: {str(e)[:200]})") from None
     if store.bundled:
         model.__class__ = model.__class__.__mro__[1]  # mlx-lm's own class again
     switches = sorted(
@@ -202,7 +318,9 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None):
     if not switches:
         raise MlxmoeError(f"{path}: model_type {config['model_type']!r} has no SwitchGLU/SwitchMLP experts to stream")
     total, offset, share = len(switches), 0, 1.0
-    if group is not None:
+    if group is not None and split == "tensor":
+        share = _shard(path, config, model, store, group)
+    elif group is not None:
         switches, offset, share = _pipeline(path, config, model, switches, group)
     per_expert = _per_expert_sources(model, store)
     layers = []
@@ -217,11 +335,8 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None):
                     continue
                 full, E = f"{mpath}.{lin}.{p}", v.shape[0]
                 if full in store.index:
-                    info = store.index[full]
-                    if info.shape != tuple(v.shape):
-                        raise MlxmoeError(f"{info.file}: {full} has shape {list(info.shape)}, "
-                                          f"config.json implies {list(v.shape)}")
-                    tensors[f"{lin}.{p}"] = [(full, e) for e in range(E)]
+                    shard = _shard_axis(store.index[full], v.shape, group if split == "tensor" else None)
+                    tensors[f"{lin}.{p}"] = [(full, e, shard) for e in range(E)]
                 elif full in per_expert and len(per_expert[full]) == E:
                     tensors[f"{lin}.{p}"] = [(n, None) for n in per_expert[full]]
                 else:
@@ -234,7 +349,7 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None):
     store.map_layers(layers)
 
     ckpt = Checkpoint(path, config, model, store, module_paths=[p for p, _ in switches], layer_offset=offset,
-                      total_layers=total, group=group, stage_share=share)
+                      total_layers=total, group=group, stage_share=share, split=split)
     swaps = []
     for layer, (mpath, module) in enumerate(switches):
         # Drop the lazy expert arrays: nothing will ever evaluate (read) them.

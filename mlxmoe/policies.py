@@ -661,7 +661,111 @@ class Activation(Policy):
                 + self.router_weight * self.M[key] * slow + self.prior_weight * self.prior[key])
 
 
-POLICIES = {p.name: p for p in (LRU, LFU, SLRU, S3FIFO, Activation, Belady)}
+class LayerSplit(Policy):
+    """The peers' per-layer cache (llama.cpp forks, SharpInference): the slots split evenly
+    across layers, each layer evicting its own keys by `rank` (the lowest goes first). A
+    layer under its share takes a slot from the layer furthest over its own. Subclasses
+    define rank(key); recency is kept per key as a tiebreak."""
+
+    def __init__(self, capacity, num_layers, num_experts, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        base, extra = divmod(capacity, num_layers)
+        self.share = [base + (layer < extra) for layer in range(num_layers)]
+        self.resident = [set() for _ in range(num_layers)]
+        self.current = 0  # the layer whose call is being served
+        self.clock = 0
+        self.last_use = {}
+
+    def visit(self, layer, experts, scores=None, probs=None):
+        self.current = layer
+
+    def access(self, key, hit, score=None):
+        self.clock += 1
+        self.last_use[key] = self.clock
+
+    def insert(self, key):
+        self.resident[key[0]].add(key)
+        self.last_use.setdefault(key, self.clock)
+
+    def remove(self, key):
+        self.resident[key[0]].discard(key)
+
+    def victim(self, protected):
+        over = sorted(range(self.num_layers), key=lambda l: self.share[l] - len(self.resident[l]))  # most over first
+        cur = self.current
+        if len(self.resident[cur]) >= self.share[cur]:  # at its share: the layer pays for itself
+            over.remove(cur)
+            over.insert(0, cur)
+        for layer in over:
+            keys = [k for k in self.resident[layer] if k not in protected]
+            if keys:
+                return min(keys, key=lambda k: (self.rank(k), self.last_use[k]))
+        raise _none_left()
+
+
+class LayerLRU(LayerSplit):
+    """Per-layer LRU on an even split of the slots."""
+
+    name = "layer-lru"
+
+    def rank(self, key):
+        return self.last_use[key]
+
+
+class LayerLFU(LayerSplit):
+    """Per-layer LFU on an even split of the slots: counts of every use so far (no decay),
+    ties to the least recent."""
+
+    name = "layer-lfu"
+
+    def __init__(self, capacity, num_layers, num_experts, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        self.count = {}
+
+    def access(self, key, hit, score=None):
+        super().access(key, hit, score)
+        self.count[key] = self.count.get(key, 0) + 1
+
+    def rank(self, key):
+        return self.count.get(key, 0)
+
+
+class LFUDA(LayerSplit):
+    """LFU with dynamic aging (bigrig's default), per layer on an even split of the slots,
+    as bigrig measures it: a key's priority is its uses while resident plus its layer's age
+    at its last use, the age being the priority of the layer's last victim, so keys that
+    were popular long ago age out. (Over one global cache the age rises with every miss of
+    every layer, and a layer's keys age out before it runs again: 5 % hits on Mixtral.)"""
+
+    name = "lfuda"
+
+    def __init__(self, capacity, num_layers, num_experts, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        self.count = {}
+        self.priority = {}
+        self.age = [0.0] * num_layers
+
+    def access(self, key, hit, score=None):
+        super().access(key, hit, score)
+        self.count[key] = self.count.get(key, 0) + 1
+        if hit:
+            self.priority[key] = self.count[key] + self.age[key[0]]
+
+    def insert(self, key):  # after its victim set the age
+        super().insert(key)
+        self.count.setdefault(key, 0)  # (a pre-warmed or prefetched key, not yet used)
+        self.priority[key] = self.count[key] + self.age[key[0]]
+
+    def remove(self, key):
+        super().remove(key)
+        self.age[key[0]] = self.priority.pop(key)
+        del self.count[key]
+
+    def rank(self, key):
+        return self.priority[key]
+
+
+POLICIES = {p.name: p for p in (LRU, LFU, SLRU, S3FIFO, LayerLRU, LayerLFU, LFUDA, Activation, Belady)}
 DEFAULT_POLICY = "activation"
 ONLINE = [name for name, p in POLICIES.items() if not p.offline]
 

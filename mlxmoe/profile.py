@@ -4,25 +4,25 @@ Per (layer, expert): activation counts and router probability mass, both decayed
 half-life in tokens (so a profile follows a workload that changes), the decayed number
 of tokens they came from, and the model's fingerprint. Rates (counts / tokens) are what
 policies take as their prior. A profile can carry a predicted hit-rate-vs-cache-size
-curve computed from the access sequence it was recorded from.
+curve computed from the access sequence it was recorded from (curves.py).
 """
 
 import hashlib
 import json
 import math
-import os
-import struct
-import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 
-from .errors import MlxmoeError, umask
+from .errors import MlxmoeError
+from .files import read_bytes, write_atomic
 
 FORMAT = "mlxmoe.profile/1"
 DEFAULT_HALF_LIFE = 4096  # tokens: a profile remembers a long session, and still adapts
+MAX_CELLS = 1 << 22  # layers x experts a profile may claim (the largest MoE models have ~50 000)
+MAX_INT = 1 << 62  # token counts, bytes: anything above is not a real value (and overflows numpy)
+MAX_FILE_BYTES = 256 << 20  # a profile of MAX_CELLS experts with both matrices fits in ~100 MB
 
 
 def fingerprint(config, tensors, shapes, num_layers, num_experts):
@@ -164,7 +164,8 @@ class ActivationProfile:
                 raise MlxmoeError(f"cannot merge profiles of different models: {first.name()} is of "
                                   f"{first.model!r} (fingerprint {first.fingerprint}), {p.name()} of {p.model!r} "
                                   f"(fingerprint {p.fingerprint})")
-        total = sum(w for w in weights)
+        weights = [w / max(weights) for w in weights]  # the same merge, with sums that cannot overflow
+        total = sum(weights)
         tokens = sum(w * p.tokens for w, p in zip(weights, profiles)) / total
         rates = sum(w * p.rates() for w, p in zip(weights, profiles)) / total
         mass = sum(w * (p.mass / p.tokens if p.tokens else np.zeros_like(p.mass))
@@ -200,46 +201,31 @@ class ActivationProfile:
 
     def save(self, path):
         """Write atomically: a temp file beside `path`, then rename (check_writable(path)
-        beforehand spares a long recording a late failure)."""
-        write_atomic(path, json.dumps(self.to_json(), indent=None, separators=(",", ":")))
+        beforehand spares a long recording a late failure). What load() would refuse
+        (counts that overflowed a merge) is refused here, naming `path`."""
+        data = self.to_json()
+        try:
+            parse(data)
+        except (KeyError, TypeError, ValueError, OverflowError, MlxmoeError) as e:
+            raise MlxmoeError(f"cannot write {path}: the profile is not valid ({e})") from None
+        write_atomic(path, json.dumps(data, indent=None, separators=(",", ":"), allow_nan=False))
 
     @classmethod
     def load(cls, path, fingerprint=None, force=False):
         """Read a profile; refuse one of another model unless `force` and the shapes agree."""
         path = Path(path)
+        raw = read_bytes(path, "profile", MAX_FILE_BYTES)
         try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise MlxmoeError(f"profile not found: {path}") from None
+            data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise MlxmoeError(f"{path}: not a valid profile (not JSON: {e})") from None
-        except OSError as e:
-            raise MlxmoeError(f"cannot read profile {path}: {e.strerror or e}") from None
+        except RecursionError:
+            raise MlxmoeError(f"{path}: not a valid profile (JSON nested too deeply)") from None
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise MlxmoeError(f"{path}: not a {FORMAT} file")
         try:
-            L, E = int(data["num_layers"]), int(data["num_experts"])
-            counts = np.asarray(data["counts"], dtype=np.float64)
-            mass = np.asarray(data.get("router_mass", np.zeros((L, E))), dtype=np.float64)
-            for name, values in (("counts", counts), ("router_mass", mass)):
-                if values.shape != (L, E):
-                    raise ValueError(f"{name} is {list(values.shape)}, the header says {L} x {E}")
-                if not np.isfinite(values).all() or (values < 0).any():
-                    raise ValueError(f"{name} must be finite and non-negative")
-            tokens = float(data["tokens"])
-            if not math.isfinite(tokens) or tokens < 0:
-                raise ValueError(f"tokens {tokens} must be finite and non-negative")
-            decay = data.get("decay") or {}
-            if not isinstance(decay, dict):
-                raise ValueError(f"decay must be an object with half_life_tokens, not {decay!r}")
-            half_life = decay.get("half_life_tokens")
-            if half_life is not None and (isinstance(half_life, bool) or not isinstance(half_life, (int, float))):
-                raise ValueError(f"half_life_tokens must be a number, not {half_life!r}")
-            profile = cls(L, E, int(data.get("top_k", 0)), half_life,
-                          data.get("model", ""), data.get("fingerprint", ""), data.get("workload", ""), counts, mass,
-                          tokens, int(data.get("tokens_total", 0)), data.get("created"),
-                          check_curve(data.get("curve") or {}), data.get("expert_bytes"), data.get("resident_bytes"))
-        except (KeyError, TypeError, ValueError, MlxmoeError) as e:
+            profile = cls(**parse(data))
+        except (KeyError, TypeError, ValueError, OverflowError, MlxmoeError) as e:
             raise MlxmoeError(f"{path}: malformed profile ({e})") from None
         profile.source = str(path)
         if fingerprint is not None:
@@ -258,51 +244,72 @@ class ActivationProfile:
                               f"the model {num_layers} x {num_experts}")
 
 
+def _number(data, key, default, kind=(int, float), low=0, optional=False):
+    """data[key] (or `default` where absent) as a finite number >= low of `kind`; None
+    where `optional` and null."""
+    value = data.get(key, default)
+    if value is None and optional:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, kind) or value < low
+            or (isinstance(value, float) and not math.isfinite(value))
+            or (isinstance(value, int) and value > MAX_INT)):
+        kinds = "an integer" if kind is int else "a number"
+        raise ValueError(f"{key} must be {kinds} between {low} and {MAX_INT}, not {str(value)[:40]}")
+    return value
+
+
+def _matrix(data, key, shape):
+    """data[key] as a finite, non-negative float64 array of `shape` (checked before it
+    is converted, so that a deep or ragged value is refused cheaply)."""
+    rows = data[key]
+    if not (isinstance(rows, list) and len(rows) == shape[0]
+            and all(isinstance(row, list) and len(row) == shape[1] for row in rows)):
+        outer = [len(rows)] if isinstance(rows, list) else []
+        inner = [len(rows[0])] if outer and rows and isinstance(rows[0], list) else []
+        raise ValueError(f"{key} is {outer + inner}, the header says {shape[0]} x {shape[1]}")
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for row in rows for v in row):
+        raise ValueError(f"{key} must hold numbers only")
+    values = np.asarray(rows, dtype=np.float64)
+    if not np.isfinite(values).all() or (values < 0).any():
+        raise ValueError(f"{key} must be finite and non-negative")
+    return values
+
+
+def parse(data):
+    """The constructor's arguments from a profile's JSON object, every field checked
+    (type, range, shape) so that nothing malformed fails later."""
+    L, E = _number(data, "num_layers", None, int, 1), _number(data, "num_experts", None, int, 1)
+    if L * E > MAX_CELLS:
+        raise ValueError(f"{L} layers x {E} experts is more than {MAX_CELLS} experts")
+    for key in ("model", "fingerprint", "workload"):
+        if not isinstance(data.get(key, ""), str):
+            raise ValueError(f"{key} must be a string, not {data[key]!r}")
+    decay = data.get("decay") or {}
+    if not isinstance(decay, dict):
+        raise ValueError(f"decay must be an object with half_life_tokens, not {decay!r}")
+    return dict(num_layers=L, num_experts=E, top_k=_number(data, "top_k", 0, int),
+                half_life=_number(decay, "half_life_tokens", None, low=-math.inf, optional=True), model=data.get("model", ""),
+                model_fingerprint=data.get("fingerprint", ""), workload=data.get("workload", ""),
+                counts=_matrix(data, "counts", (L, E)),
+                mass=_matrix(data, "router_mass", (L, E)) if "router_mass" in data else None,
+                tokens=float(_number(data, "tokens", None)), tokens_total=_number(data, "tokens_total", 0, int),
+                created=_number(data, "created", None, optional=True), curve=check_curve(data.get("curve") or {}),
+                expert_bytes=_number(data, "expert_bytes", None, int, 1, optional=True),
+                resident_bytes=_number(data, "resident_bytes", None, int, 0, optional=True))
+
+
 def check_curve(curve):
-    """A profile's curve: {policy: [[cache experts, hit rate], ...]}."""
+    """A profile's curve: {policy: [[cache experts >= 0, hit rate in [0, 1]], ...]}."""
     if not isinstance(curve, dict):
         raise ValueError(f"curve must map policies to [experts, hit rate] points, not {type(curve).__name__}")
     for name, points in curve.items():
         if not isinstance(points, list) or not all(
-                isinstance(pt, list) and len(pt) == 2 and all(isinstance(v, (int, float)) for v in pt) for pt in points):
-            raise ValueError(f"curve of {name!r} must be a list of [experts, hit rate] points")
+                isinstance(pt, (list, tuple)) and len(pt) == 2
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pt)
+                and pt[0] >= 0 and 0 <= pt[1] <= 1 for pt in points):
+            raise ValueError(f"curve of {name!r} must be a list of [experts, hit rate] points (finite numbers, "
+                             "hit rates between 0 and 1)")
     return curve
-
-
-def check_writable(path):
-    """Fail now, before a long run, if `path` cannot be written at the end."""
-    path = Path(path)
-    if path.is_dir():
-        raise MlxmoeError(f"cannot write {path}: it is a folder")
-    if not path.parent.is_dir():
-        raise MlxmoeError(f"cannot write {path}: folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise MlxmoeError(f"cannot write {path}: folder {path.parent} is not writable")
-
-
-def temp_beside(path):
-    """A temp file in `path`'s folder (so the final rename is atomic), with the
-    permissions a plain open() would give. Returns (fd, temp path)."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise MlxmoeError(f"cannot write {path}: folder {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.chmod(tmp, 0o666 & ~umask())
-    return fd, tmp
-
-
-def write_atomic(path, text):
-    """Write `text` (str or bytes) to `path` through a temp file beside it and a rename."""
-    fd, tmp = temp_beside(path)
-    try:
-        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def js_divergence(p, q):
@@ -319,107 +326,3 @@ def js_divergence(p, q):
         return float((a[nz] * np.log2(a[nz] / b[nz])).sum())
 
     return (kl(p, m) + kl(q, m)) / 2
-
-
-def lru_curve(steps_keys, sizes):
-    """Hit rate of the runtime's LRU cache of each size in `sizes` on an access sequence
-    given as steps (the distinct keys of one layer call each), from one pass of stack
-    distances (a Fenwick tree over last-access positions). A step's keys count as
-    accessed together, as the cache protects them from each other."""
-    n = sum(len(step) for step in steps_keys)
-    tree = [0] * (n + 1)
-
-    def add(i, v):
-        i += 1
-        while i <= n:
-            tree[i] += v
-            i += i & -i
-
-    def prefix(i):  # sum over positions [0, i)
-        s = 0
-        while i > 0:
-            s += tree[i]
-            i -= i & -i
-        return s
-
-    last = {}
-    distances = []
-    pos = 0
-    for step in steps_keys:
-        start = prefix(pos)
-        for key in step:
-            if key in last:  # distinct keys touched since, before this step
-                distances.append(start - prefix(last[key] + 1))
-        for key in step:
-            if key in last:
-                add(last[key], -1)
-            add(pos, 1)
-            last[key] = pos
-            pos += 1
-    distances = np.sort(np.asarray(distances, dtype=np.int64))
-    return [(int(c), float(np.searchsorted(distances, c, side="left")) / n if n else 0.0) for c in sizes]
-
-
-def write_heatmap_png(path, matrix, scale=None):
-    """A layers x experts heatmap (dark = cold, yellow = hot), each layer on its own
-    scale; one cell is `scale` pixels (default: about 768 pixels wide)."""
-    m = np.asarray(matrix, dtype=np.float64)
-    scale = scale or max(2, min(24, 768 // m.shape[1]))
-    rows_max = m.max(axis=1, keepdims=True)
-    v = np.divide(m, rows_max, out=np.zeros_like(m), where=rows_max > 0)  # each layer on its own scale
-    stops = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=np.float64)
-    pos = v * (len(stops) - 1)
-    lo = np.clip(pos.astype(int), 0, len(stops) - 2)
-    frac = (pos - lo)[..., None]
-    rgb = (stops[lo] * (1 - frac) + stops[lo + 1] * frac).astype(np.uint8)
-    rgb = rgb.repeat(scale, axis=0).repeat(scale, axis=1)
-    h, w, _ = rgb.shape
-    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
-
-    def chunk(tag, data):
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-    write_atomic(path, png)
-
-
-CURVE_SHARES = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
-
-
-def curve_at(points, experts):
-    """A policy's predicted hit rate at a cache of `experts` experts, read off its curve
-    ([[experts, hit rate], ...] by size) by linear interpolation; None outside it."""
-    for c, r in points:
-        if c == experts:
-            return r
-    for (c0, r0), (c1, r1) in zip(points, points[1:]):
-        if c0 < experts < c1:
-            return r0 + (r1 - r0) * (experts - c0) / (c1 - c0)
-    return None
-
-
-def predicted_curve(header, records, policies=None, shares=CURVE_SHARES):
-    """Hit rate vs cache size (experts) on a recorded access sequence for each online
-    policy (default: all): LRU from one pass of stack distances, the others by replay."""
-    from .policies import ONLINE
-    from .trace import replay, steps
-
-    policies = ONLINE if policies is None else policies
-
-    total = header["num_layers"] * header["num_experts"]
-    k = max((len(set(r[3])) for r in records), default=1)
-    sizes = sorted({max(k, int(round(total * s))) for s in shares})
-    keys = [[(l, x) for x in experts] for _, l, experts, *_ in steps(records, header["num_layers"])]
-    widest = max((len(step) for step in keys), default=0)
-    curve = {}
-    for name in policies:
-        if name == "lru":
-            # a cache smaller than a layer call's experts (a prefill) splits the call into runs
-            # that fit it, which the stack distances of whole calls do not see: replay those sizes
-            curve[name] = lru_curve(keys, [c for c in sizes if c >= widest]) + [
-                (c, replay(header, records, name, c)["hit_rate"]) for c in sizes if c < widest]
-            curve[name].sort()
-        else:
-            curve[name] = [(c, replay(header, records, name, c)["hit_rate"]) for c in sizes]
-    return {name: [[c, round(r, 4)] for c, r in points] for name, points in curve.items()}

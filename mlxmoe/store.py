@@ -31,9 +31,11 @@ bundled tensor like a stacked one whose experts lie `stride` bytes apart.
 """
 
 import json
+import math
 import mmap
 import os
 import re
+import stat
 import sys
 import threading
 import warnings
@@ -71,16 +73,41 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Range:
-    """One contiguous run of bytes of one expert's tensor."""
+    """One contiguous run of bytes of one expert's tensor, or (runs > 1, a tensor-parallel
+    slice along its last axis) `runs` equal runs, `step` bytes apart, nbytes in all."""
     file: Path
     offset: int
     nbytes: int
+    runs: int = 1
+    step: int = 0
+
+
+def shard_slice(shape, start, nbytes, axis, parts, index):
+    """(shape, Range fields) of part `index` of `parts` of a tensor of `shape` stored
+    row-major at `start`, split along `axis` (as mlx's shard_inplace splits it)."""
+    shape = list(shape)
+    inner = nbytes // math.prod(shape[:axis + 1])  # bytes of one step along `axis`
+    piece = shape[axis] // parts
+    outer = math.prod(shape[:axis])
+    start += index * piece * inner
+    shape[axis] = piece
+    if outer == 1:
+        return tuple(shape), dict(offset=start, nbytes=piece * inner)
+    return tuple(shape), dict(offset=start, nbytes=outer * piece * inner, runs=outer, step=shape[axis] * parts * inner)
+
+
+def stamp(path):
+    """What says a shard is the one that was indexed: (size, mtime in ns)."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
 
 
 def read_header(path):
     """Return {name: TensorInfo} of one safetensors file, checking it is whole."""
     path = Path(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would hang the read, a device never end
+            raise MlxmoeError(f"{path}: a shard must be a regular file")
         size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
@@ -103,7 +130,7 @@ def read_header(path):
     for name, h in header.items():
         try:
             dtype, shape, (start, end) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
-            if not isinstance(dtype, str) or not all(type(v) is int and v >= 0 for v in (*shape, start, end)):
+            if not isinstance(dtype, str) or not all(type(v) is int and 0 <= v < 1 << 53 for v in (*shape, start, end)):
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             raise MlxmoeError(f"{path}: corrupt safetensors header entry for {name!r}") from None
@@ -124,7 +151,7 @@ def read_header(path):
 
 
 def tensor_bytes(dtype, shape):
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+    return math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize  # Python ints: a huge shape cannot wrap around
 
 
 def unbundle(path, tensors, meta):
@@ -133,12 +160,18 @@ def unbundle(path, tensors, meta):
         raise MlxmoeError(f"{path}: bundle format {meta['format']!r}; this mlxmoe reads {BUNDLE_FORMAT}")
     out = dict(tensors)
     try:
-        for bname, parts in json.loads(meta["bundles"]).items():
+        bundles = json.loads(meta["bundles"])
+        if not isinstance(bundles, dict):
+            raise ValueError("bundles must map each bundle tensor to its parts")
+        for bname, parts in bundles.items():
             b = out.pop(bname)
             if b.dtype != "U8" or len(b.shape) != 2 or b.offset % ALIGN or b.shape[1] % ALIGN:
                 raise ValueError(f"{bname} is {b.dtype} {list(b.shape)} at byte {b.offset}, not aligned uint8 rows")
             experts, stride = b.shape
             for name, dtype, shape, offset in parts:
+                if not (isinstance(name, str) and isinstance(shape, list)
+                        and all(type(v) is int and 0 <= v < 1 << 53 for v in (*shape, offset))):
+                    raise ValueError(f"part {str(name)[:60]} of {bname}: a name, a shape and an offset in bytes")
                 n = tensor_bytes(dtype, shape)
                 if not 0 <= offset <= offset + n <= stride:
                     raise ValueError(f"{name} ({n} bytes at {offset}) overflows the {stride}-byte rows of {bname}")
@@ -268,7 +301,12 @@ class ExpertStore:
         self.path = Path(model_path)
         self.files = shard_files(self.path)
         self.index = {}
+        self.stamps = {}  # file -> stamp() when its header was read: a shard changed since is refused
         for f in self.files:
+            try:
+                self.stamps[f] = stamp(f)
+            except OSError as e:
+                raise MlxmoeError(f"cannot read shard {f}: {e.strerror or e}") from None
             self.index.update(read_header(f))
         self.tensors = []  # names of one expert's tensors, in read order
         self.tensor_dtypes = []  # safetensors dtype of each
@@ -308,8 +346,9 @@ class ExpertStore:
     def map_layers(self, layers):
         """Record the byte ranges of every expert.
 
-        `layers[l]` is {tensor: [(file tensor name, expert row or None)] * num_experts}:
-        a row index into a stacked [E, ...] tensor, or None for a per-expert tensor.
+        `layers[l]` is {tensor: [(file tensor name, expert row or None[, shard])] * num_experts}:
+        a row index into a stacked [E, ...] tensor, or None for a per-expert tensor; shard
+        (axis of one expert's tensor, parts, index): only that part (tensor parallelism).
         """
         self.tensors = list(layers[0])
         for l, layer in enumerate(layers):
@@ -319,7 +358,7 @@ class ExpertStore:
             for e in range(len(next(iter(layer.values())))):
                 row = []
                 for t, sources in layer.items():
-                    name, k = sources[e]
+                    name, k, *shard = sources[e]
                     info = self.index[name]
                     self.expert_names.add(name)
                     if k is None:
@@ -327,6 +366,9 @@ class ExpertStore:
                     else:
                         nbytes = info.nbytes // info.shape[0]
                         shape, start = info.shape[1:], info.offset + k * (info.stride or nbytes)
+                    where = dict(offset=start, nbytes=nbytes)
+                    if shard and shard[0] is not None:
+                        shape, where = shard_slice(shape, start, nbytes, *shard[0])
                     if l == 0 and e == 0:
                         self.tensor_dtypes.append(info.dtype)
                         self.tensor_shapes.append(tuple(shape))
@@ -338,7 +380,7 @@ class ExpertStore:
                                 f"other experts have {self.tensor_dtypes[i]} {list(self.tensor_shapes[i])}: "
                                 "experts of mixed precision or shape (e.g. a mixed-bit quantization) are not "
                                 "supported yet; quantize every expert alike")
-                    row.append(Range(info.file, start, nbytes))
+                    row.append(Range(info.file, **where))
                 experts.append(row)
             self.ranges.append(experts)
         # Open every shard now: IO threads then only read a dict.
@@ -438,8 +480,8 @@ class ExpertStore:
         Returns the number of useful bytes read (the expert's bytes on disk);
         `disk_bytes` also counts what the mode read around them.
         """
-        ranges = self.ranges[layer][expert]
-        dests, converts = [], []
+        ranges, plain = self.ranges[layer][expert], []
+        dests, converts, sliced = [], [], []
         for r, out, dtype in zip(ranges, outs, self.tensor_dtypes):
             raw_dtype = DTYPES[dtype]
             if out.dtype == raw_dtype or (dtype == "BF16" and out.dtype == np.uint16):
@@ -452,8 +494,12 @@ class ExpertStore:
             dest = buf.reshape(-1).view(np.uint8)
             if dest.nbytes != r.nbytes:
                 raise MlxmoeError(f"a slot of {dest.nbytes} bytes for {r.nbytes} bytes at {r.file}:{r.offset}")
-            dests.append(dest)
-        todo = runs(ranges, dests, ALIGN if self.io == "direct" else 1)
+            if r.runs > 1:
+                sliced.append((r, dest))
+            else:
+                plain.append(r)
+                dests.append(dest)
+        todo = runs(plain, dests, ALIGN if self.io == "direct" else 1)
         if self.workers > 1 and len(todo) > 1:  # the ranges of a stacked expert: all at once
             futures = [self._pool().submit(self._read_run, run) for run in todo]
             try:
@@ -463,6 +509,9 @@ class ExpertStore:
                 raise
         else:
             disk = sum(map(self._read_run, todo))
+        disk += sum(self._read_slice(r, dest) for r, dest in sliced)
+        for file in {r.file for r in ranges}:
+            self.check_unchanged(file)
         for out, buf, dtype in converts:
             out[...] = to_float32(buf, dtype) if out.dtype == np.float32 else buf.astype(out.dtype)
         useful = sum(r.nbytes for r in ranges)
@@ -471,6 +520,28 @@ class ExpertStore:
             self.disk_bytes += disk
             self.reads += len(todo)
         return useful
+
+    def check_unchanged(self, file):
+        """Refuse a shard whose size or modification time changed since it was indexed:
+        its bytes may no longer be the tensors the header described."""
+        try:
+            now = stamp(file)
+        except OSError as e:
+            raise MlxmoeError(f"shard {file} changed on disk since the model was loaded ({e.strerror or e}); "
+                              "load it again") from None
+        if self.stamps.setdefault(file, now) != now:  # (a file not indexed: as at its first read)
+            raise MlxmoeError(f"shard {file} changed on disk since the model was loaded (size, modification "
+                              f"time {self.stamps[file]} -> {now}); load it again")
+
+    def _read_slice(self, r, dest):
+        """A tensor-parallel slice along the last axis: its runs lie `step` apart, so the
+        span that holds them is read and this rank's runs kept (the span's bytes count as read)."""
+        per_run = r.nbytes // r.runs
+        span = r.step * (r.runs - 1) + per_run
+        buf = np.empty(span, np.uint8)
+        disk = self._read_run((r.file, r.offset, r.offset + span, [(r.offset, buf)]))
+        dest.reshape(r.runs, per_run)[...] = np.lib.stride_tricks.as_strided(buf, (r.runs, per_run), (r.step, 1))
+        return disk
 
     def _pool(self):
         if self._workers is None:

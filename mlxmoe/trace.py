@@ -30,12 +30,14 @@ from pathlib import Path
 import numpy as np
 
 from .cache import Residency, token_chunks
-from .errors import MlxmoeError, read_lines
+from .errors import MlxmoeError
+from .files import read_lines, temp_beside
 from .policies import ONLINE, make_policy
 from .prefetch import count_prediction, hottest_per_layer, precision_recall
-from .profile import DEFAULT_HALF_LIFE, ActivationProfile, prewarm_order, shape_fingerprint, temp_beside
+from .profile import DEFAULT_HALF_LIFE, ActivationProfile, prewarm_order, shape_fingerprint
 
 FORMAT = "mlxmoe.trace/1"
+MAX_EXPERTS = 1 << 22  # layers x experts a header may claim
 
 
 class TraceWriter:
@@ -79,39 +81,61 @@ class TraceWriter:
             os.unlink(self.tmp)
 
 
+def _probabilities(values, what):
+    if values is None:
+        return None
+    if not isinstance(values, list):
+        raise ValueError(f"{what} must be a list of numbers")
+    out = [float(x) for x in values]
+    if not all(math.isfinite(x) and x >= 0 for x in out):
+        raise ValueError(f"{what} must be finite and non-negative")
+    return out
+
+
+def _header_size(header, key):
+    v = header.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_EXPERTS:
+        raise ValueError(f"{key} must be an integer from 1 to {MAX_EXPERTS}, not {str(v)[:40]}")
+    return v
+
+
 def read_trace(path):
     """Return (header, records); records are (s, t, l, experts, probs or None, router
-    distribution or None, tokens of its layer call or None, "prefill" or None)."""
+    distribution or None, tokens of its layer call or None, "prefill" or None). Every
+    line is checked, so that a replay of what is returned cannot fail."""
     path = Path(path)
     lines = read_lines(path, "trace")
     if not lines:
         raise MlxmoeError(f"{path}: empty trace")
     try:
         header = json.loads(lines[0])
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise MlxmoeError(f"{path}:1: not JSON ({e})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise MlxmoeError(f"{path}:1: not a {FORMAT} header")
     try:
-        L, E = int(header["num_layers"]), int(header["num_experts"])
-    except (KeyError, TypeError, ValueError):
-        raise MlxmoeError(f"{path}:1: header needs num_layers and num_experts") from None
-    records = []
+        L, E = _header_size(header, "num_layers"), _header_size(header, "num_experts")
+        if L * E > MAX_EXPERTS:
+            raise ValueError(f"{L} layers x {E} experts is more than {MAX_EXPERTS} experts")
+    except ValueError as e:
+        raise MlxmoeError(f"{path}:1: malformed header ({e})") from None
+    records, numbers = [], []
     for n, line in enumerate(lines[1:], start=2):
         if not line.strip():
             continue
         try:
             r = json.loads(line)
-            s, t, l, e, p = int(r["s"]), int(r["t"]), int(r["l"]), [int(x) for x in r["e"]], r.get("p")
-            p = None if p is None else [float(x) for x in p]
-            dist = None if r.get("r") is None else [float(x) for x in r["r"]]
+            if not isinstance(r, dict) or not isinstance(r.get("e"), list) or not r["e"]:
+                raise ValueError("a line is an object with a non-empty list of experts e")
+            s, t, l, e = int(r["s"]), int(r["t"]), int(r["l"]), [int(x) for x in r["e"]]
+            p, dist = _probabilities(r.get("p"), "p"), _probabilities(r.get("r"), "r")
             call = None if r.get("n") is None else int(r["n"])
-            if call is not None and call < 1:
-                raise ValueError(f"n = {call}: a layer call has at least one token")
+            if call is not None and not 1 <= call <= len(lines):
+                raise ValueError(f"n = {call}: a layer call has at least one token and at most the trace's lines")
             phase = r.get("ph")
             if phase not in (None, "prefill"):
                 raise ValueError(f"ph = {phase!r}: the phase marker is \"prefill\" or absent")
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, OverflowError, RecursionError) as err:
             raise MlxmoeError(f"{path}:{n}: malformed trace line ({err})") from None
         if not 0 <= l < L or any(not 0 <= x < E for x in e):
             raise MlxmoeError(f"{path}:{n}: layer {l} or experts {e} out of range for {L} layers x {E} experts")
@@ -120,7 +144,28 @@ def read_trace(path):
         if dist is not None and len(dist) != E:
             raise MlxmoeError(f"{path}:{n}: a router distribution of {len(dist)} experts, the header says {E}")
         records.append((s, t, l, e, p, dist, call, phase))
+        numbers.append(n)
+    if not records:
+        raise MlxmoeError(f"{path}: a header and no routing lines")
+    _check_calls(path, records, numbers)
     return header, records
+
+
+def _check_calls(path, records, numbers):
+    """A line's `n` says its layer call wrote n consecutive lines of one sequence and
+    layer, each with the same n: refuse a trace where they are not there."""
+    i = 0
+    while i < len(records):
+        size = records[i][6]
+        if size is None:
+            i += 1
+            continue
+        s, l = records[i][0], records[i][2]
+        call = records[i:i + size]
+        if len(call) < size or any((r[0], r[2], r[6]) != (s, l, size) for r in call):
+            raise MlxmoeError(f"{path}:{numbers[i]}: n = {size}, but the next {size} lines are not one layer call "
+                              "of that many tokens")
+        i += size
 
 
 def layer_calls(records, num_layers):

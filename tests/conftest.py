@@ -1,5 +1,9 @@
+import contextlib
+import io
 import os
 import shutil
+import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -63,3 +67,34 @@ def on_disk(tmp_path):
     yield copy
     for d in made:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def run_cli(*args):
+    """(exit code, stdout, stderr) of the `mlxmoe` entry point run in this process (its
+    SIGTERM handler is put back after)."""
+    from mlxmoe.cli import run
+
+    out, err = io.StringIO(), io.StringIO()
+    old_argv, old_term = sys.argv, signal.getsignal(signal.SIGTERM)
+    sys.argv = ["mlxmoe", *map(str, args)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                run()
+                code = 0
+            except SystemExit as e:
+                code = e.code
+    finally:
+        sys.argv = old_argv
+        signal.signal(signal.SIGTERM, old_term)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def cli():
+    """cli(*args) -> (exit code, stderr) of `mlxmoe` in this process; never a traceback."""
+    def call(*args):
+        code, _, err = run_cli(*args)
+        assert "Traceback" not in err
+        return code, err
+    return call

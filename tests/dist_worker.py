@@ -3,6 +3,7 @@
     dist_worker.py MODEL OUT parity       greedy tokens at full and half cache, bytes read
     dist_worker.py MODEL OUT budget SIZE  memory while streaming under a per-rank budget
     dist_worker.py MODEL OUT readfail     rank 1 reads from COPY (MODEL + "-rank1"), truncated after load
+    dist_worker.py MODEL OUT tensor       the tensor split: stock mlx-lm's and mlxmoe's tokens, bytes read
 """
 
 import json
@@ -75,11 +76,32 @@ def readfail(path, group):
     return {"error": None}
 
 
+def tensor(path, group):
+    from mlx_lm.utils import sharded_load
+
+    model, tokenizer = sharded_load(path, tensor_group=group)
+    out = {"stock": [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=MAX_TOKENS)]}
+    distributed.barrier(group)
+    model, _ = mlxmoe.load(path, group=group, split="tensor", prefetch=0)
+    every = model.expert_cache.checkpoint.num_layers * model.expert_cache.checkpoint.num_experts
+    model.expert_cache.close()
+    for name, experts in (("full", every), ("half", every // 2)):
+        model, tokenizer = mlxmoe.load(path, group=group, split="tensor", cache_experts=experts)
+        cache = model.expert_cache
+        got = tokens(model, tokenizer)
+        cache.close()
+        out[name] = {"tokens": got, "bytes_read": cache.stats()["bytes_read"], "io": cache.store.io_stats(),
+                     "expert_file_bytes": cache.store.expert_file_bytes()}
+    return out
+
+
 def main():
     path, out, mode = sys.argv[1:4]
     group = distributed.init()
     if mode == "parity":
         result = parity(path, group)
+    elif mode == "tensor":
+        result = tensor(path, group)
     elif mode == "budget":
         result = budget(path, group, sys.argv[4])
     else:

@@ -15,34 +15,12 @@ import mlx_lm
 import pytest
 
 import mlxmoe
+from mlxmoe.distributed import free_port_base
 from mlxmoe.profile import ActivationProfile
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 DEEPSEEK = {"num_hidden_layers": 6}  # its first layer is dense: every stage of 2 or 3 keeps a MoE layer
 LIMIT = 150  # seconds for one launch
-
-
-def free_port_base(count):
-    """A port p with p .. p+count-1 free on 127.0.0.1 (the ring backend listens on them)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count >= 65536:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 def launch(ranks, *command, timeout=LIMIT, python=True):
@@ -54,7 +32,10 @@ def launch(ranks, *command, timeout=LIMIT, python=True):
         cmd += ["--python", sys.executable]
     tic = time.monotonic()
     r = subprocess.run(cmd + ["--", *command], capture_output=True, text=True, timeout=timeout, env=env)
-    return r.returncode, r.stdout + r.stderr, time.monotonic() - tic
+    log = r.stdout + r.stderr
+    # mlx.launch returns 0 whatever its ranks did; it reports a rank that failed or that it stopped
+    failed = r.returncode or "exited with code" in log or "was killed" in log
+    return int(bool(failed)), log, time.monotonic() - tic
 
 
 def run_worker(tmp_path, ranks, *args):
@@ -138,7 +119,7 @@ def test_profile_recorded_under_two_ranks_equals_one_process(checkpoint, tmp_pat
     # and a whole-model profile loads on any split
     rc, log, _ = launch(3, sys.executable, "-m", "mlxmoe", "generate", "-m", str(path), "-p", "Once", "--max-tokens",
                         "2", "--profile", str(tmp_path / "two.json"), python=False)
-    assert rc == 0, log
+    assert rc == 0 and "experts: hit rate" in log, log
 
 
 def test_missing_shard_on_one_rank_stops_all_named_on_rank0(checkpoint, tmp_path):
@@ -151,7 +132,7 @@ def test_missing_shard_on_one_rank_stops_all_named_on_rank0(checkpoint, tmp_path
     shutil.copytree(path, tmp_path / "m0")
     rc, log, seconds = launch(2, "bash", "-c", f'exec "{sys.executable}" -m mlxmoe generate -m {tmp_path}/m$MLX_RANK '
                               '-p Once --max-tokens 2', python=False)
-    assert "rank 0 exited with code 2" in log  # (mlx.launch itself returns 0 whatever its ranks did)
+    assert rc != 0 and "rank 0 exited with code 2" in log
     rank0 = [l for l in log.splitlines() if l.startswith("error: ")]
     assert rank0 and "rank 1" in rank0[0] and "missing shard" in rank0[0] and shards[-1].name in rank0[0], log
     assert seconds < LIMIT
@@ -184,3 +165,39 @@ def test_start_up_without_peers_is_bounded(tmp_path):
                        timeout=60, env=env)
     assert r.returncode != 0 and "did not finish within 3 s" in r.stderr, r.stderr
     assert time.monotonic() - tic < 30
+
+
+def test_chat_under_two_ranks_answers_as_one_process(checkpoint):
+    path = checkpoint("qwen3_moe")
+    turns = "Once upon a time\nIl modello\n/stats\n/quit\n"
+    chat = ["-m", "mlxmoe", "chat", "-m", str(path), "--max-tokens", "6"]
+    one = subprocess.run([sys.executable, *chat], input=turns, capture_output=True, text=True, timeout=LIMIT)
+    assert one.returncode == 0, one.stderr
+    env = dict(os.environ, MLXMOE_DIST_TIMEOUT="60")
+    cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "-p", str(free_port_base(2)), "--", sys.executable, *chat]
+    two = subprocess.run(cmd, input=turns, capture_output=True, text=True, timeout=LIMIT, env=env)
+    # /stats: tokens, bytes and cache agree (hits and loads race with the background pre-warm, memory differs)
+    table = ("tokens", "hit rate", "loads", "read", "cache", "memory")
+    replies = lambda out: [l for l in out.splitlines() if not l.startswith(table)]
+    counts = lambda out: [l for l in out.splitlines() if l.startswith(("tokens", "read", "cache"))]
+    assert replies(two.stdout) == replies(one.stdout), two.stdout + two.stderr  # rank 0's replies only, the same
+    assert counts(two.stdout) == counts(one.stdout) and "policy activation" in two.stdout, two.stdout
+    assert two.stderr.count("tok/s, expert hit rate") == 2  # one summary per turn (rank 0's)
+    assert "exited with code" not in two.stderr, two.stderr
+
+
+def test_tensor_split_streams_a_slice_of_every_expert(checkpoint, tmp_path):
+    """mlx-lm's model.shard: every rank runs every layer with half of each expert's rows
+    (gate, up) and columns (down), streamed from the stacked tensors."""
+    path = checkpoint("qwen3_moe")
+    want = stock(path)
+    full, full_bytes = one_process(path, 3 * 8)
+    results = run_worker(tmp_path, 2, path, "tensor")
+    for r in results:
+        assert r["stock"] == want == full
+        assert r["full"]["tokens"] == want and r["half"]["tokens"] == want
+        # half of each expert's bytes, each expert once at full cache
+        assert 2 * r["full"]["expert_file_bytes"] * 3 * 8 == full_bytes == 2 * r["full"]["bytes_read"]
+        assert r["full"]["io"]["useful_bytes"] == r["full"]["bytes_read"]
+        # the down projection's columns are strided: its whole span is read, never more
+        assert r["full"]["io"]["disk_bytes"] <= 1.5 * r["full"]["bytes_read"] + (1 << 16)

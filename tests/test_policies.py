@@ -10,7 +10,7 @@ import pytest
 from mlxmoe.cache import Residency
 from mlxmoe.errors import MlxmoeError
 from mlxmoe.policies import make_policy
-from mlxmoe.profile import lru_curve
+from mlxmoe.curves import lru_curve
 from mlxmoe.trace import read_trace, replay, replay_all, steps
 
 
@@ -86,6 +86,42 @@ def test_s3fifo_filters_one_hit_wonders():
     assert evicted[0] == (0, 1) and (0, 1) in r.policy.main
 
 
+def test_layer_lru_evicts_within_the_layer_at_its_share():
+    """Two layers, 4 slots: 2 each. Layer 0 at its share evicts its own least recent, even
+    where a key of layer 1 is older overall (global LRU would take layer 1's)."""
+    seq = [(0, [1]), (1, [1]), (1, [2]), (0, [2]), (0, [1]), (0, [3])]
+    evicted, r = run("layer-lru", 4, seq, layers=2)
+    assert evicted == [(0, 2)]
+    evicted, _ = run("lru", 4, seq, layers=2)
+    assert evicted == [(1, 1)]
+
+
+def test_layer_split_takes_a_slot_from_the_layer_furthest_over_its_share():
+    """Layer 1 filled 3 of the 4 slots while layer 0 had one: layer 0, under its share of 2,
+    takes layer 1's least recent."""
+    seq = [(1, [1]), (1, [2]), (1, [3]), (0, [1]), (0, [2])]
+    evicted, _ = run("layer-lru", 4, seq, layers=2)
+    assert evicted == [(1, 1)]
+
+
+def test_layer_lfu_keeps_the_most_used_of_the_layer():
+    seq = [(0, [1]), (0, [1]), (0, [2]), (1, [5]), (1, [6]), (0, [3])]
+    evicted, _ = run("layer-lfu", 4, seq, layers=2)
+    assert evicted == [(0, 2)]  # used once, where 1 was used twice
+
+
+def test_lfuda_ages_out_what_was_popular_long_ago():
+    """One layer, 2 slots. 1 is used three times (priority 3), then 2, 3, 4, 5, 6 churn:
+    each victim raises the layer's age to its priority, so a newcomer's priority (1 + age)
+    reaches 1's after two evictions and 1, the less recent of equals, goes; plain
+    layer-LFU keeps 1 for good."""
+    seq = single(1, 1, 1, 2, 3, 4, 5, 6)
+    evicted, _ = run("lfuda", 2, seq)
+    assert evicted == [(0, 2), (0, 3), (0, 1), (0, 4)]
+    evicted, _ = run("layer-lfu", 2, seq)
+    assert evicted == [(0, 2), (0, 3), (0, 4), (0, 5)]
+
+
 def test_belady_known_optimum():
     # capacity 2 on a loop of 3: LRU never hits, the optimum hits 2 of 6
     seq = single(1, 2, 3, 1, 2, 3)
@@ -139,7 +175,7 @@ def test_activation_evicts_from_the_layer_just_run_on_ties():
     assert evicted == [(0, 1)]
 
 
-@pytest.mark.parametrize("name", ["lru", "lfu", "slru", "s3fifo", "activation"])
+@pytest.mark.parametrize("name", ["lru", "lfu", "slru", "s3fifo", "layer-lru", "layer-lfu", "lfuda", "activation"])
 def test_never_evicts_what_the_layer_needs(name):
     rng = np.random.default_rng(0)
     seq = [(l, sorted(rng.choice(16, 4, replace=False).tolist())) for _ in range(50) for l in range(3)]

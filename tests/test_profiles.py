@@ -131,7 +131,7 @@ def test_merge_edge_cases(tmp_path):
 def test_lru_curve_matches_replay_below_a_prefill(tmp_path):
     """A cache smaller than a prefill's experts splits the call as the runtime does; the
     curve's LRU points are then replays, equal to `trace replay` at every size."""
-    from mlxmoe.profile import predicted_curve
+    from mlxmoe.curves import predicted_curve
     from mlxmoe.trace import replay
 
     rng = np.random.default_rng(0)
@@ -237,12 +237,12 @@ def test_record_half_life_fresh_counts_and_bad_paths(checkpoint, tmp_path, monke
     b = ActivationProfile.load(tmp_path / "b.json")
     assert b.half_life == 2 and b.tokens_total == a.tokens_total and b.tokens < 10 < 40 < a.tokens
     # Ctrl-C while the curve is computed: the profile is saved without it
-    import mlxmoe.profile
+    import mlxmoe.curves
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mlxmoe.profile, "predicted_curve", interrupted)
+    monkeypatch.setattr(mlxmoe.curves, "predicted_curve", interrupted)
     r = runner.invoke(main, args + ["-o", str(tmp_path / "c.json")])
     assert r.exit_code == 0 and "without the hit-rate curve" in r.output
     c = ActivationProfile.load(tmp_path / "c.json")
@@ -267,7 +267,7 @@ def test_record_half_life_fresh_counts_and_bad_paths(checkpoint, tmp_path, monke
 
 
 def test_show_reads_the_hit_rate_a_budget_buys_off_the_curve(tmp_path):
-    from mlxmoe.profile import curve_at
+    from mlxmoe.curves import curve_at
 
     points = [[2, 0.1], [6, 0.5], [12, 0.9]]
     assert curve_at(points, 4) == pytest.approx(0.3) and curve_at(points, 12) == 0.9 and curve_at(points, 2) == 0.1

@@ -1,0 +1,418 @@
+"""Seeded random mutation of every input mlxmoe parses: profiles, traces, safetensors
+headers, config.json and the tokenizer's files, and every numeric CLI option. Each case
+ends in success (and what was read works: replays, saves and loads back) or in one
+MlxmoeError (CLI: one `error:` line, exit 2) that names the file or option: never
+another exception, a hang or a file that cannot be loaded back. CASES per parser; the
+figures are printed with -s (bench/RESULTS.md, "Fuzz and kill tests")."""
+
+import contextlib
+import copy
+import json
+import math
+import os
+import random
+import signal
+
+import numpy as np
+import pytest
+from conftest import run_cli
+
+from mlxmoe.backend import detect
+from mlxmoe.convert import header as safetensors_header
+from mlxmoe.errors import MlxmoeError
+from mlxmoe.loader import DEMO_MODEL, open_checkpoint, read_config, read_tokenizer
+from mlxmoe.profile import ActivationProfile
+from mlxmoe.store import BUNDLE_FORMAT, read_header
+from mlxmoe.trace import predictor_scores, read_trace, replay
+
+CASES = int(os.environ.get("MLXMOE_FUZZ_CASES", 500))
+CASE_SECONDS = 20  # a case that takes longer is a hang
+
+# Values a field is replaced with: wrong types, edges of ranges, non-finite, huge, deep.
+ODD = [None, True, False, 0, 1, -1, 2, 3, 0.5, -0.0, 1e-300, 1e308, -1e308, float("nan"), float("inf"),
+       float("-inf"), 2 ** 31, 2 ** 63, 10 ** 30, 10 ** 400, "", "x", "2", "NaN", "1e9", [], {}, [[]], [1, 2],
+       [[1, 2], [3]], {"a": 1}, "\u00e9\x00", [[[[[[[[[[1]]]]]]]]]]]
+
+
+def odd_value(rng, old):
+    """A replacement for `old`: an odd value, or one near it."""
+    if isinstance(old, bool) or rng.random() < 0.6:
+        return copy.deepcopy(rng.choice(ODD))
+    if isinstance(old, int):
+        return rng.choice([old - 1, old + 1, old * 2, -old, old * 10 ** 9, 0])
+    if isinstance(old, float):
+        return rng.choice([old * -1, old * 1e300, old + 1, 0.0, float("nan")])
+    if isinstance(old, str):
+        return rng.choice([old + "x", old[:1], old * 3, old.upper()])
+    if isinstance(old, list):
+        return rng.choice([old[:-1], old + old[-1:], old[::-1], [old], old * 2] if old else [[0], [[]]])
+    return copy.deepcopy(rng.choice(ODD))
+
+
+def paths(obj, prefix=(), limit=2000):
+    """Every place in a JSON value (keys and indexes), up to `limit` of them."""
+    out = [prefix]
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        if len(out) >= limit:
+            break
+        out += paths(v, prefix + (k,), limit - len(out))
+    return out
+
+
+def mutate_json(value, rng, rounds=None):
+    """A copy of `value` with 1-3 places replaced, deleted or added."""
+    value = json.loads(json.dumps(value))
+    for _ in range(rounds or rng.randint(1, 3)):
+        where = rng.choice(paths(value))
+        if not where:
+            value = odd_value(rng, value)
+            continue
+        parent = value
+        for k in where[:-1]:
+            parent = parent[k]
+        k, r = where[-1], rng.random()
+        if r < 0.15 and isinstance(parent, dict):
+            del parent[k]
+        elif r < 0.25 and isinstance(parent, dict):
+            parent[rng.choice(["junk", "n", "e", "format"])] = copy.deepcopy(rng.choice(ODD))
+        else:
+            parent[k] = odd_value(rng, parent[k])
+    return value
+
+
+def mutate_bytes(data, rng):
+    """`data` with bytes flipped, a piece cut, repeated or inserted, or truncated."""
+    data = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        i = rng.randrange(len(data) + 1)
+        r = rng.random()
+        if r < 0.3 and data:
+            data[min(i, len(data) - 1)] = rng.randrange(256)
+        elif r < 0.5:
+            del data[i:i + rng.randint(1, 64)]
+        elif r < 0.7:
+            data[i:i] = data[max(0, i - 32):i]
+        elif r < 0.85:
+            data[i:i] = rng.choice([b"{", b"[", b"]", b"\"", b",", b"NaN", b"\xff\xfe", b"\n", b"1e999"])
+        else:
+            del data[i:]
+    return bytes(data)
+
+
+def dumps(value):
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def mutated(base, rng):
+    """A mutated file body for the JSON value `base`: structure (70 %) or bytes."""
+    if rng.random() < 0.7:
+        return dumps(mutate_json(base, rng))
+    return mutate_bytes(dumps(base), rng)
+
+
+@contextlib.contextmanager
+def deadline(seconds, what):
+    def expired(signum, frame):
+        raise AssertionError(f"{what}: still running after {seconds} s (a hang)")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class Tally:
+    """Outcomes of the cases of one parser; printed for bench/RESULTS.md."""
+
+    def __init__(self, name):
+        self.name, self.ok, self.refused = name, 0, 0
+
+    def case(self, path, fn, *names):
+        """Run fn(); success, or an MlxmoeError naming `path` (or one of `names`)."""
+        with deadline(CASE_SECONDS, f"{self.name} case {self.ok + self.refused}"):
+            try:
+                fn()
+            except MlxmoeError as e:
+                assert any(str(n) in str(e) for n in (path, *names)), f"{self.name}: {e} does not name {path}"
+                self.refused += 1
+                return False
+        self.ok += 1
+        return True
+
+    def report(self):
+        total = self.ok + self.refused
+        print(f"\nfuzz {self.name}: {total} cases, {self.ok} read, {self.refused} refused with a named error, "
+              "0 other outcomes")
+        assert total >= CASES
+
+
+# Profiles
+def test_fuzz_profiles(tmp_path):
+    rng = random.Random(15)
+    p = ActivationProfile(3, 6, 2, model="m", model_fingerprint="fp", workload="w", expert_bytes=1000,
+                          resident_bytes=5000)
+    for _ in range(20):
+        p.tick(1)
+        for l in range(3):
+            p.observe(l, rng.sample(range(6), 2), scores=[0.6, 0.3])
+    p.curve = {"lru": [[2, 0.1], [9, 0.5], [18, 1.0]]}
+    base = p.to_json()
+    tally = Tally("profile")
+    path, saved = tmp_path / "p.json", tmp_path / "saved.json"
+    for _ in range(CASES):
+        path.write_bytes(mutated(base, rng))
+
+        def use():
+            q = ActivationProfile.load(path)
+            q.rates(), q.top(3), q.priority(), q.hot_share(), q.diff(q)
+            try:  # what is saved loads back, the same
+                q.save(saved)
+            except MlxmoeError as e:
+                assert str(saved) in str(e)
+                assert not saved.exists()
+                return
+            r = ActivationProfile.load(saved)
+            np.testing.assert_allclose(r.counts, q.counts, atol=1e-3, rtol=1e-6)
+            saved.unlink()
+            code, out, err = run_cli("profile", "show", path, "--json", "--budget", "1MB")
+            assert code == 0, err
+            json.loads(out, parse_constant=refuse_constant)  # strict JSON: no NaN or Infinity
+
+        tally.case(path, use)
+    tally.report()
+
+
+def refuse_constant(name):
+    raise AssertionError(f"not JSON: {name}")
+
+
+# Traces
+def trace_lines(rng, L=3, E=8, k=2):
+    header = {"format": "mlxmoe.trace/1", "num_layers": L, "num_experts": E, "top_k": k, "model": "m"}
+    lines = []
+    for s in range(2):
+        for l in range(L):  # a prefill of 3 tokens: one layer call per layer
+            for t in range(3):
+                e = rng.sample(range(E), k)
+                lines.append({"s": s, "t": t, "l": l, "e": e, "n": 3, "p": [0.6, 0.3]})
+        for t in range(3, 7):
+            for l in range(L):
+                r = [round(rng.random() / E, 3) for _ in range(E)]
+                lines.append({"s": s, "t": t, "l": l, "e": rng.sample(range(E), k), "p": [0.5, 0.2], "r": r})
+    return header, lines
+
+
+def test_fuzz_traces(tmp_path):
+    rng = random.Random(7)
+    header, lines = trace_lines(rng)
+    tally = Tally("trace")
+    path = tmp_path / "t.jsonl"
+    for _ in range(CASES):
+        if rng.random() < 0.8:  # mutate the header or a few lines
+            hd, ls = header, list(lines)
+            if rng.random() < 0.3:
+                hd = mutate_json(header, rng)
+            for _ in range(rng.randint(1, 3)):
+                i = rng.randrange(len(ls))
+                ls[i] = mutate_json(ls[i], rng, 1)
+            if rng.random() < 0.2:
+                del ls[rng.randrange(len(ls)):]
+            body = b"\n".join(dumps(x) for x in [hd] + ls) + b"\n"
+        else:
+            body = mutate_bytes(b"\n".join(dumps(x) for x in [header] + lines) + b"\n", rng)
+        path.write_bytes(body)
+
+        def use():
+            hd, records = read_trace(path)
+            k = max(len(set(r[3])) for r in records)
+            for policy in ("lru", "belady"):
+                result = replay(hd, records, policy, k + rng.randrange(3))
+                assert 0 <= result["hit_rate"] <= 1
+            predictor_scores(records)
+
+        tally.case(path, use)
+    tally.report()
+
+
+# Safetensors headers
+def safetensors_file(rng, bundled=False):
+    if bundled:
+        parts = [["m.switch_mlp.up_proj.weight", "F32", [2, 3], 0], ["m.switch_mlp.down_proj.weight", "F16", [3, 2],
+                                                                     24]]
+        meta = {"format": BUNDLE_FORMAT, "bundles": json.dumps({"m.bundle": parts})}
+        head = safetensors_header([("m.bundle", "U8", (2, 4096))], meta, 4096)
+        data = bytes(2 * 4096)
+    else:
+        entries = [("a", "F32", (2, 3)), ("b", "BF16", (4,)), ("c", "U8", (5,))]
+        head = safetensors_header(entries, {"format": "mlx"})
+        data = bytes(rng.randrange(256) for _ in range(24 + 8 + 5))
+    return head, data
+
+
+def test_fuzz_safetensors_headers(tmp_path):
+    rng = random.Random(3)
+    tally = Tally("safetensors header")
+    path = tmp_path / "model.safetensors"
+    for i in range(CASES):
+        head, data = safetensors_file(rng, bundled=i % 3 == 0)
+        n = int.from_bytes(head[:8], "little")
+        if rng.random() < 0.6:  # the JSON header, its length field rewritten to match
+            text = mutated(json.loads(head[8:8 + n]), rng)
+            body = len(text).to_bytes(8, "little") + text + data
+        else:
+            body = mutate_bytes(head + data, rng)
+        path.write_bytes(body)
+
+        def use():  # every tensor (every expert's row of a bundle) lies inside the file
+            size = path.stat().st_size
+            for info in read_header(path).values():
+                rows = info.shape[0] if info.shape else 1
+                row = info.nbytes // rows if rows else 0
+                assert 0 <= info.offset and info.offset + max(rows - 1, 0) * (info.stride or row) + row <= size
+
+        tally.case(path, use)
+    tally.report()
+
+
+# config.json and the tokenizer
+def test_fuzz_config_and_tokenizer(tmp_path):
+    rng = random.Random(11)
+    folder = tmp_path / "c"
+    folder.mkdir()
+    os.symlink(DEMO_MODEL / "model.safetensors", folder / "model.safetensors")
+    originals = {name: json.loads((DEMO_MODEL / name).read_text())
+                 for name in ("config.json", "tokenizer.json", "tokenizer_config.json")}
+    backend = detect("cpu")
+    tally = Tally("config/tokenizer")
+    for _ in range(CASES):
+        target = rng.choice(["config.json"] * 3 + ["tokenizer.json", "tokenizer_config.json"])
+        for name, value in originals.items():
+            (folder / name).write_bytes(mutated(value, rng) if name == target else dumps(value))
+        if rng.random() < 0.05:  # a file missing, or a folder in its place
+            victim = folder / rng.choice(list(originals))
+            victim.unlink()
+            if rng.random() < 0.5:
+                victim.mkdir()
+
+        def use():
+            from mlxmoe.api import memory_plan
+
+            read_config(folder)
+            ckpt = open_checkpoint(folder)
+            try:
+                memory_plan(ckpt, backend, "1GB")
+                read_tokenizer(folder, eos_token_ids=ckpt.config.get("eos_token_id"))
+            finally:
+                ckpt.store.close()
+
+        tally.case(folder, use)
+        for name in originals:
+            p = folder / name
+            if p.is_dir():
+                p.rmdir()
+    tally.report()
+
+
+# Numeric CLI options
+def number_text(rng):
+    """A command-line value: numbers of every shape, sizes with units good and bad, junk."""
+    r = rng.random()
+    if r < 0.25:
+        return str(rng.randint(-5, 100))
+    if r < 0.4:
+        return repr(rng.uniform(-2, 2))
+    if r < 0.55:
+        return rng.choice(["nan", "inf", "-inf", "1e308", "1e309", "-0", "0", "0.0", "1e-400", "99999999999999999999999",
+                           str(2 ** 64), str(2 ** 64 - 1), "", " ", "1,5", "0x10", "1_000", "+3", "١٢", "--", "-1"])
+    if r < 0.85:
+        number = rng.choice(["1", "42", "1.5", ".5", "0", "99999999999999999999999", "1e3", "-1", "nan"])
+        unit = rng.choice(["", "B", "K", "KB", "KiB", "M", "MB", "MiB", "G", "GB", "GiB", "T", "TB", "TiB", "gb", "mb",
+                           "Mb", "Gb", "mB", "GIB", "PB", "bytes", "%", " GB", "G B"])
+        return number + unit
+    return "".join(rng.choice("0123456789.eE+-xGMBKnai ,") for _ in range(rng.randint(1, 8)))
+
+
+def valid_size(text):
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(B|K|KB|KiB|M|MB|MiB|G|GB|GiB|T|TB|TiB|b|k|kb|kib|m|mb|mib|g|gb|gib|t|tb|"
+                     r"tib)?\s*", text)
+    if not m:
+        return False
+    scale = {"": 0, "b": 0, "k": 10, "m": 20, "g": 30, "t": 40}[(m.group(2) or "")[:1].lower()]
+    return float(m.group(1)) * 2 ** scale <= 2 ** 60
+
+
+def number(text, kind):
+    try:
+        x = kind(text)
+    except (ValueError, OverflowError):
+        return None
+    return x if kind is int or math.isfinite(x) else None
+
+
+def in_range(kind, low=None, high=None, low_open=False):
+    def ok(text):
+        x = number(text, kind)
+        return x is not None and (low is None or (x > low if low_open else x >= low)) and (high is None or x <= high)
+    return ok
+
+
+MISSING = "/nonexistent/model"
+# option -> (command line with {} for the value, what a valid value is, independently of mlxmoe)
+OPTIONS = {
+    "--max-tokens": (["generate", "-m", MISSING, "-p", "hi", "--max-tokens", "{}"], in_range(int, 1, 2 ** 31)),
+    "--temp": (["generate", "-m", MISSING, "-p", "hi", "--temp", "{}"], in_range(float, 0)),
+    "--top-p": (["generate", "-m", MISSING, "-p", "hi", "--top-p", "{}"], in_range(float, 0, 1, low_open=True)),
+    "--seed": (["generate", "-m", MISSING, "-p", "hi", "--seed", "{}"], in_range(int, 0, 2 ** 64 - 1)),
+    "--memory-budget": (["generate", "-m", MISSING, "-p", "hi", "--memory-budget", "{}"], valid_size),
+    "--cache-size": (["chat", "-m", MISSING, "--cache-size", "{}"], valid_size),
+    "--cache-experts": (["generate", "-m", MISSING, "-p", "hi", "--cache-experts", "{}"], in_range(int, 1)),
+    "--prefetch": (["generate", "-m", MISSING, "-p", "hi", "--prefetch", "{}"], in_range(int, 0, 64)),
+    "--half-life": (["profile", "record", "-m", MISSING, "--prompts", __file__, "-w", "w", "-o", "{out}",
+                     "--half-life", "{}"], in_range(float, 0, low_open=True)),
+    "--top": (["profile", "show", "{missing}", "--top", "{}"], in_range(int, 0, 2 ** 31)),
+    "--budget": (["profile", "show", "{missing}", "--budget", "{}"], valid_size),
+    "info --memory-budget": (["info", "-m", MISSING, "--memory-budget", "{}"], valid_size),
+    "replay --cache-experts": (["trace", "replay", "{missing}", "--cache-experts", "{}"], in_range(int, 1)),
+    "--num-layers": (["trace", "import", "vllm", "{missing}", "-o", "{out}", "--num-layers", "{}"],
+                     in_range(int, 1, 2 ** 16)),
+    "--num-experts": (["trace", "import", "vllm", "{missing}", "-o", "{out}", "--num-experts", "{}"],
+                      in_range(int, 1, 2 ** 16)),
+    "--top-k": (["trace", "import", "vllm", "{missing}", "-o", "{out}", "--top-k", "{}"], in_range(int, 1, 2 ** 16)),
+    "from-trace --half-life": (["profile", "from-trace", "{missing}", "-o", "{out}", "--half-life", "{}"],
+                               in_range(float, 0, low_open=True)),
+    "--weights": (["profile", "merge", "{missing}", "{missing}", "-o", "{out}", "--weights", "{}"],
+                  lambda text: all(number(x, float) is not None and number(x, float) >= 0 for x in text.split(","))
+                  and len(text.split(",")) == 2 and any(number(x, float) for x in text.split(","))),
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_fuzz_numeric_options(option, tmp_path):
+    rng = random.Random(option)
+    args, valid = OPTIONS[option]
+    flag = option.split()[-1]
+    accepted = refused = 0
+    for i in range(CASES):
+        if option == "--weights":
+            text = ",".join(number_text(rng) for _ in range(rng.choice([1, 2, 2, 2, 3])))
+        else:
+            text = number_text(rng)
+        line = [a.format(text, out=tmp_path / "out.json", missing=tmp_path / "missing") if "{" in a else a
+                for a in args]
+        with deadline(CASE_SECONDS, f"{option} {text!r}"):
+            code, _, err = run_cli(*line)
+        lines = [x for x in err.splitlines() if x.strip()]
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (option, text, code, err)
+        names_option = flag in lines[0]
+        assert names_option != valid(text), (option, text, err)  # refused exactly the invalid values, naming it
+        accepted += not names_option
+        refused += names_option
+        assert not (tmp_path / "out.json").exists()
+    print(f"\nfuzz {option}: {CASES} cases, {accepted} accepted (then stopped at the missing model or file), "
+          f"{refused} refused naming {flag}")

@@ -1,0 +1,264 @@
+"""Issue 15's reproductions, one test per item (thread safety, item 11, is tested with the
+API lock): each bad input ends in one clean error that names the file or option."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import mlxmoe
+from mlxmoe.cli import main
+from mlxmoe.errors import MlxmoeError
+from mlxmoe.loader import DEMO_MODEL
+from mlxmoe.profile import ActivationProfile
+from mlxmoe.trace import read_trace
+
+
+@pytest.fixture
+def demo(tmp_path):
+    """A copy of the bundled demo checkpoint to damage."""
+    return shutil.copytree(DEMO_MODEL, tmp_path / "c")
+
+
+def assert_cli_error(cli, args, *needles):
+    code, err = cli(*args)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in err, err
+
+
+# 1
+def test_negative_seed_is_refused(cli):
+    assert_cli_error(cli, ["generate", "-p", "hi", "--seed", "-1"], "--seed")
+
+
+# 2
+@pytest.mark.parametrize("damage", ["no tokenizer", "tokenizer not JSON", "tokenizer a folder", "config a folder",
+                                    "top-k a string"])
+def test_broken_tokenizer_or_config_is_named(demo, damage):
+    if damage == "no tokenizer":
+        (demo / "tokenizer.json").unlink()
+        where = str(demo)
+    elif damage == "tokenizer not JSON":
+        (demo / "tokenizer.json").write_text("{x")
+        where = "tokenizer.json"
+    elif damage == "tokenizer a folder":
+        (demo / "tokenizer.json").unlink()
+        (demo / "tokenizer.json").mkdir()
+        where = "tokenizer.json"
+    elif damage == "config a folder":
+        (demo / "config.json").rename(demo / "saved")
+        (demo / "config.json").mkdir()
+        where = "config.json"
+    else:
+        config = json.loads((demo / "config.json").read_text())
+        config["num_experts_per_tok"] = "2"
+        (demo / "config.json").write_text(json.dumps(config))
+        where = "num_experts_per_tok"
+    with pytest.raises(MlxmoeError, match=where.replace(".", r"\.")):
+        mlxmoe.load(str(demo), cache_experts=8, prewarm=False)
+
+
+# 3
+def test_a_fifo_shard_is_refused_not_waited_on(demo):
+    shard = demo / "model.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)
+    r = subprocess.run([sys.executable, "-m", "mlxmoe", "info", "-m", str(demo)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert str(shard) in r.stderr and "regular file" in r.stderr
+
+
+def profile_file(tmp_path, name="p.json", L=2, E=4, **fields):
+    p = ActivationProfile(L, E, 2, model="m", model_fingerprint="fp", workload="w")
+    p.tick(4)
+    p.observe(0, [1, 2])
+    data = p.to_json()
+    data.update(fields)
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+# 4
+def test_merge_never_writes_what_load_refuses(tmp_path, cli):
+    a, b = profile_file(tmp_path, "a.json"), profile_file(tmp_path, "b.json")
+    code, err = cli("profile", "merge", a, b, "--weights", "1e308,1e308", "-o", tmp_path / "m.json")
+    assert code == 0, err
+    m = ActivationProfile.load(tmp_path / "m.json")
+    assert np.isfinite(m.tokens) and m.tokens > 0
+    np.testing.assert_allclose(m.rates(), ActivationProfile.load(a).rates(), atol=1e-4)
+    # counts of 1e308 overflow a merge: refused, nothing written
+    c = profile_file(tmp_path, "c.json", counts=[[1e308] * 4, [1e308] * 4], tokens=1e-300)
+    assert_cli_error(cli, ["profile", "merge", c, c, "-o", tmp_path / "n.json"], "n.json")
+    assert not (tmp_path / "n.json").exists()
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["a.json", "b.json", "c.json", "m.json"]
+
+
+# 5
+@pytest.mark.parametrize("field,value", [("workload", 123), ("expert_bytes", "lots"), ("resident_bytes", "x"),
+                                         ("model", ["m"]), ("top_k", 2.5), ("tokens_total", -1)])
+def test_profile_fields_of_the_wrong_type_are_refused_at_load(tmp_path, field, value):
+    path = profile_file(tmp_path, **{field: value})
+    with pytest.raises(MlxmoeError, match=field) as e:
+        ActivationProfile.load(path)
+    assert str(path) in str(e.value)
+
+
+# 6
+def test_huge_claims_and_deep_json_are_refused_cheaply(tmp_path):
+    path = profile_file(tmp_path, num_layers=10 ** 9, num_experts=10 ** 9)
+    with pytest.raises(MlxmoeError, match="more than"):
+        ActivationProfile.load(path)
+    (tmp_path / "deep.json").write_text("[" * 100000)
+    with pytest.raises(MlxmoeError, match="deep.json"):
+        ActivationProfile.load(tmp_path / "deep.json")
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:  # sparse: refused from its size, never read
+        f.truncate(1 << 30)
+    with pytest.raises(MlxmoeError, match="too large"):
+        ActivationProfile.load(big)
+
+
+# 7
+@pytest.mark.parametrize("header,lines,needle", [
+    ({"num_layers": 2, "num_experts": -1}, [], "num_experts"),
+    ({"num_layers": 2, "num_experts": 4}, [{"s": 0, "t": 0, "l": 0, "e": [1], "p": ["NaN"]}], "p must be finite"),
+    ({"num_layers": 2, "num_experts": 4}, [{"s": 0, "t": 0, "l": 0, "e": [1], "r": [0.1, "NaN", 0, 0]}],
+     "r must be finite"),
+    ({"num_layers": 2, "num_experts": 4}, [{"s": 0, "t": 0, "l": 0, "e": []}], "experts"),
+    ({"num_layers": 2, "num_experts": 4}, [{"s": 0, "t": 0, "l": 0, "e": [1], "n": 10 ** 9}], "n = "),
+    ({"num_layers": 2, "num_experts": 4}, [{"s": 0, "t": 0, "l": 0, "e": [1], "n": 2}], "n = 2"),
+    ({"num_layers": 2, "num_experts": 4}, [], "no routing lines"),
+])
+def test_malformed_traces_are_refused(tmp_path, header, lines, needle):
+    path = tmp_path / "t.jsonl"
+    text = json.dumps({"format": "mlxmoe.trace/1", **header}) + "\n"
+    text += "".join(json.dumps(line).replace('"NaN"', "NaN") + "\n" for line in lines)
+    path.write_text(text)
+    with pytest.raises(MlxmoeError, match=needle) as e:
+        read_trace(path)
+    assert str(path) in str(e.value)
+
+
+# 8
+def test_show_json_is_strict_json(tmp_path, cli, capsys):
+    bad = profile_file(tmp_path, "bad.json", curve={"lru": [[2, float("nan")]]})
+    assert_cli_error(cli, ["profile", "show", bad, "--json"], "bad.json", "curve")
+    good = profile_file(tmp_path, "good.json", curve={"lru": [[2, 0.5], [8, 1.0]]})
+    r = CliRunner().invoke(main, ["profile", "show", str(good), "--json"])
+    assert r.exit_code == 0, r.output
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    assert json.loads(r.output, parse_constant=refuse)["curve"]["lru"] == [[2, 0.5], [8, 1.0]]
+
+
+# 9
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "-p", "hi", "--memory-budget", "99999999999999999999999GB"], "--memory-budget"),
+    (["generate", "-p", "hi", "--memory-budget", "42Mb"], "units: B, K/KB/KiB"),
+    (["generate", "-p", "hi", "--cache-size", "2MB", "--cache-experts", "8"], "--cache-size and --cache-experts"),
+    (["generate", "-p", "hi", "--temp", "-1"], "--temp"),
+    (["generate", "-p", "hi", "--temp", "nan"], "--temp"),
+    (["generate", "-p", "hi", "--top-p", "5"], "--top-p"),
+    (["info", "--memory-budget", "1e99GB"], "--memory-budget"),
+])
+def test_bad_option_values_are_refused(cli, args, needle):
+    assert_cli_error(cli, args, needle)
+
+
+def test_exclusive_prompt_sources_and_missing_parent(cli, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    chats = tmp_path / "c.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert_cli_error(cli, ["trace", "record", "--prompts", prompts, "--chats", chats, "-o", tmp_path / "t.jsonl"],
+                     "--prompts and --chats")
+    assert_cli_error(cli, ["convert", DEMO_MODEL, tmp_path / "missing" / "dst", "--bundle"],
+                     str(tmp_path / "missing"))
+    assert not (tmp_path / "missing").exists()
+
+
+# 10
+def test_stale_partials_of_dead_writers_are_removed_at_start(tmp_path):
+    from mlxmoe.files import check_writable, clean_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    target = tmp_path / "p.json"
+    stale = [tmp_path / f"p.json.{dead}-abc.tmp", tmp_path / f"p.json.{dead}-trace.tmp.{dead}-x1.tmp"]
+    live = tmp_path / f"p.json.{os.getpid()}-mine.tmp"  # a writer still running: kept
+    others = [tmp_path / "p.json.bak", tmp_path / f"q.json.{dead}-abc.tmp"]  # not ours: kept
+    for f in stale + [live] + others:
+        f.write_text("x")
+    (tmp_path / f".dst.{dead}-zz.partial").mkdir()
+    (tmp_path / f".dst.{dead}-zz.partial" / "model.safetensors").write_text("x")
+    check_writable(target)
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted(f.name for f in [live] + others + [
+        tmp_path / f".dst.{dead}-zz.partial"])
+    assert clean_stale(tmp_path / "dst") == [tmp_path / f".dst.{dead}-zz.partial"]
+
+
+def test_interrupt_at_the_first_save_keeps_the_recording(tmp_path, monkeypatch):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\nIl gatto\n")
+    save = ActivationProfile.save
+
+    def interrupted_save(self, path):  # Ctrl-C arrives while the profile is written
+        os.kill(os.getpid(), signal.SIGINT)
+        save(self, path)
+
+    monkeypatch.setattr(ActivationProfile, "save", interrupted_save)
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(main, ["profile", "record", "--prompts", str(prompts), "-w", "x", "-o", str(out),
+                                  "--max-tokens", "4", "--cache-experts", "16"])
+    assert r.exit_code == 0, r.output
+    assert ActivationProfile.load(out).tokens_total > 0
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["p.json", "p.txt"]
+
+
+def test_sigterm_is_handled_like_ctrl_c(tmp_path):
+    """SIGTERM during a recording saves what was recorded, as Ctrl-C does."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(["Il gatto e la volpe"] * 200) + "\n")
+    out = tmp_path / "p.json"
+    proc = subprocess.Popen([sys.executable, "-m", "mlxmoe", "profile", "record", "--prompts", str(prompts), "-w",
+                             "x", "-o", str(out), "--max-tokens", "16", "--cache-experts", "16"],
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # the progress bar starts: prompts are running
+        if "recording" in line:
+            break
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 0, err
+    assert "Traceback" not in err and "keeping what was recorded" in err
+    assert ActivationProfile.load(out).tokens_total > 0
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["p.json", "p.txt"]
+
+
+# 12
+def test_a_shard_changed_since_load_is_named(demo):
+    model, tokenizer = mlxmoe.load(str(demo), cache_experts=8, prefetch=0)
+    try:
+        mlxmoe.generate(model, tokenizer, "hello", max_tokens=3)
+        shard = demo / "model.safetensors"
+        st = shard.stat()
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))
+        with pytest.raises(MlxmoeError, match="changed on disk") as e:
+            mlxmoe.generate(model, tokenizer, "Il gatto e la volpe sono", max_tokens=20)
+        assert str(shard) in str(e.value)
+    finally:
+        model.expert_cache.close()

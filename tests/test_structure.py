@@ -1,0 +1,78 @@
+"""Module structure: no import cycles among mlxmoe's modules, each importable on its own."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import mlxmoe
+
+PACKAGE = Path(mlxmoe.__file__).parent
+
+
+def imports_of(path):
+    """The mlxmoe modules `path` imports, at module level or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                if node.module:
+                    out.add(node.module.split(".")[0])
+                else:
+                    out.update(a.name for a in node.names)
+            elif node.module and node.module.startswith("mlxmoe."):
+                out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("mlxmoe."))
+    return out
+
+
+def graph():
+    modules = {p.stem: p for p in PACKAGE.glob("*.py")}
+    return {m: sorted(imports_of(p) & set(modules) - {m, "__init__"}) for m, p in modules.items() if m != "__init__"}
+
+
+def find_cycle(edges):
+    """A cycle [a, b, ..., a] in the graph `edges`, or None."""
+    state = {}
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in edges.get(node, ()):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt, path + [nxt])
+                if cycle:
+                    return cycle
+        state[node] = "done"
+        return None
+
+    for node in sorted(edges):
+        if node not in state:
+            cycle = visit(node, [node])
+            if cycle:
+                return cycle
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b", "c"], "b": ["c"], "c": []}) is None
+
+
+def test_no_import_cycle():
+    edges = graph()
+    assert "profile" in edges and "trace" in edges
+    assert find_cycle(edges) is None, f"import cycle: {' -> '.join(find_cycle(edges))}"
+    assert "trace" not in edges["profile"]
+
+
+def test_each_module_imports_in_a_fresh_interpreter():
+    # in both orders for the pair that once formed a cycle, then every module on its own
+    modules = ["mlxmoe.profile, mlxmoe.trace", "mlxmoe.trace, mlxmoe.profile"] + [
+        f"mlxmoe.{m}" for m in sorted(graph()) if m != "__main__"]
+    code = "; ".join(f"subprocess.run([sys.executable, '-c', 'import {m}'], check=True)" for m in modules)
+    r = subprocess.run([sys.executable, "-c", f"import subprocess, sys; {code}"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
