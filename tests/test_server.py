@@ -136,6 +136,22 @@ def test_usage_stats_models_health(server):
     assert "mlxmoe" in chunks[-1].usage.model_extra
 
 
+def test_stop_seed_logprobs_reach_mlx_lm(server):
+    # mlx-lm's stop handling: a stop string ends the response where its tokens are the ones
+    # generated ("\n" here; stock mlx_lm.server does the same), elsewhere it is cut from the text
+    free = server.client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert "\n" in free.choices[0].text
+    cut = server.client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=["\n"])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == free.choices[0].text.split("\n")[0]
+    sampled = [server.client.completions.create(model="demo", prompt=PROMPTS[1], max_tokens=16, temperature=1.0,
+                                                seed=s).choices[0].text for s in (7, 7, 8)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    r = server.client.chat.completions.create(model="demo", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                              max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(c.logprob <= 0 and len(c.top_logprobs) == 2 for c in content)
+
+
 def test_anthropic_messages(server, local):
     model, tok = local
     body = {"model": "demo", "max_tokens": 16, "system": "You are brief.",
