@@ -265,13 +265,18 @@ def test_profiles_matched_per_request_and_named(tmp_path):
         assert s.stop() == 0
 
 
-def test_sigterm_during_a_request_saves_the_profiles(tmp_path):
+def test_profiles_saved_every_n_requests_and_at_sigterm_mid_request(tmp_path):
     folder = copy_profiles(tmp_path)
     before = {n: ActivationProfile.load(folder / f"{n}.json").tokens_total for n in ("italian", "english")}
-    s = Server("--profiles", folder, "--save-profiles", "--save-every", 0)
+    s = Server("--profiles", folder, "--save-profiles", "--save-every", 2)
     try:
-        assert s.json("POST", "/v1/completions", {"prompt": "Il gatto", "max_tokens": 4,
-                                                  "mlxmoe": {"profile": "italian"}})[0] == 200
+        for i in range(2):
+            assert s.json("POST", "/v1/completions", {"prompt": "Il gatto", "max_tokens": 4,
+                                                      "mlxmoe": {"profile": "italian"}})[0] == 200
+        tic = time.monotonic()  # written every 2 requests, just after the second's response
+        while ActivationProfile.load(folder / "italian.json").tokens_total == before["italian"]:
+            assert time.monotonic() - tic < 10
+            time.sleep(0.05)
         sock = open_stream(s.port, "/v1/completions", {"prompt": PROMPTS[6], "max_tokens": 3000, "stream": True,
                                                        "mlxmoe": {"profile": "english"}})
         assert s.stop(signal.SIGTERM) == 0
