@@ -44,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tests"))  # synthetic.py, the test checkpoints' builder
 
 from system import disk_read_bytes, drop_page_cache, meminfo_cached  # noqa: E402
 
@@ -89,7 +90,7 @@ def dd_direct(files):
 
 
 def ensure_checkpoint(path, layers):
-    from mlxmoe import synthetic
+    import synthetic
 
     path = Path(path)
     if (path / "config.json").exists() and (path / "model.safetensors.index.json").exists():

@@ -93,11 +93,12 @@ def record_demo_traces(prompts=16, tokens=64):
     return paths
 
 
-def demo(args):
+def recorded(args):
     results = {}
     for path in args.traces:
         header, records = read_trace(path)
-        results[Path(path).name] = table(f"demo model, {Path(path).name}", header, records)
+        results[Path(path).name] = table(f"{header.get('model') or 'trace'}, {Path(path).name}", header, records,
+                                         args.shares)
     return results
 
 
@@ -108,11 +109,16 @@ def main():
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--traces", nargs="*", default=[], help="Recorded mlxmoe.trace/1 files to include.")
     ap.add_argument("--demo", action="store_true", help="Record (once) and include the demo model's traces.")
+    ap.add_argument("--shares", type=lambda s: tuple(float(x) for x in s.split(",")), default=SHARES,
+                    help="Cache sizes of the recorded traces, as shares of all experts (default 0.25,0.5,0.75; "
+                         "a trace of a few hundred tokens of a 128-expert model reaches Belady's ceiling "
+                         "by 0.5: use smaller shares there).")
+    ap.add_argument("--no-synthetic", dest="synthetic", action="store_false", help="Only the recorded traces.")
     args = ap.parse_args()
     OUT.mkdir(exist_ok=True)
     if args.demo:
         args.traces += record_demo_traces()
-    out = {"synthetic": synthetic(args), "demo": demo(args) if args.traces else {}}
+    out = {"synthetic": synthetic(args) if args.synthetic else [], "recorded": recorded(args) if args.traces else {}}
     (OUT / "policies.json").write_text(json.dumps(out, indent=1))
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # synthetic.py, the test checkpoints' builder
 
 from system import disk_read_bytes, drop_page_cache, proc_status  # noqa: E402
 ROOT = HERE.parent
@@ -285,7 +286,7 @@ def optimal_loads(trace, capacity):
 def run_one(args):
     config = args.one
     if config == "build":
-        from mlxmoe.synthetic import build_large_checkpoint
+        from synthetic import build_large_checkpoint
 
         tic = time.perf_counter()
         build_large_checkpoint(args.checkpoint, num_layers=args.layers, num_experts=args.experts, top_k=args.top_k,

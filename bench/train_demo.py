@@ -68,9 +68,10 @@ PAGE_CAP = 16_000        # characters kept of one man page (bash(1) alone is 300
 HELDOUT_PERCENT = 5
 
 # Special tokens get the first ids; <|im_end|> ends a chat turn, <|endoftext|> a document.
-# The same tokens and ChatML template as the test checkpoints (mlxmoe/synthetic.py).
+# The same tokens and ChatML template as the test checkpoints (tests/synthetic.py).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlxmoe.synthetic import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from synthetic import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
 
 EOT, IM_START, IM_END = SPECIAL_TOKENS
 

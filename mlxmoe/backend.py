@@ -15,7 +15,7 @@ FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 @dataclass
 class Backend:
     name: str  # "cpu" | "metal" | "cuda"
-    # On CPU, bf16/f16 matmuls are 8-40x slower than float32 (mlx-notes): compute in
+    # On CPU, MLX's bf16/f16 matmuls are 8-40x slower than float32: compute in
     # float32 there, keep the checkpoint's dtype on GPUs.
     compute_dtype: mx.Dtype = None
     # On CPU a prefill step's attention scores and probabilities are whole arrays (queries

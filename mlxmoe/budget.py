@@ -1,6 +1,7 @@
 """Memory sizes: parse them, read the machine's, and split a budget into resident
 weights, KV cache reserve, working memory and the expert cache."""
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -38,10 +39,12 @@ def parse_size(value, what="size"):
     return int(n)
 
 
-def format_size(n):
+def format_size(n, rounding=round):
+    """Bytes in the units parse_size reads (1 MB = 2**20 bytes), to 0.1 of the unit. A
+    minimum is shown with rounding=math.ceil, so that the size shown, typed back, is enough."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+            return f"{rounding(n):.0f} {unit}" if unit == "B" else f"{rounding(n * 10) / 10:.1f} {unit}"
         n /= 1024
 
 
@@ -119,12 +122,13 @@ def plan(budget, resident, slot_bytes, min_experts, kv_reserve, working, cache_s
     if budget is None and slots is None:
         budget = int((memory or machine_memory()) * DEFAULT_SHARE)
         if budget < minimum:
-            raise MlxmoeError(f"this model needs at least {format_size(minimum)}; {format_size(budget)} is "
+            raise MlxmoeError(f"this model needs at least {format_size(minimum, math.ceil)}; {format_size(budget)} is "
                               f"{DEFAULT_SHARE:.0%} of this machine's memory. Pass --memory-budget to use more.")
     if budget is not None and budget < minimum:
         raise MlxmoeError(
-            f"memory budget {format_size(budget)} is below the minimum of {format_size(minimum)}"
-            f"{f' ({minimum - budget} B short)' if format_size(budget) == format_size(minimum) else ''} for this model "
+            f"memory budget {format_size(budget)} is below the minimum of {format_size(minimum, math.ceil)}"
+            f"{f' ({minimum - budget} B short)' if format_size(budget) == format_size(minimum, math.ceil) else ''} "
+            "for this model "
             f"({format_size(resident)} resident weights + {format_size(kv_reserve)} KV cache + "
             f"{format_size(working)} working memory + {min_experts} experts of {format_size(slot_bytes)})")
     if slots is None:

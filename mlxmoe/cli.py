@@ -318,7 +318,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
 @model_options
 @sampling_options
 @click.option("--system-prompt", help="System message for the chat template.")
-@click.option("--repetition-penalty", type=click.FloatRange(min=1.0), default=1.3, show_default=True,
+@click.option("--repetition-penalty", type=Number(float, 1.0), default=1.3, show_default=True,
               help="Penalty on tokens of the last 64 (mlx-lm's): keeps small models out of loops; 1 turns it off.")
 @save_profile_option
 def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_p, seed, **opts):
@@ -435,8 +435,8 @@ def info(model_path, memory_budget, backend, as_json):
                f"({format_size(out['expert_bytes_on_disk'])} on disk); all experts {format_size(out['all_experts_bytes'])}")
     click.echo(f"  resident weights: {format_size(out['resident_bytes'])}, KV reserve {format_size(out['kv_reserve_bytes'])}, "
                f"working memory {format_size(out['working_bytes'])}")
-    click.echo(f"  smallest budget that works: {format_size(out['minimum_budget'])}; "
-               f"everything resident: {format_size(out['all_resident_budget'])}")
+    click.echo(f"  smallest budget that works: {format_size(out['minimum_budget'], math.ceil)}; "
+               f"everything resident: {format_size(out['all_resident_budget'], math.ceil)}")
     if memory_budget:
         b = out["budget"]
         click.echo(f"  {memory_budget} buys {b['cache_experts']} experts ({format_size(b['cache_bytes'])}), "
@@ -539,8 +539,11 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
                     return
                 live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
             if live.tokens_total:
-                click.echo("predicting the hit rate at each cache size...", err=True)
-                curve = predicted_curve(*read_trace(opts["trace_out"]))
+                header, records = read_trace(opts["trace_out"])
+                with click.progressbar(ONLINE, label="predicting the hit rate at each cache size, policy by policy",
+                                       file=sys.stderr) as policies:
+                    curve = {name: points for policy in policies
+                             for name, points in predicted_curve(header, records, [policy]).items()}
                 with signals_deferred():
                     live.curve = curve
                     live.save(out)
@@ -672,7 +675,7 @@ def profile_merge(files, out, weights, workload):
 
     check_writable(out)
     try:
-        w = [float(x) for x in weights.split(",")] if weights else None
+        w = [float(x) for x in weights.split(",")] if weights is not None else None
     except ValueError:
         raise click.BadParameter("give numbers separated by commas", param_hint="--weights") from None
     if w is not None and (len(w) != len(files) or not all(math.isfinite(x) and x >= 0 for x in w) or not any(w)):

@@ -2,7 +2,7 @@
 
 We parse the headers ourselves (8-byte little-endian length + JSON) so that reading an
 expert never touches the other experts of a stacked tensor (`mx.load(...)[name][e]`
-reads the whole tensor, see mlx-notes).
+reads the whole tensor).
 
 Three IO modes (`ExpertStore(path, io=...)`, `mlxmoe --io`):
 

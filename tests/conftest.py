@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-from mlxmoe import synthetic
+import synthetic
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 checkpoint larger than itself; bytes read are the bytes of the misses."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -63,6 +64,19 @@ def test_plan_splits_and_refuses():
     with pytest.raises(MlxmoeError, match="does not fit"):
         plan(100_000, resident=20_000, slot_bytes=1_000, min_experts=4, kv_reserve=10_000, working=5_000,
              cache_experts=80)
+
+
+def test_refused_budget_and_minimum_never_print_alike():
+    """The minimum is shown rounded up (typed back, it is enough); a budget that prints like it
+    says how many bytes it lacks."""
+    fixed = dict(resident=20_000, slot_bytes=1_000, min_experts=4, kv_reserve=10_000, working=5_000)
+    minimum = plan(100_000, **fixed).minimum
+    for budget in range(minimum - 200, minimum):
+        with pytest.raises(MlxmoeError) as e:
+            plan(budget, **fixed)
+        shown = re.search(r"budget (.+?) is below the minimum of (.+?)( \(\d+ B short\))? for", str(e.value))
+        assert shown.group(1) != shown.group(2) or shown.group(3) == f" ({minimum - budget} B short)", str(e.value)
+        assert plan(parse_size(shown.group(2).replace(" ", "")), **fixed).cache_experts >= 4
 
 
 def test_cache_capped_at_every_expert_within_a_budget():

@@ -11,6 +11,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 
@@ -143,3 +144,38 @@ def test_readme_main_command_runs(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert 0 < json.loads(stats.read_text())["cache_experts"] < 128
+
+
+def test_first_run_says_why_it_pauses(tmp_path):
+    """On CPU, before MLX has compiled its kernels (none cached under TMPDIR: a first run),
+    one line says why the first token is slow; once they are cached, nothing is said."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    notices = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-m", "mlxmoe", "generate", "--prompt", "Il file", "--max-tokens", "2"],
+                           env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        notices.append([l for l in r.stderr.splitlines() if "MLX compiles its CPU kernels" in l])
+    if mx.metal.is_available() or mx.cuda.is_available():
+        assert notices == [[], []]
+    else:
+        assert len(notices[0]) == 1 and notices[1] == []
+
+
+def test_chat_greeting_does_not_loop():
+    """With chat's default sampling (greedy with mlx-lm's repetition penalty) the demo model
+    answers a greeting without a degenerate loop; with the penalty off it is plain greedy."""
+    from click.testing import CliRunner
+
+    from mlxmoe.cli import main
+
+    replies = []
+    for flags in ([], ["--repetition-penalty", "1"]):
+        r = CliRunner().invoke(main, ["chat", "--max-tokens", "64", *flags], input="hello\n/quit\n")
+        assert r.exit_code == 0, r.output
+        replies.append(r.stdout.split(">> ", 2)[1].rsplit(">>", 1)[0])
+    words = replies[0].split()
+    assert words and max(words.count(w) for w in set(words)) <= len(words) // 3 + 1, replies[0]
+    model, tokenizer = mlxmoe.load(None, cache_experts=8)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    assert replies[1].strip() == mlxmoe.generate(model, tokenizer, prompt, max_tokens=64).strip()

@@ -371,6 +371,7 @@ OPTIONS = {
     "--seed": (["generate", "-m", MISSING, "-p", "hi", "--seed", "{}"], in_range(int, 0, 2 ** 64 - 1)),
     "--memory-budget": (["generate", "-m", MISSING, "-p", "hi", "--memory-budget", "{}"], valid_size),
     "--cache-size": (["chat", "-m", MISSING, "--cache-size", "{}"], valid_size),
+    "--repetition-penalty": (["chat", "-m", MISSING, "--repetition-penalty", "{}"], in_range(float, 1)),
     "--cache-experts": (["generate", "-m", MISSING, "-p", "hi", "--cache-experts", "{}"], in_range(int, 1)),
     "--prefetch": (["generate", "-m", MISSING, "-p", "hi", "--prefetch", "{}"], in_range(int, 0, 64)),
     "--half-life": (["profile", "record", "-m", MISSING, "--prompts", __file__, "-w", "w", "-o", "{out}",

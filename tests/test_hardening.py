@@ -174,6 +174,8 @@ def test_show_json_is_strict_json(tmp_path, cli, capsys):
     (["generate", "-p", "hi", "--temp", "nan"], "--temp"),
     (["generate", "-p", "hi", "--top-p", "5"], "--top-p"),
     (["info", "--memory-budget", "1e99GB"], "--memory-budget"),
+    (["profile", "merge", "a.json", "b.json", "-o", "m.json", "--weights", ""], "--weights"),
+    (["chat", "--repetition-penalty", "nan"], "--repetition-penalty"),
 ])
 def test_bad_option_values_are_refused(cli, args, needle):
     assert_cli_error(cli, args, needle)

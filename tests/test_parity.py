@@ -5,7 +5,7 @@ import mlx_lm
 import pytest
 
 import mlxmoe
-from mlxmoe import synthetic
+import synthetic
 from mlxmoe.backend import detect
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"

@@ -208,6 +208,8 @@ def test_record_show_diff_merge_cli(checkpoint, tmp_path):
         r = runner.invoke(main, ["profile", "record", "--model", str(path), "--prompts", str(prompts), "--workload",
                                  f"{name} text", "-o", str(tmp_path / f"{name}.json"), "--max-tokens", "12"])
         assert r.exit_code == 0, r.output
+        assert "recording 2 prompts" in r.stderr
+        assert "predicting the hit rate at each cache size, policy by policy" in r.stderr
     p = ActivationProfile.load(tmp_path / "it.json")
     assert p.workload == "it text" and p.tokens_total > 20 and set(p.curve) == set(ONLINE)
     r = runner.invoke(main, ["profile", "show", str(tmp_path / "it.json"), "--png", str(tmp_path / "h.png")])
@@ -220,6 +222,15 @@ def test_record_show_diff_merge_cli(checkpoint, tmp_path):
                              str(tmp_path / "both.json"), "--weights", "1,1"])
     assert r.exit_code == 0
     assert ActivationProfile.load(tmp_path / "both.json").workload == "it text + en text"
+
+
+def test_trace_record_says_one_prompt(checkpoint, tmp_path):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    (tmp_path / "p.txt").write_text("The cat sleeps on the sofa\n")
+    r = CliRunner().invoke(main, ["trace", "record", "--model", str(path), "--prompts", str(tmp_path / "p.txt"),
+                                  "-o", str(tmp_path / "t.jsonl"), "--max-tokens", "4"])
+    assert r.exit_code == 0, r.output
+    assert "tracing 1 prompt" in r.stderr and "1 prompts" not in r.stderr
 
 
 def test_record_half_life_fresh_counts_and_bad_paths(checkpoint, tmp_path, monkeypatch):

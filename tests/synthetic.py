@@ -4,8 +4,10 @@ Builds tiny (and optionally large) random checkpoints with mlx-lm's own model
 classes, quantization and save functions, plus a byte-level BPE tokenizer
 trained locally, so tests and benchmarks never need the Hugging Face hub.
 
-    python -m mlxmoe.synthetic --arch qwen3_moe --out /tmp/tiny --quant 4bit
-    python -m mlxmoe.synthetic --large --out /tmp/large --num-layers 4
+A test fixture (tests/conftest.py), also used by bench/; not part of the package.
+
+    python tests/synthetic.py --arch qwen3_moe --out /tmp/tiny --quant 4bit
+    python tests/synthetic.py --large --out /tmp/large --num-layers 4
 """
 
 import argparse
