@@ -191,7 +191,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
             cache.prewarm(prewarm_order(prof, prof.num_layers, prof.num_experts, cache.capacity))
         with cache.lock:
             cache.policy.set_prior(rates)
-            if cache.prefetcher is not None and cache.prefetcher.hottest is not None:
+            if cache.prefetcher is not None:  # as a load with this profile would have it
                 cache.prefetcher.hottest = hottest_per_layer(rates, cache.prefetcher.top_k)
 
     def stats(self):
