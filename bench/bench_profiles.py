@@ -174,7 +174,8 @@ def bookkeeping(model_path, prompt, tokens=128, share=0.5, **load_kwargs):
     cache.close()
     return {"bookkeeping_seconds": s["bookkeeping_seconds"], "generate_seconds": elapsed,
             "share": s["bookkeeping_seconds"] / elapsed, "tokens_per_second": n / elapsed,
-            "layer_calls": n * len(s["resident_per_layer"])}
+            "layer_calls": n * len(s["resident_per_layer"]), "hit_rate": s["hit_rate"],
+            "loads_demand": s["loads_demand"], "prefetch_useful": s["prefetch_useful"]}
 
 
 def decode_timed(generate_fn, model, tokenizer, prompt, tokens):
@@ -240,7 +241,8 @@ def bookkeeping_section(model_path, prompt, out, runs=3):
         out["bookkeeping"][label] = dict(b, runs=rs)
         print(f"  {label:>32}: {1000 * b['bookkeeping_seconds']:.1f} ms of {1000 * b['generate_seconds']:.1f} ms: "
               f"{100 * b['share']:.2f}%, {1e6 * b['bookkeeping_seconds'] / b['layer_calls']:.0f} us per layer call "
-              f"({b['tokens_per_second']:.1f} tok/s including the prompt)")
+              f"({b['tokens_per_second']:.1f} tok/s including the prompt; hit rate {100 * b['hit_rate']:.1f}%, "
+              f"{b['loads_demand']} demand loads, {b['prefetch_useful']} useful prefetches)")
     r = out["resident_vs_stock"] = resident_vs_stock(model_path, prompt)
     print(f"  every expert resident: mlxmoe {r['resident_tps']:.1f} tok/s, stock mlx-lm + dtype policy "
           f"{r['stock_tps']:.1f} tok/s (decode, median of {len(r['runs']['mlxmoe'])} alternated rounds): "
@@ -316,6 +318,7 @@ def main():
     ap.add_argument("--model", default=str(DEMO_MODEL))
     ap.add_argument("--profiles", default=str(ROOT / "profiles"))
     ap.add_argument("--prompts", type=int, default=4, help="Held-out prompts per language.")
+    ap.add_argument("--runs", type=int, default=3, help="Alternated runs of the bookkeeping section.")
     ap.add_argument("--only-prefetch", action="store_true", help="Run section 4 alone.")
     ap.add_argument("--only-bookkeeping", action="store_true", help="Run section 3 alone (bench/out/bookkeeping.json).")
     ap.add_argument("--only-prior", action="store_true", help="Run section 1's replays with profiles as prior alone.")
@@ -331,7 +334,7 @@ def main():
         prior_replays(profiles)
         return
     if args.only_bookkeeping:
-        bookkeeping_section(args.model, it[0], out)
+        bookkeeping_section(args.model, it[0], out, args.runs)
         (OUT / "bookkeeping.json").write_text(json.dumps(out, indent=1))
         return
     print("1. pre-warm at 50 % cache (Italian prompts)")
@@ -348,7 +351,7 @@ def main():
         print(f"  {policy:>10}: Italian {100 * r['italian']:.1f}%, English steady {100 * r['steady_english']:.1f}%, "
               f"first {r['window']} tokens after the switch {100 * r['first_window_after_switch']:.1f}%, "
               f"back within 2 points after {r['tokens_to_recover']} tokens")
-    bookkeeping_section(args.model, it[0], out)
+    bookkeeping_section(args.model, it[0], out, args.runs)
     prefetch_section(args.model, out)
 
 

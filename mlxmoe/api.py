@@ -1,6 +1,7 @@
 """load / generate / stream_generate with mlx-lm's names and arguments."""
 
 import json
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -207,25 +208,48 @@ def prefill_step(plan, tokenizer, prompt, prompt_cache=None):
     return int(min(PREFILL_STEP, max(16, plan.attention // max(1, keys * plan.attention_per_key))))
 
 
+_lock_guard = threading.Lock()
+
+
+def generation_lock(model):
+    """The lock stream_generate holds on `model` for a whole generation: the expert cache
+    holds one sequence's state (its position, the deferred host work of its last tokens,
+    whose arrays live on the generating thread's stream), so a second thread's generation
+    waits for the first to end or be closed."""
+    with _lock_guard:
+        if getattr(model, "_mlxmoe_generation_lock", None) is None:
+            model._mlxmoe_generation_lock = threading.Lock()  # a plain attribute, not a parameter
+        return model._mlxmoe_generation_lock
+
+
 def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
-    """mlx_lm.stream_generate, recording decode speed in the expert cache's stats."""
+    """mlx_lm.stream_generate, recording decode speed in the expert cache's stats. Holds
+    the model's generation lock from the first response to the last (or close())."""
     cache = getattr(model, "expert_cache", None)
     if "prefill_step_size" not in kwargs:
         kwargs["prefill_step_size"] = prefill_step(getattr(cache, "plan", None), tokenizer, prompt,
                                                    kwargs.get("prompt_cache"))
-    if cache is not None:
-        cache.new_sequence()
-    group = getattr(cache, "group", None)
-    for response in _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
+    lock = generation_lock(model)
+    lock.acquire()
+    try:
         if cache is not None:
-            cache.decode_tps = response.generation_tps
-        if group is not None and distributed.failed_any(group, cache.error):
-            distributed.check(group, cache.error, bound=False)
-        yield response
-    if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
-        cache.flush()
-    if group is not None:
-        distributed.barrier(group)
+            cache.new_sequence()
+        group = getattr(cache, "group", None)
+        for response in _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
+            if cache is not None:
+                cache.decode_tps = response.generation_tps
+            if group is not None and distributed.failed_any(group, cache.error):
+                distributed.check(group, cache.error, bound=False)
+            yield response
+        if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
+            cache.flush()
+        if group is not None:
+            distributed.barrier(group)
+    finally:
+        if cache is not None and cache.deferred:  # closed early: its arrays are this thread's
+            mx.eval([a for _, side in cache.deferred for a in side])
+            cache.flush()
+        lock.release()
 
 
 def generate(model, tokenizer, prompt, verbose=False, **kwargs):

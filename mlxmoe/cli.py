@@ -832,6 +832,42 @@ def convert(src, dst, bundle):
     click.echo(f"wrote {dst}", err=True)
 
 
+@main.command()
+@model_options
+@click.option("--profiles", "profiles_dir", type=click.Path(file_okay=False),
+              help="A folder of profiles (*.json): each request takes the one nearest its prompt's routing "
+              "(or names one: \"mlxmoe\": {\"profile\": NAME} in its body).")
+@click.option("--save-profiles", is_flag=True, help="Keep learning the profiles (--profiles, or --profile) from "
+              "the requests served and write them back at shutdown and every --save-every requests.")
+@click.option("--save-every", type=click.IntRange(min=0), default=16, show_default=True,
+              help="Requests between profile saves (0: only at shutdown).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens per response where a request does not say.")
+@click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sampling temperature where a request does not say.")
+@click.option("--top-p", type=click.FloatRange(0, 1), default=1.0, show_default=True)
+@click.option("--prompt-cache-size", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Conversations whose KV cache is kept for the next request (mlx-lm's prompt cache; memory "
+              "beside the budget, bounded by its KV reserve).")
+def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp, top_p, prompt_cache_size, **opts):
+    """Serve the model over HTTP: OpenAI /v1/chat/completions, /v1/completions and
+    /v1/models, Anthropic /v1/messages, /health and the expert cache's /v1/mlxmoe/stats
+    (mlx-lm's server on mlxmoe's model). Requests queue: one generation at a time."""
+    from .server import serve as run_server
+
+    if profiles_dir and opts["profile_path"]:
+        raise click.UsageError("--profile and --profiles exclude each other")
+    model, tokenizer = _load(opts)
+    try:
+        run_server(model, tokenizer, opts["model_path"] or "mlxmoe-demo", host, port, profiles_dir, save_profiles,
+                   save_every, max_tokens, temp, top_p, prompt_cache_size, opts["force_profile"],
+                   opts["profile_path"])
+    finally:
+        model.expert_cache.close()
+
+
 def _terminate(signum, frame):
     raise Terminated()
 

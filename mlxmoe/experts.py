@@ -96,9 +96,7 @@ class StreamingExperts(nn.Module):
             y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
             inner = time.perf_counter() - inner
             if cache.prefetcher is not None:
-                cache.prefetcher.observe(self._layer, flat[-1].tolist(), decode=decode)
-                if decode:
-                    cache.prefetcher.after_layer(self._layer, looked, cache.tokens)
+                cache.prefetcher.layer_done(self._layer, flat[-1].tolist(), looked, cache.tokens, decode)
             # what this layer added beyond mlx-lm's own work (building and evaluating the
             # model up to the router, building the expert computation) and the reads: the
             # lookahead and router probabilities, routing copies, the policy, remapping

@@ -53,6 +53,11 @@ class Policy:
     def victim(self, protected):
         raise NotImplementedError
 
+    def set_prior(self, prior):
+        """Take another profile's rates as the prior mid-run (a server's per-request
+        profile); False where the policy keeps the one it was built with."""
+        return False
+
 
 def pop_victim(heap, current, key_of, protected):
     """Pop the heap's smallest entry that is `current` (entries go stale when their key
@@ -467,12 +472,26 @@ class Activation(Policy):
         # and the victim is the expert with the largest expected time to next use / cost
         self.miss_cost = np.ones(L)
         self.pinned = set()  # those of the pin candidates the workload bears out (see _hold_pins)
-        self.pin_release = pin_release
-        self.pin_candidates = [np.zeros(0, dtype=np.intp) for _ in range(L)]  # per layer
-        if prior is not None and pin_share > 0:
-            self.pinned = set(hottest(self.prior, int(capacity * pin_share)))
-            for layer in range(L):
-                self.pin_candidates[layer] = np.array(sorted(e for l, e in self.pinned if l == layer), dtype=np.intp)
+        self.pin_release, self.pin_share = pin_release, pin_share
+        self._pin(prior is not None)
+
+    def _pin(self, have_prior):
+        """Pin the prior's hottest experts, pin_share of the cache (none without a prior)."""
+        self.pinned = set(hottest(self.prior, int(self.capacity * self.pin_share))) if have_prior else set()
+        self.pin_candidates = [np.array(sorted(e for l, e in self.pinned if l == layer), dtype=np.intp)
+                               for layer in range(self.num_layers)]
+
+    def set_prior(self, prior):
+        """The prior term, the long-run rates' regulariser and the pins follow the new
+        prior; what the live estimates learnt (F, R, M, U) stays."""
+        self.prior = np.zeros_like(self.prior) if prior is None else np.asarray(prior, dtype=np.float64)
+        self.rows[:, 3, :] = self.prior_weight * self.prior
+        self.rate_terms.clear()
+        self._pin(prior is not None)
+        self._mix(slice(None), out=self.p)
+        for layer in range(self.num_layers):
+            self._head(layer)
+        return True
 
     def tick(self, tokens=1):
         self.call_tokens = tokens  # every layer call until the next tick has this many tokens

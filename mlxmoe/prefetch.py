@@ -91,6 +91,11 @@ class Prefetcher:
         self.workers = workers
         self.paced = None  # (time, the cache's background read seconds) at the last decode step's start
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
+        # scoring and predicting run in this one thread, in the layer calls' order, while
+        # the decode thread goes on (False: on the decode thread, after each layer call)
+        self.off_thread = True
+        self.host = ThreadPoolExecutor(1, thread_name_prefix="mlxmoe-predict")
+        self.host_jobs = []
         self.jobs = []  # futures of queued and running loads
         self.previous = {}  # layer -> experts it used at its last call
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
@@ -109,6 +114,27 @@ class Prefetcher:
         self.hottest = None if prior is None else hottest_per_layer(prior, top_k)
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
+
+    def layer_done(self, layer, experts, looked=None, token=0, decode=True):
+        """A layer call has its experts: observe() what it used, and after a decode step
+        after_layer() predicts the next calls (see off_thread)."""
+        def work():
+            self.observe(layer, experts, decode=decode)
+            if decode:
+                self.after_layer(layer, looked, token)
+
+        if not self.off_thread:
+            return work()
+        done = [j for j in self.host_jobs if j.done()]
+        self.host_jobs = [j for j in self.host_jobs if not j.done()] + [self.host.submit(work)]
+        for job in done:
+            job.result()  # raises a failed one's error
+
+    def settle(self):
+        """Wait for the queued scoring and predicting (raising its error, if any)."""
+        jobs, self.host_jobs = self.host_jobs, []
+        for job in jobs:
+            job.result()
 
     def observe(self, layer, experts, decode=True):
         """The experts `layer` really used (at the last token of the call): score what
@@ -230,12 +256,16 @@ class Prefetcher:
             self.jobs.append(self.pool.submit(self.cache.prefetch, keys, when, target, worth))
 
     def stats(self):
+        self.settle()
         return precision_recall(self.counts)
 
     def drain(self):
-        """Wait until every queued load has ended."""
+        """Wait until every queued prediction and load has ended."""
+        self.settle()
         wait(self.jobs)
         self.jobs = []
 
     def close(self):
+        self.host.shutdown(wait=True, cancel_futures=True)
+        self.host_jobs = []  # what was cancelled is not waited for
         self.pool.shutdown(wait=True, cancel_futures=True)

@@ -105,6 +105,17 @@ class ActivationProfile:
         elif scores is not None:
             self.mass[layer, experts] += scores
 
+    def absorb(self, other):
+        """Learn `other`'s observations as if they came after this profile's (a server's
+        request, recorded apart until its profile was chosen): this one decays by its
+        tokens, then takes its counts."""
+        self.check_compatible(other)
+        d = self._decay ** other.tokens
+        self.counts = self.counts * d + other.counts
+        self.mass = self.mass * d + other.mass
+        self.tokens = self.tokens * d + other.tokens
+        self.tokens_total += other.tokens_total
+
     # Reading
     def rates(self):
         """Per-token use rate of each expert: the prior policies take."""

@@ -369,3 +369,21 @@ def test_interrupted_demand_read_leaves_no_key_with_wrong_bytes(checkpoint):
         assert all(np.array_equal(o, v[cache.slot_of[key]]) for o, v in zip(outs, cache.views))
     assert len(cache.slot_of) + len(cache.free) == cache.capacity
     assert tokens(model, tokenizer) == want
+
+
+def test_predictions_off_the_decode_thread_score_the_same():
+    """The prefetcher's scoring and predicting in their own thread (the default) see the
+    same layer calls in the same order as on the decode thread: the same tokens and the
+    same predictor counts (which depend on the routing alone, not on the timing)."""
+    results = []
+    for off_thread in (False, True):
+        model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL), cache_experts=16)
+        cache = model.expert_cache
+        assert cache.capacity < cache.store.num_layers * cache.store.num_experts / 2
+        cache.prefetcher.off_thread = off_thread
+        out = tokens(model, tokenizer, 24)
+        cache.stats()  # waits for the queued predictions
+        results.append((out, {name: list(c) for name, c in cache.prefetcher.counts.items()}))
+        cache.close()
+    assert results[0] == results[1]
+    assert results[0][1]["router"][1] > 0 and results[0][1]["coactivation"][1] > 0

@@ -1,0 +1,115 @@
+"""Where the decode thread's host time per streamed MoE layer call goes (demo model, 50 %
+cache, default policy and prefetch): each part timed on the decode thread by wrapping it,
+medians of alternated runs, with the prefetcher's scoring and predicting on the decode
+thread and in their own thread (Prefetcher.off_thread). tok_s counts the prompt too. Parts nest (fetch includes its lock wait, the policy and the demand reads);
+`bookkeeping` is the cache's own figure (everything StreamingExperts adds beyond mlx-lm's
+work, reads and the sync excluded).
+
+    python bench/decode_host_time.py [--runs 5] [--tokens 128]
+"""
+
+import argparse
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+
+import mlxmoe
+from bench_profiles import _share, no_eos
+from mlxmoe.cache import ExpertCache
+from mlxmoe.experts import StreamingExperts
+from mlxmoe.prefetch import Prefetcher
+
+PROMPT = "Il gatto dorme sul divano mentre fuori piove, e la nonna racconta"
+PARTS = {"lookahead (graph)": (Prefetcher, "lookahead"), "routing to host": (StreamingExperts, "_routing"),
+         "fetch": (ExpertCache, "fetch"), "prefetch observe": (Prefetcher, "observe"),
+         "prefetch after_layer": (Prefetcher, "after_layer")}
+
+
+class TimedLock:
+    """cache.lock with the decode thread's waits to acquire it timed."""
+
+    def __init__(self, lock, spent, thread):
+        self.lock, self.spent, self.thread = lock, spent, thread
+
+    def acquire(self, *a, **kw):
+        tic = time.perf_counter()
+        got = self.lock.acquire(*a, **kw)
+        if threading.get_ident() == self.thread:
+            self.spent["fetch: lock wait"] += time.perf_counter() - tic
+        return got
+
+    def release(self):
+        self.lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def timed(fn, name, spent, thread):
+    def run(*a, **kw):
+        if threading.get_ident() != thread:
+            return fn(*a, **kw)
+        tic = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent[name] += time.perf_counter() - tic
+    return run
+
+
+def one_run(tokens, off_thread):
+    path = mlxmoe.DEMO_MODEL
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=_share(path, 0.5))
+    cache = model.expert_cache
+    cache.prefetcher.off_thread = off_thread
+    mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=8)
+    cache.reset_stats()
+    spent, thread = defaultdict(float), threading.get_ident()
+    originals = {name: getattr(cls, attr) for name, (cls, attr) in PARTS.items()}
+    for name, (cls, attr) in PARTS.items():
+        setattr(cls, attr, timed(originals[name], name, spent, thread))
+    cache.lock = TimedLock(cache.lock, spent, thread)
+    tic = time.perf_counter()
+    try:
+        n = sum(1 for _ in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=tokens,
+                                                   logits_processors=[no_eos(tokenizer)]))
+    finally:
+        for name, (cls, attr) in PARTS.items():
+            setattr(cls, attr, originals[name])
+    elapsed = time.perf_counter() - tic
+    s = cache.stats()
+    cache.lock = cache.lock.lock
+    cache.close()
+    calls = n * len(s["resident_per_layer"])
+    spent["bookkeeping"] = s["bookkeeping_seconds"]
+    spent["fetch: demand reads"] = s["read_seconds"]
+    out = {name: 1e6 * v / calls for name, v in spent.items()}
+    return dict(out, tok_s=n / elapsed, hit_pct=100 * s["hit_rate"], demand=s["loads_demand"],
+                useful=s["prefetch_useful"])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=128)
+    args = ap.parse_args()
+    variants = {"predictions on the decode thread": False, "predictions in their own thread": True}
+    runs = {label: [] for label in variants}
+    for i in range(args.runs):  # alternated, the order flipping each round
+        for label in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
+            runs[label].append(one_run(args.tokens, variants[label]))
+    print(f"decode thread host time per streamed layer call, us (demo model, 50 % cache, {args.tokens} tokens, "
+          f"median of {args.runs} alternated runs)")
+    for label, rs in runs.items():
+        print(f"  {label}:")
+        for name in ["bookkeeping", *PARTS, "fetch: lock wait", "fetch: demand reads", "tok_s", "hit_pct",
+                     "demand", "useful"]:
+            v = [r.get(name, 0.0) for r in rs]
+            print(f"  {name:>24}: {np.median(v):6.1f}  (runs: {', '.join(f'{x:.0f}' for x in v)})")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""`mlxmoe serve`: mlx-lm's OpenAI-compatible server (mlx_lm/server.py) on an mlxmoe model,
+with Anthropic's /v1/messages, the expert cache's stats and per-request profiles.
+
+mlx-lm's request parsing and checks, chat templates, stop handling, SSE framing and its
+generation thread are used as they are; the subclasses below change only what had to differ:
+- ModelProvider: the model is the one mlxmoe.load gave (expert cache, memory budget), loaded
+  before serving so that a bad checkpoint exits 2 instead of leaving a server whose generation
+  thread died; every requested model name is served by it (one model per process, as clients
+  send names of their own); never batchable, as mlx-lm's BatchGenerator decodes several
+  sequences in one forward pass and the expert cache (its policy, prefetcher, stats and live
+  profile) follows one sequence: requests queue and each gets its solo answer.
+- mlx_lm.server's stream_generate is mlxmoe's (its generation lock, the prefill step the
+  budget plans for, the deferred host work) inside the per-request stats and profile matching
+  (ResponseGenerator.stream); mlx-lm's prefill_step_size is dropped for the planned one.
+- The prompt cache (KV caches kept across requests) is off unless --prompt-cache-size says
+  otherwise, and then bounded by the KV reserve: stored caches are memory beside the budget.
+- max_tokens is cut to the context the budget's KV reserve holds (finish_reason "length"),
+  and a prompt beyond it is refused (HTTP 400, like mlx-lm's own checks, naming the field).
+- /v1/messages (Anthropic) is mapped onto the chat path and its responses rewritten from
+  OpenAI's; /v1/models lists the served model (mlx-lm lists the Hugging Face cache).
+"""
+
+import argparse
+import copy
+import json
+import logging
+import re
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+from mlx_lm import server as mlx_server
+from mlx_lm.models.cache import LRUPromptCache
+
+from .api import generation_lock, model_fingerprint, stream_generate
+from .budget import DEFAULT_CONTEXT
+from .errors import MlxmoeError
+from .prefetch import hottest_per_layer
+from .profile import ActivationProfile, js_divergence, prewarm_order
+
+PROFILE_HEADER = "X-Mlxmoe-Profile"
+ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class Profiles:
+    """The stored profiles a server matches requests to (--profiles DIR: every *.json there,
+    named by file stem), each learning from the requests matched to it."""
+
+    def __init__(self, paths, ckpt, force=False):
+        self.paths, self.by_name = {}, {}
+        fp = model_fingerprint(ckpt)
+        for path in sorted(paths):
+            prof = ActivationProfile.load(path)
+            prof.check_model(fp, ckpt.all_layers, ckpt.num_experts, force, str(path))
+            self.paths[path.stem], self.by_name[path.stem] = path, prof
+        if not self.by_name:
+            raise MlxmoeError("no profiles (*.json) in the --profiles folder")
+        self.matched = Counter()
+        self.changed = set()
+
+    def nearest(self, observed):
+        """The profile whose per-layer expert usage is nearest `observed`'s (a request's
+        prefill): the least mean Jensen-Shannon divergence over the layers both used. Usage
+        is the router's probability mass where both recorded it (a prefill's distinct
+        experts are most of a layer's: their counts barely tell prompts apart), else counts."""
+        use_mass = observed.mass.sum() > 0 and all(p.mass.sum() > 0 for p in self.by_name.values())
+
+        def distance(prof):
+            a, b = (observed.mass, prof.mass) if use_mass else (observed.counts, prof.counts)
+            d = [js_divergence(a[l], b[l]) for l in range(observed.num_layers) if a[l].sum() > 0 and b[l].sum() > 0]
+            return float(np.mean(d)) if d else float("inf")
+        return min(self.by_name, key=lambda name: distance(self.by_name[name]))
+
+    def learn(self, name, observed):
+        self.by_name[name].absorb(observed)
+        self.changed.add(name)
+
+    def save(self):
+        """Write the profiles that learnt since the last save (each atomically)."""
+        for name in sorted(self.changed):
+            self.by_name[name].save(self.paths[name])
+        self.changed.clear()
+
+
+class Provider(mlx_server.ModelProvider):
+    """mlx-lm's model provider holding the one model mlxmoe.load gave."""
+
+    def __init__(self, cli_args, model, tokenizer):
+        super().__init__(cli_args)
+        self.model, self.tokenizer = model, tokenizer
+        self.model_key = (cli_args.model, None, None)
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        if adapter_path is not None or draft_model_path not in (None, "default_model"):
+            raise ValueError("mlxmoe serve takes no adapters or draft models")
+        return self.model, self.tokenizer
+
+    def load_default(self):
+        pass
+
+
+def _counters(cache):
+    with cache.lock:
+        return cache.hits, cache.misses, cache.demand_bytes + cache.prefetch_bytes
+
+
+class ResponseGenerator(mlx_server.ResponseGenerator):
+    """mlx-lm's generation thread, one request at a time, each with its profile and stats."""
+
+    def __init__(self, provider, prompt_cache, profiles=None, save_every=0, profile_path=None):
+        """`save_every`: requests between profile saves (0: none); `profile_path`: where the
+        live profile is saved without `profiles`."""
+        self.profiles, self.save_every, self.profile_path = profiles, save_every, profile_path
+        self.served, self.active, self.last_stats = 0, None, {}
+        cache = provider.model.expert_cache
+        self.context = DEFAULT_CONTEXT  # the tokens the budget's KV reserve is sized for (api.memory_plan)
+        self.live = cache.profile  # the load's live profile, learning from every request
+        super().__init__(provider, prompt_cache)  # starts the generation thread
+
+    def _serve_single(self, item, stream):
+        request = item[1]
+        self.active = request
+        try:
+            super()._serve_single(item, stream)
+        finally:
+            self.active = None
+            request.decided.set()
+            self.served += 1
+            if self.save_every and self.served % self.save_every == 0:
+                self.save()
+
+    def _tokenize(self, tokenizer, request, args):
+        tokenized = super()._tokenize(tokenizer, request, args)
+        args.max_tokens = max(1, min(args.max_tokens, self.context - len(tokenized[0])))
+        return tokenized
+
+    def stream(self, model, tokenizer, prompt, **kwargs):
+        """mlx_lm.server's stream_generate: mlxmoe's, the request's prefill matched to a
+        profile (or the one it names) whose rates become the policy's prior; the request's
+        hits and bytes read in request.usage once it ends (before mlx-lm ends its response)."""
+        request, cache = self.active, model.expert_cache
+        kwargs.pop("prefill_step_size", None)
+        observed = ActivationProfile(cache.checkpoint.num_layers, cache.checkpoint.num_experts,
+                                     cache.checkpoint.top_k, half_life=0)
+        name = request.mlxmoe_profile
+        if name is not None:
+            self._use_profile(cache, name)
+        before = _counters(cache)
+        with cache.lock:
+            cache.profile = observed  # this request's routing, apart until its profile is known
+        generation = stream_generate(model, tokenizer, prompt, **kwargs)
+        try:
+            for i, response in enumerate(generation):
+                if i == 0:
+                    if name is None and self.profiles is not None:
+                        cache.flush()  # the prefill's deferred host work (resident path) observes it
+                        name = self.profiles.nearest(observed)
+                        self._use_profile(cache, name)
+                    request.profile = name
+                    request.decided.set()
+                yield response
+                if self._stop:  # shutting down: end this response here
+                    break
+        finally:
+            generation.close()
+            with cache.lock:
+                cache.profile = self.live
+            if self.live is not None:
+                self.live.absorb(observed)
+            if name is not None and self.profiles is not None:
+                self.profiles.learn(name, observed)
+                self.profiles.matched[name] += 1
+            hits, misses, read = (a - b for a, b in zip(_counters(cache), before))
+            request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                             "expert_hits": hits, "expert_misses": misses, "mb_read": read / 1e6,
+                             "profile": name}
+            self.last_stats = cache.stats()
+
+    def _use_profile(self, cache, name):
+        """`name`'s rates become the policy's prior and the prefetcher's profile guess;
+        its hottest experts fill the cache's free slots in the background."""
+        prof = self.profiles.by_name[name]
+        rates = prof.rates()
+        if cache.prewarm_done(0):
+            cache.prewarm(prewarm_order(prof, prof.num_layers, prof.num_experts, cache.capacity))
+        with cache.lock:
+            cache.policy.set_prior(rates)
+            if cache.prefetcher is not None:  # as a load with this profile would have it
+                cache.prefetcher.hottest = hottest_per_layer(rates, cache.prefetcher.top_k)
+
+    def stats(self):
+        """model.expert_cache.stats(), or while a generation holds the model the snapshot
+        taken when the last one ended ("busy": true), with the server's own counts."""
+        model = self.model_provider.model
+        lock = generation_lock(model)
+        if lock.acquire(blocking=False):
+            try:
+                stats = model.expert_cache.stats()
+            finally:
+                lock.release()
+        else:
+            stats = dict(self.last_stats, busy=True)
+        stats["server"] = {"requests": self.served, "context": self.context,
+                           "memory_budget": model.expert_cache.plan.budget,
+                           "profiles": {n: self.profiles.matched[n] for n in self.profiles.by_name}
+                           if self.profiles is not None else {}}
+        return stats
+
+    def save(self):
+        if self.profiles is not None:
+            self.profiles.save()
+        elif self.live is not None and self.profile_path is not None:
+            self.live.save(self.profile_path)
+
+
+class OpenAIErrors:
+    """mlx-lm's error bodies, {"error": "max_tokens must be ..."}, in OpenAI's form (what
+    clients read the message from): {"error": {"message", "type", "param": the field}}."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def write(self, data):
+        try:
+            body = json.loads(data)
+        except ValueError:
+            body = None
+        if isinstance(body, dict) and list(body) == ["error"] and isinstance(body["error"], str):
+            field = re.match(r"([A-Za-z_][\w.\[\]]*)(:| must)", body["error"])
+            data = json.dumps({"error": {"message": body["error"], "type": "invalid_request_error",
+                                         "param": field and field.group(1), "code": None}}).encode()
+        return self.out.write(data)
+
+    def flush(self):
+        self.out.flush()
+
+
+class AnthropicStream:
+    """The OpenAI chunks mlx-lm's handler writes, rewritten as Anthropic's message events
+    (anything that is not a `data:` line, such as headers, passes as it is)."""
+
+    def __init__(self, out, message):
+        self.out, self.message, self.started, self.stop_reason = out, message, False, "end_turn"
+
+    def write(self, data):
+        if not data.startswith(b"data: "):
+            return self.out.write(data)
+        payload = data[6:].strip()
+        events = []
+        if payload != b"[DONE]":
+            chunk = json.loads(payload)
+            if not self.started:
+                self.started = True
+                events += [("message_start", {"type": "message_start", "message": self.message}),
+                           ("content_block_start", {"type": "content_block_start", "index": 0,
+                                                    "content_block": {"type": "text", "text": ""}})]
+            if chunk["choices"]:
+                choice = chunk["choices"][0]
+                text = choice.get("delta", {}).get("content")
+                if text:
+                    events.append(("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                           "delta": {"type": "text_delta", "text": text}}))
+                if choice.get("finish_reason"):
+                    self.stop_reason = ANTHROPIC_STOP.get(choice["finish_reason"], "end_turn")
+                    events.append(("content_block_stop", {"type": "content_block_stop", "index": 0}))
+            else:  # the usage chunk: the message's end
+                usage = chunk["usage"]
+                events += [("message_delta", {"type": "message_delta",
+                                              "delta": {"stop_reason": self.stop_reason, "stop_sequence": None},
+                                              "usage": {"input_tokens": usage["prompt_tokens"],
+                                                        "output_tokens": usage["completion_tokens"],
+                                                        "mlxmoe": usage.get("mlxmoe")}}),
+                           ("message_stop", {"type": "message_stop"})]
+        self.out.write(b"".join(f"event: {e}\ndata: {json.dumps(d)}\n\n".encode() for e, d in events))
+        return len(data)
+
+    def flush(self):
+        self.out.flush()
+
+
+def anthropic_to_chat(body):
+    """An Anthropic Messages body as the chat-completion body mlx-lm reads (in place):
+    system -> a system message, content blocks -> their text, stop_sequences -> stop."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise ValueError("messages must be a list")
+
+    def text(content, field):
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
+            return "".join(str(b.get("text", "")) for b in content)
+        raise ValueError(f"{field}: only text content is supported")
+
+    chat = [{"role": "system", "content": text(body["system"], "system")}] if body.get("system") else []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise ValueError(f"messages[{i}]: a message is {{'role': 'user' or 'assistant', 'content': ...}}")
+        chat.append({"role": m["role"], "content": text(m.get("content", ""), f"messages[{i}].content")})
+    body["messages"] = chat
+    if "stop_sequences" in body:
+        body["stop"] = body.pop("stop_sequences")
+
+
+class Handler(mlx_server.APIHandler):
+    """mlx-lm's handler with /v1/messages, /v1/mlxmoe/stats and the mlxmoe request checks."""
+
+    anthropic = False
+    request = None
+
+    def do_GET(self):
+        if self.path == "/v1/mlxmoe/stats":
+            return self._send_json(200, self.response_generator.stats())
+        if self.path.rstrip("/") == "/v1/models":
+            return self._send_json(200, {"object": "list", "data": [{
+                "id": self.response_generator.cli_args.model, "object": "model", "created": self.created,
+                "owned_by": "mlxmoe"}]})
+        super().do_GET()
+
+    def do_POST(self):
+        if self.path == "/v1/messages":
+            self.anthropic, self.path = True, "/v1/chat/completions"
+        wfile, self.wfile = self.wfile, OpenAIErrors(self.wfile)
+        try:
+            super().do_POST()
+        finally:
+            self.wfile = wfile
+
+    def _send_json(self, status, body):
+        data = json.dumps(body).encode()
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def validate_model_parameters(self):
+        """mlx-lm's checks, then mlxmoe's: where mlx-lm calls this the body is parsed and
+        the request not yet built, so a ValueError here is its HTTP 400 naming the field."""
+        super().validate_model_parameters()
+        if self.anthropic:
+            anthropic_to_chat(self.body)
+        ext = self.body.get("mlxmoe") or {}
+        if not isinstance(ext, dict):
+            raise ValueError("mlxmoe must be an object, e.g. {\"profile\": \"italian\"}")
+        name = ext.get("profile")
+        profiles = self.response_generator.profiles
+        if name is not None and (profiles is None or name not in profiles.by_name):
+            known = ", ".join(profiles.by_name) if profiles is not None else "none: start with --profiles DIR"
+            raise ValueError(f"mlxmoe.profile: unknown profile {name!r} (known: {known})")
+        field, n = self._prompt_tokens()
+        context = self.response_generator.context
+        if n >= context:
+            raise ValueError(f"{field}: the prompt is {n} tokens, beyond the {context}-token context the "
+                             "memory budget reserves")
+
+    def _prompt_tokens(self):
+        """(field, tokens) of the request's prompt, tokenized as mlx-lm will."""
+        tokenizer = self.response_generator.model_provider.tokenizer
+        if self.path.endswith("/completions") and not self.path.endswith("chat/completions"):
+            prompt = self.body.get("prompt")
+            if not isinstance(prompt, str):
+                raise ValueError("prompt must be a string")
+            return "prompt", len(tokenizer.encode(prompt))
+        messages = self.body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        try:
+            messages = copy.deepcopy(messages)
+            mlx_server.process_message_content(messages)
+            if not tokenizer.has_chat_template:
+                return "messages", len(tokenizer.encode(mlx_server.convert_chat(messages,
+                                                                               self.body.get("role_mapping"))))
+            return "messages", len(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                 tools=self.body.get("tools") or None))
+        except Exception as e:
+            raise ValueError(f"messages: {e}") from None
+
+    def handle_completion(self, request, stop_words):
+        request.mlxmoe_profile = (self.body.get("mlxmoe") or {}).get("profile")
+        request.decided, request.usage, request.profile = threading.Event(), None, None
+        self.request = request
+        wfile = self.wfile
+        if self.anthropic:
+            self.stream_options = {"include_usage": True}
+            if self.stream:
+                self.wfile = AnthropicStream(wfile, self._anthropic_message([], None, 0, 0))
+        try:
+            super().handle_completion(request, stop_words)
+        finally:
+            self.wfile = wfile
+
+    def _set_stream_headers(self, status_code=200):
+        # the header names the request's profile, chosen after its prefill: wait for it
+        while not self.request.decided.wait(1.0) and self.response_generator.generation_available():
+            pass
+        super()._set_stream_headers(status_code)
+        self.send_header(PROFILE_HEADER, str(self.request.profile or "none"))
+
+    def generate_response(self, text, finish_reason, prompt_token_count=None, completion_token_count=None,
+                          *args, **kwargs):
+        response = super().generate_response(text, finish_reason, prompt_token_count, completion_token_count,
+                                             *args, **kwargs)
+        if self.stream:
+            return response
+        # the whole response at once: the generation has ended; its headers are still open
+        self.send_header(PROFILE_HEADER, str(self.request.profile or "none"))
+        response["usage"]["mlxmoe"] = self.request.usage
+        if self.anthropic:
+            return self._anthropic_message([{"type": "text", "text": text or ""}],
+                                           ANTHROPIC_STOP.get(finish_reason, "end_turn"),
+                                           prompt_token_count, completion_token_count)
+        return response
+
+    def completion_usage_response(self, *args, **kwargs):
+        response = super().completion_usage_response(*args, **kwargs)
+        response["usage"]["mlxmoe"] = self.request.usage
+        return response
+
+    def _anthropic_message(self, content, stop_reason, input_tokens, output_tokens):
+        usage = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+        if self.request is not None and self.request.usage is not None:
+            usage["mlxmoe"] = self.request.usage
+        return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                "model": self.requested_model, "content": content, "stop_reason": stop_reason,
+                "stop_sequence": None, "usage": usage}
+
+
+def cli_args(model, max_tokens, temp, top_p, prompt_cache_size):
+    """The namespace mlx-lm's server reads its settings from, with mlx-lm's defaults."""
+    return argparse.Namespace(
+        model=model, adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
+        chat_template="", use_default_chat_template=False, chat_template_args={}, temp=temp, top_p=top_p, top_k=0,
+        min_p=0.0, max_tokens=max_tokens, allowed_origins=["*"], decode_concurrency=1, prompt_concurrency=1,
+        prefill_step_size=None, prompt_cache_size=prompt_cache_size, prompt_cache_bytes=None, kv_bits=None,
+        kv_group_size=64, quantized_kv_start=0, pipeline=False)
+
+
+def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_dir=None, save_profiles=False,
+          save_every=16, max_tokens=512, temp=0.0, top_p=1.0, prompt_cache_size=0, force_profile=False,
+          profile_path=None):
+    """Serve `model` until SIGINT or SIGTERM; then, with save_profiles, save the profiles
+    (--profiles) or the live one to `profile_path` (the --profile it was loaded with)."""
+    cache = model.expert_cache
+    profiles = None
+    if profiles_dir is not None:
+        folder = Path(profiles_dir)
+        if not folder.is_dir():
+            raise MlxmoeError(f"--profiles {profiles_dir}: not a folder")
+        profiles = Profiles(folder.glob("*.json"), cache.checkpoint, force_profile)
+    if save_profiles and profiles is None and profile_path is None:
+        raise MlxmoeError("--save-profiles needs --profiles DIR or --profile FILE (where to write them)")
+    provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size), model, tokenizer)
+    prompt_cache = LRUPromptCache(prompt_cache_size, max(1, cache.plan.kv_reserve))
+    generator = ResponseGenerator(provider, prompt_cache, profiles, save_profiles and save_every, profile_path)
+    mlx_server.stream_generate = generator.stream  # what mlx-lm's generation thread calls
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    httpd = None
+    try:
+        httpd = ThreadingHTTPServer((host, port), lambda *a, **k: Handler(
+            generator, *a, system_fingerprint=mlx_server.get_system_fingerprint(), **k))
+        print(f"mlxmoe serve: {model_name} at http://{host}:{httpd.server_port}", file=sys.stderr, flush=True)
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    except OSError as e:
+        raise MlxmoeError(f"cannot serve on {host}:{port}: {e.strerror}") from None
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the save short
+        if httpd is not None:
+            httpd.server_close()
+        generator.stop_and_join()
+        if save_profiles:
+            generator.save()
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,171 @@
+"""Host synchronisations per MoE layer call in the decode loop.
+
+A sync is the decode thread waiting for the device on mlxmoe's behalf: a blocking
+`mx.eval` called from mlxmoe's code, or mlxmoe's code reading an array on the host
+(`np.array`/`np.asarray`, `.item()`, `.tolist()`) that no earlier mlxmoe `mx.eval` covered
+and that was made in the current token or the one before (mlx-lm's loop has waited for
+the token before the one it is building: arrays of older tokens are on the host already;
+this is the resident path's premise, see ExpertCache.defer). `mx.async_eval` does not
+block and is counted apart.
+
+Targets: with every expert resident no sync per layer call; streaming at half the
+experts exactly one per decode layer call (the routing, the lookahead and the router's
+probabilities in one `mx.eval`)."""
+
+import sys
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxmoe
+import synthetic
+from mlxmoe.experts import StreamingExperts
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
+TOKENS = 12
+
+
+def _from_mlxmoe(depth=2):
+    return sys._getframe(depth).f_globals.get("__name__", "").startswith("mlxmoe")
+
+
+class SyncCounter:
+    """Counts, per decode layer call (one token), the syncs mlxmoe's code makes on the
+    decode thread; installed with pytest's monkeypatch."""
+
+    def __init__(self, monkeypatch):
+        self.thread = threading.get_ident()
+        self.calls = []  # per decode layer call: [syncs, async evals, layer, streamed]
+        self.current = None
+        self.token = 0
+        self.made = {}  # id -> (array, token it was made in) for arrays layer calls made or got
+        self.covered = {}  # id -> array evaluated by an mlxmoe mx.eval
+        eval_, async_eval, array, asarray = mx.eval, mx.async_eval, np.array, np.asarray
+        counter = self
+
+        def counted_eval(*args, **kw):
+            if counter._mine():
+                counter._sync()
+                for a in args:
+                    for x in (a if isinstance(a, (list, tuple)) else [a]):
+                        if isinstance(x, mx.array):
+                            counter.covered[id(x)] = x
+            return eval_(*args, **kw)
+
+        def counted_async_eval(*args, **kw):
+            if counter._mine() and counter.current is not None:
+                counter.current[1] += 1
+            return async_eval(*args, **kw)
+
+        def reader(fn):
+            def read(obj, *args, **kw):
+                if isinstance(obj, mx.array) and counter._mine():
+                    counter._read(obj)
+                return fn(obj, *args, **kw)
+            return read
+
+        def call(module, x, indices):
+            decode = x.size == x.shape[-1]
+            if decode and module._layer == 0:
+                counter.token += 1
+            counter.made[id(indices)] = (indices, counter.token)
+            outer = counter.current
+            counter.current = [0, 0, module._layer, None] if decode else None
+            try:
+                streamed = module._cache.resident_slots() is None
+                y = orig_call(module, x, indices)
+            finally:
+                if counter.current is not None:
+                    counter.current[3] = streamed
+                    counter.calls.append(counter.current)
+                counter.current = outer
+            return y
+
+        def probs(module, x):
+            p = orig_probs(module, x)
+            if p is not None:
+                counter.made[id(p)] = (p, counter.token)
+            return p
+
+        orig_call, orig_probs = StreamingExperts.__call__, StreamingExperts._probs
+        monkeypatch.setattr(mx, "eval", counted_eval)
+        monkeypatch.setattr(mx, "async_eval", counted_async_eval)
+        monkeypatch.setattr(np, "array", reader(array))
+        monkeypatch.setattr(np, "asarray", reader(asarray))
+        for name in ("item", "tolist"):
+            monkeypatch.setattr(mx.array, name, reader(getattr(mx.array, name)))
+        monkeypatch.setattr(StreamingExperts, "__call__", call)
+        monkeypatch.setattr(StreamingExperts, "_probs", probs)
+
+    def _mine(self):
+        return threading.get_ident() == self.thread and _from_mlxmoe(3)
+
+    def _sync(self):
+        if self.current is not None:
+            self.current[0] += 1
+
+    def _read(self, x):
+        if id(x) in self.covered:
+            return
+        made = self.made.get(id(x))
+        if made is not None and made[0] is x and made[1] <= self.token - 2:
+            return
+        self._sync()
+
+    def run(self, model, tokenizer):
+        return [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
+
+
+def counts(calls, streamed):
+    return [c[0] for c in calls if c[3] is streamed]
+
+
+@pytest.fixture(params=["demo", *synthetic.ARCHS])
+def model_path(request, checkpoint):
+    return mlxmoe.DEMO_MODEL if request.param == "demo" else checkpoint(request.param)
+
+
+def test_resident_decode_makes_no_sync(model_path, monkeypatch):
+    model, tokenizer = mlxmoe.load(str(model_path))
+    cache = model.expert_cache
+    assert cache.prewarm_done(timeout=120)
+    counter = SyncCounter(monkeypatch)
+    counter.run(model, tokenizer)
+    cache.close()
+    resident = counts(counter.calls, False)
+    assert len(resident) >= (TOKENS - 1) * cache.store.num_layers and not counts(counter.calls, True)
+    assert set(resident) == {0}, f"syncs per resident layer call: {sorted(set(resident))}"
+
+
+def test_streamed_decode_makes_one_sync(model_path, monkeypatch):
+    model, tokenizer = mlxmoe.load(str(model_path), cache_experts=None)
+    total = model.expert_cache.capacity
+    model.expert_cache.close()
+    model, tokenizer = mlxmoe.load(str(model_path), cache_experts=total // 2)
+    cache = model.expert_cache
+    counter = SyncCounter(monkeypatch)
+    counter.run(model, tokenizer)
+    cache.close()
+    streamed = counts(counter.calls, True)
+    assert len(streamed) >= (TOKENS - 1) * cache.store.num_layers
+    assert set(streamed) == {1}, f"syncs per streamed layer call: {sorted(set(streamed))}"
+
+
+def test_counter_sees_a_read_of_this_tokens_routing(monkeypatch):
+    """The counter is not blind: a resident layer that reads its routing at once (as the
+    streamed path does, without its mx.eval) or calls .item() on it shows one sync each."""
+    model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL))
+    assert model.expert_cache.prewarm_done(timeout=120)
+    scope = {"__name__": "mlxmoe.canary", "np": np, "resident": StreamingExperts._resident}
+    exec("def eager(self, x, indices, table):\n"
+         "    np.array(indices)\n"
+         "    indices.reshape(-1)[0].item()\n"
+         "    return resident(self, x, indices, table)\n", scope)  # counted as mlxmoe's code
+    eager = scope["eager"]
+    monkeypatch.setattr(StreamingExperts, "_resident", eager)
+    counter = SyncCounter(monkeypatch)
+    counter.run(model, tokenizer)
+    model.expert_cache.close()
+    assert set(counts(counter.calls, False)) == {2}
