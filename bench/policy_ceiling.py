@@ -106,10 +106,10 @@ class NextVisit(Activation):
         super().visit(layer, experts, scores, probs)
         i = self.seen[layer] = self.seen[layer] + 1
         uses = self.next_uses[layer]
-        ahead = self.known + 1.0 / self.g[layer]
+        ahead = self.known + 1.0 / self.long_rate[layer]
         for j in range(min(self.known, len(uses) - i) - 1, -1, -1):  # the nearest use wins
             ahead[uses[i + j]] = j
-        self.p[layer] = ahead == 0
+        self.next_chance[layer] = ahead == 0
         self.cost[layer] = ahead
         self._sort(layer)
 
@@ -117,11 +117,20 @@ class NextVisit(Activation):
         return self.num_layers * self.cost[key]
 
 
+def next_visit_hit_rate(header, records, n, visits=1):
+    """The hit rate with `n` slots of the oracle told each layer's experts at its next
+    `visits` visits."""
+    from mlxmoe.policies import POLICIES
+    POLICIES.setdefault("next-visit", NextVisit)
+    uses = [[] for _ in range(header["num_layers"])]
+    for _, layer, experts, *_ in steps(records, header["num_layers"], n):
+        uses[layer].append(experts)
+    return replay(header, records, "next-visit", n, next_uses=uses, visits=visits)["hit_rate"]
+
+
 def recorded(paths, visits=(1,)):
     """Gap closed at 25/50/75 % on recorded traces: activation against oracles that know
     each layer's experts at its next 1, 2, ... visits."""
-    from mlxmoe.policies import POLICIES
-    POLICIES.setdefault("next-visit", NextVisit)
     oracles = [f"next {m} visit{'s' if m > 1 else ''}" for m in visits]
     print(f"{'trace':>22} {'cache':>6} {'lru':>8} {'activation':>11} {'belady':>8}   gap closed: activation / "
           + " / ".join(oracles))
@@ -130,11 +139,8 @@ def recorded(paths, visits=(1,)):
         L, E = header["num_layers"], header["num_experts"]
         for share in (0.25, 0.5, 0.75):
             n = int(L * E * share)
-            uses = [[] for _ in range(L)]
-            for _, layer, experts, *_ in steps(records, L, n):
-                uses[layer].append(experts)
             lru, act, best = (replay(header, records, p, n)["hit_rate"] for p in ("lru", "activation", "belady"))
-            known = [replay(header, records, "next-visit", n, next_uses=uses, visits=m)["hit_rate"] for m in visits]
+            known = [next_visit_hit_rate(header, records, n, m) for m in visits]
             gap = best - lru
             print(f"{Path(path).name:>22} {share:>6.0%} {100 * lru:>8.2f} {100 * act:>11.2f} {100 * best:>8.2f}   "
                   + " / ".join(f"{(r - lru) / gap:.2f}" for r in [act] + known), flush=True)

@@ -363,55 +363,26 @@ class Belady(Policy):
 
 
 AGING = 4
-FLOOR_SHARE = 1.0  # activation-floor's floor, as a share of a layer's even share (bench_policies --lofo)
+FLOOR_HALF_LIFE = 0.5  # tokens: activation-floor's half_life (bench_policies.py --lofo)
 
 
 class Activation(Policy):
-    """The default: keep the experts whose next use is expected soonest, judged from what
-    the workload has shown.
+    """Evict the expert whose next use is expected farthest (Belady's rule on estimates).
 
-    Per (layer, expert) it keeps two estimates of use:
-    - p1, the chance that its layer uses it at the layer's next visit: a mix of a live
-      decayed frequency F (half-life `half_life` tokens, seeded by the profile prior), a
-      short recency term R (`recency_half_life`), the decayed router probability mass M,
-      the prior rate P0, and, with weight `now_weight`, the router's current favour of the
-      expert, min(1, `now_scale` x top_k x its probability at this call): an expert the
-      router leans towards now (not only its top-k) is likely used at the next token;
-    - g, its long-run rate per visit: decayed counts of the visits that used it over
-      decayed counts of visits, regularised by `long_prior` visits at the prior's rate
-      (top_k / E without a profile). Its half-life follows the cache: `horizon` times the
-      mean age (tokens since last use) of the experts evicted so far, within
-      [`long_min`, `long_max`] tokens. A small cache evicts experts a few tokens after
-      their last use, so recent behaviour counts; a large one evicts experts unused for
-      many tokens, whose return is a matter of long-run frequency.
-    An expert of a layer d layer steps ahead in a model of L MoE layers is used at that
-    layer's next visit with chance p1, and otherwise after about L / g more steps: its
-    expected time to next use is d + L (1 - p1) / g, and the victim is the expert whose
-    next use is farthest (Belady's rule on expected times), each over its layer's
-    `miss_cost` (1 in a replay; the runtime lowers it where prefetch hides a layer's
-    misses, see ExpertCache.miss_costs). So slots go to the layers whose routing spreads
-    wider, and right after a layer runs its cold experts go first. A
-    layer's resident experts are kept sorted by (1 - p1) / g; one inserted since its
-    layer's visit is sorted in before the next victim is chosen (an expert used once in a
-    long while is often the farthest right after its use).
-    A call of n tokens (a prefill) counts as min(n, `prefill_visits`) visits (default 1:
-    a prompt's tokens use experts differently from the generated tokens that follow, so
-    its hundreds of tokens should not outweigh them); counted as several visits, its
-    estimates decay that many times towards the share of its tokens that used each expert,
-    estimated from the router's mean distribution times top-k.
-    The prior's hottest experts are pinned, at most `pin_share` of the cache, each while the
-    workload bears the profile out: while its live decayed frequency F is at least
-    `pin_release` x its prior rate (F starts at the prior; when the workload turns out to
-    be another one, such pins let go within about `half_life` tokens instead of holding a
-    mismatched profile's experts for good).
-
-    Cost per layer call (it runs on the decode thread between a layer's routing and its
-    compute): a layer's F, R, M, prior term and U are rows of one array, so a visit is
-    about 20 numpy calls on rows of E whatever the model; victim() keeps the second term of
-    steps() for each layer's farthest expert and takes the farthest over all layers in one
-    vector operation, redoing only the layers whose farthest expert is protected, pinned or
-    aged. 29 us per layer call on the demo model's routing (4 x 32, top-2) and 42 us at
-    48 x 128, top-8, 50 % cache (visit, accesses and victims; 35 and 64 us before).
+    An expert of a layer d layer steps ahead (of L) is used at its layer's next visit with
+    chance p1, and otherwise after about L / rate more steps: its next use is expected in
+    d + L (1 - p1) / rate steps, over its layer's `miss_cost` (1 in a replay; lower where
+    prefetch hides the layer's misses, see ExpertCache.miss_costs). p1 mixes decayed
+    estimates: frequency of use (`half_life` tokens), recent use (`recency_half_life`),
+    router mass, the profile's prior rate and, where the router's whole distribution is
+    known, its favour of the expert now (`now_weight`, `now_scale`). rate is the decayed
+    share of the layer's visits that used the expert, its half-life `horizon` x the mean
+    age of the experts evicted (within `long_min`..`long_max` tokens), regularised by
+    `long_prior` visits at the prior's rate. A call of n tokens (a prefill) counts as
+    min(n, `prefill_visits`) visits. The prior's hottest experts (`pin_share` of the cache)
+    stay pinned while their live frequency is at least `pin_release` x their prior rate.
+    With `layer_floor`, a layer at or under its even share of the slots gives no slot to
+    another layer (it still pays for its own misses).
     """
 
     name = "activation"
@@ -420,30 +391,30 @@ class Activation(Policy):
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=24, recency_half_life=4,
                  recency_weight=0.2, router_weight=1.0, prior_weight=0.1, now_weight=0.6, horizon=2.0,
                  long_min=16.0, long_max=80.0, long_prior=4.0, prefill_visits=1, now_scale=8.0,
-                 pin_share=0.25, pin_release=0.5, floor_share=None, **kw):
+                 pin_share=0.25, pin_release=0.5, layer_floor=False, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         L, E = num_layers, num_experts
-        self.floor_share = floor_share  # None: no floor (see ActivationFloor)
-        self.held = np.zeros(L)  # -inf where a layer is at or under its floor (floor_share), else 0
+        self.floor = capacity // L if layer_floor else None  # a layer's even share of the slots
+        self.held = np.zeros(L)  # -inf where a layer is at or under its floor: no victim for another layer
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
         self.recency_weight, self.router_weight, self.prior_weight = recency_weight, router_weight, prior_weight
         self.now_weight, self.now_scale = now_weight, now_scale
         self.prefill_visits = prefill_visits or math.inf
         self.prior = np.zeros((L, E)) if prior is None else np.asarray(prior, dtype=np.float64)
-        # A layer's rows side by side ([layer, 5, E]: F, R, M, prior_weight x prior, U), so that
-        # one numpy call decays all, adds a use to all, or sums p1's terms (few calls at E = 32-128)
+        # A layer's rows side by side ([layer, 5, E]: freq, recent, router_mass, prior_weight x prior,
+        # used), so that one numpy call decays all, adds a use to all, or sums p1's terms (few calls
+        # at E = 32-128)
         self.rows = np.zeros((L, 5, E))
-        self.F, self.R, self.M, prior_term, self.U = self.rows.transpose(1, 0, 2)  # views
-        self.F[:] = self.prior
+        self.freq, self.recent, self.router_mass, prior_term, self.used = self.rows.transpose(1, 0, 2)  # views
+        self.freq[:] = self.prior
         prior_term[:] = prior_weight * self.prior
         self.mix_weights = np.array([[1 - recency_weight], [recency_weight], [router_weight], [1.0]])
-        self.p = self._mix(slice(None))  # p1
+        self.next_chance = self._mix(slice(None))  # p1: chance of use at the layer's next visit
         self.horizon, self.long_min, self.long_max, self.long_prior = horizon, long_min, long_max, long_prior
-        # self.U: decayed visits that used each expert
-        self.N = [0.0] * L  # decayed visits of each layer
-        self.g = np.ones((L, E))  # long-run rate per visit
-        self.cost = np.zeros((L, E))  # (1 - p1) / g: expected visits to next use after the next
+        self.layer_visits = [0.0] * L  # decayed visits of each layer
+        self.long_rate = np.ones((L, E))  # rate: long-run share of the layer's visits that use it
+        self.cost = np.zeros((L, E))  # (1 - p1) / rate: expected visits to next use after the next
         self.rate_terms = {}  # top_k -> long_prior x each expert's prior rate per visit, [L, E]
         self.tokens = 0
         self.last_use = np.zeros((L, E))  # token count at each expert's last use
@@ -454,8 +425,6 @@ class Activation(Policy):
         self.current = 0
         self.call_tokens = 1
         self.top_k = 1  # the most experts one token has used (seen at single-token calls)
-        if floor_share is not None:
-            self._set_floor()
         self.visits = 0  # layer calls so far
         self.visited_at = [0] * L  # the call count at each layer's last visit
         # victim() without a loop over layers: the second term of steps() of each layer's
@@ -464,9 +433,9 @@ class Activation(Policy):
         self.head = np.full(L, -np.inf)
         self.head_pinned = np.zeros(L, dtype=bool)
         self.distance = np.array([[(l - c) % L or L for l in range(L)] for c in range(L)], dtype=np.float64)
-        self.used_rows = np.array([[0], [1], [4]])  # F, R, U: what a use adds to
+        self.used_rows = np.array([[0], [1], [4]])  # freq, recent, used: what a use adds to
         self.decays = np.array([[self.slow], [self.fast], [self.slow], [1.0], [1.0]])  # of each row per visit
-        self.gains = np.array([[1 - self.slow], [1 - self.fast], [1.0]])  # what a use adds to F, R, U
+        self.gains = np.array([[1 - self.slow], [1 - self.fast], [1.0]])  # what a use adds to freq, recent, used
         # per layer, what a miss costs relative to others (1: all equal, as in a replay); the
         # runtime lowers a layer's where prefetch hides its misses (ExpertCache.miss_costs),
         # and the victim is the expert with the largest expected time to next use / cost
@@ -483,12 +452,12 @@ class Activation(Policy):
 
     def set_prior(self, prior):
         """The prior term, the long-run rates' regulariser and the pins follow the new
-        prior; what the live estimates learnt (F, R, M, U) stays."""
+        prior; what the live estimates learnt stays."""
         self.prior = np.zeros_like(self.prior) if prior is None else np.asarray(prior, dtype=np.float64)
         self.rows[:, 3, :] = self.prior_weight * self.prior
         self.rate_terms.clear()
         self._pin(prior is not None)
-        self._mix(slice(None), out=self.p)
+        self._mix(slice(None), out=self.next_chance)
         for layer in range(self.num_layers):
             self._head(layer)
         return True
@@ -507,44 +476,42 @@ class Activation(Policy):
         n = min(self.call_tokens, self.prefill_visits)
         if self.call_tokens == 1 and len(experts) > self.top_k:
             self.top_k = len(experts)
-            if self.floor_share is not None:
-                self._set_floor()
         experts = np.asarray(experts, dtype=np.intp)
         probs = None if probs is None else np.asarray(probs)
         slow, fast = self.slow ** n, self.fast ** n
         half_life = min(max(self.horizon * self.evicted_age, self.long_min), self.long_max)
-        keep = 2.0 ** (-1.0 / half_life)  # U's decay per visit (a call is one visit for U)
-        rows = self.rows[layer]  # a view: updated in place; M only decays where the router is known
+        keep = 2.0 ** (-1.0 / half_life)  # used's decay per visit (a call is one visit for it)
+        rows = self.rows[layer]  # a view: updated in place; router_mass only decays where the router is known
         decays, gains = (self.decays, self.gains) if n == 1 else (np.array([[slow], [fast], [slow], [1.0], [1.0]]),
                                                                   np.array([[1 - slow], [1 - fast], [1.0]]))
         decays[2, 0] = slow if probs is not None or scores is not None else 1.0
         decays[4, 0] = keep
         rows *= decays
-        F, R, M, _, U = rows
-        if n == 1 or probs is None:  # the experts used: F and R x decay + (1 - decay) x 1, U + 1
+        freq, recent, router_mass, _, used_visits = rows
+        if n == 1 or probs is None:  # the experts used: freq and recent x decay + (1 - decay) x 1, used + 1
             rows[self.used_rows, experts] += gains
         else:
             used = np.minimum(1.0, probs * self.top_k)
-            F += (1 - slow) * used
-            R += (1 - fast) * used
-            U[experts] += 1.0
+            freq += (1 - slow) * used
+            recent += (1 - fast) * used
+            used_visits[experts] += 1.0
         if probs is not None:
-            M += (1 - slow) * probs
+            router_mass += (1 - slow) * probs
         elif scores is not None:
-            M[experts] += (1 - slow) * np.asarray(scores)
-        p1 = self._mix(layer, out=self.p[layer])
+            router_mass[experts] += (1 - slow) * np.asarray(scores)
+        p1 = self._mix(layer, out=self.next_chance[layer])
         if probs is not None and self.now_weight:
             now = np.minimum(1.0, probs * (self.now_scale * self.top_k))
             now *= self.now_weight
             p1 *= 1 - self.now_weight
             p1 += now
-        self.N[layer] = self.N[layer] * keep + 1.0
-        g = np.add(U, self._rate_term()[layer], out=self.g[layer])
-        g /= self.N[layer] + self.long_prior
-        np.maximum(g, 1e-4, out=g)
+        self.layer_visits[layer] = self.layer_visits[layer] * keep + 1.0
+        rate = np.add(used_visits, self._rate_term()[layer], out=self.long_rate[layer])
+        rate /= self.layer_visits[layer] + self.long_prior
+        np.maximum(rate, 1e-4, out=rate)
         cost = np.minimum(p1, 1.0, out=self.cost[layer])
         np.subtract(1.0, cost, out=cost)
-        cost /= g
+        cost /= rate
         self.last_use[layer, experts] = self.tokens
         self.current = layer
         self.visits += 1
@@ -559,12 +526,12 @@ class Activation(Policy):
         """Pin those of `layer`'s candidates whose live frequency is at least pin_release
         x their prior rate, unpin the others."""
         candidates = self.pin_candidates[layer]
-        held = self.F[layer, candidates] >= self.pin_release * self.prior[layer, candidates]
+        held = self.freq[layer, candidates] >= self.pin_release * self.prior[layer, candidates]
         for e, pin in zip(candidates.tolist(), held.tolist()):
             (self.pinned.add if pin else self.pinned.discard)((layer, e))
 
     def _mix(self, layer, out=None):
-        """p1 from the decayed estimates: ((1 - rw) F + rw R) + router_weight M + prior_weight P,
+        """p1 from the decayed estimates: ((1 - rw) freq + rw recent) + router_weight router_mass + prior_weight prior,
         summed in that order (a reduction over 4 rows adds them one after the other)."""
         return np.add.reduce(self.rows[layer, ..., :4, :] * self.mix_weights, axis=-2, out=out)
 
@@ -587,21 +554,19 @@ class Activation(Policy):
     def _head(self, layer):
         order = self.order[layer]
         key = (layer, order[0]) if order else None
-        self.head[layer] = -np.inf if key is None else self._tail(key, self.p[key])  # not aged: see victim()
+        self.head[layer] = -np.inf if key is None else self._tail(key, self.next_chance[key])  # not aged: see victim()
         self.head_pinned[layer] = key in self.pinned
 
     def insert(self, key):
         self.resident[key[0]].add(key[1])
-        if self.floor_share is not None:
-            self.held[key[0]] = -np.inf if len(self.resident[key[0]]) <= self.floor else 0.0
+        self._hold(key[0])
         self.order[key[0]].append(key[1])
         self.unsorted.add(key[0])  # sorted before the next victim: a rare expert just used can be the farthest
 
     def remove(self, key):
         layer, e = key
         self.resident[layer].discard(e)
-        if self.floor_share is not None:
-            self.held[layer] = -np.inf if len(self.resident[layer]) <= self.floor else 0.0
+        self._hold(layer)
         order = self.order[layer]
         if e in order:
             head = order[0] == e
@@ -617,7 +582,7 @@ class Activation(Policy):
         # steps() of every layer's farthest expert at once; the layers whose candidate is
         # another one (their farthest is protected or pinned) or whose p1 has aged are redone
         steps = (self.distance[self.current] + self.head) / self.miss_cost
-        if self.floor_share is not None:  # layers at or under their floor are out of reach while another can pay
+        if self.floor is not None:  # layers at or under their floor are out of reach while another can pay
             own = steps[self.current]  # the current layer pays for itself
             steps += self.held
             steps[self.current] = own
@@ -630,12 +595,9 @@ class Activation(Policy):
             return found
         raise _none_left()
 
-    def _set_floor(self):
-        """The floor from top_k and the share, and which layers are at or under it."""
-        share = self.capacity // self.num_layers
-        self.floor = max(min(self.top_k, share), int(self.floor_share * share))
-        for layer, resident in enumerate(self.resident):
-            self.held[layer] = -np.inf if len(resident) <= self.floor else 0.0
+    def _hold(self, layer):
+        if self.floor is not None:
+            self.held[layer] = -np.inf if len(self.resident[layer]) <= self.floor else 0.0
 
     def _victim(self, protected, steps):
         """The expert of largest steps() over the layers whose steps are not -inf, or None."""
@@ -665,49 +627,46 @@ class Activation(Policy):
         return None
 
     def steps(self, key, p1=None):
-        """Expected layer steps until `key` is used: d + L (1 - p1) / g, with p1 its chance
+        """Expected layer steps until `key` is used: d + L (1 - p1) / rate, with p1 its chance
         of use at its layer's next visit (by default the policy's own, aged)."""
         return ((key[0] - self.current) % self.num_layers or self.num_layers) + self._tail(key, p1)
 
     def _tail(self, key, p1=None):
-        """The second term of steps(): L (1 - p1) / g."""
+        """The second term of steps(): L (1 - p1) / rate."""
         if p1 is None:
             p1 = self._aged(key)
-        return self.num_layers * (1.0 - min(p1, 1.0)) / self.g[key]
+        return self.num_layers * (1.0 - min(p1, 1.0)) / self.long_rate[key]
 
     def _aged(self, key):
         """p1 of a key whose layer has not run for a while (a prefill split into runs calls
         a layer several times before the next): its estimates decay as if the layer had
         run and not used it."""
         if AGING * (self.visits - self.visited_at[key[0]] - self.num_layers) <= 0:
-            return self.p[key]
+            return self.next_chance[key]
         return self.chance(key)
 
     def chance(self, key):
         """The chance that `key`'s layer uses it at its next visit by the decayed estimates
-        alone (F, R, M and the prior, without the router's favour at the layer's last
+        alone (without the router's favour at the layer's last
         call), aged like _aged: the prefetcher weighs its guesses against it."""
         layer, e = key
         # layer calls since its layer last ran, beyond one round of all layers; each counts
         # as AGING tokens (fitted on the demo model's prefill traces)
         age = max(AGING * (self.visits - self.visited_at[layer] - self.num_layers), 0)
         slow, fast = self.slow ** age, self.fast ** age
-        return ((1 - self.recency_weight) * self.F[key] * slow + self.recency_weight * self.R[key] * fast
-                + self.router_weight * self.M[key] * slow + self.prior_weight * self.prior[key])
+        return ((1 - self.recency_weight) * self.freq[key] * slow + self.recency_weight * self.recent[key] * fast
+                + self.router_weight * self.router_mass[key] * slow + self.prior_weight * self.prior[key])
 
 
 class ActivationFloor(Activation):
-    """`activation` that never takes a layer below its floor while another layer can pay:
-    max(min(top_k, share), floor_share x share), share being the layer's even share of the
-    slots. Where slots are as scarce as one token's experts per layer it keeps each layer's
-    last token as per-layer LRU does; at floor_share 1 it is a per-layer split whose layers
-    rank their experts by activation's expected next use (the slots left over by the even
-    split still move between layers by it)."""
+    """The default: `activation` with each layer kept at its even share of the slots
+    (layer_floor; the slots left over by the split move between layers by expected next
+    use) and a shorter frequency half-life, chosen on real routing (bench_policies.py --lofo)."""
 
     name = "activation-floor"
 
-    def __init__(self, capacity, num_layers, num_experts, floor_share=FLOOR_SHARE, **kw):
-        super().__init__(capacity, num_layers, num_experts, floor_share=floor_share, **kw)
+    def __init__(self, capacity, num_layers, num_experts, half_life=FLOOR_HALF_LIFE, layer_floor=True, **kw):
+        super().__init__(capacity, num_layers, num_experts, half_life=half_life, layer_floor=layer_floor, **kw)
 
 
 class LayerSplit(Policy):
@@ -816,7 +775,7 @@ class LFUDA(LayerSplit):
 
 POLICIES = {p.name: p for p in (LRU, LFU, SLRU, S3FIFO, LayerLRU, LayerLFU, LFUDA, Activation, ActivationFloor,
                                 Belady)}
-DEFAULT_POLICY = "activation"
+DEFAULT_POLICY = "activation-floor"
 ONLINE = [name for name, p in POLICIES.items() if not p.offline]
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from mlxmoe.cache import Residency
 from mlxmoe.errors import MlxmoeError
-from mlxmoe.policies import make_policy
+from mlxmoe.policies import DEFAULT_POLICY, make_policy
 from mlxmoe.curves import lru_curve
 from mlxmoe.trace import read_trace, replay, replay_all, steps
 
@@ -185,8 +185,17 @@ def test_floor_keeps_a_layer_at_its_share():
     assert run("activation-floor", 2, seq, layers=2, experts=4)[0] == [(0, 3), (0, 0), (1, 3)]
 
 
-@pytest.mark.parametrize("name", ["activation-floor"])
-def test_never_below_layer_lru_at_one_token_per_layer(name):
+def test_default_keeps_the_last_visit_then_the_most_used():
+    """1 layer of 5 experts, 3 slots, one expert a token: when 0 comes, 4 (4 uses, the last 4 tokens ago),
+    3 (3 uses, 3 tokens ago) and 2 (2 uses, both just now) are resident. Per-layer LRU evicts
+    4, per-layer LFU and `activation` evict 2; the default keeps 2 (used at the layer's last
+    visit, so likely at the next) and of the others evicts 3, the rarer in the long run."""
+    seq = single(4, 4, 4, 3, 3, 4, 3, 2, 2, 0)
+    evicted = {p: run(p, 3, seq, experts=5)[0] for p in (DEFAULT_POLICY, "layer-lru", "layer-lfu", "activation")}
+    assert evicted == {DEFAULT_POLICY: [(0, 3)], "layer-lru": [(0, 4)], "layer-lfu": [(0, 2)], "activation": [(0, 2)]}
+
+
+def test_never_below_layer_lru_at_one_token_per_layer():
     """Where the cache holds exactly one token's experts per layer, keeping each layer's
     last token (per-layer LRU) is what a policy must not fall below; plain `activation`
     does on this sequence (slots wander to the layers whose routing it judges steadier)."""
@@ -200,8 +209,8 @@ def test_never_below_layer_lru_at_one_token_per_layer(name):
                 seq.append(seq[-L])
             else:
                 seq.append((layer, sorted(rng.choice(E, k, replace=False).tolist())))
-    hits = {p: run(p, L * k, seq, layers=L, experts=E)[1].hits for p in ("layer-lru", "activation", name)}
-    assert hits[name] >= hits["layer-lru"], hits
+    hits = {p: run(p, L * k, seq, layers=L, experts=E)[1].hits for p in ("layer-lru", "activation", DEFAULT_POLICY)}
+    assert hits[DEFAULT_POLICY] >= hits["layer-lru"], hits
     assert hits["activation"] < hits["layer-lru"], hits  # the case is one that matters
 
 
@@ -299,10 +308,11 @@ def test_activation_counts_a_prefill_call_as_its_tokens():
     many.tick(7)
     many.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]))
     s7 = many.slow ** 7
-    assert one.F[0, 0] == pytest.approx(1 - one.slow ** 8)  # 8 single-token visits that used expert 0
-    assert many.F[0, 0] == pytest.approx((1 - many.slow) * s7 + (1 - s7) * 0.7)  # 1 visit, then 7 tokens at share 0.7
-    assert many.F[0, 1] == pytest.approx((1 - s7) * 0.1)
-    assert many.p[0, 0] > 5 * many.p[0, 1]
+    assert one.freq[0, 0] == pytest.approx(1 - one.slow ** 8)  # 8 single-token visits that used expert 0
+    # 1 visit, then 7 tokens at share 0.7
+    assert many.freq[0, 0] == pytest.approx((1 - many.slow) * s7 + (1 - s7) * 0.7)
+    assert many.freq[0, 1] == pytest.approx((1 - s7) * 0.1)
+    assert many.next_chance[0, 0] > 5 * many.next_chance[0, 1]
 
 
 def test_activation_counts_a_prefill_call_as_one_visit_by_default():
@@ -315,10 +325,10 @@ def test_activation_counts_a_prefill_call_as_one_visit_by_default():
     p.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]))
     s = p.slow
     assert p.top_k == 1
-    assert p.F[0, 0] == pytest.approx((1 - s) * s + (1 - s))
-    assert p.F[0, 1] == pytest.approx(1 - s)
-    assert p.N[0] == pytest.approx(1 + 2.0 ** (-1 / 16))  # two visits; the long half-life is at its minimum
-    assert p.U[0, 0] == pytest.approx(p.N[0]) and p.U[0, 1] == pytest.approx(1.0)
+    assert p.freq[0, 0] == pytest.approx((1 - s) * s + (1 - s))
+    assert p.freq[0, 1] == pytest.approx(1 - s)
+    assert p.layer_visits[0] == pytest.approx(1 + 2.0 ** (-1 / 16))  # two visits; the long half-life is at its minimum
+    assert p.used[0, 0] == pytest.approx(p.layer_visits[0]) and p.used[0, 1] == pytest.approx(1.0)
 
 
 def test_activation_evicts_by_expected_time_with_a_sorted_insert():
@@ -333,12 +343,12 @@ def test_activation_evicts_by_expected_time_with_a_sorted_insert():
     evicted, r = run("activation", 3, seq, layers=2)
     assert evicted == [(0, 2)]
     p = r.policy
-    assert p.g[0, 2] < p.g[0, 1] and p.g[0, 2] < p.g[1, 5]
+    assert p.long_rate[0, 2] < p.long_rate[0, 1] and p.long_rate[0, 2] < p.long_rate[1, 5]
 
 def test_slru_pins_the_profiles_hottest_by_default():
     import numpy as np
 
-    from mlxmoe.policies import make_policy
+    from mlxmoe.policies import DEFAULT_POLICY, make_policy
 
     prior = np.zeros((2, 8))
     prior[1, 3], prior[0, 5], prior[0, 1] = 0.9, 0.5, 0.1
