@@ -403,10 +403,10 @@ class Activation(Policy):
         self.prefill_visits = prefill_visits or math.inf
         self.prior = np.zeros((L, E)) if prior is None else np.asarray(prior, dtype=np.float64)
         # A layer's rows side by side ([layer, 5, E]: freq, recent, router_mass, prior_weight x prior,
-        # used), so that one numpy call decays all, adds a use to all, or sums p1's terms (few calls
+        # used_visits; views below), so that one numpy call decays all, adds a use to all, or sums p1's terms (few calls
         # at E = 32-128)
         self.rows = np.zeros((L, 5, E))
-        self.freq, self.recent, self.router_mass, prior_term, self.used = self.rows.transpose(1, 0, 2)  # views
+        self.freq, self.recent, self.router_mass, prior_term, self.used_visits = self.rows.transpose(1, 0, 2)
         self.freq[:] = self.prior
         prior_term[:] = prior_weight * self.prior
         self.mix_weights = np.array([[1 - recency_weight], [recency_weight], [router_weight], [1.0]])
@@ -433,9 +433,9 @@ class Activation(Policy):
         self.head = np.full(L, -np.inf)
         self.head_pinned = np.zeros(L, dtype=bool)
         self.distance = np.array([[(l - c) % L or L for l in range(L)] for c in range(L)], dtype=np.float64)
-        self.used_rows = np.array([[0], [1], [4]])  # freq, recent, used: what a use adds to
+        self.used_rows = np.array([[0], [1], [4]])  # freq, recent, used_visits: what a use adds to
         self.decays = np.array([[self.slow], [self.fast], [self.slow], [1.0], [1.0]])  # of each row per visit
-        self.gains = np.array([[1 - self.slow], [1 - self.fast], [1.0]])  # what a use adds to freq, recent, used
+        self.gains = np.array([[1 - self.slow], [1 - self.fast], [1.0]])  # what a use adds to freq, recent, used_visits
         # per layer, what a miss costs relative to others (1: all equal, as in a replay); the
         # runtime lowers a layer's where prefetch hides its misses (ExpertCache.miss_costs),
         # and the victim is the expert with the largest expected time to next use / cost
@@ -474,13 +474,13 @@ class Activation(Policy):
         # long-run counts take a call as one visit of the experts it used.
         # (At E = 32-128 each numpy call costs about its overhead: few calls, in place.)
         n = min(self.call_tokens, self.prefill_visits)
-        if self.call_tokens == 1 and len(experts) > self.top_k:
-            self.top_k = len(experts)
+        if self.call_tokens == 1:
+            self.top_k = max(self.top_k, len(experts))
         experts = np.asarray(experts, dtype=np.intp)
         probs = None if probs is None else np.asarray(probs)
         slow, fast = self.slow ** n, self.fast ** n
         half_life = min(max(self.horizon * self.evicted_age, self.long_min), self.long_max)
-        keep = 2.0 ** (-1.0 / half_life)  # used's decay per visit (a call is one visit for it)
+        keep = 2.0 ** (-1.0 / half_life)  # used_visits' decay per visit (a call is one visit)
         rows = self.rows[layer]  # a view: updated in place; router_mass only decays where the router is known
         decays, gains = (self.decays, self.gains) if n == 1 else (np.array([[slow], [fast], [slow], [1.0], [1.0]]),
                                                                   np.array([[1 - slow], [1 - fast], [1.0]]))
@@ -488,7 +488,7 @@ class Activation(Policy):
         decays[4, 0] = keep
         rows *= decays
         freq, recent, router_mass, _, used_visits = rows
-        if n == 1 or probs is None:  # the experts used: freq and recent x decay + (1 - decay) x 1, used + 1
+        if n == 1 or probs is None:  # the experts used: freq, recent x decay + (1 - decay) x 1, used_visits + 1
             rows[self.used_rows, experts] += gains
         else:
             used = np.minimum(1.0, probs * self.top_k)
@@ -531,8 +531,8 @@ class Activation(Policy):
             (self.pinned.add if pin else self.pinned.discard)((layer, e))
 
     def _mix(self, layer, out=None):
-        """p1 from the decayed estimates: ((1 - rw) freq + rw recent) + router_weight router_mass + prior_weight prior,
-        summed in that order (a reduction over 4 rows adds them one after the other)."""
+        """p1 from the decayed estimates: ((1 - rw) freq + rw recent) + router_weight router_mass
+        + prior_weight prior, summed in that order (a reduction over 4 rows adds them one after the other)."""
         return np.add.reduce(self.rows[layer, ..., :4, :] * self.mix_weights, axis=-2, out=out)
 
     def _rate_term(self):
@@ -554,7 +554,8 @@ class Activation(Policy):
     def _head(self, layer):
         order = self.order[layer]
         key = (layer, order[0]) if order else None
-        self.head[layer] = -np.inf if key is None else self._tail(key, self.next_chance[key])  # not aged: see victim()
+        # not aged: see victim()
+        self.head[layer] = -np.inf if key is None else self._tail(key, self.next_chance[key])
         self.head_pinned[layer] = key in self.pinned
 
     def insert(self, key):

@@ -328,7 +328,7 @@ def test_activation_counts_a_prefill_call_as_one_visit_by_default():
     assert p.freq[0, 0] == pytest.approx((1 - s) * s + (1 - s))
     assert p.freq[0, 1] == pytest.approx(1 - s)
     assert p.layer_visits[0] == pytest.approx(1 + 2.0 ** (-1 / 16))  # two visits; the long half-life is at its minimum
-    assert p.used[0, 0] == pytest.approx(p.layer_visits[0]) and p.used[0, 1] == pytest.approx(1.0)
+    assert p.used_visits[0, 0] == pytest.approx(p.layer_visits[0]) and p.used_visits[0, 1] == pytest.approx(1.0)
 
 
 def test_activation_evicts_by_expected_time_with_a_sorted_insert():
