@@ -753,11 +753,12 @@ def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force
         prior = ActivationProfile.load(profile_path)
         prior.check_model(trace_fingerprint(header), header["num_layers"], header["num_experts"], force, profile_path)
     results = replay_all(header, records, policy_names(policy), cache_experts, prior)
+    width = max(len(r["policy"]) for r in results)
     for r in results:
         if as_json:
             click.echo(json.dumps(r))
         else:
-            click.echo(f"{r['policy']:>10}: hit rate {100 * r['hit_rate']:.2f}% ({r['hits']}/{r['accesses']}), "
+            click.echo(f"{r['policy']:>{width}}: hit rate {100 * r['hit_rate']:.2f}% ({r['hits']}/{r['accesses']}), "
                        f"belady {100 * r['belady_hit_rate']:.2f}%")
 
 
