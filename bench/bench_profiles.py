@@ -37,7 +37,7 @@ import mlxmoe
 from heldout import prompts
 from mlxmoe.cache import Residency
 from mlxmoe.loader import DEMO_MODEL
-from mlxmoe.policies import make_policy
+from mlxmoe.policies import DEFAULT_POLICY, make_policy
 from mlxmoe.profile import ActivationProfile
 from mlxmoe.trace import layer_calls, read_trace, replay, steps
 
@@ -230,7 +230,7 @@ def resident_vs_stock(model_path, prompt, tokens=128, rounds=5):
 def bookkeeping_section(model_path, prompt, out, runs=3):
     print("3. bookkeeping share of generation time (demo model, 50 % cache, 128 tokens, median of "
           f"{runs} alternated runs)")
-    configs = {"activation + prefetch (default)": {}, "lru, no prefetch": {"policy": "lru", "prefetch": 0}}
+    configs = {f"{DEFAULT_POLICY} + prefetch (default)": {}, "lru, no prefetch": {"policy": "lru", "prefetch": 0}}
     results = {label: [] for label in configs}
     for _ in range(runs):
         for label, kwargs in configs.items():
