@@ -81,7 +81,7 @@ class StreamingExperts(nn.Module):
         tic = time.perf_counter()
         decode = x.size == x.shape[-1]
         # the prefetcher's lookahead is evaluated with this layer's routing: one sync, not two
-        looked = cache.prefetcher.lookahead(self._layer, x) if cache.prefetcher is not None and decode else {}
+        looked = cache.prefetcher.lookahead(self._layer, x, decode) if cache.prefetcher is not None else {}
         probs = self._probs(x)
         sync = time.perf_counter()
         # evaluates the router (and with it every earlier layer): mlx-lm's own work
@@ -96,7 +96,7 @@ class StreamingExperts(nn.Module):
             y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
             inner = time.perf_counter() - inner
             if cache.prefetcher is not None:
-                cache.prefetcher.layer_done(self._layer, flat[-1].tolist(), looked, cache.tokens, decode)
+                cache.prefetcher.layer_done(self._layer, flat, looked, cache.tokens, decode)
             # what this layer added beyond mlx-lm's own work (building and evaluating the
             # model up to the router, building the expert computation) and the reads: the
             # lookahead and router probabilities, routing copies, the policy, remapping
