@@ -216,7 +216,7 @@ class ExpertCache(Residency):
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
         self.prefetcher = None  # prefetch.Prefetcher when prefetching
-        self.slot_table = None  # mx array [layers, experts] of slots, once every expert is resident
+        self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident
         self.deferred = []  # per token: the host work of its layer calls on the resident path
         self._prewarm = None
         self._stop = threading.Event()
@@ -241,7 +241,7 @@ class ExpertCache(Residency):
         self.position += tokens
 
     def resident_slots(self):
-        """Every expert's slot as an mx array [layers, experts] once all are resident and
+        """Every expert's slot, per layer an mx array [experts], once all are resident and
         none is on its way (with room for all, nothing is evicted: they stay put), else None."""
         self._check_open()
         if self.slot_table is None:
@@ -253,7 +253,7 @@ class ExpertCache(Residency):
             table = np.zeros((L, E), dtype=np.uint32)
             for (layer, e), slot in self.slot_of.items():
                 table[layer, e] = slot
-            self.slot_table = mx.array(table)
+            self.slot_table = [mx.array(row) for row in table]  # one per layer: no slicing op per call
         return self.slot_table
 
     def defer(self, layer, work, side=()):

@@ -38,8 +38,12 @@ def find_router(block):
     if isinstance(gate, (nn.Linear, nn.QuantizedLinear)):
         base = type(gate)
         gate.__class__ = _tapped(base)
-        return (lambda x: mx.softmax(gate.last_logits.astype(mx.float32), axis=-1, precise=True),
-                lambda x: base.__call__(gate, x))
+
+        def probs(x):
+            return mx.softmax(gate.last_logits.astype(mx.float32), axis=-1, precise=True)
+
+        probs.logits = lambda: gate.last_logits  # the model's own array: host_probs reads it with no op
+        return probs, lambda x: base.__call__(gate, x)
     weight = getattr(gate, "weight", None)
     if isinstance(weight, mx.array) and weight.ndim == 2:  # e.g. deepseek's MoEGate: sigmoid scores
         def scores(x):
@@ -51,6 +55,18 @@ def find_router(block):
 
         return probs, scores
     return None, None
+
+
+def host_probs(logits):
+    """softmax over the last axis of evaluated router logits, on the host in float32 (a
+    bfloat16 array through its bits: numpy has no bfloat16), adding no op to the graph."""
+    if logits.dtype == mx.bfloat16:
+        bits = np.frombuffer(memoryview(logits).cast("B"), dtype=np.uint16).reshape(logits.shape)
+        z = (bits.astype(np.uint32) << 16).view(np.float32)
+    else:
+        z = np.array(logits, dtype=np.float32)
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    return z / z.sum(axis=-1, keepdims=True)
 
 
 class StreamingExperts(nn.Module):
@@ -116,10 +132,17 @@ class StreamingExperts(nn.Module):
 
     def _probs(self, x):
         """The router's distribution for x (unevaluated), where the cache uses it."""
+        return self._router(x) if self._wants_probs() else None
+
+    def _logits(self):
+        """The tapped router's logits of this call (the model's own array), where the cache
+        uses the router's distribution; else None."""
+        logits = getattr(self._router, "logits", None)
+        return logits() if logits is not None and self._wants_probs() else None
+
+    def _wants_probs(self):
         cache = self._cache
-        if self._router is not None and (cache.wants_router or cache.trace is not None or cache.profile is not None):
-            return self._router(x)
-        return None
+        return self._router is not None and (cache.wants_router or cache.trace is not None or cache.profile is not None)
 
     def _routing(self, indices, probs):
         """The evaluated routing on the host: (indices, indices [tokens, k], probs [tokens,
@@ -139,11 +162,14 @@ class StreamingExperts(nn.Module):
         """Every expert is resident (they stay put then): slots from the cache's table on
         the device, and the host work (hits, live profile, trace; no policy: nothing will be
         evicted) done once this token's routing has been computed anyway (see
-        ExpertCache.defer), so the layer forces no sync and decoding runs as stock mlx-lm does."""
-        probs = self._probs(x)
+        ExpertCache.defer), so the layer forces no sync and decoding runs as stock mlx-lm does.
+        A tapped router's probabilities come from its logits on the host (host_probs): no
+        op beside the model's own; another router's are computed beside the model."""
+        logits = self._logits()
+        probs = self._probs(x) if logits is None else None
 
         def account():
-            _, flat, p = self._routing(indices, probs)
+            _, flat, p = self._routing(indices, probs if logits is None else host_probs(logits))
             self._cache.count_resident(self._layer, *self._summary(flat, p))
 
         self._cache.defer(self._layer, account, [] if probs is None else [probs])
