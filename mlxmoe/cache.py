@@ -9,6 +9,7 @@ import resource
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import mlx.core as mx
@@ -210,6 +211,7 @@ class ExpertCache(Residency):
         self.prefetched = set()  # loaded in the background and not used yet (for prefetch_useful)
         self.failed = set()  # keys whose background read failed: read again on demand
         self.profile = profile  # live ActivationProfile: learns from every layer call
+        self.later = deque()  # its updates (method, args) left by the decode thread, made in order (see learn)
         self.trace = None  # TraceWriter when recording
         self.wants_router = policy.wants_router
         self.position = 0  # token position in the current sequence
@@ -236,7 +238,7 @@ class ExpertCache(Residency):
             self.step_tokens = tokens
             super().tick(tokens)
             if self.profile is not None:
-                self.profile.tick(tokens)
+                self.learn(self.profile.tick, tokens)
         self.call_position = self.position
         self.position += tokens
 
@@ -281,8 +283,28 @@ class ExpertCache(Residency):
             if self.profile is not None:
                 self.profile.observe(layer, experts, scores, probs)
 
+    def learn(self, update, *args):
+        """A live profile update (its tick or observe; called under the lock): left for the
+        prefetcher's host thread (host_work) where one runs there, else made now. Its
+        numbers are the same either way: the updates keep their order."""
+        if self.prefetcher is not None and self.prefetcher.off_thread:
+            self.later.append((update, args))
+        else:
+            update(*args)
+
+    def host_work(self):
+        """What the decode thread left for later, done in order under the lock: the
+        policy updates of all-hit layer calls (see Residency) and the live profile's."""
+        with self.lock:
+            self.catch_up()
+            while self.later:
+                update, args = self.later.popleft()
+                update(*args)
+
     def flush(self, tokens=None):
         """Do the deferred host work (of the first `tokens` tokens queued; all by default)."""
+        if self.later:
+            self.host_work()
         tic = time.perf_counter()
         for works, _ in self.deferred[:tokens]:
             for work in works:
@@ -332,7 +354,7 @@ class ExpertCache(Residency):
             self.active = {(layer, e) for e in experts}
             self.current_layer = layer
             if self.profile is not None:
-                self.profile.observe(layer, experts, scores, probs)
+                self.learn(self.profile.observe, layer, experts, scores, probs)
             waits, hidden = [], 0
             for e in experts:
                 key = (layer, e)
@@ -370,11 +392,10 @@ class ExpertCache(Residency):
         cost = getattr(self.policy, "miss_cost", None)
         if cost is None:
             return
-        counts = self.layer_loads[layer]
-        counts *= keep
-        counts += (hidden, demand)
-        cover = counts[0] / (counts[0] + counts[1] + 1.0)
-        cost[layer] = 1.0 - (1.0 - hidden_cost) * cover
+        h, d = self.layer_loads[layer].tolist()  # Python floats: the same doubles, cheaper than numpy's
+        h, d = h * keep + hidden, d * keep + demand
+        self.layer_loads[layer] = h, d
+        cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
 
     def _read(self, layer, missed):
         """Read `missed` [(expert, slot)] of `layer` on the decode thread (on the IO threads

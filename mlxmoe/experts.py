@@ -180,10 +180,12 @@ class StreamingExperts(nn.Module):
         mean distribution over the rows (None where unknown)."""
         if len(rows) == 1:  # decode: a handful of experts, cheaper without numpy
             experts = sorted(set(rows[0].tolist()))
-            probs = None if probs is None else probs[0]
-        else:
-            experts = np.unique(rows).tolist()
-            probs = None if probs is None else probs.mean(axis=0)
+            if probs is None:
+                return experts, None, None
+            probs = probs[0]
+            return experts, [float(probs[e]) for e in experts], probs
+        experts = np.unique(rows).tolist()
+        probs = None if probs is None else probs.mean(axis=0)
         return experts, None if probs is None else probs[experts].tolist(), probs
 
     def _slots(self, rows, idx, probs):

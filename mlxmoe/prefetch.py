@@ -20,6 +20,8 @@ A prefill step reads, while a layer computes, the experts the next layers' route
 for the prompt's tokens (their lookahead; nothing else predicts a prompt's many experts).
 """
 
+import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -93,10 +95,13 @@ class Prefetcher:
         self.paced = None  # (time, the cache's background read seconds) at the last decode step's start
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
         # scoring and predicting run in this one thread, in the layer calls' order, while
-        # the decode thread goes on (False: on the decode thread, after each layer call)
+        # the decode thread goes on (False: on the decode thread, after each layer call);
+        # so do the cache's updates left for later (ExpertCache.host_work)
         self.off_thread = True
-        self.host = ThreadPoolExecutor(1, thread_name_prefix="mlxmoe-predict")
-        self.host_jobs = []
+        self.host_jobs = queue.SimpleQueue()  # works, None to stop (a put costs far less than a pool's submit)
+        self.host_error = None  # the first error a work raised, raised again on the decode thread
+        self.host = threading.Thread(target=self._host_loop, name="mlxmoe-predict", daemon=True)
+        self.host.start()
         self.jobs = []  # futures of queued and running loads
         self.previous = {}  # layer -> experts it used at its last call
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
@@ -127,19 +132,33 @@ class Prefetcher:
                 self.after_layer(layer, looked, token)
             else:
                 self.prefill(layer, looked, token)
+            if self.off_thread and self.cache is not None:
+                self.cache.host_work()
 
         if not self.off_thread:
             return work()
-        done = [j for j in self.host_jobs if j.done()]
-        self.host_jobs = [j for j in self.host_jobs if not j.done()] + [self.host.submit(work)]
-        for job in done:
-            job.result()  # raises a failed one's error
+        self._raise_host_error()
+        self.host_jobs.put(work)
+
+    def _host_loop(self):
+        while (work := self.host_jobs.get()) is not None:
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - handed to the decode thread
+                self.host_error = self.host_error or e
+
+    def _raise_host_error(self):
+        if self.host_error is not None:
+            error, self.host_error = self.host_error, None
+            raise error
 
     def settle(self):
         """Wait for the queued scoring and predicting (raising its error, if any)."""
-        jobs, self.host_jobs = self.host_jobs, []
-        for job in jobs:
-            job.result()
+        if self.host.is_alive():
+            done = threading.Event()
+            self.host_jobs.put(done.set)
+            done.wait()
+        self._raise_host_error()
 
     def observe(self, layer, experts, decode=True, rows=None):
         """The experts `layer` really used (at the last token of the call): score what
@@ -308,6 +327,11 @@ class Prefetcher:
         self.jobs = []
 
     def close(self):
-        self.host.shutdown(wait=True, cancel_futures=True)
-        self.host_jobs = []  # what was cancelled is not waited for
+        while True:  # what is queued is dropped, not waited for
+            try:
+                self.host_jobs.get_nowait()
+            except queue.Empty:
+                break
+        self.host_jobs.put(None)
+        self.host.join()
         self.pool.shutdown(wait=True, cancel_futures=True)

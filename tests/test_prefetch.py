@@ -384,7 +384,8 @@ def test_interrupted_demand_read_leaves_no_key_with_wrong_bytes(checkpoint):
 def test_predictions_off_the_decode_thread_score_the_same():
     """The prefetcher's scoring and predicting in their own thread (the default) see the
     same layer calls in the same order as on the decode thread: the same tokens and the
-    same predictor counts (which depend on the routing alone, not on the timing)."""
+    same predictor counts (which depend on the routing alone, not on the timing); the live
+    profile's updates, made there too, the same numbers."""
     results = []
     for off_thread in (False, True):
         model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL), cache_experts=16)
@@ -393,9 +394,13 @@ def test_predictions_off_the_decode_thread_score_the_same():
         cache.prefetcher.off_thread = off_thread
         out = tokens(model, tokenizer, 24)
         cache.stats()  # waits for the queued predictions
-        results.append((out, {name: list(c) for name, c in cache.prefetcher.counts.items()}))
+        assert not cache.later
+        p = cache.profile
+        results.append((out, {name: list(c) for name, c in cache.prefetcher.counts.items()},
+                        p.counts.tolist(), p.mass.tolist(), p.tokens, p.tokens_total))
         cache.close()
     assert results[0] == results[1]
+    assert results[0][5] > 24 and sum(map(sum, results[0][2])) > 0
     assert results[0][1]["router"][1] > 0 and results[0][1]["coactivation"][1] > 0
 
 
