@@ -265,15 +265,18 @@ class ExpertCache(Residency):
         before, so reading that routing costs no sync. `side`: arrays `work` reads that the
         model's output does not need (the router's probabilities); they are queued for
         evaluation behind their token's own work, all at once when the next token starts
-        (reading them unqueued would wait for everything queued before them)."""
+        (reading them unqueued would wait for everything queued before them). Returns the
+        token's queued work, a list (`work` None: the caller adds to it)."""
         if layer == 0 or not self.deferred:
             if self.deferred and self.deferred[-1][1]:
                 mx.async_eval(*self.deferred[-1][1])
             self.deferred.append(([], []))
             if len(self.deferred) > 2:
                 self.flush(len(self.deferred) - 2)
-        self.deferred[-1][0].append(work)
+        if work is not None:
+            self.deferred[-1][0].append(work)
         self.deferred[-1][1].extend(side)
+        return self.deferred[-1][0]
 
     def count_resident(self, layer, experts, scores=None, probs=None):
         """A layer call on the resident path: its experts are hits, the live profile learns

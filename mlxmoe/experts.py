@@ -57,16 +57,45 @@ def find_router(block):
     return None, None
 
 
+def host_floats(a):
+    """An evaluated mx float array as a float32 numpy array [rows, last axis] (a bfloat16
+    one through its bits: numpy has no bfloat16), adding no op to the graph."""
+    if a.dtype == mx.bfloat16:
+        bits = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32).reshape(-1, a.shape[-1])
+    return np.array(a, dtype=np.float32).reshape(-1, a.shape[-1])
+
+
 def host_probs(logits):
-    """softmax over the last axis of evaluated router logits, on the host in float32 (a
-    bfloat16 array through its bits: numpy has no bfloat16), adding no op to the graph."""
-    if logits.dtype == mx.bfloat16:
-        bits = np.frombuffer(memoryview(logits).cast("B"), dtype=np.uint16).reshape(logits.shape)
-        z = (bits.astype(np.uint32) << 16).view(np.float32)
-    else:
-        z = np.array(logits, dtype=np.float32)
+    """softmax over the last axis of evaluated router logits (a list of mx arrays with the
+    same last axis), on the host in float32, all in one go: a [rows, experts] numpy array
+    for each."""
+    rows = [host_floats(a) for a in logits]
+    z = np.concatenate(rows) if len(rows) > 1 else rows[0]
     z = np.exp(z - z.max(axis=-1, keepdims=True))
-    return z / z.sum(axis=-1, keepdims=True)
+    z /= z.sum(axis=-1, keepdims=True)
+    out, start = [], 0
+    for r in rows:
+        out.append(z[start:start + len(r)])
+        start += len(r)
+    return out
+
+
+class ResidentCalls:
+    """One token's layer calls on the resident path, [(StreamingExperts, indices, logits,
+    probs)], accounted in one go once their routing is on the host (ExpertCache.defer):
+    the tapped routers' probabilities from their logits in one softmax, then each call's
+    hits, live profile and trace in layer order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self):
+        logits = [c[2] for c in self.calls if c[2] is not None]
+        from_logits = iter(host_probs(logits) if logits else ())
+        for module, indices, tapped, probs in self.calls:
+            _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
+            module._cache.count_resident(module._layer, *module._summary(flat, p))
 
 
 class StreamingExperts(nn.Module):
@@ -167,12 +196,10 @@ class StreamingExperts(nn.Module):
         op beside the model's own; another router's are computed beside the model."""
         logits = self._logits()
         probs = self._probs(x) if logits is None else None
-
-        def account():
-            _, flat, p = self._routing(indices, probs if logits is None else host_probs(logits))
-            self._cache.count_resident(self._layer, *self._summary(flat, p))
-
-        self._cache.defer(self._layer, account, [] if probs is None else [probs])
+        works = self._cache.defer(self._layer, None, [] if probs is None else [probs])
+        if not works:
+            works.append(ResidentCalls())
+        works[0].calls.append((self, indices, logits, probs))
         return self._inner(x, table[self._layer][indices])
 
     def _summary(self, rows, probs):
