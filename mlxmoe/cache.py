@@ -298,6 +298,8 @@ class ExpertCache(Residency):
     def host_work(self):
         """What the decode thread left for later, done in order under the lock: the
         policy updates of all-hit layer calls (see Residency) and the live profile's."""
+        if not (self.pending or self.later):  # nothing left: spare the decode thread a wait for the lock
+            return
         with self.lock:
             self.catch_up()
             while self.later:
