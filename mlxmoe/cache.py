@@ -288,8 +288,8 @@ class ExpertCache(Residency):
 
     def learn(self, update, *args):
         """A live profile update (its tick or observe; called under the lock): left for the
-        prefetcher's host thread (host_work) where one runs there, else made now. Its
-        numbers are the same either way: the updates keep their order."""
+        prefetcher's host thread (host_work) where its predictions run in that thread, else
+        made now. The numbers are the same either way: the updates keep their order."""
         if self.prefetcher is not None and self.prefetcher.off_thread:
             self.later.append((update, args))
         else:
