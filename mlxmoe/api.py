@@ -246,7 +246,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
         if group is not None:
             distributed.barrier(group)
     finally:
-        if cache is not None and cache.deferred:  # closed early: its arrays are this thread's
+        if cache is not None and (cache.deferred or cache.later):  # closed early: its arrays are this thread's
             mx.eval([a for _, side in cache.deferred for a in side])
             cache.flush()
         lock.release()

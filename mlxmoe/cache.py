@@ -9,6 +9,7 @@ import resource
 import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import mlx.core as mx
@@ -210,13 +211,14 @@ class ExpertCache(Residency):
         self.prefetched = set()  # loaded in the background and not used yet (for prefetch_useful)
         self.failed = set()  # keys whose background read failed: read again on demand
         self.profile = profile  # live ActivationProfile: learns from every layer call
+        self.later = deque()  # its updates (method, args) left by the decode thread, made in order (see learn)
         self.trace = None  # TraceWriter when recording
         self.wants_router = policy.wants_router
         self.position = 0  # token position in the current sequence
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
         self.prefetcher = None  # prefetch.Prefetcher when prefetching
-        self.slot_table = None  # mx array [layers, experts] of slots, once every expert is resident
+        self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident
         self.deferred = []  # per token: the host work of its layer calls on the resident path
         self._prewarm = None
         self._stop = threading.Event()
@@ -236,12 +238,12 @@ class ExpertCache(Residency):
             self.step_tokens = tokens
             super().tick(tokens)
             if self.profile is not None:
-                self.profile.tick(tokens)
+                self.learn(self.profile.tick, tokens)
         self.call_position = self.position
         self.position += tokens
 
     def resident_slots(self):
-        """Every expert's slot as an mx array [layers, experts] once all are resident and
+        """Every expert's slot, per layer an mx array [experts], once all are resident and
         none is on its way (with room for all, nothing is evicted: they stay put), else None."""
         self._check_open()
         if self.slot_table is None:
@@ -253,7 +255,7 @@ class ExpertCache(Residency):
             table = np.zeros((L, E), dtype=np.uint32)
             for (layer, e), slot in self.slot_of.items():
                 table[layer, e] = slot
-            self.slot_table = mx.array(table)
+            self.slot_table = [mx.array(row) for row in table]  # one per layer: no slicing op per call
         return self.slot_table
 
     def defer(self, layer, work, side=()):
@@ -263,15 +265,18 @@ class ExpertCache(Residency):
         before, so reading that routing costs no sync. `side`: arrays `work` reads that the
         model's output does not need (the router's probabilities); they are queued for
         evaluation behind their token's own work, all at once when the next token starts
-        (reading them unqueued would wait for everything queued before them)."""
+        (reading them unqueued would wait for everything queued before them). Returns the
+        token's queued work, a list (`work` None: the caller adds to it)."""
         if layer == 0 or not self.deferred:
             if self.deferred and self.deferred[-1][1]:
                 mx.async_eval(*self.deferred[-1][1])
             self.deferred.append(([], []))
             if len(self.deferred) > 2:
                 self.flush(len(self.deferred) - 2)
-        self.deferred[-1][0].append(work)
+        if work is not None:
+            self.deferred[-1][0].append(work)
         self.deferred[-1][1].extend(side)
+        return self.deferred[-1][0]
 
     def count_resident(self, layer, experts, scores=None, probs=None):
         """A layer call on the resident path: its experts are hits, the live profile learns
@@ -281,8 +286,30 @@ class ExpertCache(Residency):
             if self.profile is not None:
                 self.profile.observe(layer, experts, scores, probs)
 
+    def learn(self, update, *args):
+        """A live profile update (its tick or observe; called under the lock): left for the
+        prefetcher's host thread (host_work) where its predictions run in that thread, else
+        made now. The numbers are the same either way: the updates keep their order."""
+        if self.prefetcher is not None and self.prefetcher.off_thread:
+            self.later.append((update, args))
+        else:
+            update(*args)
+
+    def host_work(self):
+        """What the decode thread left for later, done in order under the lock: the
+        policy updates of all-hit layer calls (see Residency) and the live profile's."""
+        if not (self.pending or self.later):  # nothing left: spare the decode thread a wait for the lock
+            return
+        with self.lock:
+            self.catch_up()
+            while self.later:
+                update, args = self.later.popleft()
+                update(*args)
+
     def flush(self, tokens=None):
         """Do the deferred host work (of the first `tokens` tokens queued; all by default)."""
+        if self.later:
+            self.host_work()
         tic = time.perf_counter()
         for works, _ in self.deferred[:tokens]:
             for work in works:
@@ -332,7 +359,7 @@ class ExpertCache(Residency):
             self.active = {(layer, e) for e in experts}
             self.current_layer = layer
             if self.profile is not None:
-                self.profile.observe(layer, experts, scores, probs)
+                self.learn(self.profile.observe, layer, experts, scores, probs)
             waits, hidden = [], 0
             for e in experts:
                 key = (layer, e)
@@ -370,11 +397,10 @@ class ExpertCache(Residency):
         cost = getattr(self.policy, "miss_cost", None)
         if cost is None:
             return
-        counts = self.layer_loads[layer]
-        counts *= keep
-        counts += (hidden, demand)
-        cover = counts[0] / (counts[0] + counts[1] + 1.0)
-        cost[layer] = 1.0 - (1.0 - hidden_cost) * cover
+        h, d = self.layer_loads[layer].tolist()  # Python floats: the same doubles, cheaper than numpy's
+        h, d = h * keep + hidden, d * keep + demand
+        self.layer_loads[layer] = h, d
+        cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
 
     def _read(self, layer, missed):
         """Read `missed` [(expert, slot)] of `layer` on the decode thread (on the IO threads

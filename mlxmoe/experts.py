@@ -38,8 +38,12 @@ def find_router(block):
     if isinstance(gate, (nn.Linear, nn.QuantizedLinear)):
         base = type(gate)
         gate.__class__ = _tapped(base)
-        return (lambda x: mx.softmax(gate.last_logits.astype(mx.float32), axis=-1, precise=True),
-                lambda x: base.__call__(gate, x))
+
+        def probs(x):
+            return mx.softmax(gate.last_logits.astype(mx.float32), axis=-1, precise=True)
+
+        probs.logits = lambda: gate.last_logits  # the model's own array: host_probs reads it with no op
+        return probs, lambda x: base.__call__(gate, x)
     weight = getattr(gate, "weight", None)
     if isinstance(weight, mx.array) and weight.ndim == 2:  # e.g. deepseek's MoEGate: sigmoid scores
         def scores(x):
@@ -51,6 +55,47 @@ def find_router(block):
 
         return probs, scores
     return None, None
+
+
+def host_floats(a):
+    """An evaluated mx float array as a float32 numpy array [rows, last axis] (a bfloat16
+    one through its bits: numpy has no bfloat16), adding no op to the graph."""
+    if a.dtype == mx.bfloat16:
+        bits = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32).reshape(-1, a.shape[-1])
+    return np.array(a, dtype=np.float32).reshape(-1, a.shape[-1])
+
+
+def host_probs(logits):
+    """softmax over the last axis of evaluated router logits (a list of mx arrays with the
+    same last axis), on the host in float32, all in one go: a [rows, experts] numpy array
+    for each."""
+    rows = [host_floats(a) for a in logits]
+    z = np.concatenate(rows) if len(rows) > 1 else rows[0]
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    z /= z.sum(axis=-1, keepdims=True)
+    out, start = [], 0
+    for r in rows:
+        out.append(z[start:start + len(r)])
+        start += len(r)
+    return out
+
+
+class ResidentCalls:
+    """One token's layer calls on the resident path, [(StreamingExperts, indices, logits,
+    probs)], accounted in one go once their routing is on the host (ExpertCache.defer):
+    the tapped routers' probabilities from their logits in one softmax, then each call's
+    hits, live profile and trace in layer order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self):
+        logits = [c[2] for c in self.calls if c[2] is not None]
+        from_logits = iter(host_probs(logits) if logits else ())
+        for module, indices, tapped, probs in self.calls:
+            _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
+            module._cache.count_resident(module._layer, *module._summary(flat, p))
 
 
 class StreamingExperts(nn.Module):
@@ -81,7 +126,7 @@ class StreamingExperts(nn.Module):
         tic = time.perf_counter()
         decode = x.size == x.shape[-1]
         # the prefetcher's lookahead is evaluated with this layer's routing: one sync, not two
-        looked = cache.prefetcher.lookahead(self._layer, x) if cache.prefetcher is not None and decode else {}
+        looked = cache.prefetcher.lookahead(self._layer, x, decode) if cache.prefetcher is not None else {}
         probs = self._probs(x)
         sync = time.perf_counter()
         # evaluates the router (and with it every earlier layer): mlx-lm's own work
@@ -96,7 +141,7 @@ class StreamingExperts(nn.Module):
             y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
             inner = time.perf_counter() - inner
             if cache.prefetcher is not None:
-                cache.prefetcher.layer_done(self._layer, flat[-1].tolist(), looked, cache.tokens, decode)
+                cache.prefetcher.layer_done(self._layer, flat, looked, cache.tokens, decode)
             # what this layer added beyond mlx-lm's own work (building and evaluating the
             # model up to the router, building the expert computation) and the reads: the
             # lookahead and router probabilities, routing copies, the policy, remapping
@@ -116,10 +161,17 @@ class StreamingExperts(nn.Module):
 
     def _probs(self, x):
         """The router's distribution for x (unevaluated), where the cache uses it."""
+        return self._router(x) if self._wants_probs() else None
+
+    def _logits(self):
+        """The tapped router's logits of this call (the model's own array), where the cache
+        uses the router's distribution; else None."""
+        logits = getattr(self._router, "logits", None)
+        return logits() if logits is not None and self._wants_probs() else None
+
+    def _wants_probs(self):
         cache = self._cache
-        if self._router is not None and (cache.wants_router or cache.trace is not None or cache.profile is not None):
-            return self._router(x)
-        return None
+        return self._router is not None and (cache.wants_router or cache.trace is not None or cache.profile is not None)
 
     def _routing(self, indices, probs):
         """The evaluated routing on the host: (indices, indices [tokens, k], probs [tokens,
@@ -139,14 +191,15 @@ class StreamingExperts(nn.Module):
         """Every expert is resident (they stay put then): slots from the cache's table on
         the device, and the host work (hits, live profile, trace; no policy: nothing will be
         evicted) done once this token's routing has been computed anyway (see
-        ExpertCache.defer), so the layer forces no sync and decoding runs as stock mlx-lm does."""
-        probs = self._probs(x)
-
-        def account():
-            _, flat, p = self._routing(indices, probs)
-            self._cache.count_resident(self._layer, *self._summary(flat, p))
-
-        self._cache.defer(self._layer, account, [] if probs is None else [probs])
+        ExpertCache.defer), so the layer forces no sync and decoding runs as stock mlx-lm does.
+        A tapped router's probabilities come from its logits on the host (host_probs): no
+        op beside the model's own; another router's are computed beside the model."""
+        logits = self._logits()
+        probs = self._probs(x) if logits is None else None
+        works = self._cache.defer(self._layer, None, [] if probs is None else [probs])
+        if not works:
+            works.append(ResidentCalls())
+        works[0].calls.append((self, indices, logits, probs))
         return self._inner(x, table[self._layer][indices])
 
     def _summary(self, rows, probs):
@@ -154,10 +207,12 @@ class StreamingExperts(nn.Module):
         mean distribution over the rows (None where unknown)."""
         if len(rows) == 1:  # decode: a handful of experts, cheaper without numpy
             experts = sorted(set(rows[0].tolist()))
-            probs = None if probs is None else probs[0]
-        else:
-            experts = np.unique(rows).tolist()
-            probs = None if probs is None else probs.mean(axis=0)
+            if probs is None:
+                return experts, None, None
+            probs = probs[0]
+            return experts, [float(probs[e]) for e in experts], probs
+        experts = np.unique(rows).tolist()
+        probs = None if probs is None else probs.mean(axis=0)
         return experts, None if probs is None else probs[experts].tolist(), probs
 
     def _slots(self, rows, idx, probs):

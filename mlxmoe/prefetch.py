@@ -16,9 +16,12 @@ token; then the router's next guesses (top 2k) and the co-activation's, each onl
 the cache policy would rather evict its victim than the guess, judged by how often the
 guess of that rank has been used, above a threshold that follows the IO workers' load:
 low while they idle (a read the disk has time for costs nothing), higher as they fill.
-Only decode steps prefetch (a prefill step touches most experts anyway).
+A prefill step reads, while a layer computes, the experts the next layers' routers pick
+for the prompt's tokens (their lookahead; nothing else predicts a prompt's many experts).
 """
 
+import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -92,10 +95,13 @@ class Prefetcher:
         self.paced = None  # (time, the cache's background read seconds) at the last decode step's start
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
         # scoring and predicting run in this one thread, in the layer calls' order, while
-        # the decode thread goes on (False: on the decode thread, after each layer call)
+        # the decode thread goes on (False: on the decode thread, after each layer call);
+        # so do the cache's updates left for later (ExpertCache.host_work)
         self.off_thread = True
-        self.host = ThreadPoolExecutor(1, thread_name_prefix="mlxmoe-predict")
-        self.host_jobs = []
+        self.host_jobs = queue.SimpleQueue()  # works, None to stop (a put costs far less than a pool's submit)
+        self.host_error = None  # the first error a work raised, raised again on the decode thread
+        self.host = threading.Thread(target=self._host_loop, name="mlxmoe-predict", daemon=True)
+        self.host.start()
         self.jobs = []  # futures of queued and running loads
         self.previous = {}  # layer -> experts it used at its last call
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
@@ -105,6 +111,7 @@ class Prefetcher:
         # its rank has shown it is used (an optimistic prior read ~20 guesses per layer
         # call for the first tokens on a model whose lookahead guesses badly)
         self.ranked = {}  # layer -> {step, or "coactivation": guesses best first} for its next visit
+        self.prompt_ranked = {}  # layer -> (step, [tokens, rank] guesses, -1 where resident) at a prefill step
         self.rank_counts = np.tile([1.0, 16.0], (max(depth, 1), len(routers), candidates * top_k, 1))
         self.co_rank_counts = np.tile([1.0, 16.0], (len(routers), candidates * top_k, 1))  # the same, [layer, i]
         # [layer, i, j]: decode steps in which `layer` used expert i and the next layer call
@@ -115,30 +122,56 @@ class Prefetcher:
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
 
-    def layer_done(self, layer, experts, looked=None, token=0, decode=True):
-        """A layer call has its experts: observe() what it used, and after a decode step
-        after_layer() predicts the next calls (see off_thread)."""
+    def layer_done(self, layer, rows, looked=None, token=0, decode=True):
+        """A layer call has its experts (`rows`: each token's, [tokens, top_k]): observe()
+        what it used, and after_layer() (a decode step) or prefill() predicts the next
+        calls (see off_thread)."""
         def work():
-            self.observe(layer, experts, decode=decode)
+            self.observe(layer, rows[-1].tolist(), decode=decode, rows=None if decode else rows)
             if decode:
                 self.after_layer(layer, looked, token)
+            else:
+                self.prefill(layer, looked, token)
+            if self.off_thread and self.cache is not None:
+                self.cache.host_work()
 
         if not self.off_thread:
             return work()
-        done = [j for j in self.host_jobs if j.done()]
-        self.host_jobs = [j for j in self.host_jobs if not j.done()] + [self.host.submit(work)]
-        for job in done:
-            job.result()  # raises a failed one's error
+        self._raise_host_error()
+        self.host_jobs.put(work)
+
+    def _host_loop(self):
+        while (work := self.host_jobs.get()) is not None:
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - handed to the decode thread
+                self.host_error = self.host_error or e
+
+    def _raise_host_error(self):
+        if self.host_error is not None:
+            error, self.host_error = self.host_error, None
+            raise error
 
     def settle(self):
         """Wait for the queued scoring and predicting (raising its error, if any)."""
-        jobs, self.host_jobs = self.host_jobs, []
-        for job in jobs:
-            job.result()
+        if self.host.is_alive():
+            done = threading.Event()
+            self.host_jobs.put(done.set)
+            done.wait()
+        self._raise_host_error()
 
-    def observe(self, layer, experts, decode=True):
+    def observe(self, layer, experts, decode=True, rows=None):
         """The experts `layer` really used (at the last token of the call): score what
-        was predicted for it, if this is the decode step it was predicted for."""
+        was predicted for it, if this is the decode step it was predicted for. At a prefill
+        step, `rows` (each token's experts) score the router's guesses of each rank for
+        each prompt token (see prefill)."""
+        guesses = self.prompt_ranked.pop(layer, None)
+        if rows is not None and guesses is not None and len(guesses[1]) == len(rows):
+            step, ranked = guesses
+            hit = (ranked[:, :, None] == np.asarray(rows)[:, None, :]).any(axis=-1)
+            counts = self.rank_counts[step - 1, layer]
+            counts[:, 0] += hit.sum(axis=0)
+            counts[:, 1] += (ranked >= 0).sum(axis=0)
         used = set(experts)
         pending = self.pending.pop(layer, {})
         for name, predicted in pending.items() if decode else ():
@@ -162,15 +195,39 @@ class Prefetcher:
         return [(step, (layer + step) % L, (layer + step) // L) for step in range(1, min(self.depth, L - 1) + 1)
                 if layer + step < L or self.cross_token]
 
-    def lookahead(self, layer, x):
-        """{step: the target layer's router distribution for hidden state x}, unevaluated:
-        the caller evaluates it together with `layer`'s own routing, in one sync."""
+    def lookahead(self, layer, x, decode=True):
+        """{step: the target layer's router distribution for hidden states x}, unevaluated
+        ([experts] at a decode step, [tokens, experts] at a prefill step, the next step's
+        layers from its last token alone): the caller evaluates it together with `layer`'s own
+        routing, in one sync."""
         out = {}
-        for step, target, _ in self.steps(layer):
+        for step, target, ahead in self.steps(layer):
             if self.routers[target] is not None:
-                scores = self.routers[target](x).reshape(-1).astype(mx.float32)
+                # the next step's first layers: from the last token's hidden state
+                h = x if decode or not ahead else x.reshape(-1, x.shape[-1])[-1:]
+                scores = self.routers[target](h).astype(mx.float32)
+                scores = scores.reshape(-1) if decode else scores.reshape(-1, scores.shape[-1])
                 out[step] = mx.softmax(scores, axis=-1, precise=True)
         return out
+
+    def prefill(self, layer, looked, token):
+        """After a prefill layer call has its experts, with `looked` = lookahead() evaluated:
+        queue the loads of the experts the next layers' routers pick for the prompt's
+        tokens (each token's top_k; past the last layer, the last token's for the next
+        step), the most picked first, to run while this layer computes. Each token's
+        guesses of each rank are scored as a decode step's are (a prompt teaches the rank
+        chances that admit decode's guesses)."""
+        for step, target, ahead in self.steps(layer):
+            if step in looked:
+                probs = np.array(looked[step])
+                wide = np.argsort(-probs, axis=-1, kind="stable")[:, : self.candidates * self.top_k]
+                if not ahead and self.candidates:  # each token's guesses by rank, resident ones left out
+                    resident = [[(target, e) in self.cache.slot_of for e in row] for row in wide.tolist()]
+                    self.prompt_ranked[target] = (step, np.where(resident, -1, wide))
+                top = wide[:, : self.top_k]
+                picks = np.bincount(top.reshape(-1), minlength=probs.shape[-1])
+                order = np.lexsort((-probs.sum(axis=0), -picks))  # most picked, then most mass
+                self.queue([(target, int(e)) for e in order if picks[e]], token + ahead, target)
 
     def after_layer(self, layer, looked, token):
         """Called once `layer` has its experts (decode only), with `looked` = lookahead()
@@ -250,6 +307,10 @@ class Prefetcher:
             keys = [k for k in keys if chance.get(k, 1.0) >= self.min_chance]
             likely.update((k, c) for k, c in chance.items() if k[1] not in sure and c >= self.min_chance)
             keys += sorted(likely, key=lambda k: -likely[k])
+        self.queue(keys, when, target, worth)
+
+    def queue(self, keys, when, target, worth=None):
+        """Load those of `keys` not resident in a prefetch worker (see ExpertCache.prefetch)."""
         keys = [k for k in keys if k not in self.cache.slot_of]
         if keys:
             self.jobs = [j for j in self.jobs if not j.done()]
@@ -266,6 +327,11 @@ class Prefetcher:
         self.jobs = []
 
     def close(self):
-        self.host.shutdown(wait=True, cancel_futures=True)
-        self.host_jobs = []  # what was cancelled is not waited for
+        while True:  # what is queued is dropped, not waited for
+            try:
+                self.host_jobs.get_nowait()
+            except queue.Empty:
+                break
+        self.host_jobs.put(None)
+        self.host.join()
         self.pool.shutdown(wait=True, cancel_futures=True)

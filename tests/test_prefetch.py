@@ -153,16 +153,26 @@ def test_rank_chances_count_what_the_router_predictor_counts(checkpoint):
     """The chance of each router guess rank is measured on the same predictions that
     score the `router` predictor, counting only the guesses that were not resident (the
     ones a read would be for): its top-k ranks one layer ahead add up to at most its
-    counts, and to fewer guesses where some were resident."""
+    counts, and to fewer guesses where some were resident (counted from the decode steps
+    on: the prompt's tokens counted before are no decode step's predictions)."""
     path = checkpoint("qwen3_moe", quant="4bit")
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
     pf = model.expert_cache.prefetcher
+    pf.off_thread = False
+    after_prompt, observe = [], pf.observe
+
+    def observed(layer, experts, decode=True, rows=None):
+        observe(layer, experts, decode, rows)
+        if not decode:
+            after_prompt[:] = [pf.rank_counts.copy()]
+
+    pf.observe = observed
     tokens(model, tokenizer)
     pf.drain()
     k = pf.top_k
-    same_token = pf.rank_counts[0, 1:, :k]  # layers 1.. are predicted within the token
-    cells = same_token.size // 2  # each starts from the prior: 1 used in 16 guessed
-    correct, guessed = same_token[..., 0].sum() - cells, same_token[..., 1].sum() - 16 * cells
+    assert (after_prompt[0][0, 1:, :, 1] > 16).all()  # the prompt's tokens scored every rank of layers 1..
+    same_token = (pf.rank_counts - after_prompt[0])[0, 1:, :k]  # layers 1.. are predicted within the token
+    correct, guessed = same_token[..., 0].sum(), same_token[..., 1].sum()
     assert 0 <= correct <= pf.counts["router"][0]
     assert 0 < guessed < pf.counts["router"][1]  # 8 slots for 3 layers x 8 experts: some guesses were resident
     assert correct <= guessed
@@ -374,7 +384,8 @@ def test_interrupted_demand_read_leaves_no_key_with_wrong_bytes(checkpoint):
 def test_predictions_off_the_decode_thread_score_the_same():
     """The prefetcher's scoring and predicting in their own thread (the default) see the
     same layer calls in the same order as on the decode thread: the same tokens and the
-    same predictor counts (which depend on the routing alone, not on the timing)."""
+    same predictor counts (which depend on the routing alone, not on the timing); the live
+    profile's updates, made there too, the same numbers."""
     results = []
     for off_thread in (False, True):
         model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL), cache_experts=16)
@@ -383,7 +394,39 @@ def test_predictions_off_the_decode_thread_score_the_same():
         cache.prefetcher.off_thread = off_thread
         out = tokens(model, tokenizer, 24)
         cache.stats()  # waits for the queued predictions
-        results.append((out, {name: list(c) for name, c in cache.prefetcher.counts.items()}))
+        assert not cache.later
+        p = cache.profile
+        results.append((out, {name: list(c) for name, c in cache.prefetcher.counts.items()},
+                        p.counts.tolist(), p.mass.tolist(), p.tokens, p.tokens_total))
         cache.close()
     assert results[0] == results[1]
+    assert results[0][5] > 24 and sum(map(sum, results[0][2])) > 0
     assert results[0][1]["router"][1] > 0 and results[0][1]["coactivation"][1] > 0
+
+
+def test_prefill_reads_the_next_layers_experts_ahead():
+    """A prompt's layer calls read, while they compute, the experts the next layer's router
+    picks for the prompt's tokens: at a cold half-size cache the layers after the first
+    find most of their experts prefetched, and the prompt's tokens teach the rank chances."""
+    model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL), cache_experts=64)
+    cache = model.expert_cache
+    cache.prefetcher.off_thread = False
+    calls, fetch = [], cache.fetch
+
+    def logged(layer, experts, *a, **kw):
+        before = cache.loads_demand, cache.prefetch_useful
+        slots = fetch(layer, experts, *a, **kw)
+        calls.append((layer, len(experts), cache.loads_demand - before[0], cache.prefetch_useful - before[1]))
+        return slots
+
+    cache.fetch = logged
+    guessed = cache.prefetcher.rank_counts[..., 1].sum()
+    list(mlxmoe.stream_generate(model, tokenizer, "Once upon a time there was a little girl", max_tokens=1))
+    prompt = calls[:4]  # 14 of the prompt's 15 tokens in one step (its last is a step of its own)
+    assert [layer for layer, *_ in prompt] == [0, 1, 2, 3] and all(n > 2 for _, n, _, _ in prompt)
+    assert prompt[0][2] == prompt[0][1]  # nothing predicts the first layer: all read on demand
+    demand, useful = sum(c[2] for c in prompt[1:]), sum(c[3] for c in prompt[1:])
+    assert demand + useful == sum(c[1] for c in prompt[1:])  # a cold cache: every expert was loaded
+    assert useful > 2 * demand
+    assert cache.prefetcher.rank_counts[..., 1].sum() >= guessed + 3 * 14
+    cache.close()

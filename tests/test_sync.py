@@ -83,13 +83,15 @@ class SyncCounter:
                 counter.current = outer
             return y
 
-        def probs(module, x):
-            p = orig_probs(module, x)
-            if p is not None:
-                counter.made[id(p)] = (p, counter.token)
-            return p
+        def made(fn):
+            def make(module, *args):
+                p = fn(module, *args)
+                if p is not None:
+                    counter.made[id(p)] = (p, counter.token)
+                return p
+            return make
 
-        orig_call, orig_probs = StreamingExperts.__call__, StreamingExperts._probs
+        orig_call = StreamingExperts.__call__
         monkeypatch.setattr(mx, "eval", counted_eval)
         monkeypatch.setattr(mx, "async_eval", counted_async_eval)
         monkeypatch.setattr(np, "array", reader(array))
@@ -97,7 +99,8 @@ class SyncCounter:
         for name in ("item", "tolist"):
             monkeypatch.setattr(mx.array, name, reader(getattr(mx.array, name)))
         monkeypatch.setattr(StreamingExperts, "__call__", call)
-        monkeypatch.setattr(StreamingExperts, "_probs", probs)
+        for name in ("_probs", "_logits"):  # the router's arrays the host work reads
+            monkeypatch.setattr(StreamingExperts, name, made(getattr(StreamingExperts, name)))
 
     def _mine(self):
         return threading.get_ident() == self.thread and _from_mlxmoe(3)
