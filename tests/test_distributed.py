@@ -5,7 +5,7 @@ layers' experts within its own budget, profiles merge on rank 0, failures stop e
 import json
 import os
 import shutil
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -201,3 +201,86 @@ def test_tensor_split_streams_a_slice_of_every_expert(checkpoint, tmp_path):
         assert r["full"]["io"]["useful_bytes"] == r["full"]["bytes_read"]
         # the down projection's columns are strided: its whole span is read, never more
         assert r["full"]["io"]["disk_bytes"] <= 1.5 * r["full"]["bytes_read"] + (1 << 16)
+
+
+def launcher(ranks):
+    return ["mlx.launch", "--backend", "ring", "-n", str(ranks), "-p", str(free_port_base(ranks)), "--"]
+
+
+def rank_pids(launcher_pid):
+    """{rank: pid} of the ranks mlx.launch started (its children, each with MLX_RANK set)."""
+    pids = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher_pid:
+                env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
+                pids[int(env["MLX_RANK"])] = int(d.name)
+        except (OSError, KeyError, ValueError):
+            continue
+    return pids
+
+
+def kill_group(server):
+    try:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_serve_under_two_ranks_answers_as_one_process(checkpoint):
+    """Rank 0 serves HTTP, rank 1 follows each request; the text of every request equals
+    one process's and stock mlx-lm's; a client gone mid-stream stops both ranks' generation
+    at the next token; SIGTERM to rank 0 alone stops every rank."""
+    from test_server import Server, chat, open_stream
+
+    path = checkpoint("qwen3_moe")
+    model, tok = mlxmoe.load(path)
+    stock_model, stock_tok = mlx_lm.load(str(path))
+    env = dict(os.environ, MLXMOE_DIST_TIMEOUT="60")
+    s = Server("-m", path, launch=launcher(2), env=env)
+    try:
+        for prompt in ("Once upon a time there was a fox", "Il modello a miscela di esperti"):
+            want = mlxmoe.generate(model, tok, prompt, max_tokens=10)
+            assert want == mlx_lm.generate(stock_model, stock_tok, prompt, max_tokens=10)
+            r = s.client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0)
+            assert r.choices[0].text == want and r.usage.completion_tokens == 10
+            assert "".join(c.choices[0].text for c in s.client.completions.create(
+                model="m", prompt=prompt, max_tokens=10, temperature=0, stream=True)) == want
+            templated = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            want = mlxmoe.generate(model, tok, templated, max_tokens=10)
+            assert chat(s, prompt, max_tokens=10) == want == chat(s, prompt, max_tokens=10, stream=True)
+        sock = open_stream(s.port, "/v1/completions", {"prompt": "Once", "max_tokens": 3000, "stream": True})
+        sock.close()
+        tic = time.monotonic()
+        r = s.client.completions.create(model="m", prompt="Once upon a time there was a fox", max_tokens=10,
+                                        temperature=0)
+        assert r.choices[0].text == mlxmoe.generate(model, tok, "Once upon a time there was a fox", max_tokens=10)
+        assert time.monotonic() - tic < 30  # 3000 tokens would take far longer
+        stats = s.json("GET", "/v1/mlxmoe/stats")[2]
+        assert stats["ranks"] == 2 and len(stats["per_rank"]) == 2 and stats["server"]["requests"] == 10
+        assert sum(r["hits"] for r in stats["per_rank"]) == stats["hits"] > 0
+        pids = rank_pids(s.proc.pid)
+        assert sorted(pids) == [0, 1]
+        os.kill(pids[0], signal.SIGTERM)
+        assert s.proc.wait(60) == 0
+        assert s.drained.wait(10)
+        log = "".join(s.lines)
+        assert "exited with code" not in log and "was killed" not in log, log
+    finally:
+        kill_group(s)
+
+
+def test_serve_stops_with_the_error_when_a_rank_dies(checkpoint):
+    from test_server import Server
+
+    path = checkpoint("qwen3_moe")
+    s = Server("-m", path, launch=launcher(2), env=dict(os.environ, MLXMOE_DIST_TIMEOUT="60"))
+    try:
+        assert s.client.completions.create(model="m", prompt="Once", max_tokens=4, temperature=0).choices[0].text
+        os.kill(rank_pids(s.proc.pid)[1], signal.SIGKILL)
+        s.proc.wait(60)
+        assert s.drained.wait(10)
+        errors = [l for l in s.lines if l.startswith("error: ")]
+        assert errors and "a rank failed or its connection was lost" in errors[0], "".join(s.lines)
+    finally:
+        kill_group(s)
