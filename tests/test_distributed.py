@@ -186,21 +186,40 @@ def test_chat_under_two_ranks_answers_as_one_process(checkpoint):
     assert "exited with code" not in two.stderr, two.stderr
 
 
-def test_tensor_split_streams_a_slice_of_every_expert(checkpoint, tmp_path):
-    """mlx-lm's model.shard: every rank runs every layer with half of each expert's rows
+THREE = {"qwen3_moe": {"num_attention_heads": 6, "num_key_value_heads": 3, "moe_intermediate_size": 96},
+         "deepseek_v3": {"num_attention_heads": 6, "num_key_value_heads": 6, "moe_intermediate_size": 96,
+                         "intermediate_size": 96}}  # heads and widths that 3 ranks divide
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])  # of the synthetic archs, those mlx-lm shards
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_tensor_split_streams_a_slice_of_every_expert(checkpoint, tmp_path, arch, ranks):
+    """mlx-lm's model.shard: every rank runs every layer with 1/ranks of each expert's rows
     (gate, up) and columns (down), streamed from the stacked tensors."""
-    path = checkpoint("qwen3_moe")
+    path = checkpoint(arch, config_overrides=THREE[arch] if ranks == 3 else {})
     want = stock(path)
-    full, full_bytes = one_process(path, 3 * 8)
-    results = run_worker(tmp_path, 2, path, "tensor")
+    results = run_worker(tmp_path, ranks, path, "tensor")
+    every = results[0]["full"]["experts"]
+    full, full_bytes = one_process(path, every)
     for r in results:
         assert r["stock"] == want == full
         assert r["full"]["tokens"] == want and r["half"]["tokens"] == want
-        # half of each expert's bytes, each expert once at full cache
-        assert 2 * r["full"]["expert_file_bytes"] * 3 * 8 == full_bytes == 2 * r["full"]["bytes_read"]
+        # 1/ranks of each expert's bytes, each expert once at full cache
+        assert ranks * r["full"]["expert_file_bytes"] * every == full_bytes == ranks * r["full"]["bytes_read"]
         assert r["full"]["io"]["useful_bytes"] == r["full"]["bytes_read"]
-        # the down projection's columns are strided: its whole span is read, never more
-        assert r["full"]["io"]["disk_bytes"] <= 1.5 * r["full"]["bytes_read"] + (1 << 16)
+        # the down projection's columns are strided: its whole span is read (a third of an
+        # expert), never more: (2 / 3 + ranks / 3) x the useful bytes
+        assert r["full"]["io"]["disk_bytes"] <= (2 + ranks) / 3 * r["full"]["bytes_read"] + (1 << 16)
+
+
+@pytest.mark.parametrize("arch,split,says", [("mixtral", "tensor", "no shard()"),
+                                             ("gpt_oss", "tensor", "bias after the ranks' sum"),
+                                             ("gpt_oss", "pipeline", "no pipeline()")])
+def test_architecture_or_split_that_cannot_work_refused(checkpoint, arch, split, says):
+    rc, log, _ = launch(2, sys.executable, "-m", "mlxmoe", "generate", "-m", str(checkpoint(arch)), "-p", "Once",
+                        "--split", split, python=False)
+    rank0 = [l for l in log.splitlines() if l.startswith("error: ")]
+    assert rc and rank0 and f"'{arch}'" in rank0[0] and says in rank0[0], log
 
 
 def launcher(ranks):
