@@ -151,7 +151,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         self.served, self.active, self.failure, self.ended = 0, None, None, threading.Event()
         self.stopping = False  # this rank wants to stop (under several ranks `_stop` is what they agreed)
         cache = provider.model.expert_cache
-        self.group = getattr(cache, "group", None)
+        self.cache, self.group = cache, getattr(cache, "group", None)  # (mlx-lm drops the model when it stops)
         self.last_stats = distributed.merged_stats(provider.model) if self.group is not None else {}
         self.context = DEFAULT_CONTEXT  # the tokens the budget's KV reserve is sized for (api.memory_plan)
         self.live = cache.profile  # the load's live profile, learning from every request
@@ -282,8 +282,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         if self.profiles is not None:
             self.profiles.save()
         elif self.live is not None and self.profile_path is not None:
-            cache = self.model_provider.model.expert_cache
-            live = distributed.whole_profile(cache) if self.group is not None else self.live
+            live = distributed.whole_profile(self.cache) if self.group is not None else self.live
             if self.group is None or self.group.rank() == 0:
                 live.save(self.profile_path)
 

@@ -303,3 +303,34 @@ def test_serve_stops_with_the_error_when_a_rank_dies(checkpoint):
         assert errors and "a rank failed or its connection was lost" in errors[0], "".join(s.lines)
     finally:
         kill_group(s)
+
+
+def test_serve_learns_one_profile_of_the_whole_model_and_stops_from_a_follower(checkpoint, tmp_path):
+    """--save-profiles under 2 ranks writes what one process writes (the stages' routing
+    merged on rank 0); SIGTERM to rank 1 alone stops every rank, and the profile is saved."""
+    from test_server import Server
+
+    path = checkpoint("qwen3_moe")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    r = subprocess.run([sys.executable, "-m", "mlxmoe", "profile", "record", "-m", str(path), "--prompts",
+                        str(prompts), "--max-tokens", "4", "-w", "tale", "-o", str(tmp_path / "p.json")],
+                       capture_output=True, text=True, timeout=LIMIT)
+    assert r.returncode == 0, r.stderr
+    for ranks in (1, 2):
+        shutil.copy(tmp_path / "p.json", tmp_path / f"p{ranks}.json")
+        s = Server("-m", path, "--profile", tmp_path / f"p{ranks}.json", "--save-profiles",
+                   launch=launcher(ranks) if ranks > 1 else (), env=dict(os.environ, MLXMOE_DIST_TIMEOUT="60"))
+        try:
+            for prompt in ("Il gatto", "The cat sat"):
+                assert s.client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0).choices
+            if ranks > 1:
+                os.kill(rank_pids(s.proc.pid)[1], signal.SIGTERM)
+            else:
+                s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(60) == 0
+        finally:
+            kill_group(s) if ranks > 1 else s.proc.kill()
+    start, one, two = (ActivationProfile.load(tmp_path / f) for f in ("p.json", "p1.json", "p2.json"))
+    assert two.tokens_total == one.tokens_total > start.tokens_total
+    assert (two.counts == one.counts).all() and (two.counts != start.counts).any(axis=1).all()  # every layer learnt
