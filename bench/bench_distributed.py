@@ -7,10 +7,17 @@ stage's experts). Configurations alternate over `--rounds`; the page cache is dr
 each (root). Every configuration must produce the same greedy tokens.
 
     python bench/bench_distributed.py            # 6 layers, 12 tokens, 2 rounds
+    python bench/bench_distributed.py --serve    # mlxmoe serve under 1 and 2 ranks
+
+--serve: `mlxmoe serve` as 1 process and as ranks under mlx.launch (rank 0 serves HTTP),
+each rank caching --cache-share of its stage's experts; one client sends held-out prompts
+(bench/data/heldout) as greedy completions in turn; tokens/s of the completions, end to end,
+and every configuration must answer the same text.
 """
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -93,6 +100,62 @@ def launch(args, mode, ranks):
     return results
 
 
+def ring(ranks):
+    """The environments of ranks 1.. and of rank 0 for the ring backend on 127.0.0.1, set as
+    mlx.launch sets them (started without it: its per-rank threads spin, a core on this host)."""
+    if ranks == 1:
+        return [], None
+    base = free_port_base(ranks)
+    hosts = Path(tempfile.mkdtemp(prefix="mlxmoe-ring-"), "hosts.json")
+    hosts.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(ranks)]))
+    envs = [dict(os.environ, MLX_HOSTFILE=str(hosts), MLX_RANK=str(r)) for r in range(ranks)]
+    return envs[1:], envs[0]
+
+
+def serve_bench(args, counts):
+    from bench_server import Server
+    from heldout import prompts
+
+    pool = [p for lang in ("en", "it", "de") for p in prompts(lang, args.requests, max_chars=200)]
+    runs, texts = {k: [] for k in counts}, {}
+    for round_ in range(args.rounds):
+        for k in (counts if round_ % 2 == 0 else counts[::-1]):
+            cache_experts = int(args.cache_share * args.experts * args.layers / k)
+            argv = [sys.executable, "-m", "mlxmoe", "serve", "-m", str(args.checkpoint), "--cache-experts",
+                    str(cache_experts)]
+            if not args.no_drop:
+                drop_page_cache()
+            followers, env = ring(k)
+            followers = [subprocess.Popen(argv, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         for e in followers]
+            server = Server(argv, timeout=args.timeout, env=env)
+            try:
+                server.post("POST", "/v1/completions", {"prompt": "Hello world", "max_tokens": 4})  # warm-up
+                got, tokens, tic = [], 0, time.perf_counter()
+                for prompt in pool:
+                    status, _, data = server.post("POST", "/v1/completions", {
+                        "prompt": prompt, "max_tokens": args.tokens, "temperature": 0})
+                    assert status == 200, data
+                    body = json.loads(data)
+                    got.append(body["choices"][0]["text"])
+                    tokens += body["usage"]["completion_tokens"]
+                runs[k].append(tokens / (time.perf_counter() - tic))
+            finally:
+                server.stop()  # rank 0: every rank stops
+                for p in followers:
+                    p.wait(60)
+            assert texts.setdefault("text", got) == got, f"{k} rank(s) answered other text"
+            print(f"[bench] serve round {round_ + 1}, {k} rank(s): {runs[k][-1]:.2f} tok/s", file=sys.stderr,
+                  flush=True)
+    print(f"\nmlxmoe serve, {len(pool)} held-out prompts x {args.tokens} greedy tokens in turn, each rank caching "
+          f"{args.cache_share:.0%} of its stage's experts; medians of {args.rounds} alternated runs")
+    print("| ranks | completion tok/s | ratio to 1 |")
+    print("|---|---|---|")
+    for k in counts:
+        tps = statistics.median(runs[k])
+        print(f"| {k} | {tps:.2f} | {tps / statistics.median(runs[counts[0]]):.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=None,
@@ -108,6 +171,8 @@ def main():
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--modes", default="stock,resident,cache")
     parser.add_argument("--report", action="store_true", help="Print the tables of the last run's JSON again.")
+    parser.add_argument("--serve", action="store_true", help="Measure mlxmoe serve instead (ranks: --ranks).")
+    parser.add_argument("--requests", type=int, default=2, help="--serve: held-out prompts per language (3).")
     parser.add_argument("--one", dest="mode", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -130,6 +195,8 @@ def main():
         build_large_checkpoint(args.checkpoint, num_layers=args.layers, num_experts=args.experts, top_k=8,
                                hidden_size=2048, moe_intermediate_size=768, quant="4bit", seed=0, residual_scale=0.1)
     print(f"[bench] {args.checkpoint}: {checkpoint_bytes(args.checkpoint) / 1e9:.2f} GB", file=sys.stderr)
+    if args.serve:
+        return serve_bench(args, counts)
     runs = {(m, k): [] for m in modes for k in counts}
     for round_ in range(args.rounds):
         for m in modes:

@@ -42,10 +42,10 @@ def free_port():
 class Server:
     """A server process on 127.0.0.1, ready once /health answers (bounded wait)."""
 
-    def __init__(self, argv, timeout=120):
+    def __init__(self, argv, timeout=120, env=None):
         self.port = free_port()
         self.proc = subprocess.Popen([*argv, "--port", str(self.port)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+                                     stderr=subprocess.DEVNULL, env=env)
         tic = time.monotonic()
         while time.monotonic() - tic < timeout:
             try:

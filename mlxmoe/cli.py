@@ -160,11 +160,9 @@ def _main_rank(model):
 
 
 def _stats(model):
-    """The cache's stats; under several ranks (a collective) summed over them, with "per_rank"."""
-    from .distributed import cluster_stats
+    from .distributed import merged_stats
 
-    stats = cluster_stats(model)
-    return stats["total"] if len(stats["ranks"]) == 1 else {**stats["total"], "per_rank": stats["ranks"]}
+    return merged_stats(model)
 
 
 def _gather(model):
@@ -865,8 +863,10 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
         run_server(model, tokenizer, opts["model_path"] or "mlxmoe-demo", host, port, profiles_dir, save_profiles,
                    save_every, max_tokens, temp, top_p, prompt_cache_size, opts["force_profile"],
                    opts["profile_path"])
-    finally:
+    except BaseException:
         model.expert_cache.close()
+        raise
+    _finish(model, None)  # under several ranks: the trace merged on rank 0
 
 
 def _terminate(signum, frame):

@@ -129,10 +129,20 @@ def barrier(group):
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
 
 
+def sum_ranks(group, values):
+    """The element-wise sum over the ranks of each rank's list of integers (one collective)."""
+    total = mx.distributed.all_sum(mx.array(values, dtype=mx.int64), group=group, stream=mx.cpu)
+    return total.tolist()
+
+
+def any_rank(group, flag):
+    """Whether `flag` is true on any rank (one cheap collective)."""
+    return sum_ranks(group, [int(bool(flag))])[0] > 0
+
+
 def failed_any(group, error):
-    """One cheap collective: whether any rank has an error to report (then call check)."""
-    flag = mx.distributed.all_sum(mx.array([0 if error is None else 1], dtype=mx.int32), group=group, stream=mx.cpu)
-    return int(flag.item()) > 0
+    """Whether any rank has an error to report (then call check)."""
+    return any_rank(group, error is not None)
 
 
 SUMMED = ("tokens", "hits", "misses", "bytes_read", "loads_demand", "loads_prefetched", "prefetch_useful",
@@ -240,3 +250,9 @@ def cluster_stats(model):
     if getattr(cache, "group", None) is None:
         return {"ranks": [stats], "total": stats}
     return gather_stats(cache.group, stats, cache.checkpoint.split == "pipeline")
+
+
+def merged_stats(model):
+    """The cache's stats; under several ranks (a collective) summed over them, with "per_rank"."""
+    stats = cluster_stats(model)
+    return stats["total"] if len(stats["ranks"]) == 1 else {**stats["total"], "per_rank": stats["ranks"]}

@@ -336,6 +336,11 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None, s
                 full, E = f"{mpath}.{lin}.{p}", v.shape[0]
                 if full in store.index:
                     shard = _shard_axis(store.index[full], v.shape, group if split == "tensor" else None)
+                    if p == "bias" and shard is None and tensors[f"{lin}.weight"][0][2] is not None:
+                        # mlx-lm's shard divides such a bias by the ranks (their sum adds it back)
+                        raise MlxmoeError(f"{path}: the tensor split cannot stream experts whose {lin} adds its "
+                                          f"bias after the ranks' sum (model_type {config['model_type']!r}); "
+                                          "run this model in one process")
                     tensors[f"{lin}.{p}"] = [(full, e, shard) for e in range(E)]
                 elif full in per_expert and len(per_expert[full]) == E:
                     tensors[f"{lin}.{p}"] = [(n, None) for n in per_expert[full]]

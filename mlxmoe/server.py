@@ -18,6 +18,11 @@ generation thread are used as they are; the subclasses below change only what ha
   and a prompt beyond it is refused (HTTP 400, like mlx-lm's own checks, naming the field).
 - /v1/messages (Anthropic) is mapped onto the chat path and its responses rewritten from
   OpenAI's; /v1/models lists the served model (mlx-lm lists the Hugging Face cache).
+- Under mlx.launch rank 0 serves HTTP and mlx-lm's generation thread shares each request
+  with the other ranks, which run the same generation. On top of it every rank votes, once
+  per poll and once per token, whether to stop (a signal on any rank, a client gone), so
+  that all stop together; a rank that fails or leaves makes the collectives raise, and
+  every rank exits with the error.
 """
 
 import argparse
@@ -38,6 +43,7 @@ import numpy as np
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache
 
+from . import distributed
 from .api import generation_lock, model_fingerprint, stream_generate
 from .budget import DEFAULT_CONTEXT
 from .errors import MlxmoeError
@@ -110,6 +116,31 @@ def _counters(cache):
         return cache.hits, cache.misses, cache.demand_bytes + cache.prefetch_bytes
 
 
+class SharedEvent(threading.Event):
+    """A threading.Event that pickles as a fresh one: what the copy of a request that
+    mlx-lm sends to the other ranks holds."""
+
+    def __reduce__(self):
+        return SharedEvent, ()
+
+
+class Replies:
+    """A request's reply queue under several ranks. mlx-lm's handler stops a generation
+    whose client went away through GenerationContext.stop(), which would end it on rank 0
+    alone; here stop() marks the request, and every rank stops at the next token's vote."""
+
+    def __init__(self, queue, request):
+        self.queue, self.request = queue, request
+
+    def put(self, item):
+        if isinstance(item, mlx_server.GenerationContext):
+            item.stop = self.cancel
+        self.queue.put(item)
+
+    def cancel(self):
+        self.request.cancelled = True
+
+
 class ResponseGenerator(mlx_server.ResponseGenerator):
     """mlx-lm's generation thread, one request at a time, each with its profile and stats."""
 
@@ -117,14 +148,42 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         """`save_every`: requests between profile saves (0: none); `profile_path`: where the
         live profile is saved without `profiles`."""
         self.profiles, self.save_every, self.profile_path = profiles, save_every, profile_path
-        self.served, self.active, self.last_stats = 0, None, {}
+        self.served, self.active, self.failure, self.ended = 0, None, None, threading.Event()
+        self.stopping = False  # this rank wants to stop (under several ranks `_stop` is what they agreed)
         cache = provider.model.expert_cache
+        self.cache, self.group = cache, getattr(cache, "group", None)  # (mlx-lm drops the model when it stops)
+        self.last_stats = distributed.merged_stats(provider.model) if self.group is not None else {}
         self.context = DEFAULT_CONTEXT  # the tokens the budget's KV reserve is sized for (api.memory_plan)
         self.live = cache.profile  # the load's live profile, learning from every request
         super().__init__(provider, prompt_cache)  # starts the generation thread
 
+    def _run_generate(self):
+        try:
+            self._generate()
+        except Exception as e:  # a rank that failed or left (the collectives raise), or a bug
+            self.failure = e
+            self._generation_failed = True
+        finally:
+            self.ended.set()
+
+    def _next_request(self, timeout=None):
+        """mlx-lm's (under several ranks rank 0 takes it and shares it with the others);
+        then every rank says whether it is stopping, and all stop together."""
+        request = super()._next_request(timeout)
+        if self.group is not None and distributed.any_rank(self.group, self.stopping):
+            self._stop = True
+        return request
+
+    def stop_and_join(self):
+        if self.group is None:
+            return super().stop_and_join()
+        self.stopping = True  # every rank stops at the next vote, at once
+        self.join()
+
     def _serve_single(self, item, stream):
-        request = item[1]
+        rqueue, request, args = item
+        if self.group is not None:
+            item = Replies(rqueue, request), request, args
         self.active = request
         try:
             super()._serve_single(item, stream)
@@ -165,7 +224,10 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                     request.profile = name
                     request.decided.set()
                 yield response
-                if self._stop:  # shutting down: end this response here
+                stop = self._stop or self.stopping or request.cancelled  # shutting down, or the client went away
+                if self.group is not None:
+                    stop = distributed.any_rank(self.group, stop)
+                if stop:
                     break
         finally:
             generation.close()
@@ -177,10 +239,12 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                 self.profiles.learn(name, observed)
                 self.profiles.matched[name] += 1
             hits, misses, read = (a - b for a, b in zip(_counters(cache), before))
+            if self.group is not None:
+                hits, misses, read = distributed.sum_ranks(self.group, [hits, misses, read])
             request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
                              "expert_hits": hits, "expert_misses": misses, "mb_read": read / 1e6,
                              "profile": name}
-            self.last_stats = cache.stats()
+            self.last_stats = distributed.merged_stats(model)
 
     def _use_profile(self, cache, name):
         """`name`'s rates become the policy's prior and the prefetcher's profile guess;
@@ -195,17 +259,18 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                 cache.prefetcher.hottest = hottest_per_layer(rates, cache.prefetcher.top_k)
 
     def stats(self):
-        """model.expert_cache.stats(), or while a generation holds the model the snapshot
-        taken when the last one ended ("busy": true), with the server's own counts."""
+        """model.expert_cache.stats(), or while a generation holds the model (and always
+        under several ranks: their stats are gathered by all at once) the snapshot taken
+        when the last one ended ("busy": whether one runs), with the server's own counts."""
         model = self.model_provider.model
         lock = generation_lock(model)
-        if lock.acquire(blocking=False):
+        if self.group is None and lock.acquire(blocking=False):
             try:
                 stats = model.expert_cache.stats()
             finally:
                 lock.release()
         else:
-            stats = dict(self.last_stats, busy=True)
+            stats = dict(self.last_stats, busy=lock.locked())
         stats["server"] = {"requests": self.served, "context": self.context,
                            "memory_budget": model.expert_cache.plan.budget,
                            "profiles": {n: self.profiles.matched[n] for n in self.profiles.by_name}
@@ -213,10 +278,13 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         return stats
 
     def save(self):
+        """Under several ranks a collective: the live profile is the stages' merged, saved by rank 0."""
         if self.profiles is not None:
             self.profiles.save()
         elif self.live is not None and self.profile_path is not None:
-            self.live.save(self.profile_path)
+            live = distributed.whole_profile(self.cache) if self.group is not None else self.live
+            if self.group is None or self.group.rank() == 0:
+                live.save(self.profile_path)
 
 
 class OpenAIErrors:
@@ -383,7 +451,7 @@ class Handler(mlx_server.APIHandler):
 
     def handle_completion(self, request, stop_words):
         request.mlxmoe_profile = (self.body.get("mlxmoe") or {}).get("profile")
-        request.decided, request.usage, request.profile = threading.Event(), None, None
+        request.decided, request.usage, request.profile, request.cancelled = SharedEvent(), None, None, False
         self.request = request
         wfile = self.wfile
         if self.anthropic:
@@ -445,10 +513,16 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
           save_every=16, max_tokens=512, temp=0.0, top_p=1.0, prompt_cache_size=0, force_profile=False,
           profile_path=None):
     """Serve `model` until SIGINT or SIGTERM; then, with save_profiles, save the profiles
-    (--profiles) or the live one to `profile_path` (the --profile it was loaded with)."""
+    (--profiles) or the live one to `profile_path` (the --profile it was loaded with).
+    Under several ranks (model loaded with a group) every rank calls this: rank 0 serves
+    HTTP, the others follow its requests; a signal to any rank stops them all."""
     cache = model.expert_cache
+    group = getattr(cache, "group", None)
     profiles = None
     if profiles_dir is not None:
+        if group is not None:
+            raise MlxmoeError("--profiles: one process only (under mlx.launch each rank sees only its own "
+                              "layers' routing); --profile FILE works on any split")
         folder = Path(profiles_dir)
         if not folder.is_dir():
             raise MlxmoeError(f"--profiles {profiles_dir}: not a folder")
@@ -464,21 +538,32 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop)
-    httpd = None
+    httpd = serving = None
     try:
-        httpd = ThreadingHTTPServer((host, port), lambda *a, **k: Handler(
-            generator, *a, system_fingerprint=mlx_server.get_system_fingerprint(), **k))
-        print(f"mlxmoe serve: {model_name} at http://{host}:{httpd.server_port}", file=sys.stderr, flush=True)
-        httpd.serve_forever()
+        if group is None or group.rank() == 0:
+            httpd = ThreadingHTTPServer((host, port), lambda *a, **k: Handler(
+                generator, *a, system_fingerprint=mlx_server.get_system_fingerprint(), **k))
+            serving = threading.Thread(target=httpd.serve_forever, daemon=True)
+            serving.start()
+            print(f"mlxmoe serve: {model_name} at http://{host}:{httpd.server_port}", file=sys.stderr, flush=True)
+        # until a signal (on any rank) stops the generation, or it fails; not Thread.join(): a
+        # Ctrl-C that interrupts it leaves the thread taken for ended (Python 3.11, bpo-45274)
+        generator.ended.wait()
     except KeyboardInterrupt:
         pass
     except OSError as e:
         raise MlxmoeError(f"cannot serve on {host}:{port}: {e.strerror}") from None
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the save short
+        if serving is not None:
+            httpd.shutdown()
         if httpd is not None:
             httpd.server_close()
         generator.stop_and_join()
-        if save_profiles:
+        if save_profiles and generator.failure is None:
             generator.save()
         signal.signal(signal.SIGTERM, previous)
+    if generator.failure is not None:
+        e = generator.failure
+        left = "; a rank failed or its connection was lost" if group is not None else ""
+        raise MlxmoeError(f"generation stopped ({type(e).__name__}: {e}){left}")

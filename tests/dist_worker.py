@@ -91,7 +91,7 @@ def tensor(path, group):
         got = tokens(model, tokenizer)
         cache.close()
         out[name] = {"tokens": got, "bytes_read": cache.stats()["bytes_read"], "io": cache.store.io_stats(),
-                     "expert_file_bytes": cache.store.expert_file_bytes()}
+                     "expert_file_bytes": cache.store.expert_file_bytes(), "experts": every}
     return out
 
 

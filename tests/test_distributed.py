@@ -5,7 +5,7 @@ layers' experts within its own budget, profiles merge on rank 0, failures stop e
 import json
 import os
 import shutil
-import socket
+import signal
 import subprocess
 import sys
 import time
@@ -186,18 +186,151 @@ def test_chat_under_two_ranks_answers_as_one_process(checkpoint):
     assert "exited with code" not in two.stderr, two.stderr
 
 
-def test_tensor_split_streams_a_slice_of_every_expert(checkpoint, tmp_path):
-    """mlx-lm's model.shard: every rank runs every layer with half of each expert's rows
+THREE = {"qwen3_moe": {"num_attention_heads": 6, "num_key_value_heads": 3, "moe_intermediate_size": 96},
+         "deepseek_v3": {"num_attention_heads": 6, "num_key_value_heads": 6, "moe_intermediate_size": 96,
+                         "intermediate_size": 96}}  # heads and widths that 3 ranks divide
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])  # of the synthetic archs, those mlx-lm shards
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_tensor_split_streams_a_slice_of_every_expert(checkpoint, tmp_path, arch, ranks):
+    """mlx-lm's model.shard: every rank runs every layer with 1/ranks of each expert's rows
     (gate, up) and columns (down), streamed from the stacked tensors."""
-    path = checkpoint("qwen3_moe")
+    path = checkpoint(arch, config_overrides=THREE[arch] if ranks == 3 else {})
     want = stock(path)
-    full, full_bytes = one_process(path, 3 * 8)
-    results = run_worker(tmp_path, 2, path, "tensor")
+    results = run_worker(tmp_path, ranks, path, "tensor")
+    every = results[0]["full"]["experts"]
+    full, full_bytes = one_process(path, every)
     for r in results:
         assert r["stock"] == want == full
         assert r["full"]["tokens"] == want and r["half"]["tokens"] == want
-        # half of each expert's bytes, each expert once at full cache
-        assert 2 * r["full"]["expert_file_bytes"] * 3 * 8 == full_bytes == 2 * r["full"]["bytes_read"]
+        # 1/ranks of each expert's bytes, each expert once at full cache
+        assert ranks * r["full"]["expert_file_bytes"] * every == full_bytes == ranks * r["full"]["bytes_read"]
         assert r["full"]["io"]["useful_bytes"] == r["full"]["bytes_read"]
-        # the down projection's columns are strided: its whole span is read, never more
-        assert r["full"]["io"]["disk_bytes"] <= 1.5 * r["full"]["bytes_read"] + (1 << 16)
+        # the down projection's columns are strided: its whole span is read (a third of an
+        # expert), never more: (2 / 3 + ranks / 3) x the useful bytes
+        assert r["full"]["io"]["disk_bytes"] <= (2 + ranks) / 3 * r["full"]["bytes_read"] + (1 << 16)
+
+
+@pytest.mark.parametrize("arch,split,says", [("mixtral", "tensor", "no shard()"),
+                                             ("gpt_oss", "tensor", "bias after the ranks' sum"),
+                                             ("gpt_oss", "pipeline", "no pipeline()")])
+def test_architecture_or_split_that_cannot_work_refused(checkpoint, arch, split, says):
+    rc, log, _ = launch(2, sys.executable, "-m", "mlxmoe", "generate", "-m", str(checkpoint(arch)), "-p", "Once",
+                        "--split", split, python=False)
+    rank0 = [l for l in log.splitlines() if l.startswith("error: ")]
+    assert rc and rank0 and f"'{arch}'" in rank0[0] and says in rank0[0], log
+
+
+def launcher(ranks):
+    return ["mlx.launch", "--backend", "ring", "-n", str(ranks), "-p", str(free_port_base(ranks)), "--"]
+
+
+def rank_pids(launcher_pid):
+    """{rank: pid} of the ranks mlx.launch started (its children, each with MLX_RANK set)."""
+    pids = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == launcher_pid:
+                env = dict(kv.split("=", 1) for kv in (d / "environ").read_text().split("\0") if "=" in kv)
+                pids[int(env["MLX_RANK"])] = int(d.name)
+        except (OSError, KeyError, ValueError):
+            continue
+    return pids
+
+
+def kill_group(server):
+    try:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_serve_under_two_ranks_answers_as_one_process(checkpoint):
+    """Rank 0 serves HTTP, rank 1 follows each request; the text of every request equals
+    one process's and stock mlx-lm's; a client gone mid-stream stops both ranks' generation
+    at the next token; SIGTERM to rank 0 alone stops every rank."""
+    from test_server import Server, chat, open_stream
+
+    path = checkpoint("qwen3_moe")
+    model, tok = mlxmoe.load(path)
+    stock_model, stock_tok = mlx_lm.load(str(path))
+    env = dict(os.environ, MLXMOE_DIST_TIMEOUT="60")
+    s = Server("-m", path, launch=launcher(2), env=env)
+    try:
+        for prompt in ("Once upon a time there was a fox", "Il modello a miscela di esperti"):
+            want = mlxmoe.generate(model, tok, prompt, max_tokens=10)
+            assert want == mlx_lm.generate(stock_model, stock_tok, prompt, max_tokens=10)
+            r = s.client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0)
+            assert r.choices[0].text == want and r.usage.completion_tokens == 10
+            assert "".join(c.choices[0].text for c in s.client.completions.create(
+                model="m", prompt=prompt, max_tokens=10, temperature=0, stream=True)) == want
+            templated = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            want = mlxmoe.generate(model, tok, templated, max_tokens=10)
+            assert chat(s, prompt, max_tokens=10) == want == chat(s, prompt, max_tokens=10, stream=True)
+        sock = open_stream(s.port, "/v1/completions", {"prompt": "Once", "max_tokens": 3000, "stream": True})
+        sock.close()
+        tic = time.monotonic()
+        r = s.client.completions.create(model="m", prompt="Once upon a time there was a fox", max_tokens=10,
+                                        temperature=0)
+        assert r.choices[0].text == mlxmoe.generate(model, tok, "Once upon a time there was a fox", max_tokens=10)
+        assert time.monotonic() - tic < 30  # 3000 tokens would take far longer
+        stats = s.json("GET", "/v1/mlxmoe/stats")[2]
+        assert stats["ranks"] == 2 and len(stats["per_rank"]) == 2 and stats["server"]["requests"] == 10
+        assert sum(r["hits"] for r in stats["per_rank"]) == stats["hits"] > 0
+        pids = rank_pids(s.proc.pid)
+        assert sorted(pids) == [0, 1]
+        os.kill(pids[0], signal.SIGTERM)
+        assert s.proc.wait(60) == 0
+        assert s.drained.wait(10)
+        log = "".join(s.lines)
+        assert "exited with code" not in log and "was killed" not in log, log
+    finally:
+        kill_group(s)
+
+
+def test_serve_stops_with_the_error_when_a_rank_dies(checkpoint):
+    from test_server import Server
+
+    path = checkpoint("qwen3_moe")
+    s = Server("-m", path, launch=launcher(2), env=dict(os.environ, MLXMOE_DIST_TIMEOUT="60"))
+    try:
+        assert s.client.completions.create(model="m", prompt="Once", max_tokens=4, temperature=0).choices[0].text
+        os.kill(rank_pids(s.proc.pid)[1], signal.SIGKILL)
+        s.proc.wait(60)
+        assert s.drained.wait(10)
+        errors = [l for l in s.lines if l.startswith("error: ")]
+        assert errors and "a rank failed or its connection was lost" in errors[0], "".join(s.lines)
+    finally:
+        kill_group(s)
+
+
+def test_serve_learns_one_profile_of_the_whole_model_and_stops_from_a_follower(checkpoint, tmp_path):
+    """--save-profiles under 2 ranks writes what one process writes (the stages' routing
+    merged on rank 0); SIGTERM to rank 1 alone stops every rank, and the profile is saved."""
+    from test_server import Server
+
+    path = checkpoint("qwen3_moe")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    r = subprocess.run([sys.executable, "-m", "mlxmoe", "profile", "record", "-m", str(path), "--prompts",
+                        str(prompts), "--max-tokens", "4", "-w", "tale", "-o", str(tmp_path / "p.json")],
+                       capture_output=True, text=True, timeout=LIMIT)
+    assert r.returncode == 0, r.stderr
+    for ranks in (1, 2):
+        shutil.copy(tmp_path / "p.json", tmp_path / f"p{ranks}.json")
+        s = Server("-m", path, "--profile", tmp_path / f"p{ranks}.json", "--save-profiles",
+                   launch=launcher(ranks) if ranks > 1 else (), env=dict(os.environ, MLXMOE_DIST_TIMEOUT="60"))
+        try:
+            for prompt in ("Il gatto", "The cat sat"):
+                assert s.client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0).choices
+            if ranks > 1:
+                os.kill(rank_pids(s.proc.pid)[1], signal.SIGTERM)
+            else:
+                s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(60) == 0
+        finally:
+            kill_group(s) if ranks > 1 else s.proc.kill()
+    start, one, two = (ActivationProfile.load(tmp_path / f) for f in ("p.json", "p1.json", "p2.json"))
+    assert two.tokens_total == one.tokens_total > start.tokens_total
+    assert (two.counts == one.counts).all() and (two.counts != start.counts).any(axis=1).all()  # every layer learnt

@@ -30,9 +30,13 @@ PROMPTS = ["The cat sat on", "Il gatto è sul tavolo", "Le chat est", "Der Hund 
 
 
 class Server:
-    def __init__(self, *args, timeout=90):
-        self.proc = subprocess.Popen([sys.executable, "-m", "mlxmoe", "serve", "--port", "0", *map(str, args)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    def __init__(self, *args, timeout=90, launch=(), env=None):
+        """`launch`: a launcher's command line (mlx.launch ... --) that starts the ranks; they
+        and it run in a process group of their own."""
+        self.proc = subprocess.Popen([*launch, sys.executable, "-m", "mlxmoe", "serve", "--port", "0",
+                                      *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     cwd=ROOT, env=env, start_new_session=bool(launch))
+        self.drained = threading.Event()
         self.lines, self.port = [], None
         started = threading.Event()
 
@@ -43,6 +47,7 @@ class Server:
                     self.port = int(line.rsplit(":", 1)[1])
                     started.set()
             started.set()
+            self.drained.set()
 
         threading.Thread(target=drain, daemon=True).start()
         started.wait(timeout)
