@@ -59,8 +59,8 @@ def prewarm(model_path, profiles_dir, italian, tokens=64, share=0.5):
             for i, r in enumerate(mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=tokens + 1,
                                                          logits_processors=[no_eos(tokenizer)])):
                 if i == 0:  # the prompt is in: count from the first generated token on
-                    before = (cache.hits, cache.misses)
-            hits, misses = cache.hits - before[0], cache.misses - before[1]
+                    before = (cache.counters.hits, cache.counters.misses)
+            hits, misses = cache.counters.hits - before[0], cache.counters.misses - before[1]
             rates.append(hits / max(hits + misses, 1))
             cache.close()
         rows[name or "none"] = float(np.mean(rates))
@@ -146,9 +146,9 @@ def switch(header, it_records, en_records, profile, policy, share=0.5, window=16
         for tokens, layer, experts, scores, dist in steps(call, L, size):
             if tokens:
                 r.tick(tokens)
-            before = r.hits
+            before = r.counters.hits
             r.access(layer, experts, scores, dist)
-            hits[position] = hits.get(position, 0) + r.hits - before
+            hits[position] = hits.get(position, 0) + r.counters.hits - before
             accesses[position] = accesses.get(position, 0) + len(experts)
     h, a = np.array(list(hits.values()), dtype=float), np.array(list(accesses.values()), dtype=float)
     switch_at = sum(1 for s, _ in hits if s < 10 ** 6)
@@ -207,7 +207,7 @@ def resident_vs_stock(model_path, prompt, tokens=128, rounds=5):
     runs = {"mlx-lm": (mlx_lm.stream_generate, stock, stock_tok), "mlxmoe": (mlxmoe.stream_generate, model, tokenizer)}
     for fn, m, t in runs.values():  # warm-up
         decode_timed(fn, m, t, prompt, 8)
-    tps, same, shares, misses = {name: [] for name in runs}, True, [], cache.misses
+    tps, same, shares, misses = {name: [] for name in runs}, True, [], cache.counters.misses
     cpu = {name: [] for name in runs}  # process CPU seconds per generation: less moved by other load
     for i in range(rounds):
         toks = {}
@@ -218,8 +218,8 @@ def resident_vs_stock(model_path, prompt, tokens=128, rounds=5):
             cpu[name].append(time.process_time() - cpu_tic)
             tps[name].append(rate)
             if name == "mlxmoe":
-                shares.append(cache.bookkeeping_seconds / (time.perf_counter() - tic))
-                misses += cache.misses
+                shares.append(cache.counters.bookkeeping_seconds / (time.perf_counter() - tic))
+                misses += cache.counters.misses
         same = same and toks["mlx-lm"] == toks["mlxmoe"]
     misses -= L * E
     cache.close()

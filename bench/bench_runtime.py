@@ -277,9 +277,9 @@ def optimal_loads(trace, capacity):
         if tokens:
             r.tick(tokens)
             step += tokens == 1  # the single-token calls are the decode steps
-        before = r.misses
+        before = r.counters.misses
         r.access(layer, experts, scores, dist)
-        loads += (r.misses - before) if step >= 2 else 0
+        loads += (r.counters.misses - before) if step >= 2 else 0
     return loads
 
 

@@ -1,14 +1,18 @@
 """Where the decode thread's host time per streamed MoE layer call goes (demo model, 50 %
 cache, default policy and prefetch): each part timed on the decode thread by wrapping it,
 medians of alternated runs, with the prefetcher's scoring and predicting on the decode
-thread and in their own thread (Prefetcher.off_thread). tok_s counts the prompt too. Parts nest (fetch includes its lock wait, the policy and the demand reads);
-`bookkeeping` is the cache's own figure (everything StreamingExperts adds beyond mlx-lm's
-work, reads and the sync excluded).
+thread and in their own thread (Prefetcher.off_thread). tok_s counts the prompt too. Parts
+nest (fetch includes its lock wait, the policy and the demand reads); `bookkeeping` is the
+cache's own figure (everything StreamingExperts adds beyond mlx-lm's work, reads and the
+sync excluded), `bookkeeping_pct` its share of the run's time. --trace: a routing trace is
+written during the runs.
 
-    python bench/decode_host_time.py [--runs 5] [--tokens 128]
+    python bench/decode_host_time.py [--runs 5] [--tokens 128] [--trace]
 """
 
 import argparse
+import os
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -61,9 +65,10 @@ def timed(fn, name, spent, thread):
     return run
 
 
-def one_run(tokens, off_thread):
+def one_run(tokens, off_thread, trace=False):
     path = mlxmoe.DEMO_MODEL
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=_share(path, 0.5))
+    trace_out = os.path.join(tempfile.mkdtemp(prefix="mlxmoe-bench-"), "run.trace.jsonl") if trace else None
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=_share(path, 0.5), trace_out=trace_out)
     cache = model.expert_cache
     cache.prefetcher.off_thread = off_thread
     mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=8)
@@ -84,32 +89,37 @@ def one_run(tokens, off_thread):
     s = cache.stats()
     cache.lock = cache.lock.lock
     cache.close()
+    if trace_out is not None:
+        os.remove(trace_out)
+        os.rmdir(os.path.dirname(trace_out))
     calls = n * len(s["resident_per_layer"])
     spent["bookkeeping"] = s["bookkeeping_seconds"]
     spent["fetch: demand reads"] = s["read_seconds"]
     out = {name: 1e6 * v / calls for name, v in spent.items()}
-    return dict(out, tok_s=n / elapsed, hit_pct=100 * s["hit_rate"], demand=s["loads_demand"],
-                useful=s["prefetch_useful"])
+    return dict(out, bookkeeping_pct=100 * s["bookkeeping_seconds"] / elapsed, tok_s=n / elapsed,
+                hit_pct=100 * s["hit_rate"], demand=s["loads_demand"], useful=s["prefetch_useful"])
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--trace", action="store_true", help="write a routing trace during the runs")
     args = ap.parse_args()
     variants = {"predictions on the decode thread": False, "predictions in their own thread": True}
     runs = {label: [] for label in variants}
     for i in range(args.runs):  # alternated, the order flipping each round
         for label in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
-            runs[label].append(one_run(args.tokens, variants[label]))
-    print(f"decode thread host time per streamed layer call, us (demo model, 50 % cache, {args.tokens} tokens, "
-          f"median of {args.runs} alternated runs)")
+            runs[label].append(one_run(args.tokens, variants[label], args.trace))
+    print(f"decode thread host time per streamed layer call, us (demo model, 50 % cache, {args.tokens} tokens"
+          f"{', trace written' if args.trace else ''}, median of {args.runs} alternated runs)")
     for label, rs in runs.items():
         print(f"  {label}:")
-        for name in ["bookkeeping", *PARTS, "fetch: lock wait", "fetch: demand reads", "tok_s", "hit_pct",
-                     "demand", "useful"]:
+        for name in ["bookkeeping", "bookkeeping_pct", *PARTS, "fetch: lock wait", "fetch: demand reads", "tok_s",
+                     "hit_pct", "demand", "useful"]:
             v = [r.get(name, 0.0) for r in rs]
-            print(f"  {name:>24}: {np.median(v):6.1f}  (runs: {', '.join(f'{x:.0f}' for x in v)})")
+            print(f"  {name:>24}: {np.median(v):6.1f}  (runs: {', '.join(f'{x:.1f}' for x in v)})")
+
 
 if __name__ == "__main__":
     main()

@@ -185,7 +185,7 @@ def hit_rate(records, policy, capacity):
             r.tick(1)
             last = t
         r.access(l, experts)
-    return r.hits / (r.hits + r.misses)
+    return r.counters.hits / (r.counters.hits + r.counters.misses)
 
 
 def main():

@@ -237,7 +237,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
         group = getattr(cache, "group", None)
         for response in _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
             if cache is not None:
-                cache.decode_tps = response.generation_tps
+                cache.counters.decode_tps = response.generation_tps
             if group is not None and distributed.failed_any(group, cache.error):
                 distributed.check(group, cache.error, bound=False)
             yield response

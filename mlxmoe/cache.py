@@ -11,6 +11,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, fields
 
 import mlx.core as mx
 import numpy as np
@@ -42,6 +43,43 @@ def token_chunks(rows, capacity):
     return chunks
 
 
+@dataclass
+class CacheStats:
+    """The cache's counters since the last reset. The decode thread counts its own reads
+    (demand_*, read_seconds); pre-warm and prefetch count theirs under the cache's lock."""
+
+    tokens: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    demand_bytes: int = 0
+    prefetch_bytes: int = 0
+    loads_demand: int = 0
+    loads_prefetched: int = 0
+    prefetch_useful: int = 0  # background loads a layer call used (<= loads_prefetched)
+    prefetch_late: int = 0  # ... that the layer call had to wait for
+    prefetch_stale: int = 0  # predictions dropped because the decode thread got there first
+    read_seconds: float = 0.0  # the decode thread's reads
+    background_read_seconds: float = 0.0  # pre-warm and prefetch reads (the prefetcher paces itself by it)
+    bookkeeping_seconds: float = 0.0  # what StreamingExperts adds beyond mlx-lm's own work
+    decode_tps: float = 0.0
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def as_dict(self) -> dict:
+        """The counters as ExpertCache.stats() reports them."""
+        accesses = self.hits + self.misses
+        return {"tokens": self.tokens, "hits": self.hits, "misses": self.misses,
+                "hit_rate": self.hits / accesses if accesses else 0.0,
+                "bytes_read": self.demand_bytes + self.prefetch_bytes, "loads_demand": self.loads_demand,
+                "loads_prefetched": self.loads_prefetched, "prefetch_useful": self.prefetch_useful,
+                "prefetch_late": self.prefetch_late, "prefetch_stale": self.prefetch_stale,
+                "read_seconds": self.read_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
+                "evictions": self.evictions, "decode_tps": self.decode_tps}
+
+
 class Busy(Exception):
     """Not enough slots outside those being filled in the background: wait for them."""
 
@@ -64,7 +102,7 @@ class Residency:
         self.free = list(range(capacity - 1, -1, -1))
         self.in_flight = set()  # keys whose slot is being filled by a background read: never victims
         self.held = set()  # prefetched for a coming layer call: victims only when nothing else is
-        self.hits = self.misses = self.evictions = 0
+        self.counters = CacheStats()
         self.defer_hits = defer_hits
         self.pending = []  # all-hit layer calls (layer, experts, scores, probs) the policy has not seen yet
 
@@ -94,7 +132,7 @@ class Residency:
             slots = [self.slot_of.get((layer, int(e))) for e in experts]
             if None not in slots:
                 self.pending.append((layer, experts, scores, probs))
-                self.hits += len(experts)
+                self.counters.hits += len(experts)
                 return slots, []
             self.catch_up()
         protected = {(layer, int(e)) for e in experts} | self.in_flight
@@ -110,9 +148,9 @@ class Residency:
             hit = key in self.slot_of
             self.policy.access(key, hit, None if scores is None else scores[i])
             if hit:
-                self.hits += 1
+                self.counters.hits += 1
             else:
-                self.misses += 1
+                self.counters.misses += 1
                 slot = self.free.pop() if self.free else self._evict(protected)
                 self.slot_of[key] = slot
                 self.policy.insert(key)
@@ -123,7 +161,7 @@ class Residency:
     def _evict(self, protected, victim=None):
         """Evict `victim`, or the policy's victim outside `protected`; return its slot."""
         victim = self.victim(protected) if victim is None else victim
-        self.evictions += 1
+        self.counters.evictions += 1
         return self._release(victim)
 
     def _release(self, key):
@@ -228,13 +266,12 @@ class ExpertCache(Residency):
         self.layer_loads = np.zeros((store.num_layers, 2))
         self.step_tokens = 1
         self.closed = False
-        self.reset_stats()
 
     def tick(self, tokens):
         """New tokens start (called by the first MoE layer)."""
         with self.lock:
             self.current_layer = -1
-            self.tokens += tokens
+            self.counters.tokens += tokens
             self.step_tokens = tokens
             super().tick(tokens)
             if self.profile is not None:
@@ -282,7 +319,7 @@ class ExpertCache(Residency):
         """A layer call on the resident path: its experts are hits, the live profile learns
         from it; the policy is left out, as nothing will be evicted."""
         with self.lock:
-            self.hits += len(experts)
+            self.counters.hits += len(experts)
             if self.profile is not None:
                 self.profile.observe(layer, experts, scores, probs)
 
@@ -315,7 +352,7 @@ class ExpertCache(Residency):
             for work in works:
                 work()
         del self.deferred[:tokens]
-        self.bookkeeping_seconds += time.perf_counter() - tic
+        self.counters.bookkeeping_seconds += time.perf_counter() - tic
 
     def new_sequence(self):
         self.flush()
@@ -368,7 +405,7 @@ class ExpertCache(Residency):
                     hidden += 1  # a prefetch's read under way
                 if key in self.prefetched:
                     self.prefetched.discard(key)
-                    self.prefetch_useful += 1
+                    self.counters.prefetch_useful += 1
                     hidden += 1
             if self.prefetcher is not None and self.step_tokens == 1:
                 self.miss_costs(layer, hidden, len(missed))
@@ -376,15 +413,14 @@ class ExpertCache(Residency):
             self.held.difference_update([k for k in self.held if k[0] == layer])
         tic = time.perf_counter()
         if missed:
-            self.demand_bytes += self._read(layer, missed)
-            self.loads_demand += len(missed)
+            self._read_demand(layer, missed)
         for key, done in waits:
             if not done.is_set():
-                self.prefetch_late += 1
+                self.counters.prefetch_late += 1
                 done.wait()
         if self.failed:  # a background read that failed marks its key before its wait ends
             self._read_failed([(layer, e) for e in experts])
-        self.read_seconds += time.perf_counter() - tic
+        self.counters.read_seconds += time.perf_counter() - tic
         return slots
 
     def miss_costs(self, layer, hidden, demand, keep=0.98, hidden_cost=0.25):
@@ -401,6 +437,11 @@ class ExpertCache(Residency):
         h, d = h * keep + hidden, d * keep + demand
         self.layer_loads[layer] = h, d
         cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
+
+    def _read_demand(self, layer, missed):
+        """Read `missed` [(expert, slot)] of `layer` on the decode thread, counted as demand loads."""
+        self.counters.demand_bytes += self._read(layer, missed)
+        self.counters.loads_demand += len(missed)
 
     def _read(self, layer, missed):
         """Read `missed` [(expert, slot)] of `layer` on the decode thread (on the IO threads
@@ -426,9 +467,7 @@ class ExpertCache(Residency):
             retry = sorted(self.failed if keys is None else self.failed.intersection(keys))
             self.failed.difference_update(retry)
         for layer in sorted({l for l, _ in retry}):
-            missed = [(e, self.slot_of[(l, e)]) for l, e in retry if l == layer]
-            self.demand_bytes += self._read(layer, missed)
-            self.loads_demand += len(missed)
+            self._read_demand(layer, [(e, self.slot_of[(l, e)]) for l, e in retry if l == layer])
 
     def forget(self, keys):
         """Take `keys` out of the cache: their slots are free again, holding nothing."""
@@ -483,8 +522,8 @@ class ExpertCache(Residency):
         reached that call already; may evict, but never what the current layer uses, what
         is already on its way, or (with `worth`, see claim) a victim worth more."""
         with self.lock:
-            if self._stop.is_set() or (self.tokens, self.current_layer) >= (token, layer):
-                self.prefetch_stale += 1
+            if self._stop.is_set() or (self.counters.tokens, self.current_layer) >= (token, layer):
+                self.counters.prefetch_stale += 1
                 return
             # leave at least as many slots evictable as are being filled, so wrong guesses
             # never make the decode thread wait long for a slot
@@ -511,15 +550,16 @@ class ExpertCache(Residency):
             except Exception:  # the decode thread reads it again and reports the error if it recurs
                 pass
         with self.lock:
-            self.background_read_seconds += time.perf_counter() - tic
+            counters = self.counters
+            counters.background_read_seconds += time.perf_counter() - tic
             if n is not None:
-                self.prefetch_bytes += n
-                self.loads_prefetched += 1
+                counters.prefetch_bytes += n
+                counters.loads_prefetched += 1
                 if key in self.active:  # the decode thread is already waiting for it
-                    self.prefetch_useful += 1
+                    counters.prefetch_useful += 1
                 else:
                     self.prefetched.add(key)
-                    if until is not None and (self.tokens, self.current_layer) < until:
+                    if until is not None and (counters.tokens, self.current_layer) < until:
                         self.held.add(key)
             else:
                 self.failed.add(key)
@@ -539,48 +579,23 @@ class ExpertCache(Residency):
             counts[layer] += 1
         return counts
 
-    def stats(self):
+    def stats(self) -> dict:
+        """The counters (CacheStats.as_dict) with the cache's size, residency, memory, the
+        predictors' scores and the store's IO figures."""
         self.flush()
-        accesses = self.hits + self.misses
-        return {
-            "tokens": self.tokens,
-            "hits": self.hits,
-            "misses": self.misses,
-            "hit_rate": self.hits / accesses if accesses else 0.0,
-            "bytes_read": self.demand_bytes + self.prefetch_bytes,
-            "loads_demand": self.loads_demand,
-            "loads_prefetched": self.loads_prefetched,
-            "prefetch_useful": self.prefetch_useful,
-            "prefetch_late": self.prefetch_late,
-            "prefetch_stale": self.prefetch_stale,
-            "read_seconds": self.read_seconds,
-            "bookkeeping_seconds": self.bookkeeping_seconds,
-            "evictions": self.evictions,
-            "cache_experts": self.capacity,
-            "cache_bytes": self.capacity * self.slot_bytes,
-            "resident_per_layer": self.resident_per_layer(),
-            "policy": self.policy.name,
-            "peak_memory": mx.get_peak_memory(),
-            "peak_rss": peak_rss(),
-            "decode_tps": self.decode_tps,
-            "predictors": self.prefetcher.stats() if self.prefetcher is not None else {},
-            "io": self.store.io_stats(),
-        }
+        counts = self.counters.as_dict()
+        decode_tps = counts.pop("decode_tps")
+        return dict(counts, cache_experts=self.capacity, cache_bytes=self.capacity * self.slot_bytes,
+                    resident_per_layer=self.resident_per_layer(), policy=self.policy.name,
+                    peak_memory=mx.get_peak_memory(), peak_rss=peak_rss(), decode_tps=decode_tps,
+                    predictors=self.prefetcher.stats() if self.prefetcher is not None else {},
+                    io=self.store.io_stats())
 
-    def reset_stats(self):
-        if getattr(self, "deferred", None):
-            self.flush()
-        self.hits = self.misses = self.evictions = self.tokens = 0
-        # the decode thread counts demand reads, the pre-warm thread (under the lock) its own
-        self.demand_bytes = self.prefetch_bytes = 0
-        self.loads_demand = self.loads_prefetched = self.prefetch_useful = self.prefetch_late = 0
-        self.prefetch_stale = 0  # predictions dropped because the decode thread got there first
+    def reset_stats(self) -> None:
+        self.flush()
         with self.lock:  # loads from before the reset are not this window's (prefetch_useful <= loads_prefetched)
+            self.counters.reset()
             self.prefetched.clear()
-        self.read_seconds = 0.0
-        self.background_read_seconds = 0.0  # pre-warm and prefetch reads (the prefetcher paces itself by it)
-        self.bookkeeping_seconds = 0.0  # time StreamingExperts spent on top of mlx-lm's own work
-        self.decode_tps = 0.0
 
     def abort(self):
         """close() after a failure: a trace being written is dropped, not completed."""

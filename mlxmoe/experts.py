@@ -132,7 +132,7 @@ class StreamingExperts(nn.Module):
         # evaluates the router (and with it every earlier layer): mlx-lm's own work
         mx.eval(indices, *([] if probs is None else [probs]), *looked.values())
         sync = time.perf_counter() - sync
-        read_before = cache.read_seconds
+        read_before = cache.counters.read_seconds
         idx, flat, probs = self._routing(indices, probs)
         chunks = [(0, 1)] if len(flat) == 1 else token_chunks(flat, cache.capacity)
         if len(chunks) == 1:
@@ -141,12 +141,12 @@ class StreamingExperts(nn.Module):
             y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
             inner = time.perf_counter() - inner
             if cache.prefetcher is not None:
-                cache.prefetcher.layer_done(self._layer, flat, looked, cache.tokens, decode)
+                cache.prefetcher.layer_done(self._layer, flat, looked, cache.counters.tokens, decode)
             # what this layer added beyond mlx-lm's own work (building and evaluating the
             # model up to the router, building the expert computation) and the reads: the
             # lookahead and router probabilities, routing copies, the policy, remapping
-            cache.bookkeeping_seconds += (time.perf_counter() - tic - sync - inner
-                                          - (cache.read_seconds - read_before))
+            cache.counters.bookkeeping_seconds += (time.perf_counter() - tic - sync - inner
+                                                   - (cache.counters.read_seconds - read_before))
             return y
         # More distinct experts than slots (long prefill at a small cache): compute each
         # run of tokens and evaluate it before the next run may reuse its slots.

@@ -234,7 +234,7 @@ class Prefetcher:
         evaluated: predict the next layer calls and queue their loads, to run while this
         layer computes."""
         if layer == 0:
-            self.pace(time.perf_counter(), self.cache.background_read_seconds)
+            self.pace(time.perf_counter(), self.cache.counters.background_read_seconds)
         for step, target, ahead in self.steps(layer):
             when = token + ahead
             predicted, probs, ranked = {}, None, None

@@ -113,7 +113,8 @@ class Provider(mlx_server.ModelProvider):
 
 def _counters(cache):
     with cache.lock:
-        return cache.hits, cache.misses, cache.demand_bytes + cache.prefetch_bytes
+        c = cache.counters
+        return c.hits, c.misses, c.demand_bytes + c.prefetch_bytes
 
 
 class SharedEvent(threading.Event):

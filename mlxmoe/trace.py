@@ -240,9 +240,9 @@ def replay(header, records, policy, cache_experts, profile=None, **policy_kw):
         if tokens:
             residency.tick(tokens)
         residency.access(layer, experts, scores, dist)
-    accesses = residency.hits + residency.misses
-    return {"policy": policy, "cache_experts": cache_experts, "accesses": accesses, "hits": residency.hits,
-            "hit_rate": residency.hits / accesses if accesses else 0.0}
+    hits, accesses = residency.counters.hits, residency.counters.hits + residency.counters.misses
+    return {"policy": policy, "cache_experts": cache_experts, "accesses": accesses, "hits": hits,
+            "hit_rate": hits / accesses if accesses else 0.0}
 
 
 def replay_all(header, records, policies, cache_experts, profile=None, **policy_kw):

@@ -37,7 +37,7 @@ def single(*experts):
 def test_lru_order():
     evicted, r = run("lru", 2, single(1, 2, 1, 3, 2, 4))
     assert evicted == [(0, 2), (0, 1), (0, 3)]
-    assert r.hits == 1
+    assert r.counters.hits == 1
 
 
 def test_lfu_keeps_frequent_and_forgets_with_decay():
@@ -127,8 +127,8 @@ def test_belady_known_optimum():
     seq = single(1, 2, 3, 1, 2, 3)
     _, lru = run("lru", 2, seq)
     evicted, opt = run("belady", 2, seq)
-    assert lru.hits == 0
-    assert opt.hits == 2
+    assert lru.counters.hits == 0
+    assert opt.counters.hits == 2
     assert evicted == [(0, 2), (0, 1)]  # evict the key used farthest in the future (or never)
 
 
@@ -209,7 +209,8 @@ def test_never_below_layer_lru_at_one_token_per_layer():
                 seq.append(seq[-L])
             else:
                 seq.append((layer, sorted(rng.choice(E, k, replace=False).tolist())))
-    hits = {p: run(p, L * k, seq, layers=L, experts=E)[1].hits for p in ("layer-lru", "activation", DEFAULT_POLICY)}
+    hits = {p: run(p, L * k, seq, layers=L, experts=E)[1].counters.hits
+            for p in ("layer-lru", "activation", DEFAULT_POLICY)}
     assert hits[DEFAULT_POLICY] >= hits["layer-lru"], hits
     assert hits["activation"] < hits["layer-lru"], hits  # the case is one that matters
 
@@ -220,7 +221,7 @@ def test_never_evicts_what_the_layer_needs(name):
     rng = np.random.default_rng(0)
     seq = [(l, sorted(rng.choice(16, 4, replace=False).tolist())) for _ in range(50) for l in range(3)]
     evicted, r = run(name, 4, seq, layers=3)
-    assert r.hits + r.misses == 50 * 3 * 4
+    assert r.counters.hits + r.counters.misses == 50 * 3 * 4
     assert len(r.slot_of) == 4 and sorted(r.slot_of.values()) == [0, 1, 2, 3]
 
 
@@ -432,5 +433,5 @@ def test_deferring_all_hit_calls_changes_no_decision(name):
                     key = sorted(r.slot_of)[0]
                     r.free.append(r._release(key))
     assert log[0] == log[1]
-    assert (runs[0].hits, runs[0].misses) == (runs[1].hits, runs[1].misses)
+    assert (runs[0].counters.hits, runs[0].counters.misses) == (runs[1].counters.hits, runs[1].counters.misses)
     assert deferred > 50  # of 900 layer calls, many hit and waited for the policy

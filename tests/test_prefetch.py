@@ -242,7 +242,7 @@ def test_background_reads_are_timed_for_pacing(checkpoint):
     cache = model.expert_cache
     tokens(model, tokenizer, 8)
     cache.prefetcher.drain()
-    assert cache.loads_prefetched > 0 and cache.background_read_seconds > 0
+    assert cache.counters.loads_prefetched > 0 and cache.counters.background_read_seconds > 0
     assert cache.prefetcher.chance_floor <= cache.prefetcher.min_chance <= 0.5
 
 
@@ -360,7 +360,7 @@ def test_interrupted_demand_read_leaves_no_key_with_wrong_bytes(checkpoint):
 
     def interrupted(layer, expert, outs):
         with lock:
-            first = cache.tokens > 3 and not hit
+            first = cache.counters.tokens > 3 and not hit
             if first:
                 hit["key"] = (layer, expert)
         if first:
@@ -414,9 +414,9 @@ def test_prefill_reads_the_next_layers_experts_ahead():
     calls, fetch = [], cache.fetch
 
     def logged(layer, experts, *a, **kw):
-        before = cache.loads_demand, cache.prefetch_useful
+        before = cache.counters.loads_demand, cache.counters.prefetch_useful
         slots = fetch(layer, experts, *a, **kw)
-        calls.append((layer, len(experts), cache.loads_demand - before[0], cache.prefetch_useful - before[1]))
+        calls.append((layer, len(experts), cache.counters.loads_demand - before[0], cache.counters.prefetch_useful - before[1]))
         return slots
 
     cache.fetch = logged

@@ -369,7 +369,7 @@ def test_first_token_does_not_wait_for_the_prewarm(monkeypatch):
     got, at_first = [], None
     for r in mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=8):
         if not got:
-            at_first = (cache.prewarm_done(0), cache.loads_prefetched)
+            at_first = (cache.prewarm_done(0), cache.counters.loads_prefetched)
         got.append(r.token)
     assert at_first[0] is False and at_first[1] < 32
     assert got == want
