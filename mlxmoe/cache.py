@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import MlxmoeError
+from .prefetch import BackgroundLoader
 
 
 def peak_rss():
@@ -100,7 +101,7 @@ class Residency:
         self.policy = policy
         self.slot_of = {}  # (layer, expert) -> slot
         self.free = list(range(capacity - 1, -1, -1))
-        self.in_flight = set()  # keys whose slot is being filled by a background read: never victims
+        self.in_flight = {}  # key -> Event set once the background read filling its slot ended: never victims
         self.held = set()  # prefetched for a coming layer call: victims only when nothing else is
         self.counters = CacheStats()
         self.defer_hits = defer_hits
@@ -135,7 +136,7 @@ class Residency:
                 self.counters.hits += len(experts)
                 return slots, []
             self.catch_up()
-        protected = {(layer, int(e)) for e in experts} | self.in_flight
+        protected = {(layer, int(e)) for e in experts} | self.in_flight.keys()
         if self.in_flight:  # background reads hold slots: wait for them rather than run out of victims
             missing = sum((layer, int(e)) not in self.slot_of for e in experts)
             evictable = len(self.slot_of) - len(protected & self.slot_of.keys())
@@ -194,7 +195,7 @@ class Residency:
                 slot = self.free.pop()
             elif evict:
                 try:
-                    victim = self.victim(set(protected) | self.in_flight)
+                    victim = self.victim(set(protected) | self.in_flight.keys())
                 except MlxmoeError:
                     break
                 if worth is not None and not worth(key, victim):
@@ -216,9 +217,9 @@ class ExpertCache(Residency):
     """Slot pools shared by all MoE layers (every layer's experts have the same shapes),
     so the policy can give one layer more slots than another.
 
-    The decode thread calls tick() and fetch(); a pre-warm thread may fill free slots at
-    the same time, so the bookkeeping is under a lock and a key being filled is waited
-    for, never read twice.
+    The decode thread calls tick() and fetch(); pre-warm and prefetch threads (`loader`,
+    prefetch.BackgroundLoader) fill slots at the same time, so the bookkeeping is under a
+    lock and a key being filled is waited for, never read twice.
     """
 
     def __init__(self, store, capacity, policy, pool_dtypes, io_threads=4, profile=None):
@@ -245,9 +246,8 @@ class ExpertCache(Residency):
         self.slot_bytes = sum(v[0].nbytes for v in self.views)
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="mlxmoe-io") if io_threads > 1 else None
         self.lock = threading.Lock()
-        self.waiting = {}  # key -> threading.Event, set once its background read ended
-        self.prefetched = set()  # loaded in the background and not used yet (for prefetch_useful)
-        self.failed = set()  # keys whose background read failed: read again on demand
+        self.loader = BackgroundLoader(self)
+        self.in_flight = self.loader.waiting
         self.profile = profile  # live ActivationProfile: learns from every layer call
         self.later = deque()  # its updates (method, args) left by the decode thread, made in order (see learn)
         self.trace = None  # TraceWriter when recording
@@ -258,14 +258,11 @@ class ExpertCache(Residency):
         self.prefetcher = None  # prefetch.Prefetcher when prefetching
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident
         self.deferred = []  # per token: the host work of its layer calls on the resident path
-        self._prewarm = None
-        self._stop = threading.Event()
         # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps:
         # the policy weighs a victim by the share of its layer's loads prefetch leaves to the
         # decode thread (see miss_costs)
         self.layer_loads = np.zeros((store.num_layers, 2))
         self.step_tokens = 1
-        self.closed = False
 
     def tick(self, tokens):
         """New tokens start (called by the first MoE layer)."""
@@ -287,8 +284,8 @@ class ExpertCache(Residency):
             L, E = self.store.num_layers, self.store.num_experts
             if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
                 return None
-            if self.failed:  # background reads that failed: read now (a second failure raises)
-                self._read_failed()
+            if self.loader.failed:  # background reads that failed: read now (a second failure raises)
+                self.loader.read_failed()
             table = np.zeros((L, E), dtype=np.uint32)
             for (layer, e), slot in self.slot_of.items():
                 table[layer, e] = slot
@@ -375,7 +372,7 @@ class ExpertCache(Residency):
             raise
 
     def _check_open(self):
-        if self.closed:
+        if self.loader.stop.is_set():
             raise MlxmoeError("this model's expert cache is closed; load the model again")
 
     def _fetch(self, layer, experts, scores=None, probs=None):
@@ -385,7 +382,7 @@ class ExpertCache(Residency):
                     slots, missed = self.access(layer, experts, scores, probs)
                     break
                 except Busy:  # wait, without the lock, for the background reads holding slots
-                    pending = list(self.waiting.values())
+                    pending = list(self.in_flight.values())
                     self.lock.release()
                     try:
                         for done in pending:
@@ -397,29 +394,23 @@ class ExpertCache(Residency):
             self.current_layer = layer
             if self.profile is not None:
                 self.learn(self.profile.observe, layer, experts, scores, probs)
-            waits, hidden = [], 0
-            for e in experts:
-                key = (layer, e)
-                if key in self.waiting:
-                    waits.append((key, self.waiting[key]))
-                    hidden += 1  # a prefetch's read under way
-                if key in self.prefetched:
-                    self.prefetched.discard(key)
-                    self.counters.prefetch_useful += 1
-                    hidden += 1
+            waits = [self.in_flight[(layer, e)] for e in experts if (layer, e) in self.in_flight]
+            useful = self.loader.used([(layer, e) for e in experts])
+            self.counters.prefetch_useful += useful
+            hidden = len(waits) + useful  # loads a prefetch did or has under way
             if self.prefetcher is not None and self.step_tokens == 1:
                 self.miss_costs(layer, hidden, len(missed))
             # held until this visit: what this layer did not use was a wrong guess
             self.held.difference_update([k for k in self.held if k[0] == layer])
         tic = time.perf_counter()
         if missed:
-            self._read_demand(layer, missed)
-        for key, done in waits:
+            self.read_demand(layer, missed)
+        for done in waits:
             if not done.is_set():
                 self.counters.prefetch_late += 1
                 done.wait()
-        if self.failed:  # a background read that failed marks its key before its wait ends
-            self._read_failed([(layer, e) for e in experts])
+        if self.loader.failed:  # a background read that failed marks its key before its wait ends
+            self.loader.read_failed([(layer, e) for e in experts])
         self.counters.read_seconds += time.perf_counter() - tic
         return slots
 
@@ -438,7 +429,7 @@ class ExpertCache(Residency):
         self.layer_loads[layer] = h, d
         cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
 
-    def _read_demand(self, layer, missed):
+    def read_demand(self, layer: int, missed: list) -> None:
         """Read `missed` [(expert, slot)] of `layer` on the decode thread, counted as demand loads."""
         self.counters.demand_bytes += self._read(layer, missed)
         self.counters.loads_demand += len(missed)
@@ -448,7 +439,7 @@ class ExpertCache(Residency):
         when several). If a read fails or is interrupted (Ctrl-C in `chat`, which carries
         on), those keys leave the cache once no thread writes into their slots any more:
         left in, they would pass for resident with another expert's bytes."""
-        read = lambda es: self.store.read_expert(layer, es[0], [v[es[1]] for v in self.views])
+        read = lambda es: self.read_into((layer, es[0]), es[1])
         futures = []
         try:
             if self.io is not None and len(missed) > 1:
@@ -460,14 +451,9 @@ class ExpertCache(Residency):
             self.forget([(layer, e) for e, _ in missed])
             raise
 
-    def _read_failed(self, keys=None):
-        """Read again on the decode thread those of `keys` (default: all) whose background
-        read failed: a second failure raises its error, naming the file and offset."""
-        with self.lock:
-            retry = sorted(self.failed if keys is None else self.failed.intersection(keys))
-            self.failed.difference_update(retry)
-        for layer in sorted({l for l, _ in retry}):
-            self._read_demand(layer, [(e, self.slot_of[(l, e)]) for l, e in retry if l == layer])
+    def read_into(self, key: tuple, slot: int) -> int:
+        """Read expert `key` into `slot` of the pools; return the bytes read."""
+        return self.store.read_expert(key[0], key[1], [v[slot] for v in self.views])
 
     def forget(self, keys):
         """Take `keys` out of the cache: their slots are free again, holding nothing."""
@@ -487,89 +473,14 @@ class ExpertCache(Residency):
                 self.trace.write(self.call_position + i, layer, row, probs[i][row].tolist(), probs[i].tolist(), n)
 
     def evicted(self, key):
-        self.prefetched.discard(key)
         self.held.discard(key)
-        self.failed.discard(key)
+        self.loader.evicted(key)
 
-    def prewarm(self, keys):
-        """Fill free slots with `keys`, hottest first, in a background thread that claims a
-        slot just before each read: the decode thread starts at once, takes free slots or
-        evicts what is already in, and waits only for a key it needs that is on its way.
-        (Claimed all at once, the slots left the first layer call nothing to take but
-        reads in flight: the first token waited for the whole pre-warm.) Returns how many
-        keys it will read, as far as the cache has free slots now."""
-        with self.lock:
-            keys = [k for k in keys if k not in self.slot_of]
-            planned = min(len(keys), len(self.free))
+    def prewarm(self, keys: list) -> int:
+        return self.loader.prewarm(keys)
 
-        def run():
-            for key in keys:
-                with self.lock:
-                    if self._stop.is_set() or not self.free:
-                        return
-                    taken = self._claim([key], evict=False)
-                for key_slot in taken:
-                    self._load(*key_slot)
-
-        if planned:
-            self._prewarm = threading.Thread(target=run, name="mlxmoe-prewarm", daemon=True)
-            self._prewarm.start()
-        return planned
-
-    def prefetch(self, keys, token, layer, worth=None):
-        """Load `keys` for `layer`'s call at token count `token` (the next token's for a
-        cross-token guess), called from a prefetch worker. Dropped if the decode thread has
-        reached that call already; may evict, but never what the current layer uses, what
-        is already on its way, or (with `worth`, see claim) a victim worth more."""
-        with self.lock:
-            if self._stop.is_set() or (self.counters.tokens, self.current_layer) >= (token, layer):
-                self.counters.prefetch_stale += 1
-                return
-            # leave at least as many slots evictable as are being filled, so wrong guesses
-            # never make the decode thread wait long for a slot
-            room = (self.capacity - len(self.active | self.in_flight)) // 2
-            taken = self._claim(keys[:max(room, 0)], evict=True, worth=worth)
-        for key, slot in taken:
-            self._load(key, slot, until=(token, layer))
-
-    def _claim(self, keys, evict, worth=None):
-        taken = self.claim(keys, self.active, evict, worth)
-        for key, _ in taken:
-            self.waiting[key] = threading.Event()
-            self.in_flight.add(key)
-        return taken
-
-    def _load(self, key, slot, until=None):
-        """Background read of one claimed key; always ends its wait, even on error. A key
-        loaded for a layer call `until` = (token, layer) still to come is held for it."""
-        n = None
-        tic = time.perf_counter()
-        if not self._stop.is_set():
-            try:
-                n = self.store.read_expert(key[0], key[1], [v[slot] for v in self.views])
-            except Exception:  # the decode thread reads it again and reports the error if it recurs
-                pass
-        with self.lock:
-            counters = self.counters
-            counters.background_read_seconds += time.perf_counter() - tic
-            if n is not None:
-                counters.prefetch_bytes += n
-                counters.loads_prefetched += 1
-                if key in self.active:  # the decode thread is already waiting for it
-                    counters.prefetch_useful += 1
-                else:
-                    self.prefetched.add(key)
-                    if until is not None and (counters.tokens, self.current_layer) < until:
-                        self.held.add(key)
-            else:
-                self.failed.add(key)
-            self.in_flight.discard(key)
-            self.waiting.pop(key).set()
-
-    def prewarm_done(self, timeout=None):
-        if self._prewarm is not None:
-            self._prewarm.join(timeout)
-        return self._prewarm is None or not self._prewarm.is_alive()
+    def prewarm_done(self, timeout: float | None = None) -> bool:
+        return self.loader.prewarm_done(timeout)
 
     def resident_per_layer(self):
         counts = [0] * self.store.num_layers
@@ -595,7 +506,7 @@ class ExpertCache(Residency):
         self.flush()
         with self.lock:  # loads from before the reset are not this window's (prefetch_useful <= loads_prefetched)
             self.counters.reset()
-            self.prefetched.clear()
+            self.loader.prefetched.clear()
 
     def abort(self):
         """close() after a failure: a trace being written is dropped, not completed."""
@@ -604,10 +515,9 @@ class ExpertCache(Residency):
         self.close()
 
     def close(self):
-        self.closed = True
+        self.loader.stop.set()
         self.flush()
-        self._stop.set()
-        self.prewarm_done()
+        self.loader.prewarm_done()
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self.trace is not None:

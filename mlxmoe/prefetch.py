@@ -58,14 +58,13 @@ def visit_steps(policy, key, p):
 
 
 def outranks(policy, likely):
-    """worth(key, victim) for ExpertCache.claim: a key with a chance `likely[key]` of use at
+    """worth(key, victim) for Residency.claim: a key with a chance `likely[key]` of use at
     its layer's next visit is loaded only in place of a victim whose own chance (the
     `activation` policy's decayed estimates, `chance`) puts its use later; keys not in
     `likely` always. A guess pays off at that one visit or not at all (unused, it is soon
     the victim), so neither the victim's long-run rate nor the router's favour of it at
     its layer's last call, which the eviction order weighs, enters: with them nearly every
-    guess lost to every victim (0.69 -> 0.32 of the loads done ahead at 50 % cache on the
-    Qwen3-shaped checkpoint). None where the policy keeps no such estimate."""
+    guess loses to every victim. None where the policy keeps no such estimate."""
     chance = getattr(policy, "chance", None)
     if chance is None or not hasattr(policy, "miss_cost"):
         return None
@@ -310,11 +309,11 @@ class Prefetcher:
         self.queue(keys, when, target, worth)
 
     def queue(self, keys, when, target, worth=None):
-        """Load those of `keys` not resident in a prefetch worker (see ExpertCache.prefetch)."""
+        """Load those of `keys` not resident in a prefetch worker (see BackgroundLoader.prefetch)."""
         keys = [k for k in keys if k not in self.cache.slot_of]
         if keys:
             self.jobs = [j for j in self.jobs if not j.done()]
-            self.jobs.append(self.pool.submit(self.cache.prefetch, keys, when, target, worth))
+            self.jobs.append(self.pool.submit(self.cache.loader.prefetch, keys, when, target, worth))
 
     def stats(self):
         self.settle()
@@ -335,3 +334,119 @@ class Prefetcher:
         self.host_jobs.put(None)
         self.host.join()
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class BackgroundLoader:
+    """Pre-warm and prefetch loads into an ExpertCache's slots, in background threads,
+    under the cache's lock. A key whose slot is being filled is in `waiting` (the cache's
+    `in_flight`: key -> Event set once its read ended): never a victim, and a layer call
+    that needs it waits for it. A loaded key not used yet is in `prefetched`; one whose
+    read failed is in `failed`, read again on the decode thread when needed."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self.waiting: dict = {}
+        self.prefetched: set = set()
+        self.failed: set = set()
+        self.stop = threading.Event()  # set when the cache closes
+        self.prewarm_thread: threading.Thread | None = None
+
+    def prewarm(self, keys: list) -> int:
+        """Fill free slots with `keys`, hottest first, in a background thread that claims a
+        slot just before each read: the decode thread starts at once, takes free slots or
+        evicts what is already in, and waits only for a key it needs that is on its way.
+        Returns how many keys it will read, as far as the cache has free slots now."""
+        cache = self.cache
+        with cache.lock:
+            keys = [k for k in keys if k not in cache.slot_of]
+            planned = min(len(keys), len(cache.free))
+
+        def run():
+            for key in keys:
+                with cache.lock:
+                    if self.stop.is_set() or not cache.free:
+                        return
+                    taken = self.claim([key], evict=False)
+                for key_slot in taken:
+                    self.load(*key_slot)
+
+        if planned:
+            self.prewarm_thread = threading.Thread(target=run, name="mlxmoe-prewarm", daemon=True)
+            self.prewarm_thread.start()
+        return planned
+
+    def prewarm_done(self, timeout: float | None = None) -> bool:
+        if self.prewarm_thread is not None:
+            self.prewarm_thread.join(timeout)
+        return self.prewarm_thread is None or not self.prewarm_thread.is_alive()
+
+    def prefetch(self, keys: list, token: int, layer: int, worth=None) -> None:
+        """Load `keys` for `layer`'s call at token count `token` (the next token's for a
+        cross-token guess), called from a prefetch worker. Dropped if the decode thread has
+        reached that call already; may evict, but never what the current layer uses, what
+        is already on its way, or (with `worth`, see Residency.claim) a victim worth more."""
+        cache = self.cache
+        with cache.lock:
+            if self.stop.is_set() or (cache.counters.tokens, cache.current_layer) >= (token, layer):
+                cache.counters.prefetch_stale += 1
+                return
+            # leave at least as many slots evictable as are being filled, so wrong guesses
+            # never make the decode thread wait long for a slot
+            room = (cache.capacity - len(cache.active | self.waiting.keys())) // 2
+            taken = self.claim(keys[:max(room, 0)], evict=True, worth=worth)
+        for key, slot in taken:
+            self.load(key, slot, until=(token, layer))
+
+    def claim(self, keys: list, evict: bool, worth=None) -> list:
+        """Give slots to `keys` (under the lock) and mark them on their way; [(key, slot)]."""
+        taken = self.cache.claim(keys, self.cache.active, evict, worth)
+        for key, _ in taken:
+            self.waiting[key] = threading.Event()
+        return taken
+
+    def load(self, key: tuple, slot: int, until: tuple | None = None) -> None:
+        """Background read of one claimed key; always ends its wait, even on error. A key
+        loaded for a layer call `until` = (token, layer) still to come is held for it."""
+        cache, n = self.cache, None
+        tic = time.perf_counter()
+        if not self.stop.is_set():
+            try:
+                n = cache.read_into(key, slot)
+            except Exception:  # the decode thread reads it again and reports the error if it recurs
+                pass
+        with cache.lock:
+            counters = cache.counters
+            counters.background_read_seconds += time.perf_counter() - tic
+            if n is not None:
+                counters.prefetch_bytes += n
+                counters.loads_prefetched += 1
+                if key in cache.active:  # the decode thread is already waiting for it
+                    counters.prefetch_useful += 1
+                else:
+                    self.prefetched.add(key)
+                    if until is not None and (counters.tokens, cache.current_layer) < until:
+                        cache.held.add(key)
+            else:
+                self.failed.add(key)
+            self.waiting.pop(key).set()
+
+    def used(self, keys: list) -> int:
+        """How many of `keys` (a layer call's, under the lock) were loaded ahead and not used
+        until now; they count as used from here on."""
+        found = self.prefetched.intersection(keys)
+        self.prefetched -= found
+        return len(found)
+
+    def read_failed(self, keys: list | None = None) -> None:
+        """Read again on the decode thread those of `keys` (default: all) whose background
+        read failed: a second failure raises its error, naming the file and offset."""
+        cache = self.cache
+        with cache.lock:
+            retry = sorted(self.failed if keys is None else self.failed.intersection(keys))
+            self.failed.difference_update(retry)
+        for layer in sorted({l for l, _ in retry}):
+            cache.read_demand(layer, [(e, cache.slot_of[(l, e)]) for l, e in retry if l == layer])
+
+    def evicted(self, key: tuple) -> None:
+        self.prefetched.discard(key)
+        self.failed.discard(key)

@@ -336,12 +336,12 @@ def test_failed_prewarm_read_is_read_again_before_the_resident_path(checkpoint):
         model, tokenizer = mlxmoe.load(str(path), cache_experts=10 ** 6)
         cache = model.expert_cache
         assert cache.prewarm_done(timeout=30)
-        failed = len(cache.failed)
+        failed = len(cache.loader.failed)
         assert failed == cache.store.num_experts
     finally:
         ExpertStore.read_expert = read
     assert tokens(model, tokenizer) == want
-    assert not cache.failed and cache.slot_table is not None
+    assert not cache.loader.failed and cache.slot_table is not None
     assert cache.stats()["loads_demand"] == failed
 
 
