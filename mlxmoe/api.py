@@ -163,6 +163,7 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
             cache.trace_target, trace_out = trace_out, f"{trace_out}.rank{ckpt.group.rank()}"
         cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model_name(ckpt.path),
                                   fingerprint=fp)
+        cache.observers.append(cache.trace.observe)
     if prewarm:
         order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:
@@ -246,8 +247,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
         if group is not None:
             distributed.barrier(group)
     finally:
-        if cache is not None and (cache.deferred or cache.later):  # closed early: its arrays are this thread's
-            mx.eval([a for _, side in cache.deferred for a in side])
+        if cache is not None and cache.later:  # closed early: its arrays are this thread's
             cache.flush()
         lock.release()
 

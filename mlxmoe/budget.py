@@ -4,6 +4,8 @@ weights, KV cache reserve, working memory and the expert cache."""
 import math
 import os
 import re
+import resource
+import sys
 from dataclasses import dataclass
 
 from .errors import MlxmoeError
@@ -143,3 +145,13 @@ def plan(budget, resident, slot_bytes, min_experts, kv_reserve, working, cache_s
         raise MlxmoeError(f"the expert cache must hold at least {min_experts} experts (top-k), got {slots}")
     return Plan(budget or fixed + slots * slot_bytes, resident, kv_reserve, working, slots * slot_bytes, slots,
                 minimum, slot_bytes)
+
+
+def peak_rss() -> int:
+    """The process's peak resident memory in bytes (VmHWM on Linux: ru_maxrss there
+    includes the parent's peak when this process was started by fork + exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(l for l in f if l.startswith("VmHWM")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)

@@ -5,29 +5,19 @@ victims); the trace replay simulator uses it as is, so a policy behaves the same
 replay as in a run. `ExpertCache` adds the slot pools and the reads.
 """
 
-import resource
-import sys
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
+from .budget import peak_rss
 from .errors import MlxmoeError
 from .prefetch import BackgroundLoader
-
-
-def peak_rss():
-    """The process's peak resident memory in bytes (VmHWM on Linux: ru_maxrss there
-    includes the parent's peak when this process was started by fork + exec)."""
-    try:
-        with open("/proc/self/status") as f:
-            return int(next(l for l in f if l.startswith("VmHWM")).split()[1]) * 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def token_chunks(rows, capacity):
@@ -81,18 +71,30 @@ class CacheStats:
                 "evictions": self.evictions, "decode_tps": self.decode_tps}
 
 
+class LayerCall(NamedTuple):
+    """What the cache's observers learn of one fetch of a layer call (a call with more
+    distinct experts than slots is fetched in runs of tokens, one record each)."""
+
+    layer: int
+    position: int  # the position of the first of its tokens in the sequence
+    rows: np.ndarray  # each token's experts [tokens, k]
+    probs: np.ndarray | None  # each token's router distribution [tokens, experts]
+    tokens: int  # tokens in the whole layer call
+    experts: list  # the distinct experts, sorted
+    scores: list | None  # their router probabilities (of the one token at a decode step)
+    mean: np.ndarray | None  # the router's mean distribution over the tokens
+    ticked: int  # tokens that start with this call (its first layer's first run), else 0
+
+
 class Busy(Exception):
     """Not enough slots outside those being filled in the background: wait for them."""
 
 
 class Residency:
-    """`defer_hits`: a layer call whose experts are all resident needs nothing from the
-    policy now, so its policy updates (visit, accesses) wait in `pending` until something
-    needs the policy's state (a victim, a claim, a key leaving, a tick) and are then made in
-    the same order: the same decisions as without deferring (the replay does not defer).
-    Made in a run they cost less than one by one right after each layer's sync, where the
-    host's caches are cold (about half in a replay loop paused between calls), and most
-    are made by a prefetch worker, whose claim catches up first, off the decode thread."""
+    """Which key holds which slot; victims from the policy. `defer_hits`: a layer call
+    whose experts are all resident needs nothing from the policy now, so its policy updates
+    wait in `later` (see catch_up): the same decisions as without deferring (the replay
+    does not defer), made off the decode thread where a prefetcher runs."""
 
     def __init__(self, capacity, policy, defer_hits=False):
         if capacity < 1:
@@ -105,15 +107,34 @@ class Residency:
         self.held = set()  # prefetched for a coming layer call: victims only when nothing else is
         self.counters = CacheStats()
         self.defer_hits = defer_hits
-        self.pending = []  # all-hit layer calls (layer, experts, scores, probs) the policy has not seen yet
+        self.later = deque()  # host work left for later, (function, args), in order: see catch_up
+        self.catching_up = False
 
-    def catch_up(self):
-        """Give the policy the layer calls deferred so far, in order."""
-        pending, self.pending = self.pending, []
-        for layer, experts, scores, probs in pending:
-            self.policy.visit(layer, experts, scores, probs)
-            for i, e in enumerate(experts):
-                self.policy.access((layer, int(e)), True, None if scores is None else scores[i])
+    def catch_up(self, until: Callable | None = None) -> None:
+        """Do the host work left in `later`, in order (up to the entry of function `until`).
+
+        The one rule for host work a layer call leaves for later: what changes no decision
+        now waits in `later` (the policy updates of a call that hit, the observers' calls,
+        on the resident path each token's accounting) and is done in order, under the cache's
+        lock, before anything reads the policy's state (a victim, a claim, a key leaving, a
+        tick), else by whoever gets to it first: the prefetcher's host thread after each
+        layer call's predictions, the resident path two tokens on, flush(). Work done here
+        that calls for it again finds it under way."""
+        if self.catching_up:
+            return
+        self.catching_up = True
+        try:
+            while self.later and self.later[0][0] is not until:
+                work, args = self.later.popleft()
+                work(*args)
+        finally:
+            self.catching_up = False
+
+    def _hit(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None) -> None:
+        """The policy updates of a layer call that hit."""
+        self.policy.visit(layer, experts, scores, probs)
+        for i, e in enumerate(experts):
+            self.policy.access((layer, int(e)), True, None if scores is None else scores[i])
 
     def tick(self, tokens):
         """New tokens start: the policy's clock moves (after the calls deferred before)."""
@@ -132,7 +153,7 @@ class Residency:
         if self.defer_hits:
             slots = [self.slot_of.get((layer, int(e))) for e in experts]
             if None not in slots:
-                self.pending.append((layer, experts, scores, probs))
+                self.later.append((self._hit, (layer, experts, scores, probs)))
                 self.counters.hits += len(experts)
                 return slots, []
             self.catch_up()
@@ -213,6 +234,27 @@ class Residency:
         pass
 
 
+def slot_pools(store, capacity: int, pool_dtypes: list) -> tuple[list, list, list]:
+    """(pools, views, compute): per expert tensor an mx array [capacity, *shape], a writable
+    numpy view of its memory, and what the experts compute with (a dtype view where numpy
+    lacks the type)."""
+    pools, views, compute = [], [], []
+    for shape, dtype in zip(store.tensor_shapes, pool_dtypes):
+        storage = mx.uint16 if dtype == mx.bfloat16 else dtype
+        # made on the CPU stream: on CUDA that is managed memory, host-writable with no
+        # copy (a GPU-made array is moved to managed memory when numpy first views it)
+        pool = mx.zeros((capacity, *shape), dtype=storage, stream=mx.cpu)
+        mx.eval(pool)
+        view = np.array(pool, copy=False)
+        if not view.flags.writeable:
+            raise MlxmoeError("this MLX build does not expose writable array memory; cannot stream experts")
+        pools.append(pool)
+        views.append(view)
+        compute.append(pool.view(mx.bfloat16) if dtype == mx.bfloat16 else pool)
+    mx.eval(compute)
+    return pools, views, compute
+
+
 class ExpertCache(Residency):
     """Slot pools shared by all MoE layers (every layer's experts have the same shapes),
     so the policy can give one layer more slots than another.
@@ -225,39 +267,23 @@ class ExpertCache(Residency):
     def __init__(self, store, capacity, policy, pool_dtypes, io_threads=4, profile=None):
         super().__init__(capacity, policy, defer_hits=True)
         self.store = store
-        self.pools = []  # mx arrays [capacity, *shape], one per expert tensor
-        self.views = []  # writable numpy views of the pools' memory
-        self.compute = []  # what the experts compute with (a dtype view where numpy lacks the type)
-        for shape, dtype in zip(store.tensor_shapes, pool_dtypes):
-            storage = mx.uint16 if dtype == mx.bfloat16 else dtype
-            # made on the CPU stream: on CUDA that is managed memory, host-writable with no
-            # copy (a GPU-made array is moved to managed memory when numpy first views it)
-            pool = mx.zeros((capacity, *shape), dtype=storage, stream=mx.cpu)
-            mx.eval(pool)
-            view = np.array(pool, copy=False)
-            if not view.flags.writeable:
-                raise MlxmoeError("this MLX build does not expose writable array memory; cannot stream experts")
-            compute = pool.view(mx.bfloat16) if dtype == mx.bfloat16 else pool
-            mx.eval(compute)
-            self.pools.append(pool)
-            self.views.append(view)
-            self.compute.append(compute)
+        self.pools, self.views, self.compute = slot_pools(store, capacity, pool_dtypes)
         self.pool_names = list(store.tensors)
         self.slot_bytes = sum(v[0].nbytes for v in self.views)
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="mlxmoe-io") if io_threads > 1 else None
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.loader = BackgroundLoader(self)
         self.in_flight = self.loader.waiting
-        self.profile = profile  # live ActivationProfile: learns from every layer call
-        self.later = deque()  # its updates (method, args) left by the decode thread, made in order (see learn)
-        self.trace = None  # TraceWriter when recording
+        self.profile = profile  # live ActivationProfile: learns from every layer call (learn)
+        self.trace = None  # TraceWriter when recording (one of the observers)
+        self.observers: list[Callable[[LayerCall], None]] = [self.learn]  # called with each LayerCall, in order
         self.wants_router = policy.wants_router
         self.position = 0  # token position in the current sequence
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
         self.prefetcher = None  # prefetch.Prefetcher when prefetching
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident
-        self.deferred = []  # per token: the host work of its layer calls on the resident path
+        self.token_work = None  # the current token's accounting on the resident path (see defer)
         # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps:
         # the policy weighs a victim by the share of its layer's loads prefetch leaves to the
         # decode thread (see miss_costs)
@@ -271,8 +297,6 @@ class ExpertCache(Residency):
             self.counters.tokens += tokens
             self.step_tokens = tokens
             super().tick(tokens)
-            if self.profile is not None:
-                self.learn(self.profile.tick, tokens)
         self.call_position = self.position
         self.position += tokens
 
@@ -292,63 +316,67 @@ class ExpertCache(Residency):
             self.slot_table = [mx.array(row) for row in table]  # one per layer: no slicing op per call
         return self.slot_table
 
-    def defer(self, layer, work, side=()):
-        """Queue `work`, the host side of a layer call on the resident path (it reads the
-        call's routing), and do the queued work of the tokens before the previous one: mlx-lm
-        builds a token's graph while the previous one computes, and waited for the one
-        before, so reading that routing costs no sync. `side`: arrays `work` reads that the
-        model's output does not need (the router's probabilities); they are queued for
-        evaluation behind their token's own work, all at once when the next token starts
-        (reading them unqueued would wait for everything queued before them). Returns the
-        token's queued work, a list (`work` None: the caller adds to it)."""
-        if layer == 0 or not self.deferred:
-            if self.deferred and self.deferred[-1][1]:
-                mx.async_eval(*self.deferred[-1][1])
-            self.deferred.append(([], []))
-            if len(self.deferred) > 2:
-                self.flush(len(self.deferred) - 2)
-        if work is not None:
-            self.deferred[-1][0].append(work)
-        self.deferred[-1][1].extend(side)
-        return self.deferred[-1][0]
-
-    def count_resident(self, layer, experts, scores=None, probs=None):
-        """A layer call on the resident path: its experts are hits, the live profile learns
-        from it; the policy is left out, as nothing will be evicted."""
+    def defer(self, layer: int, new_work: Callable[[], Callable]) -> Callable:
+        """The current token's accounting on the resident path: a work made by `new_work` (with
+        `side`, arrays it reads that the model's output does not need: the router's
+        probabilities), queued in `later` at the token's first layer call. mlx-lm builds a
+        token's graph while the previous one computes and has waited for the one before, so
+        the work queued before the previous token's is done then with no sync; the previous
+        token's side arrays are queued for evaluation then, all at once (read unqueued, they
+        would wait for everything queued before them)."""
         with self.lock:
-            self.counters.hits += len(experts)
-            if self.profile is not None:
-                self.profile.observe(layer, experts, scores, probs)
+            if layer == 0 or self.token_work is None:
+                previous, self.token_work = self.token_work, new_work()
+                if previous is not None and previous.side:
+                    mx.async_eval(*previous.side)
+                self.later.append((self.token_work, ()))
+                tic = time.perf_counter()
+                self.catch_up(until=self.token_work if previous is None else previous)
+                self.counters.bookkeeping_seconds += time.perf_counter() - tic
+            return self.token_work
 
-    def learn(self, update, *args):
-        """A live profile update (its tick or observe; called under the lock): left for the
-        prefetcher's host thread (host_work) where its predictions run in that thread, else
-        made now. The numbers are the same either way: the updates keep their order."""
+    def count_resident(self, call: LayerCall) -> None:
+        """A layer call on the resident path: its experts are hits, the observers learn of
+        it; the policy is left out, as nothing will be evicted."""
+        with self.lock:
+            self.counters.hits += len(call.experts)
+            self.observe(call)
+
+    def observe(self, call: LayerCall) -> None:
+        """Give `call` to the observers: left in `later` where the prefetcher's host thread
+        does it (see Residency.catch_up), else now."""
         if self.prefetcher is not None and self.prefetcher.off_thread:
-            self.later.append((update, args))
+            self.later.append((self.notify, (call,)))
         else:
-            update(*args)
+            with self.lock:
+                self.notify(call)
 
-    def host_work(self):
-        """What the decode thread left for later, done in order under the lock: the
-        policy updates of all-hit layer calls (see Residency) and the live profile's."""
-        if not (self.pending or self.later):  # nothing left: spare the decode thread a wait for the lock
-            return
-        with self.lock:
-            self.catch_up()
-            while self.later:
-                update, args = self.later.popleft()
-                update(*args)
+    def notify(self, call: LayerCall) -> None:
+        for observer in self.observers:
+            observer(call)
 
-    def flush(self, tokens=None):
-        """Do the deferred host work (of the first `tokens` tokens queued; all by default)."""
-        if self.later:
-            self.host_work()
+    def learn(self, call: LayerCall) -> None:
+        """The live profile's observer: it learns every layer call (and its tokens at the first)."""
+        if self.profile is not None:
+            if call.ticked:
+                self.profile.tick(call.ticked)
+            self.profile.observe(call.layer, call.experts, call.scores, call.mean)
+
+    def host_work(self) -> None:
+        """Do what the decode thread left for later (the prefetcher's host thread calls it)."""
+        if self.later:  # nothing left: spare the caller a wait for the lock
+            with self.lock:
+                self.catch_up()
+
+    def flush(self) -> None:
+        """Do all the host work left for later, now (its side arrays evaluated first)."""
         tic = time.perf_counter()
-        for works, _ in self.deferred[:tokens]:
-            for work in works:
-                work()
-        del self.deferred[:tokens]
+        with self.lock:
+            side = [a for work, _ in self.later for a in getattr(work, "side", ())]
+            if side:
+                mx.eval(side)
+            self.catch_up()
+            self.token_work = None
         self.counters.bookkeeping_seconds += time.perf_counter() - tic
 
     def new_sequence(self):
@@ -392,8 +420,6 @@ class ExpertCache(Residency):
             # from here on background loads never evict what this layer computes with
             self.active = {(layer, e) for e in experts}
             self.current_layer = layer
-            if self.profile is not None:
-                self.learn(self.profile.observe, layer, experts, scores, probs)
             waits = [self.in_flight[(layer, e)] for e in experts if (layer, e) in self.in_flight]
             useful = self.loader.used([(layer, e) for e in experts])
             self.counters.prefetch_useful += useful
@@ -461,16 +487,6 @@ class ExpertCache(Residency):
             for key in keys:
                 if key in self.slot_of:
                     self.free.append(self._release(key))
-
-    def record(self, layer, rows, probs=None):
-        """Write one trace line per token of this layer call; `probs[i]` is token i's router
-        distribution over all experts, or None."""
-        n = len(rows)
-        for i, row in enumerate(rows):
-            if probs is None:
-                self.trace.write(self.call_position + i, layer, row, tokens=n)
-            else:
-                self.trace.write(self.call_position + i, layer, row, probs[i][row].tolist(), probs[i].tolist(), n)
 
     def evicted(self, key):
         self.held.discard(key)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import token_chunks
+from .cache import LayerCall, token_chunks
 from .errors import MlxmoeError
 
 
@@ -85,17 +85,19 @@ class ResidentCalls:
     """One token's layer calls on the resident path, [(StreamingExperts, indices, logits,
     probs)], accounted in one go once their routing is on the host (ExpertCache.defer):
     the tapped routers' probabilities from their logits in one softmax, then each call's
-    hits, live profile and trace in layer order."""
+    hits and observers in layer order. `side`: the untapped routers' probabilities, which
+    the model's output does not need."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.side: list = []
 
-    def __call__(self):
+    def __call__(self) -> None:
         logits = [c[2] for c in self.calls if c[2] is not None]
         from_logits = iter(host_probs(logits) if logits else ())
         for module, indices, tapped, probs in self.calls:
             _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
-            module._cache.count_resident(module._layer, *module._summary(flat, p))
+            module._cache.count_resident(module._record(flat, p, 0, len(flat)))
 
 
 class StreamingExperts(nn.Module):
@@ -136,7 +138,7 @@ class StreamingExperts(nn.Module):
         idx, flat, probs = self._routing(indices, probs)
         chunks = [(0, 1)] if len(flat) == 1 else token_chunks(flat, cache.capacity)
         if len(chunks) == 1:
-            slots = self._slots(flat, idx, probs)
+            slots = self._slots(flat, idx, probs, 0, len(flat))
             inner = time.perf_counter()
             y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
             inner = time.perf_counter() - inner
@@ -153,7 +155,8 @@ class StreamingExperts(nn.Module):
         xs = x.reshape(-1, x.shape[-1])
         outs = []
         for a, b in chunks:
-            y = self._inner(xs[a:b], self._slots(flat[a:b], flat[a:b], None if probs is None else probs[a:b]))
+            part = None if probs is None else probs[a:b]
+            y = self._inner(xs[a:b], self._slots(flat[a:b], flat[a:b], part, a, len(flat)))
             mx.eval(y)
             outs.append(y)
         y = mx.concatenate(outs, axis=0)
@@ -175,16 +178,13 @@ class StreamingExperts(nn.Module):
 
     def _routing(self, indices, probs):
         """The evaluated routing on the host: (indices, indices [tokens, k], probs [tokens,
-        experts] or None); ticks the cache at the first layer and writes the trace."""
-        cache = self._cache
+        experts] or None); ticks the cache at the first layer."""
         idx = np.array(indices)
         if probs is not None:
             probs = np.array(probs).reshape(-1, probs.shape[-1])
         flat = idx.reshape(-1, idx.shape[-1])
         if self._layer == 0:
-            cache.tick(flat.shape[0])
-        if cache.trace is not None:
-            cache.record(self._layer, flat.tolist(), probs)
+            self._cache.tick(flat.shape[0])
         return idx, flat, probs
 
     def _resident(self, x, indices, table):
@@ -196,10 +196,10 @@ class StreamingExperts(nn.Module):
         op beside the model's own; another router's are computed beside the model."""
         logits = self._logits()
         probs = self._probs(x) if logits is None else None
-        works = self._cache.defer(self._layer, None, [] if probs is None else [probs])
-        if not works:
-            works.append(ResidentCalls())
-        works[0].calls.append((self, indices, logits, probs))
+        work = self._cache.defer(self._layer, ResidentCalls)
+        work.calls.append((self, indices, logits, probs))
+        if probs is not None:
+            work.side.append(probs)
         return self._inner(x, table[self._layer][indices])
 
     def _summary(self, rows, probs):
@@ -215,10 +215,21 @@ class StreamingExperts(nn.Module):
         probs = None if probs is None else probs.mean(axis=0)
         return experts, None if probs is None else probs[experts].tolist(), probs
 
-    def _slots(self, rows, idx, probs):
-        """Fetch the distinct experts of `rows`; return `idx` with expert ids replaced by slots."""
-        experts, scores, probs = self._summary(rows, probs)
-        slots = self._cache.fetch(self._layer, experts, scores, probs)
+    def _record(self, rows: np.ndarray, probs: np.ndarray | None, start: int, tokens: int) -> LayerCall:
+        """The LayerCall of `rows`, the tokens from `start` of a layer call of `tokens`."""
+        experts, scores, mean = self._summary(rows, probs)
+        ticked = tokens if self._layer == 0 and start == 0 else 0
+        return LayerCall(self._layer, self._cache.call_position + start, rows, probs, tokens, experts, scores, mean,
+                         ticked)
+
+    def _slots(self, rows: np.ndarray, idx: np.ndarray, probs: np.ndarray | None, start: int,
+               tokens: int) -> mx.array:
+        """Fetch the distinct experts of `rows` (the tokens from `start` of a layer call of
+        `tokens`) and tell the cache's observers; return `idx` with expert ids replaced by slots."""
+        call = self._record(rows, probs, start, tokens)
+        experts = call.experts
+        slots = self._cache.fetch(self._layer, experts, call.scores, call.mean)
+        self._cache.observe(call)
         if len(rows) == 1:
             slot_of = dict(zip(experts, slots))
             return mx.array([slot_of[e] for e in rows[0].tolist()], dtype=mx.uint32).reshape(idx.shape)

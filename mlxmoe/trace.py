@@ -68,6 +68,15 @@ class TraceWriter:
             line["r"] = [float(f"{p:.3g}") for p in router]
         self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
 
+    def observe(self, call) -> None:
+        """An expert cache's observer: write a layer call (cache.LayerCall), one line per token."""
+        for i, row in enumerate(call.rows.tolist()):
+            if call.probs is None:
+                self.write(call.position + i, call.layer, row, tokens=call.tokens)
+            else:
+                self.write(call.position + i, call.layer, row, call.probs[i][row].tolist(), call.probs[i].tolist(),
+                           call.tokens)
+
     def close(self):
         if self.file.closed:
             return

@@ -423,9 +423,9 @@ def test_deferring_all_hit_calls_changes_no_decision(name):
             for r, out in zip(runs, log):
                 if layer == 0:
                     r.tick(n)
-                before = len(r.pending)
+                before = len(r.later)
                 slots, missed = r.access(layer, experts, probs[experts].tolist(), probs)
-                deferred += len(r.pending) > before
+                deferred += len(r.later) > before
                 out.append(("access", tuple(slots), tuple(missed)))
                 if t % 3 == 0:  # a prefetch claims two keys of the next layer
                     out.append(("claim", tuple(r.claim(claim, {(layer, e) for e in experts}, evict=True))))

@@ -430,3 +430,42 @@ def test_prefill_reads_the_next_layers_experts_ahead():
     assert useful > 2 * demand
     assert cache.prefetcher.rank_counts[..., 1].sum() >= guessed + 3 * 14
     cache.close()
+
+
+@pytest.mark.parametrize("cache_experts", [64, 6])
+def test_trace_written_off_the_decode_thread_is_the_same_file(tmp_path, cache_experts):
+    """The trace is an observer of the cache's layer calls: written by the prefetcher's host
+    thread (the default) or on the decode thread, the same bytes, and the host thread
+    writes lines. At 6 slots the prompt's layer calls are fetched in runs of tokens: their
+    lines are still one per token, in order, each with its whole call's token count."""
+    from mlxmoe.trace import TraceWriter, layer_calls, read_trace
+
+    write, writers = TraceWriter.write, set()
+
+    def counted(self, *a, **kw):
+        writers.add(threading.current_thread().name)
+        return write(self, *a, **kw)
+
+    TraceWriter.write = counted
+    files = []
+    try:
+        for off_thread in (True, False):
+            files.append(tmp_path / f"off-{off_thread}.trace.jsonl")
+            model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL), cache_experts=cache_experts,
+                                           trace_out=str(files[-1]))
+            cache = model.expert_cache
+            cache.prefetcher.off_thread = off_thread
+            tokens(model, tokenizer, 16)
+            cache.close()
+            if off_thread:
+                assert "mlxmoe-predict" in writers
+    finally:
+        TraceWriter.write = write
+    assert files[0].read_bytes() == files[1].read_bytes()
+    header, records = read_trace(files[0])
+    calls = list(layer_calls(records, header["num_layers"]))
+    assert [len(call) for call in calls][:4] == [len(calls[0])] * 4 and len(calls[0]) > 3  # the prompt's step
+    assert all(r[6] == len(call) for call in calls for r in call if len(call) > 1)
+    for layer in range(header["num_layers"]):  # every token's line, once, in order
+        positions = [r[1] for r in records if r[2] == layer]
+        assert positions == list(range(len(positions))) and len(positions) > len(calls[0]) + 14
