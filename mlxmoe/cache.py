@@ -2,7 +2,8 @@
 
 `Residency` is the bookkeeping alone (which key holds which slot, asking the policy for
 victims); the trace replay simulator uses it as is, so a policy behaves the same in a
-replay as in a run. `ExpertCache` adds the slot pools and the reads.
+replay as in a run. `ExpertCache` adds the slot pools (`SlotPools`), the reads, the
+counters (`CacheStats`) and the observers of each layer call (`LayerCall`).
 """
 
 import threading
@@ -234,43 +235,68 @@ class Residency:
         pass
 
 
-def slot_pools(store, capacity: int, pool_dtypes: list) -> tuple[list, list, list]:
-    """(pools, views, compute): per expert tensor an mx array [capacity, *shape], a writable
-    numpy view of its memory, and what the experts compute with (a dtype view where numpy
-    lacks the type)."""
-    pools, views, compute = [], [], []
-    for shape, dtype in zip(store.tensor_shapes, pool_dtypes):
-        storage = mx.uint16 if dtype == mx.bfloat16 else dtype
-        # made on the CPU stream: on CUDA that is managed memory, host-writable with no
-        # copy (a GPU-made array is moved to managed memory when numpy first views it)
-        pool = mx.zeros((capacity, *shape), dtype=storage, stream=mx.cpu)
-        mx.eval(pool)
-        view = np.array(pool, copy=False)
-        if not view.flags.writeable:
-            raise MlxmoeError("this MLX build does not expose writable array memory; cannot stream experts")
-        pools.append(pool)
-        views.append(view)
-        compute.append(pool.view(mx.bfloat16) if dtype == mx.bfloat16 else pool)
-    mx.eval(compute)
-    return pools, views, compute
+class SlotPools:
+    """The slots' memory, shared by all MoE layers (every layer's experts have the same
+    shapes), and the reads into it: per expert tensor an mx array [capacity, *shape]
+    (`pools`), a writable numpy view of its memory (`views`) and what the experts compute
+    with (`compute`, a dtype view where numpy lacks the type)."""
+
+    def __init__(self, store, capacity: int, pool_dtypes: list, io_threads: int = 4) -> None:
+        self.store = store
+        self.pools, self.views, self.compute = [], [], []
+        for shape, dtype in zip(store.tensor_shapes, pool_dtypes):
+            storage = mx.uint16 if dtype == mx.bfloat16 else dtype
+            # made on the CPU stream: on CUDA that is managed memory, host-writable with no
+            # copy (a GPU-made array is moved to managed memory when numpy first views it)
+            pool = mx.zeros((capacity, *shape), dtype=storage, stream=mx.cpu)
+            mx.eval(pool)
+            view = np.array(pool, copy=False)
+            if not view.flags.writeable:
+                raise MlxmoeError("this MLX build does not expose writable array memory; cannot stream experts")
+            self.pools.append(pool)
+            self.views.append(view)
+            self.compute.append(pool.view(mx.bfloat16) if dtype == mx.bfloat16 else pool)
+        mx.eval(self.compute)
+        self.names = list(store.tensors)
+        self.slot_bytes = sum(v[0].nbytes for v in self.views)
+        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="mlxmoe-io") if io_threads > 1 else None
+
+    def read_into(self, key: tuple, slot: int) -> int:
+        """Read expert `key` into `slot`; return the bytes read."""
+        return self.store.read_expert(key[0], key[1], [v[slot] for v in self.views])
+
+    def read(self, layer: int, missed: list) -> int:
+        """Read `missed` [(expert, slot)] of `layer` (on the IO threads when several); return
+        the bytes read. On an error, once no thread writes into those slots any more."""
+        futures = []
+        try:
+            if self.io is not None and len(missed) > 1:
+                futures = [self.io.submit(self.read_into, (layer, e), slot) for e, slot in missed]
+                return sum(f.result() for f in futures)
+            return sum(self.read_into((layer, e), slot) for e, slot in missed)
+        except BaseException:
+            wait(futures)
+            raise
+
+    def close(self) -> None:
+        if self.io is not None:
+            self.io.shutdown(wait=True)
 
 
 class ExpertCache(Residency):
-    """Slot pools shared by all MoE layers (every layer's experts have the same shapes),
-    so the policy can give one layer more slots than another.
+    """A Residency over slot pools shared by all MoE layers (`pools`), so the policy can give
+    one layer more slots than another; counters in `counters`, observers of each layer call
+    in `observers`.
 
     The decode thread calls tick() and fetch(); pre-warm and prefetch threads (`loader`,
     prefetch.BackgroundLoader) fill slots at the same time, so the bookkeeping is under a
     lock and a key being filled is waited for, never read twice.
     """
 
-    def __init__(self, store, capacity, policy, pool_dtypes, io_threads=4, profile=None):
+    def __init__(self, store, capacity: int, policy, pool_dtypes: list, io_threads: int = 4, profile=None) -> None:
         super().__init__(capacity, policy, defer_hits=True)
         self.store = store
-        self.pools, self.views, self.compute = slot_pools(store, capacity, pool_dtypes)
-        self.pool_names = list(store.tensors)
-        self.slot_bytes = sum(v[0].nbytes for v in self.views)
-        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="mlxmoe-io") if io_threads > 1 else None
+        self.pools = SlotPools(store, capacity, pool_dtypes, io_threads)
         self.lock = threading.RLock()
         self.loader = BackgroundLoader(self)
         self.in_flight = self.loader.waiting
@@ -460,26 +486,15 @@ class ExpertCache(Residency):
         self.counters.demand_bytes += self._read(layer, missed)
         self.counters.loads_demand += len(missed)
 
-    def _read(self, layer, missed):
-        """Read `missed` [(expert, slot)] of `layer` on the decode thread (on the IO threads
-        when several). If a read fails or is interrupted (Ctrl-C in `chat`, which carries
-        on), those keys leave the cache once no thread writes into their slots any more:
-        left in, they would pass for resident with another expert's bytes."""
-        read = lambda es: self.read_into((layer, es[0]), es[1])
-        futures = []
+    def _read(self, layer: int, missed: list) -> int:
+        """Read `missed` [(expert, slot)] of `layer`. If a read fails or is interrupted
+        (Ctrl-C in `chat`, which carries on), those keys leave the cache: left in, they
+        would pass for resident with another expert's bytes."""
         try:
-            if self.io is not None and len(missed) > 1:
-                futures = [self.io.submit(read, es) for es in missed]
-                return sum(f.result() for f in futures)
-            return sum(map(read, missed))
+            return self.pools.read(layer, missed)
         except BaseException:
-            wait(futures)
             self.forget([(layer, e) for e, _ in missed])
             raise
-
-    def read_into(self, key: tuple, slot: int) -> int:
-        """Read expert `key` into `slot` of the pools; return the bytes read."""
-        return self.store.read_expert(key[0], key[1], [v[slot] for v in self.views])
 
     def forget(self, keys):
         """Take `keys` out of the cache: their slots are free again, holding nothing."""
@@ -512,7 +527,7 @@ class ExpertCache(Residency):
         self.flush()
         counts = self.counters.as_dict()
         decode_tps = counts.pop("decode_tps")
-        return dict(counts, cache_experts=self.capacity, cache_bytes=self.capacity * self.slot_bytes,
+        return dict(counts, cache_experts=self.capacity, cache_bytes=self.capacity * self.pools.slot_bytes,
                     resident_per_layer=self.resident_per_layer(), policy=self.policy.name,
                     peak_memory=mx.get_peak_memory(), peak_rss=peak_rss(), decode_tps=decode_tps,
                     predictors=self.prefetcher.stats() if self.prefetcher is not None else {},
@@ -538,6 +553,5 @@ class ExpertCache(Residency):
             self.prefetcher.close()
         if self.trace is not None:
             self.trace.close()
-        if self.io is not None:
-            self.io.shutdown(wait=True)
+        self.pools.close()
         self.store.close()

@@ -388,7 +388,7 @@ def attach_cache(ckpt, cache):
     """Point every StreamingExperts' weights at the cache's slot pools."""
     for streaming in ckpt.experts:
         module = streaming._inner
-        for name, pool in zip(cache.pool_names, cache.compute):
+        for name, pool in zip(cache.pools.names, cache.pools.compute):
             lin, p = name.split(".")
             module[lin][p] = pool
         streaming._cache = cache

@@ -411,7 +411,7 @@ class BackgroundLoader:
         tic = time.perf_counter()
         if not self.stop.is_set():
             try:
-                n = cache.read_into(key, slot)
+                n = cache.pools.read_into(key, slot)
             except Exception:  # the decode thread reads it again and reports the error if it recurs
                 pass
         with cache.lock:

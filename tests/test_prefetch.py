@@ -374,9 +374,9 @@ def test_interrupted_demand_read_leaves_no_key_with_wrong_bytes(checkpoint):
     store.read_expert = read
     key = hit["key"]
     if key in cache.slot_of:  # read again since: its slot must hold its bytes
-        outs = [np.empty_like(v[0]) for v in cache.views]
+        outs = [np.empty_like(v[0]) for v in cache.pools.views]
         read(*key, outs)
-        assert all(np.array_equal(o, v[cache.slot_of[key]]) for o, v in zip(outs, cache.views))
+        assert all(np.array_equal(o, v[cache.slot_of[key]]) for o, v in zip(outs, cache.pools.views))
     assert len(cache.slot_of) + len(cache.free) == cache.capacity
     assert tokens(model, tokenizer) == want
 
