@@ -18,6 +18,8 @@ guess of that rank has been used, above a threshold that follows the IO workers'
 low while they idle (a read the disk has time for costs nothing), higher as they fill.
 A prefill step reads, while a layer computes, the experts the next layers' routers pick
 for the prompt's tokens (their lookahead; nothing else predicts a prompt's many experts).
+
+`BackgroundLoader` does the loads (the pre-warm's and the predictions') into the cache's slots.
 """
 
 import queue
