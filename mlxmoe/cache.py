@@ -21,7 +21,7 @@ from .errors import MlxmoeError
 from .prefetch import BackgroundLoader
 
 
-def token_chunks(rows, capacity):
+def token_chunks(rows, capacity: int) -> list[tuple[int, int]]:
     """Split `rows` (each token's expert ids, a list of lists or an array [tokens, k]) into
     runs of tokens whose distinct experts fit the cache: one fetch each."""
     chunks, start, seen = [], 0, set()
@@ -97,7 +97,7 @@ class Residency:
     wait in `later` (see catch_up): the same decisions as without deferring (the replay
     does not defer), made off the decode thread where a prefetcher runs."""
 
-    def __init__(self, capacity, policy, defer_hits=False):
+    def __init__(self, capacity: int, policy, defer_hits: bool = False) -> None:
         if capacity < 1:
             raise MlxmoeError(f"the expert cache needs at least one slot, got {capacity}")
         self.capacity = capacity
@@ -137,12 +137,13 @@ class Residency:
         for i, e in enumerate(experts):
             self.policy.access((layer, int(e)), True, None if scores is None else scores[i])
 
-    def tick(self, tokens):
+    def tick(self, tokens: int) -> None:
         """New tokens start: the policy's clock moves (after the calls deferred before)."""
         self.catch_up()
         self.policy.tick(tokens)
 
-    def access(self, layer, experts, scores=None, probs=None):
+    def access(self, layer: int, experts: list, scores: list | None = None,
+               probs: np.ndarray | None = None) -> tuple[list, list]:
         """Make `experts` (distinct ids) of `layer` resident; `scores` are their router
         probabilities and `probs` the router's distribution over all experts, when known.
 
@@ -181,20 +182,20 @@ class Residency:
             slots.append(self.slot_of[key])
         return slots, missed
 
-    def _evict(self, protected, victim=None):
+    def _evict(self, protected: set | None, victim: tuple | None = None) -> int:
         """Evict `victim`, or the policy's victim outside `protected`; return its slot."""
         victim = self.victim(protected) if victim is None else victim
         self.counters.evictions += 1
         return self._release(victim)
 
-    def _release(self, key):
+    def _release(self, key: tuple) -> int:
         """Take resident `key` out of the policy and the residency map; return its slot."""
         self.catch_up()
         self.policy.remove(key)
         self.evicted(key)
         return self.slot_of.pop(key)
 
-    def victim(self, protected):
+    def victim(self, protected: set) -> tuple:
         self.catch_up()
         if self.held:
             try:
@@ -203,7 +204,7 @@ class Residency:
                 pass
         return self.policy.victim(protected)
 
-    def claim(self, keys, protected=(), evict=False, worth=None):
+    def claim(self, keys: list, protected=(), evict: bool = False, worth: Callable | None = None) -> list:
         """Give slots to the non-resident `keys` (most important first) ahead of their use:
         free slots, and victims outside `protected` when `evict`, as far as they go. A key
         with `worth(key, victim)` false stops the claim there rather than evict that victim.
@@ -231,7 +232,7 @@ class Residency:
             self.policy.insert(key)
         return taken
 
-    def evicted(self, key):
+    def evicted(self, key: tuple) -> None:
         pass
 
 
@@ -316,7 +317,7 @@ class ExpertCache(Residency):
         self.layer_loads = np.zeros((store.num_layers, 2))
         self.step_tokens = 1
 
-    def tick(self, tokens):
+    def tick(self, tokens: int) -> None:
         """New tokens start (called by the first MoE layer)."""
         with self.lock:
             self.current_layer = -1
@@ -326,7 +327,7 @@ class ExpertCache(Residency):
         self.call_position = self.position
         self.position += tokens
 
-    def resident_slots(self):
+    def resident_slots(self) -> list | None:
         """Every expert's slot, per layer an mx array [experts], once all are resident and
         none is on its way (with room for all, nothing is evicted: they stay put), else None."""
         self._check_open()
@@ -405,13 +406,13 @@ class ExpertCache(Residency):
             self.token_work = None
         self.counters.bookkeeping_seconds += time.perf_counter() - tic
 
-    def new_sequence(self):
+    def new_sequence(self) -> None:
         self.flush()
         self.position = 0
         if self.trace is not None:
             self.trace.new_sequence()
 
-    def fetch(self, layer, experts, scores=None, probs=None):
+    def fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None) -> list:
         """Make the distinct `experts` of `layer` resident; return their slots. Interrupted
         (Ctrl-C in `chat`, which carries on) or failed anywhere, the keys of the call that no
         background read is filling leave the cache: a key given a slot but not yet read
@@ -425,11 +426,11 @@ class ExpertCache(Residency):
             self.forget(unsure)
             raise
 
-    def _check_open(self):
+    def _check_open(self) -> None:
         if self.loader.stop.is_set():
             raise MlxmoeError("this model's expert cache is closed; load the model again")
 
-    def _fetch(self, layer, experts, scores=None, probs=None):
+    def _fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None) -> list:
         with self.lock:
             while True:
                 try:
@@ -466,7 +467,7 @@ class ExpertCache(Residency):
         self.counters.read_seconds += time.perf_counter() - tic
         return slots
 
-    def miss_costs(self, layer, hidden, demand, keep=0.98, hidden_cost=0.25):
+    def miss_costs(self, layer: int, hidden: int, demand: int, keep: float = 0.98, hidden_cost: float = 0.25) -> None:
         """Count a decode step's loads of `layer`: `hidden` found resident or on their way
         thanks to a prefetch, `demand` read on the decode path. The policy's miss cost of
         the layer is then 1 - (1 - hidden_cost) x the share prefetch hides (a hidden load
@@ -496,14 +497,14 @@ class ExpertCache(Residency):
             self.forget([(layer, e) for e, _ in missed])
             raise
 
-    def forget(self, keys):
+    def forget(self, keys: list) -> None:
         """Take `keys` out of the cache: their slots are free again, holding nothing."""
         with self.lock:
             for key in keys:
                 if key in self.slot_of:
                     self.free.append(self._release(key))
 
-    def evicted(self, key):
+    def evicted(self, key: tuple) -> None:
         self.held.discard(key)
         self.loader.evicted(key)
 
@@ -513,7 +514,7 @@ class ExpertCache(Residency):
     def prewarm_done(self, timeout: float | None = None) -> bool:
         return self.loader.prewarm_done(timeout)
 
-    def resident_per_layer(self):
+    def resident_per_layer(self) -> list[int]:
         counts = [0] * self.store.num_layers
         with self.lock:  # prefetch workers may be changing it
             keys = list(self.slot_of)
@@ -539,13 +540,13 @@ class ExpertCache(Residency):
             self.counters.reset()
             self.loader.prefetched.clear()
 
-    def abort(self):
+    def abort(self) -> None:
         """close() after a failure: a trace being written is dropped, not completed."""
         if self.trace is not None:
             self.trace.abort()
         self.close()
 
-    def close(self):
+    def close(self) -> None:
         self.loader.stop.set()
         self.flush()
         self.loader.prewarm_done()
