@@ -867,6 +867,13 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
         model.expert_cache.close()
         raise
     _finish(model, None)  # under several ranks: the trace merged on rank 0
+    _exit_at_once.append(0)
+
+
+# Set by serve once everything is saved and closed: run() then ends the process without the
+# interpreter's teardown, where MLX, used by mlx-lm's generation thread, now and then aborts
+# ('terminate called without an active exception', about 1 exit in 25).
+_exit_at_once = []
 
 
 def _terminate(signum, frame):
@@ -881,6 +888,10 @@ def run(args=None):
         with signals_deferred():  # Ctrl-C while MLX's extension initialises would abort the process
             from . import api  # noqa: F401
         main(args, standalone_mode=False)
+        if _exit_at_once:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except MlxmoeError as e:
         rank = os.environ.get("MLX_RANK", "0")  # under mlx.launch every rank says it, rank 0 first
         if rank == "0":
