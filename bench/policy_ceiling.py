@@ -15,6 +15,13 @@ token's routing that well, let alone the routing of the tokens after it.
     python bench/policy_ceiling.py [--seed 0] [--tokens 800] [--layers 16]
     python bench/policy_ceiling.py --traces bench/out/demo-*.trace.jsonl [--visits 1,2,4]
     python bench/policy_ceiling.py --traces bench/out/demo-*.trace.jsonl --search 400
+
+--ahead D,D: the cross-layer ceiling. The default told, at each layer call, which experts
+the next D layer calls use (at this token; past the last layer, the next token's first),
+as the next layers' routers applied to the current hidden state or a co-activation table
+might guess them at best, with and without its layer floor, beside the next-visit oracle.
+
+    python bench/policy_ceiling.py --traces /work/data/traces/*.trace.jsonl --ahead 1,4
 """
 
 import argparse
@@ -28,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traces import load_heat  # noqa: E402
 
 from mlxmoe.cache import Residency  # noqa: E402
-from mlxmoe.policies import Activation, Policy, make_policy  # noqa: E402
+from mlxmoe.policies import DEFAULT_POLICY, POLICIES, Activation, ActivationFloor, Policy, make_policy  # noqa: E402
 from mlxmoe.trace import read_trace, replay, steps  # noqa: E402
 
 
@@ -113,19 +120,70 @@ class NextVisit(Activation):
         self.cost[layer] = ahead
         self._sort(layer)
 
-    def _tail(self, key, p1=None):
+    def _tail(self, key, p1=None, rate=None):
         return self.num_layers * self.cost[key]
+
+
+class NextLayers(ActivationFloor):
+    """The default told, at each layer call, the experts the next `ahead` layer calls use
+    (the following layers at this token; past the last layer, the next token's first):
+    their p1 is 1 or 0 until their own visit. The most cross-layer prediction (the next
+    layers' routers on the current hidden state, co-activation) could tell the eviction
+    estimate; a layer's own next visit stays unknown, as online."""
+
+    def __init__(self, capacity, num_layers, num_experts, next_uses=None, ahead=1, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        self.next_uses, self.seen = next_uses, [0] * num_layers  # next_uses[layer][i]: experts at its i-th call
+        self.ahead = min(ahead, num_layers - 1)
+
+    def visit(self, layer, experts, scores=None, probs=None):
+        super().visit(layer, experts, scores, probs)
+        self.seen[layer] += 1
+        for target in range(layer + 1, layer + 1 + self.ahead):
+            target %= self.num_layers
+            if self.seen[target] < len(self.next_uses[target]):
+                used = np.zeros(self.num_experts)
+                used[self.next_uses[target][self.seen[target]]] = 1.0
+                self.next_chance[target] = used
+                np.divide(1.0 - used, self.long_rate[target], out=self.cost[target])
+                self._sort(target)
+
+
+def next_uses(header, records, n):
+    """[layer][i]: the experts of each layer's i-th fetch with `n` slots."""
+    uses = [[] for _ in range(header["num_layers"])]
+    for _, layer, experts, *_ in steps(records, header["num_layers"], n):
+        uses[layer].append(experts)
+    return uses
 
 
 def next_visit_hit_rate(header, records, n, visits=1):
     """The hit rate with `n` slots of the oracle told each layer's experts at its next
     `visits` visits."""
-    from mlxmoe.policies import POLICIES
     POLICIES.setdefault("next-visit", NextVisit)
-    uses = [[] for _ in range(header["num_layers"])]
-    for _, layer, experts, *_ in steps(records, header["num_layers"], n):
-        uses[layer].append(experts)
-    return replay(header, records, "next-visit", n, next_uses=uses, visits=visits)["hit_rate"]
+    return replay(header, records, "next-visit", n, next_uses=next_uses(header, records, n), visits=visits)["hit_rate"]
+
+
+def next_layers(paths, depths):
+    """Gap closed by the default against the default told the next d layer calls'
+    experts (NextLayers; with its layer floor, and without), beside the next-visit oracle."""
+    POLICIES.setdefault("next-layers", NextLayers)
+    print(f"{'trace':>40} {'cache':>6} {'lru':>7} {DEFAULT_POLICY:>17} {'belady':>7}   gap closed: {DEFAULT_POLICY} / "
+          + " / ".join(f"told next {d}{'' if floor else ', no floor'}" for floor in (True, False) for d in depths)
+          + " / next-visit oracle")
+    for path in paths:
+        header, records = read_trace(path)
+        L, E = header["num_layers"], header["num_experts"]
+        for share in (0.25, 0.5, 0.75) if E <= 32 else (0.05, 0.1, 0.25):
+            n = max(int(L * E * share), header["top_k"])
+            lru, default, best = (replay(header, records, p, n)["hit_rate"] for p in ("lru", DEFAULT_POLICY, "belady"))
+            uses = next_uses(header, records, n)
+            told = [replay(header, records, "next-layers", n, next_uses=uses, ahead=d, layer_floor=floor)["hit_rate"]
+                    for floor in (True, False) for d in depths]
+            gap = best - lru
+            print(f"{Path(path).name[:40]:>40} {share:>6.0%} {100 * lru:>7.2f} {100 * default:>17.2f} {100 * best:>7.2f}   "
+                  + " / ".join(f"{(r - lru) / gap:.2f}" for r in [default, *told, next_visit_hit_rate(header, records, n)]),
+                  flush=True)
 
 
 def recorded(paths, visits=(1,)):
@@ -195,9 +253,13 @@ def main():
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--traces", nargs="*", default=[], help="Recorded traces: the next-visit oracles on each.")
     ap.add_argument("--visits", default="1,2,4", help="With --traces: how many next visits each oracle knows.")
+    ap.add_argument("--ahead", default="", metavar="D,D",
+                    help="With --traces: the default told the next D layer calls' experts (cross-layer ceiling) instead.")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="With --traces: random search of N settings of activation's parameters instead.")
     args = ap.parse_args()
+    if args.traces and args.ahead:
+        return next_layers(args.traces, [int(d) for d in args.ahead.split(",")])
     if args.traces and args.search:
         return search(args.traces, args.search, args.seed)
     if args.traces:
