@@ -22,9 +22,13 @@ as the next layers' routers applied to the current hidden state or a co-activati
 might guess them at best, with and without its layer floor, beside the next-visit oracle.
 
     python bench/policy_ceiling.py --traces /work/data/traces/*.trace.jsonl --ahead 1,4
+
+--choices: how much a layer's own history tells of its next token: how often the default's
+victims (at 50 %) are the candidates used farthest ahead, beside simple rules in the same states.
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -204,6 +208,54 @@ def recorded(paths, visits=(1,)):
                   + " / ".join(f"{(r - lru) / gap:.2f}" for r in [act] + known), flush=True)
 
 
+def choices(paths, share=0.5):
+    """How much a layer's own history tells of its next token: at each victim the default
+    takes from the layer being served (its floor keeps it there on most models), whether
+    it is the candidate used farthest ahead, beside what other rules would take in the same
+    states: a random pick (expected), the least recently used, the lowest long-run rate
+    (the default's own), decayed counts of a few half-lives."""
+    print(f"{'trace':>40} {'victims':>8}   share of victims used farthest ahead of the candidates: ", end="")
+    for path in paths:
+        header, records = read_trace(path)
+        L, E = header["num_layers"], header["num_experts"]
+        n = max(int(L * E * share), header["top_k"])
+        fetches = list(steps(records, L, n))
+        uses, token = {}, -1  # key -> tokens it is used at
+        for tokens, layer, experts, *_ in fetches:
+            token += bool(tokens)
+            for e in experts:
+                uses.setdefault((layer, e), []).append(token)
+        policy = make_policy(DEFAULT_POLICY, n, L, E)
+        residency, now, right = Residency(n, policy), {}, {}
+        choose = policy.victim
+
+        def victim(protected):
+            key = choose(protected)
+            t, layer = now["token"], key[0]
+            candidates = [(layer, e) for e in policy.resident[layer] if (layer, e) not in protected]
+            if layer == now["layer"] and len(candidates) > 1:
+                ahead = {c: next((u for u in uses[c] if u > t), math.inf) for c in candidates}
+                far = max(ahead.values())
+                counts = lambda c, h: sum(0.5 ** ((t - u) / h) for u in uses[c] if u <= t)
+                picks = {DEFAULT_POLICY: key, "least recent": max(candidates, key=lambda c: t - policy.last_use[c]),
+                         "lowest long-run rate": min(candidates, key=policy.long_rate.__getitem__),
+                         **{f"counts, half-life {h}": min(candidates, key=lambda c: counts(c, h)) for h in (4, 16, 64)}}
+                right.setdefault("random", []).append(sum(a == far for a in ahead.values()) / len(candidates))
+                for name, c in picks.items():
+                    right.setdefault(name, []).append(ahead[c] == far)
+            return key
+
+        policy.victim = victim
+        for tokens, layer, experts, scores, dist in fetches:
+            if tokens:
+                residency.tick(tokens)
+            now.update(token=now.get("token", -1) + bool(tokens), layer=layer)
+            residency.access(layer, experts, scores, dist)
+        print(f"\n{Path(path).name[:40]:>40} {len(right.get('random', [])):>8}   "
+              + ", ".join(f"{name} {np.mean(v):.2f}" for name, v in right.items()), end="", flush=True)
+    print()
+
+
 SEARCH_SPACE = dict(half_life=[8, 12, 24, 48, 96], recency_half_life=[1, 2, 4, 8], recency_weight=[0, 0.1, 0.2, 0.4, 0.6],
                     router_weight=[0, 0.5, 1, 2], now_weight=[0.3, 0.45, 0.6, 0.75, 0.9], now_scale=[2, 4, 8, 16, 32],
                     horizon=[1, 2, 4], long_min=[4, 8, 16, 32], long_max=[40, 80, 160, 320], long_prior=[1, 4, 16])
@@ -255,9 +307,14 @@ def main():
     ap.add_argument("--visits", default="1,2,4", help="With --traces: how many next visits each oracle knows.")
     ap.add_argument("--ahead", default="", metavar="D,D",
                     help="With --traces: the default told the next D layer calls' experts (cross-layer ceiling) instead.")
+    ap.add_argument("--choices", action="store_true",
+                    help="With --traces: how often the default's victims are the candidates used farthest ahead, "
+                         "beside simple rules in the same states (at 50 %%).")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="With --traces: random search of N settings of activation's parameters instead.")
     args = ap.parse_args()
+    if args.traces and args.choices:
+        return choices(args.traces)
     if args.traces and args.ahead:
         return next_layers(args.traces, [int(d) for d in args.ahead.split(",")])
     if args.traces and args.search:

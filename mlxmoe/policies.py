@@ -35,12 +35,12 @@ class Policy:
     expert, an array [layers, experts] (see profile.py). Every policy takes it; any other
     keyword option a policy does not declare is refused.
 
-    Besides the hooks above, the cache and the prefetcher use, where a policy keeps
-    estimates of next use (None otherwise): `miss_cost`, per layer what a miss costs
-    relative to others (an array the cache lowers where prefetch hides a layer's misses,
-    ExpertCache.miss_costs); `chance(key)`, the chance that `key`'s layer uses it at its
-    next visit; `steps(key, p1, rate)`, the expected layer steps until `key` is used
-    (prefetch.outranks weighs guesses with them)."""
+    Besides the hooks in the module's docstring (and set_prior), the cache and the
+    prefetcher use, where a policy keeps estimates of next use (None otherwise):
+    `miss_cost`, per layer what a miss costs relative to others (an array the cache
+    lowers where prefetch hides a layer's misses, ExpertCache.miss_costs); `chance(key)`,
+    the chance that `key`'s layer uses it at its next visit; `steps(key, p1, rate)`, the
+    expected layer steps until `key` is used (prefetch.outranks weighs guesses with them)."""
 
     name = ""
     wants_router = False  # visit() wants the router's whole distribution (the runtime computes it only then)
