@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traces import load_heat  # noqa: E402
 
 from mlxmoe.cache import Residency  # noqa: E402
-from mlxmoe.policies import DEFAULT_POLICY, POLICIES, Activation, ActivationFloor, Policy, make_policy  # noqa: E402
+from mlxmoe.policies import (DEFAULT_POLICY, HALF_LIFE_FLOOR, POLICIES, Activation, ActivationFloor, Policy,  # noqa: E402
+                             make_policy)
 from mlxmoe.trace import read_trace, replay, steps  # noqa: E402
 
 
@@ -161,20 +162,22 @@ def next_uses(header, records, n):
     return uses
 
 
-def next_visit_hit_rate(header, records, n, visits=1):
+def next_visit_hit_rate(header, records, n, visits=1, **kw):
     """The hit rate with `n` slots of the oracle told each layer's experts at its next
-    `visits` visits."""
+    `visits` visits (`kw`: activation's options)."""
     POLICIES.setdefault("next-visit", NextVisit)
-    return replay(header, records, "next-visit", n, next_uses=next_uses(header, records, n), visits=visits)["hit_rate"]
+    return replay(header, records, "next-visit", n, next_uses=next_uses(header, records, n), visits=visits,
+                  **kw)["hit_rate"]
 
 
 def next_layers(paths, depths):
     """Gap closed by the default against the default told the next d layer calls'
-    experts (NextLayers; with its layer floor, and without), beside the next-visit oracle."""
+    experts (NextLayers; with its layer floor, and without), beside the next-visit oracle
+    (activation's, and the default's: with the floor)."""
     POLICIES.setdefault("next-layers", NextLayers)
     print(f"{'trace':>40} {'cache':>6} {'lru':>7} {DEFAULT_POLICY:>17} {'belady':>7}   gap closed: {DEFAULT_POLICY} / "
           + " / ".join(f"told next {d}{'' if floor else ', no floor'}" for floor in (True, False) for d in depths)
-          + " / next-visit oracle")
+          + " / next-visit oracle / the same with the default's floor")
     for path in paths:
         header, records = read_trace(path)
         L, E = header["num_layers"], header["num_experts"]
@@ -182,11 +185,13 @@ def next_layers(paths, depths):
             n = max(int(L * E * share), header["top_k"])
             lru, default, best = (replay(header, records, p, n)["hit_rate"] for p in ("lru", DEFAULT_POLICY, "belady"))
             uses = next_uses(header, records, n)
+            as_default = {"half_life": HALF_LIFE_FLOOR, "layer_floor": True}
             told = [replay(header, records, "next-layers", n, next_uses=uses, ahead=d, layer_floor=floor)["hit_rate"]
                     for floor in (True, False) for d in depths]
             gap = best - lru
             print(f"{Path(path).name[:40]:>40} {share:>6.0%} {100 * lru:>7.2f} {100 * default:>17.2f} {100 * best:>7.2f}   "
-                  + " / ".join(f"{(r - lru) / gap:.2f}" for r in [default, *told, next_visit_hit_rate(header, records, n)]),
+                  + " / ".join(f"{(r - lru) / gap:.2f}" for r in [default, *told, next_visit_hit_rate(header, records, n),
+                                                                next_visit_hit_rate(header, records, n, **as_default)]),
                   flush=True)
 
 
