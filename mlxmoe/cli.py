@@ -574,13 +574,13 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     layer and expert counts agree, or without once built with --model naming it."""
     from .curves import predicted_curve
     from .files import check_writable
-    from .profile import DEFAULT_HALF_LIFE
+    from .policies import HALF_LIFE_PROFILE
     from .trace import build_profile, read_trace
 
     check_writable(out)
     loaded = [(path, *read_trace(path)) for path in traces]
     name = workload or os.path.basename(traces[0]).split(".")[0]
-    p = build_profile(loaded, name, half_life or DEFAULT_HALF_LIFE)
+    p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
     if model_path:
         from . import backend as backends
         from .api import profile_identity
