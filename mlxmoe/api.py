@@ -235,16 +235,22 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
         if cache is not None:
             cache.new_sequence()
         group = getattr(cache, "group", None)
-        for response in _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
-            if cache is not None:
-                cache.decode_tps = response.generation_tps
-            if group is not None and distributed.failed_any(group, cache.error):
-                distributed.check(group, cache.error, bound=False)
+        steps = _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+        while True:
+            with distributed.waiting(group, "generating a token"):  # a step waits on the other stages
+                response = next(steps, None)
+                if response is None:
+                    break
+                if cache is not None:
+                    cache.decode_tps = response.generation_tps
+                if group is not None and distributed.failed_any(group, cache.error):
+                    distributed.check(group, cache.error, bound=False)
             yield response
         if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
             cache.flush()
         if group is not None:
-            distributed.barrier(group)
+            with distributed.waiting(group, "ending a generation"):
+                distributed.barrier(group)
     finally:
         if cache is not None and (cache.deferred or cache.later):  # closed early: its arrays are this thread's
             mx.eval([a for _, side in cache.deferred for a in side])

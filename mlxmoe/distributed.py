@@ -5,8 +5,12 @@ a contiguous run of layers (the last rank the first layers); a rank builds only 
 layers' weights and StreamingExperts, and streams only their experts under its own
 budget. Ranks exchange small JSON messages (errors, stats, profiles, traces) with
 `all_gather`: each exchange is a collective that every rank makes at the same point.
-A rank that fails reports its error through the next exchange, so that rank 0 names it;
-collectives that wait on a peer that may never come are bounded by a watchdog.
+A rank that fails reports its error through the next exchange, so that rank 0 names it.
+MLX's collectives take no timeout: a peer that never comes, or stops without dying
+(SIGSTOP, a hung host), would leave the others waiting forever. Two watchdogs bound the
+waits: `bounded` (a process: joining the ranks holds the GIL) for the start-up, and
+`waiting` (a thread: a collective waiting in MLX releases the GIL) for every generation
+step and stop vote, where a process per wait would cost too much.
 """
 
 import json
@@ -14,7 +18,9 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +29,8 @@ from .errors import MlxmoeError
 from .files import write_atomic
 from .profile import ActivationProfile
 
-# Seconds a rank waits for its peers to join (start-up) or to finish loading; 0: forever.
+# Seconds a rank waits for its peers: to join (start-up), to finish loading, to answer in a
+# generation step or a vote; 0: forever.
 TIMEOUT_ENV = "MLXMOE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
 
@@ -57,6 +64,53 @@ def bounded(what, fn, seconds=None):
     finally:
         os.killpg(watchdog.pid, signal.SIGKILL)  # its sleep too
         watchdog.wait()
+
+
+_waits = {}  # thread id -> (deadline, message) of the waits on other ranks in progress
+_watcher = []  # the thread that watches them, once started
+
+
+def _rank_error(group, message):
+    """A line as the CLI prints an error: rank 0's plain, the others' marked with their rank."""
+    return f"error: {message}\n" if group.rank() == 0 else f"[rank {group.rank()}] error: {message}\n"
+
+
+@contextmanager
+def waiting(group, what, seconds=None):
+    """Bound a wait on the other ranks (a collective, a pipeline step): if it has not ended
+    after `seconds` (timeout()), the process says which ranks did not answer and exits 2
+    at once (a thread cannot unwind a wait inside MLX; the launcher then stops the others).
+    No cost without a group; nested waits keep the inner bound."""
+    seconds = timeout() if seconds is None else seconds
+    if group is None or not seconds:
+        yield
+        return
+    peers = " or ".join(f"rank {r}" for r in range(group.size()) if r != group.rank())
+    message = _rank_error(group, f"rank {group.rank()}: no answer from {peers} within {seconds:g} s while {what} "
+                                 f"(a rank stopped or hung without exiting; {TIMEOUT_ENV} sets this limit)")
+    me = threading.get_ident()
+    outer = _waits.get(me)
+    _waits[me] = (time.monotonic() + seconds, message)
+    if not _watcher:
+        _watcher.append(threading.Thread(target=_watch, name="mlxmoe-rank-watchdog", daemon=True))
+        _watcher[0].start()
+    try:
+        yield
+    finally:
+        if outer is None:
+            del _waits[me]
+        else:
+            _waits[me] = outer
+
+
+def _watch():
+    while True:
+        time.sleep(0.2)
+        now = time.monotonic()
+        for deadline, message in list(_waits.values()):
+            if now > deadline:
+                os.write(2, message.encode())
+                os._exit(2)
 
 
 def init(backend="any"):
@@ -170,14 +224,26 @@ def gather_stats(group, stats, pipeline=True):
     return {"ranks": ranks, "total": total}
 
 
-def merge_counts(group, offset, counts, total_layers):
-    """Each rank's [local layers, experts] array placed at its layers: the whole model's
-    (exchanged as JSON, so float64 values arrive exact)."""
-    full = np.zeros((total_layers, counts.shape[1]))
-    for part in exchange(group, {"offset": offset, "counts": np.asarray(counts).tolist()}):
-        rows = np.array(part["counts"], dtype=np.float64).reshape(-1, counts.shape[1])
-        full[part["offset"]:part["offset"] + len(rows)] = rows
-    return full
+def merge_layers(ckpt, *stage_arrays):
+    """Each [this stage's layers, experts] array as the whole model's, on every rank. Under
+    the pipeline split one all_sum of every rank's arrays placed at its layers, zeros
+    elsewhere (so the float64 sums are exact: every cell has one rank's value); under the
+    tensor split every rank routes every layer: its arrays are already the whole model's."""
+    if ckpt.split != "pipeline":
+        return np.stack(stage_arrays)
+    full = np.zeros((len(stage_arrays), ckpt.all_layers, ckpt.num_experts))
+    full[:, ckpt.layer_offset:ckpt.layer_offset + ckpt.num_layers] = stage_arrays
+    return np.array(mx.distributed.all_sum(mx.array(full, dtype=mx.float64), group=ckpt.group, stream=mx.cpu))
+
+
+def whole_usage(ckpt, observed):
+    """A profile of this rank's layers (a server request's routing) as the whole model's,
+    the same on every rank (a collective)."""
+    if ckpt.group is None:
+        return observed
+    counts, mass = merge_layers(ckpt, observed.counts, observed.mass)
+    return ActivationProfile(ckpt.all_layers, observed.num_experts, observed.top_k, half_life=observed.half_life,
+                             counts=counts, mass=mass, tokens=observed.tokens, tokens_total=observed.tokens_total)
 
 
 def merge_traces(group, offset, text):
@@ -221,8 +287,7 @@ def whole_profile(cache):
     """The whole model's live profile from every rank's stage (a collective): the format of
     a one-process profile (resident_bytes: the stages' sum)."""
     p, ckpt = cache.profile, cache.checkpoint
-    counts = merge_counts(ckpt.group, ckpt.layer_offset, p.counts, ckpt.all_layers)
-    mass = merge_counts(ckpt.group, ckpt.layer_offset, p.mass, ckpt.all_layers)
+    counts, mass = merge_layers(ckpt, p.counts, p.mass)
     resident = sum(r or 0 for r in exchange(ckpt.group, p.resident_bytes))
     return ActivationProfile(ckpt.all_layers, p.num_experts, p.top_k, p.half_life, p.model, p.fingerprint,
                              p.workload, counts, mass, p.tokens, p.tokens_total, p.created, p.curve,

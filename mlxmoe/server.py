@@ -22,7 +22,12 @@ generation thread are used as they are; the subclasses below change only what ha
   with the other ranks, which run the same generation. On top of it every rank votes, once
   per poll and once per token, whether to stop (a signal on any rank, a client gone), so
   that all stop together; a rank that fails or leaves makes the collectives raise, and
-  every rank exits with the error.
+  every rank exits with the error; one that stops answering without leaving ends the
+  others after MLXMOE_DIST_TIMEOUT seconds (distributed.waiting). Each rank sees its own
+  layers' routing: with --profiles a request's prefill routing is summed over the ranks
+  (each its layers, zeros elsewhere), so that every rank picks the same profile of the
+  whole model and takes its own layers' part; every rank learns the whole request's
+  routing, and rank 0 writes the profiles.
 """
 
 import argparse
@@ -169,9 +174,10 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
     def _next_request(self, timeout=None):
         """mlx-lm's (under several ranks rank 0 takes it and shares it with the others);
         then every rank says whether it is stopping, and all stop together."""
-        request = super()._next_request(timeout)
-        if self.group is not None and distributed.any_rank(self.group, self.stopping):
-            self._stop = True
+        with distributed.waiting(self.group, "sharing the next request"):
+            request = super()._next_request(timeout)
+            if self.group is not None and distributed.any_rank(self.group, self.stopping):
+                self._stop = True
         return request
 
     def stop_and_join(self):
@@ -203,10 +209,9 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         """mlx_lm.server's stream_generate: mlxmoe's, the request's prefill matched to a
         profile (or the one it names) whose rates become the policy's prior; the request's
         hits and bytes read in request.usage once it ends (before mlx-lm ends its response)."""
-        request, cache = self.active, model.expert_cache
+        request, cache, ckpt = self.active, model.expert_cache, model.expert_cache.checkpoint
         kwargs.pop("prefill_step_size", None)
-        observed = ActivationProfile(cache.checkpoint.num_layers, cache.checkpoint.num_experts,
-                                     cache.checkpoint.top_k, half_life=0)
+        observed = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k, half_life=0)  # this rank's layers
         name = request.mlxmoe_profile
         if name is not None:
             self._use_profile(cache, name)
@@ -219,14 +224,16 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                 if i == 0:
                     if name is None and self.profiles is not None:
                         cache.flush()  # the prefill's deferred host work (resident path) observes it
-                        name = self.profiles.nearest(observed)
+                        with distributed.waiting(self.group, "merging a prefill's routing"):
+                            name = self.profiles.nearest(distributed.whole_usage(ckpt, observed))
                         self._use_profile(cache, name)
                     request.profile = name
                     request.decided.set()
                 yield response
                 stop = self._stop or self.stopping or request.cancelled  # shutting down, or the client went away
                 if self.group is not None:
-                    stop = distributed.any_rank(self.group, stop)
+                    with distributed.waiting(self.group, "voting to stop"):
+                        stop = distributed.any_rank(self.group, stop)
                 if stop:
                     break
         finally:
@@ -235,21 +242,25 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                 cache.profile = self.live
             if self.live is not None:
                 self.live.absorb(observed)
-            if name is not None and self.profiles is not None:
-                self.profiles.learn(name, observed)
-                self.profiles.matched[name] += 1
-            hits, misses, read = (a - b for a, b in zip(_counters(cache), before))
-            if self.group is not None:
-                hits, misses, read = distributed.sum_ranks(self.group, [hits, misses, read])
-            request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                             "expert_hits": hits, "expert_misses": misses, "mb_read": read / 1e6,
-                             "profile": name}
-            self.last_stats = distributed.merged_stats(model)
+            with distributed.waiting(self.group, "gathering a request's routing and stats"):
+                if name is not None and self.profiles is not None:
+                    self.profiles.learn(name, distributed.whole_usage(ckpt, observed))
+                    self.profiles.matched[name] += 1
+                hits, misses, read = (a - b for a, b in zip(_counters(cache), before))
+                if self.group is not None:
+                    hits, misses, read = distributed.sum_ranks(self.group, [hits, misses, read])
+                request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                                 "expert_hits": hits, "expert_misses": misses, "mb_read": read / 1e6,
+                                 "profile": name}
+                self.last_stats = distributed.merged_stats(model)
 
     def _use_profile(self, cache, name):
         """`name`'s rates become the policy's prior and the prefetcher's profile guess;
-        its hottest experts fill the cache's free slots in the background."""
-        prof = self.profiles.by_name[name]
+        its hottest experts fill the cache's free slots in the background (of a whole-model
+        profile, this rank's layers)."""
+        prof, ckpt = self.profiles.by_name[name], cache.checkpoint
+        if self.group is not None:
+            prof = distributed.stage_profile(prof, ckpt.layer_offset, ckpt.num_layers)
         rates = prof.rates()
         if cache.prewarm_done(0):
             cache.prewarm(prewarm_order(prof, prof.num_layers, prof.num_experts, cache.capacity))
@@ -278,9 +289,11 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         return stats
 
     def save(self):
-        """Under several ranks a collective: the live profile is the stages' merged, saved by rank 0."""
+        """Under several ranks rank 0 writes: every rank's profiles learnt the whole model's
+        routing; the live profile is the stages' merged (a collective)."""
         if self.profiles is not None:
-            self.profiles.save()
+            if self.group is None or self.group.rank() == 0:
+                self.profiles.save()
         elif self.live is not None and self.profile_path is not None:
             live = distributed.whole_profile(self.cache) if self.group is not None else self.live
             if self.group is None or self.group.rank() == 0:
@@ -520,13 +533,18 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
     group = getattr(cache, "group", None)
     profiles = None
     if profiles_dir is not None:
+        try:
+            folder = Path(profiles_dir)
+            if not folder.is_dir():
+                raise MlxmoeError(f"--profiles {profiles_dir}: not a folder")
+            profiles = Profiles(folder.glob("*.json"), cache.checkpoint, force_profile)
+            error = None
+        except MlxmoeError as e:
+            if group is None:
+                raise
+            error = e
         if group is not None:
-            raise MlxmoeError("--profiles: one process only (under mlx.launch each rank sees only its own "
-                              "layers' routing); --profile FILE works on any split")
-        folder = Path(profiles_dir)
-        if not folder.is_dir():
-            raise MlxmoeError(f"--profiles {profiles_dir}: not a folder")
-        profiles = Profiles(folder.glob("*.json"), cache.checkpoint, force_profile)
+            distributed.check(group, error)  # every rank has them (a folder on each host), or all stop
     if save_profiles and profiles is None and profile_path is None:
         raise MlxmoeError("--save-profiles needs --profiles DIR or --profile FILE (where to write them)")
     provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size), model, tokenizer)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx_lm
@@ -246,6 +247,28 @@ def kill_group(server):
         pass
 
 
+@contextmanager
+def serving(ranks, *args):
+    """`mlxmoe serve ARGS` as one process, or as `ranks` ranks under mlx.launch; killed
+    (every rank) whatever happens."""
+    from test_server import Server
+
+    s = Server(*args, launch=launcher(ranks) if ranks > 1 else (), env=dict(os.environ, MLXMOE_DIST_TIMEOUT="60"))
+    try:
+        yield s
+    finally:
+        kill_group(s) if ranks > 1 else s.proc.kill()
+
+
+def terminate(server, ranks, rank=0):
+    """SIGTERM to `rank` alone (to the one process); every rank must end cleanly."""
+    if ranks > 1:
+        os.kill(rank_pids(server.proc.pid)[rank], signal.SIGTERM)
+    else:
+        server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+
+
 def test_serve_under_two_ranks_answers_as_one_process(checkpoint):
     """Rank 0 serves HTTP, rank 1 follows each request; the text of every request equals
     one process's and stock mlx-lm's; a client gone mid-stream stops both ranks' generation
@@ -308,8 +331,6 @@ def test_serve_stops_with_the_error_when_a_rank_dies(checkpoint):
 def test_serve_learns_one_profile_of_the_whole_model_and_stops_from_a_follower(checkpoint, tmp_path):
     """--save-profiles under 2 ranks writes what one process writes (the stages' routing
     merged on rank 0); SIGTERM to rank 1 alone stops every rank, and the profile is saved."""
-    from test_server import Server
-
     path = checkpoint("qwen3_moe")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\n")
@@ -319,18 +340,47 @@ def test_serve_learns_one_profile_of_the_whole_model_and_stops_from_a_follower(c
     assert r.returncode == 0, r.stderr
     for ranks in (1, 2):
         shutil.copy(tmp_path / "p.json", tmp_path / f"p{ranks}.json")
-        s = Server("-m", path, "--profile", tmp_path / f"p{ranks}.json", "--save-profiles",
-                   launch=launcher(ranks) if ranks > 1 else (), env=dict(os.environ, MLXMOE_DIST_TIMEOUT="60"))
-        try:
+        with serving(ranks, "-m", path, "--profile", tmp_path / f"p{ranks}.json", "--save-profiles") as s:
             for prompt in ("Il gatto", "The cat sat"):
                 assert s.client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0).choices
-            if ranks > 1:
-                os.kill(rank_pids(s.proc.pid)[1], signal.SIGTERM)
-            else:
-                s.proc.send_signal(signal.SIGTERM)
-            assert s.proc.wait(60) == 0
-        finally:
-            kill_group(s) if ranks > 1 else s.proc.kill()
+            terminate(s, ranks, rank=1)
     start, one, two = (ActivationProfile.load(tmp_path / f) for f in ("p.json", "p1.json", "p2.json"))
     assert two.tokens_total == one.tokens_total > start.tokens_total
     assert (two.counts == one.counts).all() and (two.counts != start.counts).any(axis=1).all()  # every layer learnt
+
+
+def test_serve_profiles_under_two_ranks_choose_and_learn_as_one_process(tmp_path):
+    """--profiles under 2 ranks: every request's prefill routing, summed over the ranks'
+    stages, picks the profile one process picks; the text is one process's; a request that
+    names a profile gets it; --save-profiles writes what one process writes."""
+    from test_server import ROOT, copy_profiles
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from heldout import prompts
+    finally:
+        sys.path.pop(0)
+    asked = [{"prompt": p, "max_tokens": 6} for lang in ("it", "en") for p in prompts(lang, 2)]
+    asked.append({"prompt": "The cat sat on", "max_tokens": 6, "mlxmoe": {"profile": "italian"}})
+    answers = {}
+    for ranks in (1, 2):
+        (tmp_path / str(ranks)).mkdir()
+        folder = copy_profiles(tmp_path / str(ranks))
+        with serving(ranks, "--profiles", folder, "--save-profiles", "--save-every", 0) as s:
+            answers[ranks] = []
+            for body in asked:
+                status, headers, got = s.json("POST", "/v1/completions", {**body, "temperature": 0})
+                assert status == 200, got
+                assert got["usage"]["mlxmoe"]["profile"] == headers["X-Mlxmoe-Profile"]
+                answers[ranks].append((headers["X-Mlxmoe-Profile"], got["choices"][0]["text"]))
+            stats = s.json("GET", "/v1/mlxmoe/stats")[2]["server"]["profiles"]
+            assert sum(stats.values()) == len(asked)
+            terminate(s, ranks)
+    assert answers[2] == answers[1], answers
+    assert {p for p, _ in answers[1][:2]} == {"italian"} and {p for p, _ in answers[1][2:4]} == {"english"}
+    assert answers[1][4][0] == "italian"
+    for name in ("italian", "english"):
+        shipped, one, two = (ActivationProfile.load(d / f"{name}.json")
+                             for d in (ROOT / "profiles", tmp_path / "1" / "profiles", tmp_path / "2" / "profiles"))
+        assert two.tokens_total == one.tokens_total > shipped.tokens_total
+        assert (two.counts == one.counts).all() and (two.mass == one.mass).all()
