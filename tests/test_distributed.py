@@ -384,3 +384,45 @@ def test_serve_profiles_under_two_ranks_choose_and_learn_as_one_process(tmp_path
                              for d in (ROOT / "profiles", tmp_path / "1" / "profiles", tmp_path / "2" / "profiles"))
         assert two.tokens_total == one.tokens_total > shipped.tokens_total
         assert (two.counts == one.counts).all() and (two.mass == one.mass).all()
+
+
+@pytest.mark.parametrize("when", ["idle", "mid-request"])
+def test_a_rank_that_stops_answering_ends_the_server_naming_it(checkpoint, when):
+    """Rank 1 stopped (SIGSTOP), not dead: rank 0 waits on it no longer than
+    MLXMOE_DIST_TIMEOUT (between requests in the request sharing and stop vote, during one
+    in a generation step), then exits 2 with an error naming rank 1; its client is cut."""
+    from test_server import Server, open_stream
+
+    s = Server("-m", checkpoint("qwen3_moe"), launch=launcher(2), env=dict(os.environ, MLXMOE_DIST_TIMEOUT="10"))
+    pids = rank_pids(s.proc.pid)
+    sock = None
+    try:
+        assert s.client.completions.create(model="m", prompt="Once", max_tokens=4, temperature=0).choices[0].text
+        if when == "mid-request":
+            sock = open_stream(s.port, "/v1/completions", {"prompt": "Once", "max_tokens": 3000, "stream": True})
+        os.kill(pids[1], signal.SIGSTOP)
+        tic = time.monotonic()
+        errors = []
+        while not errors and time.monotonic() - tic < 60:
+            time.sleep(0.2)
+            errors = [l for l in s.lines if l.startswith("error: ")]
+        waited = time.monotonic() - tic
+        assert errors and "rank 0: no answer from rank 1 within 10 s" in errors[0], "".join(s.lines)
+        waits = ("generating a token", "voting to stop") if when == "mid-request" else ("sharing the next request",)
+        assert any(w in errors[0] for w in waits), errors[0]
+        assert 10 <= waited < 30
+        if sock is not None:  # the stream ends: rank 0 is gone
+            sock.settimeout(10)
+            while sock.recv(4096):
+                pass
+        os.kill(pids[1], signal.SIGCONT)  # mlx.launch's SIGTERM to it was pending
+        s.proc.wait(60)
+        assert "rank 0 exited with code 2" in "".join(s.lines)
+    finally:
+        if sock is not None:
+            sock.close()
+        try:
+            os.kill(pids[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        kill_group(s)
