@@ -157,7 +157,8 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         self.stopping = False  # this rank wants to stop (under several ranks `_stop` is what they agreed)
         cache = provider.model.expert_cache
         self.cache, self.group = cache, getattr(cache, "group", None)  # (mlx-lm drops the model when it stops)
-        self.last_stats = distributed.merged_stats(provider.model) if self.group is not None else {}
+        with distributed.waiting(self.group, "starting the server"):
+            self.last_stats = distributed.merged_stats(provider.model) if self.group is not None else {}
         self.context = DEFAULT_CONTEXT  # the tokens the budget's KV reserve is sized for (api.memory_plan)
         self.live = cache.profile  # the load's live profile, learning from every request
         super().__init__(provider, prompt_cache)  # starts the generation thread
@@ -579,7 +580,8 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
             httpd.server_close()
         generator.stop_and_join()
         if save_profiles and generator.failure is None:
-            generator.save()
+            with distributed.waiting(group, "saving the profiles"):
+                generator.save()
         signal.signal(signal.SIGTERM, previous)
     if generator.failure is not None:
         e = generator.failure
