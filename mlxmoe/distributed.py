@@ -14,6 +14,7 @@ step and stop vote, where a process per wait would cost too much.
 """
 
 import json
+import math
 import os
 import signal
 import socket
@@ -50,8 +51,8 @@ def launched():
 def bounded(what, fn, seconds=None):
     """fn(), or if it has not returned after `seconds` (a peer that never came, or died
     without a word): the error on standard error and the process ends. The watchdog is a
-    separate process: a collective blocked in MLX holds the GIL, so no Python thread or
-    signal handler of this process would run."""
+    separate process: joining the ranks (mx.distributed.init) holds the GIL, so no Python
+    thread or signal handler of this process would run."""
     seconds = timeout() if seconds is None else seconds
     if not seconds:
         return fn()
@@ -66,13 +67,10 @@ def bounded(what, fn, seconds=None):
         watchdog.wait()
 
 
-_waits = {}  # thread id -> (deadline, message) of the waits on other ranks in progress
+_waits = {}  # thread id -> (deadline, group, what, seconds) of the waits on other ranks in progress
 _watcher = []  # the thread that watches them, once started
-
-
-def _rank_error(group, message):
-    """A line as the CLI prints an error: rank 0's plain, the others' marked with their rank."""
-    return f"error: {message}\n" if group.rank() == 0 else f"[rank {group.rank()}] error: {message}\n"
+_heard = {}  # rank -> when (time.monotonic()) its last heartbeat came
+HEARTBEAT = 1.0  # seconds between a rank's heartbeats
 
 
 @contextmanager
@@ -85,15 +83,13 @@ def waiting(group, what, seconds=None):
     if group is None or not seconds:
         yield
         return
-    peers = " or ".join(f"rank {r}" for r in range(group.size()) if r != group.rank())
-    message = _rank_error(group, f"rank {group.rank()}: no answer from {peers} within {seconds:g} s while {what} "
-                                 f"(a rank stopped or hung without exiting; {TIMEOUT_ENV} sets this limit)")
     me = threading.get_ident()
     outer = _waits.get(me)
-    _waits[me] = (time.monotonic() + seconds, message)
+    _waits[me] = (time.monotonic() + seconds, group, what, seconds)
     if not _watcher:
         _watcher.append(threading.Thread(target=_watch, name="mlxmoe-rank-watchdog", daemon=True))
         _watcher[0].start()
+        _start_heartbeat(group)
     try:
         yield
     finally:
@@ -107,10 +103,62 @@ def _watch():
     while True:
         time.sleep(0.2)
         now = time.monotonic()
-        for deadline, message in list(_waits.values()):
+        for deadline, group, what, seconds in list(_waits.values()):
             if now > deadline:
-                os.write(2, message.encode())
+                peers = " or ".join(f"rank {r}" for r in silent(group, min(3 * HEARTBEAT, seconds / 2)))
+                message = (f"rank {group.rank()}: no answer from {peers} within {seconds:g} s while {what} "
+                           f"(a rank stopped or hung without exiting; {TIMEOUT_ENV} sets this limit)")
+                os.write(2, (f"error: {message}\n" if group.rank() == 0  # as the CLI prints errors
+                             else f"[rank {group.rank()}] error: {message}\n").encode())
                 os._exit(2)
+
+
+def silent(group, quiet):
+    """The other ranks whose heartbeat has not come for `quiet` seconds (stopped, hung or cut
+    off; the others wait with this one), or all of them when none can be told apart."""
+    others = [r for r in range(group.size()) if r != group.rank()]
+    now = time.monotonic()
+    stopped = [r for r in others if now - _heard.get(r, -math.inf) > quiet]
+    return stopped if 0 < len(stopped) < len(others) else others
+
+
+def _start_heartbeat(group):
+    """Each rank's sign of life to the others: a UDP datagram every HEARTBEAT seconds to
+    each, on the port of its ring address (where the ring backend listens on TCP). Without
+    a ring hostfile (other backends) or where the port is taken, none: `silent` then names
+    every other rank."""
+    try:
+        with open(os.environ["MLX_HOSTFILE"]) as f:
+            addresses = [(ip, int(port)) for ip, port in (h[0].rsplit(":", 1) for h in json.load(f))]
+        if len(addresses) != group.size():
+            return
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(addresses[group.rank()])
+    except (KeyError, OSError, ValueError, TypeError, IndexError, AttributeError):
+        return
+    sock.settimeout(HEARTBEAT)
+    me = group.rank()
+
+    def beat():
+        sent = -math.inf
+        while True:
+            if time.monotonic() - sent >= HEARTBEAT:
+                sent = time.monotonic()
+                for r, address in enumerate(addresses):
+                    if r != me:
+                        try:
+                            sock.sendto(str(me).encode(), address)
+                        except OSError:  # no route yet: the next beat tries again
+                            pass
+            try:
+                data, _ = sock.recvfrom(16)
+                _heard[int(data)] = time.monotonic()
+            except socket.timeout:
+                pass
+            except (OSError, ValueError):
+                time.sleep(0.1)
+
+    threading.Thread(target=beat, name="mlxmoe-heartbeat", daemon=True).start()
 
 
 def init(backend="any"):
