@@ -190,7 +190,8 @@ def model_name(path):
 
 
 def model_fingerprint(ckpt):
-    return fingerprint(ckpt.config, ckpt.store.tensors, ckpt.store.tensor_shapes, ckpt.all_layers, ckpt.num_experts)
+    """The whole model's, under any split (its profiles load on any)."""
+    return fingerprint(ckpt.config, ckpt.store.tensors, ckpt.store.model_shapes, ckpt.all_layers, ckpt.num_experts)
 
 
 def prefill_step(plan, tokenizer, prompt, prompt_cache=None):

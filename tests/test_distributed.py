@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import mlx_lm
+import numpy as np
 import pytest
 
 import mlxmoe
@@ -352,7 +353,8 @@ def test_serve_learns_one_profile_of_the_whole_model_and_stops_from_a_follower(c
 def test_serve_profiles_under_two_ranks_choose_and_learn_as_one_process(tmp_path):
     """--profiles under 2 ranks: every request's prefill routing, summed over the ranks'
     stages, picks the profile one process picks; the text is one process's; a request that
-    names a profile gets it; --save-profiles writes what one process writes."""
+    names a profile gets it; --save-profiles writes what one process writes. Under the
+    tensor split every rank routes every layer: the same, with the profiles of the whole model."""
     from test_server import ROOT, copy_profiles
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -362,28 +364,30 @@ def test_serve_profiles_under_two_ranks_choose_and_learn_as_one_process(tmp_path
         sys.path.pop(0)
     asked = [{"prompt": p, "max_tokens": 6} for lang in ("it", "en") for p in prompts(lang, 2)]
     asked.append({"prompt": "The cat sat on", "max_tokens": 6, "mlxmoe": {"profile": "italian"}})
-    answers = {}
-    for ranks in (1, 2):
-        (tmp_path / str(ranks)).mkdir()
-        folder = copy_profiles(tmp_path / str(ranks))
-        with serving(ranks, "--profiles", folder, "--save-profiles", "--save-every", 0) as s:
-            answers[ranks] = []
+    answers, runs = {}, {"one": (1, ()), "pipeline": (2, ()), "tensor": (2, ("--split", "tensor"))}
+    for run, (ranks, split) in runs.items():
+        (tmp_path / run).mkdir()
+        folder = copy_profiles(tmp_path / run)
+        with serving(ranks, "--profiles", folder, "--save-profiles", "--save-every", 0, *split) as s:
+            answers[run] = []
             for body in asked:
                 status, headers, got = s.json("POST", "/v1/completions", {**body, "temperature": 0})
                 assert status == 200, got
                 assert got["usage"]["mlxmoe"]["profile"] == headers["X-Mlxmoe-Profile"]
-                answers[ranks].append((headers["X-Mlxmoe-Profile"], got["choices"][0]["text"]))
+                answers[run].append((headers["X-Mlxmoe-Profile"], got["choices"][0]["text"]))
             stats = s.json("GET", "/v1/mlxmoe/stats")[2]["server"]["profiles"]
             assert sum(stats.values()) == len(asked)
             terminate(s, ranks)
-    assert answers[2] == answers[1], answers
-    assert {p for p, _ in answers[1][:2]} == {"italian"} and {p for p, _ in answers[1][2:4]} == {"english"}
-    assert answers[1][4][0] == "italian"
+    assert answers["pipeline"] == answers["one"] == answers["tensor"], answers
+    one = answers["one"]
+    assert {p for p, _ in one[:2]} == {"italian"} and {p for p, _ in one[2:4]} == {"english"} and one[4][0] == "italian"
     for name in ("italian", "english"):
-        shipped, one, two = (ActivationProfile.load(d / f"{name}.json")
-                             for d in (ROOT / "profiles", tmp_path / "1" / "profiles", tmp_path / "2" / "profiles"))
-        assert two.tokens_total == one.tokens_total > shipped.tokens_total
+        shipped = ActivationProfile.load(ROOT / "profiles" / f"{name}.json")
+        one, two, tensor = (ActivationProfile.load(tmp_path / run / "profiles" / f"{name}.json") for run in runs)
+        assert two.tokens_total == one.tokens_total == tensor.tokens_total > shipped.tokens_total
         assert (two.counts == one.counts).all() and (two.mass == one.mass).all()
+        # the tensor split's hidden states are the ranks' sums: the router's probabilities differ in the last bits
+        assert (tensor.counts == one.counts).all() and np.allclose(tensor.mass, one.mass, rtol=1e-5)
 
 
 @pytest.mark.parametrize("ranks,when", [(2, "mid-request"), (3, "idle")])
