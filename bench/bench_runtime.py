@@ -212,7 +212,7 @@ def run_resident(args):
         run["decode"] = window_stats(before, after)
         runs.append(run)
     return {"load_seconds": load_seconds, "preload_seconds": preload_seconds, "preload_bytes": preload_bytes,
-            "runs": runs, "peak_memory": mx.get_peak_memory(), "plan": vars(cache.plan),
+            "runs": runs, "peak_memory": mx.get_peak_memory(), "plan": vars(model.expert_runtime.plan),
             "stats": cache.stats()}
 
 
@@ -241,7 +241,7 @@ def run_streaming(args, cache_experts=None, memory_budget=None, cold_decode=Fals
     stats = cache.stats()
     rss_end, hwm = proc_status()
     return {"page_cache_dropped": dropped, "cold_decode": cold_decode, "load_seconds": load_seconds, "runs": [run],
-            "plan": vars(cache.plan),
+            "plan": vars(model.expert_runtime.plan),
             "stats": stats, "peak_memory": mx.get_peak_memory(), "rss_before_load": rss_before,
             "rss_after_load": rss_loaded, "rss_end": rss_end, "peak_rss": hwm}
 

@@ -15,9 +15,20 @@ token's routing that well, let alone the routing of the tokens after it.
     python bench/policy_ceiling.py [--seed 0] [--tokens 800] [--layers 16]
     python bench/policy_ceiling.py --traces bench/out/demo-*.trace.jsonl [--visits 1,2,4]
     python bench/policy_ceiling.py --traces bench/out/demo-*.trace.jsonl --search 400
+
+--ahead D,D: the cross-layer ceiling. The default told, at each layer call, which experts
+the next D layer calls use (at this token; past the last layer, the next token's first),
+as the next layers' routers applied to the current hidden state or a co-activation table
+might guess them at best, with and without its layer floor, beside the next-visit oracle.
+
+    python bench/policy_ceiling.py --traces /work/data/traces/*.trace.jsonl --ahead 1,4
+
+--choices: how much a layer's own history tells of its next token: how often the default's
+victims (at 50 %) are the candidates used farthest ahead, beside simple rules in the same states.
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -28,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traces import load_heat  # noqa: E402
 
 from mlxmoe.cache import Residency  # noqa: E402
-from mlxmoe.policies import Activation, Policy, make_policy  # noqa: E402
+from mlxmoe.policies import (DEFAULT_POLICY, HALF_LIFE_FLOOR, POLICIES, Activation, ActivationFloor, Policy,  # noqa: E402
+                             make_policy)
 from mlxmoe.trace import read_trace, replay, steps  # noqa: E402
 
 
@@ -113,19 +125,74 @@ class NextVisit(Activation):
         self.cost[layer] = ahead
         self._sort(layer)
 
-    def _tail(self, key, p1=None):
+    def _tail(self, key, p1=None, rate=None):
         return self.num_layers * self.cost[key]
 
 
-def next_visit_hit_rate(header, records, n, visits=1):
-    """The hit rate with `n` slots of the oracle told each layer's experts at its next
-    `visits` visits."""
-    from mlxmoe.policies import POLICIES
-    POLICIES.setdefault("next-visit", NextVisit)
+class NextLayers(ActivationFloor):
+    """The default told, at each layer call, the experts the next `ahead` layer calls use
+    (the following layers at this token; past the last layer, the next token's first):
+    their p1 is 1 or 0 until their own visit. The most cross-layer prediction (the next
+    layers' routers on the current hidden state, co-activation) could tell the eviction
+    estimate; a layer's own next visit stays unknown, as online."""
+
+    def __init__(self, capacity, num_layers, num_experts, next_uses=None, ahead=1, **kw):
+        super().__init__(capacity, num_layers, num_experts, **kw)
+        self.next_uses, self.seen = next_uses, [0] * num_layers  # next_uses[layer][i]: experts at its i-th call
+        self.ahead = min(ahead, num_layers - 1)
+
+    def visit(self, layer, experts, scores=None, probs=None):
+        super().visit(layer, experts, scores, probs)
+        self.seen[layer] += 1
+        for target in range(layer + 1, layer + 1 + self.ahead):
+            target %= self.num_layers
+            if self.seen[target] < len(self.next_uses[target]):
+                used = np.zeros(self.num_experts)
+                used[self.next_uses[target][self.seen[target]]] = 1.0
+                self.next_chance[target] = used
+                np.divide(1.0 - used, self.long_rate[target], out=self.cost[target])
+                self._sort(target)
+
+
+def next_uses(header, records, n):
+    """[layer][i]: the experts of each layer's i-th fetch with `n` slots."""
     uses = [[] for _ in range(header["num_layers"])]
     for _, layer, experts, *_ in steps(records, header["num_layers"], n):
         uses[layer].append(experts)
-    return replay(header, records, "next-visit", n, next_uses=uses, visits=visits)["hit_rate"]
+    return uses
+
+
+def next_visit_hit_rate(header, records, n, visits=1, **kw):
+    """The hit rate with `n` slots of the oracle told each layer's experts at its next
+    `visits` visits (`kw`: activation's options)."""
+    POLICIES.setdefault("next-visit", NextVisit)
+    return replay(header, records, "next-visit", n, next_uses=next_uses(header, records, n), visits=visits,
+                  **kw)["hit_rate"]
+
+
+def next_layers(paths, depths):
+    """Gap closed by the default against the default told the next d layer calls'
+    experts (NextLayers; with its layer floor, and without), beside the next-visit oracle
+    (activation's, and the default's: with the floor)."""
+    POLICIES.setdefault("next-layers", NextLayers)
+    print(f"{'trace':>40} {'cache':>6} {'lru':>7} {DEFAULT_POLICY:>17} {'belady':>7}   gap closed: {DEFAULT_POLICY} / "
+          + " / ".join(f"told next {d}{'' if floor else ', no floor'}" for floor in (True, False) for d in depths)
+          + " / next-visit oracle / the same with the default's floor")
+    for path in paths:
+        header, records = read_trace(path)
+        L, E = header["num_layers"], header["num_experts"]
+        for share in (0.25, 0.5, 0.75) if E <= 32 else (0.05, 0.1, 0.25):
+            n = max(int(L * E * share), header["top_k"])
+            lru, default, best = (replay(header, records, p, n)["hit_rate"] for p in ("lru", DEFAULT_POLICY, "belady"))
+            uses = next_uses(header, records, n)
+            as_default = {"half_life": HALF_LIFE_FLOOR, "layer_floor": True}
+            told = [replay(header, records, "next-layers", n, next_uses=uses, ahead=d, layer_floor=floor)["hit_rate"]
+                    for floor in (True, False) for d in depths]
+            gap = best - lru
+            print(f"{Path(path).name[:40]:>40} {share:>6.0%} {100 * lru:>7.2f} {100 * default:>17.2f} {100 * best:>7.2f}   "
+                  + " / ".join(f"{(r - lru) / gap:.2f}" for r in [default, *told, next_visit_hit_rate(header, records, n),
+                                                                next_visit_hit_rate(header, records, n, **as_default)]),
+                  flush=True)
 
 
 def recorded(paths, visits=(1,)):
@@ -144,6 +211,54 @@ def recorded(paths, visits=(1,)):
             gap = best - lru
             print(f"{Path(path).name:>22} {share:>6.0%} {100 * lru:>8.2f} {100 * act:>11.2f} {100 * best:>8.2f}   "
                   + " / ".join(f"{(r - lru) / gap:.2f}" for r in [act] + known), flush=True)
+
+
+def choices(paths, share=0.5):
+    """How much a layer's own history tells of its next token: at each victim the default
+    takes from the layer being served (its floor keeps it there on most models), whether
+    it is the candidate used farthest ahead, beside what other rules would take in the same
+    states: a random pick (expected), the least recently used, the lowest long-run rate
+    (the default's own), decayed counts of a few half-lives."""
+    print(f"{'trace':>40} {'victims':>8}   share of victims used farthest ahead of the candidates: ", end="")
+    for path in paths:
+        header, records = read_trace(path)
+        L, E = header["num_layers"], header["num_experts"]
+        n = max(int(L * E * share), header["top_k"])
+        fetches = list(steps(records, L, n))
+        uses, token = {}, -1  # key -> tokens it is used at
+        for tokens, layer, experts, *_ in fetches:
+            token += bool(tokens)
+            for e in experts:
+                uses.setdefault((layer, e), []).append(token)
+        policy = make_policy(DEFAULT_POLICY, n, L, E)
+        residency, now, right = Residency(n, policy), {}, {}
+        choose = policy.victim
+
+        def victim(protected):
+            key = choose(protected)
+            t, layer = now["token"], key[0]
+            candidates = [(layer, e) for e in policy.resident[layer] if (layer, e) not in protected]
+            if layer == now["layer"] and len(candidates) > 1:
+                ahead = {c: next((u for u in uses[c] if u > t), math.inf) for c in candidates}
+                far = max(ahead.values())
+                counts = lambda c, h: sum(0.5 ** ((t - u) / h) for u in uses[c] if u <= t)
+                picks = {DEFAULT_POLICY: key, "least recent": max(candidates, key=lambda c: t - policy.last_use[c]),
+                         "lowest long-run rate": min(candidates, key=policy.long_rate.__getitem__),
+                         **{f"counts, half-life {h}": min(candidates, key=lambda c: counts(c, h)) for h in (4, 16, 64)}}
+                right.setdefault("random", []).append(sum(a == far for a in ahead.values()) / len(candidates))
+                for name, c in picks.items():
+                    right.setdefault(name, []).append(ahead[c] == far)
+            return key
+
+        policy.victim = victim
+        for tokens, layer, experts, scores, dist in fetches:
+            if tokens:
+                residency.tick(tokens)
+            now.update(token=now.get("token", -1) + bool(tokens), layer=layer)
+            residency.access(layer, experts, scores, dist)
+        print(f"\n{Path(path).name[:40]:>40} {len(right.get('random', [])):>8}   "
+              + ", ".join(f"{name} {np.mean(v):.2f}" for name, v in right.items()), end="", flush=True)
+    print()
 
 
 SEARCH_SPACE = dict(half_life=[8, 12, 24, 48, 96], recency_half_life=[1, 2, 4, 8], recency_weight=[0, 0.1, 0.2, 0.4, 0.6],
@@ -195,9 +310,18 @@ def main():
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--traces", nargs="*", default=[], help="Recorded traces: the next-visit oracles on each.")
     ap.add_argument("--visits", default="1,2,4", help="With --traces: how many next visits each oracle knows.")
+    ap.add_argument("--ahead", default="", metavar="D,D",
+                    help="With --traces: the default told the next D layer calls' experts (cross-layer ceiling) instead.")
+    ap.add_argument("--choices", action="store_true",
+                    help="With --traces: how often the default's victims are the candidates used farthest ahead, "
+                         "beside simple rules in the same states (at 50 %%).")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="With --traces: random search of N settings of activation's parameters instead.")
     args = ap.parse_args()
+    if args.traces and args.choices:
+        return choices(args.traces)
+    if args.traces and args.ahead:
+        return next_layers(args.traces, [int(d) for d in args.ahead.split(",")])
     if args.traces and args.search:
         return search(args.traces, args.search, args.seed)
     if args.traces:

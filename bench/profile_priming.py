@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlxmoe.policies import ONLINE
-from mlxmoe.profile import DEFAULT_HALF_LIFE
+from mlxmoe.policies import HALF_LIFE_PROFILE
 from mlxmoe.trace import build_profile, read_trace, replay
 
 PAIRS = [
@@ -58,7 +58,7 @@ def main():
 
     tic = time.time()
     print(f"hit rate at {100 * args.share:.0f} % cache: first {args.tokens} tokens (whole trace), "
-          f"profile half-life {DEFAULT_HALF_LIFE} tokens")
+          f"profile half-life {HALF_LIFE_PROFILE} tokens")
     print("| model | profile of -> replay of | policy | no profile | with profile | change (points) | "
           "whole trace: no profile | with | change |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -3,13 +3,15 @@
 from .errors import MlxmoeError
 
 __version__ = "0.1.0"
-__all__ = ["DEMO_MODEL", "load", "generate", "stream_generate", "MlxmoeError", "__version__"]
+__all__ = ["DEMO_MODEL", "load", "generate", "stream_generate", "memory_plan", "Runtime", "MlxmoeError",
+           "__version__"]
+_API = ("load", "generate", "stream_generate", "memory_plan", "Runtime")
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> object:
     # The API (and MLX with it) is imported on first use, so that `mlxmoe` the command
     # starts handling Ctrl-C and SIGTERM before the slow imports.
-    if name in ("load", "generate", "stream_generate"):
+    if name in _API:
         from . import api
 
         return getattr(api, name)

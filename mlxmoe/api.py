@@ -1,23 +1,32 @@
-"""load / generate / stream_generate with mlx-lm's names and arguments."""
+"""load / generate / stream_generate with mlx-lm's names and arguments, the Runtime that
+load builds around a model, and memory_plan (what a budget buys, nothing loaded)."""
+
+from __future__ import annotations
 
 import json
+import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import backend as backends
 from . import distributed
-from .budget import DEFAULT_CONTEXT, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
+from .budget import DEFAULT_CONTEXT, Plan, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
 from .errors import MlxmoeError
 from .files import read_lines
-from .loader import DEMO_MODEL, MX_DTYPES, attach_cache, open_checkpoint, read_tokenizer
+from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, open_checkpoint, read_tokenizer
 from .policies import make_policy
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, hottest_per_layer
 from .profile import ActivationProfile, fingerprint, prewarm_order
 from .trace import TraceWriter
 
@@ -26,8 +35,25 @@ from .trace import TraceWriter
 PREFILL_STEP = 512
 
 
-def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_experts=None, context=DEFAULT_CONTEXT):
-    """How `memory_budget` splits for this checkpoint on this backend (nothing is loaded)."""
+def memory_plan(path_or_hf_repo: str | os.PathLike, memory_budget: str | int | None = None, *,
+                cache_size: str | int | None = None, cache_experts: int | None = None,
+                backend: str | None = None) -> Plan:
+    """What `load` with these options would give, reading headers only: the budget's split
+    (a budget.Plan: `cache_experts`, the expert cache's size in experts, and its bytes
+    `expert_cache`; `resident`, `kv_reserve` and `working` bytes; `minimum`, the smallest
+    budget that works). What `--memory-budget` resolves to. A budget below the minimum
+    raises MlxmoeError naming it."""
+    be = backends.detect(backend)
+    ckpt = open_checkpoint(path_or_hf_repo)
+    try:
+        be.apply_dtype_policy(ckpt.model)
+        return checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts)
+    finally:
+        ckpt.store.close()
+
+
+def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_experts=None, context=DEFAULT_CONTEXT):
+    """How `memory_budget` splits for an opened checkpoint on this backend (its dtype policy applied)."""
     params = tree_flatten(ckpt.model.parameters())
     resident = sum(v.nbytes for _, v in params)
     act_bytes = backend.activation_bytes(ckpt.model)
@@ -46,23 +72,29 @@ def memory_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_expert
     return p
 
 
-def load(path_or_hf_repo, tokenizer_config=None, model_config=None, adapter_path=None, lazy=False,
-         return_config=False, revision=None, trust_remote_code=False, *, memory_budget=None, cache_size=None,
-         cache_experts=None, policy=None, profile=None, backend=None, io_threads=4, force_profile=False, prewarm=True,
-         trace_out=None, prefetch=1, prefetch_confidence=0.1, io="auto", group=None, split="pipeline"):
+def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = None, model_config: dict | None = None,
+         adapter_path: str | None = None, lazy: bool = False, return_config: bool = False, revision: str | None = None,
+         trust_remote_code: bool = False, *, memory_budget: str | int | None = None,
+         cache_size: str | int | None = None, cache_experts: int | None = None, policy: str | None = None,
+         profile: str | os.PathLike | ActivationProfile | None = None, backend: str | None = None,
+         io_threads: int = 4, force_profile: bool = False, prewarm: bool = True,
+         trace_out: str | os.PathLike | None = None, prefetch: int = 1, prefetch_confidence: float = 0.1,
+         io: str = "auto", group: Any = None,
+         split: str = "pipeline") -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
     Takes mlx_lm.load's arguments (LoRA adapters excepted: fuse them first) and returns
     what it returns, (model, tokenizer) or with `return_config` (model, tokenizer,
-    config); `model.expert_cache.stats()` gives the cache's stats. mlxmoe's own options
+    config); `model.expert_cache.stats()` gives the cache's stats and `model.expert_runtime`
+    (a Runtime) records, swaps and saves profiles as the CLI does. mlxmoe's own options
     are keyword-only: `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
     working memory + expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
     `profile` (a path or an ActivationProfile) gives the policy its prior and pre-warms
     the cache with its hottest experts in the background (where the cache holds every
     expert, all of them are read in the background, after the profile's hottest, and once
     they are in, layers run without per-layer host work or syncs); the live profile
-    (`model.expert_cache.profile`) keeps learning either way. `trace_out` records a
-    routing trace (mlxmoe.trace/1) there, completed by `model.expert_cache.close()`.
+    (`model.expert_runtime.profile`) keeps learning either way. `trace_out` records a
+    routing trace (mlxmoe.trace/1) there, completed by `model.expert_runtime.close()`.
     `prefetch` is how many MoE layer calls ahead (past the last layer: the next token's
     first layers) experts are predicted and read in the background during decoding (0:
     only on demand); a router guess is loaded when its probability reaches
@@ -123,20 +155,14 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
 
 def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
            force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io):
-    """Give an opened checkpoint its expert cache (model.expert_cache); return the tokenizer."""
+    """Give an opened checkpoint its Runtime (model.expert_runtime, with model.expert_cache); return the tokenizer."""
     tokenizer = read_tokenizer(ckpt.path, tokenizer_config, ckpt.config.get("eos_token_id"))
     ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
-    p = memory_plan(ckpt, be, memory_budget, cache_size, cache_experts)
+    p = checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts)
     fp = model_fingerprint(ckpt)
-    prior = rates = None
-    if profile is not None:
-        prior = profile if isinstance(profile, ActivationProfile) else ActivationProfile.load(profile)
-        prior.check_model(fp, ckpt.all_layers, ckpt.num_experts, force_profile,
-                          None if isinstance(profile, ActivationProfile) else str(profile))
-        if ckpt.group is not None:  # a profile of the whole model: this stage's layers
-            prior = distributed.stage_profile(prior, ckpt.layer_offset, ckpt.num_layers)
-        rates = prior.rates()
+    prior = None if profile is None else stage_profile(ckpt, fp, profile, force_profile)
+    rates = None if prior is None else prior.rates()
     if not lazy:
         mx.eval(ckpt.model.parameters())
     pool_dtypes = [be.pool_dtype(MX_DTYPES[d]) for d in ckpt.store.tensor_dtypes]
@@ -149,18 +175,17 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     live.expert_bytes, live.resident_bytes = profile_sizes(p)
     policy = make_policy(policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
     cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, io_threads, profile=live)
-    attach_cache(ckpt, cache)
+    runtime = Runtime(ckpt, p, be, cache, fp)
+    attach_cache(ckpt, runtime)
     be.activate(p.budget)
-    cache.plan, cache.backend, cache.checkpoint = p, be, ckpt
-    cache.group, cache.error = ckpt.group, None  # error: a read that failed on a rank of a group (see experts.py)
     if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
         cache.prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch,
                                       prior=rates, confidence=prefetch_confidence)
     if trace_out is not None and ckpt.group is not None and ckpt.split == "tensor" and ckpt.group.rank():
         trace_out = None  # every rank routes alike: rank 0's trace is the model's
     if trace_out is not None:
-        if ckpt.group is not None and ckpt.split == "pipeline":  # this stage's part, merged by finish_trace
-            cache.trace_target, trace_out = trace_out, f"{trace_out}.rank{ckpt.group.rank()}"
+        if ckpt.group is not None and ckpt.split == "pipeline":  # this stage's part, merged by Runtime.close
+            runtime.trace_target, trace_out = trace_out, f"{trace_out}.rank{ckpt.group.rank()}"
         cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model_name(ckpt.path),
                                   fingerprint=fp)
     if prewarm:
@@ -168,6 +193,122 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
         if order:
             cache.prewarm(order)
     return tokenizer
+
+
+def stage_profile(ckpt, fingerprint, profile, force=False):
+    """`profile` (a path or an ActivationProfile) checked against the checkpoint; under
+    pipeline stages, this stage's layers of it."""
+    prior = profile if isinstance(profile, ActivationProfile) else ActivationProfile.load(profile)
+    prior.check_model(fingerprint, ckpt.all_layers, ckpt.num_experts, force,
+                      None if isinstance(profile, ActivationProfile) else str(profile))
+    if ckpt.group is not None:  # a profile of the whole model: this stage's layers
+        prior = distributed.stage_profile(prior, ckpt.layer_offset, ckpt.num_layers)
+    return prior
+
+
+class Runtime:
+    """What `load` builds around a model, as `model.expert_runtime`: the opened checkpoint,
+    its memory plan, the backend, and the expert cache (also `model.expert_cache`) with its
+    prefetcher, trace writer and live profile. Its methods are what the CLI does with them:
+    record a workload's profile, swap a profile in as the policy's prior, save the live
+    profile, close. Under several ranks every rank calls them alike (collectives)."""
+
+    def __init__(self, checkpoint: Checkpoint, plan: Plan, backend: backends.Backend, cache: ExpertCache,
+                 fingerprint: str):
+        self.checkpoint, self.plan, self.backend, self.cache = checkpoint, plan, backend, cache
+        self.fingerprint = fingerprint  # the model's, as profiles and traces record it
+        self.group = checkpoint.group  # an mx.distributed group of several ranks, or None
+        self.error = None  # a read that failed on this rank of a group (see experts.py)
+        self.trace_target = None  # under pipeline stages: the file rank 0 merges the stages' traces into
+
+    @property
+    def prefetcher(self) -> Prefetcher | None:
+        return self.cache.prefetcher
+
+    @property
+    def trace(self) -> TraceWriter | None:
+        return self.cache.trace
+
+    @property
+    def profile(self) -> ActivationProfile:
+        """The live profile: what the model has run so far (this stage's layers under pipeline stages)."""
+        return self.cache.profile
+
+    def main_rank(self) -> bool:
+        """Whether this process speaks for the model: one process, or rank 0 of a group."""
+        return self.group is None or self.group.rank() == 0
+
+    def swap_live(self, profile: ActivationProfile) -> ActivationProfile:
+        """Make `profile` the live profile (the one every layer call updates); returns the
+        one it replaces. Between generations: updates already queued go to the old one."""
+        with self.cache.lock:
+            old, self.cache.profile = self.cache.profile, profile
+        return old
+
+    def record_profile(self, workload: str, half_life: float | None = None) -> ActivationProfile:
+        """Start a fresh, empty live profile named `workload` (decay `half_life` tokens,
+        default the current one's): what runs from now on is what it records, as in
+        `mlxmoe profile record`. Returns it; save it with save_profile."""
+        old = self.profile
+        fresh = ActivationProfile(old.num_layers, old.num_experts, old.top_k, half_life or old.half_life, old.model,
+                                  old.fingerprint, workload, expert_bytes=old.expert_bytes,
+                                  resident_bytes=old.resident_bytes)
+        self.swap_live(fresh)
+        return fresh
+
+    def use_profile(self, profile: str | os.PathLike | ActivationProfile, force: bool = False,
+                    prewarm: bool = True) -> ActivationProfile:
+        """Make `profile` (a path or an ActivationProfile of this model; `force`: of another
+        model whose layer and expert counts agree) the policy's prior and the prefetcher's
+        profile guess, as a load with it would; with `prewarm`, its hottest experts fill the
+        cache's free slots in the background. Policies built without a way to change their
+        prior (lfu, slru...) keep theirs. The live profile is left as it is. Returns the
+        profile as applied (this stage's part under pipeline stages)."""
+        prior = stage_profile(self.checkpoint, self.fingerprint, profile, force)
+        rates = prior.rates()
+        if prewarm and self.cache.prewarm_done(0):
+            order = prewarm_order(prior, prior.num_layers, prior.num_experts, self.cache.capacity)
+            if order:
+                self.cache.prewarm(order)
+        with self.cache.lock:
+            self.cache.policy.set_prior(rates)
+            if self.prefetcher is not None:
+                self.prefetcher.hottest = hottest_per_layer(rates, self.prefetcher.top_k)
+        return prior
+
+    def whole_profile(self) -> ActivationProfile:
+        """The live profile; under several ranks the whole model's, merged from every rank's
+        stage (a collective, bounded in time)."""
+        if self.group is None:
+            return self.profile
+        return distributed.bounded("merging the ranks' profiles", lambda: distributed.whole_profile(self), 60)
+
+    def save_profile(self, path: str | os.PathLike, workload: str | None = None) -> ActivationProfile:
+        """Write the live profile (the whole model's) to `path` atomically, between
+        generations or after close; named `workload` where given, an unnamed one after the
+        file. Under several ranks every rank calls it and rank 0 writes. Returns it."""
+        live = self.whole_profile()
+        if workload or not live.workload:
+            live.workload = workload or os.path.splitext(os.path.basename(path))[0]
+        if self.main_rank():
+            live.save(path)
+        return live
+
+    def close(self) -> None:
+        """Close the cache (its IO threads and shards; a trace being recorded is completed).
+        Under several ranks a collective: under pipeline stages rank 0 merges the stages'
+        traces, and no rank returns before every rank has closed (one that exits early
+        breaks its peers' last exchanges)."""
+        self.cache.close()
+        if self.group is None:
+            return
+
+        def finish():
+            distributed.finish_trace(self)
+            distributed.barrier(self.group)
+
+        distributed.bounded("closing with the other ranks", finish, 60)
+        self.trace_target = None
 
 
 def profile_sizes(plan):
@@ -180,7 +321,7 @@ def profile_identity(ckpt, backend):
     """(fingerprint, profile_sizes) of an opened checkpoint on `backend`, as a profile
     recorded on it would hold them."""
     backend.apply_dtype_policy(ckpt.model)
-    return model_fingerprint(ckpt), profile_sizes(memory_plan(ckpt, backend, cache_experts=ckpt.top_k))
+    return model_fingerprint(ckpt), profile_sizes(checkpoint_plan(ckpt, backend, cache_experts=ckpt.top_k))
 
 
 def model_name(path):
@@ -223,19 +364,21 @@ def generation_lock(model):
         return model._mlxmoe_generation_lock
 
 
-def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
+def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], max_tokens: int = 256,
+                    **kwargs) -> Iterator[GenerationResponse]:
     """mlx_lm.stream_generate, recording decode speed in the expert cache's stats. Holds
     the model's generation lock from the first response to the last (or close())."""
-    cache = getattr(model, "expert_cache", None)
+    runtime = getattr(model, "expert_runtime", None)
+    cache = None if runtime is None else runtime.cache
     if "prefill_step_size" not in kwargs:
-        kwargs["prefill_step_size"] = prefill_step(getattr(cache, "plan", None), tokenizer, prompt,
+        kwargs["prefill_step_size"] = prefill_step(None if runtime is None else runtime.plan, tokenizer, prompt,
                                                    kwargs.get("prompt_cache"))
     lock = generation_lock(model)
     lock.acquire()
     try:
         if cache is not None:
             cache.new_sequence()
-        group = getattr(cache, "group", None)
+        group = None if runtime is None else runtime.group
         steps = _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
         while True:
             with distributed.waiting(group, "generating a token"):  # a step waits on the other stages
@@ -244,8 +387,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
                     break
                 if cache is not None:
                     cache.decode_tps = response.generation_tps
-                if group is not None and distributed.failed_any(group, cache.error):
-                    distributed.check(group, cache.error, bound=False)
+                if group is not None and distributed.failed_any(group, runtime.error):
+                    distributed.check(group, runtime.error, bound=False)
             yield response
         if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
             cache.flush()
@@ -259,7 +402,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens=256, **kwargs):
         lock.release()
 
 
-def generate(model, tokenizer, prompt, verbose=False, **kwargs):
+def generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], verbose: bool = False,
+             **kwargs) -> str:
     """mlx_lm.generate through mlxmoe's stream_generate; returns the text."""
     text = ""
     response = None

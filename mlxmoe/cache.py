@@ -394,7 +394,7 @@ class ExpertCache(Residency):
         still takes the disk's time): a layer whose experts the lookahead predicts well
         gives up slots to one whose misses the decode thread would wait for (on the demo
         model, the next token's first layers, which no predictor sees coming)."""
-        cost = getattr(self.policy, "miss_cost", None)
+        cost = self.policy.miss_cost
         if cost is None:
             return
         h, d = self.layer_loads[layer].tolist()  # Python floats: the same doubles, cheaper than numpy's

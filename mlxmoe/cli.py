@@ -154,31 +154,10 @@ def first_cpu_run():
     return not os.path.isdir(kernels) or not os.listdir(kernels)
 
 
-def _main_rank(model):
-    group = getattr(model.expert_cache, "group", None)
-    return group is None or group.rank() == 0
-
-
 def _stats(model):
     from .distributed import merged_stats
 
     return merged_stats(model)
-
-
-def _gather(model):
-    """After cache.close() on every rank: the whole model's trace written (by rank 0) and
-    its live profile (the stages' merged). Bounded: after a failure a rank may be gone."""
-    from . import distributed
-
-    cache = model.expert_cache
-    if getattr(cache, "group", None) is None:
-        return cache.profile
-
-    def merge():
-        distributed.finish_trace(cache)
-        return distributed.whole_profile(cache)
-
-    return distributed.bounded("merging the ranks' trace and profile", merge, 60)
 
 
 def _sampler(temp, top_p, seed):
@@ -203,6 +182,7 @@ def summary(stats, before, elapsed_tokens, tps):
 CHAT_HELP = """/help    this list
 /reset   start a new conversation (the expert cache and the live profile are kept)
 /stats   the expert cache's figures so far
+/profile FILE  take this profile as the cache's prior from now on (pre-warms its hottest experts)
 /quit    leave (also /exit or Ctrl-D); Ctrl-C stops a reply"""
 
 
@@ -249,18 +229,13 @@ def main():
     through a cache that keeps the ones your workload uses."""
 
 
-def _finish(model, save_profile, workload=None):
+def _finish(model, save_profile):
     """Close the cache (ending a trace) and save the live profile, atomically."""
-    cache = model.expert_cache
+    runtime = model.expert_runtime
     with signals_deferred():
-        cache.close()
-        live = _gather(model)
-        save = save_profile and _main_rank(model)
-        if save:
-            if workload or not live.workload:  # unnamed: after its file
-                live.workload = workload or os.path.splitext(os.path.basename(save_profile))[0]
-            live.save(save_profile)
-    if save:
+        runtime.close()
+        live = runtime.save_profile(save_profile) if save_profile else None
+    if live is not None and runtime.main_rank():
         click.echo(f"saved profile {save_profile} ({live.tokens_total} tokens)", err=True)
 
 
@@ -308,7 +283,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         click.echo(f"prompt: {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s; "
                    f"generation: {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s", err=True)
     click.echo(expert_line(stats, baseline_rss), err=True)
-    if stats_json and _main_rank(model):
+    if stats_json and model.expert_runtime.main_rank():
         write_atomic(stats_json, json.dumps(stats, indent=1))
 
 
@@ -322,7 +297,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
 def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_p, seed, **opts):
     """Chat with the model. The KV cache carries over between turns; after each reply a
     line gives tokens/s, the expert hit rate and the bytes read. /help lists the commands
-    (/reset, /stats, /quit)."""
+    (/reset, /stats, /profile FILE, /quit)."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors
 
@@ -361,6 +336,16 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 continue
             if command == "/help":
                 click.echo(CHAT_HELP)
+                continue
+            if command.split()[0] == "/profile":
+                path = command[len("/profile"):].strip()
+                try:
+                    if not path:
+                        raise MlxmoeError("/profile FILE: name a profile file")
+                    prior = model.expert_runtime.use_profile(path, opts["force_profile"])
+                    click.echo(f"[profile {prior.workload!r} is the expert cache's prior now]")
+                except MlxmoeError as e:
+                    click.echo(f"[{e}]")
                 continue
             if command.startswith("/") and not command.startswith("//"):
                 click.echo(f"unknown command {command.split()[0]}; /help lists the commands "
@@ -401,14 +386,14 @@ def info(model_path, memory_budget, backend, as_json):
     """Architecture, experts, bytes of resident weights and of one expert, the smallest
     budget that works and what a given budget buys. Reads headers only."""
     from . import backend as backends
-    from .api import memory_plan
+    from .api import checkpoint_plan
     from .budget import format_size
     from .loader import open_checkpoint
 
     be = backends.detect(backend)
     ckpt = open_checkpoint(model_path)
     be.apply_dtype_policy(ckpt.model)
-    minimal = memory_plan(ckpt, be, cache_experts=ckpt.top_k)
+    minimal = checkpoint_plan(ckpt, be, cache_experts=ckpt.top_k)
     total = ckpt.num_layers * ckpt.num_experts
     out = {
         "model": str(ckpt.path), "model_type": ckpt.config["model_type"], "backend": be.name,
@@ -421,7 +406,7 @@ def info(model_path, memory_budget, backend, as_json):
         "all_resident_budget": minimal.minimum + (total - ckpt.top_k) * minimal.slot_bytes,
     }
     if memory_budget:
-        p = memory_plan(ckpt, be, memory_budget)
+        p = checkpoint_plan(ckpt, be, memory_budget)
         out["budget"] = {"budget": p.budget, "cache_experts": p.cache_experts, "cache_bytes": p.expert_cache,
                          "share_of_experts": p.cache_experts / total}
     if as_json:
@@ -503,7 +488,6 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
     written holds only what this run recorded."""
     from .curves import predicted_curve
     from .files import check_writable
-    from .profile import ActivationProfile
     from .trace import read_trace
 
     if not (prompts_file or chats):
@@ -512,13 +496,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
     check_writable(out)
 
     def fresh_profile(model):  # the live profile starts empty (not from --profile's counts)
-        cache = model.expert_cache
-        old = cache.profile
-        new = ActivationProfile(old.num_layers, old.num_experts, old.top_k, half_life or old.half_life, old.model,
-                                old.fingerprint, workload, expert_bytes=old.expert_bytes,
-                                resident_bytes=old.resident_bytes)
-        with cache.lock:
-            cache.profile = new
+        model.expert_runtime.record_profile(workload, half_life)
 
     # without --trace-out, the trace the curve is computed from is a partial file of OUT's
     # (files.py naming): removed at the end, or by the next run if this one is killed
@@ -527,15 +505,15 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
     try:
         model, interrupted = _record(opts, prompts_file, chats, chat_template, max_tokens, "recording",
                                      on_load=fresh_profile)
-        cache = model.expert_cache
-        live = cache.profile
+        runtime = model.expert_runtime
+        live = runtime.profile
         try:
             with signals_deferred():  # Ctrl-C from here on keeps what was recorded
-                cache.close()
-                live = _gather(model)
-                if not _main_rank(model):  # rank 0 writes the whole model's profile
+                runtime.close()
+                # now, so that Ctrl-C while the curve is computed still leaves the profile
+                live = runtime.save_profile(out)  # rank 0 writes the whole model's
+                if not runtime.main_rank():
                     return
-                live.save(out)  # now, so that Ctrl-C while the curve is computed still leaves the profile
             if live.tokens_total:
                 header, records = read_trace(opts["trace_out"])
                 with click.progressbar(ONLINE, label="predicting the hit rate at each cache size, policy by policy",
@@ -574,13 +552,13 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     layer and expert counts agree, or without once built with --model naming it."""
     from .curves import predicted_curve
     from .files import check_writable
-    from .profile import DEFAULT_HALF_LIFE
+    from .policies import HALF_LIFE_PROFILE
     from .trace import build_profile, read_trace
 
     check_writable(out)
     loaded = [(path, *read_trace(path)) for path in traces]
     name = workload or os.path.basename(traces[0]).split(".")[0]
-    p = build_profile(loaded, name, half_life or DEFAULT_HALF_LIFE)
+    p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
     if model_path:
         from . import backend as backends
         from .api import profile_identity
@@ -725,8 +703,7 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
         raise click.UsageError("trace record writes its trace to --out; --trace-out is for the other commands")
     opts["trace_out"] = out
     model, _ = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
-    model.expert_cache.close()
-    _gather(model)
+    model.expert_runtime.close()
     click.echo(f"saved {out}", err=True)
 
 
@@ -867,6 +844,13 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
         model.expert_cache.close()
         raise
     _finish(model, None)  # under several ranks: the trace merged on rank 0
+    _exit_at_once.append(0)
+
+
+# Set by serve once everything is saved and closed: run() then ends the process without the
+# interpreter's teardown, where MLX, used by mlx-lm's generation thread, now and then aborts
+# ('terminate called without an active exception', about 1 exit in 25).
+_exit_at_once = []
 
 
 def _terminate(signum, frame):
@@ -881,6 +865,10 @@ def run(args=None):
         with signals_deferred():  # Ctrl-C while MLX's extension initialises would abort the process
             from . import api  # noqa: F401
         main(args, standalone_mode=False)
+        if _exit_at_once:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except MlxmoeError as e:
         rank = os.environ.get("MLX_RANK", "0")  # under mlx.launch every rank says it, rank 0 first
         if rank == "0":

@@ -78,11 +78,14 @@ def waiting(group, what, seconds=None):
     """Bound a wait on the other ranks (a collective, a pipeline step): if it has not ended
     after `seconds` (timeout()), the process says which ranks did not answer and exits 2
     at once (a thread cannot unwind a wait inside MLX; the launcher then stops the others).
+    The other ranks give rank 0 a few seconds more, so that it speaks for all where it can.
     No cost without a group; nested waits keep the inner bound."""
     seconds = timeout() if seconds is None else seconds
     if group is None or not seconds:
         yield
         return
+    if group.rank() != 0:
+        seconds += min(seconds, 5.0)
     me = threading.get_ident()
     outer = _waits.get(me)
     _waits[me] = (time.monotonic() + seconds, group, what, seconds)
@@ -331,10 +334,10 @@ def stage_profile(profile, offset, layers):
                              profile.expert_bytes, profile.resident_bytes)
 
 
-def whole_profile(cache):
+def whole_profile(runtime):
     """The whole model's live profile from every rank's stage (a collective): the format of
     a one-process profile (resident_bytes: the stages' sum)."""
-    p, ckpt = cache.profile, cache.checkpoint
+    p, ckpt = runtime.profile, runtime.checkpoint
     counts, mass = merge_layers(ckpt, p.counts, p.mass)
     resident = sum(r or 0 for r in exchange(ckpt.group, p.resident_bytes))
     return ActivationProfile(ckpt.all_layers, p.num_experts, p.top_k, p.half_life, p.model, p.fingerprint,
@@ -342,27 +345,27 @@ def whole_profile(cache):
                              p.expert_bytes, resident)
 
 
-def finish_trace(cache):
-    """After cache.close() on every rank: the stages' traces merged into the requested file
-    on rank 0 (atomically); each rank's part removed."""
-    target = getattr(cache, "trace_target", None)
+def finish_trace(runtime):
+    """After the cache's close() on every rank: the stages' traces merged into the requested
+    file (runtime.trace_target) on rank 0 (atomically); each rank's part removed."""
+    target = runtime.trace_target
     if target is None:
         return
-    part = cache.trace.path
+    part = runtime.trace.path
     text = part.read_text()
     part.unlink()
-    merged = merge_traces(cache.checkpoint.group, cache.checkpoint.layer_offset, text)
+    merged = merge_traces(runtime.group, runtime.checkpoint.layer_offset, text)
     if merged is not None:
         write_atomic(target, merged)
 
 
 def cluster_stats(model):
     """gather_stats of every rank's model.expert_cache.stats() (a collective)."""
-    cache = model.expert_cache
-    stats = cache.stats()
-    if getattr(cache, "group", None) is None:
+    runtime = model.expert_runtime
+    stats = runtime.cache.stats()
+    if runtime.group is None:
         return {"ranks": [stats], "total": stats}
-    return gather_stats(cache.group, stats, cache.checkpoint.split == "pipeline")
+    return gather_stats(runtime.group, stats, runtime.checkpoint.split == "pipeline")
 
 
 def merged_stats(model):

@@ -106,16 +106,18 @@ class StreamingExperts(nn.Module):
         self._layer = layer
         self._router = router
         self._cache = cache
+        self._runtime = None  # api.Runtime, with the cache (loader.attach_cache)
 
     def __call__(self, x, indices):
-        if getattr(self._cache, "group", None) is None:
+        runtime = self._runtime
+        if runtime is None or runtime.group is None:
             return self._call(x, indices)
         try:
             return self._call(x, indices)
         except MlxmoeError as e:
             # A rank of a group keeps its peers' pipeline going with zeros for this layer;
             # after this token every rank stops with the error (api.stream_generate).
-            self._cache.error = self._cache.error or e
+            runtime.error = runtime.error or e
             return mx.zeros((*indices.shape, x.shape[-1]), x.dtype)
 
     def _call(self, x, indices):

@@ -384,12 +384,14 @@ def _top_k(config):
     return 8
 
 
-def attach_cache(ckpt, cache):
-    """Point every StreamingExperts' weights at the cache's slot pools."""
+def attach_cache(ckpt, runtime):
+    """Point every StreamingExperts' weights at the runtime's cache's slot pools; the model
+    holds both (model.expert_runtime, model.expert_cache)."""
+    cache = runtime.cache
     for streaming in ckpt.experts:
         module = streaming._inner
         for name, pool in zip(cache.pool_names, cache.compute):
             lin, p = name.split(".")
             module[lin][p] = pool
-        streaming._cache = cache
-    ckpt.model.expert_cache = cache
+        streaming._cache, streaming._runtime = cache, runtime
+    ckpt.model.expert_cache, ckpt.model.expert_runtime = cache, runtime

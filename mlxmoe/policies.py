@@ -14,6 +14,7 @@ and asks `victim(protected)` for the resident key to evict, never one in `protec
 """
 
 import heapq
+import inspect
 import math
 from collections import OrderedDict
 
@@ -21,18 +22,38 @@ import numpy as np
 
 from .errors import MlxmoeError
 
-DEFAULT_HALF_LIFE = 256  # tokens
+# Default half-lives of the decayed counts, in tokens (each is a policy's or a profile's option)
+HALF_LIFE_LFU = 256  # lfu's and slru's counts
+HALF_LIFE_ACTIVATION = 24  # activation's frequency estimate
+HALF_LIFE_RECENCY = 4  # activation's recency estimate
+HALF_LIFE_FLOOR = 0.5  # activation-floor's frequency estimate (chosen by bench_policies.py --lofo)
+HALF_LIFE_PROFILE = 4096  # a profile's counts: it remembers a long session, and still adapts
 
 
 class Policy:
     """`prior`, where a policy takes one, is a profile's per-token use rate of each
-    expert, an array [layers, experts] (see profile.py)."""
+    expert, an array [layers, experts] (see profile.py). Every policy takes it; any other
+    keyword option a policy does not declare is refused.
+
+    Besides the hooks in the module's docstring (and set_prior), the cache and the
+    prefetcher use, where a policy keeps estimates of next use (None otherwise):
+    `miss_cost`, per layer what a miss costs relative to others (an array the cache
+    lowers where prefetch hides a layer's misses, ExpertCache.miss_costs); `chance(key)`,
+    the chance that `key`'s layer uses it at its next visit; `steps(key, p1, rate)`, the
+    expected layer steps until `key` is used (prefetch.outranks weighs guesses with them)."""
 
     name = ""
-    wants_router = False
-    offline = False
+    wants_router = False  # visit() wants the router's whole distribution (the runtime computes it only then)
+    offline = False  # needs the future accesses: trace replay only
+    miss_cost = None
+    chance = None
+    steps = None
 
-    def __init__(self, capacity, num_layers, num_experts, prior=None, **_):
+    def __init__(self, capacity, num_layers, num_experts, prior=None, **options):
+        if options:
+            known = ", ".join(policy_options(type(self))) or "none"
+            raise MlxmoeError(f"policy {self.name or type(self).__name__!r} has no option "
+                              f"{', '.join(map(repr, options))} (its options: {known})")
         self.capacity, self.num_layers, self.num_experts = capacity, num_layers, num_experts
 
     def tick(self, tokens=1):
@@ -59,6 +80,19 @@ class Policy:
         return False
 
 
+def policy_options(cls):
+    """The keyword options a policy class takes: those of its __init__ and its bases'."""
+    names = []
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty and p.name not in names:
+                names.append(p.name)
+    return names
+
+
 def pop_victim(heap, current, key_of, protected):
     """Pop the heap's smallest entry that is `current` (entries go stale when their key
     is accessed again or leaves) and whose key is not protected; protected entries are
@@ -79,14 +113,24 @@ def pop_victim(heap, current, key_of, protected):
             heapq.heappush(heap, entry)
 
 
-def hottest(prior, n):
-    """The n keys with the highest prior rate (those with a rate above 0), hottest first:
-    the keys a policy pins when it has a profile."""
+def hottest(rates, n, layer=None):
+    """The n keys (layer, expert) of highest rate in `rates` [layers, experts], hottest
+    first (equal rates: the lower index first); of one layer if given. The one ranking of
+    experts by heat: a policy's pins, the prefetcher's profile guesses, a profile's top."""
+    rates = np.asarray(rates)
+    if layer is not None:
+        return [(layer, int(e)) for e in np.argsort(-rates[layer], kind="stable")[:n]]
+    E = rates.shape[1]
+    return [(int(i // E), int(i % E)) for i in np.argsort(-rates, axis=None, kind="stable")[:n]]
+
+
+def pins(prior, n):
+    """The n keys with the highest prior rate among those above 0, hottest first: the keys
+    a policy pins when it has a profile."""
     if prior is None or n <= 0:
         return []
     prior = np.asarray(prior)
-    E = prior.shape[1]
-    return [(int(i // E), int(i % E)) for i in np.argsort(-prior, axis=None, kind="stable")[:n] if prior.flat[i] > 0]
+    return [key for key in hottest(prior, n) if prior[key] > 0]
 
 
 def _none_left():
@@ -127,7 +171,7 @@ class DecayedCounts:
     accessed. `value(key)` gives the decayed count.
     """
 
-    def __init__(self, half_life=DEFAULT_HALF_LIFE, initial=None):
+    def __init__(self, half_life=HALF_LIFE_LFU, initial=None):
         self.growth = 2.0 ** (1.0 / half_life)
         self.inc = 1.0
         self.count = dict(initial or {})
@@ -163,7 +207,7 @@ class LFU(Policy):
 
     name = "lfu"
 
-    def __init__(self, capacity, num_layers, num_experts, half_life=DEFAULT_HALF_LIFE, prior=None, **kw):
+    def __init__(self, capacity, num_layers, num_experts, half_life=HALF_LIFE_LFU, prior=None, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         self.counts = DecayedCounts(half_life, prior_counts(prior, half_life))
         self.heap = []  # (inflated count, seq, key), stale entries skipped lazily
@@ -207,14 +251,14 @@ class SLRU(Policy):
     name = "slru"
 
     def __init__(self, capacity, num_layers, num_experts, protected_share=0.8, window=4,
-                 half_life=DEFAULT_HALF_LIFE, prior=None, pinned=None, pin_share=0.25, **kw):
+                 half_life=HALF_LIFE_LFU, prior=None, pinned=None, pin_share=0.25, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         self.probation, self.protected = OrderedDict(), OrderedDict()
         self.protected_capacity = max(1, int(capacity * protected_share))
         self.window = window
         self.counts = DecayedCounts(half_life, prior_counts(prior, half_life))
         # by default a profile's hottest, at most pin_share of the protected segment
-        self.pinned = set(hottest(prior, int(self.protected_capacity * pin_share)) if pinned is None else pinned)
+        self.pinned = set(pins(prior, int(self.protected_capacity * pin_share)) if pinned is None else pinned)
 
     def tick(self, tokens=1):
         self.counts.tick(tokens)
@@ -363,7 +407,6 @@ class Belady(Policy):
 
 
 AGING = 4
-FLOOR_HALF_LIFE = 0.5  # tokens: activation-floor's half_life (bench_policies.py --lofo)
 
 
 class Activation(Policy):
@@ -388,8 +431,8 @@ class Activation(Policy):
     name = "activation"
     wants_router = True
 
-    def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=24, recency_half_life=4,
-                 recency_weight=0.2, router_weight=1.0, prior_weight=0.1, now_weight=0.6, horizon=2.0,
+    def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=HALF_LIFE_ACTIVATION,
+                 recency_half_life=HALF_LIFE_RECENCY, recency_weight=0.2, router_weight=1.0, prior_weight=0.1, now_weight=0.6, horizon=2.0,
                  long_min=16.0, long_max=80.0, long_prior=4.0, prefill_visits=1, now_scale=8.0,
                  pin_share=0.25, pin_release=0.5, layer_floor=False, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
@@ -446,7 +489,7 @@ class Activation(Policy):
 
     def _pin(self, have_prior):
         """Pin the prior's hottest experts, pin_share of the cache (none without a prior)."""
-        self.pinned = set(hottest(self.prior, int(self.capacity * self.pin_share))) if have_prior else set()
+        self.pinned = set(pins(self.prior, int(self.capacity * self.pin_share))) if have_prior else set()
         self.pin_candidates = [np.array(sorted(e for l, e in self.pinned if l == layer), dtype=np.intp)
                                for layer in range(self.num_layers)]
 
@@ -627,16 +670,17 @@ class Activation(Policy):
                 return layer, candidates.get(layer, order[layer][0] if order[layer] else None)
         return None
 
-    def steps(self, key, p1=None):
+    def steps(self, key, p1=None, rate=None):
         """Expected layer steps until `key` is used: d + L (1 - p1) / rate, with p1 its chance
-        of use at its layer's next visit (by default the policy's own, aged)."""
-        return ((key[0] - self.current) % self.num_layers or self.num_layers) + self._tail(key, p1)
+        of use at its layer's next visit (by default the policy's own, aged) and rate its
+        share of its layer's visits in the long run (by default the policy's own)."""
+        return ((key[0] - self.current) % self.num_layers or self.num_layers) + self._tail(key, p1, rate)
 
-    def _tail(self, key, p1=None):
+    def _tail(self, key, p1=None, rate=None):
         """The second term of steps(): L (1 - p1) / rate."""
         if p1 is None:
             p1 = self._aged(key)
-        return self.num_layers * (1.0 - min(p1, 1.0)) / self.long_rate[key]
+        return self.num_layers * (1.0 - min(p1, 1.0)) / (self.long_rate[key] if rate is None else rate)
 
     def _aged(self, key):
         """p1 of a key whose layer has not run for a while (a prefill split into runs calls
@@ -666,7 +710,7 @@ class ActivationFloor(Activation):
 
     name = "activation-floor"
 
-    def __init__(self, capacity, num_layers, num_experts, half_life=FLOOR_HALF_LIFE, layer_floor=True, **kw):
+    def __init__(self, capacity, num_layers, num_experts, half_life=HALF_LIFE_FLOOR, layer_floor=True, **kw):
         super().__init__(capacity, num_layers, num_experts, half_life=half_life, layer_floor=layer_floor, **kw)
 
 

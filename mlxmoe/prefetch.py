@@ -28,12 +28,14 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import mlx.core as mx
 import numpy as np
 
+from .policies import hottest
+
 PREDICTORS = ("router", "router_next_token", "coactivation", "previous_token", "profile")
 
 
 def hottest_per_layer(rates, k):
     """The profile predictor: each layer's k experts with the highest rate."""
-    return [set(np.argsort(-row, kind="stable")[:k].tolist()) for row in np.asarray(rates)]
+    return [{e for _, e in hottest(rates, k, layer)} for layer in range(len(rates))]
 
 
 def count_prediction(counts, predicted, used):
@@ -51,10 +53,9 @@ def precision_recall(counts):
 
 def visit_steps(policy, key, p):
     """Layer steps until `key` is used if each visit of its layer uses it with chance p:
-    d + L (1/p - 1), for a layer d steps ahead of the `activation` policy's current one,
-    over the policy's miss cost of that layer (as its victim choice weighs them)."""
-    L = policy.num_layers
-    return (((key[0] - policy.current) % L or L) + L * (1.0 / max(p, 1e-9) - 1.0)) / policy.miss_cost[key[0]]
+    the policy's steps() with p as the long-run rate too, d + L (1/p - 1), over the policy's
+    miss cost of that layer (as its victim choice weighs them)."""
+    return policy.steps(key, p, max(p, 1e-9)) / policy.miss_cost[key[0]]
 
 
 def outranks(policy, likely):
@@ -66,8 +67,8 @@ def outranks(policy, likely):
     its layer's last call, which the eviction order weighs, enters: with them nearly every
     guess lost to every victim (0.69 -> 0.32 of the loads done ahead at 50 % cache on the
     Qwen3-shaped checkpoint). None where the policy keeps no such estimate."""
-    chance = getattr(policy, "chance", None)
-    if chance is None or not hasattr(policy, "miss_cost"):
+    chance = policy.chance
+    if chance is None or policy.miss_cost is None:
         return None
     return lambda key, victim: key not in likely or visit_steps(policy, key, likely[key]) < visit_steps(
         policy, victim, chance(victim))

@@ -17,9 +17,9 @@ import numpy as np
 
 from .errors import MlxmoeError
 from .files import read_bytes, write_atomic
+from .policies import HALF_LIFE_PROFILE, hottest
 
 FORMAT = "mlxmoe.profile/1"
-DEFAULT_HALF_LIFE = 4096  # tokens: a profile remembers a long session, and still adapts
 MAX_CELLS = 1 << 22  # layers x experts a profile may claim (the largest MoE models have ~50 000)
 MAX_INT = 1 << 62  # token counts, bytes: anything above is not a real value (and overflows numpy)
 MAX_FILE_BYTES = 256 << 20  # a profile of MAX_CELLS experts with both matrices fits in ~100 MB
@@ -54,7 +54,7 @@ def prewarm_order(prior, num_layers, num_experts, cache_experts):
 
 
 class ActivationProfile:
-    def __init__(self, num_layers, num_experts, top_k, half_life=DEFAULT_HALF_LIFE, model="", model_fingerprint="",
+    def __init__(self, num_layers, num_experts, top_k, half_life=HALF_LIFE_PROFILE, model="", model_fingerprint="",
                  workload="", counts=None, mass=None, tokens=0.0, tokens_total=0, created=None, curve=None,
                  expert_bytes=None, resident_bytes=None):
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
@@ -124,11 +124,7 @@ class ActivationProfile:
     def top(self, n, layer=None):
         """The n hottest (layer, expert, rate), hottest first; of one layer if given."""
         rates = self.rates()
-        if layer is not None:
-            order = np.argsort(-rates[layer], kind="stable")[:n]
-            return [(layer, int(e), float(rates[layer, e])) for e in order]
-        order = np.argsort(-rates, axis=None, kind="stable")[:n]
-        return [(int(i // self.num_experts), int(i % self.num_experts), float(rates.flat[i])) for i in order]
+        return [(l, e, float(rates[l, e])) for l, e in hottest(rates, n, layer)]
 
     def priority(self):
         """Every (layer, expert) with activations, hottest first: the pre-warm order."""

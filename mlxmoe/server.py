@@ -52,8 +52,7 @@ from . import distributed
 from .api import generation_lock, model_fingerprint, stream_generate
 from .budget import DEFAULT_CONTEXT
 from .errors import MlxmoeError
-from .prefetch import hottest_per_layer
-from .profile import ActivationProfile, js_divergence, prewarm_order
+from .profile import ActivationProfile, js_divergence
 
 PROFILE_HEADER = "X-Mlxmoe-Profile"
 ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -64,7 +63,7 @@ class Profiles:
     named by file stem), each learning from the requests matched to it."""
 
     def __init__(self, paths, ckpt, force=False):
-        self.paths, self.by_name = {}, {}
+        self.paths, self.by_name, self.force = {}, {}, force
         fp = model_fingerprint(ckpt)
         for path in sorted(paths):
             prof = ActivationProfile.load(path)
@@ -155,12 +154,12 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         self.profiles, self.save_every, self.profile_path = profiles, save_every, profile_path
         self.served, self.active, self.failure, self.ended = 0, None, None, threading.Event()
         self.stopping = False  # this rank wants to stop (under several ranks `_stop` is what they agreed)
-        cache = provider.model.expert_cache
-        self.cache, self.group = cache, getattr(cache, "group", None)  # (mlx-lm drops the model when it stops)
+        runtime = provider.model.expert_runtime
+        self.runtime, self.group = runtime, runtime.group  # (mlx-lm drops the model when it stops)
         with distributed.waiting(self.group, "starting the server"):
             self.last_stats = distributed.merged_stats(provider.model) if self.group is not None else {}
-        self.context = DEFAULT_CONTEXT  # the tokens the budget's KV reserve is sized for (api.memory_plan)
-        self.live = cache.profile  # the load's live profile, learning from every request
+        self.context = DEFAULT_CONTEXT  # the tokens the budget's KV reserve is sized for (api.checkpoint_plan)
+        self.live = runtime.profile  # the load's live profile, learning from every request
         super().__init__(provider, prompt_cache)  # starts the generation thread
 
     def _run_generate(self):
@@ -210,15 +209,15 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         """mlx_lm.server's stream_generate: mlxmoe's, the request's prefill matched to a
         profile (or the one it names) whose rates become the policy's prior; the request's
         hits and bytes read in request.usage once it ends (before mlx-lm ends its response)."""
-        request, cache, ckpt = self.active, model.expert_cache, model.expert_cache.checkpoint
+        request, runtime = self.active, model.expert_runtime
+        cache, ckpt = runtime.cache, runtime.checkpoint
         kwargs.pop("prefill_step_size", None)
         observed = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k, half_life=0)  # this rank's layers
         name = request.mlxmoe_profile
         if name is not None:
-            self._use_profile(cache, name)
+            self._use_profile(name)
         before = _counters(cache)
-        with cache.lock:
-            cache.profile = observed  # this request's routing, apart until its profile is known
+        runtime.swap_live(observed)  # this request's routing, apart until its profile is known
         generation = stream_generate(model, tokenizer, prompt, **kwargs)
         try:
             for i, response in enumerate(generation):
@@ -227,7 +226,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                         cache.flush()  # the prefill's deferred host work (resident path) observes it
                         with distributed.waiting(self.group, "merging a prefill's routing"):
                             name = self.profiles.nearest(distributed.whole_usage(ckpt, observed))
-                        self._use_profile(cache, name)
+                        self._use_profile(name)
                     request.profile = name
                     request.decided.set()
                 yield response
@@ -239,8 +238,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                     break
         finally:
             generation.close()
-            with cache.lock:
-                cache.profile = self.live
+            runtime.swap_live(self.live)
             if self.live is not None:
                 self.live.absorb(observed)
             with distributed.waiting(self.group, "gathering a request's routing and stats"):
@@ -255,20 +253,11 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                                  "profile": name}
                 self.last_stats = distributed.merged_stats(model)
 
-    def _use_profile(self, cache, name):
+    def _use_profile(self, name):
         """`name`'s rates become the policy's prior and the prefetcher's profile guess;
-        its hottest experts fill the cache's free slots in the background (of a whole-model
-        profile, this rank's layers)."""
-        prof, ckpt = self.profiles.by_name[name], cache.checkpoint
-        if self.group is not None:
-            prof = distributed.stage_profile(prof, ckpt.layer_offset, ckpt.num_layers)
-        rates = prof.rates()
-        if cache.prewarm_done(0):
-            cache.prewarm(prewarm_order(prof, prof.num_layers, prof.num_experts, cache.capacity))
-        with cache.lock:
-            cache.policy.set_prior(rates)
-            if cache.prefetcher is not None:  # as a load with this profile would have it
-                cache.prefetcher.hottest = hottest_per_layer(rates, cache.prefetcher.top_k)
+        its hottest experts fill the cache's free slots in the background (of a profile of the
+        whole model, this rank's layers)."""
+        self.runtime.use_profile(self.profiles.by_name[name], self.profiles.force)
 
     def stats(self):
         """model.expert_cache.stats(), or while a generation holds the model (and always
@@ -284,7 +273,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         else:
             stats = dict(self.last_stats, busy=lock.locked())
         stats["server"] = {"requests": self.served, "context": self.context,
-                           "memory_budget": model.expert_cache.plan.budget,
+                           "memory_budget": self.runtime.plan.budget,
                            "profiles": {n: self.profiles.matched[n] for n in self.profiles.by_name}
                            if self.profiles is not None else {}}
         return stats
@@ -296,9 +285,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
             if self.group is None or self.group.rank() == 0:
                 self.profiles.save()
         elif self.live is not None and self.profile_path is not None:
-            live = distributed.whole_profile(self.cache) if self.group is not None else self.live
-            if self.group is None or self.group.rank() == 0:
-                live.save(self.profile_path)
+            self.runtime.save_profile(self.profile_path)  # between requests: the live profile is self.live
 
 
 class OpenAIErrors:
@@ -530,15 +517,15 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
     (--profiles) or the live one to `profile_path` (the --profile it was loaded with).
     Under several ranks (model loaded with a group) every rank calls this: rank 0 serves
     HTTP, the others follow its requests; a signal to any rank stops them all."""
-    cache = model.expert_cache
-    group = getattr(cache, "group", None)
+    runtime = model.expert_runtime
+    group = runtime.group
     profiles = None
     if profiles_dir is not None:
         try:
             folder = Path(profiles_dir)
             if not folder.is_dir():
                 raise MlxmoeError(f"--profiles {profiles_dir}: not a folder")
-            profiles = Profiles(folder.glob("*.json"), cache.checkpoint, force_profile)
+            profiles = Profiles(folder.glob("*.json"), runtime.checkpoint, force_profile)
             error = None
         except MlxmoeError as e:
             if group is None:
@@ -549,7 +536,7 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
     if save_profiles and profiles is None and profile_path is None:
         raise MlxmoeError("--save-profiles needs --profiles DIR or --profile FILE (where to write them)")
     provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size), model, tokenizer)
-    prompt_cache = LRUPromptCache(prompt_cache_size, max(1, cache.plan.kv_reserve))
+    prompt_cache = LRUPromptCache(prompt_cache_size, max(1, runtime.plan.kv_reserve))
     generator = ResponseGenerator(provider, prompt_cache, profiles, save_profiles and save_every, profile_path)
     mlx_server.stream_generate = generator.stream  # what mlx-lm's generation thread calls
 

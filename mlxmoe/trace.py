@@ -32,9 +32,9 @@ import numpy as np
 from .cache import Residency, token_chunks
 from .errors import MlxmoeError
 from .files import read_lines, temp_beside
-from .policies import ONLINE, make_policy
+from .policies import HALF_LIFE_PROFILE, ONLINE, make_policy
 from .prefetch import count_prediction, hottest_per_layer, precision_recall
-from .profile import DEFAULT_HALF_LIFE, ActivationProfile, prewarm_order, shape_fingerprint
+from .profile import ActivationProfile, prewarm_order, shape_fingerprint
 
 FORMAT = "mlxmoe.trace/1"
 MAX_EXPERTS = 1 << 22  # layers x experts a header may claim
@@ -263,7 +263,7 @@ def trace_fingerprint(header):
     return header.get("fingerprint") or shape_fingerprint(header["num_layers"], header["num_experts"])
 
 
-def build_profile(traces, workload="", half_life=DEFAULT_HALF_LIFE):
+def build_profile(traces, workload="", half_life=HALF_LIFE_PROFILE):
     """An ActivationProfile learnt from traces [(name, header, records)] of one model, as
     the runtime's live profile learns from a run: the first layer of each layer call
     ticks it by the call's tokens, every call counts its distinct experts once, with their

@@ -32,12 +32,12 @@ def tokens(model, tokenizer):
 def parity(path, group):
     out = {}
     model, _ = mlxmoe.load(path, group=group, prefetch=0)
-    local = model.expert_cache.checkpoint.num_layers * model.expert_cache.checkpoint.num_experts
+    local = model.expert_runtime.checkpoint.num_layers * model.expert_runtime.checkpoint.num_experts
     model.expert_cache.close()
     for name, experts in (("full", local), ("half", local // 2)):
         model, tokenizer = mlxmoe.load(path, group=group, cache_experts=experts)
         cache = model.expert_cache
-        ckpt = cache.checkpoint
+        ckpt = model.expert_runtime.checkpoint
         got = tokens(model, tokenizer)
         cache.close()
         stats = distributed.cluster_stats(model)
@@ -53,13 +53,13 @@ def budget(path, group, size):
     base = rss()
     mx.reset_peak_memory()
     model, tokenizer = mlxmoe.load(path, group=group, memory_budget=size)
-    cache = model.expert_cache
+    cache, runtime = model.expert_cache, model.expert_runtime
     tokens(model, tokenizer)
     cache.close()
     peak_rss = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
-    return {"base_rss": base, "peak_rss": peak_rss, "mlx_peak": mx.get_peak_memory(), "budget": cache.plan.budget,
+    return {"base_rss": base, "peak_rss": peak_rss, "mlx_peak": mx.get_peak_memory(), "budget": runtime.plan.budget,
             "cache_experts": cache.capacity, "misses": cache.stats()["misses"],
-            "local_experts": cache.checkpoint.num_layers * cache.checkpoint.num_experts}
+            "local_experts": runtime.checkpoint.num_layers * runtime.checkpoint.num_experts}
 
 
 def readfail(path, group):
@@ -83,7 +83,7 @@ def tensor(path, group):
     out = {"stock": [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=MAX_TOKENS)]}
     distributed.barrier(group)
     model, _ = mlxmoe.load(path, group=group, split="tensor", prefetch=0)
-    every = model.expert_cache.checkpoint.num_layers * model.expert_cache.checkpoint.num_experts
+    every = model.expert_runtime.checkpoint.num_layers * model.expert_runtime.checkpoint.num_experts
     model.expert_cache.close()
     for name, experts in (("full", every), ("half", every // 2)):
         model, tokenizer = mlxmoe.load(path, group=group, split="tensor", cache_experts=experts)

@@ -6,6 +6,7 @@ import re
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from mlx_lm.generate import GenerationResponse
@@ -16,6 +17,7 @@ from mlxmoe.backend import detect
 from mlxmoe.cli import main
 from mlxmoe.errors import MlxmoeError
 
+ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Once upon a time"
 STATS_KEYS = {"tokens", "hits", "misses", "hit_rate", "bytes_read", "loads_prefetched", "prefetch_useful",
               "cache_bytes", "peak_memory", "decode_tps"}
@@ -273,3 +275,125 @@ def test_demo_model_is_named_not_located():
     root = Path(__file__).resolve().parent.parent
     for name in ("italian.json", "english.json"):
         assert json.loads((root / "profiles" / name).read_text())["model"] == "mlxmoe-demo"
+
+
+def test_runtime_owns_what_load_built():
+    """model.expert_runtime holds the checkpoint, plan, backend and cache; the cache carries
+    none of them (nothing is hung on it from outside)."""
+    model, _ = mlxmoe.load(mlxmoe.DEMO_MODEL, cache_experts=16)
+    rt = model.expert_runtime
+    assert isinstance(rt, mlxmoe.Runtime) and rt.cache is model.expert_cache
+    assert rt.plan.cache_experts == rt.cache.capacity == 16 and rt.backend.name == detect().name
+    assert rt.checkpoint.model is model and rt.profile is rt.cache.profile and rt.prefetcher is rt.cache.prefetcher
+    assert not any(hasattr(rt.cache, a) for a in ("plan", "backend", "checkpoint", "group", "error", "trace_target"))
+    rt.close()
+
+
+def test_script_records_the_profile_the_cli_records(tmp_path):
+    """record_profile + generate + save_profile writes what `mlxmoe profile record` writes
+    for the same prompts (its counts, tokens and identity), and the name given."""
+    lines = ["Ciao, come stai oggi?", "Raccontami una storia breve."]
+    (tmp_path / "prompts.txt").write_text("\n".join(lines) + "\n")
+    cli_out, api_out = tmp_path / "cli.json", tmp_path / "api.json"
+    r = CliRunner().invoke(main, ["profile", "record", "--prompts", str(tmp_path / "prompts.txt"), "--chat-template",
+                                  "--max-tokens", "8", "--cache-experts", "16", "-w", "Italian chat",
+                                  "--half-life", "512", "-o", str(cli_out)])
+    assert r.exit_code == 0, r.output
+
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, cache_experts=16)
+    rt = model.expert_runtime
+    mlxmoe.generate(model, tokenizer, "warm-up before recording", max_tokens=4)  # not recorded
+    live = rt.record_profile("Italian chat", half_life=512)
+    assert rt.profile is live and live.tokens_total == 0
+    for line in lines:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": line}], add_generation_prompt=True)
+        mlxmoe.generate(model, tokenizer, prompt, max_tokens=8)
+    rt.close()
+    assert rt.save_profile(api_out) is live
+
+    want, got = json.loads(cli_out.read_text()), json.loads(api_out.read_text())
+    assert got["tokens_total"] == want["tokens_total"] > 2 * 8
+    for key in ("workload", "model", "fingerprint", "num_layers", "num_experts", "top_k", "decay",
+                "expert_bytes", "resident_bytes", "tokens", "router_mass"):
+        assert got[key] == want[key], key
+    assert got["counts"] == want["counts"] and sum(map(sum, got["counts"])) > 0
+
+
+def test_swap_a_profile_mid_session():
+    """use_profile makes a profile the policy's prior and the prefetcher's guess as a load
+    with it does, mid-session; the output stays mlx-lm's; another model's profile is refused."""
+    from mlxmoe.prefetch import hottest_per_layer
+    from mlxmoe.profile import ActivationProfile
+
+    italian = ROOT / "profiles" / "italian.json"
+    ref, ref_tok = stock(mlxmoe.DEMO_MODEL)
+    want = mlx_lm.generate(ref, ref_tok, "Il gatto", max_tokens=12)
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, cache_experts=20)
+    rt = model.expert_runtime
+    mlxmoe.generate(model, tokenizer, "The cat", max_tokens=4)
+    policy = rt.cache.policy
+    assert not policy.prior.any() and not policy.pinned and rt.prefetcher.hottest is None
+    prior = rt.use_profile(italian)
+    rates = ActivationProfile.load(italian).rates()
+    assert prior.workload == "Italian chat" and np.array_equal(policy.prior, rates)
+    assert rt.prefetcher.hottest == hottest_per_layer(rates, rt.prefetcher.top_k)
+    loaded, _ = mlxmoe.load(mlxmoe.DEMO_MODEL, cache_experts=20, profile=italian)
+    assert policy.pinned == loaded.expert_cache.policy.pinned and policy.pinned  # as a load with it would
+    loaded.expert_runtime.close()
+    assert mlxmoe.generate(model, tokenizer, "Il gatto", max_tokens=12) == want
+    other = ActivationProfile.load(italian)
+    other.fingerprint = "another-model"
+    with pytest.raises(MlxmoeError, match="another"):
+        rt.use_profile(other)
+    rt.close()
+
+
+def test_chat_switches_profile(tmp_path):
+    """chat's /profile FILE goes through Runtime.use_profile; a bad file is reported and the chat goes on."""
+    r = CliRunner().invoke(main, ["chat", "--max-tokens", "4", "--cache-experts", "20"],
+                           input=f"/profile {ROOT / 'profiles' / 'italian.json'}\n/profile {tmp_path / 'no.json'}\n"
+                                 "ciao\n/quit\n")
+    assert r.exit_code == 0, r.output
+    assert "[profile 'Italian chat' is the expert cache's prior now]" in r.stdout
+    assert "no.json" in r.stdout and len([l for l in r.stderr.splitlines() if "expert hit rate" in l]) == 1
+
+
+def test_budget_to_experts_without_loading(tmp_path):
+    """mlxmoe.memory_plan says what --memory-budget resolves to: the count `info` prints,
+    the cache `load` and `generate` build."""
+    first = mlxmoe.memory_plan(mlxmoe.DEMO_MODEL, cache_experts=2)
+    budget = first.minimum + 5 * first.slot_bytes + first.slot_bytes // 2
+    plan = mlxmoe.memory_plan(mlxmoe.DEMO_MODEL, budget)
+    assert plan.cache_experts == 2 + 5 and plan.budget == budget  # top-k 2, five more whole experts
+    r = CliRunner().invoke(main, ["info", "--memory-budget", str(budget), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["budget"]["cache_experts"] == plan.cache_experts
+    out = tmp_path / "stats.json"
+    r = CliRunner().invoke(main, ["generate", "--memory-budget", str(budget), "--prompt", PROMPT, "--max-tokens", "2",
+                                  "--stats-json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["cache_experts"] == plan.cache_experts
+    model, _ = mlxmoe.load(mlxmoe.DEMO_MODEL, memory_budget=budget)
+    assert model.expert_cache.capacity == plan.cache_experts
+    model.expert_runtime.close()
+    with pytest.raises(MlxmoeError, match="below the minimum"):
+        mlxmoe.memory_plan(mlxmoe.DEMO_MODEL, first.minimum - 1)
+
+
+def test_public_api_has_type_hints():
+    """Every function exported from mlxmoe and every public Runtime method names the types
+    of its arguments and result, and the names resolve."""
+    import inspect
+    import typing
+
+    funcs = [getattr(mlxmoe, n) for n in mlxmoe.__all__ if inspect.isfunction(getattr(mlxmoe, n))]
+    funcs += [f for n, f in vars(mlxmoe.Runtime).items() if not n.startswith("_") and inspect.isfunction(f)]
+    funcs += [p.fget for p in vars(mlxmoe.Runtime).values() if isinstance(p, property)]
+    assert {f.__name__ for f in funcs} >= {"load", "generate", "stream_generate", "memory_plan", "record_profile",
+                                           "use_profile", "save_profile", "close", "profile"}
+    for f in funcs:
+        hints = typing.get_type_hints(f)
+        params = [p for p in inspect.signature(f).parameters.values()
+                  if p.name != "self" and p.kind is not p.VAR_KEYWORD]
+        missing = [p.name for p in params if p.name not in hints] + ([] if "return" in hints else ["return"])
+        assert not missing, f"{f.__qualname__}: no type for {missing}"

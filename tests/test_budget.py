@@ -28,7 +28,7 @@ def rchar():
 path, budget = sys.argv[1], sys.argv[2]
 base = rss()
 model, tokenizer = mlxmoe.load(path, memory_budget=budget)
-cache = model.expert_cache
+cache, runtime = model.expert_cache, model.expert_runtime
 mlxmoe.generate(model, tokenizer, "zero", max_tokens=2)  # first call imports a few modules: reads files
 cache.prefetcher.drain()
 cache.reset_stats()
@@ -40,9 +40,9 @@ read = rchar() - before
 peak_rss = int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
 s = cache.stats()
 print(json.dumps({"base_rss": base, "peak_rss": peak_rss, "mlx_peak": mx.get_peak_memory(), "rchar": read,
-                  "stats": s, "budget": cache.plan.budget, "slot_bytes": cache.plan.slot_bytes,
+                  "stats": s, "budget": runtime.plan.budget, "slot_bytes": runtime.plan.slot_bytes,
                   "expert_file_bytes": cache.store.expert_file_bytes(),
-                  "all_experts": cache.checkpoint.num_layers * cache.checkpoint.num_experts}))
+                  "all_experts": runtime.checkpoint.num_layers * runtime.checkpoint.num_experts}))
 """
 
 

@@ -46,7 +46,7 @@ def tokens(path, **kw):
     model, tokenizer = mlxmoe.load(str(path), **kw)
     out = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
     model.expert_cache.close()
-    return out, model.expert_cache
+    return out, model.expert_runtime
 
 
 @pytest.mark.parametrize("arch,quant,layout", [("qwen3_moe", "4bit", "stacked"), ("gpt_oss", "mxfp4", "stacked"),
@@ -57,11 +57,12 @@ def test_greedy_tokens_match_mlx_lm_on_the_original(bundled, arch, quant, layout
     detect().apply_dtype_policy(model)
     want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
     assert len(set(want)) >= 3
-    got, cache = tokens(dst)  # everything fits
+    got, runtime = tokens(dst)  # everything fits
     assert got == want
-    k, layers = cache.checkpoint.top_k, cache.checkpoint.num_layers
+    k, layers = runtime.checkpoint.top_k, runtime.checkpoint.num_layers
     for size in (k * layers, k):  # streaming
-        got, cache = tokens(dst, cache_experts=size)
+        got, runtime = tokens(dst, cache_experts=size)
+        cache = runtime.cache
         assert got == want, f"cache of {size} experts changed the output"
         stats = cache.stats()
         assert stats["misses"] > 0

@@ -299,12 +299,12 @@ def test_fuzz_config_and_tokenizer(tmp_path):
                 victim.mkdir()
 
         def use():
-            from mlxmoe.api import memory_plan
+            from mlxmoe.api import checkpoint_plan
 
             read_config(folder)
             ckpt = open_checkpoint(folder)
             try:
-                memory_plan(ckpt, backend, "1GB")
+                checkpoint_plan(ckpt, backend, "1GB")
                 read_tokenizer(folder, eos_token_ids=ckpt.config.get("eos_token_id"))
             finally:
                 ckpt.store.close()

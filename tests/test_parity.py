@@ -30,7 +30,7 @@ def reference_tokens(path):
 def run(path, **kw):
     model, tokenizer = mlxmoe.load(str(path), **kw)
     tokens = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
-    return tokens, model.expert_cache
+    return tokens, model.expert_runtime
 
 
 @pytest.mark.parametrize("arch,quant,layout", VARIANTS, ids=lambda v: str(v))
@@ -39,14 +39,16 @@ def test_greedy_tokens_match_mlx_lm(checkpoint, arch, quant, layout):
     want = reference_tokens(path)
     assert len(set(want)) >= 3, "the reference model repeats itself; the test would prove little"
 
-    tokens, cache = run(path)  # default budget: everything fits
-    total = cache.checkpoint.num_layers * cache.checkpoint.num_experts
-    k = cache.checkpoint.top_k
-    assert cache.capacity == total
+    tokens, runtime = run(path)  # default budget: everything fits
+    ckpt = runtime.checkpoint
+    total = ckpt.num_layers * ckpt.num_experts
+    k = ckpt.top_k
+    assert runtime.cache.capacity == total
     assert tokens == want
-    sizes = {"half": total // 2, "per-layer minimum": k * cache.checkpoint.num_layers, "minimum": k}
+    sizes = {"half": total // 2, "per-layer minimum": k * ckpt.num_layers, "minimum": k}
     for name, size in sizes.items():
-        tokens, cache = run(path, cache_experts=size)
+        tokens, runtime = run(path, cache_experts=size)
+        cache = runtime.cache
         assert tokens == want, f"cache of {size} experts ({name}) changed the output"
         stats = cache.stats()
         assert stats["misses"] > 0 and stats["cache_experts"] == size
@@ -59,9 +61,9 @@ def test_bfloat16_checkpoint(checkpoint):
     """bf16 weights are widened to float32 on CPU as they are read; output still matches."""
     path = checkpoint("qwen3_moe", dtype="bfloat16")
     want = reference_tokens(path)
-    tokens, cache = run(path, cache_experts=4)
+    tokens, runtime = run(path, cache_experts=4)
     assert tokens == want
-    assert cache.store.tensor_dtypes[0] == "BF16"
+    assert runtime.cache.store.tensor_dtypes[0] == "BF16"
 
 
 def test_long_prompt_is_chunked_at_minimum_cache(checkpoint):
@@ -86,13 +88,13 @@ def test_everything_resident_runs_without_host_work_per_layer(checkpoint, tmp_pa
     want = reference_tokens(path)
     trace = tmp_path / "run.trace.jsonl"
     model, tokenizer = mlxmoe.load(str(path), trace_out=str(trace))
-    cache = model.expert_cache
+    cache, ckpt = model.expert_cache, model.expert_runtime.checkpoint
     assert cache.prewarm_done(timeout=60)
     tokens = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
     assert tokens == want
     assert cache.slot_table is not None and cache.deferred == []  # the resident path ran, its work is done
     stats = cache.stats()
-    total = cache.checkpoint.num_layers * cache.checkpoint.num_experts
+    total = ckpt.num_layers * ckpt.num_experts
     assert stats["misses"] == 0 and stats["bytes_read"] == total * cache.store.expert_file_bytes()
     profile = cache.profile
     cache.close()

@@ -434,3 +434,55 @@ def test_deferring_all_hit_calls_changes_no_decision(name):
     assert log[0] == log[1]
     assert (runs[0].hits, runs[0].misses) == (runs[1].hits, runs[1].misses)
     assert deferred > 50  # of 900 layer calls, many hit and waited for the policy
+
+
+def test_unknown_option_is_refused_naming_it_and_the_policy():
+    """A mistyped tuning knob is an error, not silently ignored; every real option, and a
+    profile's prior, is still taken (the default's own and those it inherits)."""
+    with pytest.raises(MlxmoeError, match=r"policy 'activation-floor' has no option 'halflife'.*half_life"):
+        make_policy("activation-floor", 8, 2, 8, halflife=1)
+    with pytest.raises(MlxmoeError, match=r"policy 'lru' has no option 'half_life' \(its options: prior\)"):
+        make_policy("lru", 8, 2, 8, half_life=4)
+    prior = np.full((2, 8), 0.25)
+    p = make_policy("activation-floor", 8, 2, 8, half_life=1, layer_floor=False, prior=prior, now_weight=0.3)
+    assert p.floor is None and p.slow == 0.5 and p.now_weight == 0.3 and len(p.pinned) == 2
+    assert make_policy("activation", 8, 2, 8, layer_floor=True).floor == 4
+    assert make_policy("lfu", 8, 2, 8, half_life=4, prior=prior).counts.growth == 2 ** 0.25
+    assert make_policy("slru", 8, 2, 8, window=2, pin_share=0.5, prior=prior).window == 2
+    make_policy("s3fifo", 8, 2, 8, small_share=0.2, prior=prior)
+    for name in ("layer-lru", "layer-lfu", "lfuda"):
+        make_policy(name, 8, 2, 8, prior=prior)
+
+
+def test_optional_hooks_are_declared():
+    """The hooks the cache and the prefetcher use exist on every policy: None where the
+    policy keeps no estimate of next use, so neither looks them up by name."""
+    from mlxmoe.prefetch import visit_steps
+
+    for name in ("lru", "lfu", "slru", "s3fifo", "layer-lru", "layer-lfu", "lfuda"):
+        p = make_policy(name, 8, 2, 8)
+        assert (p.miss_cost, p.chance, p.steps) == (None, None, None)
+    p = make_policy(DEFAULT_POLICY, 8, 2, 8)
+    p.current = 0
+    p.miss_cost[1] = 0.5
+    # a guess of layer 1 used at half its visits: 1 + 2 (1/0.5 - 1) layer steps, at half the cost
+    assert visit_steps(p, (1, 3), 0.5) == pytest.approx((1 + 2 * 1.0) / 0.5)
+    assert visit_steps(p, (0, 3), 1.0) == 2.0  # the current layer's: its next visit, a round of layers away
+
+
+def test_one_ranking_of_the_hottest():
+    """Pins, the prefetcher's profile guesses and a profile's top list rank experts the
+    same way: highest rate first, the lower index on ties; pins skip unused experts."""
+    from mlxmoe.policies import hottest, pins
+    from mlxmoe.prefetch import hottest_per_layer
+    from mlxmoe.profile import ActivationProfile
+
+    rates = np.array([[0.1, 0.5, 0.0, 0.5], [0.0, 0.0, 0.2, 0.0]])
+    assert hottest(rates, 3) == [(0, 1), (0, 3), (1, 2)]
+    assert hottest(rates, 2, layer=1) == [(1, 2), (1, 0)]
+    assert pins(rates, 8) == [(0, 1), (0, 3), (1, 2), (0, 0)]
+    assert pins(None, 3) == [] and pins(rates, 0) == []
+    assert hottest_per_layer(rates, 2) == [{1, 3}, {2, 0}]
+    profile = ActivationProfile(2, 4, 2, counts=rates * 10, tokens=10)
+    assert [(l, e) for l, e, _ in profile.top(3)] == hottest(rates, 3)
+    assert profile.priority() == pins(rates, 8)

@@ -267,7 +267,7 @@ def test_profiles_matched_per_request_and_named(tmp_path):
         stats = s.json("GET", "/v1/mlxmoe/stats")[2]["server"]["profiles"]
         assert sum(stats.values()) == 9 and stats["italian"] >= 4
     finally:
-        assert s.stop() == 0
+        assert s.stop() == 0, "".join(s.lines[-20:])
 
 
 def test_profiles_saved_every_n_requests_and_at_sigterm_mid_request(tmp_path):
