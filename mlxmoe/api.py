@@ -332,7 +332,8 @@ def model_name(path):
 
 
 def model_fingerprint(ckpt):
-    return fingerprint(ckpt.config, ckpt.store.tensors, ckpt.store.tensor_shapes, ckpt.all_layers, ckpt.num_experts)
+    """The whole model's, under any split (its profiles load on any)."""
+    return fingerprint(ckpt.config, ckpt.store.tensors, ckpt.store.model_shapes, ckpt.all_layers, ckpt.num_experts)
 
 
 def prefill_step(plan, tokenizer, prompt, prompt_cache=None):
@@ -379,16 +380,22 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
         if cache is not None:
             cache.new_sequence()
         group = None if runtime is None else runtime.group
-        for response in _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
-            if cache is not None:
-                cache.counters.decode_tps = response.generation_tps
-            if group is not None and distributed.failed_any(group, runtime.error):
-                distributed.check(group, runtime.error, bound=False)
+        steps = _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+        while True:
+            with distributed.waiting(group, "generating a token"):  # a step waits on the other stages
+                response = next(steps, None)
+                if response is None:
+                    break
+                if cache is not None:
+                    cache.counters.decode_tps = response.generation_tps
+                if group is not None and distributed.failed_any(group, runtime.error):
+                    distributed.check(group, runtime.error, bound=False)
             yield response
         if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
             cache.flush()
         if group is not None:
-            distributed.barrier(group)
+            with distributed.waiting(group, "ending a generation"):
+                distributed.barrier(group)
     finally:
         if cache is not None and cache.later:  # closed early: its arrays are this thread's
             cache.flush()

@@ -5,16 +5,23 @@ a contiguous run of layers (the last rank the first layers); a rank builds only 
 layers' weights and StreamingExperts, and streams only their experts under its own
 budget. Ranks exchange small JSON messages (errors, stats, profiles, traces) with
 `all_gather`: each exchange is a collective that every rank makes at the same point.
-A rank that fails reports its error through the next exchange, so that rank 0 names it;
-collectives that wait on a peer that may never come are bounded by a watchdog.
+A rank that fails reports its error through the next exchange, so that rank 0 names it.
+MLX's collectives take no timeout: a peer that never comes, or stops without dying
+(SIGSTOP, a hung host), would leave the others waiting forever. Two watchdogs bound the
+waits: `bounded` (a process: joining the ranks holds the GIL) for the start-up, and
+`waiting` (a thread: a collective waiting in MLX releases the GIL) for every generation
+step and stop vote, where a process per wait would cost too much.
 """
 
 import json
+import math
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
+from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +30,8 @@ from .errors import MlxmoeError
 from .files import write_atomic
 from .profile import ActivationProfile
 
-# Seconds a rank waits for its peers to join (start-up) or to finish loading; 0: forever.
+# Seconds a rank waits for its peers: to join (start-up), to finish loading, to answer in a
+# generation step or a vote; 0: forever.
 TIMEOUT_ENV = "MLXMOE_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
 
@@ -43,8 +51,8 @@ def launched():
 def bounded(what, fn, seconds=None):
     """fn(), or if it has not returned after `seconds` (a peer that never came, or died
     without a word): the error on standard error and the process ends. The watchdog is a
-    separate process: a collective blocked in MLX holds the GIL, so no Python thread or
-    signal handler of this process would run."""
+    separate process: joining the ranks (mx.distributed.init) holds the GIL, so no Python
+    thread or signal handler of this process would run."""
     seconds = timeout() if seconds is None else seconds
     if not seconds:
         return fn()
@@ -57,6 +65,103 @@ def bounded(what, fn, seconds=None):
     finally:
         os.killpg(watchdog.pid, signal.SIGKILL)  # its sleep too
         watchdog.wait()
+
+
+_waits = {}  # thread id -> (deadline, group, what, seconds) of the waits on other ranks in progress
+_watcher = []  # the thread that watches them, once started
+_heard = {}  # rank -> when (time.monotonic()) its last heartbeat came
+HEARTBEAT = 1.0  # seconds between a rank's heartbeats
+
+
+@contextmanager
+def waiting(group, what, seconds=None):
+    """Bound a wait on the other ranks (a collective, a pipeline step): if it has not ended
+    after `seconds` (timeout()), the process says which ranks did not answer and exits 2
+    at once (a thread cannot unwind a wait inside MLX; the launcher then stops the others).
+    The other ranks give rank 0 a few seconds more, so that it speaks for all where it can.
+    No cost without a group; nested waits keep the inner bound."""
+    seconds = timeout() if seconds is None else seconds
+    if group is None or not seconds:
+        yield
+        return
+    if group.rank() != 0:
+        seconds += min(seconds, 5.0)
+    me = threading.get_ident()
+    outer = _waits.get(me)
+    _waits[me] = (time.monotonic() + seconds, group, what, seconds)
+    if not _watcher:
+        _watcher.append(threading.Thread(target=_watch, name="mlxmoe-rank-watchdog", daemon=True))
+        _watcher[0].start()
+        _start_heartbeat(group)
+    try:
+        yield
+    finally:
+        if outer is None:
+            del _waits[me]
+        else:
+            _waits[me] = outer
+
+
+def _watch():
+    while True:
+        time.sleep(0.2)
+        now = time.monotonic()
+        for deadline, group, what, seconds in list(_waits.values()):
+            if now > deadline:
+                peers = " or ".join(f"rank {r}" for r in silent(group, min(3 * HEARTBEAT, seconds / 2)))
+                message = (f"rank {group.rank()}: no answer from {peers} within {seconds:g} s while {what} "
+                           f"(a rank stopped or hung without exiting; {TIMEOUT_ENV} sets this limit)")
+                os.write(2, (f"error: {message}\n" if group.rank() == 0  # as the CLI prints errors
+                             else f"[rank {group.rank()}] error: {message}\n").encode())
+                os._exit(2)
+
+
+def silent(group, quiet):
+    """The other ranks whose heartbeat has not come for `quiet` seconds (stopped, hung or cut
+    off; the others wait with this one), or all of them when none can be told apart."""
+    others = [r for r in range(group.size()) if r != group.rank()]
+    now = time.monotonic()
+    stopped = [r for r in others if now - _heard.get(r, -math.inf) > quiet]
+    return stopped if 0 < len(stopped) < len(others) else others
+
+
+def _start_heartbeat(group):
+    """Each rank's sign of life to the others: a UDP datagram every HEARTBEAT seconds to
+    each, on the port of its ring address (where the ring backend listens on TCP). Without
+    a ring hostfile (other backends) or where the port is taken, none: `silent` then names
+    every other rank."""
+    try:
+        with open(os.environ["MLX_HOSTFILE"]) as f:
+            addresses = [(ip, int(port)) for ip, port in (h[0].rsplit(":", 1) for h in json.load(f))]
+        if len(addresses) != group.size():
+            return
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(addresses[group.rank()])
+    except (KeyError, OSError, ValueError, TypeError, IndexError, AttributeError):
+        return
+    sock.settimeout(HEARTBEAT)
+    me = group.rank()
+
+    def beat():
+        sent = -math.inf
+        while True:
+            if time.monotonic() - sent >= HEARTBEAT:
+                sent = time.monotonic()
+                for r, address in enumerate(addresses):
+                    if r != me:
+                        try:
+                            sock.sendto(str(me).encode(), address)
+                        except OSError:  # no route yet: the next beat tries again
+                            pass
+            try:
+                data, _ = sock.recvfrom(16)
+                _heard[int(data)] = time.monotonic()
+            except socket.timeout:
+                pass
+            except (OSError, ValueError):
+                time.sleep(0.1)
+
+    threading.Thread(target=beat, name="mlxmoe-heartbeat", daemon=True).start()
 
 
 def init(backend="any"):
@@ -170,14 +275,26 @@ def gather_stats(group, stats, pipeline=True):
     return {"ranks": ranks, "total": total}
 
 
-def merge_counts(group, offset, counts, total_layers):
-    """Each rank's [local layers, experts] array placed at its layers: the whole model's
-    (exchanged as JSON, so float64 values arrive exact)."""
-    full = np.zeros((total_layers, counts.shape[1]))
-    for part in exchange(group, {"offset": offset, "counts": np.asarray(counts).tolist()}):
-        rows = np.array(part["counts"], dtype=np.float64).reshape(-1, counts.shape[1])
-        full[part["offset"]:part["offset"] + len(rows)] = rows
-    return full
+def merge_layers(ckpt, *stage_arrays):
+    """Each [this stage's layers, experts] array as the whole model's, on every rank. Under
+    the pipeline split one all_sum of every rank's arrays placed at its layers, zeros
+    elsewhere (so the float64 sums are exact: every cell has one rank's value); under the
+    tensor split every rank routes every layer: its arrays are already the whole model's."""
+    if ckpt.split != "pipeline":
+        return np.stack(stage_arrays)
+    full = np.zeros((len(stage_arrays), ckpt.all_layers, ckpt.num_experts))
+    full[:, ckpt.layer_offset:ckpt.layer_offset + ckpt.num_layers] = stage_arrays
+    return np.array(mx.distributed.all_sum(mx.array(full, dtype=mx.float64), group=ckpt.group, stream=mx.cpu))
+
+
+def whole_usage(ckpt, observed):
+    """A profile of this rank's layers (a server request's routing) as the whole model's,
+    the same on every rank (a collective)."""
+    if ckpt.group is None:
+        return observed
+    counts, mass = merge_layers(ckpt, observed.counts, observed.mass)
+    return ActivationProfile(ckpt.all_layers, observed.num_experts, observed.top_k, half_life=observed.half_life,
+                             counts=counts, mass=mass, tokens=observed.tokens, tokens_total=observed.tokens_total)
 
 
 def merge_traces(group, offset, text):
@@ -221,8 +338,7 @@ def whole_profile(runtime):
     """The whole model's live profile from every rank's stage (a collective): the format of
     a one-process profile (resident_bytes: the stages' sum)."""
     p, ckpt = runtime.profile, runtime.checkpoint
-    counts = merge_counts(ckpt.group, ckpt.layer_offset, p.counts, ckpt.all_layers)
-    mass = merge_counts(ckpt.group, ckpt.layer_offset, p.mass, ckpt.all_layers)
+    counts, mass = merge_layers(ckpt, p.counts, p.mass)
     resident = sum(r or 0 for r in exchange(ckpt.group, p.resident_bytes))
     return ActivationProfile(ckpt.all_layers, p.num_experts, p.top_k, p.half_life, p.model, p.fingerprint,
                              p.workload, counts, mass, p.tokens, p.tokens_total, p.created, p.curve,

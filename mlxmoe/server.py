@@ -22,7 +22,12 @@ generation thread are used as they are; the subclasses below change only what ha
   with the other ranks, which run the same generation. On top of it every rank votes, once
   per poll and once per token, whether to stop (a signal on any rank, a client gone), so
   that all stop together; a rank that fails or leaves makes the collectives raise, and
-  every rank exits with the error.
+  every rank exits with the error; one that stops answering without leaving ends the
+  others after MLXMOE_DIST_TIMEOUT seconds (distributed.waiting). Each rank sees its own
+  layers' routing: with --profiles a request's prefill routing is summed over the ranks
+  (each its layers, zeros elsewhere), so that every rank picks the same profile of the
+  whole model and takes its own layers' part; every rank learns the whole request's
+  routing, and rank 0 writes the profiles.
 """
 
 import argparse
@@ -152,7 +157,8 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         self.stopping = False  # this rank wants to stop (under several ranks `_stop` is what they agreed)
         runtime = provider.model.expert_runtime
         self.runtime, self.group = runtime, runtime.group  # (mlx-lm drops the model when it stops)
-        self.last_stats = distributed.merged_stats(provider.model) if self.group is not None else {}
+        with distributed.waiting(self.group, "starting the server"):
+            self.last_stats = distributed.merged_stats(provider.model) if self.group is not None else {}
         self.context = DEFAULT_CONTEXT  # the tokens the budget's KV reserve is sized for (api.checkpoint_plan)
         self.live = runtime.profile  # the load's live profile, learning from every request
         super().__init__(provider, prompt_cache)  # starts the generation thread
@@ -169,9 +175,10 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
     def _next_request(self, timeout=None):
         """mlx-lm's (under several ranks rank 0 takes it and shares it with the others);
         then every rank says whether it is stopping, and all stop together."""
-        request = super()._next_request(timeout)
-        if self.group is not None and distributed.any_rank(self.group, self.stopping):
-            self._stop = True
+        with distributed.waiting(self.group, "sharing the next request"):
+            request = super()._next_request(timeout)
+            if self.group is not None and distributed.any_rank(self.group, self.stopping):
+                self._stop = True
         return request
 
     def stop_and_join(self):
@@ -206,7 +213,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         request, runtime = self.active, model.expert_runtime
         cache, ckpt = runtime.cache, runtime.checkpoint
         kwargs.pop("prefill_step_size", None)
-        observed = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k, half_life=0)
+        observed = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k, half_life=0)  # this rank's layers
         name = request.mlxmoe_profile
         if name is not None:
             self._use_profile(name)
@@ -218,14 +225,16 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                 if i == 0:
                     if name is None and self.profiles is not None:
                         cache.flush()  # the prefill's deferred host work (resident path) observes it
-                        name = self.profiles.nearest(observed)
+                        with distributed.waiting(self.group, "merging a prefill's routing"):
+                            name = self.profiles.nearest(distributed.whole_usage(ckpt, observed))
                         self._use_profile(name)
                     request.profile = name
                     request.decided.set()
                 yield response
                 stop = self._stop or self.stopping or request.cancelled  # shutting down, or the client went away
                 if self.group is not None:
-                    stop = distributed.any_rank(self.group, stop)
+                    with distributed.waiting(self.group, "voting to stop"):
+                        stop = distributed.any_rank(self.group, stop)
                 if stop:
                     break
         finally:
@@ -233,20 +242,22 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
             runtime.swap_live(self.live)
             if self.live is not None:
                 self.live.absorb(observed)
-            if name is not None and self.profiles is not None:
-                self.profiles.learn(name, observed)
-                self.profiles.matched[name] += 1
-            hits, misses, read = (a - b for a, b in zip(_counters(cache), before))
-            if self.group is not None:
-                hits, misses, read = distributed.sum_ranks(self.group, [hits, misses, read])
-            request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                             "expert_hits": hits, "expert_misses": misses, "mb_read": read / 1e6,
-                             "profile": name}
-            self.last_stats = distributed.merged_stats(model)
+            with distributed.waiting(self.group, "gathering a request's routing and stats"):
+                if name is not None and self.profiles is not None:
+                    self.profiles.learn(name, distributed.whole_usage(ckpt, observed))
+                    self.profiles.matched[name] += 1
+                hits, misses, read = (a - b for a, b in zip(_counters(cache), before))
+                if self.group is not None:
+                    hits, misses, read = distributed.sum_ranks(self.group, [hits, misses, read])
+                request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                                 "expert_hits": hits, "expert_misses": misses, "mb_read": read / 1e6,
+                                 "profile": name}
+                self.last_stats = distributed.merged_stats(model)
 
     def _use_profile(self, name):
         """`name`'s rates become the policy's prior and the prefetcher's profile guess;
-        its hottest experts fill the cache's free slots in the background."""
+        its hottest experts fill the cache's free slots in the background (of a profile of the
+        whole model, this rank's layers)."""
         self.runtime.use_profile(self.profiles.by_name[name], self.profiles.force)
 
     def stats(self):
@@ -269,9 +280,11 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         return stats
 
     def save(self):
-        """Under several ranks a collective: the live profile is the stages' merged, saved by rank 0."""
+        """Under several ranks rank 0 writes: every rank's profiles learnt the whole model's
+        routing; the live profile is the stages' merged (a collective)."""
         if self.profiles is not None:
-            self.profiles.save()
+            if self.group is None or self.group.rank() == 0:
+                self.profiles.save()
         elif self.live is not None and self.profile_path is not None:
             self.runtime.save_profile(self.profile_path)  # between requests: the live profile is self.live
 
@@ -509,13 +522,18 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
     group = runtime.group
     profiles = None
     if profiles_dir is not None:
+        try:
+            folder = Path(profiles_dir)
+            if not folder.is_dir():
+                raise MlxmoeError(f"--profiles {profiles_dir}: not a folder")
+            profiles = Profiles(folder.glob("*.json"), runtime.checkpoint, force_profile)
+            error = None
+        except MlxmoeError as e:
+            if group is None:
+                raise
+            error = e
         if group is not None:
-            raise MlxmoeError("--profiles: one process only (under mlx.launch each rank sees only its own "
-                              "layers' routing); --profile FILE works on any split")
-        folder = Path(profiles_dir)
-        if not folder.is_dir():
-            raise MlxmoeError(f"--profiles {profiles_dir}: not a folder")
-        profiles = Profiles(folder.glob("*.json"), runtime.checkpoint, force_profile)
+            distributed.check(group, error)  # every rank has them (a folder on each host), or all stop
     if save_profiles and profiles is None and profile_path is None:
         raise MlxmoeError("--save-profiles needs --profiles DIR or --profile FILE (where to write them)")
     provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size), model, tokenizer)
@@ -550,7 +568,8 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
             httpd.server_close()
         generator.stop_and_join()
         if save_profiles and generator.failure is None:
-            generator.save()
+            with distributed.waiting(group, "saving the profiles"):
+                generator.save()
         signal.signal(signal.SIGTERM, previous)
     if generator.failure is not None:
         e = generator.failure

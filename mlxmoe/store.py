@@ -311,6 +311,7 @@ class ExpertStore:
         self.tensors = []  # names of one expert's tensors, in read order
         self.tensor_dtypes = []  # safetensors dtype of each
         self.tensor_shapes = []  # per-expert shape of each
+        self.model_shapes = []  # the same in the checkpoint, before a tensor split's slice (the fingerprint's)
         self.ranges = []  # [layer][expert] -> [Range per tensor]
         self.expert_names = set()  # the file tensors that hold experts
         self._fds = {}  # file -> fd
@@ -366,12 +367,13 @@ class ExpertStore:
                     else:
                         nbytes = info.nbytes // info.shape[0]
                         shape, start = info.shape[1:], info.offset + k * (info.stride or nbytes)
-                    where = dict(offset=start, nbytes=nbytes)
+                    where, whole = dict(offset=start, nbytes=nbytes), tuple(shape)
                     if shard and shard[0] is not None:
                         shape, where = shard_slice(shape, start, nbytes, *shard[0])
                     if l == 0 and e == 0:
                         self.tensor_dtypes.append(info.dtype)
                         self.tensor_shapes.append(tuple(shape))
+                        self.model_shapes.append(whole)
                     else:
                         i = self.tensors.index(t)
                         if (info.dtype, tuple(shape)) != (self.tensor_dtypes[i], self.tensor_shapes[i]):

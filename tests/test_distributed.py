@@ -9,9 +9,11 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlx_lm
+import numpy as np
 import pytest
 
 import mlxmoe
@@ -246,6 +248,28 @@ def kill_group(server):
         pass
 
 
+@contextmanager
+def serving(ranks, *args):
+    """`mlxmoe serve ARGS` as one process, or as `ranks` ranks under mlx.launch; killed
+    (every rank) whatever happens."""
+    from test_server import Server
+
+    s = Server(*args, launch=launcher(ranks) if ranks > 1 else (), env=dict(os.environ, MLXMOE_DIST_TIMEOUT="60"))
+    try:
+        yield s
+    finally:
+        kill_group(s) if ranks > 1 else s.proc.kill()
+
+
+def terminate(server, ranks, rank=0):
+    """SIGTERM to `rank` alone (to the one process); every rank must end cleanly."""
+    if ranks > 1:
+        os.kill(rank_pids(server.proc.pid)[rank], signal.SIGTERM)
+    else:
+        server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0
+
+
 def test_serve_under_two_ranks_answers_as_one_process(checkpoint):
     """Rank 0 serves HTTP, rank 1 follows each request; the text of every request equals
     one process's and stock mlx-lm's; a client gone mid-stream stops both ranks' generation
@@ -308,8 +332,6 @@ def test_serve_stops_with_the_error_when_a_rank_dies(checkpoint):
 def test_serve_learns_one_profile_of_the_whole_model_and_stops_from_a_follower(checkpoint, tmp_path):
     """--save-profiles under 2 ranks writes what one process writes (the stages' routing
     merged on rank 0); SIGTERM to rank 1 alone stops every rank, and the profile is saved."""
-    from test_server import Server
-
     path = checkpoint("qwen3_moe")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\n")
@@ -319,18 +341,93 @@ def test_serve_learns_one_profile_of_the_whole_model_and_stops_from_a_follower(c
     assert r.returncode == 0, r.stderr
     for ranks in (1, 2):
         shutil.copy(tmp_path / "p.json", tmp_path / f"p{ranks}.json")
-        s = Server("-m", path, "--profile", tmp_path / f"p{ranks}.json", "--save-profiles",
-                   launch=launcher(ranks) if ranks > 1 else (), env=dict(os.environ, MLXMOE_DIST_TIMEOUT="60"))
-        try:
+        with serving(ranks, "-m", path, "--profile", tmp_path / f"p{ranks}.json", "--save-profiles") as s:
             for prompt in ("Il gatto", "The cat sat"):
                 assert s.client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0).choices
-            if ranks > 1:
-                os.kill(rank_pids(s.proc.pid)[1], signal.SIGTERM)
-            else:
-                s.proc.send_signal(signal.SIGTERM)
-            assert s.proc.wait(60) == 0
-        finally:
-            kill_group(s) if ranks > 1 else s.proc.kill()
+            terminate(s, ranks, rank=1)
     start, one, two = (ActivationProfile.load(tmp_path / f) for f in ("p.json", "p1.json", "p2.json"))
     assert two.tokens_total == one.tokens_total > start.tokens_total
     assert (two.counts == one.counts).all() and (two.counts != start.counts).any(axis=1).all()  # every layer learnt
+
+
+def test_serve_profiles_under_two_ranks_choose_and_learn_as_one_process(tmp_path):
+    """--profiles under 2 ranks: every request's prefill routing, summed over the ranks'
+    stages, picks the profile one process picks; the text is one process's; a request that
+    names a profile gets it; --save-profiles writes what one process writes. Under the
+    tensor split every rank routes every layer: the same, with the profiles of the whole model."""
+    from test_server import ROOT, copy_profiles
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from heldout import prompts
+    finally:
+        sys.path.pop(0)
+    asked = [{"prompt": p, "max_tokens": 6} for lang in ("it", "en") for p in prompts(lang, 2)]
+    asked.append({"prompt": "The cat sat on", "max_tokens": 6, "mlxmoe": {"profile": "italian"}})
+    answers, runs = {}, {"one": (1, ()), "pipeline": (2, ()), "tensor": (2, ("--split", "tensor"))}
+    for run, (ranks, split) in runs.items():
+        (tmp_path / run).mkdir()
+        folder = copy_profiles(tmp_path / run)
+        with serving(ranks, "--profiles", folder, "--save-profiles", "--save-every", 0, *split) as s:
+            answers[run] = []
+            for body in asked:
+                status, headers, got = s.json("POST", "/v1/completions", {**body, "temperature": 0})
+                assert status == 200, got
+                assert got["usage"]["mlxmoe"]["profile"] == headers["X-Mlxmoe-Profile"]
+                answers[run].append((headers["X-Mlxmoe-Profile"], got["choices"][0]["text"]))
+            stats = s.json("GET", "/v1/mlxmoe/stats")[2]["server"]["profiles"]
+            assert sum(stats.values()) == len(asked)
+            terminate(s, ranks)
+    assert answers["pipeline"] == answers["one"] == answers["tensor"], answers
+    one = answers["one"]
+    assert {p for p, _ in one[:2]} == {"italian"} and {p for p, _ in one[2:4]} == {"english"} and one[4][0] == "italian"
+    for name in ("italian", "english"):
+        shipped = ActivationProfile.load(ROOT / "profiles" / f"{name}.json")
+        one, two, tensor = (ActivationProfile.load(tmp_path / run / "profiles" / f"{name}.json") for run in runs)
+        assert two.tokens_total == one.tokens_total == tensor.tokens_total > shipped.tokens_total
+        assert (two.counts == one.counts).all() and (two.mass == one.mass).all()
+        # the tensor split's hidden states are the ranks' sums: the router's probabilities differ in the last bits
+        assert (tensor.counts == one.counts).all() and np.allclose(tensor.mass, one.mass, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ranks,when", [(2, "mid-request"), (3, "idle")])
+def test_a_rank_that_stops_answering_ends_the_server_naming_it(checkpoint, ranks, when):
+    """Rank 1 stopped (SIGSTOP), not dead: rank 0 waits on it no longer than
+    MLXMOE_DIST_TIMEOUT (between requests in the request sharing and stop vote, during one
+    in a generation step), then exits 2 with an error naming rank 1 (of 3: the one whose
+    heartbeat stopped); its client is cut."""
+    from test_server import Server, open_stream
+
+    s = Server("-m", checkpoint("qwen3_moe"), launch=launcher(ranks), env=dict(os.environ, MLXMOE_DIST_TIMEOUT="10"))
+    pids = rank_pids(s.proc.pid)
+    sock = None
+    try:
+        assert s.client.completions.create(model="m", prompt="Once", max_tokens=4, temperature=0).choices[0].text
+        if when == "mid-request":
+            sock = open_stream(s.port, "/v1/completions", {"prompt": "Once", "max_tokens": 3000, "stream": True})
+        os.kill(pids[1], signal.SIGSTOP)
+        tic = time.monotonic()
+        errors = []
+        while not errors and time.monotonic() - tic < 60:
+            time.sleep(0.2)
+            errors = [l for l in s.lines if l.startswith("error: ")]
+        waited = time.monotonic() - tic
+        assert errors and "rank 0: no answer from rank 1 within 10 s" in errors[0], "".join(s.lines)  # not 2
+        waits = ("generating a token", "voting to stop") if when == "mid-request" else ("sharing the next request",)
+        assert any(w in errors[0] for w in waits), errors[0]
+        assert 10 <= waited < 30
+        if sock is not None:  # the stream ends: rank 0 is gone
+            sock.settimeout(10)
+            while sock.recv(4096):
+                pass
+        os.kill(pids[1], signal.SIGCONT)  # mlx.launch's SIGTERM to it was pending
+        s.proc.wait(60)
+        assert "rank 0 exited with code 2" in "".join(s.lines)
+    finally:
+        if sock is not None:
+            sock.close()
+        try:
+            os.kill(pids[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        kill_group(s)
