@@ -26,7 +26,7 @@ from .errors import MlxmoeError
 from .files import read_lines
 from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, open_checkpoint, read_tokenizer
 from .policies import make_policy
-from .prefetch import Prefetcher, hottest_per_layer
+from .prefetch import Prefetcher
 from .profile import ActivationProfile, fingerprint, prewarm_order
 from .trace import TraceWriter
 
@@ -125,7 +125,7 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
         try:
             distributed.check(group)  # every rank loaded
         except BaseException:
-            loaded[0].expert_cache.abort()
+            loaded[0].expert_runtime.abort()
             raise
     return loaded
 
@@ -145,9 +145,9 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
         tokenizer = _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy,
                            profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io)
     except BaseException:  # nothing stays open: shards, IO threads, a trace's temp file
-        cache = getattr(ckpt.model, "expert_cache", None)
-        if cache is not None:
-            cache.abort()
+        runtime = getattr(ckpt.model, "expert_runtime", None)
+        if runtime is not None:
+            runtime.abort()
         ckpt.store.close()
         raise
     return (ckpt.model, tokenizer, ckpt.config) if return_config else (ckpt.model, tokenizer)
@@ -175,20 +175,15 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     live.expert_bytes, live.resident_bytes = profile_sizes(p)
     policy = make_policy(policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
     cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, io_threads, profile=live)
-    runtime = Runtime(ckpt, p, be, cache, fp)
+    prefetcher = None
+    if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
+        prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch, prior=rates,
+                                confidence=prefetch_confidence)
+    runtime = Runtime(ckpt, p, be, cache, fp, prefetcher)
     attach_cache(ckpt, runtime)
     be.activate(p.budget)
-    if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
-        cache.prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch,
-                                      prior=rates, confidence=prefetch_confidence)
-    if trace_out is not None and ckpt.group is not None and ckpt.split == "tensor" and ckpt.group.rank():
-        trace_out = None  # every rank routes alike: rank 0's trace is the model's
     if trace_out is not None:
-        if ckpt.group is not None and ckpt.split == "pipeline":  # this stage's part, merged by Runtime.close
-            runtime.trace_target, trace_out = trace_out, f"{trace_out}.rank{ckpt.group.rank()}"
-        cache.trace = TraceWriter(trace_out, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model_name(ckpt.path),
-                                  fingerprint=fp)
-        cache.observers.append(cache.trace.observe)
+        runtime.record_trace(trace_out)
     if prewarm:
         order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:
@@ -209,31 +204,54 @@ def stage_profile(ckpt, fingerprint, profile, force=False):
 
 class Runtime:
     """What `load` builds around a model, as `model.expert_runtime`: the opened checkpoint,
-    its memory plan, the backend, and the expert cache (also `model.expert_cache`) with its
-    prefetcher, trace writer and live profile. Its methods are what the CLI does with them:
-    record a workload's profile, swap a profile in as the policy's prior, save the live
-    profile, close. Under several ranks every rank calls them alike (collectives)."""
+    its memory plan, the backend, the expert cache (also `model.expert_cache`), the
+    prefetcher attached to it, the trace writer observing it and the live profile. Its
+    methods are what the CLI does with them: record a workload's profile or a trace, swap a
+    profile in as the policy's prior, save the live profile, close. Under several ranks
+    every rank calls them alike (collectives)."""
 
     def __init__(self, checkpoint: Checkpoint, plan: Plan, backend: backends.Backend, cache: ExpertCache,
-                 fingerprint: str):
+                 fingerprint: str, prefetcher: Prefetcher | None = None):
         self.checkpoint, self.plan, self.backend, self.cache = checkpoint, plan, backend, cache
         self.fingerprint = fingerprint  # the model's, as profiles and traces record it
         self.group = checkpoint.group  # an mx.distributed group of several ranks, or None
-        self.error = None  # a read that failed on this rank of a group (see experts.py)
-        self.trace_target = None  # under pipeline stages: the file rank 0 merges the stages' traces into
-
-    @property
-    def prefetcher(self) -> Prefetcher | None:
-        return self.cache.prefetcher
-
-    @property
-    def trace(self) -> TraceWriter | None:
-        return self.cache.trace
+        self.error: BaseException | None = None  # a read that failed on this rank of a group (see experts.py)
+        self.prefetcher = prefetcher  # built on `cache`, attached to it
+        self.trace: TraceWriter | None = None  # the trace being recorded (record_trace), one of the cache's observers
+        # under pipeline stages: the file rank 0 merges the stages' traces into (close)
+        self.trace_target: str | os.PathLike | None = None
+        cache.attach(prefetcher)
+        cache.close_with = self.close_local  # the cache's own close() closes the prefetcher and trace first
 
     @property
     def profile(self) -> ActivationProfile:
         """The live profile: what the model has run so far (this stage's layers under pipeline stages)."""
         return self.cache.profile
+
+    def record_trace(self, path: str | os.PathLike) -> TraceWriter | None:
+        """Record the routing of every layer call from now on to `path` (mlxmoe.trace/1),
+        completed by close() (dropped by abort()). Under tensor splits only rank 0 records
+        (every rank routes alike), under pipeline stages every rank its stage's part, merged
+        by close(). Returns the writer (None on a rank that records nothing)."""
+        if self.trace is not None:
+            raise MlxmoeError(f"a trace is being recorded already, to {self.trace.path}")
+        ckpt = self.checkpoint
+        if ckpt.group is not None and ckpt.split == "tensor" and ckpt.group.rank():
+            return None
+        if ckpt.group is not None and ckpt.split == "pipeline":
+            self.trace_target, path = path, f"{path}.rank{ckpt.group.rank()}"
+        self.trace = TraceWriter(path, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model_name(ckpt.path),
+                                 fingerprint=self.fingerprint)
+        with self.cache.lock:
+            self.cache.observers.append(self.trace.observe)
+        return self.trace
+
+    def new_sequence(self) -> None:
+        """A new sequence starts (stream_generate calls it): positions restart at 0 in the
+        cache, and the trace numbers its next sequence."""
+        self.cache.new_sequence()
+        if self.trace is not None:
+            self.trace.new_sequence()
 
     def main_rank(self) -> bool:
         """Whether this process speaks for the model: one process, or rank 0 of a group."""
@@ -274,7 +292,7 @@ class Runtime:
         with self.cache.lock:
             self.cache.policy.set_prior(rates)
             if self.prefetcher is not None:
-                self.prefetcher.hottest = hottest_per_layer(rates, self.prefetcher.top_k)
+                self.prefetcher.set_prior(rates)
         return prior
 
     def whole_profile(self) -> ActivationProfile:
@@ -287,7 +305,14 @@ class Runtime:
     def save_profile(self, path: str | os.PathLike, workload: str | None = None) -> ActivationProfile:
         """Write the live profile (the whole model's) to `path` atomically, between
         generations or after close; named `workload` where given, an unnamed one after the
-        file. Under several ranks every rank calls it and rank 0 writes. Returns it."""
+        file. Under several ranks every rank calls it and rank 0 writes. Returns it.
+
+        Unlike `mlxmoe profile record`, it adds no predicted hit-rate curve: a curve replays
+        the whole access sequence (curves.predicted_curve over a trace), which the live
+        profile's decayed counts do not keep. The file holds the live profile's `curve`: the
+        one of the profile `load` was given, none after record_profile; for a fresh one,
+        record a trace too (record_trace), close, and set `curve` from predicted_curve of
+        read_trace(that file) before saving, as `profile record` does."""
         live = self.whole_profile()
         if workload or not live.workload:
             live.workload = workload or os.path.splitext(os.path.basename(path))[0]
@@ -295,12 +320,31 @@ class Runtime:
             live.save(path)
         return live
 
-    def close(self) -> None:
-        """Close the cache (its IO threads and shards; a trace being recorded is completed).
-        Under several ranks a collective: under pipeline stages rank 0 merges the stages'
-        traces, and no rank returns before every rank has closed (one that exits early
-        breaks its peers' last exchanges)."""
+    def close_local(self) -> None:
+        """This process's part of close(), in the one order that loses nothing: the cache
+        stops (no background load starts; the observers get every layer call), then the
+        prefetcher (its threads end), the trace (completed, renamed into place), and the
+        cache last (its IO threads and shards). `model.expert_cache.close()` comes here."""
+        self.cache.close_with = None
+        self.cache.stop()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self.trace is not None:
+            self.trace.close()
         self.cache.close()
+
+    def abort(self) -> None:
+        """close_local() after a failure: a trace being recorded is dropped, not completed."""
+        if self.trace is not None:
+            self.trace.abort()
+        self.close_local()
+
+    def close(self) -> None:
+        """Close prefetcher, trace (completed) and cache (close_local). Under several ranks a
+        collective: under pipeline stages rank 0 merges the stages' traces, and no rank
+        returns before every rank has closed (one that exits early breaks its peers' last
+        exchanges)."""
+        self.close_local()
         if self.group is None:
             return
 
@@ -377,8 +421,8 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
     lock = generation_lock(model)
     lock.acquire()
     try:
-        if cache is not None:
-            cache.new_sequence()
+        if runtime is not None:
+            runtime.new_sequence()
         group = None if runtime is None else runtime.group
         steps = _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
         while True:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .budget import peak_rss
 from .errors import MlxmoeError
-from .prefetch import BackgroundLoader
+from .prefetch import BackgroundLoader, Prefetcher
 
 
 def token_chunks(rows, capacity: int) -> list[tuple[int, int]]:
@@ -292,6 +292,10 @@ class ExpertCache(Residency):
     The decode thread calls tick() and fetch(); pre-warm and prefetch threads (`loader`,
     prefetch.BackgroundLoader) fill slots at the same time, so the bookkeeping is under a
     lock and a key being filled is waited for, never read twice.
+
+    The cache owns its slot pools, the store and the loader; a Prefetcher is attached
+    (attach) and observers are added by what owns the cache (api.Runtime), which closes
+    them and then the cache (`close_with`).
     """
 
     def __init__(self, store, capacity: int, policy, pool_dtypes: list, io_threads: int = 4, profile=None) -> None:
@@ -302,13 +306,14 @@ class ExpertCache(Residency):
         self.loader = BackgroundLoader(self)
         self.in_flight = self.loader.waiting
         self.profile = profile  # live ActivationProfile: learns from every layer call (learn)
-        self.trace = None  # TraceWriter when recording (one of the observers)
-        self.observers: list[Callable[[LayerCall], None]] = [self.learn]  # called with each LayerCall, in order
+        # called with each LayerCall, in order, after the live profile (a TraceWriter's observe)
+        self.observers: list[Callable[[LayerCall], None]] = []
+        self.close_with: Callable[[], None] | None = None  # what close() calls instead, where an owner closes the cache
         self.wants_router = policy.wants_router
         self.position = 0  # token position in the current sequence
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
-        self.prefetcher = None  # prefetch.Prefetcher when prefetching
+        self.prefetcher: Prefetcher | None = None  # when prefetching (attach)
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident
         self.token_work = None  # the current token's accounting on the resident path (see defer)
         # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps:
@@ -316,6 +321,17 @@ class ExpertCache(Residency):
         # decode thread (see miss_costs)
         self.layer_loads = np.zeros((store.num_layers, 2))
         self.step_tokens = 1
+
+    def attach(self, prefetcher: Prefetcher | None) -> None:
+        """Predict and load ahead with `prefetcher` (built on this cache), or stop (None);
+        its owner closes it before the cache."""
+        with self.lock:
+            self.prefetcher = prefetcher
+
+    def wants_probs(self) -> bool:
+        """Whether a layer call's router distribution is used: by the policy, the live
+        profile or an observer."""
+        return self.wants_router or self.profile is not None or bool(self.observers)
 
     def tick(self, tokens: int) -> None:
         """New tokens start (called by the first MoE layer)."""
@@ -379,6 +395,7 @@ class ExpertCache(Residency):
                 self.notify(call)
 
     def notify(self, call: LayerCall) -> None:
+        self.learn(call)
         for observer in self.observers:
             observer(call)
 
@@ -407,10 +424,9 @@ class ExpertCache(Residency):
         self.counters.bookkeeping_seconds += time.perf_counter() - tic
 
     def new_sequence(self) -> None:
+        """A new sequence starts at position 0 (the last one's host work done first)."""
         self.flush()
         self.position = 0
-        if self.trace is not None:
-            self.trace.new_sequence()
 
     def fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None) -> list:
         """Make the distinct `experts` of `layer` resident; return their slots. Interrupted
@@ -540,19 +556,21 @@ class ExpertCache(Residency):
             self.counters.reset()
             self.loader.prefetched.clear()
 
-    def abort(self) -> None:
-        """close() after a failure: a trace being written is dropped, not completed."""
-        if self.trace is not None:
-            self.trace.abort()
-        self.close()
-
-    def close(self) -> None:
+    def stop(self) -> None:
+        """The first step of closing: no background load starts any more, the host work
+        left for later is done (the observers have every layer call) and the pre-warm has
+        ended. A prefetcher and the observers are closed after it, the cache last."""
         self.loader.stop.set()
         self.flush()
         self.loader.prewarm_done()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        if self.trace is not None:
-            self.trace.close()
+
+    def close(self) -> None:
+        """Close the cache, its slot pools' IO threads and the store; where an owner closes
+        the cache (`close_with`: api.Runtime.close_local, which closes the prefetcher and
+        the trace first), that."""
+        if self.close_with is not None:
+            self.close_with()
+            return
+        self.stop()
         self.pools.close()
         self.store.close()

@@ -433,7 +433,6 @@ def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=
     from .api import read_prompts, run_prompts
 
     model, tokenizer = _load(opts)
-    cache = model.expert_cache
     interrupted = False
     try:
         prompts = read_prompts(chats or prompts_file, tokenizer, chats=bool(chats), chat_template=chat_template)
@@ -446,7 +445,7 @@ def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=
         except KeyboardInterrupt:
             interrupted = True
     except BaseException:
-        cache.abort()
+        model.expert_runtime.abort()
         raise
     if interrupted:
         click.echo("interrupted: keeping what was recorded so far", err=True)

@@ -175,8 +175,7 @@ class StreamingExperts(nn.Module):
         return logits() if logits is not None and self._wants_probs() else None
 
     def _wants_probs(self):
-        cache = self._cache
-        return self._router is not None and (cache.wants_router or cache.trace is not None or cache.profile is not None)
+        return self._router is not None and self._cache.wants_probs()
 
     def _routing(self, indices, probs):
         """The evaluated routing on the host: (indices, indices [tokens, k], probs [tokens,

@@ -120,9 +120,15 @@ class Prefetcher:
         # (past the last layer: the next token's first) used expert j
         E = cache.store.num_experts if cache is not None and candidates else 0
         self.coactive = np.zeros((len(routers), E, E), dtype=np.float32) if E else None
-        self.hottest = None if prior is None else hottest_per_layer(prior, top_k)
+        self.hottest: list[set] | None = None  # the profile predictor's guesses per layer (set_prior)
+        self.set_prior(prior)
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
+
+    def set_prior(self, prior: np.ndarray | None) -> None:
+        """Take a profile's rates [layers, experts] (None: no profile) for the profile
+        predictor, as Policy.set_prior does for the policy; under the cache's lock mid-run."""
+        self.hottest = None if prior is None else hottest_per_layer(prior, self.top_k)
 
     def layer_done(self, layer, rows, looked=None, token=0, decode=True):
         """A layer call has its experts (`rows`: each token's, [tokens, top_k]): observe()

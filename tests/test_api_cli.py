@@ -348,6 +348,35 @@ def test_swap_a_profile_mid_session():
     rt.close()
 
 
+def test_runtime_records_a_trace_and_closes_it(tmp_path):
+    """Runtime.record_trace starts a trace mid-session (one at a time); the cache's own
+    close() goes through the runtime: the prefetcher's threads end and the trace is
+    complete, holding the routing of the generations after it started. abort() drops one."""
+    from mlxmoe.trace import read_trace
+
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, cache_experts=20)
+    rt, cache = model.expert_runtime, model.expert_cache
+    assert cache.prefetcher is rt.prefetcher is not None and rt.trace is None
+    mlxmoe.generate(model, tokenizer, "The cat", max_tokens=4)
+    path = tmp_path / "late.trace.jsonl"
+    rt.record_trace(path)
+    with pytest.raises(MlxmoeError, match="being recorded already"):
+        rt.record_trace(tmp_path / "second.trace.jsonl")
+    for prompt in ("Il gatto", "Le chat"):
+        mlxmoe.generate(model, tokenizer, prompt, max_tokens=5)
+    assert not path.exists()  # written beside it until close
+    cache.close()
+    assert not rt.prefetcher.host.is_alive()
+    header, records = read_trace(path)
+    layers = model.expert_cache.store.num_layers
+    assert {r[0] for r in records} == {0, 1} and header["fingerprint"] == rt.fingerprint
+    assert len([r for r in records if r[1] == 4 and r[2] == layers - 1]) == 2  # each sequence's 5th token
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, cache_experts=20, trace_out=str(tmp_path / "dropped.jsonl"))
+    mlxmoe.generate(model, tokenizer, "The cat", max_tokens=2)
+    model.expert_runtime.abort()
+    assert list(tmp_path.iterdir()) == [path]
+
+
 def test_chat_switches_profile(tmp_path):
     """chat's /profile FILE goes through Runtime.use_profile; a bad file is reported and the chat goes on."""
     r = CliRunner().invoke(main, ["chat", "--max-tokens", "4", "--cache-experts", "20"],
