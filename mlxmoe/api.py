@@ -188,6 +188,10 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
         order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:
             cache.prewarm(order)
+            if ckpt.group is not None and ckpt.split == "tensor":
+                # a generation that starts while the pre-warm still reads gave other tokens
+                # now and then under the tensor split (never without a pre-warm): wait for it
+                cache.prewarm_done()
     return tokenizer
 
 

@@ -349,13 +349,16 @@ class ExpertCache(Residency):
         self._check_open()
         if self.slot_table is None:
             L, E = self.store.num_layers, self.store.num_experts
-            if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
-                return None
+            # under the lock: a pre-warm claims a slot (slot_of) and marks it on its way
+            # (in_flight) in one step, so the last expert's read is never missed here
+            with self.lock:
+                if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
+                    return None
+                table = np.zeros((L, E), dtype=np.uint32)
+                for (layer, e), slot in self.slot_of.items():
+                    table[layer, e] = slot
             if self.loader.failed:  # background reads that failed: read now (a second failure raises)
                 self.loader.read_failed()
-            table = np.zeros((L, E), dtype=np.uint32)
-            for (layer, e), slot in self.slot_of.items():
-                table[layer, e] = slot
             self.slot_table = [mx.array(row) for row in table]  # one per layer: no slicing op per call
         return self.slot_table
 
