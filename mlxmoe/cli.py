@@ -843,13 +843,14 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
         model.expert_cache.close()
         raise
     _finish(model, None)  # under several ranks: the trace merged on rank 0
-    _exit_at_once.append(0)
+    global _exit_at_once
+    _exit_at_once = True
 
 
 # Set by serve once everything is saved and closed: run() then ends the process without the
 # interpreter's teardown, where MLX, used by mlx-lm's generation thread, now and then aborts
 # ('terminate called without an active exception', about 1 exit in 25).
-_exit_at_once = []
+_exit_at_once = False
 
 
 def _terminate(signum, frame):
