@@ -52,6 +52,7 @@ class TraceWriter:
                   "model": str(model), **extra}
         self.file.write(json.dumps(header) + "\n")
         self.seq = -1
+        self.lines = 0  # routing lines written: a trace without any is not a trace
 
     def new_sequence(self):
         self.seq += 1
@@ -67,6 +68,7 @@ class TraceWriter:
         if router is not None:
             line["r"] = [float(f"{p:.3g}") for p in router]
         self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self.lines += 1
 
     def observe(self, call) -> None:
         """An expert cache's observer: write a layer call (cache.LayerCall), one line per token."""
@@ -78,8 +80,11 @@ class TraceWriter:
                            call.tokens)
 
     def close(self):
+        """Rename the trace into place; one stopped before any routing is dropped (read_trace refuses it)."""
         if self.file.closed:
             return
+        if self.lines == 0:
+            return self.abort()
         self.file.close()
         os.replace(self.tmp, self.path)
 

@@ -264,3 +264,16 @@ def test_a_shard_changed_since_load_is_named(demo):
         assert str(shard) in str(e.value)
     finally:
         model.expert_cache.close()
+
+
+def test_a_trace_closed_before_any_routing_leaves_nothing(tmp_path):
+    from mlxmoe.trace import TraceWriter, read_trace
+
+    empty = TraceWriter(tmp_path / "empty.trace.jsonl", 2, 4, 1)
+    empty.close()
+    assert list(tmp_path.iterdir()) == []
+    whole = TraceWriter(tmp_path / "t.trace.jsonl", 2, 4, 1)
+    whole.write(0, 0, [1])
+    whole.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["t.trace.jsonl"]
+    assert read_trace(tmp_path / "t.trace.jsonl") is not None
