@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,14 @@ from . import backend as backends
 from . import distributed
 from .budget import DEFAULT_CONTEXT, Plan, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
+from .curves import predicted_curve
 from .errors import MlxmoeError
 from .files import read_lines
 from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, open_checkpoint, read_tokenizer
-from .policies import make_policy
+from .policies import ONLINE, make_policy
 from .prefetch import Prefetcher
 from .profile import ActivationProfile, fingerprint, prewarm_order
-from .trace import TraceWriter
+from .trace import TraceWriter, read_trace
 
 # Prompt tokens per prefill step; smaller than mlx-lm's 2048 so the logits and
 # activations of one step stay a small share of the budget.
@@ -224,6 +225,7 @@ class Runtime:
         self.trace: TraceWriter | None = None  # the trace being recorded (record_trace), one of the cache's observers
         # under pipeline stages: the file rank 0 merges the stages' traces into (close)
         self.trace_target: str | os.PathLike | None = None
+        self.trace_file: str | os.PathLike | None = None  # where the whole trace is once closed (rank 0's)
         cache.attach(prefetcher)
         cache.close_with = self.close_local  # the cache's own close() closes the prefetcher and trace first
 
@@ -240,6 +242,7 @@ class Runtime:
         if self.trace is not None:
             raise MlxmoeError(f"a trace is being recorded already, to {self.trace.path}")
         ckpt = self.checkpoint
+        self.trace_file = path
         if ckpt.group is not None and ckpt.split == "tensor" and ckpt.group.rank():
             return None
         if ckpt.group is not None and ckpt.split == "pipeline":
@@ -306,21 +309,54 @@ class Runtime:
             return self.profile
         return distributed.bounded("merging the ranks' profiles", lambda: distributed.whole_profile(self), 60)
 
-    def save_profile(self, path: str | os.PathLike, workload: str | None = None) -> ActivationProfile:
+    def predict_curve(self, progress: Callable[[str], Any] | None = None) -> dict[str, list] | None:
+        """Each online policy's predicted hit rate at each cache size (curves.predicted_curve),
+        from replaying the trace this runtime recorded (record_trace, or load's trace_out),
+        which close() completes: what `mlxmoe profile record` adds to its profile.
+        `progress(policy)` after each policy. Under several ranks rank 0 replays the merged
+        trace; the other ranks return None."""
+        self._check_trace()
+        if not self.main_rank():
+            return None
+        header, records = read_trace(self.trace_file)
+        curve = {}
+        for policy in ONLINE:
+            curve.update(predicted_curve(header, records, [policy]))
+            if progress is not None:
+                progress(policy)
+        return curve
+
+    def _check_trace(self):
+        if self.trace_file is None:
+            raise MlxmoeError("a hit-rate curve replays a recorded trace: call record_trace(path) (or load with "
+                              "trace_out=...) before generating")
+        if self.trace is not None and not self.trace.file.closed:
+            raise MlxmoeError(f"the trace {self.trace_file} is still being recorded: close() first")
+
+    def save_profile(self, path: str | os.PathLike, workload: str | None = None, curve: bool = False,
+                     progress: Callable[[str], Any] | None = None) -> ActivationProfile:
         """Write the live profile (the whole model's) to `path` atomically, between
         generations or after close; named `workload` where given, an unnamed one after the
         file. Under several ranks every rank calls it and rank 0 writes. Returns it.
 
-        Unlike `mlxmoe profile record`, it adds no predicted hit-rate curve: a curve replays
-        the whole access sequence (curves.predicted_curve over a trace), which the live
-        profile's decayed counts do not keep. The file holds the live profile's `curve`: the
-        one of the profile `load` was given, none after record_profile; for a fresh one,
-        record a trace too (record_trace), close, and set `curve` from predicted_curve of
-        read_trace(that file) before saving, as `profile record` does."""
+        The file holds the live profile's `curve` (that of the profile `load` was given; none
+        after record_profile). With `curve`, after close(), the curve is predicted anew from
+        the trace recorded alongside (predict_curve, `progress` passed on), as `mlxmoe profile
+        record` does: the profile is written first without it, so that an interrupt while
+        the curve is computed leaves the profile. Record the trace from when the profile
+        starts (record_profile right after load with trace_out, or record_trace with it)."""
+        if curve:
+            self._check_trace()
         live = self.whole_profile()
         if workload or not live.workload:
             live.workload = workload or os.path.splitext(os.path.basename(path))[0]
-        if self.main_rank():
+        if not self.main_rank():
+            return live
+        if curve:
+            live.curve = {}
+        live.save(path)
+        if curve and live.tokens_total:
+            live.curve = self.predict_curve(progress)
             live.save(path)
         return live
 

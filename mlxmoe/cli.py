@@ -485,9 +485,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
     a predicted hit-rate-vs-cache-size curve. Ctrl-C saves what was recorded so far.
     With --profile, that profile is the policy's prior and pre-warms the cache; the file
     written holds only what this run recorded."""
-    from .curves import predicted_curve
     from .files import check_writable
-    from .trace import read_trace
 
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
@@ -514,11 +512,9 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
                 if not runtime.main_rank():
                     return
             if live.tokens_total:
-                header, records = read_trace(opts["trace_out"])
-                with click.progressbar(ONLINE, label="predicting the hit rate at each cache size, policy by policy",
-                                       file=sys.stderr) as policies:
-                    curve = {name: points for policy in policies
-                             for name, points in predicted_curve(header, records, [policy]).items()}
+                with click.progressbar(length=len(ONLINE), file=sys.stderr,
+                                       label="predicting the hit rate at each cache size, policy by policy") as bar:
+                    curve = runtime.predict_curve(progress=lambda policy: bar.update(1))
                 with signals_deferred():
                     live.curve = curve
                     live.save(out)

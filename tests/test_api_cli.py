@@ -16,6 +16,7 @@ import mlxmoe
 from mlxmoe.backend import detect
 from mlxmoe.cli import main
 from mlxmoe.errors import MlxmoeError
+from mlxmoe.policies import ONLINE
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Once upon a time"
@@ -290,8 +291,9 @@ def test_runtime_owns_what_load_built():
 
 
 def test_script_records_the_profile_the_cli_records(tmp_path):
-    """record_profile + generate + save_profile writes what `mlxmoe profile record` writes
-    for the same prompts (its counts, tokens and identity), and the name given."""
+    """record_profile + record_trace + generate + save_profile(curve=True) writes what
+    `mlxmoe profile record` writes for the same prompts (its counts, tokens, identity and
+    predicted hit-rate curve), and the name given."""
     lines = ["Ciao, come stai oggi?", "Raccontami una storia breve."]
     (tmp_path / "prompts.txt").write_text("\n".join(lines) + "\n")
     cli_out, api_out = tmp_path / "cli.json", tmp_path / "api.json"
@@ -304,19 +306,35 @@ def test_script_records_the_profile_the_cli_records(tmp_path):
     rt = model.expert_runtime
     mlxmoe.generate(model, tokenizer, "warm-up before recording", max_tokens=4)  # not recorded
     live = rt.record_profile("Italian chat", half_life=512)
+    rt.record_trace(tmp_path / "api.trace.jsonl")  # the curve replays it
     assert rt.profile is live and live.tokens_total == 0
     for line in lines:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": line}], add_generation_prompt=True)
         mlxmoe.generate(model, tokenizer, prompt, max_tokens=8)
+    with pytest.raises(MlxmoeError, match="close"):
+        rt.predict_curve()  # the trace is not complete yet
     rt.close()
-    assert rt.save_profile(api_out) is live
+    replayed = []
+    assert rt.save_profile(api_out, curve=True, progress=replayed.append) is live
+    assert replayed == ONLINE
 
     want, got = json.loads(cli_out.read_text()), json.loads(api_out.read_text())
     assert got["tokens_total"] == want["tokens_total"] > 2 * 8
     for key in ("workload", "model", "fingerprint", "num_layers", "num_experts", "top_k", "decay",
-                "expert_bytes", "resident_bytes", "tokens", "router_mass"):
+                "expert_bytes", "resident_bytes", "tokens", "router_mass", "curve"):
         assert got[key] == want[key], key
     assert got["counts"] == want["counts"] and sum(map(sum, got["counts"])) > 0
+    assert set(got["curve"]) == set(ONLINE)
+
+
+def test_a_curve_needs_a_recorded_trace(tmp_path):
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, cache_experts=16)
+    rt = model.expert_runtime
+    mlxmoe.generate(model, tokenizer, "Il gatto", max_tokens=4)
+    rt.close()
+    with pytest.raises(MlxmoeError, match="record_trace"):
+        rt.save_profile(tmp_path / "p.json", curve=True)
+    assert not (tmp_path / "p.json").exists()  # refused before anything is written
 
 
 def test_swap_a_profile_mid_session():

@@ -248,12 +248,12 @@ def test_record_half_life_fresh_counts_and_bad_paths(checkpoint, tmp_path, monke
     b = ActivationProfile.load(tmp_path / "b.json")
     assert b.half_life == 2 and b.tokens_total == a.tokens_total and b.tokens < 10 < 40 < a.tokens
     # Ctrl-C while the curve is computed: the profile is saved without it
-    import mlxmoe.curves
+    import mlxmoe.api
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(mlxmoe.curves, "predicted_curve", interrupted)
+    monkeypatch.setattr(mlxmoe.api, "predicted_curve", interrupted)
     r = runner.invoke(main, args + ["-o", str(tmp_path / "c.json")])
     assert r.exit_code == 0 and "without the hit-rate curve" in r.output
     c = ActivationProfile.load(tmp_path / "c.json")
