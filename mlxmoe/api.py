@@ -410,9 +410,16 @@ def profile_identity(ckpt, backend):
 
 
 def model_name(path):
-    """How profiles and traces name a checkpoint: its folder, or "mlxmoe-demo" for the bundled
-    demo model (whose folder differs on every install)."""
-    return "mlxmoe-demo" if path is not None and Path(path).resolve() == DEMO_MODEL else str(path)
+    """How profiles and traces name a checkpoint, never by where it lies on this machine:
+    "mlxmoe-demo" for the bundled demo model, the repo id for a Hugging Face download
+    (a snapshot folder models--OWNER--NAME/snapshots/REV), else the folder's name."""
+    path = Path(path).resolve()
+    if path == DEMO_MODEL:
+        return "mlxmoe-demo"
+    repo = path.parent.parent.name
+    if path.parent.name == "snapshots" and repo.startswith("models--") and repo.count("--") >= 2:
+        return repo[len("models--"):].replace("--", "/", 1)
+    return path.name
 
 
 def model_fingerprint(ckpt):

@@ -556,7 +556,7 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
     if model_path:
         from . import backend as backends
-        from .api import profile_identity
+        from .api import model_name, profile_identity
         from .loader import open_checkpoint
 
         ckpt = open_checkpoint(model_path)
@@ -567,7 +567,7 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
         # a trace of this shape (imported) becomes this model's; one recorded on another model does not
         p.check_model(fp, ckpt.num_layers, ckpt.num_experts, force=p.fingerprint.startswith("shape-"),
                       where=f"{traces[0]} (for --model {model_path})")
-        p.model, p.fingerprint, (p.expert_bytes, p.resident_bytes) = str(ckpt.path), fp, sizes
+        p.model, p.fingerprint, (p.expert_bytes, p.resident_bytes) = model_name(ckpt.path), fp, sizes
     p.save(out)
     if curve:
         header = loaded[0][1]

@@ -278,6 +278,30 @@ def test_demo_model_is_named_not_located():
         assert json.loads((root / "profiles" / name).read_text())["model"] == "mlxmoe-demo"
 
 
+def test_profiles_and_traces_name_a_model_not_its_location(checkpoint, tmp_path):
+    """What a profile or trace records of a checkpoint holds no path of this machine: the
+    folder's name, or the repo id of a Hugging Face download."""
+    from mlxmoe.api import model_name
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    (tmp_path / "p.txt").write_text("The cat sleeps on the sofa\n")
+    r = CliRunner().invoke(main, ["profile", "record", "--model", str(path), "--prompts", str(tmp_path / "p.txt"),
+                                  "-w", "w", "-o", str(tmp_path / "p.json"), "--max-tokens", "4",
+                                  "--trace-out", str(tmp_path / "t.jsonl")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["profile", "from-trace", str(tmp_path / "t.jsonl"), "--model", str(path),
+                                  "-o", str(tmp_path / "q.json"), "--no-curve"])
+    assert r.exit_code == 0, r.output
+    for written in ("p.json", "t.jsonl", "q.json"):
+        head = json.loads((tmp_path / written).read_text().splitlines()[0] if written.endswith("l")
+                          else (tmp_path / written).read_text())
+        assert head["model"] == path.name, written
+    snapshot = tmp_path / "hub" / "models--mlx-community--Qwen3-30B-A3B-4bit" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    assert model_name(snapshot) == "mlx-community/Qwen3-30B-A3B-4bit"
+    assert model_name(mlxmoe.DEMO_MODEL) == "mlxmoe-demo"
+
+
 def test_runtime_owns_what_load_built():
     """model.expert_runtime holds the checkpoint, plan, backend and cache; the cache carries
     none of them (nothing is hung on it from outside)."""
