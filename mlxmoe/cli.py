@@ -179,11 +179,11 @@ def summary(stats, before, elapsed_tokens, tps):
     return f"[{elapsed_tokens} tokens, {tps:.1f} tok/s, expert hit rate {rate}, {read} read]"
 
 
-CHAT_HELP = """/help    this list
-/reset   start a new conversation (the expert cache and the live profile are kept)
-/stats   the expert cache's figures so far
+CHAT_HELP = """/help          this list
+/reset         start a new conversation (the expert cache and the live profile are kept)
+/stats         the expert cache's figures so far
 /profile FILE  take this profile as the cache's prior from now on (pre-warms its hottest experts)
-/quit    leave (also /exit or Ctrl-D); Ctrl-C stops a reply"""
+/quit          leave (also /exit or Ctrl-D); Ctrl-C stops a reply"""
 
 
 def stats_table(stats):
@@ -211,6 +211,15 @@ def expert_line(stats, baseline_rss):
             f"cache {stats['cache_experts']} experts ({size(stats['cache_bytes'])}); "
             f"MLX peak memory {size(stats['peak_memory'])}, process peak RSS {size(stats['peak_rss'])} "
             f"(Python and MLX before loading: {size(baseline_rss)})")
+
+
+def rank_line(rank, stats):
+    """One rank's share of the run, in the summary's units and terms."""
+    from .budget import format_size as size
+
+    return (f"rank {rank}: hit rate {100 * stats['hit_rate']:.1f}%, {size(stats['bytes_read'])} read "
+            f"({stats['loads_demand']} loads on demand + {stats['loads_prefetched']} prefetched), "
+            f"cache {stats['cache_experts']} experts, process peak RSS {size(stats['peak_rss'])}")
 
 
 def current_rss():
@@ -276,9 +285,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         _finish(model, save_profile)
     stats = _stats(model)
     for r, s in enumerate(stats.get("per_rank", [])):
-        click.echo(f"rank {r}: hit rate {100 * s['hit_rate']:.1f}%, {s['misses']} loads, "
-                   f"{s['bytes_read'] / 1e6:.1f} MB read, cache {s['cache_experts']} experts, "
-                   f"process peak RSS {s['peak_rss'] / 1e6:.1f} MB", err=True)
+        click.echo(rank_line(r, s), err=True)
     if response is not None:
         click.echo(f"prompt: {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s; "
                    f"generation: {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s", err=True)

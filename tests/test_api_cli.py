@@ -103,6 +103,19 @@ def test_generate_summary_adds_up(checkpoint):
     assert "Python and MLX before loading" in line
 
 
+def test_rank_lines_use_the_summary_units():
+    """Under several ranks each rank's line reads like the summary: binary units, loads split."""
+    from mlxmoe.budget import format_size
+    from mlxmoe.cli import rank_line
+
+    s = {"hit_rate": 0.5, "bytes_read": 3 * 61440, "loads_demand": 1, "loads_prefetched": 2, "cache_experts": 8,
+         "peak_rss": 100 << 20, "misses": 1}
+    line = rank_line(1, s)
+    assert line.startswith("rank 1: hit rate 50.0%")
+    assert f"{format_size(3 * 61440)} read (1 loads on demand + 2 prefetched)" in line
+    assert line.endswith("process peak RSS 100.0 MB")
+
+
 def test_chat_reuses_the_prompt_cache(checkpoint):
     """The second turn prefills only its own tokens: the KV cache holds the first turn."""
     from mlx_lm.models.cache import make_prompt_cache
