@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .budget import format_size
 from .errors import MlxmoeError
 from .files import temp_folder_beside
 from .store import ALIGN, BUNDLE_FORMAT, DTYPES, align_up, tensor_bytes
@@ -103,7 +104,7 @@ def _write(ckpt, out, progress):
             copy_range(i.file, i.offset, i.nbytes, w)
             weight_map[i.name] = names[0]
         finish(w)
-    progress(f"{names[0]}: {len(rest)} non-expert tensors, {sum(i.nbytes for i in rest) / 1e6:.0f} MB")
+    progress(f"{names[0]}: {len(rest)} non-expert tensors, {format_size(sum(i.nbytes for i in rest))}")
 
     row = np.zeros(stride, np.uint8)  # one expert: its tensors back to back, zero padding
     outs = [row[o:o + size].view(DTYPES[d]).reshape(s)

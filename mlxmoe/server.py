@@ -250,7 +250,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                 if self.group is not None:
                     hits, misses, read = distributed.sum_ranks(self.group, [hits, misses, read])
                 request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                                 "expert_hits": hits, "expert_misses": misses, "mb_read": read / 1e6,
+                                 "expert_hits": hits, "expert_misses": misses, "mb_read": read / (1 << 20),  # MB as budgets count them
                                  "profile": name}
                 self.last_stats = distributed.merged_stats(model)
 

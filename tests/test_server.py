@@ -126,9 +126,10 @@ def test_usage_stats_models_health(server):
     assert status == 200 and headers["X-Mlxmoe-Profile"] == "none"
     usage = body["usage"]["mlxmoe"]
     assert usage["expert_hits"] + usage["expert_misses"] > 0 and 0 <= usage["expert_hit_rate"] <= 1
-    assert usage["mb_read"] >= 0
     status, _, stats = server.json("GET", "/v1/mlxmoe/stats")
     assert status == 200 and stats["cache_experts"] == 57 and stats["server"]["requests"] >= 1
+    read = usage["mb_read"] * (1 << 20)  # MB as budgets count them: whole experts read
+    assert read == int(read) and int(read) % (stats["cache_bytes"] // stats["cache_experts"]) == 0
     assert stats["hits"] >= usage["expert_hits"]
     models = server.client.models.list()
     assert [m.id for m in models.data] == ["mlxmoe-demo"]
