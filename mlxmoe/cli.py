@@ -622,11 +622,14 @@ def profile_show(file, top, png, budget, as_json):
         click.echo(f"  layer {row['layer']:3d}  hot25 {100 * row['hot25_share']:5.1f}%  hottest (expert:rate) {hot}")
     if p.curve:
         names = list(p.curve)
+        widths = [max(12, len(n) + 2) for n in names]  # a column per policy, at least one space apart
         click.echo("predicted hit rate by cache size:")
-        click.echo("  experts" + ("     memory" if p.expert_bytes else "") + "".join(f"{n:>12}" for n in names))
+        click.echo("  experts" + ("     memory" if p.expert_bytes else "") + "".join(f"{n:>{w}}" for n, w in
+                                                                                    zip(names, widths)))
         for i, (c, _) in enumerate(p.curve[names[0]]):
             mem = f"{format_size(c * p.expert_bytes):>11}" if p.expert_bytes else ""
-            click.echo(f"  {c:7d}{mem}" + "".join(f"{100 * p.curve[n][i][1]:11.1f}%" for n in names))
+            click.echo(f"  {c:7d}{mem}" + "".join(f"{100 * p.curve[n][i][1]:{w - 1}.1f}%" for n, w in
+                                                  zip(names, widths)))
     if "budget" in out:
         c = out["budget"]["cache_experts"]
         every = " (every expert)" if c == p.num_layers * p.num_experts else ""

@@ -214,6 +214,9 @@ def test_record_show_diff_merge_cli(checkpoint, tmp_path):
     assert p.workload == "it text" and p.tokens_total > 20 and set(p.curve) == set(ONLINE)
     r = runner.invoke(main, ["profile", "show", str(tmp_path / "it.json"), "--png", str(tmp_path / "h.png")])
     assert r.exit_code == 0 and "predicted hit rate" in r.stdout and "layer   0" in r.stdout
+    lines = r.stdout.splitlines()
+    header = lines[lines.index("predicted hit rate by cache size:") + 1].split()
+    assert header == ["experts", "memory", *ONLINE]  # every policy's name apart, activation-floor too
     assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = runner.invoke(main, ["profile", "diff", str(tmp_path / "it.json"), str(tmp_path / "en.json"), "--json"])
     layers = json.loads(r.stdout)["layers"]
