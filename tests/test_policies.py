@@ -335,11 +335,11 @@ def test_activation_counts_a_prefill_call_as_one_visit_by_default():
 def test_activation_evicts_by_expected_time_with_a_sorted_insert():
     """Two layers, 3 slots. Layer 0 uses expert 1 and layer 1 expert 5 for 4 tokens; at
     token 5 layer 0 uses 2 (the third slot), layer 1 uses 6: a victim among (0, 1), (0, 2),
-    (1, 5). Long-run rates g: 1 and 5 were used at 4 of 5 visits, 2 at 1 of 5 (plus 4 prior
-    visits at top_k / E = 1/16): g = 4.25/9 against 1.25/9, and 2's chance of use at the
-    next visit is small (one use), so its expected time d + L (1 - p1) / g is farthest,
-    though it was inserted last (an order sorted only at the layer's visit kept it as the
-    most valuable and evicted 5)."""
+    (1, 5). Long-run rates (long_rate): 1 and 5 were used at 4 of 5 visits, 2 at 1 of 5
+    (plus 4 prior visits at top_k / E = 1/16): 4.25/9 against 1.25/9, and 2's chance of use
+    at the next visit (next_chance) is small (one use), so its expected time
+    d + L (1 - next_chance) / long_rate is farthest, though it was inserted last (an order
+    sorted only at the layer's visit would keep it as the most valuable and evict 5)."""
     seq = [(0, [1]), (1, [5])] * 4 + [(0, [2]), (1, [6])]
     evicted, r = run("activation", 3, seq, layers=2)
     assert evicted == [(0, 2)]
