@@ -124,7 +124,7 @@ def aligned_pools(store, n):
 
     import numpy as np
 
-    from mlxmoe.store import DTYPES
+    from mlxmoe.shards import DTYPES
 
     pools = []
     for shape, d in zip(store.tensor_shapes, store.tensor_dtypes):

@@ -19,7 +19,8 @@ import numpy as np
 from .budget import format_size
 from .errors import MlxmoeError
 from .files import temp_folder_beside
-from .store import ALIGN, BUNDLE_FORMAT, DTYPES, align_up, tensor_bytes
+from .shards import ALIGN, BUNDLE_FORMAT, DTYPES, tensor_bytes
+from .store import align_up
 
 COPY_CHUNK = 16 << 20
 

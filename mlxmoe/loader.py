@@ -22,7 +22,8 @@ from .budget import text_config
 from .errors import MlxmoeError
 from .files import read_bytes
 from .experts import StreamingExperts, find_router
-from .store import PER_EXPERT, ExpertStore
+from .shards import PER_EXPERT
+from .store import ExpertStore
 
 # safetensors dtype -> MLX dtype (of a slot pool before the backend's dtype policy, of a stand-in)
 MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32, "U8": mx.uint8,

@@ -17,7 +17,8 @@ from mlxmoe.api import model_fingerprint
 from mlxmoe.backend import detect
 from mlxmoe.convert import bundle
 from mlxmoe.loader import open_checkpoint
-from mlxmoe.store import ALIGN, BUNDLE_FORMAT, DTYPES, align_up
+from mlxmoe.shards import ALIGN, BUNDLE_FORMAT, DTYPES
+from mlxmoe.store import align_up
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 24

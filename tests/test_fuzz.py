@@ -22,7 +22,7 @@ from mlxmoe.convert import header as safetensors_header
 from mlxmoe.errors import MlxmoeError
 from mlxmoe.loader import DEMO_MODEL, open_checkpoint, read_config, read_tokenizer
 from mlxmoe.profile import ActivationProfile
-from mlxmoe.store import BUNDLE_FORMAT, read_header
+from mlxmoe.shards import BUNDLE_FORMAT, read_header
 from mlxmoe.trace import predictor_scores, read_trace, replay
 
 CASES = int(os.environ.get("MLXMOE_FUZZ_CASES", 500))

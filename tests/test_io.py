@@ -15,7 +15,8 @@ import mlxmoe
 from mlxmoe import MlxmoeError
 from mlxmoe import store as store_module
 from mlxmoe.loader import open_checkpoint
-from mlxmoe.store import ALIGN, DTYPES, ExpertStore, Range, default_io, resolve_io
+from mlxmoe.shards import ALIGN, DTYPES, Range
+from mlxmoe.store import ExpertStore, default_io, resolve_io
 
 from conftest import fs_type
 
