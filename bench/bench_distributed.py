@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # synthetic.py, the test checkpoints' builder
 
 from bench_runtime import DEFAULT_PROMPT, checkpoint_bytes, checkpoint_matches, generate_timed  # noqa: E402
 from system import drop_page_cache  # noqa: E402
@@ -189,7 +190,7 @@ def main():
         return report(args, runs, counts, modes)
     args.top_k, args.residual_scale = 8, 0.1  # bench_runtime.py's checkpoint
     if not checkpoint_matches(args.checkpoint, args):
-        from mlxmoe.synthetic import build_large_checkpoint
+        from synthetic import build_large_checkpoint
 
         print(f"[bench] building {args.checkpoint}", file=sys.stderr, flush=True)
         build_large_checkpoint(args.checkpoint, num_layers=args.layers, num_experts=args.experts, top_k=8,

@@ -76,3 +76,12 @@ def test_each_module_imports_in_a_fresh_interpreter():
     r = subprocess.run([sys.executable, "-c", f"import subprocess, sys; {code}"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
+
+
+def test_fixtures_live_in_tests():
+    """The synthetic checkpoints' builder is a test fixture (tests/synthetic.py): the package
+    neither ships nor imports it, and the benchmarks take it from tests/."""
+    root = PACKAGE.parent
+    assert not (PACKAGE / "synthetic.py").exists() and (root / "tests" / "synthetic.py").exists()
+    for path in [*PACKAGE.glob("*.py"), *(root / "bench").glob("*.py")]:
+        assert "mlxmoe.synthetic" not in path.read_text() and "synthetic" not in imports_of(path), path
