@@ -1,6 +1,6 @@
 """mlxmoe.generate shared by threads: one generation at a time per model, each thread's
-text equal to its solo run (issue 15 item 11: wrong text, or 'There is no Stream(cpu, 3)
-in current thread' from the deferred host work of another thread's tokens)."""
+text equal to its solo run; unguarded, a thread gets wrong text, or 'There is no
+Stream(cpu, 3) in current thread' from the deferred host work of another thread's tokens."""
 
 import threading
 from pathlib import Path
