@@ -66,7 +66,8 @@ def table(name, header, records, shares=SHARES):
     print(f"\n{name}: {L} layers x {E} experts, {len(records)} layer calls "
           f"({describe(records, L, E)['reuse_prev_token']:.0%} of a token's experts reused from the previous token, "
           f"hottest 25% carry {describe(records, L, E)['top25_share']:.0%})")
-    print(f"{'cache':>8}" + "".join(f"{p:>12}" for p in ONLINE + ["belady"]) + f"{'gap closed':>12}")
+    widths = {p: max(12, len(p) + 2) for p in ONLINE + ["belady"]}  # columns at least one space apart
+    print(f"{'cache':>8}" + "".join(f"{p:>{w}}" for p, w in widths.items()) + f"{'gap closed':>12}")
     for share in shares:
         size = int(L * E * share)
         rates = {}
@@ -76,7 +77,7 @@ def table(name, header, records, shares=SHARES):
             rates[policy + "_seconds"] = time.perf_counter() - tic
         gap = rates["belady"] - rates["lru"]
         closed = (rates[DEFAULT_POLICY] - rates["lru"]) / gap if gap > 0 else float("nan")
-        print(f"{share:>7.0%} " + "".join(f"{100 * rates[p]:11.2f}%" for p in ONLINE + ["belady"]) + f"{closed:12.2f}")
+        print(f"{share:>7.0%} " + "".join(f"{100 * rates[p]:{w - 1}.2f}%" for p, w in widths.items()) + f"{closed:12.2f}")
         rows.append({"share": share, "cache_experts": size, "rates": rates, "gap_closed": closed,
                      "default_beats_all": all(rates[DEFAULT_POLICY] > rates[p] for p in ONLINE if p != DEFAULT_POLICY)})
     return rows
