@@ -190,8 +190,8 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
         if order:
             cache.prewarm(order)
             if ckpt.group is not None and ckpt.split == "tensor":
-                # under the tensor split a generation must not start while the pre-warm still
-                # reads (its tokens would differ now and then): wait for it
+                # a generation that starts while the pre-warm still reads gave other tokens
+                # now and then under the tensor split (never without a pre-warm): wait for it
                 cache.prewarm_done()
     return tokenizer
 
