@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from traces import load_heat  # noqa: E402
 
 from mlxmoe.cache import Residency  # noqa: E402
-from mlxmoe.policies import (DEFAULT_POLICY, HALF_LIFE_FLOOR, POLICIES, Activation, ActivationFloor, Policy,  # noqa: E402
-                             make_policy)
+from mlxmoe.policies import (DEFAULT_POLICY, FLOOR_SLACK, HALF_LIFE_FLOOR, POLICIES, Activation,  # noqa: E402
+                             ActivationFloor, Policy, make_policy)
 from mlxmoe.trace import read_trace, replay, steps  # noqa: E402
 
 
@@ -185,7 +185,7 @@ def next_layers(paths, depths):
             n = max(int(L * E * share), header["top_k"])
             lru, default, best = (replay(header, records, p, n)["hit_rate"] for p in ("lru", DEFAULT_POLICY, "belady"))
             uses = next_uses(header, records, n)
-            as_default = {"half_life": HALF_LIFE_FLOOR, "layer_floor": True}
+            as_default = {"half_life": HALF_LIFE_FLOOR, "layer_floor": True, "floor_slack": FLOOR_SLACK}
             told = [replay(header, records, "next-layers", n, next_uses=uses, ahead=d, layer_floor=floor)["hit_rate"]
                     for floor in (True, False) for d in depths]
             gap = best - lru

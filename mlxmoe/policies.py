@@ -27,6 +27,7 @@ HALF_LIFE_LFU = 256  # lfu's and slru's counts
 HALF_LIFE_ACTIVATION = 24  # activation's frequency estimate
 HALF_LIFE_RECENCY = 4  # activation's recency estimate
 HALF_LIFE_FLOOR = 0.5  # activation-floor's frequency estimate (chosen by bench_policies.py --lofo)
+FLOOR_SLACK = 0.5  # activation-floor's layer floor: the even share less this many tokens' experts (the same)
 HALF_LIFE_PROFILE = 4096  # a profile's counts: it remembers a long session, and still adapts
 
 
@@ -424,8 +425,9 @@ class Activation(Policy):
     `long_prior` visits at the prior's rate. A call of n tokens (a prefill) counts as
     min(n, `prefill_visits`) visits. The prior's hottest experts (`pin_share` of the cache)
     stay pinned while their live frequency is at least `pin_release` x their prior rate.
-    With `layer_floor`, a layer at or under its even share of the slots gives no slot to
-    another layer (it still pays for its own misses).
+    With `layer_floor`, a layer at or under its floor gives no slot to another layer (it
+    still pays for its own misses): its even share of the slots less `floor_slack` x top_k
+    (rounded down), never under one token's experts (top_k) nor over the even share.
     """
 
     name = "activation"
@@ -434,10 +436,11 @@ class Activation(Policy):
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=HALF_LIFE_ACTIVATION,
                  recency_half_life=HALF_LIFE_RECENCY, recency_weight=0.2, router_weight=1.0, prior_weight=0.1, now_weight=0.6, horizon=2.0,
                  long_min=16.0, long_max=80.0, long_prior=4.0, prefill_visits=1, now_scale=8.0,
-                 pin_share=0.25, pin_release=0.5, layer_floor=False, **kw):
+                 pin_share=0.25, pin_release=0.5, layer_floor=False, floor_slack=0.0, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         L, E = num_layers, num_experts
-        self.floor = capacity // L if layer_floor else None  # a layer's even share of the slots
+        self.floor = capacity // L if layer_floor else None  # set by _set_floor once top_k is known
+        self.floor_slack = floor_slack
         self.held = np.zeros(L)  # -inf where a layer is at or under its floor: no victim for another layer
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
@@ -517,8 +520,9 @@ class Activation(Policy):
         # long-run counts take a call as one visit of the experts it used.
         # (At E = 32-128 each numpy call costs about its overhead: few calls, in place.)
         n = min(self.call_tokens, self.prefill_visits)
-        if self.call_tokens == 1:
-            self.top_k = max(self.top_k, len(experts))
+        if self.call_tokens == 1 and len(experts) > self.top_k:
+            self.top_k = len(experts)
+            self._set_floor()
         experts = np.asarray(experts, dtype=np.intp)
         probs = None if probs is None else np.asarray(probs)
         slow, fast = self.slow ** n, self.fast ** n
@@ -639,6 +643,17 @@ class Activation(Policy):
             return found
         raise _none_left()
 
+    def _set_floor(self):
+        """The layer floor for the top_k seen so far (see the class docstring)."""
+        if self.floor is None:
+            return
+        even = self.capacity // self.num_layers
+        floor = min(even, max(self.top_k, even - int(self.floor_slack * self.top_k)))
+        if floor != self.floor:
+            self.floor = floor
+            for layer in range(self.num_layers):
+                self._hold(layer)
+
     def _hold(self, layer):
         if self.floor is not None:
             self.held[layer] = -np.inf if len(self.resident[layer]) <= self.floor else 0.0
@@ -704,14 +719,17 @@ class Activation(Policy):
 
 
 class ActivationFloor(Activation):
-    """The default: `activation` with each layer kept at its even share of the slots
-    (layer_floor; the slots left over by the split move between layers by expected next
-    use) and a shorter frequency half-life, chosen on real routing (bench_policies.py --lofo)."""
+    """The default: `activation` with each layer kept at a floor of its even share of the
+    slots less half a token's experts (layer_floor, floor_slack; the slots above the floors
+    move between layers by expected next use) and a shorter frequency half-life, chosen on
+    real routing (bench_policies.py --lofo)."""
 
     name = "activation-floor"
 
-    def __init__(self, capacity, num_layers, num_experts, half_life=HALF_LIFE_FLOOR, layer_floor=True, **kw):
-        super().__init__(capacity, num_layers, num_experts, half_life=half_life, layer_floor=layer_floor, **kw)
+    def __init__(self, capacity, num_layers, num_experts, half_life=HALF_LIFE_FLOOR, layer_floor=True,
+                 floor_slack=FLOOR_SLACK, **kw):
+        super().__init__(capacity, num_layers, num_experts, half_life=half_life, layer_floor=layer_floor,
+                         floor_slack=floor_slack, **kw)
 
 
 class LayerSplit(Policy):

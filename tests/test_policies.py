@@ -185,6 +185,22 @@ def test_floor_keeps_a_layer_at_its_share():
     assert run("activation-floor", 2, seq, layers=2, experts=4)[0] == [(0, 3), (0, 0), (1, 3)]
 
 
+def test_floor_slack_lets_a_stale_layer_give_slots_down_to_its_floor():
+    """2 layers x 4 slots (8 experts, top-2): layer 1 used 2 and 3 once, then only 0 and 1;
+    layer 0 cycles through three pairs. Its floor at the even share (slack 0) keeps layer 1's
+    stale 2 and 3 and layer 0 thrashes in its own 4 slots; the default's floor (4 less half
+    a token's 2 experts: 3) gives up 2 and keeps 3; slack 1 (floor 2, one token) gives up both."""
+    seq = [(0, [0, 1]), (1, [0, 1]), (0, [0, 1]), (1, [2, 3])]
+    seq += [step for t in range(6) for step in ((0, [[2, 3], [4, 5], [6, 7]][t % 3]), (1, [0, 1]))]
+    own = [(0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (0, 7)]
+    evicted = {slack: run(DEFAULT_POLICY, 8, seq, layers=2, experts=8, **({} if slack is None else
+                                                                          {"floor_slack": slack}))[0]
+               for slack in (None, 0, 1)}
+    assert evicted[0] == own + [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert evicted[None] == own + [(1, 2), (0, 0), (0, 1), (0, 2)]
+    assert evicted[1] == own + [(1, 2), (1, 3), (0, 0), (0, 1)]
+
+
 def test_default_keeps_the_last_visit_then_the_most_used():
     """1 layer of 5 experts, 3 slots, one expert a token: when 0 comes, 4 (4 uses, the last 4 tokens ago),
     3 (3 uses, 3 tokens ago) and 2 (2 uses, both just now) are resident. Per-layer LRU evicts
@@ -448,6 +464,7 @@ def test_unknown_option_is_refused_naming_it_and_the_policy():
     p = make_policy("activation-floor", 8, 2, 8, half_life=1, layer_floor=False, prior=prior, now_weight=0.3)
     assert p.floor is None and p.slow == 0.5 and p.now_weight == 0.3 and len(p.pinned) == 2
     assert make_policy("activation", 8, 2, 8, layer_floor=True).floor == 4
+    assert make_policy(DEFAULT_POLICY, 8, 2, 8).floor == 4  # less floor_slack x top_k once top_k is seen
     assert make_policy("lfu", 8, 2, 8, half_life=4, prior=prior).counts.growth == 2 ** 0.25
     assert make_policy("slru", 8, 2, 8, window=2, pin_share=0.5, prior=prior).window == 2
     make_policy("s3fifo", 8, 2, 8, small_share=0.2, prior=prior)
