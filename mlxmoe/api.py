@@ -226,6 +226,8 @@ class Runtime:
         self.trace_target: str | os.PathLike | None = None
         cache.attach(prefetcher)
         cache.close_with = self.close_local  # the cache's own close() closes the prefetcher and trace first
+        # under the tensor split the ranks take the resident path together (agree_resident)
+        cache.hold_resident = checkpoint.group is not None and checkpoint.split == "tensor"
 
     @property
     def profile(self) -> ActivationProfile:
@@ -256,6 +258,18 @@ class Runtime:
         self.cache.new_sequence()
         if self.trace is not None:
             self.trace.new_sequence()
+        self.agree_resident()
+
+    def agree_resident(self) -> None:
+        """Under the tensor split, at a sequence's start (a collective): the ranks' caches
+        take the resident path from here on if every rank's holds every expert. Every rank
+        must evaluate the same all_sums: a streaming rank evaluates, with its router, the
+        last layer's attention all_sum of each prompt chunk but the last (mlx-lm evaluates
+        only those chunks' KV caches), which a rank on the resident path never does; every
+        later all_sum would pair different arrays. A rank's pre-warm ends when it ends."""
+        cache = self.cache
+        if cache.hold_resident:
+            cache.hold_resident = distributed.any_rank(self.group, cache.all_resident() is None)
 
     def main_rank(self) -> bool:
         """Whether this process speaks for the model: one process, or rank 0 of a group."""
