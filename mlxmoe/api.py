@@ -188,10 +188,6 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
         order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:
             cache.prewarm(order)
-            if ckpt.group is not None and ckpt.split == "tensor":
-                # a generation that starts while the pre-warm still reads gave other tokens
-                # now and then under the tensor split (never without a pre-warm): wait for it
-                cache.prewarm_done()
     return tokenizer
 
 
@@ -263,10 +259,10 @@ class Runtime:
     def agree_resident(self) -> None:
         """Under the tensor split, at a sequence's start (a collective): the ranks' caches
         take the resident path from here on if every rank's holds every expert. Every rank
-        must evaluate the same all_sums: a streaming rank evaluates, with its router, the
-        last layer's attention all_sum of each prompt chunk but the last (mlx-lm evaluates
-        only those chunks' KV caches), which a rank on the resident path never does; every
-        later all_sum would pair different arrays. A rank's pre-warm ends when it ends."""
+        must evaluate the same all_sums: mlx-lm evaluates only the KV caches of the prompt's
+        chunks before its last token, so a chunk's last attention all_sum is evaluated by a
+        streaming rank (with its router) and never by a rank on the resident path; every
+        later all_sum would pair different arrays. Each rank's pre-warm ends when it ends."""
         cache = self.cache
         if cache.hold_resident:
             cache.hold_resident = distributed.any_rank(self.group, cache.all_resident() is None)
