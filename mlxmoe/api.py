@@ -189,10 +189,6 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
         order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:
             cache.prewarm(order)
-            if ckpt.group is not None and ckpt.split == "tensor":
-                # a generation that starts while the pre-warm still reads gave other tokens
-                # now and then under the tensor split (never without a pre-warm): wait for it
-                cache.prewarm_done()
     return tokenizer
 
 
@@ -228,6 +224,8 @@ class Runtime:
         self.trace_file: str | os.PathLike | None = None  # where the whole trace is once closed (rank 0's)
         cache.attach(prefetcher)
         cache.close_with = self.close_local  # the cache's own close() closes the prefetcher and trace first
+        # under the tensor split the ranks take the resident path together (agree_resident)
+        cache.hold_resident = checkpoint.group is not None and checkpoint.split == "tensor"
 
     @property
     def profile(self) -> ActivationProfile:
@@ -259,6 +257,18 @@ class Runtime:
         self.cache.new_sequence()
         if self.trace is not None:
             self.trace.new_sequence()
+        self.agree_resident()
+
+    def agree_resident(self) -> None:
+        """Under the tensor split, at a sequence's start (a collective): the ranks' caches
+        take the resident path from here on if every rank's holds every expert. Every rank
+        must evaluate the same all_sums: mlx-lm evaluates only the KV caches of the prompt's
+        chunks before its last token, so a chunk's last attention all_sum is evaluated by a
+        streaming rank (with its router) and never by a rank on the resident path; every
+        later all_sum would pair different arrays. Each rank's pre-warm ends when it ends."""
+        cache = self.cache
+        if cache.hold_resident:
+            cache.hold_resident = distributed.any_rank(self.group, cache.all_resident() is None)
 
     def main_rank(self) -> bool:
         """Whether this process speaks for the model: one process, or rank 0 of a group."""

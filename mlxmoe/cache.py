@@ -315,6 +315,7 @@ class ExpertCache(Residency):
         self.current_layer = -1
         self.prefetcher: Prefetcher | None = None  # when prefetching (attach)
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident
+        self.hold_resident = False  # True: no resident path yet, whatever is resident (see api.Runtime.agree_resident)
         self.token_work = None  # the current token's accounting on the resident path (see defer)
         # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps:
         # the policy weighs a victim by the share of its layer's loads prefetch leaves to the
@@ -345,22 +346,27 @@ class ExpertCache(Residency):
 
     def resident_slots(self) -> list | None:
         """Every expert's slot, per layer an mx array [experts], once all are resident and
-        none is on its way (with room for all, nothing is evicted: they stay put), else None."""
+        none is on its way (with room for all, nothing is evicted: they stay put), else None;
+        None while `hold_resident`."""
         self._check_open()
-        if self.slot_table is None:
-            L, E = self.store.num_layers, self.store.num_experts
-            # under the lock: a pre-warm claims a slot (slot_of) and marks it on its way
-            # (in_flight) in one step, so the last expert's read is never missed here
-            with self.lock:
-                if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
-                    return None
-                table = np.zeros((L, E), dtype=np.uint32)
-                for (layer, e), slot in self.slot_of.items():
-                    table[layer, e] = slot
-            if self.loader.failed:  # background reads that failed: read now (a second failure raises)
-                self.loader.read_failed()
-            self.slot_table = [mx.array(row) for row in table]  # one per layer: no slicing op per call
+        if self.slot_table is None and not self.hold_resident:
+            self.slot_table = self.all_resident()
         return self.slot_table
+
+    def all_resident(self) -> list | None:
+        """resident_slots' table, if every expert is resident and none is on its way now, else None."""
+        L, E = self.store.num_layers, self.store.num_experts
+        # under the lock: a pre-warm claims a slot (slot_of) and marks it on its way
+        # (in_flight) in one step, so the last expert's read is never missed here
+        with self.lock:
+            if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
+                return None
+            table = np.zeros((L, E), dtype=np.uint32)
+            for (layer, e), slot in self.slot_of.items():
+                table[layer, e] = slot
+        if self.loader.failed:  # background reads that failed: read now (a second failure raises)
+            self.loader.read_failed()
+        return [mx.array(row) for row in table]  # one per layer: no slicing op per call
 
     def defer(self, layer: int, new_work: Callable[[], Callable]) -> Callable:
         """The current token's accounting on the resident path: a work made by `new_work` (with

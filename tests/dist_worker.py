@@ -4,6 +4,7 @@
     dist_worker.py MODEL OUT budget SIZE  memory while streaming under a per-rank budget
     dist_worker.py MODEL OUT readfail     rank 1 reads from COPY (MODEL + "-rank1"), truncated after load
     dist_worker.py MODEL OUT tensor       the tensor split: stock mlx-lm's and mlxmoe's tokens, bytes read
+    dist_worker.py MODEL OUT uneven       the tensor split with one rank's cache full and the other's empty
 """
 
 import json
@@ -95,6 +96,26 @@ def tensor(path, group):
     return out
 
 
+def uneven(path, group):
+    """The tensor split, each rank in turn the one whose cache holds every expert at the start
+    (its pre-warm done) while the others' hold none (their pre-warm not begun): tokens and
+    whether the resident path was taken, then again once every rank's cache is full."""
+    out = []
+    for ready in range(group.size()):
+        model, tokenizer = mlxmoe.load(path, group=group, split="tensor", prewarm=group.rank() == ready)
+        cache, ckpt = model.expert_cache, model.expert_runtime.checkpoint
+        cache.prewarm_done()
+        first = tokens(model, tokenizer)
+        resident_first = cache.slot_table is not None
+        cache.prewarm([(l, e) for l in range(ckpt.num_layers) for e in range(ckpt.num_experts)])
+        cache.prewarm_done()
+        second = tokens(model, tokenizer)
+        out.append({"first": first, "resident_first": resident_first, "second": second,
+                    "resident_second": cache.slot_table is not None})
+        model.expert_runtime.close()
+    return out
+
+
 def main():
     path, out, mode = sys.argv[1:4]
     group = distributed.init()
@@ -102,6 +123,8 @@ def main():
         result = parity(path, group)
     elif mode == "tensor":
         result = tensor(path, group)
+    elif mode == "uneven":
+        result = uneven(path, group)
     elif mode == "budget":
         result = budget(path, group, sys.argv[4])
     else:

@@ -214,6 +214,20 @@ def test_tensor_split_streams_a_slice_of_every_expert(checkpoint, tmp_path, arch
         assert r["full"]["io"]["disk_bytes"] <= (2 + ranks) / 3 * r["full"]["bytes_read"] + (1 << 16)
 
 
+def test_tensor_split_ranks_take_the_resident_path_together(checkpoint, tmp_path):
+    """A rank whose cache holds every expert while another's does not (a background pre-warm
+    done on one rank, not on the other) still gives stock tokens: every rank streams until
+    every rank's cache is full, then every rank takes the resident path. (A rank alone on
+    the resident path skips the all_sum of a prompt chunk's last layer that a streaming rank
+    evaluates with its router: every later all_sum then pairs the wrong arrays.)"""
+    path = checkpoint("qwen3_moe")
+    want = stock(path)
+    for r in run_worker(tmp_path, 2, path, "uneven"):
+        for ready in r:  # rank 0's cache full first, then rank 1's
+            assert ready["first"] == want and ready["second"] == want, r
+            assert not ready["resident_first"] and ready["resident_second"], r
+
+
 @pytest.mark.parametrize("arch,split,says", [("mixtral", "tensor", "no shard()"),
                                              ("gpt_oss", "tensor", "bias after the ranks' sum"),
                                              ("gpt_oss", "pipeline", "no pipeline()")])
