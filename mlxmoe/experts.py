@@ -6,13 +6,29 @@ it with expert ids remapped to slot ids. So the arithmetic is mlx-lm's own.
 """
 
 import time
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import LayerCall, token_chunks
+from .cache import token_chunks
 from .errors import MlxmoeError
+
+
+class LayerCall(NamedTuple):
+    """What the cache's observers learn of one fetch of a layer call (a call with more
+    distinct experts than slots is fetched in runs of tokens, one record each)."""
+
+    layer: int
+    position: int  # the position of the first of its tokens in the sequence
+    rows: np.ndarray  # each token's experts [tokens, k]
+    probs: np.ndarray | None  # each token's router distribution [tokens, experts]
+    tokens: int  # tokens in the whole layer call
+    experts: list  # the distinct experts, sorted
+    scores: list | None  # their router probabilities (of the one token at a decode step)
+    mean: np.ndarray | None  # the router's mean distribution over the tokens
+    ticked: int  # tokens that start with this call (its first layer's first run), else 0
 
 
 def _tapped(cls):
@@ -81,23 +97,73 @@ def host_probs(logits):
     return out
 
 
+def resident_table(cache) -> list | None:
+    """Every expert's slot, per layer an mx array [experts] (kept as cache.slot_table), once
+    all are resident and none is on its way (with room for all, nothing is evicted: they
+    stay put), else None: the layers' slots on the resident path."""
+    cache.check_open()
+    if cache.slot_table is None:
+        L, E = cache.store.num_layers, cache.store.num_experts
+        if cache.prefetcher is not None or len(cache.slot_of) < L * E:
+            return None  # (asked again under the lock before the table is made)
+        # under the lock: a pre-warm claims a slot (slot_of) and marks it on its way
+        # (in_flight) in one step, so the last expert's read is never missed here
+        with cache.lock:
+            if cache.prefetcher is not None or cache.in_flight or len(cache.slot_of) < L * E:
+                return None
+            table = np.zeros((L, E), dtype=np.uint32)
+            for (layer, e), slot in cache.slot_of.items():
+                table[layer, e] = slot
+        if cache.loader.failed:  # background reads that failed: read now (a second failure raises)
+            cache.loader.read_failed()
+        cache.slot_table = [mx.array(row) for row in table]  # one per layer: no slicing op per call
+    return cache.slot_table
+
+
 class ResidentCalls:
     """One token's layer calls on the resident path, [(StreamingExperts, indices, logits,
-    probs)], accounted in one go once their routing is on the host (ExpertCache.defer):
-    the tapped routers' probabilities from their logits in one softmax, then each call's
-    hits and observers in layer order. `side`: the untapped routers' probabilities, which
-    the model's output does not need."""
+    probs)], accounted in one go once their routing is on the host: the tapped routers'
+    probabilities from their logits in one softmax, then each call's hits and observers in
+    layer order. `side`: the untapped routers' probabilities, which the model's output does
+    not need.
 
-    def __init__(self) -> None:
+    The token's first layer call queues it in the cache's `later` (defer). mlx-lm builds a
+    token's graph while the previous one computes and has waited for the one before, so the
+    work queued before the previous token's is done then with no sync; the previous token's
+    side arrays are queued for evaluation then, all at once (read unqueued, they would wait
+    for everything queued before them)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
         self.calls: list = []
         self.side: list = []
+
+    @classmethod
+    def defer(cls, cache, layer: int) -> "ResidentCalls":
+        """The current token's work (queued last in `later` until done), a new one at the
+        token's first layer call."""
+        with cache.lock:
+            last = cache.later[-1][0] if cache.later else None
+            previous = last if isinstance(last, cls) else None
+            if layer != 0 and previous is not None:
+                return previous
+            work = cls(cache)
+            if previous is not None and previous.side:
+                mx.async_eval(*previous.side)
+            cache.later.append((work, ()))
+            tic = time.perf_counter()
+            cache.catch_up(until=work if previous is None else previous)
+            cache.counters.bookkeeping_seconds += time.perf_counter() - tic
+            return work
 
     def __call__(self) -> None:
         logits = [c[2] for c in self.calls if c[2] is not None]
         from_logits = iter(host_probs(logits) if logits else ())
         for module, indices, tapped, probs in self.calls:
             _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
-            module._cache.count_resident(module._record(flat, p, 0, len(flat)))
+            call = module._record(flat, p, 0, len(flat))
+            self.cache.counters.hits += len(call.experts)  # no policy: nothing will be evicted
+            self.cache.observe(call)
 
 
 class StreamingExperts(nn.Module):
@@ -124,7 +190,7 @@ class StreamingExperts(nn.Module):
 
     def _call(self, x, indices):
         cache = self._cache
-        table = cache.resident_slots()
+        table = resident_table(cache)
         if table is not None:
             return self._resident(x, indices, table)
         tic = time.perf_counter()
@@ -192,12 +258,12 @@ class StreamingExperts(nn.Module):
         """Every expert is resident (they stay put then): slots from the cache's table on
         the device, and the host work (hits, live profile, trace; no policy: nothing will be
         evicted) done once this token's routing has been computed anyway (see
-        ExpertCache.defer), so the layer forces no sync and decoding runs as stock mlx-lm does.
+        ResidentCalls), so the layer forces no sync and decoding runs as stock mlx-lm does.
         A tapped router's probabilities come from its logits on the host (host_probs): no
         op beside the model's own; another router's are computed beside the model."""
         logits = self._logits()
         probs = self._probs(x) if logits is None else None
-        work = self._cache.defer(self._layer, ResidentCalls)
+        work = ResidentCalls.defer(self._cache, self._layer)
         work.calls.append((self, indices, logits, probs))
         if probs is not None:
             work.side.append(probs)

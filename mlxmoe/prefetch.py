@@ -122,6 +122,10 @@ class Prefetcher:
         self.coactive = np.zeros((len(routers), E, E), dtype=np.float32) if E else None
         self.hottest: list[set] | None = None  # the profile predictor's guesses per layer (set_prior)
         self.set_prior(prior)
+        # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps:
+        # the policy weighs a victim by the share of its layer's loads prefetch leaves to the
+        # decode thread (see miss_costs)
+        self.layer_loads = np.zeros((len(routers), 2))
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
 
@@ -129,6 +133,21 @@ class Prefetcher:
         """Take a profile's rates [layers, experts] (None: no profile) for the profile
         predictor, as Policy.set_prior does for the policy; under the cache's lock mid-run."""
         self.hottest = None if prior is None else hottest_per_layer(prior, self.top_k)
+
+    def miss_costs(self, layer: int, hidden: int, demand: int, keep: float = 0.98, hidden_cost: float = 0.25) -> None:
+        """Count a decode step's loads of `layer` (the cache's fetch, under its lock): `hidden`
+        found resident or on their way thanks to a prefetch, `demand` read on the decode path.
+        The policy's miss cost of the layer is then 1 - (1 - hidden_cost) x the share prefetch
+        hides (a hidden load still takes the disk's time): a layer whose experts the lookahead
+        predicts well gives up slots to one whose misses the decode thread would wait for (on
+        the demo model, the next token's first layers, which no predictor sees coming)."""
+        cost = self.cache.policy.miss_cost
+        if cost is None:
+            return
+        h, d = self.layer_loads[layer].tolist()  # Python floats: the same doubles, cheaper than numpy's
+        h, d = h * keep + hidden, d * keep + demand
+        self.layer_loads[layer] = h, d
+        cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
 
     def layer_done(self, layer, rows, looked=None, token=0, decode=True):
         """A layer call has its experts (`rows`: each token's, [tokens, top_k]): observe()
@@ -439,12 +458,24 @@ class BackgroundLoader:
                 self.failed.add(key)
             self.waiting.pop(key).set()
 
-    def used(self, keys: list) -> int:
-        """How many of `keys` (a layer call's, under the lock) were loaded ahead and not used
-        until now; they count as used from here on."""
+    def arrivals(self, keys: list) -> tuple[list, int]:
+        """For a layer call's `keys` (under the cache's lock): the waits of those on their way,
+        and how many were loaded ahead and not used until now, counted useful (once)."""
+        waits = [self.waiting[k] for k in keys if k in self.waiting]
         found = self.prefetched.intersection(keys)
         self.prefetched -= found
-        return len(found)
+        self.cache.counters.prefetch_useful += len(found)
+        return waits, len(found)
+
+    def wait_for(self, waits: list, keys: list) -> None:
+        """On the decode thread: wait for a layer call's keys on their way (`waits`, counting
+        those not there yet as late), then read again those of `keys` whose read failed."""
+        for done in waits:
+            if not done.is_set():
+                self.cache.counters.prefetch_late += 1
+                done.wait()
+        if self.failed:  # a background read that failed marks its key before its wait ends
+            self.read_failed(keys)
 
     def read_failed(self, keys: list | None = None) -> None:
         """Read again on the decode thread those of `keys` (default: all) whose background

@@ -21,7 +21,7 @@ import pytest
 
 import mlxmoe
 import synthetic
-from mlxmoe.experts import StreamingExperts
+from mlxmoe.experts import StreamingExperts, resident_table
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 12
@@ -74,7 +74,7 @@ class SyncCounter:
             outer = counter.current
             counter.current = [0, 0, module._layer, None] if decode else None
             try:
-                streamed = module._cache.resident_slots() is None
+                streamed = resident_table(module._cache) is None
                 y = orig_call(module, x, indices)
             finally:
                 if counter.current is not None:
