@@ -195,14 +195,16 @@ class StreamingExperts(nn.Module):
             return self._resident(x, indices, table)
         tic = time.perf_counter()
         decode = x.size == x.shape[-1]
+        prefetcher = cache.prefetcher
         # the prefetcher's lookahead is evaluated with this layer's routing: one sync, not two
-        looked = cache.prefetcher.lookahead(self._layer, x, decode) if cache.prefetcher is not None else {}
+        looked = prefetcher.lookahead(self._layer, x, decode) if prefetcher is not None else {}
         probs = self._probs(x)
         sync = time.perf_counter()
         # evaluates the router (and with it every earlier layer): mlx-lm's own work
         mx.eval(indices, *([] if probs is None else [probs]), *looked.values())
         sync = time.perf_counter() - sync
-        read_before = cache.counters.read_seconds
+        counters = cache.counters
+        read_before = counters.read_seconds
         idx, flat, probs = self._routing(indices, probs)
         chunks = [(0, 1)] if len(flat) == 1 else token_chunks(flat, cache.capacity)
         if len(chunks) == 1:
@@ -210,13 +212,13 @@ class StreamingExperts(nn.Module):
             inner = time.perf_counter()
             y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
             inner = time.perf_counter() - inner
-            if cache.prefetcher is not None:
-                cache.prefetcher.layer_done(self._layer, flat, looked, cache.counters.tokens, decode)
+            if prefetcher is not None:
+                prefetcher.layer_done(self._layer, flat, looked, counters.tokens, decode)
             # what this layer added beyond mlx-lm's own work (building and evaluating the
             # model up to the router, building the expert computation) and the reads: the
             # lookahead and router probabilities, routing copies, the policy, remapping
-            cache.counters.bookkeeping_seconds += (time.perf_counter() - tic - sync - inner
-                                                   - (cache.counters.read_seconds - read_before))
+            counters.bookkeeping_seconds += time.perf_counter() - tic - sync - inner - (counters.read_seconds
+                                                                                       - read_before)
             return y
         # More distinct experts than slots (long prefill at a small cache): compute each
         # run of tokens and evaluate it before the next run may reuse its slots.
@@ -297,9 +299,12 @@ class StreamingExperts(nn.Module):
         experts = call.experts
         slots = self._cache.fetch(self._layer, experts, call.scores, call.mean)
         self._cache.observe(call)
-        if len(rows) == 1:
+        if len(rows) == 1:  # nested as `idx` is ([[[slots]]] at a decode step): no reshape op
             slot_of = dict(zip(experts, slots))
-            return mx.array([slot_of[e] for e in rows[0].tolist()], dtype=mx.uint32).reshape(idx.shape)
+            nested = [slot_of[e] for e in rows[0].tolist()]
+            for _ in idx.shape[:-1]:
+                nested = [nested]
+            return mx.array(nested, dtype=mx.uint32)
         lut = np.zeros(max(experts) + 1, dtype=np.uint32)
         lut[experts] = slots
         return mx.array(lut[idx])

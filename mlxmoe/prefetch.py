@@ -100,11 +100,13 @@ class Prefetcher:
         # the decode thread goes on (False: on the decode thread, after each layer call);
         # so do the cache's updates left for later (ExpertCache.host_work)
         self.off_thread = True
-        self.host_jobs = queue.SimpleQueue()  # works, None to stop (a put costs far less than a pool's submit)
+        # layer_done's arguments, a function to call, or None to stop (a put costs far less than a pool's submit)
+        self.host_jobs = queue.SimpleQueue()
         self.host_error = None  # the first error a work raised, raised again on the decode thread
         self.host = threading.Thread(target=self._host_loop, name="mlxmoe-predict", daemon=True)
         self.host.start()
         self.jobs = []  # futures of queued and running loads
+        self.steps_of = {}  # (layer, depth, cross_token) -> steps()
         self.previous = {}  # layer -> experts it used at its last call
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
         # how often the router's i-th guess for a layer `step` layer calls ahead was used:
@@ -125,7 +127,7 @@ class Prefetcher:
         # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps:
         # the policy weighs a victim by the share of its layer's loads prefetch leaves to the
         # decode thread (see miss_costs)
-        self.layer_loads = np.zeros((len(routers), 2))
+        self.layer_loads = [[0.0, 0.0] for _ in routers]  # Python floats: the same doubles, cheaper than numpy's
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
 
@@ -144,33 +146,34 @@ class Prefetcher:
         cost = self.cache.policy.miss_cost
         if cost is None:
             return
-        h, d = self.layer_loads[layer].tolist()  # Python floats: the same doubles, cheaper than numpy's
-        h, d = h * keep + hidden, d * keep + demand
-        self.layer_loads[layer] = h, d
+        counts = self.layer_loads[layer]
+        h = counts[0] = counts[0] * keep + hidden
+        d = counts[1] = counts[1] * keep + demand
         cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
 
     def layer_done(self, layer, rows, looked=None, token=0, decode=True):
         """A layer call has its experts (`rows`: each token's, [tokens, top_k]): observe()
         what it used, and after_layer() (a decode step) or prefill() predicts the next
         calls (see off_thread)."""
-        def work():
-            self.observe(layer, rows[-1].tolist(), decode=decode, rows=None if decode else rows)
-            if decode:
-                self.after_layer(layer, looked, token)
-            else:
-                self.prefill(layer, looked, token)
-            if self.off_thread and self.cache is not None:
-                self.cache.host_work()
-
         if not self.off_thread:
-            return work()
-        self._raise_host_error()
-        self.host_jobs.put(work)
+            return self._layer_work(layer, rows, looked, token, decode)
+        if self.host_error is not None:
+            self._raise_host_error()
+        self.host_jobs.put((layer, rows, looked, token, decode))
+
+    def _layer_work(self, layer, rows, looked, token, decode):
+        self.observe(layer, rows[-1].tolist(), decode=decode, rows=None if decode else rows)
+        if decode:
+            self.after_layer(layer, looked, token)
+        else:
+            self.prefill(layer, looked, token)
+        if self.off_thread and self.cache is not None:
+            self.cache.host_work()
 
     def _host_loop(self):
-        while (work := self.host_jobs.get()) is not None:
+        while (job := self.host_jobs.get()) is not None:
             try:
-                work()
+                job() if callable(job) else self._layer_work(*job)
             except BaseException as e:  # noqa: BLE001 - handed to the decode thread
                 self.host_error = self.host_error or e
 
@@ -218,6 +221,12 @@ class Prefetcher:
     def steps(self, layer):
         """(step, target layer, tokens ahead) of the layer calls predicted after `layer`:
         the next `depth`, past the last layer the next token's first ones (`cross_token`)."""
+        key = (layer, self.depth, self.cross_token)
+        if key not in self.steps_of:
+            self.steps_of[key] = self._steps(layer)
+        return self.steps_of[key]
+
+    def _steps(self, layer):
         L = len(self.routers)
         return [(step, (layer + step) % L, (layer + step) // L) for step in range(1, min(self.depth, L - 1) + 1)
                 if layer + step < L or self.cross_token]
