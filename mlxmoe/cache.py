@@ -79,8 +79,11 @@ class Residency:
         finally:
             self.catching_up = False
 
-    def _hit(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None) -> None:
+    def _hit(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None,
+             routing: Callable | None = None) -> None:
         """The policy updates of a layer call that hit."""
+        if routing is not None:
+            scores, probs = routing()
         self.policy.visit(layer, experts, scores, probs)
         for i, e in enumerate(experts):
             self.policy.access((layer, int(e)), True, None if scores is None else scores[i])
@@ -90,10 +93,11 @@ class Residency:
         self.catch_up()
         self.policy.tick(tokens)
 
-    def access(self, layer: int, experts: list, scores: list | None = None,
-               probs: np.ndarray | None = None) -> tuple[list, list]:
+    def access(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None,
+               routing: Callable | None = None) -> tuple[list, list]:
         """Make `experts` (distinct ids) of `layer` resident; `scores` are their router
-        probabilities and `probs` the router's distribution over all experts, when known.
+        probabilities and `probs` the router's distribution over all experts, when known, or
+        `routing()` gives both when first needed (at once on a miss, else in `later`).
 
         Returns (slots, missed) where slots[i] holds experts[i] and missed lists the
         (expert, slot) pairs that must be filled now.
@@ -103,7 +107,7 @@ class Residency:
         if self.defer_hits:
             slots = [self.slot_of.get((layer, int(e))) for e in experts]
             if None not in slots:
-                self.later.append((self._hit, (layer, experts, scores, probs)))
+                self.later.append((self._hit, (layer, experts, scores, probs, routing)))
                 self.counters.hits += len(experts)
                 return slots, []
             self.catch_up()
@@ -113,6 +117,8 @@ class Residency:
             evictable = len(self.slot_of) - len(protected & self.slot_of.keys())
             if missing > len(self.free) + evictable:
                 raise Busy()
+        if routing is not None:
+            scores, probs = routing()
         self.policy.visit(layer, experts, scores, probs)
         slots, missed = [], []
         for i, e in enumerate(experts):
@@ -287,8 +293,8 @@ class ExpertCache(Residency):
         self.position += tokens
 
     def observe(self, call) -> None:
-        """Give `call` to the observers: left in `later` where the prefetcher's host thread
-        does it (see Residency.catch_up), else now."""
+        """Give `call` (an experts.LayerCall, or a function making it) to the observers: left
+        in `later` where the prefetcher's host thread does it (see Residency.catch_up), else now."""
         if self.prefetcher is not None and self.prefetcher.off_thread:
             self.later.append((self.notify, (call,)))
         else:
@@ -296,6 +302,8 @@ class ExpertCache(Residency):
                 self.notify(call)
 
     def notify(self, call) -> None:
+        if callable(call):
+            call = call()
         self.learn(call)
         for observer in self.observers:
             observer(call)
@@ -328,14 +336,15 @@ class ExpertCache(Residency):
         self.flush()
         self.position = 0
 
-    def fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None) -> list:
+    def fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None,
+              routing: Callable | None = None) -> list:
         """Make the distinct `experts` of `layer` resident; return their slots. Interrupted
         (Ctrl-C in `chat`, which carries on) or failed anywhere, the keys of the call that no
         background read is filling leave the cache: a key given a slot but not yet read
         would otherwise pass for resident with another expert's bytes."""
         self.check_open()
         try:
-            return self._fetch(layer, experts, scores, probs)
+            return self._fetch(layer, experts, scores, probs, routing)
         except BaseException:
             with self.lock:
                 unsure = [(layer, e) for e in experts if (layer, e) not in self.in_flight]
@@ -346,12 +355,13 @@ class ExpertCache(Residency):
         if self.loader.stop.is_set():
             raise MlxmoeError("this model's expert cache is closed; load the model again")
 
-    def _fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None) -> list:
+    def _fetch(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None,
+               routing: Callable | None) -> list:
         keys = [(layer, e) for e in experts]
         with self.lock:
             while True:
                 try:
-                    slots, missed = self.access(layer, experts, scores, probs)
+                    slots, missed = self.access(layer, experts, scores, probs, routing)
                     break
                 except Busy:  # wait, without the lock, for the background reads holding slots
                     pending = list(self.in_flight.values())

@@ -166,6 +166,30 @@ class ResidentCalls:
             self.cache.observe(call)
 
 
+class StepRouting:
+    """A decode step's routing beyond its experts, read on the host when first asked (under
+    the cache's lock): by the policy at once where the layer call misses, else by the host
+    work left for later (off the decode thread where a prefetcher runs), which also makes the
+    observers' LayerCall from it."""
+
+    def __init__(self, layer: int, indices: mx.array, probs: mx.array | None, experts: list, position: int) -> None:
+        self.layer, self.indices, self.probs, self.experts, self.position = layer, indices, probs, experts, position
+        self.read = None
+
+    def __call__(self) -> tuple:
+        """(the experts' router probabilities, the router's distribution), None where unknown."""
+        if self.read is None:
+            p = None if self.probs is None else np.array(self.probs).reshape(-1)
+            self.read = (None, None) if p is None else ([float(p[e]) for e in self.experts], p)
+        return self.read
+
+    def record(self) -> LayerCall:
+        scores, probs = self()
+        rows = np.array(self.indices).reshape(1, -1)
+        return LayerCall(self.layer, self.position, rows, None if probs is None else probs.reshape(1, -1), 1,
+                         self.experts, scores, probs, 1 if self.layer == 0 else 0)
+
+
 class StreamingExperts(nn.Module):
     def __init__(self, inner, layer, router=None, cache=None):
         super().__init__()
@@ -205,23 +229,28 @@ class StreamingExperts(nn.Module):
         sync = time.perf_counter() - sync
         counters = cache.counters
         read_before = counters.read_seconds
-        idx, flat, probs = self._routing(indices, probs)
-        chunks = [(0, 1)] if len(flat) == 1 else token_chunks(flat, cache.capacity)
-        if len(chunks) == 1:
-            slots = self._slots(flat, idx, probs, 0, len(flat))
-            inner = time.perf_counter()
-            y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
-            inner = time.perf_counter() - inner
-            if prefetcher is not None:
-                prefetcher.layer_done(self._layer, flat, looked, counters.tokens, decode)
-            # what this layer added beyond mlx-lm's own work (building and evaluating the
-            # model up to the router, building the expert computation) and the reads: the
-            # lookahead and router probabilities, routing copies, the policy, remapping
-            counters.bookkeeping_seconds += time.perf_counter() - tic - sync - inner - (counters.read_seconds
-                                                                                       - read_before)
-            return y
-        # More distinct experts than slots (long prefill at a small cache): compute each
-        # run of tokens and evaluate it before the next run may reuse its slots.
+        if decode:
+            slots, rows = self._step(indices, probs)
+        else:
+            idx, rows, probs = self._routing(indices, probs)
+            chunks = token_chunks(rows, cache.capacity)
+            if len(chunks) > 1:
+                return self._chunked(x, rows, probs, chunks)
+            slots = self._slots(rows, idx, probs, 0, len(rows))
+        inner = time.perf_counter()
+        y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
+        inner = time.perf_counter() - inner
+        if prefetcher is not None:
+            prefetcher.layer_done(self._layer, rows, looked, counters.tokens, decode)
+        # what this layer added beyond mlx-lm's own work (building and evaluating the
+        # model up to the router, building the expert computation) and the reads: the
+        # lookahead and router probabilities, routing copies, the policy, remapping
+        counters.bookkeeping_seconds += time.perf_counter() - tic - sync - inner - (counters.read_seconds - read_before)
+        return y
+
+    def _chunked(self, x, flat, probs, chunks):
+        """More distinct experts than slots (long prefill at a small cache): compute each run
+        of tokens (`chunks`) and evaluate it before the next run may reuse its slots."""
         xs = x.reshape(-1, x.shape[-1])
         outs = []
         for a, b in chunks:
@@ -255,6 +284,27 @@ class StreamingExperts(nn.Module):
         if self._layer == 0:
             self._cache.tick(flat.shape[0])
         return idx, flat, probs
+
+    def _step(self, indices, probs):
+        """A decode step (one token): its experts read as a list, the rest of its routing as
+        the policy and the observers need it (StepRouting); returns (slots nested as
+        `indices`, [the token's experts])."""
+        cache = self._cache
+        nested = indices.tolist()
+        row, depth = nested, 0
+        while isinstance(row[0], list):
+            row, depth = row[0], depth + 1
+        if self._layer == 0:
+            cache.tick(1)
+        experts = sorted(set(row))
+        routing = StepRouting(self._layer, indices, probs, experts, cache.call_position)
+        slots = cache.fetch(self._layer, experts, routing=routing)
+        cache.observe(routing.record)
+        slot_of = dict(zip(experts, slots))
+        nested = [slot_of[e] for e in row]
+        for _ in range(depth):
+            nested = [nested]
+        return mx.array(nested, dtype=mx.uint32), [row]
 
     def _resident(self, x, indices, table):
         """Every expert is resident (they stay put then): slots from the cache's table on

@@ -152,7 +152,8 @@ class Prefetcher:
         cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
 
     def layer_done(self, layer, rows, looked=None, token=0, decode=True):
-        """A layer call has its experts (`rows`: each token's, [tokens, top_k]): observe()
+        """A layer call has its experts (`rows`: each token's, [tokens, top_k], a list of one
+        list at a decode step): observe()
         what it used, and after_layer() (a decode step) or prefill() predicts the next
         calls (see off_thread)."""
         if not self.off_thread:
@@ -162,7 +163,9 @@ class Prefetcher:
         self.host_jobs.put((layer, rows, looked, token, decode))
 
     def _layer_work(self, layer, rows, looked, token, decode):
-        self.observe(layer, rows[-1].tolist(), decode=decode, rows=None if decode else rows)
+        last = rows[-1]  # a decode step's experts as a list, a prefill step's rows as an array
+        self.observe(layer, last if isinstance(last, list) else last.tolist(), decode=decode,
+                     rows=None if decode else rows)
         if decode:
             self.after_layer(layer, looked, token)
         else:
