@@ -247,10 +247,8 @@ class ExpertCache(Residency):
     prefetch.BackgroundLoader) fill slots at the same time, so the bookkeeping is under a
     lock and a key being filled is waited for, never read twice.
 
-    The cache owns its slot pools, the store and the loader; a Prefetcher is attached
-    (attach) and observers are added by what owns the cache (api.Runtime), which closes
-    them and then the cache (`close_with`).
-    """
+    The cache owns its slot pools, the store and the loader; what owns the cache (api.Runtime)
+    attaches a Prefetcher, adds observers and closes them, then the cache (`close_with`)."""
 
     def __init__(self, store, capacity: int, policy, pool_dtypes: list, io_threads: int = 4, profile=None) -> None:
         super().__init__(capacity, policy, defer_hits=True)
@@ -302,8 +300,7 @@ class ExpertCache(Residency):
                 self.notify(call)
 
     def notify(self, call) -> None:
-        if callable(call):
-            call = call()
+        call = call() if callable(call) else call
         self.learn(call)
         for observer in self.observers:
             observer(call)
@@ -363,14 +360,8 @@ class ExpertCache(Residency):
                 try:
                     slots, missed = self.access(layer, experts, scores, probs, routing)
                     break
-                except Busy:  # wait, without the lock, for the background reads holding slots
-                    pending = list(self.in_flight.values())
-                    self.lock.release()
-                    try:
-                        for done in pending:
-                            done.wait()
-                    finally:
-                        self.lock.acquire()
+                except Busy:
+                    self.loader.wait_unlocked()
             # from here on background loads never evict what this layer computes with
             self.active = set(keys)
             self.current_layer = layer
@@ -416,12 +407,9 @@ class ExpertCache(Residency):
         return self.loader.prewarm_done(timeout)
 
     def resident_per_layer(self) -> list[int]:
-        counts = [0] * self.store.num_layers
         with self.lock:  # prefetch workers may be changing it
-            keys = list(self.slot_of)
-        for layer, _ in keys:
-            counts[layer] += 1
-        return counts
+            layers = [layer for layer, _ in self.slot_of]
+        return np.bincount(layers, minlength=self.store.num_layers).tolist()
 
     def stats(self) -> dict:
         """The counters (CacheStats.as_dict) with the cache's size, residency, memory, the

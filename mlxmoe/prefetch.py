@@ -470,6 +470,17 @@ class BackgroundLoader:
                 self.failed.add(key)
             self.waiting.pop(key).set()
 
+    def wait_unlocked(self) -> None:
+        """Wait for the keys on their way now without the cache's lock, which the caller holds
+        (a layer call that needs more slots than those not being filled)."""
+        pending = list(self.waiting.values())
+        self.cache.lock.release()
+        try:
+            for done in pending:
+                done.wait()
+        finally:
+            self.cache.lock.acquire()
+
     def arrivals(self, keys: list) -> tuple[list, int]:
         """For a layer call's `keys` (under the cache's lock): the waits of those on their way,
         and how many were loaded ahead and not used until now, counted useful (once)."""
