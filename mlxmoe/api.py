@@ -439,7 +439,7 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
                 if group is not None and distributed.failed_any(group, runtime.error):
                     distributed.check(group, runtime.error, bound=False)
             yield response
-        if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
+        if cache is not None:  # the host work the resident path left for later (see experts.ResidentCalls)
             cache.flush()
         if group is not None:
             with distributed.waiting(group, "ending a generation"):
