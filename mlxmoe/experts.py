@@ -290,8 +290,7 @@ class StreamingExperts(nn.Module):
         the policy and the observers need it (StepRouting); returns (slots nested as
         `indices`, [the token's experts])."""
         cache = self._cache
-        nested = indices.tolist()
-        row, depth = nested, 0
+        row, depth = indices.tolist(), 0
         while isinstance(row[0], list):
             row, depth = row[0], depth + 1
         if self._layer == 0:
@@ -302,7 +301,7 @@ class StreamingExperts(nn.Module):
         cache.observe(routing.record)
         slot_of = dict(zip(experts, slots))
         nested = [slot_of[e] for e in row]
-        for _ in range(depth):
+        for _ in range(depth):  # nested as `indices` is: no reshape op
             nested = [nested]
         return mx.array(nested, dtype=mx.uint32), [row]
 
@@ -349,12 +348,6 @@ class StreamingExperts(nn.Module):
         experts = call.experts
         slots = self._cache.fetch(self._layer, experts, call.scores, call.mean)
         self._cache.observe(call)
-        if len(rows) == 1:  # nested as `idx` is ([[[slots]]] at a decode step): no reshape op
-            slot_of = dict(zip(experts, slots))
-            nested = [slot_of[e] for e in rows[0].tolist()]
-            for _ in idx.shape[:-1]:
-                nested = [nested]
-            return mx.array(nested, dtype=mx.uint32)
         lut = np.zeros(max(experts) + 1, dtype=np.uint32)
         lut[experts] = slots
         return mx.array(lut[idx])
