@@ -172,8 +172,8 @@ class StepRouting:
     work left for later (off the decode thread where a prefetcher runs), which also makes the
     observers' LayerCall from it."""
 
-    def __init__(self, layer: int, indices: mx.array, probs: mx.array | None, experts: list, position: int) -> None:
-        self.layer, self.indices, self.probs, self.experts, self.position = layer, indices, probs, experts, position
+    def __init__(self, layer: int, row: list, probs: mx.array | None, experts: list, position: int) -> None:
+        self.layer, self.row, self.probs, self.experts, self.position = layer, row, probs, experts, position
         self.read = None
 
     def __call__(self) -> tuple:
@@ -185,7 +185,7 @@ class StepRouting:
 
     def record(self) -> LayerCall:
         scores, probs = self()
-        rows = np.array(self.indices).reshape(1, -1)
+        rows = np.array([self.row], dtype=np.uint32)  # as mlx-lm's indices are
         return LayerCall(self.layer, self.position, rows, None if probs is None else probs.reshape(1, -1), 1,
                          self.experts, scores, probs, 1 if self.layer == 0 else 0)
 
@@ -296,7 +296,7 @@ class StreamingExperts(nn.Module):
         if self._layer == 0:
             cache.tick(1)
         experts = sorted(set(row))
-        routing = StepRouting(self._layer, indices, probs, experts, cache.call_position)
+        routing = StepRouting(self._layer, row, probs, experts, cache.call_position)
         slots = cache.fetch(self._layer, experts, routing=routing)
         cache.observe(routing.record)
         slot_of = dict(zip(experts, slots))
