@@ -2,12 +2,16 @@
 cache, default policy and prefetch): each part timed on the decode thread by wrapping it,
 medians of alternated runs, with the prefetcher's scoring and predicting on the decode
 thread and in their own thread (Prefetcher.off_thread). tok_s counts the prompt too. Parts
-nest (fetch includes its lock wait, the policy and the demand reads); `bookkeeping` is the
+nest (the decode step includes fetch, which includes its lock wait, the policy and the demand
+reads; a prefill's routing is `routing to host`); `bookkeeping` is the
 cache's own figure (everything StreamingExperts adds beyond mlx-lm's work, reads and the
 sync excluded), `bookkeeping_pct` its share of the run's time. --trace: a routing trace is
-written during the runs.
+written during the runs. --cpu: the cache's own figures (bookkeeping, demand reads) in the
+decode thread's CPU time (time.thread_time) instead of wall time: what the decode thread
+itself spends, not the time other processes or threads take its core from it (this 2-core
+machine, shared, moves wall figures by 2x between runs).
 
-    python bench/decode_host_time.py [--runs 5] [--tokens 128] [--trace]
+    python bench/decode_host_time.py [--runs 5] [--tokens 128] [--trace] [--cpu]
 """
 
 import argparse
@@ -15,11 +19,14 @@ import os
 import tempfile
 import threading
 import time
+import types
 from collections import defaultdict
 
 import numpy as np
 
 import mlxmoe
+import mlxmoe.cache
+import mlxmoe.experts
 from bench_profiles import _share, no_eos
 from mlxmoe.cache import ExpertCache
 from mlxmoe.experts import StreamingExperts
@@ -27,6 +34,7 @@ from mlxmoe.prefetch import Prefetcher
 
 PROMPT = "Il gatto dorme sul divano mentre fuori piove, e la nonna racconta"
 PARTS = {"lookahead (graph)": (Prefetcher, "lookahead"), "routing to host": (StreamingExperts, "_routing"),
+         "decode step": (StreamingExperts, "_step"),  # its routing, fetch and remap
          "fetch": (ExpertCache, "fetch"), "prefetch observe": (Prefetcher, "observe"),
          "prefetch after_layer": (Prefetcher, "after_layer")}
 
@@ -74,9 +82,10 @@ def one_run(tokens, off_thread, trace=False):
     mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=8)
     cache.reset_stats()
     spent, thread = defaultdict(float), threading.get_ident()
-    originals = {name: getattr(cls, attr) for name, (cls, attr) in PARTS.items()}
+    originals = {name: getattr(cls, attr, None) for name, (cls, attr) in PARTS.items()}  # None: not in this version
     for name, (cls, attr) in PARTS.items():
-        setattr(cls, attr, timed(originals[name], name, spent, thread))
+        if originals[name] is not None:
+            setattr(cls, attr, timed(originals[name], name, spent, thread))
     cache.lock = TimedLock(cache.lock, spent, thread)
     tic = time.perf_counter()
     try:
@@ -84,7 +93,8 @@ def one_run(tokens, off_thread, trace=False):
                                                    logits_processors=[no_eos(tokenizer)]))
     finally:
         for name, (cls, attr) in PARTS.items():
-            setattr(cls, attr, originals[name])
+            if originals[name] is not None:
+                setattr(cls, attr, originals[name])
     elapsed = time.perf_counter() - tic
     s = cache.stats()
     cache.lock = cache.lock.lock
@@ -105,14 +115,18 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--trace", action="store_true", help="write a routing trace during the runs")
+    ap.add_argument("--cpu", action="store_true", help="the cache's own figures in decode-thread CPU time")
     args = ap.parse_args()
+    if args.cpu:  # the clock experts.py and cache.py time bookkeeping and reads with
+        mlxmoe.experts.time = mlxmoe.cache.time = types.SimpleNamespace(perf_counter=time.thread_time)
     variants = {"predictions on the decode thread": False, "predictions in their own thread": True}
     runs = {label: [] for label in variants}
     for i in range(args.runs):  # alternated, the order flipping each round
         for label in (list(variants) if i % 2 == 0 else list(variants)[::-1]):
             runs[label].append(one_run(args.tokens, variants[label], args.trace))
     print(f"decode thread host time per streamed layer call, us (demo model, 50 % cache, {args.tokens} tokens"
-          f"{', trace written' if args.trace else ''}, median of {args.runs} alternated runs)")
+          f"{', trace written' if args.trace else ''}{', bookkeeping in CPU time' if args.cpu else ''}, median of "
+          f"{args.runs} alternated runs)")
     for label, rs in runs.items():
         print(f"  {label}:")
         for name in ["bookkeeping", "bookkeeping_pct", *PARTS, "fetch: lock wait", "fetch: demand reads", "tok_s",

@@ -24,6 +24,7 @@ from .budget import DEFAULT_CONTEXT, Plan, attention_bytes, kv_bytes_per_token, 
 from .cache import ExpertCache
 from .curves import predicted_curve
 from .errors import MlxmoeError
+from .experts import all_resident
 from .files import read_lines
 from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, open_checkpoint, read_tokenizer
 from .policies import ONLINE, make_policy
@@ -268,7 +269,7 @@ class Runtime:
         later all_sum would pair different arrays. Each rank's pre-warm ends when it ends."""
         cache = self.cache
         if cache.hold_resident:
-            cache.hold_resident = distributed.any_rank(self.group, cache.all_resident() is None)
+            cache.hold_resident = distributed.any_rank(self.group, all_resident(cache) is None)
 
     def main_rank(self) -> bool:
         """Whether this process speaks for the model: one process, or rank 0 of a group."""
@@ -492,7 +493,7 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
                 if group is not None and distributed.failed_any(group, runtime.error):
                     distributed.check(group, runtime.error, bound=False)
             yield response
-        if cache is not None:  # the host work the resident path left for later (see ExpertCache.defer)
+        if cache is not None:  # the host work the resident path left for later (see experts.ResidentCalls)
             cache.flush()
         if group is not None:
             with distributed.waiting(group, "ending a generation"):

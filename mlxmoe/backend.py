@@ -3,7 +3,6 @@
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .budget import machine_memory

@@ -3,20 +3,20 @@
 `Residency` is the bookkeeping alone (which key holds which slot, asking the policy for
 victims); the trace replay simulator uses it as is, so a policy behaves the same in a
 replay as in a run. `ExpertCache` adds the slot pools (`SlotPools`), the reads, the
-counters (`CacheStats`) and the observers of each layer call (`LayerCall`).
+counters (`CacheStats`) and the observers of each layer call (experts.LayerCall).
 """
 
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, fields
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 
 from .budget import peak_rss
+from .counters import CacheStats
 from .errors import MlxmoeError
 from .prefetch import BackgroundLoader, Prefetcher
 
@@ -33,58 +33,6 @@ def token_chunks(rows, capacity: int) -> list[tuple[int, int]]:
         seen = new
     chunks.append((start, len(rows)))
     return chunks
-
-
-@dataclass
-class CacheStats:
-    """The cache's counters since the last reset. The decode thread counts its own reads
-    (demand_*, read_seconds); pre-warm and prefetch count theirs under the cache's lock."""
-
-    tokens: int = 0
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    demand_bytes: int = 0
-    prefetch_bytes: int = 0
-    loads_demand: int = 0
-    loads_prefetched: int = 0
-    prefetch_useful: int = 0  # background loads a layer call used (<= loads_prefetched)
-    prefetch_late: int = 0  # ... that the layer call had to wait for
-    prefetch_stale: int = 0  # predictions dropped because the decode thread got there first
-    read_seconds: float = 0.0  # the decode thread's reads
-    background_read_seconds: float = 0.0  # pre-warm and prefetch reads (the prefetcher paces itself by it)
-    bookkeeping_seconds: float = 0.0  # what StreamingExperts adds beyond mlx-lm's own work
-    decode_tps: float = 0.0
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, f.default)
-
-    def as_dict(self) -> dict:
-        """The counters as ExpertCache.stats() reports them."""
-        accesses = self.hits + self.misses
-        return {"tokens": self.tokens, "hits": self.hits, "misses": self.misses,
-                "hit_rate": self.hits / accesses if accesses else 0.0,
-                "bytes_read": self.demand_bytes + self.prefetch_bytes, "loads_demand": self.loads_demand,
-                "loads_prefetched": self.loads_prefetched, "prefetch_useful": self.prefetch_useful,
-                "prefetch_late": self.prefetch_late, "prefetch_stale": self.prefetch_stale,
-                "read_seconds": self.read_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
-                "evictions": self.evictions, "decode_tps": self.decode_tps}
-
-
-class LayerCall(NamedTuple):
-    """What the cache's observers learn of one fetch of a layer call (a call with more
-    distinct experts than slots is fetched in runs of tokens, one record each)."""
-
-    layer: int
-    position: int  # the position of the first of its tokens in the sequence
-    rows: np.ndarray  # each token's experts [tokens, k]
-    probs: np.ndarray | None  # each token's router distribution [tokens, experts]
-    tokens: int  # tokens in the whole layer call
-    experts: list  # the distinct experts, sorted
-    scores: list | None  # their router probabilities (of the one token at a decode step)
-    mean: np.ndarray | None  # the router's mean distribution over the tokens
-    ticked: int  # tokens that start with this call (its first layer's first run), else 0
 
 
 class Busy(Exception):
@@ -131,8 +79,11 @@ class Residency:
         finally:
             self.catching_up = False
 
-    def _hit(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None) -> None:
+    def _hit(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None,
+             routing: Callable | None = None) -> None:
         """The policy updates of a layer call that hit."""
+        if routing is not None:
+            scores, probs = routing()
         self.policy.visit(layer, experts, scores, probs)
         for i, e in enumerate(experts):
             self.policy.access((layer, int(e)), True, None if scores is None else scores[i])
@@ -142,10 +93,11 @@ class Residency:
         self.catch_up()
         self.policy.tick(tokens)
 
-    def access(self, layer: int, experts: list, scores: list | None = None,
-               probs: np.ndarray | None = None) -> tuple[list, list]:
+    def access(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None,
+               routing: Callable | None = None) -> tuple[list, list]:
         """Make `experts` (distinct ids) of `layer` resident; `scores` are their router
-        probabilities and `probs` the router's distribution over all experts, when known.
+        probabilities and `probs` the router's distribution over all experts, when known, or
+        `routing()` gives both when first needed (at once on a miss, else in `later`).
 
         Returns (slots, missed) where slots[i] holds experts[i] and missed lists the
         (expert, slot) pairs that must be filled now.
@@ -155,7 +107,7 @@ class Residency:
         if self.defer_hits:
             slots = [self.slot_of.get((layer, int(e))) for e in experts]
             if None not in slots:
-                self.later.append((self._hit, (layer, experts, scores, probs)))
+                self.later.append((self._hit, (layer, experts, scores, probs, routing)))
                 self.counters.hits += len(experts)
                 return slots, []
             self.catch_up()
@@ -165,6 +117,8 @@ class Residency:
             evictable = len(self.slot_of) - len(protected & self.slot_of.keys())
             if missing > len(self.free) + evictable:
                 raise Busy()
+        if routing is not None:
+            scores, probs = routing()
         self.policy.visit(layer, experts, scores, probs)
         slots, missed = [], []
         for i, e in enumerate(experts):
@@ -293,10 +247,8 @@ class ExpertCache(Residency):
     prefetch.BackgroundLoader) fill slots at the same time, so the bookkeeping is under a
     lock and a key being filled is waited for, never read twice.
 
-    The cache owns its slot pools, the store and the loader; a Prefetcher is attached
-    (attach) and observers are added by what owns the cache (api.Runtime), which closes
-    them and then the cache (`close_with`).
-    """
+    The cache owns its slot pools, the store and the loader; what owns the cache (api.Runtime)
+    attaches a Prefetcher, adds observers and closes them, then the cache (`close_with`)."""
 
     def __init__(self, store, capacity: int, policy, pool_dtypes: list, io_threads: int = 4, profile=None) -> None:
         super().__init__(capacity, policy, defer_hits=True)
@@ -307,20 +259,15 @@ class ExpertCache(Residency):
         self.in_flight = self.loader.waiting
         self.profile = profile  # live ActivationProfile: learns from every layer call (learn)
         # called with each LayerCall, in order, after the live profile (a TraceWriter's observe)
-        self.observers: list[Callable[[LayerCall], None]] = []
+        self.observers: list[Callable] = []
         self.close_with: Callable[[], None] | None = None  # what close() calls instead, where an owner closes the cache
         self.wants_router = policy.wants_router
         self.position = 0  # token position in the current sequence
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
         self.prefetcher: Prefetcher | None = None  # when prefetching (attach)
-        self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident
+        self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident (experts.py)
         self.hold_resident = False  # True: no resident path yet, whatever is resident (see api.Runtime.agree_resident)
-        self.token_work = None  # the current token's accounting on the resident path (see defer)
-        # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps:
-        # the policy weighs a victim by the share of its layer's loads prefetch leaves to the
-        # decode thread (see miss_costs)
-        self.layer_loads = np.zeros((store.num_layers, 2))
         self.step_tokens = 1
 
     def attach(self, prefetcher: Prefetcher | None) -> None:
@@ -330,8 +277,7 @@ class ExpertCache(Residency):
             self.prefetcher = prefetcher
 
     def wants_probs(self) -> bool:
-        """Whether a layer call's router distribution is used: by the policy, the live
-        profile or an observer."""
+        """Whether a layer call's router distribution is used (policy, live profile, observers)."""
         return self.wants_router or self.profile is not None or bool(self.observers)
 
     def tick(self, tokens: int) -> None:
@@ -344,71 +290,22 @@ class ExpertCache(Residency):
         self.call_position = self.position
         self.position += tokens
 
-    def resident_slots(self) -> list | None:
-        """Every expert's slot, per layer an mx array [experts], once all are resident and
-        none is on its way (with room for all, nothing is evicted: they stay put), else None;
-        None while `hold_resident`."""
-        self._check_open()
-        if self.slot_table is None and not self.hold_resident:
-            self.slot_table = self.all_resident()
-        return self.slot_table
-
-    def all_resident(self) -> list | None:
-        """resident_slots' table, if every expert is resident and none is on its way now, else None."""
-        L, E = self.store.num_layers, self.store.num_experts
-        # under the lock: a pre-warm claims a slot (slot_of) and marks it on its way
-        # (in_flight) in one step, so the last expert's read is never missed here
-        with self.lock:
-            if self.prefetcher is not None or self.in_flight or len(self.slot_of) < L * E:
-                return None
-            table = np.zeros((L, E), dtype=np.uint32)
-            for (layer, e), slot in self.slot_of.items():
-                table[layer, e] = slot
-        if self.loader.failed:  # background reads that failed: read now (a second failure raises)
-            self.loader.read_failed()
-        return [mx.array(row) for row in table]  # one per layer: no slicing op per call
-
-    def defer(self, layer: int, new_work: Callable[[], Callable]) -> Callable:
-        """The current token's accounting on the resident path: a work made by `new_work` (with
-        `side`, arrays it reads that the model's output does not need: the router's
-        probabilities), queued in `later` at the token's first layer call. mlx-lm builds a
-        token's graph while the previous one computes and has waited for the one before, so
-        the work queued before the previous token's is done then with no sync; the previous
-        token's side arrays are queued for evaluation then, all at once (read unqueued, they
-        would wait for everything queued before them)."""
-        with self.lock:
-            if layer == 0 or self.token_work is None:
-                previous, self.token_work = self.token_work, new_work()
-                if previous is not None and previous.side:
-                    mx.async_eval(*previous.side)
-                self.later.append((self.token_work, ()))
-                tic = time.perf_counter()
-                self.catch_up(until=self.token_work if previous is None else previous)
-                self.counters.bookkeeping_seconds += time.perf_counter() - tic
-            return self.token_work
-
-    def count_resident(self, call: LayerCall) -> None:
-        """A layer call on the resident path: its experts are hits, the observers learn of
-        it; the policy is left out, as nothing will be evicted."""
-        with self.lock:
-            self.counters.hits += len(call.experts)
-            self.observe(call)
-
-    def observe(self, call: LayerCall) -> None:
-        """Give `call` to the observers: left in `later` where the prefetcher's host thread
-        does it (see Residency.catch_up), else now."""
+    def observe(self, call) -> None:
+        """Give `call` (an experts.LayerCall, or a function making it) to the observers: left
+        in `later` where the prefetcher's host thread does it (see Residency.catch_up), else now."""
         if self.prefetcher is not None and self.prefetcher.off_thread:
             self.later.append((self.notify, (call,)))
         else:
             with self.lock:
                 self.notify(call)
 
-    def notify(self, call: LayerCall) -> None:
+    def notify(self, call) -> None:
+        call = call() if callable(call) else call
         self.learn(call)
         for observer in self.observers:
             observer(call)
 
-    def learn(self, call: LayerCall) -> None:
+    def learn(self, call) -> None:
         """The live profile's observer: it learns every layer call (and its tokens at the first)."""
         if self.profile is not None:
             if call.ticked:
@@ -429,7 +326,6 @@ class ExpertCache(Residency):
             if side:
                 mx.eval(side)
             self.catch_up()
-            self.token_work = None
         self.counters.bookkeeping_seconds += time.perf_counter() - tic
 
     def new_sequence(self) -> None:
@@ -437,90 +333,61 @@ class ExpertCache(Residency):
         self.flush()
         self.position = 0
 
-    def fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None) -> list:
+    def fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None,
+              routing: Callable | None = None) -> list:
         """Make the distinct `experts` of `layer` resident; return their slots. Interrupted
         (Ctrl-C in `chat`, which carries on) or failed anywhere, the keys of the call that no
         background read is filling leave the cache: a key given a slot but not yet read
         would otherwise pass for resident with another expert's bytes."""
-        self._check_open()
+        self.check_open()
         try:
-            return self._fetch(layer, experts, scores, probs)
+            return self._fetch(layer, experts, scores, probs, routing)
         except BaseException:
             with self.lock:
                 unsure = [(layer, e) for e in experts if (layer, e) not in self.in_flight]
             self.forget(unsure)
             raise
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.loader.stop.is_set():
             raise MlxmoeError("this model's expert cache is closed; load the model again")
 
-    def _fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None) -> list:
+    def _fetch(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None,
+               routing: Callable | None) -> list:
+        keys = [(layer, e) for e in experts]
         with self.lock:
             while True:
                 try:
-                    slots, missed = self.access(layer, experts, scores, probs)
+                    slots, missed = self.access(layer, experts, scores, probs, routing)
                     break
-                except Busy:  # wait, without the lock, for the background reads holding slots
-                    pending = list(self.in_flight.values())
-                    self.lock.release()
-                    try:
-                        for done in pending:
-                            done.wait()
-                    finally:
-                        self.lock.acquire()
+                except Busy:
+                    self.loader.wait_unlocked()
             # from here on background loads never evict what this layer computes with
-            self.active = {(layer, e) for e in experts}
+            self.active = set(keys)
             self.current_layer = layer
-            waits = [self.in_flight[(layer, e)] for e in experts if (layer, e) in self.in_flight]
-            useful = self.loader.used([(layer, e) for e in experts])
-            self.counters.prefetch_useful += useful
-            hidden = len(waits) + useful  # loads a prefetch did or has under way
+            waits, useful = self.loader.arrivals(keys)
             if self.prefetcher is not None and self.step_tokens == 1:
-                self.miss_costs(layer, hidden, len(missed))
-            # held until this visit: what this layer did not use was a wrong guess
-            self.held.difference_update([k for k in self.held if k[0] == layer])
+                self.prefetcher.miss_costs(layer, len(waits) + useful, len(missed))
+            if self.held:  # held until this visit: what this layer did not use was a wrong guess
+                self.held.difference_update([k for k in self.held if k[0] == layer])
         tic = time.perf_counter()
         if missed:
             self.read_demand(layer, missed)
-        for done in waits:
-            if not done.is_set():
-                self.counters.prefetch_late += 1
-                done.wait()
-        if self.loader.failed:  # a background read that failed marks its key before its wait ends
-            self.loader.read_failed([(layer, e) for e in experts])
+        if waits or self.loader.failed:
+            self.loader.wait_for(waits, keys)
         self.counters.read_seconds += time.perf_counter() - tic
         return slots
 
-    def miss_costs(self, layer: int, hidden: int, demand: int, keep: float = 0.98, hidden_cost: float = 0.25) -> None:
-        """Count a decode step's loads of `layer`: `hidden` found resident or on their way
-        thanks to a prefetch, `demand` read on the decode path. The policy's miss cost of
-        the layer is then 1 - (1 - hidden_cost) x the share prefetch hides (a hidden load
-        still takes the disk's time): a layer whose experts the lookahead predicts well
-        gives up slots to one whose misses the decode thread would wait for (on the demo
-        model, the next token's first layers, which no predictor sees coming)."""
-        cost = self.policy.miss_cost
-        if cost is None:
-            return
-        h, d = self.layer_loads[layer].tolist()  # Python floats: the same doubles, cheaper than numpy's
-        h, d = h * keep + hidden, d * keep + demand
-        self.layer_loads[layer] = h, d
-        cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
-
     def read_demand(self, layer: int, missed: list) -> None:
-        """Read `missed` [(expert, slot)] of `layer` on the decode thread, counted as demand loads."""
-        self.counters.demand_bytes += self._read(layer, missed)
-        self.counters.loads_demand += len(missed)
-
-    def _read(self, layer: int, missed: list) -> int:
-        """Read `missed` [(expert, slot)] of `layer`. If a read fails or is interrupted
-        (Ctrl-C in `chat`, which carries on), those keys leave the cache: left in, they
-        would pass for resident with another expert's bytes."""
+        """Read `missed` [(expert, slot)] of `layer` on the decode thread, counted as demand
+        loads. If a read fails or is interrupted (Ctrl-C in `chat`, which carries on), those
+        keys leave the cache: left in, they would pass for resident with another expert's bytes."""
         try:
-            return self.pools.read(layer, missed)
+            self.counters.demand_bytes += self.pools.read(layer, missed)
         except BaseException:
             self.forget([(layer, e) for e, _ in missed])
             raise
+        self.counters.loads_demand += len(missed)
 
     def forget(self, keys: list) -> None:
         """Take `keys` out of the cache: their slots are free again, holding nothing."""
@@ -540,12 +407,9 @@ class ExpertCache(Residency):
         return self.loader.prewarm_done(timeout)
 
     def resident_per_layer(self) -> list[int]:
-        counts = [0] * self.store.num_layers
         with self.lock:  # prefetch workers may be changing it
-            keys = list(self.slot_of)
-        for layer, _ in keys:
-            counts[layer] += 1
-        return counts
+            layers = [layer for layer, _ in self.slot_of]
+        return np.bincount(layers, minlength=self.store.num_layers).tolist()
 
     def stats(self) -> dict:
         """The counters (CacheStats.as_dict) with the cache's size, residency, memory, the

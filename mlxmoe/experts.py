@@ -6,13 +6,29 @@ it with expert ids remapped to slot ids. So the arithmetic is mlx-lm's own.
 """
 
 import time
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import LayerCall, token_chunks
+from .cache import token_chunks
 from .errors import MlxmoeError
+
+
+class LayerCall(NamedTuple):
+    """What the cache's observers learn of one fetch of a layer call (a call with more
+    distinct experts than slots is fetched in runs of tokens, one record each)."""
+
+    layer: int
+    position: int  # the position of the first of its tokens in the sequence
+    rows: np.ndarray  # each token's experts [tokens, k]
+    probs: np.ndarray | None  # each token's router distribution [tokens, experts]
+    tokens: int  # tokens in the whole layer call
+    experts: list  # the distinct experts, sorted
+    scores: list | None  # their router probabilities (of the one token at a decode step)
+    mean: np.ndarray | None  # the router's mean distribution over the tokens
+    ticked: int  # tokens that start with this call (its first layer's first run), else 0
 
 
 def _tapped(cls):
@@ -81,23 +97,103 @@ def host_probs(logits):
     return out
 
 
+def resident_table(cache) -> list | None:
+    """Every expert's slot, per layer an mx array [experts] (kept as cache.slot_table), once
+    all are resident and none is on its way (with room for all, nothing is evicted: they
+    stay put), else None: the layers' slots on the resident path. None while the cache's
+    `hold_resident` is set."""
+    cache.check_open()
+    if cache.slot_table is None and not cache.hold_resident:
+        cache.slot_table = all_resident(cache)
+    return cache.slot_table
+
+
+def all_resident(cache) -> list | None:
+    """resident_table's table, if every expert is resident and none is on its way now, else None."""
+    L, E = cache.store.num_layers, cache.store.num_experts
+    if cache.prefetcher is not None or len(cache.slot_of) < L * E:
+        return None  # (asked again under the lock before the table is made)
+    # under the lock: a pre-warm claims a slot (slot_of) and marks it on its way
+    # (in_flight) in one step, so the last expert's read is never missed here
+    with cache.lock:
+        if cache.prefetcher is not None or cache.in_flight or len(cache.slot_of) < L * E:
+            return None
+        table = np.zeros((L, E), dtype=np.uint32)
+        for (layer, e), slot in cache.slot_of.items():
+            table[layer, e] = slot
+    if cache.loader.failed:  # background reads that failed: read now (a second failure raises)
+        cache.loader.read_failed()
+    return [mx.array(row) for row in table]  # one per layer: no slicing op per call
+
+
 class ResidentCalls:
     """One token's layer calls on the resident path, [(StreamingExperts, indices, logits,
-    probs)], accounted in one go once their routing is on the host (ExpertCache.defer):
-    the tapped routers' probabilities from their logits in one softmax, then each call's
-    hits and observers in layer order. `side`: the untapped routers' probabilities, which
-    the model's output does not need."""
+    probs)], accounted in one go once their routing is on the host: the tapped routers'
+    probabilities from their logits in one softmax, then each call's hits and observers in
+    layer order. `side`: the untapped routers' probabilities, which the model's output does
+    not need.
 
-    def __init__(self) -> None:
+    The token's first layer call queues it in the cache's `later` (defer). mlx-lm builds a
+    token's graph while the previous one computes and has waited for the one before, so the
+    work queued before the previous token's is done then with no sync; the previous token's
+    side arrays are queued for evaluation then, all at once (read unqueued, they would wait
+    for everything queued before them)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
         self.calls: list = []
         self.side: list = []
+
+    @classmethod
+    def defer(cls, cache, layer: int) -> "ResidentCalls":
+        """The current token's work (queued last in `later` until done), a new one at the
+        token's first layer call."""
+        with cache.lock:
+            last = cache.later[-1][0] if cache.later else None
+            previous = last if isinstance(last, cls) else None
+            if layer != 0 and previous is not None:
+                return previous
+            work = cls(cache)
+            if previous is not None and previous.side:
+                mx.async_eval(*previous.side)
+            cache.later.append((work, ()))
+            tic = time.perf_counter()
+            cache.catch_up(until=work if previous is None else previous)
+            cache.counters.bookkeeping_seconds += time.perf_counter() - tic
+            return work
 
     def __call__(self) -> None:
         logits = [c[2] for c in self.calls if c[2] is not None]
         from_logits = iter(host_probs(logits) if logits else ())
         for module, indices, tapped, probs in self.calls:
             _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
-            module._cache.count_resident(module._record(flat, p, 0, len(flat)))
+            call = module._record(flat, p, 0, len(flat))
+            self.cache.counters.hits += len(call.experts)  # no policy: nothing will be evicted
+            self.cache.observe(call)
+
+
+class StepRouting:
+    """A decode step's routing beyond its experts, read on the host when first asked (under
+    the cache's lock): by the policy at once where the layer call misses, else by the host
+    work left for later (off the decode thread where a prefetcher runs), which also makes the
+    observers' LayerCall from it."""
+
+    def __init__(self, layer: int, row: list, probs: mx.array | None, experts: list, position: int) -> None:
+        self.layer, self.row, self.probs, self.experts, self.position = layer, row, probs, experts, position
+        self.read = None
+
+    def __call__(self) -> tuple:
+        """(the experts' router probabilities, the router's distribution), None where unknown."""
+        if self.read is None:
+            p = None if self.probs is None else np.array(self.probs).reshape(-1)
+            self.read = (None, None) if p is None else ([float(p[e]) for e in self.experts], p)
+        return self.read
+
+    def record(self) -> LayerCall:
+        scores, probs = self()
+        rows = np.array([self.row], dtype=np.uint32)  # as mlx-lm's indices are
+        return LayerCall(self.layer, self.position, rows, None if probs is None else probs.reshape(1, -1), 1,
+                         self.experts, scores, probs, 1 if self.layer == 0 else 0)
 
 
 class StreamingExperts(nn.Module):
@@ -124,36 +220,43 @@ class StreamingExperts(nn.Module):
 
     def _call(self, x, indices):
         cache = self._cache
-        table = cache.resident_slots()
+        table = resident_table(cache)
         if table is not None:
             return self._resident(x, indices, table)
         tic = time.perf_counter()
         decode = x.size == x.shape[-1]
+        prefetcher = cache.prefetcher
         # the prefetcher's lookahead is evaluated with this layer's routing: one sync, not two
-        looked = cache.prefetcher.lookahead(self._layer, x, decode) if cache.prefetcher is not None else {}
+        looked = prefetcher.lookahead(self._layer, x, decode) if prefetcher is not None else {}
         probs = self._probs(x)
         sync = time.perf_counter()
         # evaluates the router (and with it every earlier layer): mlx-lm's own work
         mx.eval(indices, *([] if probs is None else [probs]), *looked.values())
         sync = time.perf_counter() - sync
-        read_before = cache.counters.read_seconds
-        idx, flat, probs = self._routing(indices, probs)
-        chunks = [(0, 1)] if len(flat) == 1 else token_chunks(flat, cache.capacity)
-        if len(chunks) == 1:
-            slots = self._slots(flat, idx, probs, 0, len(flat))
-            inner = time.perf_counter()
-            y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
-            inner = time.perf_counter() - inner
-            if cache.prefetcher is not None:
-                cache.prefetcher.layer_done(self._layer, flat, looked, cache.counters.tokens, decode)
-            # what this layer added beyond mlx-lm's own work (building and evaluating the
-            # model up to the router, building the expert computation) and the reads: the
-            # lookahead and router probabilities, routing copies, the policy, remapping
-            cache.counters.bookkeeping_seconds += (time.perf_counter() - tic - sync - inner
-                                                   - (cache.counters.read_seconds - read_before))
-            return y
-        # More distinct experts than slots (long prefill at a small cache): compute each
-        # run of tokens and evaluate it before the next run may reuse its slots.
+        counters = cache.counters
+        read_before = counters.read_seconds
+        if decode:
+            slots, rows = self._step(indices, probs)
+        else:
+            idx, rows, probs = self._routing(indices, probs)
+            chunks = token_chunks(rows, cache.capacity)
+            if len(chunks) > 1:
+                return self._chunked(x, rows, probs, chunks)
+            slots = self._slots(rows, idx, probs, 0, len(rows))
+        inner = time.perf_counter()
+        y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
+        inner = time.perf_counter() - inner
+        if prefetcher is not None:
+            prefetcher.layer_done(self._layer, rows, looked, counters.tokens, decode)
+        # what this layer added beyond mlx-lm's own work (building and evaluating the
+        # model up to the router, building the expert computation) and the reads: the
+        # lookahead and router probabilities, routing copies, the policy, remapping
+        counters.bookkeeping_seconds += time.perf_counter() - tic - sync - inner - (counters.read_seconds - read_before)
+        return y
+
+    def _chunked(self, x, flat, probs, chunks):
+        """More distinct experts than slots (long prefill at a small cache): compute each run
+        of tokens (`chunks`) and evaluate it before the next run may reuse its slots."""
         xs = x.reshape(-1, x.shape[-1])
         outs = []
         for a, b in chunks:
@@ -188,16 +291,36 @@ class StreamingExperts(nn.Module):
             self._cache.tick(flat.shape[0])
         return idx, flat, probs
 
+    def _step(self, indices, probs):
+        """A decode step (one token): its experts read as a list, the rest of its routing as
+        the policy and the observers need it (StepRouting); returns (slots nested as
+        `indices`, [the token's experts])."""
+        cache = self._cache
+        row, depth = indices.tolist(), 0
+        while isinstance(row[0], list):
+            row, depth = row[0], depth + 1
+        if self._layer == 0:
+            cache.tick(1)
+        experts = sorted(set(row))
+        routing = StepRouting(self._layer, row, probs, experts, cache.call_position)
+        slots = cache.fetch(self._layer, experts, routing=routing)
+        cache.observe(routing.record)
+        slot_of = dict(zip(experts, slots))
+        nested = [slot_of[e] for e in row]
+        for _ in range(depth):  # nested as `indices` is: no reshape op
+            nested = [nested]
+        return mx.array(nested, dtype=mx.uint32), [row]
+
     def _resident(self, x, indices, table):
         """Every expert is resident (they stay put then): slots from the cache's table on
         the device, and the host work (hits, live profile, trace; no policy: nothing will be
         evicted) done once this token's routing has been computed anyway (see
-        ExpertCache.defer), so the layer forces no sync and decoding runs as stock mlx-lm does.
+        ResidentCalls), so the layer forces no sync and decoding runs as stock mlx-lm does.
         A tapped router's probabilities come from its logits on the host (host_probs): no
         op beside the model's own; another router's are computed beside the model."""
         logits = self._logits()
         probs = self._probs(x) if logits is None else None
-        work = self._cache.defer(self._layer, ResidentCalls)
+        work = ResidentCalls.defer(self._cache, self._layer)
         work.calls.append((self, indices, logits, probs))
         if probs is not None:
             work.side.append(probs)
@@ -231,9 +354,6 @@ class StreamingExperts(nn.Module):
         experts = call.experts
         slots = self._cache.fetch(self._layer, experts, call.scores, call.mean)
         self._cache.observe(call)
-        if len(rows) == 1:
-            slot_of = dict(zip(experts, slots))
-            return mx.array([slot_of[e] for e in rows[0].tolist()], dtype=mx.uint32).reshape(idx.shape)
         lut = np.zeros(max(experts) + 1, dtype=np.uint32)
         lut[experts] = slots
         return mx.array(lut[idx])

@@ -100,11 +100,13 @@ class Prefetcher:
         # the decode thread goes on (False: on the decode thread, after each layer call);
         # so do the cache's updates left for later (ExpertCache.host_work)
         self.off_thread = True
-        self.host_jobs = queue.SimpleQueue()  # works, None to stop (a put costs far less than a pool's submit)
+        # layer_done's arguments, a function to call, or None to stop (a put costs far less than a pool's submit)
+        self.host_jobs = queue.SimpleQueue()
         self.host_error = None  # the first error a work raised, raised again on the decode thread
         self.host = threading.Thread(target=self._host_loop, name="mlxmoe-predict", daemon=True)
         self.host.start()
         self.jobs = []  # futures of queued and running loads
+        self.steps_of = {}  # (layer, depth, cross_token) -> steps()
         self.previous = {}  # layer -> experts it used at its last call
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
         # how often the router's i-th guess for a layer `step` layer calls ahead was used:
@@ -122,6 +124,10 @@ class Prefetcher:
         self.coactive = np.zeros((len(routers), E, E), dtype=np.float32) if E else None
         self.hottest: list[set] | None = None  # the profile predictor's guesses per layer (set_prior)
         self.set_prior(prior)
+        # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps:
+        # the policy weighs a victim by the share of its layer's loads prefetch leaves to the
+        # decode thread (see miss_costs)
+        self.layer_loads = [[0.0, 0.0] for _ in routers]  # Python floats: the same doubles, cheaper than numpy's
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
 
@@ -130,28 +136,47 @@ class Prefetcher:
         predictor, as Policy.set_prior does for the policy; under the cache's lock mid-run."""
         self.hottest = None if prior is None else hottest_per_layer(prior, self.top_k)
 
+    def miss_costs(self, layer: int, hidden: int, demand: int, keep: float = 0.98, hidden_cost: float = 0.25) -> None:
+        """Count a decode step's loads of `layer` (the cache's fetch, under its lock): `hidden`
+        found resident or on their way thanks to a prefetch, `demand` read on the decode path.
+        The policy's miss cost of the layer is then 1 - (1 - hidden_cost) x the share prefetch
+        hides (a hidden load still takes the disk's time): a layer whose experts the lookahead
+        predicts well gives up slots to one whose misses the decode thread would wait for (on
+        the demo model, the next token's first layers, which no predictor sees coming)."""
+        cost = self.cache.policy.miss_cost
+        if cost is None:
+            return
+        counts = self.layer_loads[layer]
+        h = counts[0] = counts[0] * keep + hidden
+        d = counts[1] = counts[1] * keep + demand
+        cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
+
     def layer_done(self, layer, rows, looked=None, token=0, decode=True):
-        """A layer call has its experts (`rows`: each token's, [tokens, top_k]): observe()
+        """A layer call has its experts (`rows`: each token's, [tokens, top_k], a list of one
+        list at a decode step): observe()
         what it used, and after_layer() (a decode step) or prefill() predicts the next
         calls (see off_thread)."""
-        def work():
-            self.observe(layer, rows[-1].tolist(), decode=decode, rows=None if decode else rows)
-            if decode:
-                self.after_layer(layer, looked, token)
-            else:
-                self.prefill(layer, looked, token)
-            if self.off_thread and self.cache is not None:
-                self.cache.host_work()
-
         if not self.off_thread:
-            return work()
-        self._raise_host_error()
-        self.host_jobs.put(work)
+            return self._layer_work(layer, rows, looked, token, decode)
+        if self.host_error is not None:
+            self._raise_host_error()
+        self.host_jobs.put((layer, rows, looked, token, decode))
+
+    def _layer_work(self, layer, rows, looked, token, decode):
+        last = rows[-1]  # a decode step's experts as a list, a prefill step's rows as an array
+        self.observe(layer, last if isinstance(last, list) else last.tolist(), decode=decode,
+                     rows=None if decode else rows)
+        if decode:
+            self.after_layer(layer, looked, token)
+        else:
+            self.prefill(layer, looked, token)
+        if self.off_thread and self.cache is not None:
+            self.cache.host_work()
 
     def _host_loop(self):
-        while (work := self.host_jobs.get()) is not None:
+        while (job := self.host_jobs.get()) is not None:
             try:
-                work()
+                job() if callable(job) else self._layer_work(*job)
             except BaseException as e:  # noqa: BLE001 - handed to the decode thread
                 self.host_error = self.host_error or e
 
@@ -199,6 +224,12 @@ class Prefetcher:
     def steps(self, layer):
         """(step, target layer, tokens ahead) of the layer calls predicted after `layer`:
         the next `depth`, past the last layer the next token's first ones (`cross_token`)."""
+        key = (layer, self.depth, self.cross_token)
+        if key not in self.steps_of:
+            self.steps_of[key] = self._steps(layer)
+        return self.steps_of[key]
+
+    def _steps(self, layer):
         L = len(self.routers)
         return [(step, (layer + step) % L, (layer + step) // L) for step in range(1, min(self.depth, L - 1) + 1)
                 if layer + step < L or self.cross_token]
@@ -439,12 +470,35 @@ class BackgroundLoader:
                 self.failed.add(key)
             self.waiting.pop(key).set()
 
-    def used(self, keys: list) -> int:
-        """How many of `keys` (a layer call's, under the lock) were loaded ahead and not used
-        until now; they count as used from here on."""
+    def wait_unlocked(self) -> None:
+        """Wait for the keys on their way now without the cache's lock, which the caller holds
+        (a layer call that needs more slots than those not being filled)."""
+        pending = list(self.waiting.values())
+        self.cache.lock.release()
+        try:
+            for done in pending:
+                done.wait()
+        finally:
+            self.cache.lock.acquire()
+
+    def arrivals(self, keys: list) -> tuple[list, int]:
+        """For a layer call's `keys` (under the cache's lock): the waits of those on their way,
+        and how many were loaded ahead and not used until now, counted useful (once)."""
+        waits = [self.waiting[k] for k in keys if k in self.waiting]
         found = self.prefetched.intersection(keys)
         self.prefetched -= found
-        return len(found)
+        self.cache.counters.prefetch_useful += len(found)
+        return waits, len(found)
+
+    def wait_for(self, waits: list, keys: list) -> None:
+        """On the decode thread: wait for a layer call's keys on their way (`waits`, counting
+        those not there yet as late), then read again those of `keys` whose read failed."""
+        for done in waits:
+            if not done.is_set():
+                self.cache.counters.prefetch_late += 1
+                done.wait()
+        if self.failed:  # a background read that failed marks its key before its wait ends
+            self.read_failed(keys)
 
     def read_failed(self, keys: list | None = None) -> None:
         """Read again on the decode thread those of `keys` (default: all) whose background

@@ -33,12 +33,10 @@ generation thread are used as they are; the subclasses below change only what ha
 import argparse
 import copy
 import json
-import logging
 import re
 import signal
 import sys
 import threading
-import time
 import uuid
 from collections import Counter
 from http.server import ThreadingHTTPServer

@@ -71,7 +71,7 @@ class TraceWriter:
         self.lines += 1
 
     def observe(self, call) -> None:
-        """An expert cache's observer: write a layer call (cache.LayerCall), one line per token."""
+        """An expert cache's observer: write a layer call (experts.LayerCall), one line per token."""
         for i, row in enumerate(call.rows.tolist()):
             if call.probs is None:
                 self.write(call.position + i, call.layer, row, tokens=call.tokens)

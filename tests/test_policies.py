@@ -365,7 +365,7 @@ def test_activation_evicts_by_expected_time_with_a_sorted_insert():
 def test_slru_pins_the_profiles_hottest_by_default():
     import numpy as np
 
-    from mlxmoe.policies import DEFAULT_POLICY, make_policy
+    from mlxmoe.policies import make_policy
 
     prior = np.zeros((2, 8))
     prior[1, 3], prior[0, 5], prior[0, 1] = 0.9, 0.5, 0.1

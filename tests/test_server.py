@@ -5,7 +5,6 @@ Servers bind 127.0.0.1 on a free port (--port 0); every wait is bounded."""
 
 import http.client
 import json
-import os
 import shutil
 import signal
 import socket

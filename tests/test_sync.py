@@ -5,7 +5,7 @@ A sync is the decode thread waiting for the device on mlxmoe's behalf: a blockin
 (`np.array`/`np.asarray`, `.item()`, `.tolist()`) that no earlier mlxmoe `mx.eval` covered
 and that was made in the current token or the one before (mlx-lm's loop has waited for
 the token before the one it is building: arrays of older tokens are on the host already;
-this is the resident path's premise, see ExpertCache.defer). `mx.async_eval` does not
+this is the resident path's premise, see experts.ResidentCalls). `mx.async_eval` does not
 block and is counted apart.
 
 Targets: with every expert resident no sync per layer call; streaming at half the
@@ -21,7 +21,7 @@ import pytest
 
 import mlxmoe
 import synthetic
-from mlxmoe.experts import StreamingExperts
+from mlxmoe.experts import StreamingExperts, resident_table
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 12
@@ -74,7 +74,7 @@ class SyncCounter:
             outer = counter.current
             counter.current = [0, 0, module._layer, None] if decode else None
             try:
-                streamed = module._cache.resident_slots() is None
+                streamed = resident_table(module._cache) is None
                 y = orig_call(module, x, indices)
             finally:
                 if counter.current is not None:

@@ -1,0 +1,40 @@
+"""The expert cache's counters (ExpertCache.counters), one object reset in one call."""
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class CacheStats:
+    """The cache's counters since the last reset. The decode thread counts its own reads
+    (demand_*, read_seconds); pre-warm and prefetch count theirs under the cache's lock."""
+
+    tokens: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    demand_bytes: int = 0
+    prefetch_bytes: int = 0
+    loads_demand: int = 0
+    loads_prefetched: int = 0
+    prefetch_useful: int = 0  # background loads a layer call used (<= loads_prefetched)
+    prefetch_late: int = 0  # ... that the layer call had to wait for
+    prefetch_stale: int = 0  # predictions dropped because the decode thread got there first
+    read_seconds: float = 0.0  # the decode thread's reads
+    background_read_seconds: float = 0.0  # pre-warm and prefetch reads (the prefetcher paces itself by it)
+    bookkeeping_seconds: float = 0.0  # what StreamingExperts adds beyond mlx-lm's own work
+    decode_tps: float = 0.0
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def as_dict(self) -> dict:
+        """The counters as ExpertCache.stats() reports them."""
+        accesses = self.hits + self.misses
+        return {"tokens": self.tokens, "hits": self.hits, "misses": self.misses,
+                "hit_rate": self.hits / accesses if accesses else 0.0,
+                "bytes_read": self.demand_bytes + self.prefetch_bytes, "loads_demand": self.loads_demand,
+                "loads_prefetched": self.loads_prefetched, "prefetch_useful": self.prefetch_useful,
+                "prefetch_late": self.prefetch_late, "prefetch_stale": self.prefetch_stale,
+                "read_seconds": self.read_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
+                "evictions": self.evictions, "decode_tps": self.decode_tps}
