@@ -99,7 +99,105 @@ SAMPLE_PROMPTS = {
     "es": "El archivo de configuración",
 }
 DESCRIPTION_HEADERS = {"DESCRIPTION", "DESCRIZIONE", "BESCHREIBUNG", "DESCRIPCIÓN"}
+# Sections that list the translators (real names and e-mail addresses): dropped.
+TRANSLATION_HEADERS = {"TRANSLATION", "TRADUZIONE", "TRADUCTION", "ÜBERSETZUNG", "TRADUCCIÓN"}
 CHAT_FORTUNE_SHARE = 3  # one fortune in three is chat-formatted
+
+# E-mail addresses and URLs are removed from every document, with the brackets around
+# them, so the model cannot reproduce a real person's address.
+EMAIL = r"(?:mailto:)?[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}"
+URL = r"(?:(?:https?|ftp|file|git)://|www\.)[^\s<>()\[\]\"']*[^\s<>()\[\]\"'.,;:!?]"
+SCRUB = re.compile(rf"[<(\[]\s*(?:{EMAIL}|{URL})\s*[>)\]]|{EMAIL}|{URL}")
+
+# Chat-shaped samples: short exchanges in each language (a greeting, then maybe a question),
+# each assistant turn short and ended by <|im_end|>, so that chat gets an answer in the
+# user's language that stops. Pairs of (user variants, assistant variants).
+GREETINGS = {
+    "en": [
+        (["hello", "hi", "hey", "hello there", "hi there", "greetings"],
+         ["Hello! How can I help you?", "Hi! What can I do for you?", "Hello! What would you like to know?"]),
+        (["good morning", "good afternoon", "good evening"],
+         ["Hello! How can I help you today?", "Hello! What can I do for you today?"]),
+    ],
+    "it": [
+        (["ciao", "salve", "ehi", "ciao a tutti"],
+         ["Ciao! Come posso aiutarti?", "Ciao! Cosa posso fare per te?", "Salve! Cosa vuoi sapere?"]),
+        (["buongiorno", "buonasera", "buon pomeriggio"],
+         ["Salve! Come posso aiutarti?", "Salve! Cosa posso fare per te oggi?"]),
+    ],
+    "fr": [
+        (["bonjour", "salut", "coucou", "bonjour à tous"],
+         ["Bonjour ! Comment puis-je vous aider ?", "Salut ! Que puis-je faire pour toi ?",
+          "Bonjour ! Que voulez-vous savoir ?"]),
+        (["bonsoir", "bon après-midi"],
+         ["Bonjour ! Comment puis-je vous aider ?", "Bonjour ! Que puis-je faire pour vous ?"]),
+    ],
+    "de": [
+        (["hallo", "servus", "moin", "hallo zusammen"],
+         ["Hallo! Wie kann ich helfen?", "Hallo! Was kann ich für dich tun?", "Hallo! Was möchtest du wissen?"]),
+        (["guten Morgen", "guten Tag", "guten Abend"],
+         ["Hallo! Wie kann ich Ihnen helfen?", "Hallo! Was kann ich heute für Sie tun?"]),
+    ],
+    "es": [
+        (["hola", "buenas", "hola a todos", "qué tal"],
+         ["¡Hola! ¿En qué puedo ayudarte?", "¡Hola! ¿Qué puedo hacer por ti?", "¡Hola! ¿Qué quieres saber?"]),
+        (["buenos días", "buenas tardes", "buenas noches"],
+         ["¡Hola! ¿En qué puedo ayudarle?", "¡Hola! ¿Qué puedo hacer por usted hoy?"]),
+    ],
+}
+SMALL_TALK = {
+    "en": [
+        (["How are you?", "how are you doing?"], ["I am fine, thank you. And you?", "Very well, thanks!"]),
+        (["Who are you?", "What are you?"],
+         ["I am a small demo model, trained on manual pages and fortunes.", "A small language model: ask me about a command."]),
+        (["What can you do?", "Can you help me?"],
+         ["I can tell you what a command does, or tell you a fortune.", "Yes: ask me about a command or a file."]),
+        (["thanks", "thank you"], ["You are welcome!", "My pleasure."]),
+        (["bye", "goodbye", "see you"], ["Goodbye!", "Bye! See you soon."]),
+    ],
+    "it": [
+        (["Come stai?", "come va?"], ["Sto bene, grazie. E tu?", "Molto bene, grazie!"]),
+        (["Chi sei?", "Cosa sei?"],
+         ["Sono un piccolo modello dimostrativo, addestrato su pagine di manuale e frasi celebri.",
+          "Un piccolo modello linguistico: chiedimi di un comando."]),
+        (["Cosa sai fare?", "Puoi aiutarmi?"],
+         ["Posso dirti cosa fa un comando, o dirti una frase.", "Sì: chiedimi di un comando o di un file."]),
+        (["grazie", "grazie mille"], ["Prego!", "Di niente."]),
+        (["arrivederci", "ciao ciao", "a presto"], ["Arrivederci!", "Ciao, a presto!"]),
+    ],
+    "fr": [
+        (["Comment ça va ?", "Comment allez-vous ?"], ["Je vais bien, merci. Et vous ?", "Très bien, merci !"]),
+        (["Qui es-tu ?", "Qu'est-ce que tu es ?"],
+         ["Je suis un petit modèle de démonstration, entraîné sur des pages de manuel.",
+          "Un petit modèle de langue : demandez-moi ce que fait une commande."]),
+        (["Que sais-tu faire ?", "Peux-tu m'aider ?"],
+         ["Je peux expliquer ce que fait une commande.", "Oui : demandez-moi une commande ou un fichier."]),
+        (["merci", "merci beaucoup"], ["De rien !", "Avec plaisir."]),
+        (["au revoir", "à bientôt"], ["Au revoir !", "À bientôt !"]),
+    ],
+    "de": [
+        (["Wie geht es dir?", "wie geht's?"], ["Mir geht es gut, danke. Und dir?", "Sehr gut, danke!"]),
+        (["Wer bist du?", "Was bist du?"],
+         ["Ich bin ein kleines Demo-Modell, trainiert auf Handbuchseiten und Sprüchen.",
+          "Ein kleines Sprachmodell: frag mich nach einem Befehl."]),
+        (["Was kannst du?", "Kannst du mir helfen?"],
+         ["Ich kann dir sagen, was ein Befehl macht, oder einen Spruch erzählen.",
+          "Ja: frag mich nach einem Befehl oder einer Datei."]),
+        (["danke", "vielen Dank"], ["Gern geschehen!", "Bitte sehr."]),
+        (["tschüss", "auf Wiedersehen", "bis bald"], ["Auf Wiedersehen!", "Tschüss, bis bald!"]),
+    ],
+    "es": [
+        (["¿Cómo estás?", "¿qué tal estás?"], ["Estoy bien, gracias. ¿Y tú?", "¡Muy bien, gracias!"]),
+        (["¿Quién eres?", "¿Qué eres?"],
+         ["Soy un pequeño modelo de demostración, entrenado con páginas de manual y frases.",
+          "Un pequeño modelo de lenguaje: pregúntame por un comando."]),
+        (["¿Qué sabes hacer?", "¿Puedes ayudarme?"],
+         ["Puedo decirte qué hace un comando, o decirte una frase.", "Sí: pregúntame por un comando o un archivo."]),
+        (["gracias", "muchas gracias"], ["¡De nada!", "Con mucho gusto."]),
+        (["adiós", "hasta luego", "hasta pronto"], ["¡Adiós!", "¡Hasta pronto!"]),
+    ],
+}
+GREETING_CHATS = 900  # conversations per language (about 3 % of its training tokens)
 
 # Model: mlx-lm's qwen3_moe. See README / training.json for why these sizes.
 MODEL_CONFIG = {
@@ -126,7 +224,7 @@ TRAIN = {
     "vocab_size": 4096,
     "seq_len": 256,
     "batch_size": 8,
-    "steps": 1900,
+    "steps": 1300,
     "lr": 2e-3,
     "min_lr_ratio": 0.1,
     "warmup": 100,
@@ -242,10 +340,13 @@ def render_man(path):
     lines = lines[1:-1]  # "LS(1)   User Commands   LS(1)" and the footer
     description, section = None, None
     out = []
-    for ln in lines:
-        if ln and not ln[0].isspace():
+    for ln in map(scrub, lines):
+        header = bool(ln) and not ln[0].isspace()
+        if header:
             section = ln.strip()
-        elif section in DESCRIPTION_HEADERS and description is None and ln.strip():
+        if section in TRANSLATION_HEADERS:
+            continue
+        if not header and section in DESCRIPTION_HEADERS and description is None and ln.strip():
             description = re.sub(r"\s+", " ", ln.strip())
         out.append(re.sub(r"[ \t]+", " ", ln.strip()))
     text = re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip()
@@ -307,14 +408,43 @@ def _split_fortunes(path):
     text = re.sub(r".\x08", "", _read_text(path)).replace("\r", "")
     out = []
     for chunk in re.split(r"\n%\n", "\n" + text + "\n"):
-        chunk = "\n".join(ln.rstrip() for ln in chunk.strip("\n").split("\n")).strip()
+        chunk = "\n".join(scrub(ln).rstrip() for ln in chunk.strip("\n").split("\n")).strip()
         if 10 <= len(chunk) <= 2000:
             out.append(chunk)
     return out
 
 
+def scrub(text):
+    """`text` without e-mail addresses and URLs (and the brackets around them)."""
+    text = SCRUB.sub("", text)
+    text = re.sub(r"[ \t]+([,.;:)])", r"\1", text)
+    return re.sub(r"[ \t]{2,}", " ", text)
+
+
 def _chat(question, answer):
     return f"{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n{answer}{IM_END}\n"
+
+
+def _user_variant(text, rng):
+    """A user's spelling of `text`: as written, capitalized, lower case; with or without '!'/'.'."""
+    text = rng.choice([text, text, text[:1].upper() + text[1:], text.lower()])
+    if text[-1].isalpha():
+        text += rng.choice(["", "", "!", "."])
+    return text
+
+
+def greeting_chats(lang, n, rng):
+    """`n` short conversations in `lang`: a greeting and its answer, then up to two
+    small-talk turns (thanks and goodbye last), every turn ended by <|im_end|>."""
+    out = []
+    talk = SMALL_TALK[lang]
+    for _ in range(n):
+        picked = sorted(rng.sample(range(len(talk)), rng.choice([0, 0, 1, 2])))
+        turns = [rng.choice(GREETINGS[lang])] + [talk[i] for i in picked]
+        if rng.randrange(4) == 0:  # some conversations open with a question
+            turns = turns[1:] or turns
+        out.append("".join(_chat(_user_variant(rng.choice(q), rng), rng.choice(a)) for q, a in turns) + EOT)
+    return out
 
 
 def build_corpus(work=DEFAULT_WORK, rebuild=False):
@@ -380,6 +510,10 @@ def build_corpus(work=DEFAULT_WORK, rebuild=False):
                         corpus[lang]["fortune"]["train"].append(text + EOT)
             sizes[lang]["fortunes_available"] = len(fortunes)
             _log(f"{lang} fortunes: {chars} chars, {len(corpus[lang]['fortune']['heldout'])} held out")
+        # The greetings go with the fortunes (the shorter stream) where a language has them.
+        kind = "fortune" if corpus[lang]["fortune"]["train"] else "man"
+        corpus[lang][kind]["train"] += greeting_chats(lang, GREETING_CHATS, rng)
+        sizes[lang]["greeting_chats"] = GREETING_CHATS
         for kind in KINDS:
             for split in ("train", "heldout"):
                 docs = corpus[lang][kind][split]
@@ -395,9 +529,13 @@ def build_corpus(work=DEFAULT_WORK, rebuild=False):
             "heldout": f"{HELDOUT_PERCENT}% of documents by md5 of the page name (same pages in every language) "
                        "or of file:index for fortunes",
             "caps_chars": {"man": MAN_CAP, "fortune": FORTUNE_CAP},
-            "chat_samples": "one fortune in %d as 'user: <request> / assistant: <fortune>', and every man page's "
+            "chat_samples": "one fortune in %d as 'user: <request> / assistant: <fortune>', every man page's "
                             "first DESCRIPTION paragraph as the answer to 'what is NAME?', in the page's "
-                            "language" % CHAT_FORTUNE_SHARE,
+                            "language, and %d short greeting/small-talk conversations per language (with the "
+                            "fortunes, or the man pages where a language has no fortunes)"
+                            % (CHAT_FORTUNE_SHARE, GREETING_CHATS),
+            "scrubbed": "e-mail addresses and URLs removed from every document (with their brackets); the "
+                        "translators' sections of the man pages dropped",
         },
         "seed": SEED,
         "sizes": sizes,
