@@ -822,7 +822,8 @@ def train(args):
     training = {
         "what": "mlxmoe's demo model: a qwen3_moe trained from scratch by bench/train_demo.py on Debian's "
                 "multilingual man pages and fortunes",
-        "command": "python bench/train_demo.py" + ("" if args.steps is None else f" --steps {args.steps}"),
+        "command": "python bench/train_demo.py" + ("" if args.steps is None else f" --steps {args.steps}")
+                   + ("" if args.eval_tokens == EVAL_TOKENS else f" --eval-tokens {args.eval_tokens}"),
         **manifest,
         "model_config": MODEL_CONFIG,
         "vocab_size": vocab,
@@ -861,6 +862,7 @@ def _version(dist):
 
 
 SAMPLE_CHARS = 8000  # per language and kind in bench/data/heldout/
+EVAL_TOKENS = 30_000  # held-out tokens per language and kind evaluated into training.json
 
 
 def heldout_sample(docs, limit=SAMPLE_CHARS, seed=SEED):
@@ -911,7 +913,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=None, help=f"Training steps (default {TRAIN['steps']}).")
     parser.add_argument("--warmup", type=int, default=None, help=f"Warmup steps (default {TRAIN['warmup']}).")
     parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument("--eval-tokens", type=int, default=30_000, help="Held-out tokens per language and kind.")
+    parser.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="Held-out tokens per language and kind.")
     parser.add_argument("--rebuild-corpus", action="store_true")
     parser.add_argument("--corpus-only", action="store_true", help="Build the corpus and stop.")
     args = parser.parse_args(argv)
