@@ -15,7 +15,10 @@ What it does, reproducibly (fixed seed, sorted file lists, fixed step count):
    every language equally often (upsampling the smaller ones).
 3. Trains a byte-level BPE tokenizer (ChatML specials and chat template) on the training
    split, and mlx-lm's own `qwen3_moe` Model with a Switch-Transformer load-balancing
-   loss on every router, so that the expert skew that remains is the workload's.
+   loss on every router, so that the expert skew that remains is the workload's; then
+   tunes it for chat (a fresh optimizer, half the rows greeting conversations of mixed
+   languages: CHAT_TUNE). `--from-phase1` starts from the first phase's weights that an
+   earlier run left in the work folder.
 4. Quantizes to 4 bits with mlx-lm's `quantize_model` and saves with mlx-lm's
    `save_model`/`save_config` into `mlxmoe/demo/` with `training.json` (sources,
    package versions, seed, sizes, hyperparameters, time, losses), plus small held-out
@@ -234,6 +237,10 @@ TRAIN = {
     "quant_bits": 4,
     "quant_group_size": 64,  # divides 256 (hidden) and 128 (moe_intermediate): every matrix quantizes
 }
+# Phase 2: a fresh AdamW at a lower rate; half the rows are greeting conversations of random
+# languages back to back (phase 1 saw each one amid text of its own language, and learnt
+# to answer in that text's language, not in the user's).
+CHAT_TUNE = {"steps": 300, "lr": 5e-4, "min_lr_ratio": 0.1, "warmup": 20, "chat_share": 0.5, "chats": 1200}
 
 
 # --------------------------------------------------------------------------- setup
@@ -726,8 +733,6 @@ def train(args):
     top_k = config["num_experts_per_tok"]
     _log(f"model: {n_params / 1e6:.2f}M parameters")
 
-    optimizer = optim.AdamW(learning_rate=cfg["lr"], weight_decay=cfg["weight_decay"])
-
     def loss_fn(model, x, y):
         with record_gates(model) as rec:
             logits = model(x)
@@ -738,47 +743,84 @@ def train(args):
     value_and_grad = nn.value_and_grad(model, loss_fn)
     L, B = cfg["seq_len"], cfg["batch_size"]
 
-    def batch():
-        # Every row draws its language uniformly, then man page or fortune equally often
-        # where a language has both: the smaller languages and kinds are upsampled.
-        xs, ys = [], []
-        for lang in rng.choice(LANGS, size=B):
-            kinds = [k for k in KINDS if (lang, k) in train_ids]
-            ids = train_ids[lang, kinds[int(rng.integers(len(kinds)))]]
-            i = int(rng.integers(0, len(ids) - L - 1))
-            xs.append(ids[i:i + L])
-            ys.append(ids[i + 1:i + L + 1])
-        return mx.array(np.stack(xs)), mx.array(np.stack(ys))
+    def text_row(rng):
+        # A row's language is uniform, then man page or fortune equally often where a
+        # language has both: the smaller languages and kinds are upsampled.
+        lang = LANGS[int(rng.integers(len(LANGS)))]
+        return text_window(lang, rng)
 
-    history = []
-    counts_acc = None
-    t_train = time.time()
-    ce_avg = aux_avg = None
-    for step in range(cfg["steps"]):
-        optimizer.learning_rate = lr_at(step, cfg)
-        x, y = batch()
-        (loss, ce, aux, counts), grads = value_and_grad(model, x, y)
-        grads, _ = optim.clip_grad_norm(grads, cfg["grad_clip"])
-        optimizer.update(model, grads)
-        mx.eval(model.parameters(), optimizer.state, ce, aux, counts)
-        ce_v, aux_v = ce.item(), aux.item()
-        ce_avg = ce_v if ce_avg is None else 0.98 * ce_avg + 0.02 * ce_v
-        aux_avg = aux_v if aux_avg is None else 0.98 * aux_avg + 0.02 * aux_v
-        c = np.array(counts)
-        counts_acc = c if counts_acc is None else counts_acc + c
-        if (step + 1) % args.log_every == 0 or step + 1 == cfg["steps"]:
-            el = time.time() - t_train
-            ent = [round(entropy_bits(row), 2) for row in counts_acc]
-            history.append({"step": step + 1, "ce": round(ce_avg, 4), "aux": round(aux_avg, 4),
-                            "lr": optimizer.learning_rate.item(), "seconds": round(el, 1),
-                            "usage_entropy_bits": ent})
-            _log(f"step {step + 1}/{cfg['steps']} ce {ce_avg:.3f} aux {aux_avg:.3f} "
-                 f"lr {optimizer.learning_rate.item():.2e} {el / (step + 1):.2f}s/step "
-                 f"{(step + 1) * B * L / el:.0f} tok/s entropy {ent} (max {math.log2(config['num_experts']):.0f})")
-            counts_acc = None
-    train_seconds = time.time() - t_train
+    def text_window(lang, rng):
+        kinds = [k for k in KINDS if (lang, k) in train_ids]
+        ids = train_ids[lang, kinds[int(rng.integers(len(kinds)))]]
+        i = int(rng.integers(0, len(ids) - L - 1))
+        return ids[i:i + L + 1]
+
+    def text_batch(rng):
+        return np.stack([text_window(lang, rng) for lang in rng.choice(LANGS, size=B)])
+
+    def chat_batch(rng):
+        return np.stack([chat_row(rng) if rng.random() < CHAT_TUNE["chat_share"] else text_row(rng)
+                         for _ in range(B)])
+
+    def chat_row(rng):
+        # Conversations of random languages back to back from the row's start, so that the
+        # only hint of a reply's language is its own conversation.
+        ids = []
+        while len(ids) < L + 1:
+            ids.extend(chat_ids[int(rng.integers(len(chat_ids)))])
+        return np.array(ids[:L + 1], dtype=np.int32)
+
+    def run(steps, lr, draw, rng, phase):
+        """`steps` AdamW steps (a fresh optimizer) on batches `draw(rng)` of B rows of L + 1 tokens."""
+        optimizer = optim.AdamW(learning_rate=lr["lr"], weight_decay=cfg["weight_decay"])
+        history, counts_acc, ce_avg, aux_avg = [], None, None, None
+        t0 = time.time()
+        for step in range(steps):
+            optimizer.learning_rate = lr_at(step, dict(lr, steps=steps))
+            rows = draw(rng)
+            x, y = mx.array(rows[:, :-1]), mx.array(rows[:, 1:])
+            (loss, ce, aux, counts), grads = value_and_grad(model, x, y)
+            grads, _ = optim.clip_grad_norm(grads, cfg["grad_clip"])
+            optimizer.update(model, grads)
+            mx.eval(model.parameters(), optimizer.state, ce, aux, counts)
+            ce_v, aux_v = ce.item(), aux.item()
+            ce_avg = ce_v if ce_avg is None else 0.98 * ce_avg + 0.02 * ce_v
+            aux_avg = aux_v if aux_avg is None else 0.98 * aux_avg + 0.02 * aux_v
+            c = np.array(counts)
+            counts_acc = c if counts_acc is None else counts_acc + c
+            if (step + 1) % args.log_every == 0 or step + 1 == steps:
+                el = time.time() - t0
+                ent = [round(entropy_bits(row), 2) for row in counts_acc]
+                history.append({"phase": phase, "step": step + 1, "ce": round(ce_avg, 4), "aux": round(aux_avg, 4),
+                                "lr": optimizer.learning_rate.item(), "seconds": round(el, 1),
+                                "usage_entropy_bits": ent})
+                _log(f"{phase} step {step + 1}/{steps} ce {ce_avg:.3f} aux {aux_avg:.3f} "
+                     f"lr {optimizer.learning_rate.item():.2e} {el / (step + 1):.2f}s/step "
+                     f"{(step + 1) * B * L / el:.0f} tok/s entropy {ent} (max {math.log2(config['num_experts']):.0f})")
+                counts_acc = None
+        return history, time.time() - t0
 
     work.mkdir(parents=True, exist_ok=True)
+    phase1 = work / "phase1.safetensors"
+    if args.from_phase1:  # phase 1 as an earlier run of this script left it in --work
+        model.load_weights(str(phase1))
+        with open(work / "phase1.json") as f:
+            done = json.load(f)
+        history, seconds = done["history"], done["seconds"]
+    else:
+        history, seconds = run(cfg["steps"], cfg, text_batch, rng, "text")
+        model.save_weights(str(phase1))
+        with open(work / "phase1.json", "w") as f:
+            json.dump({"history": history, "seconds": seconds}, f)
+    # Phase 2, chat tuning: half the rows are conversations of mixed languages.
+    chat_rng = random.Random(SEED + 1)
+    chat_docs = [d for lang in LANGS for d in greeting_chats(lang, CHAT_TUNE["chats"], chat_rng)]
+    chat_ids = [e.ids for e in tok.encode_batch(chat_docs)]
+    rng2 = np.random.default_rng(SEED + 1)
+    h2, s2 = run(CHAT_TUNE["steps"], CHAT_TUNE, chat_batch, rng2, "chat")
+    history += h2
+    train_seconds = seconds + s2
+
     model.save_weights(str(work / "float.safetensors"))
     _log("evaluating the float model on held-out text")
     ev_float = evaluate(model, heldout_ids, L, top_k, max_tokens=args.eval_tokens)
@@ -829,7 +871,8 @@ def train(args):
         "vocab_size": vocab,
         "parameters": n_params,
         "hyperparameters": cfg,
-        "tokens_seen": cfg["steps"] * B * L,
+        "chat_tuning": CHAT_TUNE,
+        "tokens_seen": (cfg["steps"] + CHAT_TUNE["steps"]) * B * L,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "blas": os.environ.get("MLXMOE_DEMO_BLAS", "default"),
                     "mlx": _version("mlx"), "mlx_lm": _version("mlx-lm"),
@@ -915,6 +958,8 @@ def main(argv=None):
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="Held-out tokens per language and kind.")
     parser.add_argument("--rebuild-corpus", action="store_true")
+    parser.add_argument("--from-phase1", action="store_true",
+                        help="Start from the phase-1 weights an earlier run saved in --work (chat tuning on).")
     parser.add_argument("--corpus-only", action="store_true", help="Build the corpus and stop.")
     args = parser.parse_args(argv)
     ensure_fast_blas()
