@@ -1,7 +1,7 @@
 """Train mlxmoe's bundled demo model: a small multilingual qwen3_moe, on this CPU.
 
     python bench/train_demo.py                    # corpus + tokenizer + training + 4-bit export
-    python bench/train_demo.py --steps 20 --out /tmp/demo-smoke   # smoke run
+    python bench/train_demo.py --steps 20 --chat-steps 5 --work /tmp/demo-smoke-work --out /tmp/demo-smoke  # smoke
 
 What it does, reproducibly (fixed seed, sorted file lists, fixed step count):
 
@@ -695,6 +695,8 @@ def train(args):
     from mlx_lm.models.qwen3_moe import Model, ModelArgs
 
     cfg = dict(TRAIN)
+    tune = dict(CHAT_TUNE, steps=CHAT_TUNE["steps"] if args.chat_steps is None else args.chat_steps)
+    tune["warmup"] = min(tune["warmup"], max(1, tune["steps"] // 10))
     if args.steps is not None:
         cfg["steps"] = args.steps
         cfg["warmup"] = min(cfg["warmup"], max(1, args.steps // 10))
@@ -759,7 +761,7 @@ def train(args):
         return np.stack([text_window(lang, rng) for lang in rng.choice(LANGS, size=B)])
 
     def chat_batch(rng):
-        return np.stack([chat_row(rng) if rng.random() < CHAT_TUNE["chat_share"] else text_row(rng)
+        return np.stack([chat_row(rng) if rng.random() < tune["chat_share"] else text_row(rng)
                          for _ in range(B)])
 
     def chat_row(rng):
@@ -814,10 +816,10 @@ def train(args):
             json.dump({"history": history, "seconds": seconds}, f)
     # Phase 2, chat tuning: half the rows are conversations of mixed languages.
     chat_rng = random.Random(SEED + 1)
-    chat_docs = [d for lang in LANGS for d in greeting_chats(lang, CHAT_TUNE["chats"], chat_rng)]
+    chat_docs = [d for lang in LANGS for d in greeting_chats(lang, tune["chats"], chat_rng)]
     chat_ids = [e.ids for e in tok.encode_batch(chat_docs)]
     rng2 = np.random.default_rng(SEED + 1)
-    h2, s2 = run(CHAT_TUNE["steps"], CHAT_TUNE, chat_batch, rng2, "chat")
+    h2, s2 = run(tune["steps"], tune, chat_batch, rng2, "chat")
     history += h2
     train_seconds = seconds + s2
 
@@ -865,14 +867,15 @@ def train(args):
         "what": "mlxmoe's demo model: a qwen3_moe trained from scratch by bench/train_demo.py on Debian's "
                 "multilingual man pages and fortunes",
         "command": "python bench/train_demo.py" + ("" if args.steps is None else f" --steps {args.steps}")
+                   + ("" if args.chat_steps is None else f" --chat-steps {args.chat_steps}")
                    + ("" if args.eval_tokens == EVAL_TOKENS else f" --eval-tokens {args.eval_tokens}"),
         **manifest,
         "model_config": MODEL_CONFIG,
         "vocab_size": vocab,
         "parameters": n_params,
         "hyperparameters": cfg,
-        "chat_tuning": CHAT_TUNE,
-        "tokens_seen": (cfg["steps"] + CHAT_TUNE["steps"]) * B * L,
+        "chat_tuning": tune,
+        "tokens_seen": (cfg["steps"] + tune["steps"]) * B * L,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "blas": os.environ.get("MLXMOE_DEMO_BLAS", "default"),
                     "mlx": _version("mlx"), "mlx_lm": _version("mlx-lm"),
@@ -954,6 +957,8 @@ def main(argv=None):
     parser.add_argument("--out", default=str(DEMO_DIR), help="Where the 4-bit model goes (default: mlxmoe/demo).")
     parser.add_argument("--work", default=str(DEFAULT_WORK), help="Corpus cache, tokenizer and float weights.")
     parser.add_argument("--steps", type=int, default=None, help=f"Training steps (default {TRAIN['steps']}).")
+    parser.add_argument("--chat-steps", type=int, default=None,
+                        help=f"Chat-tuning steps (default {CHAT_TUNE['steps']}).")
     parser.add_argument("--warmup", type=int, default=None, help=f"Warmup steps (default {TRAIN['warmup']}).")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="Held-out tokens per language and kind.")
