@@ -1,7 +1,7 @@
 """Train mlxmoe's bundled demo model: a small multilingual qwen3_moe, on this CPU.
 
     python bench/train_demo.py                    # corpus + tokenizer + training + 4-bit export
-    python bench/train_demo.py --steps 20 --out /tmp/demo-smoke   # smoke run
+    python bench/train_demo.py --steps 20 --chat-steps 5 --work /tmp/demo-smoke-work --out /tmp/demo-smoke  # smoke
 
 What it does, reproducibly (fixed seed, sorted file lists, fixed step count):
 
@@ -15,7 +15,10 @@ What it does, reproducibly (fixed seed, sorted file lists, fixed step count):
    every language equally often (upsampling the smaller ones).
 3. Trains a byte-level BPE tokenizer (ChatML specials and chat template) on the training
    split, and mlx-lm's own `qwen3_moe` Model with a Switch-Transformer load-balancing
-   loss on every router, so that the expert skew that remains is the workload's.
+   loss on every router, so that the expert skew that remains is the workload's; then
+   tunes it for chat (a fresh optimizer, half the rows greeting conversations of mixed
+   languages: CHAT_TUNE). `--from-phase1` starts from the first phase's weights that an
+   earlier run left in the work folder.
 4. Quantizes to 4 bits with mlx-lm's `quantize_model` and saves with mlx-lm's
    `save_model`/`save_config` into `mlxmoe/demo/` with `training.json` (sources,
    package versions, seed, sizes, hyperparameters, time, losses), plus small held-out
@@ -99,7 +102,105 @@ SAMPLE_PROMPTS = {
     "es": "El archivo de configuración",
 }
 DESCRIPTION_HEADERS = {"DESCRIPTION", "DESCRIZIONE", "BESCHREIBUNG", "DESCRIPCIÓN"}
+# Sections that list the translators (real names and e-mail addresses): dropped.
+TRANSLATION_HEADERS = {"TRANSLATION", "TRADUZIONE", "TRADUCTION", "ÜBERSETZUNG", "TRADUCCIÓN"}
 CHAT_FORTUNE_SHARE = 3  # one fortune in three is chat-formatted
+
+# E-mail addresses and URLs are removed from every document, with the brackets around
+# them, so the model cannot reproduce a real person's address.
+EMAIL = r"(?:mailto:)?[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[A-Za-z]{2,}"
+URL = r"(?:(?:https?|ftp|file|git)://|www\.)[^\s<>()\[\]\"']*[^\s<>()\[\]\"'.,;:!?]"
+SCRUB = re.compile(rf"[<(\[]\s*(?:{EMAIL}|{URL})\s*[>)\]]|{EMAIL}|{URL}")
+
+# Chat-shaped samples: short exchanges in each language (a greeting, then maybe a question),
+# each assistant turn short and ended by <|im_end|>, so that chat gets an answer in the
+# user's language that stops. Pairs of (user variants, assistant variants).
+GREETINGS = {
+    "en": [
+        (["hello", "hi", "hey", "hello there", "hi there", "greetings"],
+         ["Hello! How can I help you?", "Hi! What can I do for you?", "Hello! What would you like to know?"]),
+        (["good morning", "good afternoon", "good evening"],
+         ["Hello! How can I help you today?", "Hello! What can I do for you today?"]),
+    ],
+    "it": [
+        (["ciao", "salve", "ehi", "ciao a tutti"],
+         ["Ciao! Come posso aiutarti?", "Ciao! Cosa posso fare per te?", "Salve! Cosa vuoi sapere?"]),
+        (["buongiorno", "buonasera", "buon pomeriggio"],
+         ["Salve! Come posso aiutarti?", "Salve! Cosa posso fare per te oggi?"]),
+    ],
+    "fr": [
+        (["bonjour", "salut", "coucou", "bonjour à tous"],
+         ["Bonjour ! Comment puis-je vous aider ?", "Salut ! Que puis-je faire pour toi ?",
+          "Bonjour ! Que voulez-vous savoir ?"]),
+        (["bonsoir", "bon après-midi"],
+         ["Bonjour ! Comment puis-je vous aider ?", "Bonjour ! Que puis-je faire pour vous ?"]),
+    ],
+    "de": [
+        (["hallo", "servus", "moin", "hallo zusammen"],
+         ["Hallo! Wie kann ich helfen?", "Hallo! Was kann ich für dich tun?", "Hallo! Was möchtest du wissen?"]),
+        (["guten Morgen", "guten Tag", "guten Abend"],
+         ["Hallo! Wie kann ich Ihnen helfen?", "Hallo! Was kann ich heute für Sie tun?"]),
+    ],
+    "es": [
+        (["hola", "buenas", "hola a todos", "qué tal"],
+         ["¡Hola! ¿En qué puedo ayudarte?", "¡Hola! ¿Qué puedo hacer por ti?", "¡Hola! ¿Qué quieres saber?"]),
+        (["buenos días", "buenas tardes", "buenas noches"],
+         ["¡Hola! ¿En qué puedo ayudarle?", "¡Hola! ¿Qué puedo hacer por usted hoy?"]),
+    ],
+}
+SMALL_TALK = {
+    "en": [
+        (["How are you?", "how are you doing?"], ["I am fine, thank you. And you?", "Very well, thanks!"]),
+        (["Who are you?", "What are you?"],
+         ["I am a small demo model, trained on manual pages and fortunes.", "A small language model: ask me about a command."]),
+        (["What can you do?", "Can you help me?"],
+         ["I can tell you what a command does, or tell you a fortune.", "Yes: ask me about a command or a file."]),
+        (["thanks", "thank you"], ["You are welcome!", "My pleasure."]),
+        (["bye", "goodbye", "see you"], ["Goodbye!", "Bye! See you soon."]),
+    ],
+    "it": [
+        (["Come stai?", "come va?"], ["Sto bene, grazie. E tu?", "Molto bene, grazie!"]),
+        (["Chi sei?", "Cosa sei?"],
+         ["Sono un piccolo modello dimostrativo, addestrato su pagine di manuale e frasi celebri.",
+          "Un piccolo modello linguistico: chiedimi di un comando."]),
+        (["Cosa sai fare?", "Puoi aiutarmi?"],
+         ["Posso dirti cosa fa un comando, o dirti una frase.", "Sì: chiedimi di un comando o di un file."]),
+        (["grazie", "grazie mille"], ["Prego!", "Di niente."]),
+        (["arrivederci", "ciao ciao", "a presto"], ["Arrivederci!", "Ciao, a presto!"]),
+    ],
+    "fr": [
+        (["Comment ça va ?", "Comment allez-vous ?"], ["Je vais bien, merci. Et vous ?", "Très bien, merci !"]),
+        (["Qui es-tu ?", "Qu'est-ce que tu es ?"],
+         ["Je suis un petit modèle de démonstration, entraîné sur des pages de manuel.",
+          "Un petit modèle de langue : demandez-moi ce que fait une commande."]),
+        (["Que sais-tu faire ?", "Peux-tu m'aider ?"],
+         ["Je peux expliquer ce que fait une commande.", "Oui : demandez-moi une commande ou un fichier."]),
+        (["merci", "merci beaucoup"], ["De rien !", "Avec plaisir."]),
+        (["au revoir", "à bientôt"], ["Au revoir !", "À bientôt !"]),
+    ],
+    "de": [
+        (["Wie geht es dir?", "wie geht's?"], ["Mir geht es gut, danke. Und dir?", "Sehr gut, danke!"]),
+        (["Wer bist du?", "Was bist du?"],
+         ["Ich bin ein kleines Demo-Modell, trainiert auf Handbuchseiten und Sprüchen.",
+          "Ein kleines Sprachmodell: frag mich nach einem Befehl."]),
+        (["Was kannst du?", "Kannst du mir helfen?"],
+         ["Ich kann dir sagen, was ein Befehl macht, oder einen Spruch erzählen.",
+          "Ja: frag mich nach einem Befehl oder einer Datei."]),
+        (["danke", "vielen Dank"], ["Gern geschehen!", "Bitte sehr."]),
+        (["tschüss", "auf Wiedersehen", "bis bald"], ["Auf Wiedersehen!", "Tschüss, bis bald!"]),
+    ],
+    "es": [
+        (["¿Cómo estás?", "¿qué tal estás?"], ["Estoy bien, gracias. ¿Y tú?", "¡Muy bien, gracias!"]),
+        (["¿Quién eres?", "¿Qué eres?"],
+         ["Soy un pequeño modelo de demostración, entrenado con páginas de manual y frases.",
+          "Un pequeño modelo de lenguaje: pregúntame por un comando."]),
+        (["¿Qué sabes hacer?", "¿Puedes ayudarme?"],
+         ["Puedo decirte qué hace un comando, o decirte una frase.", "Sí: pregúntame por un comando o un archivo."]),
+        (["gracias", "muchas gracias"], ["¡De nada!", "Con mucho gusto."]),
+        (["adiós", "hasta luego", "hasta pronto"], ["¡Adiós!", "¡Hasta pronto!"]),
+    ],
+}
+GREETING_CHATS = 1200  # conversations per language (5-10 % of the stream they go with)
 
 # Model: mlx-lm's qwen3_moe. See README / training.json for why these sizes.
 MODEL_CONFIG = {
@@ -126,7 +227,7 @@ TRAIN = {
     "vocab_size": 4096,
     "seq_len": 256,
     "batch_size": 8,
-    "steps": 1900,
+    "steps": 800,
     "lr": 2e-3,
     "min_lr_ratio": 0.1,
     "warmup": 100,
@@ -136,6 +237,10 @@ TRAIN = {
     "quant_bits": 4,
     "quant_group_size": 64,  # divides 256 (hidden) and 128 (moe_intermediate): every matrix quantizes
 }
+# Phase 2: a fresh AdamW at a lower rate; half the rows are greeting conversations of random
+# languages back to back (phase 1 saw each one amid text of its own language, and learnt
+# to answer in that text's language, not in the user's).
+CHAT_TUNE = {"steps": 300, "lr": 5e-4, "min_lr_ratio": 0.1, "warmup": 20, "chat_share": 0.5, "chats": 1200}
 
 
 # --------------------------------------------------------------------------- setup
@@ -242,10 +347,13 @@ def render_man(path):
     lines = lines[1:-1]  # "LS(1)   User Commands   LS(1)" and the footer
     description, section = None, None
     out = []
-    for ln in lines:
-        if ln and not ln[0].isspace():
+    for ln in map(scrub, lines):
+        header = bool(ln) and not ln[0].isspace()
+        if header:
             section = ln.strip()
-        elif section in DESCRIPTION_HEADERS and description is None and ln.strip():
+        if section in TRANSLATION_HEADERS:
+            continue
+        if not header and section in DESCRIPTION_HEADERS and description is None and ln.strip():
             description = re.sub(r"\s+", " ", ln.strip())
         out.append(re.sub(r"[ \t]+", " ", ln.strip()))
     text = re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip()
@@ -307,14 +415,43 @@ def _split_fortunes(path):
     text = re.sub(r".\x08", "", _read_text(path)).replace("\r", "")
     out = []
     for chunk in re.split(r"\n%\n", "\n" + text + "\n"):
-        chunk = "\n".join(ln.rstrip() for ln in chunk.strip("\n").split("\n")).strip()
+        chunk = "\n".join(scrub(ln).rstrip() for ln in chunk.strip("\n").split("\n")).strip()
         if 10 <= len(chunk) <= 2000:
             out.append(chunk)
     return out
 
 
+def scrub(text):
+    """`text` without e-mail addresses and URLs (and the brackets around them)."""
+    text = SCRUB.sub("", text)
+    text = re.sub(r"[ \t]+([,.;:)])", r"\1", text)
+    return re.sub(r"[ \t]{2,}", " ", text)
+
+
 def _chat(question, answer):
     return f"{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n{answer}{IM_END}\n"
+
+
+def _user_variant(text, rng):
+    """A user's spelling of `text`: as written, capitalized, lower case; with or without '!'/'.'."""
+    text = rng.choice([text, text, text[:1].upper() + text[1:], text.lower()])
+    if text[-1].isalpha():
+        text += rng.choice(["", "", "!", "."])
+    return text
+
+
+def greeting_chats(lang, n, rng):
+    """`n` short conversations in `lang`: a greeting and its answer, then up to two
+    small-talk turns (thanks and goodbye last), every turn ended by <|im_end|>."""
+    out = []
+    talk = SMALL_TALK[lang]
+    for _ in range(n):
+        picked = sorted(rng.sample(range(len(talk)), rng.choice([0, 0, 1, 2])))
+        turns = [rng.choice(GREETINGS[lang])] + [talk[i] for i in picked]
+        if rng.randrange(4) == 0:  # some conversations open with a question
+            turns = turns[1:] or turns
+        out.append("".join(_chat(_user_variant(rng.choice(q), rng), rng.choice(a)) for q, a in turns) + EOT)
+    return out
 
 
 def build_corpus(work=DEFAULT_WORK, rebuild=False):
@@ -380,6 +517,10 @@ def build_corpus(work=DEFAULT_WORK, rebuild=False):
                         corpus[lang]["fortune"]["train"].append(text + EOT)
             sizes[lang]["fortunes_available"] = len(fortunes)
             _log(f"{lang} fortunes: {chars} chars, {len(corpus[lang]['fortune']['heldout'])} held out")
+        # The greetings go with the fortunes (the shorter stream) where a language has them.
+        kind = "fortune" if corpus[lang]["fortune"]["train"] else "man"
+        corpus[lang][kind]["train"] += greeting_chats(lang, GREETING_CHATS, rng)
+        sizes[lang]["greeting_chats"] = GREETING_CHATS
         for kind in KINDS:
             for split in ("train", "heldout"):
                 docs = corpus[lang][kind][split]
@@ -395,9 +536,13 @@ def build_corpus(work=DEFAULT_WORK, rebuild=False):
             "heldout": f"{HELDOUT_PERCENT}% of documents by md5 of the page name (same pages in every language) "
                        "or of file:index for fortunes",
             "caps_chars": {"man": MAN_CAP, "fortune": FORTUNE_CAP},
-            "chat_samples": "one fortune in %d as 'user: <request> / assistant: <fortune>', and every man page's "
+            "chat_samples": "one fortune in %d as 'user: <request> / assistant: <fortune>', every man page's "
                             "first DESCRIPTION paragraph as the answer to 'what is NAME?', in the page's "
-                            "language" % CHAT_FORTUNE_SHARE,
+                            "language, and %d short greeting/small-talk conversations per language (with the "
+                            "fortunes, or the man pages where a language has no fortunes)"
+                            % (CHAT_FORTUNE_SHARE, GREETING_CHATS),
+            "scrubbed": "e-mail addresses and URLs removed from every document (with their brackets); the "
+                        "translators' sections of the man pages dropped",
         },
         "seed": SEED,
         "sizes": sizes,
@@ -550,6 +695,8 @@ def train(args):
     from mlx_lm.models.qwen3_moe import Model, ModelArgs
 
     cfg = dict(TRAIN)
+    tune = dict(CHAT_TUNE, steps=CHAT_TUNE["steps"] if args.chat_steps is None else args.chat_steps)
+    tune["warmup"] = min(tune["warmup"], max(1, tune["steps"] // 10))
     if args.steps is not None:
         cfg["steps"] = args.steps
         cfg["warmup"] = min(cfg["warmup"], max(1, args.steps // 10))
@@ -588,8 +735,6 @@ def train(args):
     top_k = config["num_experts_per_tok"]
     _log(f"model: {n_params / 1e6:.2f}M parameters")
 
-    optimizer = optim.AdamW(learning_rate=cfg["lr"], weight_decay=cfg["weight_decay"])
-
     def loss_fn(model, x, y):
         with record_gates(model) as rec:
             logits = model(x)
@@ -600,47 +745,84 @@ def train(args):
     value_and_grad = nn.value_and_grad(model, loss_fn)
     L, B = cfg["seq_len"], cfg["batch_size"]
 
-    def batch():
-        # Every row draws its language uniformly, then man page or fortune equally often
-        # where a language has both: the smaller languages and kinds are upsampled.
-        xs, ys = [], []
-        for lang in rng.choice(LANGS, size=B):
-            kinds = [k for k in KINDS if (lang, k) in train_ids]
-            ids = train_ids[lang, kinds[int(rng.integers(len(kinds)))]]
-            i = int(rng.integers(0, len(ids) - L - 1))
-            xs.append(ids[i:i + L])
-            ys.append(ids[i + 1:i + L + 1])
-        return mx.array(np.stack(xs)), mx.array(np.stack(ys))
+    def text_row(rng):
+        # A row's language is uniform, then man page or fortune equally often where a
+        # language has both: the smaller languages and kinds are upsampled.
+        lang = LANGS[int(rng.integers(len(LANGS)))]
+        return text_window(lang, rng)
 
-    history = []
-    counts_acc = None
-    t_train = time.time()
-    ce_avg = aux_avg = None
-    for step in range(cfg["steps"]):
-        optimizer.learning_rate = lr_at(step, cfg)
-        x, y = batch()
-        (loss, ce, aux, counts), grads = value_and_grad(model, x, y)
-        grads, _ = optim.clip_grad_norm(grads, cfg["grad_clip"])
-        optimizer.update(model, grads)
-        mx.eval(model.parameters(), optimizer.state, ce, aux, counts)
-        ce_v, aux_v = ce.item(), aux.item()
-        ce_avg = ce_v if ce_avg is None else 0.98 * ce_avg + 0.02 * ce_v
-        aux_avg = aux_v if aux_avg is None else 0.98 * aux_avg + 0.02 * aux_v
-        c = np.array(counts)
-        counts_acc = c if counts_acc is None else counts_acc + c
-        if (step + 1) % args.log_every == 0 or step + 1 == cfg["steps"]:
-            el = time.time() - t_train
-            ent = [round(entropy_bits(row), 2) for row in counts_acc]
-            history.append({"step": step + 1, "ce": round(ce_avg, 4), "aux": round(aux_avg, 4),
-                            "lr": optimizer.learning_rate.item(), "seconds": round(el, 1),
-                            "usage_entropy_bits": ent})
-            _log(f"step {step + 1}/{cfg['steps']} ce {ce_avg:.3f} aux {aux_avg:.3f} "
-                 f"lr {optimizer.learning_rate.item():.2e} {el / (step + 1):.2f}s/step "
-                 f"{(step + 1) * B * L / el:.0f} tok/s entropy {ent} (max {math.log2(config['num_experts']):.0f})")
-            counts_acc = None
-    train_seconds = time.time() - t_train
+    def text_window(lang, rng):
+        kinds = [k for k in KINDS if (lang, k) in train_ids]
+        ids = train_ids[lang, kinds[int(rng.integers(len(kinds)))]]
+        i = int(rng.integers(0, len(ids) - L - 1))
+        return ids[i:i + L + 1]
+
+    def text_batch(rng):
+        return np.stack([text_window(lang, rng) for lang in rng.choice(LANGS, size=B)])
+
+    def chat_batch(rng):
+        return np.stack([chat_row(rng) if rng.random() < tune["chat_share"] else text_row(rng)
+                         for _ in range(B)])
+
+    def chat_row(rng):
+        # Conversations of random languages back to back from the row's start, so that the
+        # only hint of a reply's language is its own conversation.
+        ids = []
+        while len(ids) < L + 1:
+            ids.extend(chat_ids[int(rng.integers(len(chat_ids)))])
+        return np.array(ids[:L + 1], dtype=np.int32)
+
+    def run(steps, lr, draw, rng, phase):
+        """`steps` AdamW steps (a fresh optimizer) on batches `draw(rng)` of B rows of L + 1 tokens."""
+        optimizer = optim.AdamW(learning_rate=lr["lr"], weight_decay=cfg["weight_decay"])
+        history, counts_acc, ce_avg, aux_avg = [], None, None, None
+        t0 = time.time()
+        for step in range(steps):
+            optimizer.learning_rate = lr_at(step, dict(lr, steps=steps))
+            rows = draw(rng)
+            x, y = mx.array(rows[:, :-1]), mx.array(rows[:, 1:])
+            (loss, ce, aux, counts), grads = value_and_grad(model, x, y)
+            grads, _ = optim.clip_grad_norm(grads, cfg["grad_clip"])
+            optimizer.update(model, grads)
+            mx.eval(model.parameters(), optimizer.state, ce, aux, counts)
+            ce_v, aux_v = ce.item(), aux.item()
+            ce_avg = ce_v if ce_avg is None else 0.98 * ce_avg + 0.02 * ce_v
+            aux_avg = aux_v if aux_avg is None else 0.98 * aux_avg + 0.02 * aux_v
+            c = np.array(counts)
+            counts_acc = c if counts_acc is None else counts_acc + c
+            if (step + 1) % args.log_every == 0 or step + 1 == steps:
+                el = time.time() - t0
+                ent = [round(entropy_bits(row), 2) for row in counts_acc]
+                history.append({"phase": phase, "step": step + 1, "ce": round(ce_avg, 4), "aux": round(aux_avg, 4),
+                                "lr": optimizer.learning_rate.item(), "seconds": round(el, 1),
+                                "usage_entropy_bits": ent})
+                _log(f"{phase} step {step + 1}/{steps} ce {ce_avg:.3f} aux {aux_avg:.3f} "
+                     f"lr {optimizer.learning_rate.item():.2e} {el / (step + 1):.2f}s/step "
+                     f"{(step + 1) * B * L / el:.0f} tok/s entropy {ent} (max {math.log2(config['num_experts']):.0f})")
+                counts_acc = None
+        return history, time.time() - t0
 
     work.mkdir(parents=True, exist_ok=True)
+    phase1 = work / "phase1.safetensors"
+    if args.from_phase1:  # phase 1 as an earlier run of this script left it in --work
+        model.load_weights(str(phase1))
+        with open(work / "phase1.json") as f:
+            done = json.load(f)
+        history, seconds = done["history"], done["seconds"]
+    else:
+        history, seconds = run(cfg["steps"], cfg, text_batch, rng, "text")
+        model.save_weights(str(phase1))
+        with open(work / "phase1.json", "w") as f:
+            json.dump({"history": history, "seconds": seconds}, f)
+    # Phase 2, chat tuning: half the rows are conversations of mixed languages.
+    chat_rng = random.Random(SEED + 1)
+    chat_docs = [d for lang in LANGS for d in greeting_chats(lang, tune["chats"], chat_rng)]
+    chat_ids = [e.ids for e in tok.encode_batch(chat_docs)]
+    rng2 = np.random.default_rng(SEED + 1)
+    h2, s2 = run(tune["steps"], tune, chat_batch, rng2, "chat")
+    history += h2
+    train_seconds = seconds + s2
+
     model.save_weights(str(work / "float.safetensors"))
     _log("evaluating the float model on held-out text")
     ev_float = evaluate(model, heldout_ids, L, top_k, max_tokens=args.eval_tokens)
@@ -684,13 +866,16 @@ def train(args):
     training = {
         "what": "mlxmoe's demo model: a qwen3_moe trained from scratch by bench/train_demo.py on Debian's "
                 "multilingual man pages and fortunes",
-        "command": "python bench/train_demo.py" + ("" if args.steps is None else f" --steps {args.steps}"),
+        "command": "python bench/train_demo.py" + ("" if args.steps is None else f" --steps {args.steps}")
+                   + ("" if args.chat_steps is None else f" --chat-steps {args.chat_steps}")
+                   + ("" if args.eval_tokens == EVAL_TOKENS else f" --eval-tokens {args.eval_tokens}"),
         **manifest,
         "model_config": MODEL_CONFIG,
         "vocab_size": vocab,
         "parameters": n_params,
         "hyperparameters": cfg,
-        "tokens_seen": cfg["steps"] * B * L,
+        "chat_tuning": tune,
+        "tokens_seen": (cfg["steps"] + tune["steps"]) * B * L,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "blas": os.environ.get("MLXMOE_DEMO_BLAS", "default"),
                     "mlx": _version("mlx"), "mlx_lm": _version("mlx-lm"),
@@ -723,6 +908,7 @@ def _version(dist):
 
 
 SAMPLE_CHARS = 8000  # per language and kind in bench/data/heldout/
+EVAL_TOKENS = 30_000  # held-out tokens per language and kind evaluated into training.json
 
 
 def heldout_sample(docs, limit=SAMPLE_CHARS, seed=SEED):
@@ -771,10 +957,14 @@ def main(argv=None):
     parser.add_argument("--out", default=str(DEMO_DIR), help="Where the 4-bit model goes (default: mlxmoe/demo).")
     parser.add_argument("--work", default=str(DEFAULT_WORK), help="Corpus cache, tokenizer and float weights.")
     parser.add_argument("--steps", type=int, default=None, help=f"Training steps (default {TRAIN['steps']}).")
+    parser.add_argument("--chat-steps", type=int, default=None,
+                        help=f"Chat-tuning steps (default {CHAT_TUNE['steps']}).")
     parser.add_argument("--warmup", type=int, default=None, help=f"Warmup steps (default {TRAIN['warmup']}).")
     parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument("--eval-tokens", type=int, default=30_000, help="Held-out tokens per language and kind.")
+    parser.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="Held-out tokens per language and kind.")
     parser.add_argument("--rebuild-corpus", action="store_true")
+    parser.add_argument("--from-phase1", action="store_true",
+                        help="Start from the phase-1 weights an earlier run saved in --work (chat tuning on).")
     parser.add_argument("--corpus-only", action="store_true", help="Build the corpus and stop.")
     args = parser.parse_args(argv)
     ensure_fast_blas()

@@ -103,9 +103,11 @@ def test_openai_client_text_equals_generate(server, local):
     model, tok = local
     for prompt in PROMPTS[:2]:
         want = mlxmoe.generate(model, tok, prompt, max_tokens=24)
+        last = list(mlxmoe.stream_generate(model, tok, prompt, max_tokens=24))[-1]
         r = server.client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0)
         assert r.choices[0].text == want
-        assert r.usage.completion_tokens == 24
+        assert r.usage.completion_tokens == last.generation_tokens
+        assert r.choices[0].finish_reason == last.finish_reason
         got = "".join(c.choices[0].text for c in server.client.completions.create(
             model="demo", prompt=prompt, max_tokens=24, temperature=0, stream=True))
         assert got == want
@@ -144,9 +146,11 @@ def test_usage_stats_models_health(server):
 def test_stop_seed_logprobs_reach_mlx_lm(server):
     # mlx-lm's stop handling: a stop string ends the response where its tokens are the ones
     # generated ("\n" here; stock mlx_lm.server does the same), elsewhere it is cut from the text
-    free = server.client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=24, temperature=0)
-    assert "\n" in free.choices[0].text
-    cut = server.client.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=["\n"])
+    def complete(prompt, **kw):
+        return server.client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0, **kw)
+
+    prompt, free = next((p, f) for p in PROMPTS for f in [complete(p)] if "\n" in f.choices[0].text)
+    cut = complete(prompt, stop=["\n"])
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == free.choices[0].text.split("\n")[0]
     sampled = [server.client.completions.create(model="demo", prompt=PROMPTS[1], max_tokens=16, temperature=1.0,
                                                 seed=s).choices[0].text for s in (7, 7, 8)]
