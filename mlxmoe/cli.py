@@ -206,9 +206,7 @@ def expert_line(stats, baseline_rss):
     weight is loaded named apart from the model's."""
     from .budget import format_size as size
 
-    return (f"experts: hit rate {100 * stats['hit_rate']:.1f}%, {size(stats['bytes_read'])} read "
-            f"({stats['loads_demand']} loads on demand + {stats['loads_prefetched']} prefetched), "
-            f"cache {stats['cache_experts']} experts ({size(stats['cache_bytes'])}); "
+    return (f"experts: {cache_figures(stats)} ({size(stats['cache_bytes'])}); "
             f"MLX peak memory {size(stats['peak_memory'])}, process peak RSS {size(stats['peak_rss'])} "
             f"(Python and MLX before loading: {size(baseline_rss)})")
 
@@ -217,9 +215,17 @@ def rank_line(rank, stats):
     """One rank's share of the run, in the summary's units and terms."""
     from .budget import format_size as size
 
-    return (f"rank {rank}: hit rate {100 * stats['hit_rate']:.1f}%, {size(stats['bytes_read'])} read "
+    return f"rank {rank}: {cache_figures(stats)}, process peak RSS {size(stats['peak_rss'])}"
+
+
+def cache_figures(stats):
+    """What the run's summary and each rank's line share: hit rate, bytes read split into
+    the loads that read them, the cache's size in experts."""
+    from .budget import format_size as size
+
+    return (f"hit rate {100 * stats['hit_rate']:.1f}%, {size(stats['bytes_read'])} read "
             f"({stats['loads_demand']} loads on demand + {stats['loads_prefetched']} prefetched), "
-            f"cache {stats['cache_experts']} experts, process peak RSS {size(stats['peak_rss'])}")
+            f"cache {stats['cache_experts']} experts")
 
 
 def current_rss():
