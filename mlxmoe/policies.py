@@ -423,7 +423,8 @@ class Activation(Policy):
     share of the layer's visits that used the expert, its half-life `horizon` x the mean
     age of the experts evicted (within `long_min`..`long_max` tokens), regularised by
     `long_prior` visits at the prior's rate. A call of n tokens (a prefill) counts as
-    min(n, `prefill_visits`) visits. The prior's hottest experts (`pin_share` of the cache)
+    min(n, `prefill_visits`) visits, p1 moving towards the share of its tokens that used
+    each expert where the router is known. The prior's hottest experts (`pin_share` of the cache)
     stay pinned while their live frequency is at least `pin_release` x their prior rate.
     With `layer_floor`, a layer at or under its floor gives no slot to another layer (it
     still pays for its own misses): its even share of the slots less `floor_slack` x top_k
@@ -516,8 +517,9 @@ class Activation(Policy):
         # A call of n tokens (a prefill) counts as min(n, prefill_visits) visits for p1:
         # its estimates decay that many times and move towards the share of its tokens
         # that used each expert. Only the union of the experts is known; the router's mean
-        # distribution times top-k estimates the share, where the router is known. The
-        # long-run counts take a call as one visit of the experts it used.
+        # distribution times top-k estimates the share, where the router is known (else
+        # each expert of the union counts as used). The long-run counts take a call as one
+        # visit of the experts it used.
         # (At E = 32-128 each numpy call costs about its overhead: few calls, in place.)
         n = min(self.call_tokens, self.prefill_visits)
         if self.call_tokens == 1 and len(experts) > self.top_k:
@@ -535,7 +537,8 @@ class Activation(Policy):
         decays[4, 0] = keep
         rows *= decays
         freq, recent, router_mass, _, used_visits = rows
-        if n == 1 or probs is None:  # the experts used: freq, recent x decay + (1 - decay) x 1, used_visits + 1
+        # one token, or the router unknown: the experts used: freq, recent x decay + (1 - decay) x 1, used_visits + 1
+        if self.call_tokens == 1 or probs is None:
             rows[self.used_rows, experts] += gains
         else:
             used = np.minimum(1.0, probs * self.top_k)

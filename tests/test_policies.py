@@ -332,20 +332,46 @@ def test_activation_counts_a_prefill_call_as_its_tokens():
     assert many.next_chance[0, 0] > 5 * many.next_chance[0, 1]
 
 
-def test_activation_counts_a_prefill_call_as_one_visit_by_default():
-    """By default a prefill is one visit of the union of its experts, for the short-term
-    and the long-run estimates alike, and does not raise the top-k it learns."""
+@pytest.mark.parametrize("router", [True, False])
+def test_activation_counts_a_prefill_call_as_one_visit_by_default(router):
+    """By default a prefill is one visit: its short-term estimates decay once and move
+    towards the share of its tokens that used each expert (the router's mean distribution
+    times top-k; without the router, each expert of the union counts as used); the
+    long-run counts take it as one visit of the union. It does not raise the top-k it learns."""
     p = make_policy("activation", 4, 1, 4)
     p.tick(1)
     p.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))
     p.tick(7)
-    p.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]))
+    p.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]) if router else None)
     s = p.slow
     assert p.top_k == 1
-    assert p.freq[0, 0] == pytest.approx((1 - s) * s + (1 - s))
-    assert p.freq[0, 1] == pytest.approx(1 - s)
+    assert p.freq[0, 0] == pytest.approx((1 - s) * s + (1 - s) * (0.7 if router else 1))
+    assert p.freq[0, 1] == pytest.approx((1 - s) * (0.1 if router else 1))
     assert p.layer_visits[0] == pytest.approx(1 + 2.0 ** (-1 / 16))  # two visits; the long half-life is at its minimum
     assert p.used_visits[0, 0] == pytest.approx(p.layer_visits[0]) and p.used_visits[0, 1] == pytest.approx(1.0)
+
+
+def test_default_weighs_a_prefills_experts_by_their_share_of_its_tokens():
+    """1 layer of 8 experts, 6 slots, top-2. Tokens use 5 and 6 four times, then 6 and 7;
+    a prefill of 8 tokens uses 0, 1 and 2, the router giving 2 one token in ten (0.05 of
+    its mass); the next token uses 3 and 6: a victim among 5, 7, 0, 1, 2. 7 and 2 were
+    each used at one visit; counted by its share, 2 is the less likely at the next visit
+    and goes; counted as used alike (the union of the prefill), 2 would look the more
+    recent and 7 would go."""
+    p = make_policy(DEFAULT_POLICY, 6, 1, 8)
+    r = Residency(6, p)
+    evicted = []
+    r.evicted = evicted.append
+    for _ in range(4):
+        r.tick(1)
+        r.access(0, [5, 6], probs=np.array([0, 0, 0, 0, 0, 0.5, 0.5, 0]))
+    r.tick(1)
+    r.access(0, [6, 7], probs=np.array([0, 0, 0, 0, 0, 0, 0.5, 0.5]))
+    r.tick(8)
+    r.access(0, [0, 1, 2], probs=np.array([0.45, 0.45, 0.05, 0, 0, 0, 0.05, 0]))
+    r.tick(1)
+    r.access(0, [3, 6], probs=np.array([0, 0, 0, 0.5, 0, 0, 0.5, 0]))
+    assert evicted == [(0, 2)]
 
 
 def test_activation_evicts_by_expected_time_with_a_sorted_insert():
