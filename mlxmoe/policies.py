@@ -445,7 +445,7 @@ class Activation(Policy):
         L, E = num_layers, num_experts
         self.floor = capacity // L if layer_floor else None  # set by _set_floor once top_k is known
         self.floor_slack = floor_slack
-        self.accesses = [0, 0]  # expert accesses of single-token calls, of multi-token calls (prefills)
+        self.multi_calls = self.multi_accesses = 0  # layer calls of several tokens (prefills), their expert accesses
         self.held = np.zeros(L)  # -inf where a layer is at or under its floor: no victim for another layer
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
@@ -527,7 +527,9 @@ class Activation(Policy):
         # visit of the experts it used.
         # (At E = 32-128 each numpy call costs about its overhead: few calls, in place.)
         n = min(self.call_tokens, self.prefill_visits)
-        self.accesses[self.call_tokens > 1] += len(experts)
+        if self.call_tokens > 1:
+            self.multi_calls += 1
+            self.multi_accesses += len(experts)
         if self.call_tokens == 1 and len(experts) > self.top_k:
             self.top_k = len(experts)
             self._set_floor()
@@ -657,7 +659,8 @@ class Activation(Policy):
         if self.floor is None:
             return
         even = self.capacity // self.num_layers
-        single, multi = self.accesses
+        multi = self.multi_accesses
+        single = (self.visits - self.multi_calls) * self.top_k  # a single-token call uses top_k experts
         slack = self.floor_slack * single / (single + multi) if multi else self.floor_slack
         floor = min(even, max(self.top_k, even - int(slack * self.top_k)))
         if floor != self.floor:
