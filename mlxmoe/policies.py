@@ -446,6 +446,7 @@ class Activation(Policy):
         self.floor = capacity // L if layer_floor else None  # set by _set_floor once top_k is known
         self.floor_slack = floor_slack
         self.multi_calls = self.multi_accesses = 0  # layer calls of several tokens (prefills), their expert accesses
+        self.floor_due = 0  # the layer call count from which the floor may move (a tick recomputes it then)
         self.held = np.zeros(L)  # -inf where a layer is at or under its floor: no victim for another layer
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
@@ -516,7 +517,8 @@ class Activation(Policy):
     def tick(self, tokens=1):
         self.call_tokens = tokens  # every layer call until the next tick has this many tokens
         self.tokens += tokens
-        self._set_floor()
+        if self.visits >= self.floor_due:
+            self._set_floor()
 
     def visit(self, layer, experts, scores=None, probs=None):
         # A call of n tokens (a prefill) counts as min(n, prefill_visits) visits for p1:
@@ -530,6 +532,7 @@ class Activation(Policy):
         if self.call_tokens > 1:
             self.multi_calls += 1
             self.multi_accesses += len(experts)
+            self.floor_due = 0
         if self.call_tokens == 1 and len(experts) > self.top_k:
             self.top_k = len(experts)
             self._set_floor()
@@ -662,7 +665,12 @@ class Activation(Policy):
         multi = self.multi_accesses
         single = (self.visits - self.multi_calls) * self.top_k  # a single-token call uses top_k experts
         slack = self.floor_slack * single / (single + multi) if multi else self.floor_slack
-        floor = min(even, max(self.top_k, even - int(slack * self.top_k)))
+        give, most = int(slack * self.top_k), self.floor_slack * self.top_k
+        floor = min(even, max(self.top_k, even - give))
+        # single-token calls until `give` grows by one: single / (single + multi) >= (give + 1) / most
+        # (rounded down: at worst one recomputation early); none without a prefill until the next
+        self.floor_due = (self.multi_calls + int((give + 1) * multi / (most - give - 1) / self.top_k)
+                          if multi and give + 1 < most else math.inf)
         if floor != self.floor:
             self.floor = floor
             for layer in range(self.num_layers):
