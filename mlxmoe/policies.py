@@ -660,6 +660,7 @@ class Activation(Policy):
     def _set_floor(self):
         """The layer floor for the top_k and the accesses seen so far (see the class docstring)."""
         if self.floor is None:
+            self.floor_due = math.inf
             return
         even = self.capacity // self.num_layers
         multi = self.multi_accesses
