@@ -27,7 +27,7 @@ HALF_LIFE_LFU = 256  # lfu's and slru's counts
 HALF_LIFE_ACTIVATION = 24  # activation's frequency estimate
 HALF_LIFE_RECENCY = 4  # activation's recency estimate
 HALF_LIFE_FLOOR = 0.5  # activation-floor's frequency estimate (chosen by bench_policies.py --lofo)
-FLOOR_SLACK = 0.5  # activation-floor's layer floor: the even share less this many tokens' experts (the same)
+FLOOR_SLACK = 1.0  # activation-floor's layer floor: the even share less up to this many tokens' experts (the same)
 HALF_LIFE_PROFILE = 4096  # a profile's counts: it remembers a long session, and still adapts
 
 
@@ -428,7 +428,10 @@ class Activation(Policy):
     stay pinned while their live frequency is at least `pin_release` x their prior rate.
     With `layer_floor`, a layer at or under its floor gives no slot to another layer (it
     still pays for its own misses): its even share of the slots less `floor_slack` x top_k
-    (rounded down), never under one token's experts (top_k) nor over the even share.
+    x the share of the expert accesses so far that came from single-token calls (rounded
+    down), never under one token's experts (top_k) nor over the even share. A prefill uses
+    most of every layer's experts, so the more of the accesses prefills make, the closer
+    each layer is kept to its even share.
     """
 
     name = "activation"
@@ -442,6 +445,8 @@ class Activation(Policy):
         L, E = num_layers, num_experts
         self.floor = capacity // L if layer_floor else None  # set by _set_floor once top_k is known
         self.floor_slack = floor_slack
+        self.multi_calls = self.multi_accesses = 0  # layer calls of several tokens (prefills), their expert accesses
+        self.floor_due = 0  # the layer call count from which the floor may move (a tick recomputes it then)
         self.held = np.zeros(L)  # -inf where a layer is at or under its floor: no victim for another layer
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
@@ -512,6 +517,8 @@ class Activation(Policy):
     def tick(self, tokens=1):
         self.call_tokens = tokens  # every layer call until the next tick has this many tokens
         self.tokens += tokens
+        if self.visits >= self.floor_due:
+            self._set_floor()
 
     def visit(self, layer, experts, scores=None, probs=None):
         # A call of n tokens (a prefill) counts as min(n, prefill_visits) visits for p1:
@@ -522,6 +529,10 @@ class Activation(Policy):
         # visit of the experts it used.
         # (At E = 32-128 each numpy call costs about its overhead: few calls, in place.)
         n = min(self.call_tokens, self.prefill_visits)
+        if self.call_tokens > 1:
+            self.multi_calls += 1
+            self.multi_accesses += len(experts)
+            self.floor_due = 0
         if self.call_tokens == 1 and len(experts) > self.top_k:
             self.top_k = len(experts)
             self._set_floor()
@@ -647,11 +658,20 @@ class Activation(Policy):
         raise _none_left()
 
     def _set_floor(self):
-        """The layer floor for the top_k seen so far (see the class docstring)."""
+        """The layer floor for the top_k and the accesses seen so far (see the class docstring)."""
         if self.floor is None:
+            self.floor_due = math.inf
             return
         even = self.capacity // self.num_layers
-        floor = min(even, max(self.top_k, even - int(self.floor_slack * self.top_k)))
+        multi = self.multi_accesses
+        single = (self.visits - self.multi_calls) * self.top_k  # a single-token call uses top_k experts
+        slack = self.floor_slack * single / (single + multi) if multi else self.floor_slack
+        give, most = int(slack * self.top_k), self.floor_slack * self.top_k
+        floor = min(even, max(self.top_k, even - give))
+        # single-token calls until `give` grows by one: single / (single + multi) >= (give + 1) / most
+        # (rounded down: at worst one recomputation early); none without a prefill until the next
+        self.floor_due = (self.multi_calls + int((give + 1) * multi / (most - give - 1) / self.top_k)
+                          if multi and give + 1 < most else math.inf)
         if floor != self.floor:
             self.floor = floor
             for layer in range(self.num_layers):
@@ -723,9 +743,10 @@ class Activation(Policy):
 
 class ActivationFloor(Activation):
     """The default: `activation` with each layer kept at a floor of its even share of the
-    slots less half a token's experts (layer_floor, floor_slack; the slots above the floors
-    move between layers by expected next use) and a shorter frequency half-life, chosen on
-    real routing (bench_policies.py --lofo)."""
+    slots less up to one token's experts, fewer the more of the accesses prefills make
+    (layer_floor, floor_slack; the slots above the floors move between layers by expected
+    next use) and a shorter frequency half-life, chosen on real routing (bench_policies.py
+    --lofo)."""
 
     name = "activation-floor"
 

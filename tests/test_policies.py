@@ -185,20 +185,55 @@ def test_floor_keeps_a_layer_at_its_share():
     assert run("activation-floor", 2, seq, layers=2, experts=4)[0] == [(0, 3), (0, 0), (1, 3)]
 
 
-def test_floor_slack_lets_a_stale_layer_give_slots_down_to_its_floor():
-    """2 layers x 4 slots (8 experts, top-2): layer 1 used 2 and 3 once, then only 0 and 1;
-    layer 0 cycles through three pairs. Its floor at the even share (slack 0) keeps layer 1's
-    stale 2 and 3 and layer 0 thrashes in its own 4 slots; the default's floor (4 less half
-    a token's 2 experts: 3) gives up 2 and keeps 3; slack 1 (floor 2, one token) gives up both."""
+def stale_layer_steps(prefill=0):
+    """2 layers x 4 slots (8 experts, top-2): layer 1 uses 2 and 3 once, then only 0 and 1;
+    layer 0 cycles through three pairs. Steps (tokens to tick, layer, experts); with
+    `prefill`, a call of that many tokens using 0-3 in both layers comes first."""
     seq = [(0, [0, 1]), (1, [0, 1]), (0, [0, 1]), (1, [2, 3])]
     seq += [step for t in range(6) for step in ((0, [[2, 3], [4, 5], [6, 7]][t % 3]), (1, [0, 1]))]
+    head = [(prefill, 0, [0, 1, 2, 3]), (0, 1, [0, 1, 2, 3])] if prefill else []
+    return head + [(int(layer == 0), layer, es) for layer, es in seq]
+
+
+def run_steps(steps, capacity=8, layers=2, experts=8, **kw):
+    """Evicted keys and the policy's layer floor after each step."""
+    policy = make_policy(DEFAULT_POLICY, capacity, layers, experts, **kw)
+    r = Residency(capacity, policy)
+    evicted, floors = [], []
+    r.evicted = evicted.append
+    for tokens, layer, es in steps:
+        if tokens:
+            r.tick(tokens)
+        r.access(layer, es)
+        floors.append(policy.floor)
+    return evicted, floors
+
+
+def test_floor_slack_lets_a_stale_layer_give_slots_down_to_its_floor():
+    """On stale_layer_steps() (single-token calls only), a floor at the even share (slack 0)
+    keeps layer 1's stale 2 and 3 and layer 0 thrashes in its own 4 slots; slack 0.5 (floor
+    4 less one expert: 3) gives up 2 and keeps 3; the default's (one token's 2 experts less:
+    2) gives up both."""
     own = [(0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (0, 7)]
-    evicted = {slack: run(DEFAULT_POLICY, 8, seq, layers=2, experts=8, **({} if slack is None else
-                                                                          {"floor_slack": slack}))[0]
-               for slack in (None, 0, 1)}
-    assert evicted[0] == own + [(0, 0), (0, 1), (0, 2), (0, 3)]
-    assert evicted[None] == own + [(1, 2), (0, 0), (0, 1), (0, 2)]
-    assert evicted[1] == own + [(1, 2), (1, 3), (0, 0), (0, 1)]
+    evicted = {slack: run_steps(stale_layer_steps(), **({} if slack is None else {"floor_slack": slack}))
+               for slack in (None, 0, 0.5)}
+    assert evicted[0][0] == own + [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert evicted[0.5][0] == own + [(1, 2), (0, 0), (0, 1), (0, 2)]
+    assert evicted[None][0] == own + [(1, 2), (1, 3), (0, 0), (0, 1)]
+    assert set(evicted[None][1][1:]) == {2}
+
+
+def test_default_floor_follows_the_share_of_accesses_from_single_token_calls():
+    """The same steps after a prefill call using 0-3 in both layers (8 accesses): the floor
+    is the even share less one token's 2 experts x the single-token share of the accesses,
+    rounded down: 4 while the prefill's are more than half of them, 3 from half on (8 of
+    16; 2 would need them gone), so layer 1 gives up its stale 2 but keeps 3."""
+    evicted, floors = run_steps(stale_layer_steps(prefill=4))
+    # before a single-token call top_k is 1 (4 - 1); then 2 and 4 single accesses against
+    # the prefill's 8 (4), from the third token 8 of 16 and more (3)
+    assert floors == [3, 3, 4, 4, 4, 4] + [3] * 12
+    assert evicted == [(0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (0, 7), (1, 2), (0, 0), (0, 1), (0, 5)]
+    assert run_steps(stale_layer_steps(prefill=4), floor_slack=0)[1] == [4] * 18
 
 
 def test_default_keeps_the_last_visit_then_the_most_used():
