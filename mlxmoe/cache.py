@@ -67,7 +67,7 @@ class Residency:
         on the resident path each token's accounting) and is done in order, under the cache's
         lock, before anything reads the policy's state (a victim, a claim, a key leaving, a
         tick), else by whoever gets to it first: the prefetcher's host thread after each
-        layer call's predictions, the resident path two tokens on, flush(). Work done here
+        layer call's predictions, the resident path a run of tokens on, flush(). Work done here
         that calls for it again finds it under way."""
         if self.catching_up:
             return

@@ -74,27 +74,24 @@ def find_router(block):
 
 
 def host_floats(a):
-    """An evaluated mx float array as a float32 numpy array [rows, last axis] (a bfloat16
-    one through its bits: numpy has no bfloat16), adding no op to the graph."""
+    """An evaluated mx float array as a flat numpy float array (a bfloat16 one in float32,
+    through its bits: numpy has no bfloat16; others as they are, with no copy), adding no op
+    to the graph."""
     if a.dtype == mx.bfloat16:
         bits = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint16)
-        return (bits.astype(np.uint32) << 16).view(np.float32).reshape(-1, a.shape[-1])
-    return np.array(a, dtype=np.float32).reshape(-1, a.shape[-1])
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(a).reshape(-1)
 
 
 def host_probs(logits):
     """softmax over the last axis of evaluated router logits (a list of mx arrays with the
-    same last axis), on the host in float32, all in one go: a [rows, experts] numpy array
-    for each."""
-    rows = [host_floats(a) for a in logits]
-    z = np.concatenate(rows) if len(rows) > 1 else rows[0]
+    same last axis), on the host in float32, all in one go: one numpy array [rows, experts],
+    the arrays' rows in order."""
+    z = np.concatenate([host_floats(a) for a in logits]).astype(np.float32, copy=False)
+    z = z.reshape(-1, logits[0].shape[-1])
     z = np.exp(z - z.max(axis=-1, keepdims=True))
     z /= z.sum(axis=-1, keepdims=True)
-    out, start = [], 0
-    for r in rows:
-        out.append(z[start:start + len(r)])
-        start += len(r)
-    return out
+    return z
 
 
 def resident_table(cache) -> list | None:
@@ -127,31 +124,36 @@ def all_resident(cache) -> list | None:
 
 
 class ResidentCalls:
-    """One token's layer calls on the resident path, [(StreamingExperts, indices, logits,
-    probs)], accounted in one go once their routing is on the host: the tapped routers'
-    probabilities from their logits in one softmax, then each call's hits and observers in
-    layer order. `side`: the untapped routers' probabilities, which the model's output does
-    not need.
+    """A run of tokens' layer calls on the resident path (at most `tokens_per_run`),
+    [(StreamingExperts, indices, logits, probs)], accounted in one go once their routing is
+    on the host: the tapped routers' probabilities from their logits in one softmax, then
+    each call's hits and observers in order. `side`: the untapped routers' probabilities,
+    which the model's output does not need. Host work done once per run rather than per
+    token costs a fraction (its numpy calls run warm, and the softmax is one for the run).
 
-    The token's first layer call queues it in the cache's `later` (defer). mlx-lm builds a
+    A run's first layer call queues it in the cache's `later` (defer). mlx-lm builds a
     token's graph while the previous one computes and has waited for the one before, so the
-    work queued before the previous token's is done then with no sync; the previous token's
-    side arrays are queued for evaluation then, all at once (read unqueued, they would wait
-    for everything queued before them)."""
+    runs queued before the previous run are done then with no sync; the previous run's side
+    arrays are queued for evaluation then, all at once (read unqueued, they would wait for
+    everything queued before them). Stats and flush() do what is queued at once."""
+
+    tokens_per_run = 32
 
     def __init__(self, cache) -> None:
         self.cache = cache
         self.calls: list = []
         self.side: list = []
+        self.tokens = 1  # tokens started in this run (a token starts at layer 0)
 
     @classmethod
     def defer(cls, cache, layer: int) -> "ResidentCalls":
-        """The current token's work (queued last in `later` until done), a new one at the
-        token's first layer call."""
+        """The current run's work (queued last in `later` until done), a new one at the first
+        layer call of a token once the current run has `tokens_per_run` tokens."""
         with cache.lock:
             last = cache.later[-1][0] if cache.later else None
             previous = last if isinstance(last, cls) else None
-            if layer != 0 and previous is not None:
+            if previous is not None and (layer != 0 or previous.tokens < cls.tokens_per_run):
+                previous.tokens += layer == 0
                 return previous
             work = cls(cache)
             if previous is not None and previous.side:
@@ -163,13 +165,42 @@ class ResidentCalls:
             return work
 
     def __call__(self) -> None:
-        logits = [c[2] for c in self.calls if c[2] is not None]
-        from_logits = iter(host_probs(logits) if logits else ())
-        for module, indices, tapped, probs in self.calls:
-            _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
+        cache = self.cache
+        tapped = [c[2] for c in self.calls if c[2] is not None]
+        from_logits = host_probs(tapped) if tapped else None
+        steps = all(c[1].size == c[1].shape[-1] for c in self.calls)
+        if steps and not cache.observers and (cache.profile is None or len(tapped) == len(self.calls)):
+            self._steps(from_logits)
+            return
+        row = 0
+        for module, indices, logits, probs in self.calls:
+            if logits is not None:
+                n = logits.size // logits.shape[-1]
+                probs, row = from_logits[row:row + n], row + n
+            _, flat, p = module._routing(indices, probs)
             call = module._record(flat, p, 0, len(flat))
-            self.cache.counters.hits += len(call.experts)  # no policy: nothing will be evicted
-            self.cache.observe(call)
+            cache.counters.hits += len(call.experts)  # no policy: nothing will be evicted
+            cache.observe(call)
+
+    def _steps(self, probs: np.ndarray | None) -> None:
+        """What __call__'s loop does, for decode steps that only the live profile observes
+        (`probs`: each call's router distribution, a row each), each token's calls in one go."""
+        cache, profile = self.cache, self.cache.profile
+        experts = np.sort(np.concatenate([np.asarray(c[1]).reshape(-1) for c in self.calls]).reshape(len(self.calls), -1),
+                          axis=1)
+        cache.counters.hits += len(experts) + int((experts[:, 1:] != experts[:, :-1]).sum())  # distinct per call
+        layers = [c[0]._layer for c in self.calls]
+        starts = [i for i, layer in enumerate(layers) if layer == 0]  # a token starts at layer 0
+        layers = np.array(layers)
+        for a, b in zip([0, *starts], [*starts, len(layers)]):
+            if a == b:
+                continue
+            if layers[a] == 0:
+                cache.tick(1)
+            if profile is not None:
+                if layers[a] == 0:
+                    profile.tick(1)
+                profile.observe_calls(layers[a:b], experts[a:b], probs[a:b])
 
 
 class StepRouting:
