@@ -32,11 +32,12 @@ class LayerCall(NamedTuple):
 
 
 def _tapped(cls):
-    """A subclass of a router's Linear class whose call also keeps its output."""
+    """A subclass of a router's Linear class whose call also keeps its output (an instance
+    attribute, not a module entry: no parameter, and read with no lookup through the module)."""
 
     def __call__(self, x):
-        self.last_logits = cls.__call__(self, x)
-        return self.last_logits
+        logits = self.__dict__["last_logits"] = cls.__call__(self, x)
+        return logits
 
     return type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
 
@@ -74,53 +75,49 @@ def find_router(block):
 
 
 def host_floats(a):
-    """An evaluated mx float array as a flat numpy float array (a bfloat16 one in float32,
+    """An evaluated mx float array as a numpy float array (a bfloat16 one flat in float32,
     through its bits: numpy has no bfloat16; others as they are, with no copy), adding no op
     to the graph."""
     if a.dtype == mx.bfloat16:
         bits = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint16)
         return (bits.astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(a).reshape(-1)
+    return np.asarray(a)
 
 
 def host_probs(logits):
     """softmax over the last axis of evaluated router logits (a list of mx arrays with the
     same last axis), on the host in float32, all in one go: one numpy array [rows, experts],
     the arrays' rows in order."""
-    z = np.concatenate([host_floats(a) for a in logits]).astype(np.float32, copy=False)
+    z = np.concatenate([host_floats(a) for a in logits], axis=None).astype(np.float32, copy=False)
     z = z.reshape(-1, logits[0].shape[-1])
     z = np.exp(z - z.max(axis=-1, keepdims=True))
     z /= z.sum(axis=-1, keepdims=True)
     return z
 
 
-def resident_table(cache) -> list | None:
-    """Every expert's slot, per layer an mx array [experts] (kept as cache.slot_table), once
-    all are resident and none is on its way (with room for all, nothing is evicted: they
-    stay put), else None: the layers' slots on the resident path. None while the cache's
-    `hold_resident` is set."""
+def resident(cache) -> bool:
+    """Whether every expert is resident and none is on its way (kept as cache.resident once
+    true: with room for all, each lies in its home slot, ExpertCache.home, and nothing is
+    evicted: they stay put). Never while the cache's `hold_resident` is set."""
     cache.check_open()
-    if cache.slot_table is None and not cache.hold_resident:
-        cache.slot_table = all_resident(cache)
-    return cache.slot_table
+    if not cache.resident and not cache.hold_resident:
+        cache.resident = all_resident(cache)
+    return cache.resident
 
 
-def all_resident(cache) -> list | None:
-    """resident_table's table, if every expert is resident and none is on its way now, else None."""
+def all_resident(cache) -> bool:
+    """Whether every expert is resident and none is on its way now."""
     L, E = cache.store.num_layers, cache.store.num_experts
     if cache.prefetcher is not None or len(cache.slot_of) < L * E:
-        return None  # (asked again under the lock before the table is made)
+        return False  # (asked again under the lock)
     # under the lock: a pre-warm claims a slot (slot_of) and marks it on its way
     # (in_flight) in one step, so the last expert's read is never missed here
     with cache.lock:
         if cache.prefetcher is not None or cache.in_flight or len(cache.slot_of) < L * E:
-            return None
-        table = np.zeros((L, E), dtype=np.uint32)
-        for (layer, e), slot in cache.slot_of.items():
-            table[layer, e] = slot
+            return False
     if cache.loader.failed:  # background reads that failed: read now (a second failure raises)
         cache.loader.read_failed()
-    return [mx.array(row) for row in table]  # one per layer: no slicing op per call
+    return True
 
 
 class ResidentCalls:
@@ -186,8 +183,8 @@ class ResidentCalls:
         """What __call__'s loop does, for decode steps that only the live profile observes
         (`probs`: each call's router distribution, a row each), each token's calls in one go."""
         cache, profile = self.cache, self.cache.profile
-        experts = np.sort(np.concatenate([np.asarray(c[1]).reshape(-1) for c in self.calls]).reshape(len(self.calls), -1),
-                          axis=1)
+        experts = np.concatenate([np.asarray(c[1]) for c in self.calls], axis=None)
+        experts = np.sort(experts.reshape(len(self.calls), -1), axis=1)
         cache.counters.hits += len(experts) + int((experts[:, 1:] != experts[:, :-1]).sum())  # distinct per call
         layers = [c[0]._layer for c in self.calls]
         starts = [i for i, layer in enumerate(layers) if layer == 0]  # a token starts at layer 0
@@ -227,6 +224,19 @@ class StepRouting:
                          self.experts, scores, probs, 1 if self.layer == 0 else 0)
 
 
+def point_weights(inner, pools, layer: int | None = None) -> None:
+    """Point the expert weights of `inner` (mlx-lm's SwitchGLU/SwitchMLP) at the slot pools
+    (SlotPools.compute), or at `layer`'s rows of them: its experts in their home slots, in
+    order, which the model's own indices then pick as in stock mlx-lm (a view of the same
+    memory, evaluated with the first graph that uses it)."""
+    for name, pool in zip(pools.names, pools.compute):
+        if layer is not None:
+            experts = pools.store.num_experts
+            pool = pool[layer * experts:(layer + 1) * experts]
+        lin, p = name.split(".")
+        inner[lin][p] = pool
+
+
 class StreamingExperts(nn.Module):
     def __init__(self, inner, layer, router=None, cache=None):
         super().__init__()
@@ -236,6 +246,7 @@ class StreamingExperts(nn.Module):
         self._router = router
         self._cache = cache
         self._runtime = None  # api.Runtime, with the cache (loader.attach_cache)
+        self._own_rows = False  # the weights are this layer's rows of the pools (point_weights)
 
     def __call__(self, x, indices):
         runtime = self._runtime
@@ -251,9 +262,8 @@ class StreamingExperts(nn.Module):
 
     def _call(self, x, indices):
         cache = self._cache
-        table = resident_table(cache)
-        if table is not None:
-            return self._resident(x, indices, table)
+        if resident(cache):
+            return self._resident(x, indices)
         tic = time.perf_counter()
         decode = x.size == x.shape[-1]
         prefetcher = cache.prefetcher
@@ -342,10 +352,11 @@ class StreamingExperts(nn.Module):
             nested = [nested]
         return mx.array(nested, dtype=mx.uint32), [row]
 
-    def _resident(self, x, indices, table):
-        """Every expert is resident (they stay put then): slots from the cache's table on
-        the device, and the host work (hits, live profile, trace; no policy: nothing will be
-        evicted) done once this token's routing has been computed anyway (see
+    def _resident(self, x, indices):
+        """Every expert is resident, each in its home slot (they stay put then): the layer
+        computes on its own rows of the pools, which the model's own indices pick as in
+        stock mlx-lm, and its host work (hits, live profile, trace; no policy: nothing will
+        be evicted) is done once this token's routing has been computed anyway (see
         ResidentCalls), so the layer forces no sync and decoding runs as stock mlx-lm does.
         A tapped router's probabilities come from its logits on the host (host_probs): no
         op beside the model's own; another router's are computed beside the model."""
@@ -355,7 +366,10 @@ class StreamingExperts(nn.Module):
         work.calls.append((self, indices, logits, probs))
         if probs is not None:
             work.side.append(probs)
-        return self._inner(x, table[self._layer][indices])
+        if not self._own_rows:
+            self._own_rows = True
+            point_weights(self._inner, self._cache.pools, self._layer)
+        return self._inner(x, indices)
 
     def _summary(self, rows, probs):
         """The distinct experts of `rows` (sorted), their router scores and the router's

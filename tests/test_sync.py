@@ -21,7 +21,7 @@ import pytest
 
 import mlxmoe
 import synthetic
-from mlxmoe.experts import StreamingExperts, resident_table
+from mlxmoe.experts import StreamingExperts, resident
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 12
@@ -74,7 +74,7 @@ class SyncCounter:
             outer = counter.current
             counter.current = [0, 0, module._layer, None] if decode else None
             try:
-                streamed = resident_table(module._cache) is None
+                streamed = not resident(module._cache)
                 y = orig_call(module, x, indices)
             finally:
                 if counter.current is not None:
@@ -162,10 +162,10 @@ def test_counter_sees_a_read_of_this_tokens_routing(monkeypatch):
     model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL))
     assert model.expert_cache.prewarm_done(timeout=120)
     scope = {"__name__": "mlxmoe.canary", "np": np, "resident": StreamingExperts._resident}
-    exec("def eager(self, x, indices, table):\n"
+    exec("def eager(self, x, indices):\n"
          "    np.array(indices)\n"
          "    indices.reshape(-1)[0].item()\n"
-         "    return resident(self, x, indices, table)\n", scope)  # counted as mlxmoe's code
+         "    return resident(self, x, indices)\n", scope)  # counted as mlxmoe's code
     eager = scope["eager"]
     monkeypatch.setattr(StreamingExperts, "_resident", eager)
     counter = SyncCounter(monkeypatch)
