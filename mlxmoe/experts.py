@@ -74,22 +74,25 @@ def find_router(block):
     return None, None
 
 
-def host_floats(a):
-    """An evaluated mx float array as a numpy float array (a bfloat16 one flat in float32,
-    through its bits: numpy has no bfloat16; others as they are, with no copy), adding no op
-    to the graph."""
-    if a.dtype == mx.bfloat16:
-        bits = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint16)
-        return (bits.astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(a)
+def host_flat(arrays: list) -> np.ndarray:
+    """The elements of evaluated mx arrays, in order, as one flat numpy array (bfloat16 as
+    float32: numpy has none), adding no op to the graph; arrays of one dtype, contiguous
+    (router logits, a decode step's indices) are read with one copy for all."""
+    views = [memoryview(a) for a in arrays]
+    if len({v.format for v in views}) > 1:
+        return np.concatenate([host_flat([a]) for a in arrays])
+    if not all(v.c_contiguous for v in views):
+        return np.concatenate([np.array(a).reshape(-1) for a in arrays])
+    bf16 = views[0].format == "bfloat16"
+    flat = np.frombuffer(b"".join(views), dtype=np.uint16 if bf16 else np.dtype(views[0].format))
+    return (flat.astype(np.uint32) << 16).view(np.float32) if bf16 else flat
 
 
 def host_probs(logits):
     """softmax over the last axis of evaluated router logits (a list of mx arrays with the
     same last axis), on the host in float32, all in one go: one numpy array [rows, experts],
     the arrays' rows in order."""
-    z = np.concatenate([host_floats(a) for a in logits], axis=None).astype(np.float32, copy=False)
-    z = z.reshape(-1, logits[0].shape[-1])
+    z = host_flat(logits).astype(np.float32, copy=False).reshape(-1, logits[0].shape[-1])
     z = np.exp(z - z.max(axis=-1, keepdims=True))
     z /= z.sum(axis=-1, keepdims=True)
     return z
@@ -183,8 +186,7 @@ class ResidentCalls:
         """What __call__'s loop does, for decode steps that only the live profile observes
         (`probs`: each call's router distribution, a row each), each token's calls in one go."""
         cache, profile = self.cache, self.cache.profile
-        experts = np.concatenate([np.asarray(c[1]) for c in self.calls], axis=None)
-        experts = np.sort(experts.reshape(len(self.calls), -1), axis=1)
+        experts = np.sort(host_flat([c[1] for c in self.calls]).reshape(len(self.calls), -1), axis=1)
         cache.counters.hits += len(experts) + int((experts[:, 1:] != experts[:, :-1]).sum())  # distinct per call
         layers = [c[0]._layer for c in self.calls]
         starts = [i for i, layer in enumerate(layers) if layer == 0]  # a token starts at layer 0
