@@ -380,8 +380,8 @@ class ExpertCache(Residency):
             self.active = set(keys)
             self.current_layer = layer
             waits, useful = self.loader.arrivals(keys)
-            if self.prefetcher is not None and self.step_tokens == 1:
-                self.prefetcher.miss_costs(layer, len(waits) + useful, len(missed))
+            if self.prefetcher is not None and self.step_tokens == 1:  # read by victims only: after catch_up
+                self.later.append((self.prefetcher.miss_costs, (layer, len(waits) + useful, len(missed))))
             if self.held:  # held until this visit: what this layer did not use was a wrong guess
                 self.held.difference_update([k for k in self.held if k[0] == layer])
         tic = time.perf_counter()

@@ -57,7 +57,10 @@ def find_router(block):
         gate.__class__ = _tapped(base)
 
         def probs(x):
-            return mx.softmax(gate.last_logits.astype(mx.float32), axis=-1, precise=True)
+            logits = gate.last_logits
+            if logits.dtype != mx.float32:
+                logits = logits.astype(mx.float32)
+            return mx.softmax(logits, axis=-1, precise=True)
 
         probs.logits = lambda: gate.last_logits  # the model's own array: host_probs reads it with no op
         return probs, lambda x: base.__call__(gate, x)
