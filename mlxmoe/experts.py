@@ -140,7 +140,7 @@ class ResidentCalls:
     arrays are queued for evaluation then, all at once (read unqueued, they would wait for
     everything queued before them). Stats and flush() do what is queued at once."""
 
-    tokens_per_run = 32
+    tokens_per_run = 16
 
     def __init__(self, cache) -> None:
         self.cache = cache
