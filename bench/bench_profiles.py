@@ -3,10 +3,10 @@
 1. pre-warm: hit rate over the first 64 generated tokens of Italian prompts at 50 % cache,
    with the Italian profile, with none, and with the English profile;
    and, replayed on the held-out traces of bench_policies.py --demo (bench/out), the hit
-   rate of `activation` with the matching profile as prior, with none, and with the
+   rate of the default policy with the matching profile as prior, with none, and with the
    other language's (a mismatched profile: its pins must let go);
 2. profile switch: a session that starts in Italian (Italian profile) and changes to
-   English: how many tokens `activation` (and LRU) need to get back to their English
+   English: how many tokens the default policy (and LRU, S3-FIFO) need to get back to their English
    steady-state hit rate, replayed on traces recorded from the model;
 3. bookkeeping: the time StreamingExperts spends beyond mlx-lm's own work (lookahead and
    router probabilities, routing copies, policy, live profile, prefetch predictions,
@@ -70,7 +70,7 @@ def prewarm(model_path, profiles_dir, italian, tokens=64, share=0.5):
 
 
 def prior_replays(profiles_dir, shares=(0.25, 0.5, 0.75)):
-    """`activation`'s hit rate replayed on the held-out Italian and English traces with
+    """The default policy's hit rate replayed on the held-out Italian and English traces with
     each profile as prior and with none (the traces of bench_policies.py --demo)."""
     rates = {name: ActivationProfile.load(profiles_dir / f"{name}.json").rates() for name in ("italian", "english")}
     rows = {}
@@ -83,7 +83,7 @@ def prior_replays(profiles_dir, shares=(0.25, 0.5, 0.75)):
         n = header["num_layers"] * header["num_experts"]
         for name in ("italian", "english", None):
             kw = {} if name is None else {"prior": rates[name]}
-            hit = [replay(header, records, "activation", int(n * s), **kw)["hit_rate"] for s in shares]
+            hit = [replay(header, records, DEFAULT_POLICY, int(n * s), **kw)["hit_rate"] for s in shares]
             rows[f"{lang}/{name or 'none'}"] = hit
             print(f"  {lang} held-out, {name or 'no'} profile: " + " / ".join(f"{100 * h:.2f}%" for h in hit)
                   + " at " + " / ".join(f"{s:.0%}" for s in shares))
@@ -350,10 +350,10 @@ def main():
     _, en_rec = record(args.model, prompts("en", 4 * args.prompts), OUT / "switch-en.trace.jsonl")
     italian = ActivationProfile.load(profiles / "italian.json")
     out["switch"] = {}
-    for policy in ("activation", "lru", "s3fifo"):
-        r = switch(header, it_rec, en_rec, italian if policy == "activation" else None, policy)
+    for policy in (DEFAULT_POLICY, "lru", "s3fifo"):
+        r = switch(header, it_rec, en_rec, italian if policy == DEFAULT_POLICY else None, policy)
         out["switch"][policy] = r
-        print(f"  {policy:>10}: Italian {100 * r['italian']:.1f}%, English steady {100 * r['steady_english']:.1f}%, "
+        print(f"  {policy:>16}: Italian {100 * r['italian']:.1f}%, English steady {100 * r['steady_english']:.1f}%, "
               f"first {r['window']} tokens after the switch {100 * r['first_window_after_switch']:.1f}%, "
               f"back within 2 points after {r['tokens_to_recover']} tokens")
     bookkeeping_section(args.model, it[0], out, args.runs)
