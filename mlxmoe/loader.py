@@ -391,6 +391,5 @@ def attach_cache(ckpt, runtime):
     cache = runtime.cache
     for streaming in ckpt.experts:
         point_weights(streaming._inner, cache.pools)
-        streaming._own_rows = False  # the whole pools, until this cache's experts are all resident
         streaming._cache, streaming._runtime = cache, runtime
     ckpt.model.expert_cache, ckpt.model.expert_runtime = cache, runtime
