@@ -269,7 +269,7 @@ class Runtime:
         later all_sum would pair different arrays. Each rank's pre-warm ends when it ends."""
         cache = self.cache
         if cache.hold_resident:
-            cache.hold_resident = distributed.any_rank(self.group, not all_resident(cache))
+            cache.hold_resident = distributed.any_rank(self.group, all_resident(cache) is None)
 
     def main_rank(self) -> bool:
         """Whether this process speaks for the model: one process, or rank 0 of a group."""

@@ -67,7 +67,7 @@ class Residency:
         on the resident path each token's accounting) and is done in order, under the cache's
         lock, before anything reads the policy's state (a victim, a claim, a key leaving, a
         tick), else by whoever gets to it first: the prefetcher's host thread after each
-        layer call's predictions, the resident path a run of tokens on, flush(). Work done here
+        layer call's predictions, the resident path two tokens on, flush(). Work done here
         that calls for it again finds it under way."""
         if self.catching_up:
             return
@@ -129,16 +129,12 @@ class Residency:
                 self.counters.hits += 1
             else:
                 self.counters.misses += 1
-                slot = self._free_slot(key) if self.free else self._evict(protected)
+                slot = self.free.pop() if self.free else self._evict(protected)
                 self.slot_of[key] = slot
                 self.policy.insert(key)
                 missed.append((key[1], slot))
             slots.append(self.slot_of[key])
         return slots, missed
-
-    def _free_slot(self, key: tuple) -> int:
-        """A free slot for `key` (there is one)."""
-        return self.free.pop()
 
     def _evict(self, protected: set | None, victim: tuple | None = None) -> int:
         """Evict `victim`, or the policy's victim outside `protected`; return its slot."""
@@ -173,7 +169,7 @@ class Residency:
             if key in self.slot_of:
                 continue
             if self.free:
-                slot = self._free_slot(key)
+                slot = self.free.pop()
             elif evict:
                 try:
                     victim = self.victim(set(protected) | self.in_flight.keys())
@@ -270,19 +266,9 @@ class ExpertCache(Residency):
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
         self.prefetcher: Prefetcher | None = None  # when prefetching (attach)
-        self.resident = False  # True once every expert is resident (experts.resident): for good
+        self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident (experts.py)
         self.hold_resident = False  # True: no resident path yet, whatever is resident (see api.Runtime.agree_resident)
         self.step_tokens = 1
-        # room for every expert: each gets its home slot, layer * experts + expert, so that
-        # once all are resident each layer's experts lie in order (experts.point_weights)
-        self.home = capacity >= store.num_layers * store.num_experts
-
-    def _free_slot(self, key: tuple) -> int:
-        if self.home:  # free while `key` is not resident: only `key` takes it
-            slot = int(key[0]) * self.store.num_experts + int(key[1])
-            self.free.remove(slot)
-            return slot
-        return self.free.pop()
 
     def attach(self, prefetcher: Prefetcher | None) -> None:
         """Predict and load ahead with `prefetcher` (built on this cache), or stop (None);
@@ -380,8 +366,8 @@ class ExpertCache(Residency):
             self.active = set(keys)
             self.current_layer = layer
             waits, useful = self.loader.arrivals(keys)
-            if self.prefetcher is not None and self.step_tokens == 1:  # read by victims only: after catch_up
-                self.later.append((self.prefetcher.miss_costs, (layer, len(waits) + useful, len(missed))))
+            if self.prefetcher is not None and self.step_tokens == 1:
+                self.prefetcher.miss_costs(layer, len(waits) + useful, len(missed))
             if self.held:  # held until this visit: what this layer did not use was a wrong guess
                 self.held.difference_update([k for k in self.held if k[0] == layer])
         tic = time.perf_counter()

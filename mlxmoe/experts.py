@@ -32,12 +32,11 @@ class LayerCall(NamedTuple):
 
 
 def _tapped(cls):
-    """A subclass of a router's Linear class whose call also keeps its output (an instance
-    attribute, not a module entry: no parameter, and read with no lookup through the module)."""
+    """A subclass of a router's Linear class whose call also keeps its output."""
 
     def __call__(self, x):
-        logits = self.__dict__["last_logits"] = cls.__call__(self, x)
-        return logits
+        self.last_logits = cls.__call__(self, x)
+        return self.last_logits
 
     return type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
 
@@ -57,10 +56,7 @@ def find_router(block):
         gate.__class__ = _tapped(base)
 
         def probs(x):
-            logits = gate.last_logits
-            if logits.dtype != mx.float32:
-                logits = logits.astype(mx.float32)
-            return mx.softmax(logits, axis=-1, precise=True)
+            return mx.softmax(gate.last_logits.astype(mx.float32), axis=-1, precise=True)
 
         probs.logits = lambda: gate.last_logits  # the model's own array: host_probs reads it with no op
         return probs, lambda x: base.__call__(gate, x)
@@ -77,86 +73,85 @@ def find_router(block):
     return None, None
 
 
-def host_flat(arrays: list) -> np.ndarray:
-    """The elements of evaluated mx arrays, in order, as one flat numpy array (bfloat16 as
-    float32: numpy has none), adding no op to the graph; arrays of one dtype, contiguous
-    (router logits, a decode step's indices) are read with one copy for all."""
-    views = [memoryview(a) for a in arrays]
-    if len({v.format for v in views}) > 1:
-        return np.concatenate([host_flat([a]) for a in arrays])
-    if not all(v.c_contiguous for v in views):
-        return np.concatenate([np.array(a).reshape(-1) for a in arrays])
-    bf16 = views[0].format == "bfloat16"
-    flat = np.frombuffer(b"".join(views), dtype=np.uint16 if bf16 else np.dtype(views[0].format))
-    return (flat.astype(np.uint32) << 16).view(np.float32) if bf16 else flat
+def host_floats(a):
+    """An evaluated mx float array as a float32 numpy array [rows, last axis] (a bfloat16
+    one through its bits: numpy has no bfloat16), adding no op to the graph."""
+    if a.dtype == mx.bfloat16:
+        bits = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32).reshape(-1, a.shape[-1])
+    return np.array(a, dtype=np.float32).reshape(-1, a.shape[-1])
 
 
 def host_probs(logits):
     """softmax over the last axis of evaluated router logits (a list of mx arrays with the
-    same last axis), on the host in float32, all in one go: one numpy array [rows, experts],
-    the arrays' rows in order."""
-    z = host_flat(logits).astype(np.float32, copy=False).reshape(-1, logits[0].shape[-1])
+    same last axis), on the host in float32, all in one go: a [rows, experts] numpy array
+    for each."""
+    rows = [host_floats(a) for a in logits]
+    z = np.concatenate(rows) if len(rows) > 1 else rows[0]
     z = np.exp(z - z.max(axis=-1, keepdims=True))
     z /= z.sum(axis=-1, keepdims=True)
-    return z
+    out, start = [], 0
+    for r in rows:
+        out.append(z[start:start + len(r)])
+        start += len(r)
+    return out
 
 
-def resident(cache) -> bool:
-    """Whether every expert is resident and none is on its way (kept as cache.resident once
-    true: with room for all, each lies in its home slot, ExpertCache.home, and nothing is
-    evicted: they stay put). Never while the cache's `hold_resident` is set."""
+def resident_table(cache) -> list | None:
+    """Every expert's slot, per layer an mx array [experts] (kept as cache.slot_table), once
+    all are resident and none is on its way (with room for all, nothing is evicted: they
+    stay put), else None: the layers' slots on the resident path. None while the cache's
+    `hold_resident` is set."""
     cache.check_open()
-    if not cache.resident and not cache.hold_resident:
-        cache.resident = all_resident(cache)
-    return cache.resident
+    if cache.slot_table is None and not cache.hold_resident:
+        cache.slot_table = all_resident(cache)
+    return cache.slot_table
 
 
-def all_resident(cache) -> bool:
-    """Whether every expert is resident and none is on its way now."""
+def all_resident(cache) -> list | None:
+    """resident_table's table, if every expert is resident and none is on its way now, else None."""
     L, E = cache.store.num_layers, cache.store.num_experts
     if cache.prefetcher is not None or len(cache.slot_of) < L * E:
-        return False  # (asked again under the lock)
+        return None  # (asked again under the lock before the table is made)
     # under the lock: a pre-warm claims a slot (slot_of) and marks it on its way
     # (in_flight) in one step, so the last expert's read is never missed here
     with cache.lock:
         if cache.prefetcher is not None or cache.in_flight or len(cache.slot_of) < L * E:
-            return False
+            return None
+        table = np.zeros((L, E), dtype=np.uint32)
+        for (layer, e), slot in cache.slot_of.items():
+            table[layer, e] = slot
     if cache.loader.failed:  # background reads that failed: read now (a second failure raises)
         cache.loader.read_failed()
-    return True
+    return [mx.array(row) for row in table]  # one per layer: no slicing op per call
 
 
 class ResidentCalls:
-    """A run of tokens' layer calls on the resident path (at most `tokens_per_run`),
-    [(StreamingExperts, indices, logits, probs)], accounted in one go once their routing is
-    on the host: the tapped routers' probabilities from their logits in one softmax, then
-    each call's hits and observers in order. `side`: the untapped routers' probabilities,
-    which the model's output does not need. Host work done once per run rather than per
-    token costs a fraction (its numpy calls run warm, and the softmax is one for the run).
+    """One token's layer calls on the resident path, [(StreamingExperts, indices, logits,
+    probs)], accounted in one go once their routing is on the host: the tapped routers'
+    probabilities from their logits in one softmax, then each call's hits and observers in
+    layer order. `side`: the untapped routers' probabilities, which the model's output does
+    not need.
 
-    A run's first layer call queues it in the cache's `later` (defer). mlx-lm builds a
+    The token's first layer call queues it in the cache's `later` (defer). mlx-lm builds a
     token's graph while the previous one computes and has waited for the one before, so the
-    runs queued before the previous run are done then with no sync; the previous run's side
-    arrays are queued for evaluation then, all at once (read unqueued, they would wait for
-    everything queued before them). Stats and flush() do what is queued at once."""
-
-    tokens_per_run = 16
+    work queued before the previous token's is done then with no sync; the previous token's
+    side arrays are queued for evaluation then, all at once (read unqueued, they would wait
+    for everything queued before them)."""
 
     def __init__(self, cache) -> None:
         self.cache = cache
         self.calls: list = []
         self.side: list = []
-        self.tokens = 1  # tokens started in this run (a token starts at layer 0)
 
     @classmethod
     def defer(cls, cache, layer: int) -> "ResidentCalls":
-        """The current run's work (queued last in `later` until done), a new one at the first
-        layer call of a token once the current run has `tokens_per_run` tokens."""
+        """The current token's work (queued last in `later` until done), a new one at the
+        token's first layer call."""
         with cache.lock:
             last = cache.later[-1][0] if cache.later else None
             previous = last if isinstance(last, cls) else None
-            if previous is not None and (layer != 0 or previous.tokens < cls.tokens_per_run):
-                previous.tokens += layer == 0
+            if layer != 0 and previous is not None:
                 return previous
             work = cls(cache)
             if previous is not None and previous.side:
@@ -168,41 +163,13 @@ class ResidentCalls:
             return work
 
     def __call__(self) -> None:
-        cache = self.cache
-        tapped = [c[2] for c in self.calls if c[2] is not None]
-        from_logits = host_probs(tapped) if tapped else None
-        steps = all(c[1].size == c[1].shape[-1] for c in self.calls)
-        if steps and not cache.observers and (cache.profile is None or len(tapped) == len(self.calls)):
-            self._steps(from_logits)
-            return
-        row = 0
-        for module, indices, logits, probs in self.calls:
-            if logits is not None:
-                n = logits.size // logits.shape[-1]
-                probs, row = from_logits[row:row + n], row + n
-            _, flat, p = module._routing(indices, probs)
+        logits = [c[2] for c in self.calls if c[2] is not None]
+        from_logits = iter(host_probs(logits) if logits else ())
+        for module, indices, tapped, probs in self.calls:
+            _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
             call = module._record(flat, p, 0, len(flat))
-            cache.counters.hits += len(call.experts)  # no policy: nothing will be evicted
-            cache.observe(call)
-
-    def _steps(self, probs: np.ndarray | None) -> None:
-        """What __call__'s loop does, for decode steps that only the live profile observes
-        (`probs`: each call's router distribution, a row each), each token's calls in one go."""
-        cache, profile = self.cache, self.cache.profile
-        experts = np.sort(host_flat([c[1] for c in self.calls]).reshape(len(self.calls), -1), axis=1)
-        cache.counters.hits += len(experts) + int((experts[:, 1:] != experts[:, :-1]).sum())  # distinct per call
-        layers = [c[0]._layer for c in self.calls]
-        starts = [i for i, layer in enumerate(layers) if layer == 0]  # a token starts at layer 0
-        layers = np.array(layers)
-        for a, b in zip([0, *starts], [*starts, len(layers)]):
-            if a == b:
-                continue
-            if layers[a] == 0:
-                cache.tick(1)
-            if profile is not None:
-                if layers[a] == 0:
-                    profile.tick(1)
-                profile.observe_calls(layers[a:b], experts[a:b], probs[a:b])
+            self.cache.counters.hits += len(call.experts)  # no policy: nothing will be evicted
+            self.cache.observe(call)
 
 
 class StepRouting:
@@ -229,19 +196,6 @@ class StepRouting:
                          self.experts, scores, probs, 1 if self.layer == 0 else 0)
 
 
-def point_weights(inner, pools, layer: int | None = None) -> None:
-    """Point the expert weights of `inner` (mlx-lm's SwitchGLU/SwitchMLP) at the slot pools
-    (SlotPools.compute), or at `layer`'s rows of them: its experts in their home slots, in
-    order, which the model's own indices then pick as in stock mlx-lm (a view of the same
-    memory, evaluated with the first graph that uses it)."""
-    for name, pool in zip(pools.names, pools.compute):
-        if layer is not None:
-            experts = pools.store.num_experts
-            pool = pool[layer * experts:(layer + 1) * experts]
-        lin, p = name.split(".")
-        inner[lin][p] = pool
-
-
 class StreamingExperts(nn.Module):
     def __init__(self, inner, layer, router=None, cache=None):
         super().__init__()
@@ -251,7 +205,6 @@ class StreamingExperts(nn.Module):
         self._router = router
         self._cache = cache
         self._runtime = None  # api.Runtime, with the cache (loader.attach_cache)
-        self._own_rows = False  # the weights are this layer's rows of the pools (point_weights)
 
     def __call__(self, x, indices):
         runtime = self._runtime
@@ -267,8 +220,9 @@ class StreamingExperts(nn.Module):
 
     def _call(self, x, indices):
         cache = self._cache
-        if resident(cache):
-            return self._resident(x, indices)
+        table = resident_table(cache)
+        if table is not None:
+            return self._resident(x, indices, table)
         tic = time.perf_counter()
         decode = x.size == x.shape[-1]
         prefetcher = cache.prefetcher
@@ -357,11 +311,10 @@ class StreamingExperts(nn.Module):
             nested = [nested]
         return mx.array(nested, dtype=mx.uint32), [row]
 
-    def _resident(self, x, indices):
-        """Every expert is resident, each in its home slot (they stay put then): the layer
-        computes on its own rows of the pools, which the model's own indices pick as in
-        stock mlx-lm, and its host work (hits, live profile, trace; no policy: nothing will
-        be evicted) is done once this token's routing has been computed anyway (see
+    def _resident(self, x, indices, table):
+        """Every expert is resident (they stay put then): slots from the cache's table on
+        the device, and the host work (hits, live profile, trace; no policy: nothing will be
+        evicted) done once this token's routing has been computed anyway (see
         ResidentCalls), so the layer forces no sync and decoding runs as stock mlx-lm does.
         A tapped router's probabilities come from its logits on the host (host_probs): no
         op beside the model's own; another router's are computed beside the model."""
@@ -371,10 +324,7 @@ class StreamingExperts(nn.Module):
         work.calls.append((self, indices, logits, probs))
         if probs is not None:
             work.side.append(probs)
-        if not self._own_rows:
-            self._own_rows = True
-            point_weights(self._inner, self._cache.pools, self._layer)
-        return self._inner(x, indices)
+        return self._inner(x, table[self._layer][indices])
 
     def _summary(self, rows, probs):
         """The distinct experts of `rows` (sorted), their router scores and the router's

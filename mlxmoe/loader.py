@@ -21,7 +21,7 @@ from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 from .budget import text_config
 from .errors import MlxmoeError
 from .files import read_bytes
-from .experts import StreamingExperts, find_router, point_weights
+from .experts import StreamingExperts, find_router
 from .shards import PER_EXPERT
 from .store import ExpertStore
 
@@ -390,6 +390,9 @@ def attach_cache(ckpt, runtime):
     holds both (model.expert_runtime, model.expert_cache)."""
     cache = runtime.cache
     for streaming in ckpt.experts:
-        point_weights(streaming._inner, cache.pools)
+        module = streaming._inner
+        for name, pool in zip(cache.pools.names, cache.pools.compute):
+            lin, p = name.split(".")
+            module[lin][p] = pool
         streaming._cache, streaming._runtime = cache, runtime
     ckpt.model.expert_cache, ckpt.model.expert_runtime = cache, runtime

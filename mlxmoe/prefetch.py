@@ -53,11 +53,6 @@ def precision_recall(counts):
             for name, c in counts.items() if c[1]}
 
 
-def host_rows(a):
-    """An evaluated mx array on the host, [rows, last axis]."""
-    return np.array(a).reshape(-1, a.shape[-1])
-
-
 def visit_steps(policy, key, p):
     """Layer steps until `key` is used if each visit of its layer uses it with chance p:
     the policy's steps() with p as the long-run rate too, d + L (1/p - 1), over the policy's
@@ -142,8 +137,7 @@ class Prefetcher:
         self.hottest = None if prior is None else hottest_per_layer(prior, self.top_k)
 
     def miss_costs(self, layer: int, hidden: int, demand: int, keep: float = 0.98, hidden_cost: float = 0.25) -> None:
-        """Count a decode step's loads of `layer` (left for later by the cache's fetch, done
-        in order under its lock before a victim is chosen): `hidden`
+        """Count a decode step's loads of `layer` (the cache's fetch, under its lock): `hidden`
         found resident or on their way thanks to a prefetch, `demand` read on the decode path.
         The policy's miss cost of the layer is then 1 - (1 - hidden_cost) x the share prefetch
         hides (a hidden load still takes the disk's time): a layer whose experts the lookahead
@@ -242,17 +236,16 @@ class Prefetcher:
 
     def lookahead(self, layer, x, decode=True):
         """{step: the target layer's router distribution for hidden states x}, unevaluated
-        ([..., experts]: a row per token, the next step's layers from the prompt's last token
-        alone; read flat on the host, `host_rows`): the caller evaluates it together with
-        `layer`'s own routing, in one sync. Only the router and the softmax are ops."""
+        ([experts] at a decode step, [tokens, experts] at a prefill step, the next step's
+        layers from its last token alone): the caller evaluates it together with `layer`'s own
+        routing, in one sync."""
         out = {}
         for step, target, ahead in self.steps(layer):
             if self.routers[target] is not None:
                 # the next step's first layers: from the last token's hidden state
                 h = x if decode or not ahead else x.reshape(-1, x.shape[-1])[-1:]
-                scores = self.routers[target](h)
-                if scores.dtype != mx.float32:
-                    scores = scores.astype(mx.float32)
+                scores = self.routers[target](h).astype(mx.float32)
+                scores = scores.reshape(-1) if decode else scores.reshape(-1, scores.shape[-1])
                 out[step] = mx.softmax(scores, axis=-1, precise=True)
         return out
 
@@ -265,7 +258,7 @@ class Prefetcher:
         chances that admit decode's guesses)."""
         for step, target, ahead in self.steps(layer):
             if step in looked:
-                probs = host_rows(looked[step])
+                probs = np.array(looked[step])
                 wide = np.argsort(-probs, axis=-1, kind="stable")[:, : self.candidates * self.top_k]
                 if not ahead and self.candidates:  # each token's guesses by rank, resident ones left out
                     resident = [[(target, e) in self.cache.slot_of for e in row] for row in wide.tolist()]
@@ -285,7 +278,7 @@ class Prefetcher:
             when = token + ahead
             predicted, probs, ranked = {}, None, None
             if step in looked:
-                probs = host_rows(looked[step])[0]
+                probs = np.array(looked[step])
                 ranked = np.argsort(-probs, kind="stable")[: max(self.candidates, 1) * self.top_k].tolist()
                 guess = set(ranked[: self.top_k])
                 predicted["router" if when == token else "router_next_token"] = guess
@@ -491,7 +484,7 @@ class BackgroundLoader:
     def arrivals(self, keys: list) -> tuple[list, int]:
         """For a layer call's `keys` (under the cache's lock): the waits of those on their way,
         and how many were loaded ahead and not used until now, counted useful (once)."""
-        waits = [self.waiting[k] for k in keys if k in self.waiting] if self.waiting else []
+        waits = [self.waiting[k] for k in keys if k in self.waiting]
         found = self.prefetched.intersection(keys)
         self.prefetched -= found
         self.cache.counters.prefetch_useful += len(found)

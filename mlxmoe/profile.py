@@ -105,12 +105,6 @@ class ActivationProfile:
         elif scores is not None:
             self.mass[layer, experts] += scores
 
-    def observe_calls(self, layers, experts, probs):
-        """Layer calls of one token (layers [n], distinct; experts [n, k] and probs [n,
-        experts], a row each): the same as observe() on each in turn."""
-        self.counts[layers[:, None], experts] += 1.0
-        self.mass[layers] += probs
-
     def absorb(self, other):
         """Learn `other`'s observations as if they came after this profile's (a server's
         request, recorded apart until its profile was chosen): this one decays by its

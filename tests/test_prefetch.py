@@ -343,7 +343,7 @@ def test_failed_prewarm_read_is_read_again_before_the_resident_path(checkpoint):
     finally:
         ExpertStore.read_expert = read
     assert tokens(model, tokenizer) == want
-    assert not cache.loader.failed and cache.resident
+    assert not cache.loader.failed and cache.slot_table is not None
     assert cache.stats()["loads_demand"] == failed
 
 

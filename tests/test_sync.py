@@ -2,7 +2,7 @@
 
 A sync is the decode thread waiting for the device on mlxmoe's behalf: a blocking
 `mx.eval` called from mlxmoe's code, or mlxmoe's code reading an array on the host
-(`np.array`/`np.asarray`, `.item()`, `.tolist()`, experts.py's `memoryview`) that no earlier mlxmoe `mx.eval` covered
+(`np.array`/`np.asarray`, `.item()`, `.tolist()`) that no earlier mlxmoe `mx.eval` covered
 and that was made in the current token or the one before (mlx-lm's loop has waited for
 the token before the one it is building: arrays of older tokens are on the host already;
 this is the resident path's premise, see experts.ResidentCalls). `mx.async_eval` does not
@@ -21,7 +21,7 @@ import pytest
 
 import mlxmoe
 import synthetic
-from mlxmoe.experts import StreamingExperts, resident
+from mlxmoe.experts import StreamingExperts, resident_table
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 12
@@ -74,7 +74,7 @@ class SyncCounter:
             outer = counter.current
             counter.current = [0, 0, module._layer, None] if decode else None
             try:
-                streamed = not resident(module._cache)
+                streamed = resident_table(module._cache) is None
                 y = orig_call(module, x, indices)
             finally:
                 if counter.current is not None:
@@ -98,7 +98,6 @@ class SyncCounter:
         monkeypatch.setattr(np, "asarray", reader(asarray))
         for name in ("item", "tolist"):
             monkeypatch.setattr(mx.array, name, reader(getattr(mx.array, name)))
-        monkeypatch.setattr(mlxmoe.experts, "memoryview", reader(memoryview), raising=False)
         monkeypatch.setattr(StreamingExperts, "__call__", call)
         for name in ("_probs", "_logits"):  # the router's arrays the host work reads
             monkeypatch.setattr(StreamingExperts, name, made(getattr(StreamingExperts, name)))
@@ -159,20 +158,17 @@ def test_streamed_decode_makes_one_sync(model_path, monkeypatch):
 
 def test_counter_sees_a_read_of_this_tokens_routing(monkeypatch):
     """The counter is not blind: a resident layer that reads its routing at once (as the
-    streamed path does, without its mx.eval), calls .item() on it or reads it as the
-    resident path's host work does (host_flat) shows one sync each."""
+    streamed path does, without its mx.eval) or calls .item() on it shows one sync each."""
     model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL))
     assert model.expert_cache.prewarm_done(timeout=120)
-    scope = {"__name__": "mlxmoe.canary", "np": np, "resident": StreamingExperts._resident,
-             "host_flat": mlxmoe.experts.host_flat}
-    exec("def eager(self, x, indices):\n"
+    scope = {"__name__": "mlxmoe.canary", "np": np, "resident": StreamingExperts._resident}
+    exec("def eager(self, x, indices, table):\n"
          "    np.array(indices)\n"
          "    indices.reshape(-1)[0].item()\n"
-         "    host_flat([indices])\n"
-         "    return resident(self, x, indices)\n", scope)  # counted as mlxmoe's code
+         "    return resident(self, x, indices, table)\n", scope)  # counted as mlxmoe's code
     eager = scope["eager"]
     monkeypatch.setattr(StreamingExperts, "_resident", eager)
     counter = SyncCounter(monkeypatch)
     counter.run(model, tokenizer)
     model.expert_cache.close()
-    assert set(counts(counter.calls, False)) == {3}
+    assert set(counts(counter.calls, False)) == {2}
