@@ -431,7 +431,10 @@ class Activation(Policy):
     x the share of the expert accesses so far that came from single-token calls (rounded
     down), never under one token's experts (top_k) nor over the even share. A prefill uses
     most of every layer's experts, so the more of the accesses prefills make, the closer
-    each layer is kept to its even share.
+    each layer is kept to its even share. In a pass of several tokens (a prefill), the layers
+    the pass has still to visit give a slot only when neither the current layer nor one the
+    pass has left can, and their experts' chance of use at that call is that of one of its
+    tokens using them at their long-run rate.
     """
 
     name = "activation"
@@ -478,6 +481,9 @@ class Activation(Policy):
         self.call_tokens = 1
         self.top_k = 1  # the most experts one token has used (seen at single-token calls)
         self.visits = 0  # layer calls so far
+        # in a pass of several tokens (see victim()): the layer call from which only the layers the
+        # pass has still to visit can pay, their steps then, and the one that gave the last victim
+        self.pass_blocked, self.pass_steps, self.pass_robbed = -1, [], None
         self.visited_at = [0] * L  # the call count at each layer's last visit
         # victim() without a loop over layers: the second term of steps() of each layer's
         # farthest expert (order[layer][0]; -inf if none), whether that one is pinned, and
@@ -620,6 +626,8 @@ class Activation(Policy):
         self.head_pinned[layer] = key in self.pinned
 
     def insert(self, key):
+        if key[0] > self.current:  # a layer a pass may have still to visit (prefetched): its steps are redone
+            self.pass_blocked = -1
         self.resident[key[0]].add(key[1])
         self._hold(key[0])
         self.order[key[0]].append(key[1])
@@ -644,18 +652,43 @@ class Activation(Policy):
         # steps() of every layer's farthest expert at once; the layers whose candidate is
         # another one (their farthest is protected or pinned) or whose p1 has aged are redone
         steps = (self.distance[self.current] + self.head) / self.miss_cost
-        if self.floor is not None:  # layers at or under their floor are out of reach while another can pay
-            own = steps[self.current]  # the current layer pays for itself
-            steps += self.held
-            steps[self.current] = own
-            found = self._victim(protected, steps)
-            if found:
-                return found
-            steps = (self.distance[self.current] + self.head) / self.miss_cost
-        found = self._victim(protected, steps)
+        if self.call_tokens > 1 and self.current + 1 < self.num_layers:
+            # a pass of several tokens: the layers it has still to visit are out of reach while
+            # another can pay (their call of as many tokens comes before the next token's, and
+            # uses most of their experts); then their farthest by the pass's chance (steps())
+            ahead = range(self.current + 1, self.num_layers)
+            if self.pass_blocked != self.visits:  # (none could at this layer call's last victim)
+                steps[ahead.start:] = -np.inf
+                found = self._floored_victim(protected, steps)
+                if found:
+                    return found
+                self.pass_blocked, self.pass_steps = self.visits, self._pass_steps(ahead)
+            elif self.pass_robbed is not None:  # the layer that gave the last victim: its farthest changed
+                self.pass_steps[self.pass_robbed - ahead.start] = self._pass_steps([self.pass_robbed])[0]
+            steps[ahead.start:] = self.pass_steps
+            found = self._floored_victim(protected, steps)
+            self.pass_robbed = found[0] if found and found[0] in ahead else None
+        else:
+            found = self._floored_victim(protected, steps)
         if found:
             return found
         raise _none_left()
+
+    def _floored_victim(self, protected, steps):
+        """_victim(), first with the layers at or under their floor out of reach (the current
+        layer pays for itself)."""
+        if self.floor is not None:
+            floored = steps + self.held
+            floored[self.current] = steps[self.current]
+            found = self._victim(protected, floored)
+            if found:
+                return found
+        return self._victim(protected, steps)
+
+    def _pass_steps(self, layers):
+        """steps() of the farthest expert of each of `layers` (-inf where one has none), over its miss cost."""
+        return [self.steps((layer, self.order[layer][0])) / self.miss_cost[layer] if self.order[layer] else -np.inf
+                for layer in layers]
 
     def _set_floor(self):
         """The layer floor for the top_k and the accesses seen so far (see the class docstring)."""
@@ -710,8 +743,12 @@ class Activation(Policy):
 
     def steps(self, key, p1=None, rate=None):
         """Expected layer steps until `key` is used: d + L (1 - p1) / rate, with p1 its chance
-        of use at its layer's next visit (by default the policy's own, aged) and rate its
+        of use at its layer's next visit (by default the policy's own, aged; in a pass of
+        several tokens, for a layer the pass has still to visit, the chance that one of the
+        call's tokens uses it at its long-run rate) and rate its
         share of its layer's visits in the long run (by default the policy's own)."""
+        if p1 is None and self.call_tokens > 1 and key[0] > self.current:  # its call in this pass
+            p1 = 1.0 - (1.0 - min(self.long_rate[key], 1.0)) ** self.call_tokens
         return ((key[0] - self.current) % self.num_layers or self.num_layers) + self._tail(key, p1, rate)
 
     def _tail(self, key, p1=None, rate=None):

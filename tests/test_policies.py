@@ -409,6 +409,20 @@ def test_default_weighs_a_prefills_experts_by_their_share_of_its_tokens():
     assert evicted == [(0, 2)]
 
 
+def test_a_prefill_pass_takes_slots_from_the_layers_it_has_left():
+    """3 layers x 8 experts, 9 slots, top-2: six tokens use 0 and 1 at every layer (layer 2
+    6 and 7 at the first), then a prefill of 4 tokens uses 0, 1, 4 and 5 at every layer.
+    Layer 0's call takes layer 2's stale 6 (no layer is behind it in the pass). Layer 1's
+    needs two slots: they come from layer 0, which the pass has left, not from layer 2,
+    whose call of 4 tokens comes first (by one token's chance of use its stale 7 is the
+    farthest of all); layer 2 then gives up 7 itself."""
+    steps = [(int(layer == 0), layer, [6, 7] if layer == 2 and t == 0 else [0, 1]) for t in range(6)
+             for layer in range(3)]
+    prefill = [(4, 0, [0, 1, 4, 5]), (0, 1, [0, 1, 4, 5]), (0, 2, [0, 1, 4, 5])]
+    evicted = run_steps(steps + prefill, capacity=9, layers=3)[0]
+    assert evicted == [(2, 6), (0, 4), (0, 5), (2, 7), (1, 4)]
+
+
 def test_activation_evicts_by_expected_time_with_a_sorted_insert():
     """Two layers, 3 slots. Layer 0 uses expert 1 and layer 1 expert 5 for 4 tokens; at
     token 5 layer 0 uses 2 (the third slot), layer 1 uses 6: a victim among (0, 1), (0, 2),
