@@ -481,8 +481,8 @@ class Activation(Policy):
         self.call_tokens = 1
         self.top_k = 1  # the most experts one token has used (seen at single-token calls)
         self.visits = 0  # layer calls so far
-        # in a pass of several tokens (see victim()): the layer call from which only the layers the
-        # pass has still to visit can pay, their steps then, and the one that gave the last victim
+        # in a pass of several tokens (see _pass_victim()): the layer call from which only the layers
+        # the pass has still to visit can pay, their steps then, and the one of them a key left since
         self.pass_blocked, self.pass_steps, self.pass_robbed = -1, [], None
         self.visited_at = [0] * L  # the call count at each layer's last visit
         # victim() without a loop over layers: the second term of steps() of each layer's
@@ -626,7 +626,7 @@ class Activation(Policy):
         self.head_pinned[layer] = key in self.pinned
 
     def insert(self, key):
-        if key[0] > self.current:  # a layer a pass may have still to visit (prefetched): its steps are redone
+        if key[0] > self.current:  # a layer a pass may have still to visit (prefetched): all are redone
             self.pass_blocked = -1
         self.resident[key[0]].add(key[1])
         self._hold(key[0])
@@ -635,6 +635,8 @@ class Activation(Policy):
 
     def remove(self, key):
         layer, e = key
+        if layer > self.current:  # a layer a pass may have still to visit: its steps are redone (_pass_victim())
+            self.pass_robbed = layer
         self.resident[layer].discard(e)
         self._hold(layer)
         order = self.order[layer]
@@ -653,37 +655,45 @@ class Activation(Policy):
         # another one (their farthest is protected or pinned) or whose p1 has aged are redone
         steps = (self.distance[self.current] + self.head) / self.miss_cost
         if self.call_tokens > 1 and self.current + 1 < self.num_layers:
-            # a pass of several tokens: the layers it has still to visit are out of reach while
-            # another can pay (their call of as many tokens comes before the next token's, and
-            # uses most of their experts); then their farthest by the pass's chance (steps())
-            ahead = range(self.current + 1, self.num_layers)
-            if self.pass_blocked != self.visits:  # (none could at this layer call's last victim)
-                steps[ahead.start:] = -np.inf
-                found = self._floored_victim(protected, steps)
-                if found:
-                    return found
-                self.pass_blocked, self.pass_steps = self.visits, self._pass_steps(ahead)
-            elif self.pass_robbed is not None:  # the layer that gave the last victim: its farthest changed
-                self.pass_steps[self.pass_robbed - ahead.start] = self._pass_steps([self.pass_robbed])[0]
-            steps[ahead.start:] = self.pass_steps
-            found = self._floored_victim(protected, steps)
-            self.pass_robbed = found[0] if found and found[0] in ahead else None
-        else:
-            found = self._floored_victim(protected, steps)
+            found = self._pass_victim(protected, steps)
+            if found:
+                return found
+        if self.floor is not None:  # layers at or under their floor are out of reach while another can pay
+            floored = steps + self.held
+            floored[self.current] = steps[self.current]  # the current layer pays for itself
+            found = self._victim(protected, floored)
+            if found:
+                return found
+        found = self._victim(protected, steps)
         if found:
             return found
         raise _none_left()
 
-    def _floored_victim(self, protected, steps):
-        """_victim(), first with the layers at or under their floor out of reach (the current
-        layer pays for itself)."""
-        if self.floor is not None:
-            floored = steps + self.held
-            floored[self.current] = steps[self.current]
-            found = self._victim(protected, floored)
+    def _pass_victim(self, protected, steps):
+        """In a pass of several tokens, the victim while the layers the pass has still to
+        visit are out of reach (their call of as many tokens comes before the next token's
+        and uses most of their experts), with the floor as in victim(); else None, and their
+        steps by the pass's chance (steps()) in `steps`."""
+        ahead = self.current + 1
+        if self.pass_blocked != self.visits:  # (else none could at this layer call's last victim)
+            masked = steps.copy()
+            masked[ahead:] = -np.inf
+            if self.floor is not None:
+                floored = masked + self.held
+                floored[self.current] = masked[self.current]
+                found = self._victim(protected, floored)
+                if found:
+                    return found
+            found = self._victim(protected, masked)
             if found:
                 return found
-        return self._victim(protected, steps)
+            self.pass_blocked, self.pass_robbed = self.visits, None
+            self.pass_steps = self._pass_steps(range(ahead, self.num_layers))
+        elif self.pass_robbed is not None:  # a key left that layer (the last victim): its farthest changed
+            self.pass_steps[self.pass_robbed - ahead] = self._pass_steps([self.pass_robbed])[0]
+            self.pass_robbed = None
+        steps[ahead:] = self.pass_steps
+        return None
 
     def _pass_steps(self, layers):
         """steps() of the farthest expert of each of `layers` (-inf where one has none), over its miss cost."""
