@@ -510,8 +510,9 @@ def report(args, ckpt, results, dd):
               "Experts the prefill read and the cache evicted may still be in the page cache; "
               "'cold decode' drops it again at the first token so decode reads come from disk.")
 
-    # 3. dd
-    print(f"\n3. Disk: {dd.get('line') or 'dd failed'}")
+    # 3. dd (not run where --only leaves it out)
+    if dd:
+        print(f"\n3. Disk: {dd.get('line') or 'dd failed'}")
     rows = []
     if dd.get("gbps"):
         rows.append([f"dd bs=4M iflag=direct {Path(dd['file']).name} ({dd['bytes'] / 1e6:.0f} MB)",
