@@ -1,8 +1,10 @@
-"""What differs between cpu, metal and cuda: the device, the dtype policy, memory limits."""
+"""What differs between cpu, metal and cuda: the device, the dtype policy, memory limits;
+and device arrays of any float dtype read on the host."""
 
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from .budget import machine_memory
@@ -66,3 +68,27 @@ def detect(name=None):
     device = mx.cpu if name == "cpu" else mx.gpu
     mx.set_default_device(device)
     return Backend(name, mx.float32 if name == "cpu" else None, materialises_attention=name == "cpu")
+
+
+def host_floats(a):
+    """An evaluated mx float array as a float32 numpy array [rows, last axis] (a bfloat16
+    one through its bits: numpy has no bfloat16), adding no op to the graph."""
+    if a.dtype == mx.bfloat16:
+        bits = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32).reshape(-1, a.shape[-1])
+    return np.array(a, dtype=np.float32).reshape(-1, a.shape[-1])
+
+
+def host_probs(logits):
+    """softmax over the last axis of evaluated router logits (a list of mx arrays with the
+    same last axis), on the host in float32, all in one go: a [rows, experts] numpy array
+    for each."""
+    rows = [host_floats(a) for a in logits]
+    z = np.concatenate(rows) if len(rows) > 1 else rows[0]
+    z = np.exp(z - z.max(axis=-1, keepdims=True))
+    z /= z.sum(axis=-1, keepdims=True)
+    out, start = [], 0
+    for r in rows:
+        out.append(z[start:start + len(r)])
+        start += len(r)
+    return out

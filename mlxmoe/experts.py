@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .backend import host_probs
 from .cache import token_chunks
 from .errors import MlxmoeError
 
@@ -71,30 +72,6 @@ def find_router(block):
 
         return probs, scores
     return None, None
-
-
-def host_floats(a):
-    """An evaluated mx float array as a float32 numpy array [rows, last axis] (a bfloat16
-    one through its bits: numpy has no bfloat16), adding no op to the graph."""
-    if a.dtype == mx.bfloat16:
-        bits = np.frombuffer(memoryview(a).cast("B"), dtype=np.uint16)
-        return (bits.astype(np.uint32) << 16).view(np.float32).reshape(-1, a.shape[-1])
-    return np.array(a, dtype=np.float32).reshape(-1, a.shape[-1])
-
-
-def host_probs(logits):
-    """softmax over the last axis of evaluated router logits (a list of mx arrays with the
-    same last axis), on the host in float32, all in one go: a [rows, experts] numpy array
-    for each."""
-    rows = [host_floats(a) for a in logits]
-    z = np.concatenate(rows) if len(rows) > 1 else rows[0]
-    z = np.exp(z - z.max(axis=-1, keepdims=True))
-    z /= z.sum(axis=-1, keepdims=True)
-    out, start = [], 0
-    for r in rows:
-        out.append(z[start:start + len(r)])
-        start += len(r)
-    return out
 
 
 def resident_table(cache) -> list | None:
@@ -178,14 +155,19 @@ class StepRouting:
     work left for later (off the decode thread where a prefetcher runs), which also makes the
     observers' LayerCall from it."""
 
-    def __init__(self, layer: int, row: list, probs: mx.array | None, experts: list, position: int) -> None:
-        self.layer, self.row, self.probs, self.experts, self.position = layer, row, probs, experts, position
+    def __init__(self, layer: int, row: list, probs: mx.array | None, logits: mx.array | None, experts: list,
+                 position: int) -> None:
+        self.layer, self.row, self.experts, self.position = layer, row, experts, position
+        self.probs, self.logits = probs, logits  # evaluated: the router's distribution, or a tapped router's logits
         self.read = None
 
     def __call__(self) -> tuple:
         """(the experts' router probabilities, the router's distribution), None where unknown."""
         if self.read is None:
-            p = None if self.probs is None else np.array(self.probs).reshape(-1)
+            if self.logits is not None:
+                p = host_probs([self.logits])[0].reshape(-1)
+            else:
+                p = None if self.probs is None else np.array(self.probs).reshape(-1)
             self.read = (None, None) if p is None else ([float(p[e]) for e in self.experts], p)
         return self.read
 
@@ -228,15 +210,19 @@ class StreamingExperts(nn.Module):
         prefetcher = cache.prefetcher
         # the prefetcher's lookahead is evaluated with this layer's routing: one sync, not two
         looked = prefetcher.lookahead(self._layer, x, decode) if prefetcher is not None else {}
-        probs = self._probs(x)
+        # a decode step reads a tapped router's own logits (no op; the softmax on the host,
+        # when first needed: see StepRouting)
+        logits = self._logits() if decode else None
+        probs = self._probs(x) if logits is None else None
+        router = probs if logits is None else logits
         sync = time.perf_counter()
         # evaluates the router (and with it every earlier layer): mlx-lm's own work
-        mx.eval(indices, *([] if probs is None else [probs]), *looked.values())
+        mx.eval(indices, *([] if router is None else [router]), *looked.values())
         sync = time.perf_counter() - sync
         counters = cache.counters
         read_before = counters.read_seconds
         if decode:
-            slots, rows = self._step(indices, probs)
+            slots, rows = self._step(indices, probs, logits)
         else:
             idx, rows, probs = self._routing(indices, probs)
             chunks = token_chunks(rows, cache.capacity)
@@ -291,10 +277,10 @@ class StreamingExperts(nn.Module):
             self._cache.tick(flat.shape[0])
         return idx, flat, probs
 
-    def _step(self, indices, probs):
-        """A decode step (one token): its experts read as a list, the rest of its routing as
-        the policy and the observers need it (StepRouting); returns (slots nested as
-        `indices`, [the token's experts])."""
+    def _step(self, indices, probs, logits):
+        """A decode step (one token): its experts read as a list, the rest of its routing
+        (the router's `probs`, or a tapped router's `logits`) as the policy and the observers
+        need it (StepRouting); returns (slots nested as `indices`, [the token's experts])."""
         cache = self._cache
         row, depth = indices.tolist(), 0
         while isinstance(row[0], list):
@@ -302,7 +288,7 @@ class StreamingExperts(nn.Module):
         if self._layer == 0:
             cache.tick(1)
         experts = sorted(set(row))
-        routing = StepRouting(self._layer, row, probs, experts, cache.call_position)
+        routing = StepRouting(self._layer, row, probs, logits, experts, cache.call_position)
         slots = cache.fetch(self._layer, experts, routing=routing)
         cache.observe(routing.record)
         slot_of = dict(zip(experts, slots))

@@ -27,9 +27,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
-import mlx.core as mx
 import numpy as np
 
+from .backend import host_probs
 from .policies import hottest
 
 PREDICTORS = ("router", "router_next_token", "coactivation", "previous_token", "profile")
@@ -235,18 +235,16 @@ class Prefetcher:
                 if layer + step < L or self.cross_token]
 
     def lookahead(self, layer, x, decode=True):
-        """{step: the target layer's router distribution for hidden states x}, unevaluated
-        ([experts] at a decode step, [tokens, experts] at a prefill step, the next step's
-        layers from its last token alone): the caller evaluates it together with `layer`'s own
-        routing, in one sync."""
+        """{step: the target layer's router scores for hidden states x}, unevaluated (a row
+        per token; the next step's layers from the last token's alone): the caller evaluates
+        them together with `layer`'s own routing, in one sync. Only the router is an op: its
+        distribution is taken on the host, off the decode thread (prefill(), after_layer())."""
         out = {}
         for step, target, ahead in self.steps(layer):
             if self.routers[target] is not None:
                 # the next step's first layers: from the last token's hidden state
                 h = x if decode or not ahead else x.reshape(-1, x.shape[-1])[-1:]
-                scores = self.routers[target](h).astype(mx.float32)
-                scores = scores.reshape(-1) if decode else scores.reshape(-1, scores.shape[-1])
-                out[step] = mx.softmax(scores, axis=-1, precise=True)
+                out[step] = self.routers[target](h)
         return out
 
     def prefill(self, layer, looked, token):
@@ -258,7 +256,7 @@ class Prefetcher:
         chances that admit decode's guesses)."""
         for step, target, ahead in self.steps(layer):
             if step in looked:
-                probs = np.array(looked[step])
+                probs = host_probs([looked[step]])[0]  # [tokens, experts]
                 wide = np.argsort(-probs, axis=-1, kind="stable")[:, : self.candidates * self.top_k]
                 if not ahead and self.candidates:  # each token's guesses by rank, resident ones left out
                     resident = [[(target, e) in self.cache.slot_of for e in row] for row in wide.tolist()]
@@ -278,7 +276,7 @@ class Prefetcher:
             when = token + ahead
             predicted, probs, ranked = {}, None, None
             if step in looked:
-                probs = np.array(looked[step])
+                probs = host_probs([looked[step]])[0][-1]
                 ranked = np.argsort(-probs, kind="stable")[: max(self.candidates, 1) * self.top_k].tolist()
                 guess = set(ranked[: self.top_k])
                 predicted["router" if when == token else "router_next_token"] = guess
