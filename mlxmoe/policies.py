@@ -658,33 +658,32 @@ class Activation(Policy):
             found = self._pass_victim(protected, steps)
             if found:
                 return found
-        if self.floor is not None:  # layers at or under their floor are out of reach while another can pay
-            floored = steps + self.held
-            floored[self.current] = steps[self.current]  # the current layer pays for itself
-            found = self._victim(protected, floored)
-            if found:
-                return found
-        found = self._victim(protected, steps)
+        found = self._floored_victim(protected, steps)
         if found:
             return found
         raise _none_left()
 
+    def _floored_victim(self, protected, steps):
+        """_victim() with the layers at or under their floor out of reach while another layer
+        can pay (the current layer pays for itself), then with every layer; None if none."""
+        if self.floor is not None:
+            floored = steps + self.held
+            floored[self.current] = steps[self.current]
+            found = self._victim(protected, floored)
+            if found:
+                return found
+        return self._victim(protected, steps)
+
     def _pass_victim(self, protected, steps):
         """In a pass of several tokens, the victim while the layers the pass has still to
         visit are out of reach (their call of as many tokens comes before the next token's
-        and uses most of their experts), with the floor as in victim(); else None, and their
+        and uses most of their experts), with the floor (_floored_victim()); else None, and their
         steps by the pass's chance (steps()) in `steps`."""
         ahead = self.current + 1
         if self.pass_blocked != self.visits:  # (else none could at this layer call's last victim)
             masked = steps.copy()
             masked[ahead:] = -np.inf
-            if self.floor is not None:
-                floored = masked + self.held
-                floored[self.current] = masked[self.current]
-                found = self._victim(protected, floored)
-                if found:
-                    return found
-            found = self._victim(protected, masked)
+            found = self._floored_victim(protected, masked)
             if found:
                 return found
             self.pass_blocked, self.pass_robbed = self.visits, None
