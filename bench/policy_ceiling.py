@@ -25,6 +25,16 @@ might guess them at best, with and without its layer floor, beside the next-visi
 
 --choices: how much a layer's own history tells of its next token: how often the default's
 victims (at 50 %) are the candidates used farthest ahead, beside simple rules in the same states.
+
+--split: how much of Belady's lead comes from lending slots between layers over time:
+Belady confined to each layer's even share of the slots, and to the best fixed split
+found in hindsight (per-layer Belady curves, slots given greedily by marginal hits),
+beside global Belady, LRU, per-layer LFU and the default; and what the odds of a layer's
+next call are worth: a per-layer transition table (P(expert at the next call | experts at
+this one)) fitted on the scored trace itself (in sample) and on the other traces of the
+same model (out of sample), each on the even split.
+
+    python bench/policy_ceiling.py --traces /work/data/traces/mixtral-*.trace.jsonl --split
 """
 
 import argparse
@@ -261,6 +271,92 @@ def choices(paths, share=0.5):
     print()
 
 
+def layer_hits(calls, slots, victim):
+    """Hits on one layer's calls (sets of experts, in order) with `slots` slots, evicting
+    victim(i, candidates) at call i."""
+    resident, hits = set(), 0
+    for i, experts in enumerate(calls):
+        hits += len(experts & resident)
+        for e in experts - resident:
+            if len(resident) >= slots:
+                if not resident - experts:
+                    break  # a prefill call wider than the layer's slots: the rest pass through
+                resident.remove(victim(i, resident - experts))
+            resident.add(e)
+    return hits
+
+
+def belady_victim(calls):
+    uses = {}
+    for i, experts in enumerate(calls):
+        for e in experts:
+            uses.setdefault(e, []).append(i)
+    return lambda i, candidates: max(candidates, key=lambda x: next((u for u in uses[x] if u > i), math.inf))
+
+
+def transitions(calls, E):
+    """P(expert used at a layer's next call | an expert used at this one), from one trace."""
+    used = np.zeros((len(calls), E))
+    for i, experts in enumerate(calls):
+        used[i, list(experts)] = 1
+    pairs = used[:-1].T @ used[1:]
+    return (pairs + used.mean(axis=0)) / (used[:-1].sum(axis=0)[:, None] + 1)
+
+
+def transition_victim(calls, table):
+    """The candidate least likely at the next call given this call's experts (ties: fewest uses so far)."""
+    def victim(i, candidates):
+        chance = table[list(calls[i])].mean(axis=0)
+        return min(candidates, key=lambda x: (chance[x], sum(x in c for c in calls[:i])))
+    return victim
+
+
+def layer_calls_of(path):
+    header, records = read_trace(path)
+    L, E = header["num_layers"], header["num_experts"]
+    calls = [[] for _ in range(L)]
+    for _, layer, experts, *_ in steps(records, L, L * E):
+        calls[layer].append(set(experts))
+    return header, records, calls
+
+
+def split(paths):
+    """Belady on each layer's even share of the slots and on the best fixed split in
+    hindsight, beside global Belady: the part of its lead no per-layer choice can reach.
+    And what a layer's next call is worth knowing the odds of: a per-layer transition
+    table fitted on the scored trace itself (in sample) and on the other traces of its
+    model (out of sample), on the even split."""
+    print(f"{'trace':>40} {'cache':>6} {'lru':>7} {'layer-lfu':>10} {'default':>8} {'transitions: own / other':>25} "
+          f"{'Belady, even split / best fixed split':>38} {'belady':>7}   gap closed, same order")
+    traces = {path: layer_calls_of(path) for path in paths}
+    for path, (header, records, calls) in traces.items():
+        L, E, k = header["num_layers"], header["num_experts"], header["top_k"]
+        others = [c for p, (h, _, c) in traces.items() if p != path and h["model"] == header["model"]]
+        tables = [[transitions(c, E) for c in calls]]  # own; then the other traces' pooled
+        if others:
+            tables.append([np.mean([transitions(o[layer], E) for o in others], axis=0) for layer in range(L)])
+        total = sum(len(c) for layer in calls for c in layer)
+        curves = [[layer_hits(c, s, belady_victim(c)) for s in range(k, E + 1)] for c in calls]  # Belady's, slots k..E
+        for share in (0.25, 0.5, 0.75) if E <= 32 else (0.05, 0.1, 0.25):
+            n = max(int(L * E * share), k)
+            even = max(n // L, k)
+            lru, lfu, default, best = (replay(header, records, p, n)["hit_rate"]
+                                       for p in ("lru", "layer-lfu", DEFAULT_POLICY, "belady"))
+            told = [sum(layer_hits(c, even, transition_victim(c, t)) for c, t in zip(calls, fitted)) / total
+                    for fitted in tables]
+            slots = [k] * L  # greedy by marginal hits; a prefill can bend a curve, hence the even split beside it
+            for _ in range(n - k * L):
+                gain = [curve[s - k + 1] - curve[s - k] if s < E else -1 for curve, s in zip(curves, slots)]
+                slots[int(np.argmax(gain))] += 1
+            ceilings = [sum(curve[even - k] for curve in curves) / total]
+            ceilings.append(max(ceilings[0], sum(curve[s - k] for curve, s in zip(curves, slots)) / total))
+            gap = best - lru
+            rates = [default, *told, *ceilings]
+            print(f"{Path(path).name[:40]:>40} {share:>6.0%} {100 * lru:>7.2f} {100 * lfu:>10.2f} {100 * default:>8.2f} "
+                  f"{' / '.join(f'{100 * r:.2f}' for r in told):>25} {' / '.join(f'{100 * r:.2f}' for r in ceilings):>38} "
+                  f"{100 * best:>7.2f}   " + " / ".join(f"{(r - lru) / gap:.2f}" for r in rates), flush=True)
+
+
 SEARCH_SPACE = dict(half_life=[8, 12, 24, 48, 96], recency_half_life=[1, 2, 4, 8], recency_weight=[0, 0.1, 0.2, 0.4, 0.6],
                     router_weight=[0, 0.5, 1, 2], now_weight=[0.3, 0.45, 0.6, 0.75, 0.9], now_scale=[2, 4, 8, 16, 32],
                     horizon=[1, 2, 4], long_min=[4, 8, 16, 32], long_max=[40, 80, 160, 320], long_prior=[1, 4, 16])
@@ -317,7 +413,12 @@ def main():
                          "beside simple rules in the same states (at 50 %%).")
     ap.add_argument("--search", type=int, default=0, metavar="N",
                     help="With --traces: random search of N settings of activation's parameters instead.")
+    ap.add_argument("--split", action="store_true",
+                    help="With --traces: Belady on each layer's even share of the slots and on the best fixed split "
+                         "in hindsight, beside global Belady.")
     args = ap.parse_args()
+    if args.traces and args.split:
+        return split(args.traces)
     if args.traces and args.choices:
         return choices(args.traces)
     if args.traces and args.ahead:
