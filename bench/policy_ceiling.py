@@ -30,9 +30,10 @@ victims (at 50 %) are the candidates used farthest ahead, beside simple rules in
 Belady confined to each layer's even share of the slots, and to the best fixed split
 found in hindsight (per-layer Belady curves, slots given greedily by marginal hits),
 beside global Belady, LRU, per-layer LFU and the default; and what the odds of a layer's
-next call are worth: a per-layer transition table (P(expert at the next call | experts at
-this one)) fitted on the scored trace itself (in sample) and on the other traces of the
-same model (out of sample), each on the even split.
+next call are worth, each on the even split: per-layer LFU told the trace's final counts,
+and a per-layer transition table (P(expert at the next call | experts at this one)) fitted
+on the scored trace itself (in sample) and on the other traces of the same model (out of
+sample).
 
     python bench/policy_ceiling.py --traces /work/data/traces/mixtral-*.trace.jsonl --split
 """
@@ -311,6 +312,15 @@ def transition_victim(calls, table):
     return victim
 
 
+def counts_victim(calls):
+    """The candidate the whole trace uses least (per-layer LFU told the final counts)."""
+    counts = {}
+    for experts in calls:
+        for e in experts:
+            counts[e] = counts.get(e, 0) + 1
+    return lambda i, candidates: min(candidates, key=counts.get)
+
+
 def layer_calls_of(path):
     header, records = read_trace(path)
     L, E = header["num_layers"], header["num_experts"]
@@ -323,10 +333,10 @@ def layer_calls_of(path):
 def split(paths):
     """Belady on each layer's even share of the slots and on the best fixed split in
     hindsight, beside global Belady: the part of its lead no per-layer choice can reach.
-    And what a layer's next call is worth knowing the odds of: a per-layer transition
-    table fitted on the scored trace itself (in sample) and on the other traces of its
-    model (out of sample), on the even split."""
-    print(f"{'trace':>40} {'cache':>6} {'lru':>7} {'layer-lfu':>10} {'default':>8} {'transitions: own / other':>25} "
+    And what knowing the odds is worth, on the even split: per-layer LFU told the trace's
+    final counts, and a per-layer transition table fitted on the scored trace itself (in
+    sample) and on the other traces of its model (out of sample)."""
+    print(f"{'trace':>40} {'cache':>6} {'lru':>7} {'layer-lfu':>10} {'default':>8} {'own counts; transitions: own / other':>37} "
           f"{'Belady, even split / best fixed split':>38} {'belady':>7}   gap closed, same order")
     traces = {path: layer_calls_of(path) for path in paths}
     for path, (header, records, calls) in traces.items():
@@ -342,8 +352,9 @@ def split(paths):
             even = max(n // L, k)
             lru, lfu, default, best = (replay(header, records, p, n)["hit_rate"]
                                        for p in ("lru", "layer-lfu", DEFAULT_POLICY, "belady"))
-            told = [sum(layer_hits(c, even, transition_victim(c, t)) for c, t in zip(calls, fitted)) / total
-                    for fitted in tables]
+            told = [sum(layer_hits(c, even, counts_victim(c)) for c in calls) / total]
+            told += [sum(layer_hits(c, even, transition_victim(c, t)) for c, t in zip(calls, fitted)) / total
+                     for fitted in tables]
             slots = [k] * L  # greedy by marginal hits; a prefill can bend a curve, hence the even split beside it
             for _ in range(n - k * L):
                 gain = [curve[s - k + 1] - curve[s - k] if s < E else -1 for curve, s in zip(curves, slots)]
@@ -353,7 +364,7 @@ def split(paths):
             gap = best - lru
             rates = [default, *told, *ceilings]
             print(f"{Path(path).name[:40]:>40} {share:>6.0%} {100 * lru:>7.2f} {100 * lfu:>10.2f} {100 * default:>8.2f} "
-                  f"{' / '.join(f'{100 * r:.2f}' for r in told):>25} {' / '.join(f'{100 * r:.2f}' for r in ceilings):>38} "
+                  f"{' / '.join(f'{100 * r:.2f}' for r in told):>37} {' / '.join(f'{100 * r:.2f}' for r in ceilings):>38} "
                   f"{100 * best:>7.2f}   " + " / ".join(f"{(r - lru) / gap:.2f}" for r in rates), flush=True)
 
 
