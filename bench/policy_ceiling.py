@@ -173,6 +173,11 @@ def next_uses(header, records, n):
     return uses
 
 
+def next_use(times, t):
+    """The first of the sorted `times` after t (math.inf: none)."""
+    return next((u for u in times if u > t), math.inf)
+
+
 def next_visit_hit_rate(header, records, n, visits=1, **kw):
     """The hit rate with `n` slots of the oracle told each layer's experts at its next
     `visits` visits (`kw`: activation's options)."""
@@ -250,7 +255,7 @@ def choices(paths, share=0.5):
             t, layer = now["token"], key[0]
             candidates = [(layer, e) for e in policy.resident[layer] if (layer, e) not in protected]
             if layer == now["layer"] and len(candidates) > 1:
-                ahead = {c: next((u for u in uses[c] if u > t), math.inf) for c in candidates}
+                ahead = {c: next_use(uses[c], t) for c in candidates}
                 far = max(ahead.values())
                 counts = lambda c, h: sum(0.5 ** ((t - u) / h) for u in uses[c] if u <= t)
                 picks = {DEFAULT_POLICY: key, "least recent": max(candidates, key=lambda c: t - policy.last_use[c]),
@@ -292,7 +297,7 @@ def belady_victim(calls):
     for i, experts in enumerate(calls):
         for e in experts:
             uses.setdefault(e, []).append(i)
-    return lambda i, candidates: max(candidates, key=lambda x: next((u for u in uses[x] if u > i), math.inf))
+    return lambda i, candidates: max(candidates, key=lambda x: next_use(uses[x], i))
 
 
 def transitions(calls, E):
@@ -323,11 +328,8 @@ def counts_victim(calls):
 
 def layer_calls_of(path):
     header, records = read_trace(path)
-    L, E = header["num_layers"], header["num_experts"]
-    calls = [[] for _ in range(L)]
-    for _, layer, experts, *_ in steps(records, L, L * E):
-        calls[layer].append(set(experts))
-    return header, records, calls
+    fetches = next_uses(header, records, header["num_layers"] * header["num_experts"])  # whole calls, unsplit
+    return header, records, [[set(experts) for experts in layer] for layer in fetches]
 
 
 def split(paths):
@@ -346,7 +348,8 @@ def split(paths):
         if others:
             tables.append([np.mean([transitions(o[layer], E) for o in others], axis=0) for layer in range(L)])
         total = sum(len(c) for layer in calls for c in layer)
-        curves = [[layer_hits(c, s, belady_victim(c)) for s in range(k, E + 1)] for c in calls]  # Belady's, slots k..E
+        victims = [belady_victim(c) for c in calls]
+        curves = [[layer_hits(c, s, v) for s in range(k, E + 1)] for c, v in zip(calls, victims)]  # Belady's, slots k..E
         for share in (0.25, 0.5, 0.75) if E <= 32 else (0.05, 0.1, 0.25):
             n = max(int(L * E * share), k)
             even = max(n // L, k)
