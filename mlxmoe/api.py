@@ -176,7 +176,9 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
     live.model, live.fingerprint = model_name(ckpt.path), fp
     live.expert_bytes, live.resident_bytes = profile_sizes(p)
     policy = make_policy(policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
-    cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, io_threads, profile=live)
+    # under the tensor split the ranks take the resident path together (Runtime.agree_resident)
+    cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, io_threads, profile=live,
+                        hold_resident=ckpt.group is not None and ckpt.split == "tensor")
     prefetcher = None
     if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
         prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch, prior=rates,
@@ -223,10 +225,7 @@ class Runtime:
         # under pipeline stages: the file rank 0 merges the stages' traces into (close)
         self.trace_target: str | os.PathLike | None = None
         self.trace_file: str | os.PathLike | None = None  # where the whole trace is once closed (rank 0's)
-        cache.attach(prefetcher)
-        cache.close_with = self.close_local  # the cache's own close() closes the prefetcher and trace first
-        # under the tensor split the ranks take the resident path together (agree_resident)
-        cache.hold_resident = checkpoint.group is not None and checkpoint.split == "tensor"
+        cache.attach(prefetcher)  # the cache closes it
 
     @property
     def profile(self) -> ActivationProfile:
@@ -248,8 +247,7 @@ class Runtime:
             self.trace_target, path = path, f"{path}.rank{ckpt.group.rank()}"
         self.trace = TraceWriter(path, ckpt.num_layers, ckpt.num_experts, ckpt.top_k, model_name(ckpt.path),
                                  fingerprint=self.fingerprint)
-        with self.cache.lock:
-            self.cache.observers.append(self.trace.observe)
+        self.cache.watch(self.trace.observe, close=self.trace.close)
         return self.trace
 
     def new_sequence(self) -> None:
@@ -372,16 +370,8 @@ class Runtime:
         return live
 
     def close_local(self) -> None:
-        """This process's part of close(), in the one order that loses nothing: the cache
-        stops (no background load starts; the observers get every layer call), then the
-        prefetcher (its threads end), the trace (completed, renamed into place), and the
-        cache last (its IO threads and shards). `model.expert_cache.close()` comes here."""
-        self.cache.close_with = None
-        self.cache.stop()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        if self.trace is not None:
-            self.trace.close()
+        """This process's part of close(): the cache's close(), which closes the prefetcher and
+        the trace (completed, renamed into place) in the one order that loses nothing."""
         self.cache.close()
 
     def abort(self) -> None:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Callable
 
 import mlx.core as mx
@@ -18,21 +19,18 @@ import numpy as np
 from .budget import peak_rss
 from .counters import CacheStats
 from .errors import MlxmoeError
-from .prefetch import BackgroundLoader, Prefetcher
+from .prefetch import Prefetcher
 
 
-def token_chunks(rows, capacity: int) -> list[tuple[int, int]]:
-    """Split `rows` (each token's expert ids, a list of lists or an array [tokens, k]) into
-    runs of tokens whose distinct experts fit the cache: one fetch each."""
-    chunks, start, seen = [], 0, set()
-    for t, row in enumerate(rows.tolist() if hasattr(rows, "tolist") else rows):
-        new = seen.union(row)
-        if len(new) > capacity:
-            chunks.append((start, t))
-            start, new = t, set(row)
-        seen = new
-    chunks.append((start, len(rows)))
-    return chunks
+def expert_groups(rows, capacity) -> list[list[int]]:
+    """The distinct experts of `rows` (each token's expert ids, a list of lists or an array
+    [tokens, k]), sorted, in groups of at most `capacity`: one fetch each. A layer call with
+    more distinct experts than slots (a long prefill at a small cache) computes group by
+    group, so it reads each expert at most once."""
+    experts = sorted({int(e) for row in (rows.tolist() if hasattr(rows, "tolist") else rows) for e in row})
+    if len(experts) <= capacity:
+        return [experts]
+    return [experts[i:i + capacity] for i in range(0, len(experts), capacity)]
 
 
 class Busy(Exception):
@@ -216,9 +214,13 @@ class SlotPools:
         self.slot_bytes = sum(v[0].nbytes for v in self.views)
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="mlxmoe-io") if io_threads > 1 else None
 
-    def read_into(self, key: tuple, slot: int) -> int:
-        """Read expert `key` into `slot`; return the bytes read."""
-        return self.store.read_expert(key[0], key[1], [v[slot] for v in self.views])
+    def read_into(self, key: tuple, slot: int, pace: Callable | None = None) -> int:
+        """Read expert `key` into `slot`; return the bytes read. `pace`: a background read's
+        (see ReadGate.reading), called before each piece of it."""
+        outs = [v[slot] for v in self.views]
+        if pace is None:
+            return self.store.read_expert(key[0], key[1], outs)
+        return self.store.read_expert(key[0], key[1], outs, pace=pace)
 
     def read(self, layer: int, missed: list) -> int:
         """Read `missed` [(expert, slot)] of `layer` (on the IO threads when several); return
@@ -244,13 +246,16 @@ class ExpertCache(Residency):
     in `observers`.
 
     The decode thread calls tick() and fetch(); pre-warm and prefetch threads (`loader`,
-    prefetch.BackgroundLoader) fill slots at the same time, so the bookkeeping is under a
-    lock and a key being filled is waited for, never read twice.
+    a BackgroundLoader) fill slots at the same time, so the bookkeeping is under a lock and
+    a key being filled is waited for, never read twice. Its reads go before theirs (`gate`).
 
-    The cache owns its slot pools, the store and the loader; what owns the cache (api.Runtime)
-    attaches a Prefetcher, adds observers and closes them, then the cache (`close_with`)."""
+    The cache owns its slot pools, the store, the loader, the prefetcher attached to it
+    and what watch() gives it to close: close() closes them all, in the one order that
+    loses nothing. `hold_resident`: no resident path (see experts.resident_table) until
+    the owner clears it (api.Runtime.agree_resident, under the tensor split)."""
 
-    def __init__(self, store, capacity: int, policy, pool_dtypes: list, io_threads: int = 4, profile=None) -> None:
+    def __init__(self, store, capacity: int, policy, pool_dtypes: list, io_threads: int = 4, profile=None,
+                 hold_resident: bool = False) -> None:
         super().__init__(capacity, policy, defer_hits=True)
         self.store = store
         self.pools = SlotPools(store, capacity, pool_dtypes, io_threads)
@@ -260,21 +265,31 @@ class ExpertCache(Residency):
         self.profile = profile  # live ActivationProfile: learns from every layer call (learn)
         # called with each LayerCall, in order, after the live profile (a TraceWriter's observe)
         self.observers: list[Callable] = []
-        self.close_with: Callable[[], None] | None = None  # what close() calls instead, where an owner closes the cache
+        self.closers: list[Callable] = []  # closed after the prefetcher, in order (watch)
         self.wants_router = policy.wants_router
         self.position = 0  # token position in the current sequence
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
         self.prefetcher: Prefetcher | None = None  # when prefetching (attach)
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident (experts.py)
-        self.hold_resident = False  # True: no resident path yet, whatever is resident (see api.Runtime.agree_resident)
+        self.hold_resident = hold_resident
         self.step_tokens = 1
+        # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps (miss_costs)
+        self.layer_loads = [[0.0, 0.0] for _ in range(store.num_layers)]
 
     def attach(self, prefetcher: Prefetcher | None) -> None:
         """Predict and load ahead with `prefetcher` (built on this cache), or stop (None);
-        its owner closes it before the cache."""
+        close() closes it."""
         with self.lock:
             self.prefetcher = prefetcher
+
+    def watch(self, observer: Callable, close: Callable | None = None) -> None:
+        """Give each layer call to `observer` from now on; close() calls `close` after the
+        prefetcher's (a trace writer: completed once every layer call is in)."""
+        with self.lock:
+            self.observers.append(observer)
+            if close is not None:
+                self.closers.append(close)
 
     def wants_probs(self) -> bool:
         """Whether a layer call's router distribution is used (policy, live profile, observers)."""
@@ -367,7 +382,7 @@ class ExpertCache(Residency):
             self.current_layer = layer
             waits, useful = self.loader.arrivals(keys)
             if self.prefetcher is not None and self.step_tokens == 1:
-                self.prefetcher.miss_costs(layer, len(waits) + useful, len(missed))
+                self.miss_costs(layer, len(waits) + useful, len(missed))
             if self.held:  # held until this visit: what this layer did not use was a wrong guess
                 self.held.difference_update([k for k in self.held if k[0] == layer])
         tic = time.perf_counter()
@@ -378,12 +393,29 @@ class ExpertCache(Residency):
         self.counters.read_seconds += time.perf_counter() - tic
         return slots
 
+    def miss_costs(self, layer: int, hidden: int, demand: int, keep: float = 0.98, hidden_cost: float = 0.25) -> None:
+        """Count a decode step's loads of `layer` (in fetch, under the lock): `hidden` found
+        resident or on their way thanks to a prefetch, `demand` read on the decode path. The
+        policy's miss cost of the layer is then 1 - (1 - hidden_cost) x the share prefetch
+        hides (a hidden load still takes the disk's time): a layer whose experts the lookahead
+        predicts well gives up slots to one whose misses the decode thread would wait for (on
+        the demo model, the next token's first layers, which no predictor sees coming)."""
+        cost = self.policy.miss_cost
+        if cost is None:
+            return
+        counts = self.layer_loads[layer]
+        h = counts[0] = counts[0] * keep + hidden
+        d = counts[1] = counts[1] * keep + demand
+        cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
+
     def read_demand(self, layer: int, missed: list) -> None:
         """Read `missed` [(expert, slot)] of `layer` on the decode thread, counted as demand
-        loads. If a read fails or is interrupted (Ctrl-C in `chat`, which carries on), those
-        keys leave the cache: left in, they would pass for resident with another expert's bytes."""
+        loads, ahead of any background read (the gate). If a read fails or is interrupted
+        (Ctrl-C in `chat`, which carries on), those keys leave the cache: left in, they would
+        pass for resident with another expert's bytes."""
         try:
-            self.counters.demand_bytes += self.pools.read(layer, missed)
+            with self.loader.gate.demand():
+                self.counters.demand_bytes += self.pools.read(layer, missed)
         except BaseException:
             self.forget([(layer, e) for e, _ in missed])
             raise
@@ -420,6 +452,7 @@ class ExpertCache(Residency):
         return dict(counts, cache_experts=self.capacity, cache_bytes=self.capacity * self.pools.slot_bytes,
                     resident_per_layer=self.resident_per_layer(), policy=self.policy.name,
                     peak_memory=mx.get_peak_memory(), peak_rss=peak_rss(), decode_tps=decode_tps,
+                    disk_busy_seconds=self.loader.gate.busy_seconds(),
                     predictors=self.prefetcher.stats() if self.prefetcher is not None else {},
                     io=self.store.io_stats())
 
@@ -428,6 +461,7 @@ class ExpertCache(Residency):
         with self.lock:  # loads from before the reset are not this window's (prefetch_useful <= loads_prefetched)
             self.counters.reset()
             self.loader.prefetched.clear()
+            self.loader.gate.reset()
 
     def stop(self) -> None:
         """The first step of closing: no background load starts any more, the host work
@@ -438,12 +472,274 @@ class ExpertCache(Residency):
         self.loader.prewarm_done()
 
     def close(self) -> None:
-        """Close the cache, its slot pools' IO threads and the store; where an owner closes
-        the cache (`close_with`: api.Runtime.close_local, which closes the prefetcher and
-        the trace first), that."""
-        if self.close_with is not None:
-            self.close_with()
-            return
+        """Close in the one order that loses nothing: stop (no background load starts, the
+        observers have every layer call), the prefetcher (its threads end), what watch() was
+        given (a trace: completed, renamed into place), the slot pools' IO threads and the
+        store last. Closing again does nothing more."""
         self.stop()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        for close in self.closers:
+            close()
         self.pools.close()
         self.store.close()
+
+
+class Cancelled(Exception):
+    """A background read no longer wanted: the layer call it was for came and did not use it."""
+
+
+class ReadGate:
+    """Demand reads first. A background read asks the disk for one piece (store.CHUNK) at a
+    time and waits for its turn before each: not while a demand read is under way, unless
+    the decode thread is waiting for that very key (`urgent`). So a demand read waits
+    behind the pieces already asked of the disk, never behind a queue of guesses, and one
+    background read runs at a time (`background`, held by the loader around each).
+
+    It also measures how busy the disk is: the seconds during which any read was under way
+    (busy_seconds), the occupancy the prefetcher paces its guesses by."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.demand_reads = 0  # demand reads under way
+        self.urgent: set = set()  # keys the decode thread waits for: read at demand priority
+        self.background = threading.Lock()
+        self.under_way = 0  # reads under way: demand calls, a background read between its turns
+        self.since = time.perf_counter()
+        self.busy = 0.0
+
+    def _reading(self, n: int) -> None:
+        """`n` more reads under way (under cond): the busy time so far added up first."""
+        now = time.perf_counter()
+        if self.under_way:
+            self.busy += now - self.since
+        self.since, self.under_way = now, self.under_way + n
+
+    def busy_seconds(self) -> float:
+        with self.cond:
+            return self.busy + (time.perf_counter() - self.since if self.under_way else 0.0)
+
+    def reset(self) -> None:
+        with self.cond:
+            self._reading(0)
+            self.busy = 0.0
+
+    @contextmanager
+    def demand(self):
+        """Around the decode thread's reads: background reads pause at their next piece."""
+        with self.cond:
+            self.demand_reads += 1
+            self._reading(1)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.demand_reads -= 1
+                self._reading(-1)
+                self.cond.notify_all()
+
+    def hurry(self, keys: list, on: bool = True) -> None:
+        """The decode thread waits for `keys` (being read in the background): read them at
+        demand priority (on=False: no longer)."""
+        with self.cond:
+            if on:
+                self.urgent.update(keys)
+                self.cond.notify_all()
+            else:
+                self.urgent.difference_update(keys)
+
+    @contextmanager
+    def reading(self, key: tuple, wanted: Callable[[], bool], granted: list):
+        """Around a background read of `key`: yields its pace(nbytes), called before each
+        piece, which waits for the piece's turn, raises Cancelled once `wanted()` is false,
+        and else adds the piece's bytes to granted[0]."""
+
+        def pace(nbytes):
+            with self.cond:
+                if self.demand_reads and key not in self.urgent:
+                    self._reading(-1)  # paused: the disk serves the demand reads
+                    while self.demand_reads and key not in self.urgent:
+                        self.cond.wait()
+                    self._reading(1)
+            if not wanted():
+                raise Cancelled()
+            granted[0] += nbytes
+
+        with self.cond:
+            self._reading(1)
+        try:
+            yield pace
+        finally:
+            with self.cond:
+                self._reading(-1)
+
+
+class BackgroundLoader:
+    """Pre-warm and prefetch loads into an ExpertCache's slots, in background threads, one
+    read at a time at background priority (`gate`). Each key is given its slot (evicting,
+    for a prefetch) just before its read, so a guess that is never read evicts nothing. A
+    key whose slot is being filled is in `waiting` (the cache's `in_flight`: key -> Event
+    set once its read ended): never a victim, and a layer call that needs it waits for it,
+    at demand priority. A loaded key not used yet is in `prefetched`; one whose read failed
+    is in `failed`, read again on the decode thread when needed."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self.gate = ReadGate()
+        self.waiting: dict = {}
+        self.prefetched: set = set()
+        self.failed: set = set()
+        self.stop = threading.Event()  # set when the cache closes
+        self.prewarm_thread: threading.Thread | None = None
+
+    def prewarm(self, keys: list) -> int:
+        """Fill free slots with `keys`, hottest first, in a background thread that claims a
+        slot just before each read: the decode thread starts at once, takes free slots or
+        evicts what is already in, and waits only for a key it needs that is on its way.
+        Returns how many keys it will read, as far as the cache has free slots now."""
+        cache = self.cache
+        with cache.lock:
+            keys = [k for k in keys if k not in cache.slot_of]
+            planned = min(len(keys), len(cache.free))
+
+        def run():
+            for key in keys:
+                with self.gate.background:
+                    with cache.lock:
+                        if self.stop.is_set() or not cache.free:
+                            return
+                        taken = self.claim([key], evict=False)
+                    for key_slot in taken:
+                        self.load(*key_slot)
+
+        if planned:
+            self.prewarm_thread = threading.Thread(target=run, name="mlxmoe-prewarm", daemon=True)
+            self.prewarm_thread.start()
+        return planned
+
+    def prewarm_done(self, timeout: float | None = None) -> bool:
+        if self.prewarm_thread is not None:
+            self.prewarm_thread.join(timeout)
+        return self.prewarm_thread is None or not self.prewarm_thread.is_alive()
+
+    def reached(self, until: tuple) -> bool:
+        """Whether the decode thread has reached the layer call `until` = (tokens, layer)."""
+        return (self.cache.counters.tokens, self.cache.current_layer) >= until
+
+    def prefetch(self, keys: list, token: int, layer: int, worth=None) -> None:
+        """Load `keys` (most likely first) for `layer`'s call at token count `token` (the next
+        token's for a cross-token guess), called from a prefetch worker, one at a time; the
+        rest is dropped once the decode thread reaches that call. May evict, but never what
+        the current layer uses, what is on its way, or (with `worth`, see Residency.claim) a
+        victim worth more; at most half the slots not in use are being filled, so wrong
+        guesses never make the decode thread wait long for a slot."""
+        cache, until = self.cache, (token, layer)
+        for key in keys:
+            with self.gate.background:
+                with cache.lock:
+                    if self.stop.is_set() or self.reached(until):
+                        cache.counters.prefetch_stale += 1
+                        return
+                    if key in cache.slot_of:
+                        continue
+                    room = (cache.capacity - len(cache.active | self.waiting.keys())) // 2 - len(self.waiting)
+                    taken = self.claim([key], evict=True, worth=worth) if room > 0 else []
+                    if not taken:
+                        return
+                self.load(key, taken[0][1], until)
+
+    def claim(self, keys: list, evict: bool, worth=None) -> list:
+        """Give slots to `keys` (under the lock) and mark them on their way; [(key, slot)]."""
+        taken = self.cache.claim(keys, self.cache.active, evict, worth)
+        for key, _ in taken:
+            self.waiting[key] = threading.Event()
+        return taken
+
+    def load(self, key: tuple, slot: int, until: tuple | None = None) -> None:
+        """Background read of one claimed key; always ends its wait, even on error. A key
+        loaded for a layer call `until` = (token, layer) still to come is held for it; once
+        that call has come without it, the rest of its read is cancelled and its slot freed."""
+        cache, n, cancelled, granted = self.cache, None, False, [0]
+
+        def wanted():
+            return not self.stop.is_set() and (until is None or not self.reached(until) or key in cache.active)
+
+        tic = time.perf_counter()
+        try:
+            with self.gate.reading(key, wanted, granted) as pace:
+                n = cache.pools.read_into(key, slot, pace)
+        except Cancelled:
+            cancelled = True
+        except Exception:  # the decode thread reads it again and reports the error if it recurs
+            pass
+        with cache.lock:
+            counters = cache.counters
+            counters.background_read_seconds += time.perf_counter() - tic
+            done = self.waiting.pop(key)
+            if n is not None:
+                counters.prefetch_bytes += n
+                counters.loads_prefetched += 1
+                if key in cache.active:  # the decode thread is already waiting for it
+                    counters.prefetch_useful += 1
+                else:
+                    self.prefetched.add(key)
+                    if until is not None and not self.reached(until):
+                        cache.held.add(key)
+            elif cancelled and key not in cache.active:
+                counters.prefetch_cancelled += 1
+                counters.cancelled_bytes += granted[0]
+                cache.forget([key])
+            else:  # failed, or cancelled as its layer call came to use it: a demand read
+                self.failed.add(key)
+            done.set()
+
+    def wait_unlocked(self) -> None:
+        """Wait for the keys on their way now without the cache's lock, which the caller holds
+        (a layer call that needs more slots than those not being filled)."""
+        pending = list(self.waiting.values())
+        self.cache.lock.release()
+        try:
+            for done in pending:
+                done.wait()
+        finally:
+            self.cache.lock.acquire()
+
+    def arrivals(self, keys: list) -> tuple[list, int]:
+        """For a layer call's `keys` (under the cache's lock): those on their way, as
+        [(key, Event)], read at demand priority from now on, and how many were loaded ahead
+        and not used until now, counted useful (once)."""
+        waits = [(k, self.waiting[k]) for k in keys if k in self.waiting]
+        if waits:
+            self.gate.hurry([k for k, _ in waits])
+        found = self.prefetched.intersection(keys)
+        self.prefetched -= found
+        self.cache.counters.prefetch_useful += len(found)
+        return waits, len(found)
+
+    def wait_for(self, waits: list, keys: list) -> None:
+        """On the decode thread: wait for a layer call's keys on their way (`waits`, counting
+        those not there yet as late), then read again those of `keys` whose read failed."""
+        try:
+            for _, done in waits:
+                if not done.is_set():
+                    self.cache.counters.prefetch_late += 1
+                    done.wait()
+        finally:
+            if waits:
+                self.gate.hurry([k for k, _ in waits], on=False)
+        if self.failed:  # a background read that failed marks its key before its wait ends
+            self.read_failed(keys)
+
+    def read_failed(self, keys: list | None = None) -> None:
+        """Read again on the decode thread those of `keys` (default: all) whose background
+        read failed: a second failure raises its error, naming the file and offset."""
+        cache = self.cache
+        with cache.lock:
+            retry = sorted(self.failed if keys is None else self.failed.intersection(keys))
+            self.failed.difference_update(retry)
+        for layer in sorted({l for l, _ in retry}):
+            cache.read_demand(layer, [(e, cache.slot_of[(l, e)]) for l, e in retry if l == layer])
+
+    def evicted(self, key: tuple) -> None:
+        self.prefetched.discard(key)
+        self.failed.discard(key)

@@ -19,8 +19,10 @@ class CacheStats:
     prefetch_useful: int = 0  # background loads a layer call used (<= loads_prefetched)
     prefetch_late: int = 0  # ... that the layer call had to wait for
     prefetch_stale: int = 0  # predictions dropped because the decode thread got there first
+    prefetch_cancelled: int = 0  # background reads stopped part way: their layer call came without them
+    cancelled_bytes: int = 0  # ... the bytes they had read (not in bytes_read)
     read_seconds: float = 0.0  # the decode thread's reads
-    background_read_seconds: float = 0.0  # pre-warm and prefetch reads (the prefetcher paces itself by it)
+    background_read_seconds: float = 0.0  # pre-warm and prefetch reads, their waits for a turn included
     bookkeeping_seconds: float = 0.0  # what StreamingExperts adds beyond mlx-lm's own work
     decode_tps: float = 0.0
 
@@ -36,5 +38,6 @@ class CacheStats:
                 "bytes_read": self.demand_bytes + self.prefetch_bytes, "loads_demand": self.loads_demand,
                 "loads_prefetched": self.loads_prefetched, "prefetch_useful": self.prefetch_useful,
                 "prefetch_late": self.prefetch_late, "prefetch_stale": self.prefetch_stale,
+                "prefetch_cancelled": self.prefetch_cancelled, "cancelled_bytes": self.cancelled_bytes,
                 "read_seconds": self.read_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
                 "evictions": self.evictions, "decode_tps": self.decode_tps}

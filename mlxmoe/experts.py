@@ -13,23 +13,23 @@ import mlx.nn as nn
 import numpy as np
 
 from .backend import host_probs
-from .cache import token_chunks
+from .cache import expert_groups
 from .errors import MlxmoeError
 
 
 class LayerCall(NamedTuple):
-    """What the cache's observers learn of one fetch of a layer call (a call with more
-    distinct experts than slots is fetched in runs of tokens, one record each)."""
+    """What the cache's observers learn of one layer call (one record, also where a call
+    with more distinct experts than slots is fetched in groups of experts)."""
 
     layer: int
     position: int  # the position of the first of its tokens in the sequence
     rows: np.ndarray  # each token's experts [tokens, k]
     probs: np.ndarray | None  # each token's router distribution [tokens, experts]
-    tokens: int  # tokens in the whole layer call
+    tokens: int  # tokens in the layer call
     experts: list  # the distinct experts, sorted
     scores: list | None  # their router probabilities (of the one token at a decode step)
     mean: np.ndarray | None  # the router's mean distribution over the tokens
-    ticked: int  # tokens that start with this call (its first layer's first run), else 0
+    ticked: int  # tokens that start with this call (the first layer's), else 0
 
 
 def _tapped(cls):
@@ -144,7 +144,7 @@ class ResidentCalls:
         from_logits = iter(host_probs(logits) if logits else ())
         for module, indices, tapped, probs in self.calls:
             _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
-            call = module._record(flat, p, 0, len(flat))
+            call = module._record(flat, p)
             self.cache.counters.hits += len(call.experts)  # no policy: nothing will be evicted
             self.cache.observe(call)
 
@@ -225,10 +225,10 @@ class StreamingExperts(nn.Module):
             slots, rows = self._step(indices, probs, logits)
         else:
             idx, rows, probs = self._routing(indices, probs)
-            chunks = token_chunks(rows, cache.capacity)
-            if len(chunks) > 1:
-                return self._chunked(x, rows, probs, chunks)
-            slots = self._slots(rows, idx, probs, 0, len(rows))
+            groups = expert_groups(rows, cache.capacity)
+            if len(groups) > 1:
+                return self._grouped(x, idx, rows, probs, groups)
+            slots = self._slots(rows, idx, probs)
         inner = time.perf_counter()
         y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
         inner = time.perf_counter() - inner
@@ -240,18 +240,28 @@ class StreamingExperts(nn.Module):
         counters.bookkeeping_seconds += time.perf_counter() - tic - sync - inner - (counters.read_seconds - read_before)
         return y
 
-    def _chunked(self, x, flat, probs, chunks):
-        """More distinct experts than slots (long prefill at a small cache): compute each run
-        of tokens (`chunks`) and evaluate it before the next run may reuse its slots."""
+    def _grouped(self, x, idx, rows, probs, groups):
+        """More distinct experts than slots (a long prefill at a small cache): fetch the
+        experts in `groups` that fit, each read once, and compute each group's (token,
+        expert) pairs, evaluated before the next group may reuse its slots; the pairs'
+        outputs are then put back in the order of `idx`. The observers see one layer call."""
+        call = self._record(rows, probs)
+        score = None if call.scores is None else dict(zip(call.experts, call.scores))
         xs = x.reshape(-1, x.shape[-1])
-        outs = []
-        for a, b in chunks:
-            part = None if probs is None else probs[a:b]
-            y = self._inner(xs[a:b], self._slots(flat[a:b], flat[a:b], part, a, len(flat)))
+        outs, places = [], []
+        for group in groups:
+            slots = self._cache.fetch(self._layer, group, None if score is None else [score[e] for e in group],
+                                      call.mean)
+            lut = np.zeros(group[-1] + 1, dtype=np.uint32)
+            lut[group] = slots
+            t, j = np.nonzero(np.isin(rows, group))
+            y = self._inner(xs[mx.array(t)], mx.array(lut[rows[t, j]].reshape(-1, 1)))
             mx.eval(y)
-            outs.append(y)
-        y = mx.concatenate(outs, axis=0)
-        return y.reshape(*x.shape[:-1], *y.shape[1:])
+            outs.append(y.reshape(len(t), *y.shape[2:]))
+            places.append(t * rows.shape[1] + j)
+        self._cache.observe(call)
+        y = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(places)))]
+        return y.reshape(*idx.shape, *y.shape[1:])
 
     def _probs(self, x):
         """The router's distribution for x (unevaluated), where the cache uses it."""
@@ -325,18 +335,16 @@ class StreamingExperts(nn.Module):
         probs = None if probs is None else probs.mean(axis=0)
         return experts, None if probs is None else probs[experts].tolist(), probs
 
-    def _record(self, rows: np.ndarray, probs: np.ndarray | None, start: int, tokens: int) -> LayerCall:
-        """The LayerCall of `rows`, the tokens from `start` of a layer call of `tokens`."""
+    def _record(self, rows: np.ndarray, probs: np.ndarray | None) -> LayerCall:
+        """The LayerCall of a layer call's `rows`."""
         experts, scores, mean = self._summary(rows, probs)
-        ticked = tokens if self._layer == 0 and start == 0 else 0
-        return LayerCall(self._layer, self._cache.call_position + start, rows, probs, tokens, experts, scores, mean,
-                         ticked)
+        ticked = len(rows) if self._layer == 0 else 0
+        return LayerCall(self._layer, self._cache.call_position, rows, probs, len(rows), experts, scores, mean, ticked)
 
-    def _slots(self, rows: np.ndarray, idx: np.ndarray, probs: np.ndarray | None, start: int,
-               tokens: int) -> mx.array:
-        """Fetch the distinct experts of `rows` (the tokens from `start` of a layer call of
-        `tokens`) and tell the cache's observers; return `idx` with expert ids replaced by slots."""
-        call = self._record(rows, probs, start, tokens)
+    def _slots(self, rows: np.ndarray, idx: np.ndarray, probs: np.ndarray | None) -> mx.array:
+        """Fetch the distinct experts of a layer call's `rows` and tell the cache's observers;
+        return `idx` with expert ids replaced by slots."""
+        call = self._record(rows, probs)
         experts = call.experts
         slots = self._cache.fetch(self._layer, experts, call.scores, call.mean)
         self._cache.observe(call)

@@ -39,7 +39,7 @@ class Policy:
     Besides the hooks in the module's docstring (and set_prior), the cache and the
     prefetcher use, where a policy keeps estimates of next use (None otherwise):
     `miss_cost`, per layer what a miss costs relative to others (an array the cache
-    lowers where prefetch hides a layer's misses, Prefetcher.miss_costs); `chance(key)`,
+    lowers where prefetch hides a layer's misses, ExpertCache.miss_costs); `chance(key)`,
     the chance that `key`'s layer uses it at its next visit; `steps(key, p1, rate)`, the
     expected layer steps until `key` is used (prefetch.outranks weighs guesses with them)."""
 
@@ -416,7 +416,7 @@ class Activation(Policy):
     An expert of a layer d layer steps ahead (of L) is used at its layer's next visit with
     chance p1, and otherwise after about L / rate more steps: its next use is expected in
     d + L (1 - p1) / rate steps, over its layer's `miss_cost` (1 in a replay; lower where
-    prefetch hides the layer's misses, see Prefetcher.miss_costs). p1 mixes decayed
+    prefetch hides the layer's misses, see ExpertCache.miss_costs). p1 mixes decayed
     estimates: frequency of use (`half_life` tokens), recent use (`recency_half_life`),
     router mass, the profile's prior rate and, where the router's whole distribution is
     known, its favour of the expert now (`now_weight`, `now_scale`). rate is the decayed
@@ -495,7 +495,7 @@ class Activation(Policy):
         self.decays = np.array([[self.slow], [self.fast], [self.slow], [1.0], [1.0]])  # of each row per visit
         self.gains = np.array([[1 - self.slow], [1 - self.fast], [1.0]])  # what a use adds to freq, recent, used_visits
         # per layer, what a miss costs relative to others (1: all equal, as in a replay); the
-        # runtime lowers a layer's where prefetch hides its misses (Prefetcher.miss_costs),
+        # runtime lowers a layer's where prefetch hides its misses (ExpertCache.miss_costs),
         # and the victim is the expert with the largest expected time to next use / cost
         self.miss_cost = np.ones(L)
         self.pinned = set()  # those of the pin candidates the workload bears out (see _hold_pins)

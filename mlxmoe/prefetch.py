@@ -14,12 +14,13 @@ Predictors, each scored for precision and recall on every layer it predicted:
 What is loaded: the router's confident guesses and those it shares with the previous
 token; then the router's next guesses (top 2k) and the co-activation's, each only where
 the cache policy would rather evict its victim than the guess, judged by how often the
-guess of that rank has been used, above a threshold that follows the IO workers' load:
-low while they idle (a read the disk has time for costs nothing), higher as they fill.
+guess of that rank has been used, above a threshold that follows the disk's occupancy:
+low while it idles (a read the disk has time for costs nothing), higher as it fills.
 A prefill step reads, while a layer computes, the experts the next layers' routers pick
 for the prompt's tokens (their lookahead; nothing else predicts a prompt's many experts).
 
-`BackgroundLoader` does the loads (the pre-warm's and the predictions') into the cache's slots.
+The cache's `BackgroundLoader` does the loads (the pre-warm's and the predictions') into its
+slots, behind the decode thread's own reads.
 """
 
 import queue
@@ -77,7 +78,7 @@ def outranks(policy, likely):
 
 class Prefetcher:
     def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.1, cross_token=True,
-                 candidates=2, min_chance=0.1, chance_floor=0.05, busy_target=(0.25, 0.5)):
+                 candidates=2, min_chance=0.1, chance_floor=0.05, busy_target=(0.5, 0.8), max_chance=0.25):
         """`routers[l]`: x -> router scores over layer l's experts (None if unknown);
         `prior`: profile rates [layers, experts] or None. `cross_token`: the last layers
         predict the next token's first ones. `candidates`: beyond the sure guesses, the
@@ -86,15 +87,16 @@ class Prefetcher:
         `min_chance` of the time so far: a guess costs a whole read, and on a model whose
         lookahead guesses badly (random weights: 2 % used) the policy alone would let
         nearly every guess in and multiply the bytes read. `min_chance` is paced by the
-        prefetch workers' load (see pace): it falls towards `chance_floor` while they read
-        less than busy_target[0] of each decode step and rises (up to 0.5) above
-        busy_target[1], so guesses are read as far as the disk has time for them."""
+        disk's occupancy (see pace): it falls towards `chance_floor` while reads keep the
+        disk busy less than busy_target[0] of each decode step and rises (up to
+        `max_chance`) above busy_target[1], so guesses are read as far as the disk has time
+        for them."""
         self.cache, self.routers, self.top_k, self.depth = cache, routers, top_k, depth
         self.confidence = confidence  # router probability above which a lookahead guess is loaded alone
         self.cross_token, self.candidates = cross_token, candidates
-        self.min_chance, self.chance_floor, self.busy_target = min_chance, chance_floor, busy_target
-        self.workers = workers
-        self.paced = None  # (time, the cache's background read seconds) at the last decode step's start
+        self.min_chance, self.chance_floor, self.max_chance = min_chance, chance_floor, max_chance
+        self.busy_target = busy_target
+        self.paced = None  # (time, the disk's busy seconds) at the last decode step's start
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
         # scoring and predicting run in this one thread, in the layer calls' order, while
         # the decode thread goes on (False: on the decode thread, after each layer call);
@@ -124,10 +126,6 @@ class Prefetcher:
         self.coactive = np.zeros((len(routers), E, E), dtype=np.float32) if E else None
         self.hottest: list[set] | None = None  # the profile predictor's guesses per layer (set_prior)
         self.set_prior(prior)
-        # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps:
-        # the policy weighs a victim by the share of its layer's loads prefetch leaves to the
-        # decode thread (see miss_costs)
-        self.layer_loads = [[0.0, 0.0] for _ in routers]  # Python floats: the same doubles, cheaper than numpy's
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
 
@@ -135,21 +133,6 @@ class Prefetcher:
         """Take a profile's rates [layers, experts] (None: no profile) for the profile
         predictor, as Policy.set_prior does for the policy; under the cache's lock mid-run."""
         self.hottest = None if prior is None else hottest_per_layer(prior, self.top_k)
-
-    def miss_costs(self, layer: int, hidden: int, demand: int, keep: float = 0.98, hidden_cost: float = 0.25) -> None:
-        """Count a decode step's loads of `layer` (the cache's fetch, under its lock): `hidden`
-        found resident or on their way thanks to a prefetch, `demand` read on the decode path.
-        The policy's miss cost of the layer is then 1 - (1 - hidden_cost) x the share prefetch
-        hides (a hidden load still takes the disk's time): a layer whose experts the lookahead
-        predicts well gives up slots to one whose misses the decode thread would wait for (on
-        the demo model, the next token's first layers, which no predictor sees coming)."""
-        cost = self.cache.policy.miss_cost
-        if cost is None:
-            return
-        counts = self.layer_loads[layer]
-        h = counts[0] = counts[0] * keep + hidden
-        d = counts[1] = counts[1] * keep + demand
-        cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
 
     def layer_done(self, layer, rows, looked=None, token=0, decode=True):
         """A layer call has its experts (`rows`: each token's, [tokens, top_k], a list of one
@@ -271,7 +254,7 @@ class Prefetcher:
         evaluated: predict the next layer calls and queue their loads, to run while this
         layer computes."""
         if layer == 0:
-            self.pace(time.perf_counter(), self.cache.counters.background_read_seconds)
+            self.pace(time.perf_counter(), self.cache.loader.gate.busy_seconds())
         for step, target, ahead in self.steps(layer):
             when = token + ahead
             predicted, probs, ranked = {}, None, None
@@ -293,19 +276,19 @@ class Prefetcher:
             self.pending[target] = predicted
             self.submit(target, step, when, predicted, probs, ranked, co)
 
-    def pace(self, now, read_seconds):
-        """Once per decode step: the share of the step the prefetch workers spent reading
-        (`read_seconds`, the cache's background read time so far) moves `min_chance`: a
-        step of 1.5x down while they read under busy_target[0] of it, up while over
-        busy_target[1]. Reads the disk has time for cost nothing; past that they queue,
-        go stale and delay the decode thread's own reads."""
-        if self.paced is not None and now > self.paced[0] and read_seconds >= self.paced[1]:
-            busy = (read_seconds - self.paced[1]) / ((now - self.paced[0]) * self.workers)
+    def pace(self, now, busy_seconds):
+        """Once per decode step: the share of the step during which the disk was busy with
+        expert reads, demand or background (`busy_seconds`, the cache's ReadGate's so far),
+        moves `min_chance`: a step of 1.5x down while under busy_target[0], up while over
+        busy_target[1]. Reads the disk has time for cost nothing; where the disk is the
+        bottleneck only the likeliest guesses pay for the slots they take and the bytes."""
+        if self.paced is not None and now > self.paced[0] and busy_seconds >= self.paced[1]:
+            busy = (busy_seconds - self.paced[1]) / (now - self.paced[0])
             if busy > self.busy_target[1]:
-                self.min_chance = min(0.5, self.min_chance * 1.5)
+                self.min_chance = min(self.max_chance, self.min_chance * 1.5)
             elif busy < self.busy_target[0]:
                 self.min_chance = max(self.chance_floor, self.min_chance / 1.5)
-        self.paced = (now, read_seconds)
+        self.paced = (now, busy_seconds)
 
     def submit(self, target, step, when, predicted, probs, ranked=None, co=None):
         """Queue the loads for `target`'s call at token count `when`. What is not resident is
@@ -316,7 +299,7 @@ class Prefetcher:
         guess's chance is how often that predictor's guess of that rank was used so far
         (the router's own probability as the chance let far fewer good guesses in: useful
         share 0.35 against 0.57 at 25 % cache on the demo model). No guess, sure or not, is
-        read while its chance is below `min_chance` (paced by the workers' load, see
+        read while its chance is below `min_chance` (paced by the disk's occupancy, see
         pace); the likeliest are claimed first. `ranked`: the experts by falling `probs`, at
         least the top candidates x top_k."""
         router = predicted.get("router", predicted.get("router_next_token", set()))
@@ -347,7 +330,7 @@ class Prefetcher:
         self.queue(keys, when, target, worth)
 
     def queue(self, keys, when, target, worth=None):
-        """Load those of `keys` not resident in a prefetch worker (see BackgroundLoader.prefetch)."""
+        """Load those of `keys` not resident in a prefetch worker (see cache.BackgroundLoader.prefetch)."""
         keys = [k for k in keys if k not in self.cache.slot_of]
         if keys:
             self.jobs = [j for j in self.jobs if not j.done()]
@@ -372,142 +355,3 @@ class Prefetcher:
         self.host_jobs.put(None)
         self.host.join()
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-class BackgroundLoader:
-    """Pre-warm and prefetch loads into an ExpertCache's slots, in background threads,
-    under the cache's lock. A key whose slot is being filled is in `waiting` (the cache's
-    `in_flight`: key -> Event set once its read ended): never a victim, and a layer call
-    that needs it waits for it. A loaded key not used yet is in `prefetched`; one whose
-    read failed is in `failed`, read again on the decode thread when needed."""
-
-    def __init__(self, cache) -> None:
-        self.cache = cache
-        self.waiting: dict = {}
-        self.prefetched: set = set()
-        self.failed: set = set()
-        self.stop = threading.Event()  # set when the cache closes
-        self.prewarm_thread: threading.Thread | None = None
-
-    def prewarm(self, keys: list) -> int:
-        """Fill free slots with `keys`, hottest first, in a background thread that claims a
-        slot just before each read: the decode thread starts at once, takes free slots or
-        evicts what is already in, and waits only for a key it needs that is on its way.
-        Returns how many keys it will read, as far as the cache has free slots now."""
-        cache = self.cache
-        with cache.lock:
-            keys = [k for k in keys if k not in cache.slot_of]
-            planned = min(len(keys), len(cache.free))
-
-        def run():
-            for key in keys:
-                with cache.lock:
-                    if self.stop.is_set() or not cache.free:
-                        return
-                    taken = self.claim([key], evict=False)
-                for key_slot in taken:
-                    self.load(*key_slot)
-
-        if planned:
-            self.prewarm_thread = threading.Thread(target=run, name="mlxmoe-prewarm", daemon=True)
-            self.prewarm_thread.start()
-        return planned
-
-    def prewarm_done(self, timeout: float | None = None) -> bool:
-        if self.prewarm_thread is not None:
-            self.prewarm_thread.join(timeout)
-        return self.prewarm_thread is None or not self.prewarm_thread.is_alive()
-
-    def prefetch(self, keys: list, token: int, layer: int, worth=None) -> None:
-        """Load `keys` for `layer`'s call at token count `token` (the next token's for a
-        cross-token guess), called from a prefetch worker. Dropped if the decode thread has
-        reached that call already; may evict, but never what the current layer uses, what
-        is already on its way, or (with `worth`, see Residency.claim) a victim worth more."""
-        cache = self.cache
-        with cache.lock:
-            if self.stop.is_set() or (cache.counters.tokens, cache.current_layer) >= (token, layer):
-                cache.counters.prefetch_stale += 1
-                return
-            # leave at least as many slots evictable as are being filled, so wrong guesses
-            # never make the decode thread wait long for a slot
-            room = (cache.capacity - len(cache.active | self.waiting.keys())) // 2
-            taken = self.claim(keys[:max(room, 0)], evict=True, worth=worth)
-        for key, slot in taken:
-            self.load(key, slot, until=(token, layer))
-
-    def claim(self, keys: list, evict: bool, worth=None) -> list:
-        """Give slots to `keys` (under the lock) and mark them on their way; [(key, slot)]."""
-        taken = self.cache.claim(keys, self.cache.active, evict, worth)
-        for key, _ in taken:
-            self.waiting[key] = threading.Event()
-        return taken
-
-    def load(self, key: tuple, slot: int, until: tuple | None = None) -> None:
-        """Background read of one claimed key; always ends its wait, even on error. A key
-        loaded for a layer call `until` = (token, layer) still to come is held for it."""
-        cache, n = self.cache, None
-        tic = time.perf_counter()
-        if not self.stop.is_set():
-            try:
-                n = cache.pools.read_into(key, slot)
-            except Exception:  # the decode thread reads it again and reports the error if it recurs
-                pass
-        with cache.lock:
-            counters = cache.counters
-            counters.background_read_seconds += time.perf_counter() - tic
-            if n is not None:
-                counters.prefetch_bytes += n
-                counters.loads_prefetched += 1
-                if key in cache.active:  # the decode thread is already waiting for it
-                    counters.prefetch_useful += 1
-                else:
-                    self.prefetched.add(key)
-                    if until is not None and (counters.tokens, cache.current_layer) < until:
-                        cache.held.add(key)
-            else:
-                self.failed.add(key)
-            self.waiting.pop(key).set()
-
-    def wait_unlocked(self) -> None:
-        """Wait for the keys on their way now without the cache's lock, which the caller holds
-        (a layer call that needs more slots than those not being filled)."""
-        pending = list(self.waiting.values())
-        self.cache.lock.release()
-        try:
-            for done in pending:
-                done.wait()
-        finally:
-            self.cache.lock.acquire()
-
-    def arrivals(self, keys: list) -> tuple[list, int]:
-        """For a layer call's `keys` (under the cache's lock): the waits of those on their way,
-        and how many were loaded ahead and not used until now, counted useful (once)."""
-        waits = [self.waiting[k] for k in keys if k in self.waiting]
-        found = self.prefetched.intersection(keys)
-        self.prefetched -= found
-        self.cache.counters.prefetch_useful += len(found)
-        return waits, len(found)
-
-    def wait_for(self, waits: list, keys: list) -> None:
-        """On the decode thread: wait for a layer call's keys on their way (`waits`, counting
-        those not there yet as late), then read again those of `keys` whose read failed."""
-        for done in waits:
-            if not done.is_set():
-                self.cache.counters.prefetch_late += 1
-                done.wait()
-        if self.failed:  # a background read that failed marks its key before its wait ends
-            self.read_failed(keys)
-
-    def read_failed(self, keys: list | None = None) -> None:
-        """Read again on the decode thread those of `keys` (default: all) whose background
-        read failed: a second failure raises its error, naming the file and offset."""
-        cache = self.cache
-        with cache.lock:
-            retry = sorted(self.failed if keys is None else self.failed.intersection(keys))
-            self.failed.difference_update(retry)
-        for layer in sorted({l for l, _ in retry}):
-            cache.read_demand(layer, [(e, cache.slot_of[(l, e)]) for l, e in retry if l == layer])
-
-    def evicted(self, key: tuple) -> None:
-        self.prefetched.discard(key)
-        self.failed.discard(key)

@@ -49,6 +49,9 @@ DEFAULT_IO = {"linux": "direct", "darwin": "direct"}
 # flight leaves the disk idle between ranges.
 IO_WORKERS = 4
 BOUNCE = 4 << 20  # per-thread bounce buffer (a multiple of ALIGN): O_DIRECT reads of at most this
+# A paced (background) read asks the disk for at most this much at a time, so that a demand
+# read that comes meanwhile waits behind one such piece at most (a multiple of ALIGN).
+CHUNK = 256 << 10
 
 
 def default_io(platform=sys.platform):
@@ -87,6 +90,20 @@ def runs(ranges, dests, align=1):
             out[-1] = (f, start, max(end, r.offset + r.nbytes), pieces + [(r.offset, d)])
         else:
             out.append((r.file, r.offset, r.offset + r.nbytes, [(r.offset, d)]))
+    return out
+
+
+def split_run(run, chunk=CHUNK):
+    """`run` (see runs) cut at the file offsets that are multiples of `chunk`: pieces of at
+    most `chunk` bytes, each still aligned where the run was."""
+    file, start, end, pieces = run
+    out = []
+    for lo in range(align_down(start, chunk), end, chunk):
+        hi = lo + chunk
+        part = [(max(off, lo), d[max(off, lo) - off:min(off + d.nbytes, hi) - off])
+                for off, d in pieces if off < hi and off + d.nbytes > lo]
+        if part:
+            out.append((file, part[0][0], max(off + d.nbytes for off, d in part), part))
     return out
 
 
@@ -304,13 +321,16 @@ class ExpertStore:
             self._local.buf = buf = np.frombuffer(mmap.mmap(-1, align_up(n, 1 << 20)), np.uint8)
         return buf[:n]
 
-    def read_expert(self, layer, expert, outs):
+    def read_expert(self, layer, expert, outs, pace=None):
         """Read expert `expert` of MoE layer `layer` into `outs` (one numpy array per tensor).
 
         An out whose dtype differs from the file's (bf16/f16 scales into float32 on
         CPU) is filled through a converting copy; otherwise bytes land in place.
         Returns the number of useful bytes read (the expert's bytes on disk);
-        `disk_bytes` also counts what the mode read around them.
+        `disk_bytes` also counts what the mode read around them. With `pace` (a background
+        read), the ranges are read one after another in pieces of at most CHUNK bytes and
+        pace(nbytes) is called before each: it may wait (a demand read goes first) or raise
+        (the read is no longer wanted), and the slot is then left half-written.
         """
         ranges, plain = self.ranges[layer][expert], []
         dests, converts, sliced = [], [], []
@@ -332,7 +352,13 @@ class ExpertStore:
                 plain.append(r)
                 dests.append(dest)
         todo = runs(plain, dests, ALIGN if self.io == "direct" else 1)
-        if self.workers > 1 and len(todo) > 1:  # the ranges of a stacked expert: all at once
+        requests = len(todo)
+        if pace is not None:
+            disk = 0
+            for piece in (piece for run in todo for piece in split_run(run)):
+                pace(piece[2] - piece[1])
+                disk += self._read_run(piece)
+        elif self.workers > 1 and len(todo) > 1:  # the ranges of a stacked expert: all at once
             futures = [self._pool().submit(self._read_run, run) for run in todo]
             try:
                 disk = sum(f.result() for f in futures)
@@ -341,7 +367,10 @@ class ExpertStore:
                 raise
         else:
             disk = sum(map(self._read_run, todo))
-        disk += sum(self._read_slice(r, dest) for r, dest in sliced)
+        for r, dest in sliced:
+            if pace is not None:
+                pace(r.step * (r.runs - 1) + r.nbytes // r.runs)
+            disk += self._read_slice(r, dest)
         for file in {r.file for r in ranges}:
             self.check_unchanged(file)
         for out, buf, dtype in converts:
@@ -350,7 +379,7 @@ class ExpertStore:
         with self._lock:
             self.useful_bytes += useful
             self.disk_bytes += disk
-            self.reads += len(todo)
+            self.reads += requests
         return useful
 
     def check_unchanged(self, file):

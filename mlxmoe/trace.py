@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cache import Residency, token_chunks
+from .cache import Residency, expert_groups
 from .errors import MlxmoeError
 from .files import read_lines, temp_beside
 from .policies import HALF_LIFE_PROFILE, ONLINE, make_policy
@@ -208,25 +208,25 @@ def steps(records, num_layers, capacity=None):
     """The cache's view of a trace, one item per fetch as the runtime makes them:
     (tokens to tick, layer, distinct experts, their router scores, the router's
     distribution over all experts). A layer call is one fetch of the experts its tokens
-    use (the runtime's prefill), split into runs that fit `capacity` as the runtime
-    splits it; the first layer ticks the clock by the call's tokens. Scores and the
-    distribution are means over the call's tokens, as the runtime gives them."""
+    use (the runtime's prefill), split into groups of experts that fit `capacity` as the
+    runtime splits it; the first layer ticks the clock by the call's tokens. Scores and
+    the distribution are means over the call's tokens, as the runtime gives them."""
     for call in layer_calls(records, num_layers):
         layer = call[0][2]
-        for a, b in token_chunks([rec[3] for rec in call], capacity or math.inf):
-            run = call[a:b]
-            experts = sorted({x for rec in run for x in rec[3]})  # the runtime fetches them sorted too
-            scores = dist = None
-            if all(rec[5] is not None for rec in run):
-                dist = np.mean([rec[5] for rec in run], axis=0)
+        scores = dist = None
+        if all(rec[5] is not None for rec in call):
+            dist = np.mean([rec[5] for rec in call], axis=0)
+        elif all(rec[4] is not None for rec in call):
+            mass = {}
+            for rec in call:
+                for x, p in zip(rec[3], rec[4]):
+                    mass[x] = mass.get(x, 0.0) + p / len(call)
+        for i, experts in enumerate(expert_groups([rec[3] for rec in call], capacity or math.inf)):
+            if dist is not None:
                 scores = dist[experts].tolist()
-            elif all(rec[4] is not None for rec in run):
-                mass = {}
-                for rec in run:
-                    for x, p in zip(rec[3], rec[4]):
-                        mass[x] = mass.get(x, 0.0) + p / len(run)
+            elif all(rec[4] is not None for rec in call):
                 scores = [mass[x] for x in experts]
-            yield (len(call) if layer == 0 and a == 0 else 0), layer, experts, scores, dist
+            yield (len(call) if layer == 0 and i == 0 else 0), layer, experts, scores, dist
 
 
 def replay(header, records, policy, cache_experts, profile=None, **policy_kw):

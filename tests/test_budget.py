@@ -145,4 +145,5 @@ def test_budget_honoured_while_streaming_a_larger_checkpoint(checkpoint):
     # the bytes read are the misses' experts, and the process read them (and little else)
     assert s["loads_demand"] == s["misses"]
     assert s["bytes_read"] == (s["misses"] + s["loads_prefetched"]) * m["expert_file_bytes"]
-    assert s["bytes_read"] <= m["rchar"] <= s["bytes_read"] + (1 << 20), m
+    # (background reads cancelled part way, their layer call having come without them, read some too)
+    assert s["bytes_read"] <= m["rchar"] <= s["bytes_read"] + s["cancelled_bytes"] + (1 << 20), m

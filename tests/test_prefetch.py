@@ -49,10 +49,10 @@ def test_no_expert_is_read_twice(checkpoint):
     log, lock = [], threading.Lock()
     read = cache.store.read_expert
 
-    def logged_read(layer, expert, outs):
+    def logged_read(layer, expert, outs, **kw):
         with lock:
             log.append(("read", (layer, expert)))
-        return read(layer, expert, outs)
+        return read(layer, expert, outs, **kw)
 
     evicted = cache.evicted
 
@@ -70,7 +70,8 @@ def test_no_expert_is_read_twice(checkpoint):
             resident.add(key)
         else:
             resident.discard(key)
-    assert sum(w == "read" for w, _ in log) == cache.stats()["loads_demand"] + cache.stats()["loads_prefetched"]
+    s = cache.stats()  # a background read cancelled part way (its layer call came without it) is no load
+    assert sum(w == "read" for w, _ in log) == s["loads_demand"] + s["loads_prefetched"] + s["prefetch_cancelled"]
 
 
 def test_failed_background_read_falls_back_to_a_demand_read(checkpoint):
@@ -80,10 +81,10 @@ def test_failed_background_read_falls_back_to_a_demand_read(checkpoint):
     store = model.expert_cache.store
     read = store.read_expert
 
-    def failing_in_workers(layer, expert, outs):
+    def failing_in_workers(layer, expert, outs, **kw):
         if threading.current_thread().name.startswith("mlxmoe-prefetch"):
             raise MlxmoeError(f"reading {store.files[0]} at offset 123: injected")
-        return read(layer, expert, outs)
+        return read(layer, expert, outs, **kw)
 
     store.read_expert = failing_in_workers
     assert tokens(model, tokenizer) == want
@@ -137,11 +138,11 @@ def test_cross_token_prefetch_loads_the_first_layer(checkpoint):
     cache.prefetcher.confidence = 0.0
     read, layers, lock = cache.store.read_expert, [], threading.Lock()
 
-    def logged_read(layer, expert, outs):
+    def logged_read(layer, expert, outs, **kw):
         if threading.current_thread().name.startswith("mlxmoe-prefetch"):
             with lock:
                 layers.append(layer)
-        return read(layer, expert, outs)
+        return read(layer, expert, outs, **kw)
 
     cache.store.read_expert = logged_read
     tokens(model, tokenizer)
@@ -212,27 +213,27 @@ def test_prefetch_with_a_policy_without_estimates_keeps_output(checkpoint):
     assert model.expert_cache.stats()["loads_prefetched"] > 0
 
 
-def test_min_chance_follows_the_io_workers_load():
-    """Idle workers let guesses down to the floor be read; workers busy over half of each
-    decode step raise the bar (to at most 0.5); a stats reset is no load."""
+def test_min_chance_follows_the_disks_occupancy():
+    """An idle disk lets guesses down to the floor be read; a disk busy over 80 % of each
+    decode step raises the bar (to at most max_chance, 0.25); a stats reset is no load."""
     from mlxmoe.prefetch import Prefetcher
 
     pf = Prefetcher(None, [None, None], 2, workers=2, min_chance=0.1, chance_floor=0.05)
     try:
         pf.pace(0.0, 0.0)
-        pf.pace(1.0, 0.1)  # 0.1 s of reads in a 1 s step for 2 workers: 5 % busy
+        pf.pace(1.0, 0.1)  # the disk busy 0.1 s of a 1 s step: 10 %
         assert pf.min_chance == pytest.approx(0.1 / 1.5)
         pf.pace(2.0, 0.2)
         assert pf.min_chance == 0.05  # not below the floor
-        pf.pace(3.0, 0.2 + 1.2)  # 60 % busy
+        pf.pace(3.0, 0.2 + 0.9)  # 90 % busy
         assert pf.min_chance == pytest.approx(0.075)
-        pf.pace(4.0, 1.4 + 0.8)  # 40 %: between the targets, unchanged
+        pf.pace(4.0, 1.1 + 0.6)  # 60 %: between the targets, unchanged
         assert pf.min_chance == pytest.approx(0.075)
         for t in range(5, 15):
-            pf.pace(float(t), 2.2 + 2.0 * (t - 4))  # fully busy
-        assert pf.min_chance == 0.5
+            pf.pace(float(t), 1.7 + 1.0 * (t - 4))  # always busy
+        assert pf.min_chance == 0.25
         pf.pace(15.0, 0.0)  # the cache's stats were reset: no step measured
-        assert pf.min_chance == 0.5
+        assert pf.min_chance == 0.25
     finally:
         pf.close()
 
@@ -301,19 +302,18 @@ def test_miss_costs_follow_the_share_of_loads_prefetch_hides(checkpoint):
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
     cache = model.expert_cache
     cost = cache.policy.miss_cost
-    prefetcher = cache.prefetcher
-    prefetcher.layer_loads[0] = [0.0, 0.0]
-    prefetcher.miss_costs(0, 3, 1)
+    cache.layer_loads[0] = [0.0, 0.0]
+    cache.miss_costs(0, 3, 1)
     assert cost[0] == pytest.approx(1 - 0.75 * 3 / 5)
-    prefetcher.miss_costs(0, 0, 2)
+    cache.miss_costs(0, 0, 2)
     hidden, demand = 3 * 0.98, 0.98 + 2
     assert cost[0] == pytest.approx(1 - 0.75 * hidden / (hidden + demand + 1))
     # a run: every layer's cost is what its counts say, and prefetch hid some loads
-    prefetcher.layer_loads = [[0.0, 0.0] for _ in prefetcher.layer_loads]
+    cache.layer_loads = [[0.0, 0.0] for _ in cache.layer_loads]
     cost[:] = 1.0
     tokens(model, tokenizer, 16)
-    prefetcher.drain()
-    counts = np.array(prefetcher.layer_loads)
+    cache.prefetcher.drain()
+    counts = np.array(cache.layer_loads)
     assert counts[:, 0].sum() > 0
     assert cost == pytest.approx(1 - 0.75 * counts[:, 0] / counts.sum(axis=1).__add__(1.0))
     assert cost.min() < 1.0
@@ -328,10 +328,10 @@ def test_failed_prewarm_read_is_read_again_before_the_resident_path(checkpoint):
 
     read = ExpertStore.read_expert
 
-    def failing_layer_0(self, layer, expert, outs):
+    def failing_layer_0(self, layer, expert, outs, **kw):
         if threading.current_thread().name == "mlxmoe-prewarm" and layer == 0:
             raise MlxmoeError(f"reading {self.files[0]} at offset 123: injected")
-        return read(self, layer, expert, outs)
+        return read(self, layer, expert, outs, **kw)
 
     ExpertStore.read_expert = failing_layer_0
     try:
@@ -360,7 +360,7 @@ def test_interrupted_demand_read_leaves_no_key_with_wrong_bytes(checkpoint):
     read = store.read_expert
     hit, lock = {}, threading.Lock()
 
-    def interrupted(layer, expert, outs):
+    def interrupted(layer, expert, outs, **kw):
         with lock:
             first = cache.counters.tokens > 3 and not hit
             if first:
@@ -368,7 +368,7 @@ def test_interrupted_demand_read_leaves_no_key_with_wrong_bytes(checkpoint):
         if first:
             outs[0][...] = 0  # half-written
             raise KeyboardInterrupt
-        return read(layer, expert, outs)
+        return read(layer, expert, outs, **kw)
 
     store.read_expert = interrupted
     with pytest.raises(KeyboardInterrupt):
@@ -409,7 +409,9 @@ def test_predictions_off_the_decode_thread_score_the_same():
 def test_prefill_reads_the_next_layers_experts_ahead():
     """A prompt's layer calls read, while they compute, the experts the next layer's router
     picks for the prompt's tokens: at a cold half-size cache the layers after the first
-    find most of their experts prefetched, and the prompt's tokens teach the rank chances."""
+    find some of their experts prefetched (as many as the background read while the layer
+    computed; the layer reads the rest itself, all at once), each expert is loaded once,
+    and the prompt's tokens teach the rank chances."""
     model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL), cache_experts=64)
     cache = model.expert_cache
     cache.prefetcher.off_thread = False
@@ -429,7 +431,7 @@ def test_prefill_reads_the_next_layers_experts_ahead():
     assert prompt[0][2] == prompt[0][1]  # nothing predicts the first layer: all read on demand
     demand, useful = sum(c[2] for c in prompt[1:]), sum(c[3] for c in prompt[1:])
     assert demand + useful == sum(c[1] for c in prompt[1:])  # a cold cache: every expert was loaded
-    assert useful > 2 * demand
+    assert useful > 0
     assert cache.prefetcher.rank_counts[..., 1].sum() >= guessed + 3 * 14
     cache.close()
 
@@ -471,3 +473,113 @@ def test_trace_written_off_the_decode_thread_is_the_same_file(tmp_path, cache_ex
     for layer in range(header["num_layers"]):  # every token's line, once, in order
         positions = [r[1] for r in records if r[2] == layer]
         assert positions == list(range(len(positions))) and len(positions) > len(calls[0]) + 14
+
+
+def test_read_gate_puts_demand_reads_first():
+    """A background read asks for its turn before each piece: none starts while a demand
+    read is under way (the piece already asked for is the most a demand read waits
+    behind), unless the decode thread waits for that very key; a read whose layer call
+    came without it stops at its next piece."""
+    import time
+
+    from mlxmoe.cache import Cancelled, ReadGate
+
+    gate, starts = ReadGate(), []
+
+    def background(key, wanted, pieces=12):
+        try:
+            with gate.reading(key, wanted, [0]) as pace:
+                for _ in range(pieces):
+                    pace(1)
+                    starts.append((key, time.perf_counter()))
+                    time.sleep(0.01)
+        except Cancelled:
+            starts.append((key, "cancelled"))
+
+    worker = threading.Thread(target=background, args=("guess", lambda: True))
+    worker.start()
+    time.sleep(0.025)
+    with gate.demand():
+        begun = time.perf_counter()
+        time.sleep(0.1)
+        ended = time.perf_counter()
+    worker.join()
+    during = [t for _, t in starts if begun + 0.002 < t < ended]
+    assert not during and len(starts) == 12
+    assert gate.busy_seconds() > 0.1 + 12 * 0.01 * 0.9
+
+    starts.clear()  # the decode thread waits for the key: it goes on at demand priority
+    worker = threading.Thread(target=background, args=("needed", lambda: True, 6))
+    with gate.demand():
+        gate.hurry(["needed"])
+        worker.start()
+        worker.join()
+    assert len(starts) == 6
+    gate.hurry(["needed"], on=False)
+
+    starts.clear()  # no longer wanted: it stops before its next piece
+    wanted = threading.Event()
+    wanted.set()
+    worker = threading.Thread(target=background, args=("stale", wanted.is_set))
+    worker.start()
+    time.sleep(0.025)
+    wanted.clear()
+    worker.join()
+    assert starts[-1] == ("stale", "cancelled") and len(starts) < 12
+
+
+def test_tokens_identical_where_reads_are_slow(checkpoint):
+    """Reads slower than compute (the disk-bound regime, emulated by sleeping in each read):
+    guesses are read piece by piece, cancelled when their layer call came without them, and
+    the output is still stock mlx-lm's; every read is accounted for."""
+    import time
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want = reference(path, 12)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    cache = model.expert_cache
+    cache.prefetcher.confidence = 0.0
+    store = cache.store
+    run = store._read_run
+
+    def slow(piece):
+        time.sleep(0.003)
+        return run(piece)
+
+    store._read_run = slow
+    assert tokens(model, tokenizer, 12) == want
+    cache.prefetcher.drain()
+    s = cache.stats()
+    assert s["loads_prefetched"] + s["prefetch_cancelled"] > 0
+    assert s["bytes_read"] == (s["loads_demand"] + s["loads_prefetched"]) * store.expert_file_bytes()
+    assert 0 < s["disk_busy_seconds"]
+
+
+@pytest.mark.parametrize("cache_experts,prefetch", [(4, 0), (4, 1), (16, 1)])
+def test_a_prompt_step_reads_each_expert_at_most_once(checkpoint, cache_experts, prefetch):
+    """A prompt's layer calls read each (layer, expert) they use at most once, also where a
+    call uses more experts than the cache holds (computed in groups of experts) and while
+    the prefetcher reads guesses for the next layers."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    prompt = " ".join(["the cat sat on the mat and then the dog came"] * 4)
+    model, tokenizer = mlx_lm.load(str(path))
+    detect().apply_dtype_policy(model)
+    want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=2)]
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=cache_experts, prefetch=prefetch)
+    cache = model.expert_cache
+    if cache.prefetcher is not None:
+        cache.prefetcher.cross_token = False  # its guesses for the next step's first layer are that step's reads
+    read, reads, lock = cache.store.read_expert, [], threading.Lock()
+
+    def logged_read(layer, expert, outs, **kw):
+        with lock:
+            if cache.step_tokens > 1:  # the prompt's step (its last token is a step of its own)
+                reads.append((layer, expert))
+        return read(layer, expert, outs, **kw)
+
+    cache.store.read_expert = logged_read
+    got = [r.token for r in mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=2)]
+    assert got == want
+    assert reads and len(reads) == len(set(reads))
+    if cache_experts == 4:  # the prompt's calls used more experts than the cache holds
+        assert len({e for l, e in reads if l == 0}) > cache_experts

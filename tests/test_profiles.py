@@ -361,10 +361,10 @@ def test_first_token_does_not_wait_for_the_prewarm(monkeypatch):
     model.expert_cache.close()
     read = ExpertStore.read_expert
 
-    def slow_prewarm(self, layer, expert, outs):
+    def slow_prewarm(self, layer, expert, outs, **kw):
         if threading.current_thread().name == "mlxmoe-prewarm":
             time.sleep(0.1)
-        return read(self, layer, expert, outs)
+        return read(self, layer, expert, outs, **kw)
 
     monkeypatch.setattr(ExpertStore, "read_expert", slow_prewarm)
     model, tokenizer = mlxmoe.load(None, cache_experts=64, profile=str(italian), prefetch=0)
