@@ -67,7 +67,7 @@ def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_ex
     attention = attention_bytes(ckpt.config, act_bytes, PREFILL_STEP, PREFILL_STEP) if backend.materialises_attention else 0
     p = plan(parse_size(memory_budget, "memory budget"), resident, slot_bytes, ckpt.top_k,
              int(kv_bytes_per_token(ckpt.config, act_bytes) * context * ckpt.stage_share),
-             working_bytes(ckpt.config, act_bytes, PREFILL_STEP) + attention,
+             working_bytes(ckpt.config, act_bytes, PREFILL_STEP, ckpt.top_k) + attention,
              parse_size(cache_size, "cache size"), cache_experts, memory=backend.memory(), all_experts=total)
     p.attention = attention
     p.attention_per_key = attention_bytes(ckpt.config, act_bytes, 1, 1)  # per query token and key
@@ -181,7 +181,7 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
                         hold_resident=ckpt.group is not None and ckpt.split == "tensor")
     prefetcher = None
     if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
-        prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_k, depth=prefetch, prior=rates,
+        prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_ks, depth=prefetch, prior=rates,
                                 confidence=prefetch_confidence)
     runtime = Runtime(ckpt, p, be, cache, fp, prefetcher)
     attach_cache(ckpt, runtime)

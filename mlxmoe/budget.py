@@ -77,12 +77,13 @@ def kv_bytes_per_token(config, dtype_bytes):
     return layers * per_layer * dtype_bytes
 
 
-def working_bytes(config, dtype_bytes, prefill_tokens):
-    """Activations of one prefill step: hidden states, the experts' intermediates and logits."""
+def working_bytes(config, dtype_bytes, prefill_tokens, top_k):
+    """Activations of one prefill step: hidden states, the experts' intermediates (of the
+    `top_k` experts each token is routed to, as the model routes) and logits."""
     config = text_config(config)
     hidden = config.get("hidden_size", 0)
     inter = config.get("moe_intermediate_size") or config.get("intermediate_size", 0)
-    k = config.get("num_experts_per_tok", 1)
+    k = top_k
     vocab = config.get("vocab_size", 0)
     return prefill_tokens * (8 * hidden + 3 * k * inter + vocab) * dtype_bytes
 

@@ -411,6 +411,7 @@ def info(model_path, memory_budget, backend, as_json):
     out = {
         "model": str(ckpt.path), "model_type": ckpt.config["model_type"], "backend": be.name,
         "moe_layers": ckpt.num_layers, "experts_per_layer": ckpt.num_experts, "top_k": ckpt.top_k,
+        "top_k_per_layer": ckpt.top_ks,
         "expert_tensors": dict(zip(ckpt.store.tensors, ckpt.store.tensor_dtypes)),
         "expert_bytes": minimal.slot_bytes, "expert_bytes_on_disk": ckpt.store.expert_file_bytes(),
         "all_experts_bytes": total * minimal.slot_bytes, "resident_bytes": minimal.resident,
@@ -426,7 +427,9 @@ def info(model_path, memory_budget, backend, as_json):
         click.echo(json.dumps(out, indent=1))
         return
     click.echo(f"{out['model']}: {out['model_type']} on {be.name}")
-    click.echo(f"  {out['moe_layers']} MoE layers x {out['experts_per_layer']} experts, top-{out['top_k']}")
+    ks = sorted(set(ckpt.top_ks))
+    per_layer = f" (top-{', '.join(map(str, ks))} by layer)" if len(ks) > 1 else ""
+    click.echo(f"  {out['moe_layers']} MoE layers x {out['experts_per_layer']} experts, top-{out['top_k']}{per_layer}")
     click.echo(f"  one expert: {format_size(out['expert_bytes'])} in memory "
                f"({format_size(out['expert_bytes_on_disk'])} on disk); all experts {format_size(out['all_experts_bytes'])}")
     click.echo(f"  resident weights: {format_size(out['resident_bytes'])}, KV reserve {format_size(out['kv_reserve_bytes'])}, "

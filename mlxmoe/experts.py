@@ -42,16 +42,21 @@ def _tapped(cls):
     return type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
 
 
-def find_router(block):
+def find_router(block, num_experts=None):
     """The router of the MoE block that holds the experts (its `gate` or `router`), as
     two functions: probs(x), the router's probabilities over all experts for the input
     it just routed, and scores(x), its scores for any hidden state x (for lookahead).
-    (None, None) if it has neither.
+    (None, None) if it has neither, or if its scores are not one per expert (of
+    `num_experts`, where given: e.g. a router that also scores zero-compute experts).
 
     A Linear router is tapped: its instance gets a subclass that keeps its logits, so
     probs come from the model's own routing with no second matmul (and the parameter
     tree stays as mlx-lm built it)."""
     gate = block.get("gate", block.get("router")) if isinstance(block, nn.Module) else None
+    weight = getattr(gate, "weight", None)
+    if num_experts is not None and isinstance(weight, mx.array) and weight.ndim == 2 \
+            and weight.shape[0] != num_experts:
+        return None, None
     if isinstance(gate, (nn.Linear, nn.QuantizedLinear)):
         base = type(gate)
         gate.__class__ = _tapped(base)
@@ -61,7 +66,6 @@ def find_router(block):
 
         probs.logits = lambda: gate.last_logits  # the model's own array: host_probs reads it with no op
         return probs, lambda x: base.__call__(gate, x)
-    weight = getattr(gate, "weight", None)
     if isinstance(weight, mx.array) and weight.ndim == 2:  # e.g. deepseek's MoEGate: sigmoid scores
         def scores(x):
             return (x @ weight.T).astype(mx.float32)

@@ -18,7 +18,6 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
-from .budget import text_config
 from .errors import MlxmoeError
 from .files import read_bytes
 from .experts import StreamingExperts, find_router
@@ -48,7 +47,7 @@ class Checkpoint:
     experts: list = field(default_factory=list)  # StreamingExperts, one per MoE layer
     module_paths: list = field(default_factory=list)
     routers: list = field(default_factory=list)  # per MoE layer: x -> router scores, or None
-    top_k: int = 0
+    top_ks: list = field(default_factory=list)  # per MoE layer: the experts each token is routed to
     layer_offset: int = 0  # under a pipeline split: the whole model's index of this stage's first MoE layer
     total_layers: int = 0  # the whole model's MoE layers (this stage's alone when 0)
     group: object = None  # the mx.distributed group of a pipeline split, else None
@@ -66,6 +65,11 @@ class Checkpoint:
     @property
     def num_experts(self):
         return self.store.num_experts
+
+    @property
+    def top_k(self):
+        """The most experts one token is routed to in a layer (the cache's minimum)."""
+        return max(self.top_ks, default=0)
 
 
 def resolve(path_or_repo, revision=None):
@@ -318,6 +322,12 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None, s
         ((p, m) for p, m in model.named_modules() if isinstance(m, SWITCH_TYPES)), key=lambda pm: _layer_order(pm[0]))
     if not switches:
         raise MlxmoeError(f"{path}: model_type {config['model_type']!r} has no SwitchGLU/SwitchMLP experts to stream")
+    # the model's own top-k and expert count, before a split changes the model
+    top_ks = dict(zip((p for p, _ in switches), model_top_k(path, config, model, switches)))
+    counts = {_num_experts(m) for _, m in switches}
+    if len(counts) > 1:
+        raise MlxmoeError(f"{path}: model_type {config['model_type']!r} has MoE layers of {sorted(counts)} experts; "
+                          "mlxmoe streams layers of one expert count")
     total, offset, share = len(switches), 0, 1.0
     if group is not None and split == "tensor":
         share = _shard(path, config, model, store, group)
@@ -355,6 +365,7 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None, s
     store.map_layers(layers)
 
     ckpt = Checkpoint(path, config, model, store, module_paths=[p for p, _ in switches], layer_offset=offset,
+                      top_ks=[top_ks[p] for p, _ in switches],
                       total_layers=total, group=group, stage_share=share, split=split)
     swaps = []
     for layer, (mpath, module) in enumerate(switches):
@@ -367,22 +378,117 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None, s
         parent = model
         for part in mpath.split(".")[:-1]:
             parent = parent[int(part)] if isinstance(parent, list) else parent[part]
-        probs, scores = find_router(parent)
+        probs, scores = find_router(parent, store.num_experts)
         streaming = StreamingExperts(module, layer, probs)
         ckpt.routers.append(scores)
         ckpt.experts.append(streaming)
         swaps.append((mpath, streaming))
     model.update_modules(tree_unflatten(swaps))
-    ckpt.top_k = _top_k(config)
     return ckpt
 
 
-def _top_k(config):
-    config = text_config(config)
-    for key in ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    return 8
+# Where mlx-lm's MoE blocks, their routers and the args they were built from keep how many
+# experts each token is routed to: read only where running the routers (routed_widths) failed
+TOP_K_NAMES = ("num_experts_per_tok", "top_k", "num_experts_per_token", "moe_topk", "moe_top_k", "moe_k",
+               "top_k_experts", "n_activated_experts", "experts_per_token")
+
+
+class _WidthProbe(nn.Module):
+    """Stands in for a SwitchGLU/SwitchMLP during routed_widths: keeps the width of the
+    expert indices it is called with (the experts each token is routed to) and returns
+    zeros of the shape the experts' output has."""
+
+    def __init__(self):
+        super().__init__()
+        self._width = 0
+
+    def __call__(self, x, indices, *args, **kwargs):
+        self._width = max(self._width, int(indices.shape[-1]))
+        return mx.zeros((*indices.shape, x.shape[-1]), x.dtype)
+
+
+def routed_widths(model, switches):
+    """{module path: experts per token} of each switch module (path, module) of `model`, as
+    the model's own routing hands them over (the width of the expert indices it passes):
+    the model is run on one token with probes in place of the switch modules. MLX knows
+    an array's shape before computing it, so the graph this builds is never evaluated and
+    no weight is read (unless the model's own code evaluates something mid-way); no
+    expert is in it. The switches are put back. Returns (widths, the error the run raised
+    or None); a switch the run did not reach has no width.
+
+    Measured rather than read from config.json or the blocks' attributes: mlx-lm's models
+    name top-k in a dozen ways (num_experts_per_tok, top_k, k, moe_topk, top_k_experts,
+    a router's or the args' field, a list per layer), and the width of the indices is what
+    the cache must hold one token's experts for."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    probes = [(p, _WidthProbe()) for p, _ in switches]
+    error = None
+    model.update_modules(tree_unflatten(probes))
+    try:
+        model(mx.array([[0]]), cache=make_prompt_cache(model))
+    except Exception as e:  # any architecture's forward: the declared top-k is the fallback
+        error = e
+    finally:
+        model.update_modules(tree_unflatten(list(switches)))
+    return {p: probe._width for p, probe in probes if probe._width}, error
+
+
+def _int_attr(obj, name):
+    v = obj.get(name) if isinstance(obj, dict) and not isinstance(obj, nn.Module) else getattr(obj, name, None)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def declared_top_k(model, path, num_experts):
+    """The top-k the MoE block holding switch `path` was built with, or None: an integer
+    attribute of TOP_K_NAMES (or `k`) of the block, of its router (`gate`/`router`) or of
+    the args they keep (`args`/`config`), the nearest enclosing module first, up to the
+    decoder layer (where e.g. gemma4 keeps its router)."""
+    node, chain = model, []
+    for part in path.split(".")[:-1]:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+        chain.append((part, node))
+    for part, block in reversed(chain):
+        if isinstance(block, nn.Module):
+            holders = [block] + [block[n] for n in ("gate", "router") if isinstance(block.get(n), nn.Module)]
+            for holder in holders:
+                found = [(holder, TOP_K_NAMES + ("k",))] + [
+                    (args, TOP_K_NAMES) for args in (getattr(holder, a, None) for a in ("args", "config"))
+                    if args is not None and not isinstance(args, (nn.Module, mx.array))]
+                for obj, names in found:
+                    for name in names:
+                        k = _int_attr(obj, name)
+                        if k is not None and 1 <= k <= num_experts:
+                            return k
+        if part.isdigit():  # the decoder layer: no further
+            break
+    return None
+
+
+def model_top_k(path, config, model, switches):
+    """[experts per token] of each switch (path, module), from the instantiated model:
+    measured by running its routing (routed_widths), else declared by its MoE block; an
+    MlxmoeError naming the model type where neither tells."""
+    widths, error = routed_widths(model, switches)
+    top_k = []
+    for mpath, module in switches:
+        E = _num_experts(module)
+        k = widths.get(mpath) or declared_top_k(model, mpath, E)
+        if k is None:
+            why = f"running it on one token failed: {type(error).__name__}: {str(error)[:200]}" if error else \
+                "running it on one token did not reach these experts"
+            raise MlxmoeError(f"{path}: cannot tell how many experts model_type {config['model_type']!r} routes each "
+                              f"token to at {mpath} ({why}; its MoE block declares no top-k mlxmoe knows)")
+        if not 1 <= k <= E:
+            raise MlxmoeError(f"{path}: model_type {config['model_type']!r} routes each token to {k} experts at "
+                              f"{mpath}, which has {E}")
+        top_k.append(k)
+    return top_k
+
+
+def _num_experts(module):
+    """The experts of a SwitchGLU/SwitchMLP as mlx-lm built it: the leading dimension of its weights."""
+    return next(module[lin]["weight"].shape[0] for lin in LINEARS if lin in module)
 
 
 def attach_cache(ckpt, runtime):

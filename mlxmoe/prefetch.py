@@ -37,8 +37,10 @@ PREDICTORS = ("router", "router_next_token", "coactivation", "previous_token", "
 
 
 def hottest_per_layer(rates, k):
-    """The profile predictor: each layer's k experts with the highest rate."""
-    return [{e for _, e in hottest(rates, k, layer)} for layer in range(len(rates))]
+    """The profile predictor: each layer's k experts with the highest rate (`k`: one for
+    every layer, or a list of each layer's)."""
+    ks = list(k) if isinstance(k, (list, tuple)) else [k] * len(rates)
+    return [{e for _, e in hottest(rates, ks[layer], layer)} for layer in range(len(rates))]
 
 
 def count_prediction(counts, predicted, used):
@@ -78,10 +80,13 @@ def outranks(policy, likely):
 
 class Prefetcher:
     def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.1, cross_token=True,
-                 candidates=2, min_chance=0.1, chance_floor=0.05, busy_target=(0.5, 0.8), max_chance=0.25):
+                 candidates=2, min_chance=0.1, chance_floor=0.05, busy_target=(0.5, 0.8), max_chance=0.25,
+                 num_experts=None):
         """`routers[l]`: x -> router scores over layer l's experts (None if unknown);
-        `prior`: profile rates [layers, experts] or None. `cross_token`: the last layers
-        predict the next token's first ones. `candidates`: beyond the sure guesses, the
+        `top_k`: the experts a token is routed to, one number or each layer's (a list);
+        `num_experts`: the experts of a layer (default: the cache's store's), which bounds
+        every width of guesses; `prior`: profile rates [layers, experts] or None.
+        `cross_token`: the last layers predict the next token's first ones. `candidates`: beyond the sure guesses, the
         router's top candidates x top_k are loaded where the policy ranks them above its
         victim (0: only the sure guesses), if a guess of its rank was used at least
         `min_chance` of the time so far: a guess costs a whole read, and on a model whose
@@ -91,7 +96,13 @@ class Prefetcher:
         disk busy less than busy_target[0] of each decode step and rises (up to
         `max_chance`) above busy_target[1], so guesses are read as far as the disk has time
         for them."""
-        self.cache, self.routers, self.top_k, self.depth = cache, routers, top_k, depth
+        self.top_ks = list(top_k) if isinstance(top_k, (list, tuple)) else [top_k] * len(routers)
+        self.cache, self.routers, self.top_k, self.depth = cache, routers, max(self.top_ks, default=1), depth
+        if num_experts is None and cache is not None:
+            num_experts = cache.store.num_experts
+        # the router's guesses of each layer call scored by rank: candidates x top_k of them,
+        # never more than there are experts (an argsort over them is no wider)
+        self.width = candidates * self.top_k if num_experts is None else min(candidates * self.top_k, num_experts)
         self.confidence = confidence  # router probability above which a lookahead guess is loaded alone
         self.cross_token, self.candidates = cross_token, candidates
         self.min_chance, self.chance_floor, self.max_chance = min_chance, chance_floor, max_chance
@@ -118,11 +129,11 @@ class Prefetcher:
         # call for the first tokens on a model whose lookahead guesses badly)
         self.ranked = {}  # layer -> {step, or "coactivation": guesses best first} for its next visit
         self.prompt_ranked = {}  # layer -> (step, [tokens, rank] guesses, -1 where resident) at a prefill step
-        self.rank_counts = np.tile([1.0, 16.0], (max(depth, 1), len(routers), candidates * top_k, 1))
-        self.co_rank_counts = np.tile([1.0, 16.0], (len(routers), candidates * top_k, 1))  # the same, [layer, i]
+        self.rank_counts = np.tile([1.0, 16.0], (max(depth, 1), len(routers), self.width, 1))
+        self.co_rank_counts = np.tile([1.0, 16.0], (len(routers), self.width, 1))  # the same, [layer, i]
         # [layer, i, j]: decode steps in which `layer` used expert i and the next layer call
         # (past the last layer: the next token's first) used expert j
-        E = cache.store.num_experts if cache is not None and candidates else 0
+        E = num_experts if num_experts is not None and candidates else 0
         self.coactive = np.zeros((len(routers), E, E), dtype=np.float32) if E else None
         self.hottest: list[set] | None = None  # the profile predictor's guesses per layer (set_prior)
         self.set_prior(prior)
@@ -132,7 +143,7 @@ class Prefetcher:
     def set_prior(self, prior: np.ndarray | None) -> None:
         """Take a profile's rates [layers, experts] (None: no profile) for the profile
         predictor, as Policy.set_prior does for the policy; under the cache's lock mid-run."""
-        self.hottest = None if prior is None else hottest_per_layer(prior, self.top_k)
+        self.hottest = None if prior is None else hottest_per_layer(prior, self.top_ks)
 
     def layer_done(self, layer, rows, looked=None, token=0, decode=True):
         """A layer call has its experts (`rows`: each token's, [tokens, top_k], a list of one
@@ -240,11 +251,12 @@ class Prefetcher:
         for step, target, ahead in self.steps(layer):
             if step in looked:
                 probs = host_probs([looked[step]])[0]  # [tokens, experts]
-                wide = np.argsort(-probs, axis=-1, kind="stable")[:, : self.candidates * self.top_k]
+                order = np.argsort(-probs, axis=-1, kind="stable")
+                wide = order[:, : self.width]
                 if not ahead and self.candidates:  # each token's guesses by rank, resident ones left out
                     resident = [[(target, e) in self.cache.slot_of for e in row] for row in wide.tolist()]
                     self.prompt_ranked[target] = (step, np.where(resident, -1, wide))
-                top = wide[:, : self.top_k]
+                top = order[:, : self.top_ks[target]]
                 picks = np.bincount(top.reshape(-1), minlength=probs.shape[-1])
                 order = np.lexsort((-probs.sum(axis=0), -picks))  # most picked, then most mass
                 self.queue([(target, int(e)) for e in order if picks[e]], token + ahead, target)
@@ -260,15 +272,15 @@ class Prefetcher:
             predicted, probs, ranked = {}, None, None
             if step in looked:
                 probs = host_probs([looked[step]])[0][-1]
-                ranked = np.argsort(-probs, kind="stable")[: max(self.candidates, 1) * self.top_k].tolist()
-                guess = set(ranked[: self.top_k])
+                ranked = np.argsort(-probs, kind="stable")[: max(self.width, self.top_k)].tolist()
+                guess = set(ranked[: self.top_ks[target]])
                 predicted["router" if when == token else "router_next_token"] = guess
             co = None
             if step == 1 and self.coactive is not None and self.previous.get(layer):
                 row = self.coactive[layer][sorted(self.previous[layer])].sum(axis=0)
                 if row.any():
-                    co = np.argsort(-row, kind="stable")[: self.candidates * self.top_k].tolist()
-                    predicted["coactivation"] = set(co[: self.top_k])
+                    co = np.argsort(-row, kind="stable")[: self.width].tolist()
+                    predicted["coactivation"] = set(co[: self.top_ks[target]])
             if target in self.previous:  # for a layer of the next token: its experts at this token
                 predicted["previous_token"] = self.previous[target]
             if self.hottest is not None:
@@ -314,7 +326,7 @@ class Prefetcher:
             if probs is not None:
                 if ranked is None:
                     ranked = np.argsort(-probs, kind="stable").tolist()
-                guesses[step] = (ranked[: self.candidates * self.top_k], self.rank_counts[step - 1, target])
+                guesses[step] = (ranked[: self.width], self.rank_counts[step - 1, target])
             if co is not None:
                 guesses["coactivation"] = (co, self.co_rank_counts[target])
             for source, (wide, counts) in guesses.items():
