@@ -130,6 +130,10 @@ TEXT_SETTINGS = {
     "qwen3_5_moe": {**ARCH_SETTINGS["qwen3_next"]},
 }
 
+# config.json keys beyond the model's args that transformers checks when mlx-lm loads the
+# tokenizer (it reads config.json for a model type it knows too).
+CONFIG_EXTRA = {"muse_spark": {"audio_config": {"out_hidden_size": SIZES["hidden_size"]}}}
+
 # Architectures no tiny checkpoint can be built for from ModelArgs alone, and why.
 NOT_BUILDABLE = {
     "prism_hadamard_qwen35": "a Hadamard-rotated 2-bit pack of qwen3_5 (tested as qwen3_5): mlx-lm builds it only "
@@ -201,7 +205,8 @@ def tiny_config(arch, vocab_size, eos_token_id, overrides=None):
     config.update(overrides or {})
     # only the fields the model declares: a config.json as the model's authors write it
     # (a key of another model's name, e.g. num_experts_per_tok, would hide a reader of that key)
-    return {k: v for k, v in config.items() if k in fields or k in ("model_type", "eos_token_id", "text_config")}
+    config = {k: v for k, v in config.items() if k in fields or k in ("model_type", "eos_token_id", "text_config")}
+    return {**config, **copy.deepcopy(CONFIG_EXTRA.get(arch, {}))}
 
 
 def expected_top_k(config):
