@@ -293,29 +293,8 @@ def child_args(args, **extra):
 def spawn(config, args, label=None, env=None, **extra):
     """Run one configuration in a fresh interpreter (bench_runtime's pattern, with this
     file's options); returns its result dict, or {"error": ...}."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        result_file = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", config, "--result", result_file]
-    cmd += child_args(args, **extra)
-    label = label or config
-    print(f"[bench] {label} ...", file=sys.stderr, flush=True)
-    tic = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout, stdout=sys.stderr,
-                              env={**os.environ, **(env or {})})
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        rc = f"timeout after {args.timeout}s"
-    wall = time.perf_counter() - tic
-    result = {"error": f"exit status {rc}"}
-    if rc == 0:
-        result = json.loads(Path(result_file).read_text())
-    os.unlink(result_file)
-    result["wall_seconds"] = wall
-    result["loadavg_1min_end"] = os.getloadavg()[0]
-    print(f"[bench] {label}: {'done' if rc == 0 else 'FAILED (' + str(rc) + ')'} in {wall:.1f}s",
-          file=sys.stderr, flush=True)
-    return result
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", config] + child_args(args, **extra)
+    return br.run_child(cmd, label or config, args.timeout, env)
 
 
 def run_rate(args, rate_text, rate, caches, configs, tree, mp=None):

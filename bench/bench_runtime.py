@@ -327,16 +327,23 @@ def child_args(args):
 
 def spawn(config, args):
     """Run one configuration in a fresh interpreter; returns its result dict."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", config] + child_args(args)
+    return run_child(cmd, config, args.timeout)
+
+
+def run_child(cmd, label, timeout, env=None):
+    """Run `cmd` + ["--result", FILE] (a benchmark's `--one CONFIG` child, its output on
+    stderr); returns the dict it wrote to FILE, or {"error": ...}, with its wall time."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_file = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", config, "--result", result_file] + child_args(args)
-    print(f"[bench] {config}: {' '.join(cmd[1:3] + cmd[3:5])} ...", file=sys.stderr, flush=True)
+    print(f"[bench] {label} ...", file=sys.stderr, flush=True)
     tic = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout, stdout=sys.stderr)
+        proc = subprocess.run(cmd + ["--result", result_file], cwd=ROOT, timeout=timeout, stdout=sys.stderr,
+                              env={**os.environ, **(env or {})})
         rc = proc.returncode
     except subprocess.TimeoutExpired:
-        rc = "timeout"
+        rc = f"timeout after {timeout}s"
     wall = time.perf_counter() - tic
     result = {"error": f"exit status {rc}"}
     if rc == 0:
@@ -344,7 +351,7 @@ def spawn(config, args):
     os.unlink(result_file)
     result["wall_seconds"] = wall
     result["loadavg_1min_end"] = os.getloadavg()[0]
-    print(f"[bench] {config}: done in {wall:.1f}s", file=sys.stderr, flush=True)
+    print(f"[bench] {label}: {'done' if rc == 0 else f'FAILED ({rc})'} in {wall:.1f}s", file=sys.stderr, flush=True)
     return result
 
 

@@ -349,14 +349,16 @@ class ExpertCache(Residency):
         self.position = 0
 
     def fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None,
-              routing: Callable | None = None) -> list:
-        """Make the distinct `experts` of `layer` resident; return their slots. Interrupted
-        (Ctrl-C in `chat`, which carries on) or failed anywhere, the keys of the call that no
-        background read is filling leave the cache: a key given a slot but not yet read
-        would otherwise pass for resident with another expert's bytes."""
+              routing: Callable | None = None, early: Callable | None = None) -> list:
+        """Make the distinct `experts` of `layer` resident; return their slots. Where some
+        must be read on the decode thread, `early({expert: slot})` is first given those
+        already resident, so that it can start computing with them while the rest are read.
+        Interrupted (Ctrl-C in `chat`, which carries on) or failed anywhere, the keys of the
+        call that no background read is filling leave the cache: a key given a slot but not
+        yet read would otherwise pass for resident with another expert's bytes."""
         self.check_open()
         try:
-            return self._fetch(layer, experts, scores, probs, routing)
+            return self._fetch(layer, experts, scores, probs, routing, early)
         except BaseException:
             with self.lock:
                 unsure = [(layer, e) for e in experts if (layer, e) not in self.in_flight]
@@ -368,7 +370,7 @@ class ExpertCache(Residency):
             raise MlxmoeError("this model's expert cache is closed; load the model again")
 
     def _fetch(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None,
-               routing: Callable | None) -> list:
+               routing: Callable | None, early: Callable | None) -> list:
         keys = [(layer, e) for e in experts]
         with self.lock:
             while True:
@@ -385,8 +387,13 @@ class ExpertCache(Residency):
                 self.miss_costs(layer, len(waits) + useful, len(missed))
             if self.held:  # held until this visit: what this layer did not use was a wrong guess
                 self.held.difference_update([k for k in self.held if k[0] == layer])
+            if missed and early is not None:
+                unread = {e for e, _ in missed} | {e for (_, e), _ in waits} | {e for l, e in self.loader.failed if l == layer}
+                ready = {e: s for e, s in zip(experts, slots) if e not in unread}
         tic = time.perf_counter()
         if missed:
+            if early is not None and ready:
+                early(ready)
             self.read_demand(layer, missed)
         if waits or self.loader.failed:
             self.loader.wait_for(waits, keys)

@@ -17,6 +17,13 @@ from .cache import expert_groups
 from .errors import MlxmoeError
 
 
+def nest(slots: list, depth: int) -> mx.array:
+    """`slots` as a uint32 array nested `depth` deep, as a decode step's indices are: no reshape op."""
+    for _ in range(depth):
+        slots = [slots]
+    return mx.array(slots, dtype=mx.uint32)
+
+
 class LayerCall(NamedTuple):
     """What the cache's observers learn of one layer call (one record, also where a call
     with more distinct experts than slots is fetched in groups of experts)."""
@@ -226,8 +233,9 @@ class StreamingExperts(nn.Module):
         counters = cache.counters
         read_before = counters.read_seconds
         if decode:
-            slots, rows = self._step(indices, probs, logits)
+            slots, rows, ready = self._step(x, indices, probs, logits)
         else:
+            ready = None
             idx, rows, probs = self._routing(indices, probs)
             groups = expert_groups(rows, cache.capacity)
             if len(groups) > 1:
@@ -235,6 +243,9 @@ class StreamingExperts(nn.Module):
             slots = self._slots(rows, idx, probs)
         inner = time.perf_counter()
         y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
+        if ready is not None:  # the experts resident before the reads, computed meanwhile
+            order, y_ready = ready
+            y = mx.take(mx.concatenate([y_ready, y], axis=-2), mx.array(np.argsort(order)), axis=-2)
         inner = time.perf_counter() - inner
         if prefetcher is not None:
             prefetcher.layer_done(self._layer, rows, looked, counters.tokens, decode)
@@ -291,10 +302,14 @@ class StreamingExperts(nn.Module):
             self._cache.tick(flat.shape[0])
         return idx, flat, probs
 
-    def _step(self, indices, probs, logits):
+    def _step(self, x, indices, probs, logits):
         """A decode step (one token): its experts read as a list, the rest of its routing
         (the router's `probs`, or a tapped router's `logits`) as the policy and the observers
-        need it (StepRouting); returns (slots nested as `indices`, [the token's experts])."""
+        need it (StepRouting). Where some experts are read on the decode thread, those
+        already resident are computed while they are read (every expert's output is its own
+        row: the same numbers). Returns (slots nested as `indices` of the experts left to
+        compute, [the token's experts], None or (the order of the rows of [computed early,
+        left], the early rows' output))."""
         cache = self._cache
         row, depth = indices.tolist(), 0
         while isinstance(row[0], list):
@@ -303,13 +318,27 @@ class StreamingExperts(nn.Module):
             cache.tick(1)
         experts = sorted(set(row))
         routing = StepRouting(self._layer, row, probs, logits, experts, cache.call_position)
-        slots = cache.fetch(self._layer, experts, routing=routing)
+        started = []
+
+        def early(ready):
+            cols = [i for i, e in enumerate(row) if e in ready]
+            y = self._inner(x, nest([ready[row[i]] for i in cols], depth))
+            mx.async_eval(y)
+            started.append((cols, y))
+
+        try:
+            slots = cache.fetch(self._layer, experts, routing=routing, early=early)
+        except BaseException:
+            if started:  # nothing may still compute from slots that leave the cache
+                mx.eval(started[0][1])
+            raise
         cache.observe(routing.record)
         slot_of = dict(zip(experts, slots))
-        nested = [slot_of[e] for e in row]
-        for _ in range(depth):  # nested as `indices` is: no reshape op
-            nested = [nested]
-        return mx.array(nested, dtype=mx.uint32), [row]
+        if not started:
+            return nest([slot_of[e] for e in row], depth), [row], None
+        cols, y_ready = started[0]
+        rest = [i for i in range(len(row)) if i not in cols]
+        return nest([slot_of[row[i]] for i in rest], depth), [row], (cols + rest, y_ready)
 
     def _resident(self, x, indices, table):
         """Every expert is resident (they stay put then): slots from the cache's table on

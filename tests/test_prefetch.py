@@ -583,3 +583,27 @@ def test_a_prompt_step_reads_each_expert_at_most_once(checkpoint, cache_experts,
     assert reads and len(reads) == len(set(reads))
     if cache_experts == 4:  # the prompt's calls used more experts than the cache holds
         assert len({e for l, e in reads if l == 0}) > cache_experts
+
+
+def test_resident_experts_compute_while_the_missing_are_read(checkpoint):
+    """A decode step that must read some of its experts starts computing with those already
+    resident before the reads (their rows are their own: the same numbers), so the
+    output is stock mlx-lm's; a step with nothing to read or nothing resident starts nothing."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want = reference(path, 16)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=6, prefetch=0)
+    cache = model.expert_cache
+    fetch, calls = cache.fetch, []
+
+    def logged(layer, experts, *a, early=None, **kw):
+        started = []
+        wrapped = None if early is None else (lambda ready: (started.append(dict(ready)), early(ready)))
+        slots = fetch(layer, experts, *a, early=wrapped, **kw)
+        calls.append((layer, experts, started))
+        return slots
+
+    cache.fetch = logged
+    assert tokens(model, tokenizer, 16) == want
+    early = [(experts, started[0]) for _, experts, started in calls if started]
+    assert early  # some decode steps read a part of their experts
+    assert all(0 < len(ready) < len(experts) and set(ready) <= set(experts) for experts, ready in early)
