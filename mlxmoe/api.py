@@ -20,7 +20,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import backend as backends
 from . import distributed
-from .budget import DEFAULT_CONTEXT, Plan, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
+from .budget import DEFAULT_CONTEXT, Plan, text_config, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
 from .cache import ExpertCache
 from .curves import predicted_curve
 from .errors import MlxmoeError
@@ -457,17 +457,73 @@ def generation_lock(model):
         return model._mlxmoe_generation_lock
 
 
+def vocab_size(model):
+    """The rows of `model`'s token embedding (config.json's vocab_size), or None where unknown."""
+    runtime = getattr(model, "expert_runtime", None)
+    size = None
+    if runtime is not None:
+        size = text_config(runtime.checkpoint.config).get("vocab_size")
+    if size is None:
+        size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def check_token_ids(ids, size, field="prompt"):
+    """Refuse (MlxmoeError naming `field`) token ids that are not integers in [0, size):
+    MLX indexes the embedding with them unchecked (an id past it kills the process)."""
+    for i, t in enumerate(ids):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise MlxmoeError(f"{field}[{i}]: a token id is an integer, not {str(t)[:40]!r}")
+        if size is not None and not 0 <= t < size:
+            raise MlxmoeError(f"{field}[{i}]: token id {t} is outside the vocabulary (0 to {size - 1})")
+
+
+def prompt_tokens(model, tokenizer, prompt):
+    """The prompt's token ids as mlx-lm's stream_generate would make them (a string
+    tokenized, BOS added unless the text starts with it), checked: text that is not
+    valid UTF-8 (undecodable bytes read as surrogates), no tokens, ids outside the
+    vocabulary are refused with an MlxmoeError naming the prompt."""
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise MlxmoeError(f"prompt: not valid UTF-8 text (an undecodable byte at character {e.start})") from None
+        bos = getattr(tokenizer, "bos_token", None)
+        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    elif isinstance(prompt, (mx.array, np.ndarray)):
+        if prompt.ndim != 1:
+            raise MlxmoeError(f"prompt: an array of token ids has one dimension, not shape {list(prompt.shape)}")
+        ids = prompt.tolist()
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+    else:
+        raise MlxmoeError(f"prompt: a string or a list of token ids, not {type(prompt).__name__}")
+    if not ids:
+        raise MlxmoeError("prompt: empty (no tokens to start from)")
+    check_token_ids(ids, vocab_size(model))
+    return ids
+
+
 def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], max_tokens: int = 256,
                     **kwargs) -> Iterator[GenerationResponse]:
     """mlx_lm.stream_generate, recording decode speed in the expert cache's stats. Holds
-    the model's generation lock from the first response to the last (or close())."""
+    the model's generation lock from the first response to the last (or close()); a thread
+    whose previous generation on the model is still open (half consumed) gets an
+    MlxmoeError, not a wait on itself. The prompt is checked first (prompt_tokens)."""
     runtime = getattr(model, "expert_runtime", None)
     cache = None if runtime is None else runtime.cache
+    if kwargs.get("input_embeddings") is None:
+        prompt = prompt_tokens(model, tokenizer, prompt)
     if "prefill_step_size" not in kwargs:
         kwargs["prefill_step_size"] = prefill_step(None if runtime is None else runtime.plan, tokenizer, prompt,
                                                    kwargs.get("prompt_cache"))
     lock = generation_lock(model)
+    me = threading.get_ident()
+    if getattr(model, "_mlxmoe_generation_owner", None) == me:
+        raise MlxmoeError("this thread's previous generation on this model is still open (a stream_generate "
+                          "half consumed): read it to the end or close() it before generating again")
     lock.acquire()
+    model._mlxmoe_generation_owner = me
     try:
         if runtime is not None:
             runtime.new_sequence()
@@ -489,9 +545,12 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
             with distributed.waiting(group, "ending a generation"):
                 distributed.barrier(group)
     finally:
-        if cache is not None and cache.later:  # closed early: its arrays are this thread's
-            cache.flush()
-        lock.release()
+        try:
+            if cache is not None and cache.later:  # closed early: its arrays are this thread's
+                cache.flush()
+        finally:
+            model._mlxmoe_generation_owner = None
+            lock.release()
 
 
 def generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], verbose: bool = False,

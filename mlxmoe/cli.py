@@ -832,13 +832,16 @@ def convert(src, dst, bundle):
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens per response where a request does not say.")
-@click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--temp", type=Number(float, 0), default=0.0, show_default=True,
               help="Sampling temperature where a request does not say.")
-@click.option("--top-p", type=click.FloatRange(0, 1), default=1.0, show_default=True)
+@click.option("--top-p", type=Number(float, 0, 1), default=1.0, show_default=True)
 @click.option("--prompt-cache-size", type=click.IntRange(min=0), default=0, show_default=True,
               help="Conversations whose KV cache is kept for the next request (mlx-lm's prompt cache; memory "
               "beside the budget, bounded by its KV reserve).")
-def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp, top_p, prompt_cache_size, **opts):
+@click.option("--max-queue", type=click.IntRange(1, 4096), default=64, show_default=True,
+              help="Generation requests waiting or running at once; more are answered 503 with Retry-After.")
+def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp, top_p, prompt_cache_size, max_queue,
+          **opts):
     """Serve the model over HTTP: OpenAI /v1/chat/completions, /v1/completions and
     /v1/models, Anthropic /v1/messages, /health and the expert cache's /v1/mlxmoe/stats
     (mlx-lm's server on mlxmoe's model). Requests queue: one generation at a time."""
@@ -850,7 +853,7 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
     try:
         run_server(model, tokenizer, opts["model_path"] or "mlxmoe-demo", host, port, profiles_dir, save_profiles,
                    save_every, max_tokens, temp, top_p, prompt_cache_size, opts["force_profile"],
-                   opts["profile_path"])
+                   opts["profile_path"], max_queue=max_queue)
     except BaseException:
         model.expert_cache.close()
         raise
