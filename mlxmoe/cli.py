@@ -276,11 +276,11 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
     baseline_rss = current_rss()  # Python, MLX and mlx-lm imported, no weights yet
     model, tokenizer = _load(opts)
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = _read_stdin()
     if not prompt.strip():
         raise MlxmoeError("the prompt is empty")
     if chat_template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        prompt = _chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
     response = None
     try:
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
@@ -300,6 +300,47 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         write_atomic(stats_json, json.dumps(stats, indent=1))
 
 
+def _read_stdin():
+    """Standard input as text, refused (naming it) where it is not UTF-8."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a text stream (tests): what it holds is text already
+        return sys.stdin.read()
+    data = stream.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MlxmoeError(f"the prompt on standard input is not UTF-8 text (byte {e.start})") from None
+
+
+def _input_line(prompt):
+    """input(prompt), but from a pipe or file line by line in bytes, so that a line that is
+    not UTF-8 (UnicodeDecodeError) loses only itself, not what the text reader had buffered."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None or sys.stdin.isatty():
+        return input(prompt)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = buffer.readline()
+    if not line:
+        raise EOFError
+    return line.decode("utf-8").rstrip("\r\n")
+
+
+def _chat_prompt(tokenizer, messages):
+    """The chat template applied to `messages` up to the assistant's turn, or an MlxmoeError
+    saying why the template refused them."""
+    for m in messages:
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise MlxmoeError(f"the {m['role']} message is not valid UTF-8 text (an undecodable byte at character "
+                              f"{e.start})") from None
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # jinja2's errors, the template's own raise_exception, transformers' checks
+        raise MlxmoeError(f"the chat template failed ({type(e).__name__}: {str(e)[:200]})") from None
+
+
 @main.command()
 @model_options
 @sampling_options
@@ -314,7 +355,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors
 
-    from .api import stream_generate
+    from .api import prompt_tokens, stream_generate
     from .files import check_writable
 
     if save_profile:
@@ -331,10 +372,13 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     try:
         while True:
             try:
-                query = input(">> ")
+                query = _input_line(">> ")
             except (EOFError, KeyboardInterrupt):  # SIGTERM too
                 click.echo()
                 break
+            except UnicodeDecodeError as e:  # a terminal or pipe that is not UTF-8: this line only
+                click.echo(f"[not UTF-8 text (byte {e.start}); the line was not sent]")
+                continue
             command = query.strip()
             if not command:
                 continue
@@ -368,7 +412,11 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 query = query.replace("//", "/", 1)
             messages = [{"role": "system", "content": system_prompt}] if system_prompt and first else []
             messages.append({"role": "user", "content": query})
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            try:
+                prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages))
+            except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks): the chat goes on
+                click.echo(f"[{e}]")
+                continue
             before = _stats(model)
             response = None
             try:

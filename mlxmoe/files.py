@@ -8,6 +8,7 @@ gone, and every writer calls it before it starts. A temp file gets the permissio
 plain open() would give (umask applied), a temp folder those of mkdir().
 """
 
+import json
 import os
 import re
 import shutil
@@ -174,3 +175,15 @@ def read_bytes(path, what, limit):
             return f.read(limit + 1)
     except OSError as e:
         raise MlxmoeError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def read_json(path, what, limit):
+    """The JSON value in the regular file `path` (UTF-8, at most `limit` bytes), or an
+    MlxmoeError that names it."""
+    data = read_bytes(path, what, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise MlxmoeError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise MlxmoeError(f"{path}: not valid JSON ({str(e)[:200]})") from None

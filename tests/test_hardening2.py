@@ -145,3 +145,80 @@ def test_serve_refuses_nan_sampling_options(cli):
     for args in (["--temp", "nan"], ["--temp", "inf"], ["--top-p", "nan"]):
         code, err = cli("serve", "--port", "0", *args)
         assert code == 2 and "error:" in err and args[0] in err, err
+
+
+def edit_config(demo, **fields):
+    config = json.loads((demo / "config.json").read_text())
+    config.update(fields)
+    (demo / "config.json").write_text(json.dumps(config))
+
+
+# (2) a FIFO in place of a JSON file the loader reads: refused, never waited on
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", "generation_config.json", "config.json"])
+def test_a_fifo_in_place_of_a_json_file_is_refused(demo, name):
+    if (demo / name).exists():
+        (demo / name).unlink()
+    os.mkfifo(demo / name)
+    r = subprocess.run([sys.executable, "-m", "mlxmoe", "info", "-m", str(demo)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert str(demo / name) in r.stderr and "regular file" in r.stderr
+
+
+# (4) checkpoint files that mlx-lm or transformers would take with a traceback
+@pytest.mark.parametrize("damage,needle", [
+    ("config in UTF-16", r"config\.json: not UTF-8"),
+    ("weight_map a list", r"index\.json: malformed index \(weight_map"),
+    ("index not JSON", r"index\.json: not valid JSON"),
+    ("template broken", r"chat_template\.jinja: the chat template does not parse"),
+    ("template a folder", r"chat_template\.jinja is a folder"),
+    ("top-k above experts", "num_experts_per_tok 40 is more than the 32 experts"),
+    ("rope_theta a string", "rope_theta must be a finite number"),
+    ("rms_norm_eps Infinity", "rms_norm_eps must be a finite number"),
+    ("tie_word_embeddings a string", "tie_word_embeddings must be true or false"),
+])
+def test_broken_checkpoint_files_are_named(demo, damage, needle):
+    if damage == "config in UTF-16":
+        (demo / "config.json").write_text((demo / "config.json").read_text(), encoding="utf-16")
+    elif damage == "weight_map a list":
+        (demo / "model.safetensors.index.json").write_text('{"weight_map": [1, 2]}')
+    elif damage == "index not JSON":
+        (demo / "model.safetensors.index.json").write_text('{"weight_map": ')
+    elif damage == "template broken":
+        (demo / "chat_template.jinja").write_text("{% for x in %}")
+    elif damage == "template a folder":
+        (demo / "chat_template.jinja").unlink()
+        (demo / "chat_template.jinja").mkdir()
+    elif damage == "top-k above experts":
+        edit_config(demo, num_experts_per_tok=40)
+    elif damage == "rope_theta a string":
+        edit_config(demo, rope_theta="x")
+    elif damage == "rms_norm_eps Infinity":
+        edit_config(demo, rms_norm_eps=float("inf"))
+    else:
+        edit_config(demo, tie_word_embeddings="x")
+    with pytest.raises(MlxmoeError, match=needle):
+        mlxmoe.load(str(demo), cache_experts=8, prewarm=False, prefetch=0)
+
+
+def run_mlxmoe(*args, stdin=b"", env=None):
+    return subprocess.run([sys.executable, "-m", "mlxmoe", *map(str, args)], input=stdin, capture_output=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+# (4) prompts that are not UTF-8: one clean error in generate, one refused line in chat (which goes on)
+def test_a_prompt_not_in_utf8_is_refused():
+    r = run_mlxmoe("generate", "--prompt", "-", "--max-tokens", "2", stdin=b"caf\xe9")
+    assert r.returncode == 2 and r.stderr.decode() == "error: the prompt on standard input is not UTF-8 text (byte 3)\n"
+    r = run_mlxmoe("generate", "--prompt", os.fsdecode(b"caf\xe9"), "--max-tokens", "2")
+    assert r.returncode == 2 and b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("errors", ["strict", "surrogateescape"])
+def test_a_chat_line_not_in_utf8_is_refused_and_the_chat_goes_on(errors):
+    r = run_mlxmoe("chat", "--max-tokens", "2", stdin=b"caf\xe9\nhello\n/quit\n",
+                   env={"PYTHONIOENCODING": f"utf-8:{errors}"})
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "not UTF-8" in out or "not valid UTF-8" in out, out
+    assert err.count("tokens,") == 1, err  # "hello" was answered
