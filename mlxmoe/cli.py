@@ -551,7 +551,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
     exclusive(prompts=prompts_file, chats=chats)
-    check_writable(out)
+    check_writable(out, (prompts_file, chats, opts["profile_path"]))
 
     def fresh_profile(model):  # the live profile starts empty (not from --profile's counts)
         model.expert_runtime.record_profile(workload, half_life)
@@ -611,7 +611,7 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     from .policies import HALF_LIFE_PROFILE
     from .trace import build_profile, read_trace
 
-    check_writable(out)
+    check_writable(out, traces)
     loaded = [(path, *read_trace(path)) for path in traces]
     name = workload or os.path.basename(traces[0]).split(".")[0]
     p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
@@ -708,7 +708,7 @@ def profile_merge(files, out, weights, workload):
     from .files import check_writable
     from .profile import ActivationProfile
 
-    check_writable(out)
+    check_writable(out, files)
     try:
         w = [float(x) for x in weights.split(",")] if weights is not None else None
     except ValueError:
@@ -760,6 +760,9 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
     exclusive(prompts=prompts_file, chats=chats)
     if opts["trace_out"]:
         raise click.UsageError("trace record writes its trace to --out; --trace-out is for the other commands")
+    from .files import check_writable
+
+    check_writable(out, (prompts_file, chats, opts["profile_path"]))
     opts["trace_out"] = out
     model, _ = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
     model.expert_runtime.close()
@@ -833,7 +836,7 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
     from .files import check_writable
     from .trace import import_trace
 
-    check_writable(out)
+    check_writable(out, (src,))
     wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None
     summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name)
     for w in warnings:

@@ -240,17 +240,19 @@ def replay(header, records, policy, cache_experts, profile=None, **policy_kw):
     if cache_experts < k:
         raise MlxmoeError(f"--cache-experts must be at least {k} (the most experts one layer uses at once)")
     if policy == "belady":
-        policy_kw["future"] = [(l, x) for _, l, experts, *_ in steps(records, L, cache_experts) for x in experts]
+        policy_kw["future"] = [(l, x) for _, l, experts, *_ in steps(records, L, min(cache_experts, L * E))
+                               for x in experts]
     if profile is not None:
         if policy == "belady":
             raise MlxmoeError("belady starts from a cold cache: a profile is for the online policies")
         profile.check_model(trace_fingerprint(header), L, E, force=True, where=profile.name())  # shapes must agree
         policy_kw["prior"] = profile.rates()
-    residency = Residency(cache_experts, make_policy(policy, cache_experts, L, E, **policy_kw))
+    slots = min(cache_experts, L * E)  # a larger cache holds every expert too: the same hits, no huge tables
+    residency = Residency(slots, make_policy(policy, slots, L, E, **policy_kw))
     if profile is not None:
-        for key in prewarm_order(profile, L, E, cache_experts)[:cache_experts]:
+        for key in prewarm_order(profile, L, E, slots)[:slots]:
             residency.claim([key])
-    for tokens, layer, experts, scores, dist in steps(records, L, cache_experts):
+    for tokens, layer, experts, scores, dist in steps(records, L, slots):
         if tokens:
             residency.tick(tokens)
         residency.access(layer, experts, scores, dist)
@@ -591,6 +593,10 @@ def read_sglang(path, num_layers=None, top_k=None):
                 raise MlxmoeError(f"{where}: no meta_info.routed_experts nor choices[].sgl_ext.routed_experts")
     arrays = []
     for rid, value, dtype, prompt, completion, where in responses:
+        for field, count in (("prompt_tokens", prompt), ("completion_tokens", completion)):
+            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+                raise MlxmoeError(f"{where}: {field} must be a token count (an integer, at least 0), not "
+                                  f"{json.dumps(count)[:40]}")
         if value is None:
             raise MlxmoeError(f"{where}: no routed_experts (was the request sent with return_routed_experts?)")
         ids = _decode_ids(value, dtype, where)

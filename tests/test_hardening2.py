@@ -222,3 +222,66 @@ def test_a_chat_line_not_in_utf8_is_refused_and_the_chat_goes_on(errors):
     assert r.returncode == 0 and "Traceback" not in err, err
     assert "not UTF-8" in out or "not valid UTF-8" in out, out
     assert err.count("tokens,") == 1, err  # "hello" was answered
+
+
+def vllm_routes(path):
+    lines = [{"type": "route", "req_id": "a", "token_idx": t, "layer": l, "topk_ids": [t % 4, (t + 1) % 4],
+              "topk_weights": [0.6, 0.4]} for t in range(4) for l in range(2)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+# (3) an output that is one of the command's inputs is refused; the input is left as it was
+@pytest.mark.parametrize("how", ["same path", "another spelling", "a hard link", "a symlink"])
+def test_an_output_equal_to_an_input_is_refused(tmp_path, cli, how):
+    src = vllm_routes(tmp_path / "routes.jsonl")
+    before = src.read_bytes()
+    out = {"same path": src, "another spelling": tmp_path / "." / "x" / ".." / "routes.jsonl",
+           "a hard link": tmp_path / "hard.jsonl", "a symlink": tmp_path / "sym.jsonl"}[how]
+    (tmp_path / "x").mkdir()
+    if how == "a hard link":
+        os.link(src, out)
+    elif how == "a symlink":
+        out.symlink_to(src)
+    code, err = cli("trace", "import", "vllm", src, "-o", out)
+    assert code == 2 and "is the input" in err, err
+    assert src.read_bytes() == before
+    code, err = cli("trace", "import", "vllm", src, "-o", tmp_path / "t.jsonl")
+    assert code == 0, err
+    trace = tmp_path / "t.jsonl"
+    trace_before = trace.read_bytes()
+    code, err = cli("profile", "from-trace", trace, "-o", trace)
+    assert code == 2 and "is the input" in err, err
+    code, err = cli("profile", "merge", trace, "-o", trace)
+    assert code == 2 and "is the input" in err, err
+    assert trace.read_bytes() == trace_before
+
+
+# (4) importers and replay: a count of the wrong type, a cache larger than every expert
+def test_sglang_token_counts_must_be_integers(tmp_path):
+    import base64
+
+    import numpy as np
+
+    from mlxmoe.trace import import_trace
+
+    payload = base64.b64encode(np.zeros((3, 2, 2), np.int32).tobytes()).decode()
+    src = tmp_path / "r.jsonl"
+    src.write_text(json.dumps({"meta_info": {"id": "r", "prompt_tokens": 2, "completion_tokens": "2",
+                                             "routed_experts": payload}}))
+    with pytest.raises(MlxmoeError, match=r"r\.jsonl:1: completion_tokens must be a token count"):
+        import_trace("sglang", src, tmp_path / "t.jsonl", num_layers=2)
+
+
+@pytest.mark.parametrize("size", [10 ** 11, 10 ** 31])
+def test_replay_with_a_cache_beyond_every_expert(tmp_path, cli, capsys, size):
+    from mlxmoe.trace import import_trace, read_trace, replay_all
+
+    import_trace("vllm", vllm_routes(tmp_path / "routes.jsonl"), tmp_path / "t.jsonl")
+    header, records = read_trace(tmp_path / "t.jsonl")
+    whole = replay_all(header, records, ["lru"], header["num_layers"] * header["num_experts"])
+    huge = replay_all(header, records, ["lru"], size)
+    assert [{**r, "cache_experts": 0} for r in huge] == [{**r, "cache_experts": 0} for r in whole]
+    assert huge[0]["cache_experts"] == size
+    code, err = cli("trace", "replay", tmp_path / "t.jsonl", "--cache-experts", size, "--json")
+    assert code == 0, err
