@@ -112,6 +112,7 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     """
     if split not in ("pipeline", "tensor"):
         raise MlxmoeError(f"split {split!r}: choose pipeline or tensor")
+    _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts, trace_out)
     group = group if group is not None and group.size() > 1 else None
     try:
         loaded = _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
@@ -130,6 +131,27 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
             loaded[0].expert_runtime.abort()
             raise
     return loaded
+
+
+def _int_in(value, low, high):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and low <= value <= high
+
+
+def _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts, trace_out):
+    """load's own options, with the CLI's ranges (one rule for both entrances)."""
+    if not (isinstance(prefetch, bool) or _int_in(prefetch, 0, 64)):  # (True/False: on at depth 1, off)
+        raise MlxmoeError(f"prefetch {prefetch!r}: layer calls ahead, an integer from 0 to 64")
+    if not _int_in(io_threads, 1, 256):
+        raise MlxmoeError(f"io_threads {io_threads!r}: an integer from 1 to 256")
+    if isinstance(prefetch_confidence, bool) or not isinstance(prefetch_confidence, (int, float)) \
+            or not 0 <= prefetch_confidence <= 1:
+        raise MlxmoeError(f"prefetch_confidence {prefetch_confidence!r}: a probability, from 0 to 1")
+    if cache_experts is not None and not _int_in(cache_experts, 1, 1 << 62):
+        raise MlxmoeError(f"cache_experts {cache_experts!r}: a number of experts, an integer of at least 1")
+    if trace_out is not None:
+        from .files import check_writable
+
+        check_writable(trace_out)  # a folder or a missing parent: refused now, not at close()
 
 
 def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,

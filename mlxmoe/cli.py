@@ -281,14 +281,30 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         raise MlxmoeError("the prompt is empty")
     if chat_template:
         prompt = _chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    response = None
+    response, interrupted = None, False
     try:
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                         sampler=_sampler(temp, top_p, seed)):
             click.echo(response.text, nl=False)
         click.echo()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats and profile of what ran are still written
+        if model.expert_runtime.group is not None:
+            raise
+        interrupted = True
+        click.echo()
     finally:
         _finish(model, save_profile)
+    with signals_deferred():
+        _generate_report(model, response, baseline_rss, stats_json)
+    if interrupted:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+def _generate_report(model, response, baseline_rss, stats_json):
+    """generate's closing lines on stderr, and its --stats-json."""
+    from .files import write_atomic
+
     stats = _stats(model)
     for r, s in enumerate(stats.get("per_rank", [])):
         click.echo(rank_line(r, s), err=True)
@@ -587,6 +603,8 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
             os.unlink(scratch)
     click.echo(f"saved {out}: {live.tokens_total} tokens of {workload!r}" + (" (interrupted)" if interrupted else ""),
                err=True)
+    if interrupted:  # what was recorded is saved, but the run did not end: `record && deploy` must not go on
+        sys.exit(130)
 
 
 @profile.command("from-trace")
@@ -764,9 +782,11 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
 
     check_writable(out, (prompts_file, chats, opts["profile_path"]))
     opts["trace_out"] = out
-    model, _ = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
+    model, interrupted = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
     model.expert_runtime.close()
-    click.echo(f"saved {out}", err=True)
+    click.echo(f"saved {out}" + (" (interrupted: the prompts run so far)" if interrupted else ""), err=True)
+    if interrupted:
+        sys.exit(130)
 
 
 @trace.command("replay")

@@ -285,3 +285,38 @@ def test_replay_with_a_cache_beyond_every_expert(tmp_path, cli, capsys, size):
     assert huge[0]["cache_experts"] == size
     code, err = cli("trace", "replay", tmp_path / "t.jsonl", "--cache-experts", size, "--json")
     assert code == 0, err
+
+
+# silent acceptance: load's options follow the CLI's ranges; a trace_out that cannot be written fails at load
+@pytest.mark.parametrize("kw,needle", [
+    ({"prefetch": -1}, "prefetch -1"), ({"prefetch": 10 ** 6}, "prefetch 1000000"),
+    ({"prefetch_confidence": float("nan")}, "prefetch_confidence"), ({"io_threads": 0}, "io_threads"),
+    ({"cache_experts": 0}, "cache_experts"), ({"cache_experts": 2.5}, "cache_experts"),
+])
+def test_load_options_out_of_range_are_refused(kw, needle):
+    with pytest.raises(MlxmoeError, match=needle):
+        mlxmoe.load(str(DEMO_MODEL), prewarm=False, **kw)
+
+
+def test_a_trace_out_folder_is_refused_at_load(tmp_path):
+    with pytest.raises(MlxmoeError, match="it is a folder"):
+        mlxmoe.load(str(DEMO_MODEL), cache_experts=8, prewarm=False, trace_out=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+# exit codes: an interrupted generate still writes --stats-json and exits 130
+def test_sigterm_during_generate_writes_the_stats_and_exits_130(tmp_path):
+    import signal
+
+    stats = tmp_path / "s.json"
+    proc = subprocess.Popen([sys.executable, "-m", "mlxmoe", "generate", "-p", "Il gatto", "--max-tokens", "100000",
+                             "--stats-json", str(stats)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.read(8)  # generating
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and b"Traceback" not in err, err
+    assert json.loads(stats.read_text())["tokens"] > 0
