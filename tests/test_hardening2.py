@@ -320,3 +320,58 @@ def test_sigterm_during_generate_writes_the_stats_and_exits_130(tmp_path):
             proc.kill()
     assert proc.returncode == 130 and b"Traceback" not in err, err
     assert json.loads(stats.read_text())["tokens"] > 0
+
+
+# silent acceptance: the importers refuse (naming the line) what read_trace would refuse, and never coerce
+def vllm_line(**change):
+    line = {"type": "route", "req_id": "a", "token_idx": 0, "layer": 0, "topk_ids": [1, 2], "topk_weights": [0.6, 0.4]}
+    line.update(change)
+    return json.dumps(line).replace('"NaN"', "NaN")
+
+
+@pytest.mark.parametrize("change,kw,needle", [
+    ({"topk_weights": ["NaN", 0.4]}, {}, r"routes\.jsonl:2: weights must be finite"),
+    ({"topk_ids": [1.5, 2]}, {}, r"routes\.jsonl:2: .*an expert id must be an integer, not 1\.5"),
+    ({"layer": "1"}, {}, r"routes\.jsonl:2: 'layer' must be an integer, not \"1\""),
+    ({"layer": 1.5}, {}, r"routes\.jsonl:2: 'layer' must be an integer"),
+    ({"topk_ids": [10 ** 12, 2]}, {}, r"routes\.jsonl:2: num_experts 1000000000001 is more than"),
+    ({"layer": 10 ** 9}, {}, r"routes\.jsonl:2: num_layers 1000000001 is more than"),
+    ({}, {"num_experts": 4, "top_k": 1}, "routes to 2 experts, more than top-k 1"),
+    ({}, {"num_experts": 4, "top_k": 9}, "top-k 9 is more than the 4 experts"),
+])
+def test_imports_refuse_what_the_reader_refuses(tmp_path, change, kw, needle):
+    from mlxmoe.trace import import_trace
+
+    src = tmp_path / "routes.jsonl"
+    src.write_text(vllm_line() + "\n" + vllm_line(token_idx=1, **change) + "\n")
+    with pytest.raises(MlxmoeError, match=needle):
+        import_trace("vllm", src, tmp_path / "t.jsonl", **kw)
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_a_top_k_above_every_row_is_a_counted_warning(tmp_path):
+    from mlxmoe.trace import import_trace, read_trace
+
+    src = tmp_path / "routes.jsonl"
+    src.write_text(vllm_line() + "\n")
+    summary, warnings = import_trace("vllm", src, tmp_path / "t.jsonl", num_experts=16, top_k=9)
+    assert any("top-k 9, but no token routes to more than 2" in w for w in warnings)
+    assert read_trace(tmp_path / "t.jsonl")[0]["top_k"] == 9
+
+
+@pytest.mark.parametrize("header,line,needle", [
+    ({"top_k": 0}, {"e": [1]}, "top_k must be an integer from 1"),
+    ({"top_k": 5}, {"e": [1]}, "top_k must be an integer from 1 to the 4 experts"),
+    ({}, {"e": [1.5]}, "an expert id must be an integer"),
+    ({}, {"e": [1, 1]}, "repeat an id"),
+    ({}, {"e": [1], "l": "0"}, "l must be an integer"),
+])
+def test_malformed_trace_files_are_refused(tmp_path, header, line, needle):
+    from mlxmoe.trace import read_trace
+
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"format": "mlxmoe.trace/1", "num_layers": 2, "num_experts": 4, **header}) + "\n" +
+                    json.dumps({"s": 0, "t": 0, "l": 0, **line}) + "\n")
+    with pytest.raises(MlxmoeError, match=needle) as e:
+        read_trace(path)
+    assert str(path) in str(e.value)
