@@ -375,3 +375,23 @@ def test_malformed_trace_files_are_refused(tmp_path, header, line, needle):
     with pytest.raises(MlxmoeError, match=needle) as e:
         read_trace(path)
     assert str(path) in str(e.value)
+
+
+# silent acceptance: profile fields that mean nothing are refused at load, naming the file and field
+@pytest.mark.parametrize("fields,needle", [
+    ({"top_k": 0}, "top_k 0"), ({"top_k": 33}, "top_k 33"), ({"top_k": 1000}, "top_k 1000"),
+    ({"tokens": 0}, "counts up to"), ({"counts": [[1e308] * 4] * 2}, "counts up to"),
+    ({"resident_bytes": 0}, "resident_bytes"), ({"decay": {"half_life_tokens": 1e-300}}, "half_life_tokens"),
+])
+def test_meaningless_profiles_are_refused(tmp_path, fields, needle):
+    from mlxmoe.profile import ActivationProfile
+
+    p = ActivationProfile(2, 4, 2, model="m", model_fingerprint="fp", workload="w")
+    p.tick(4)
+    p.observe(0, [1, 2])
+    data = {**p.to_json(), **fields}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(MlxmoeError, match=needle) as e:
+        ActivationProfile.load(path)
+    assert str(path) in str(e.value)
