@@ -71,6 +71,7 @@ def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_ex
              parse_size(cache_size, "cache size"), cache_experts, memory=backend.memory(), all_experts=total)
     p.attention = attention
     p.attention_per_key = attention_bytes(ckpt.config, act_bytes, 1, 1)  # per query token and key
+    p.context = context
     return p
 
 
@@ -82,7 +83,7 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
          io_threads: int = 4, force_profile: bool = False, prewarm: bool = True,
          trace_out: str | os.PathLike | None = None, prefetch: int = 1, prefetch_confidence: float = 0.1,
          io: str = "auto", group: Any = None,
-         split: str = "pipeline") -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
+         split: str = "pipeline", max_context: int = DEFAULT_CONTEXT) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
     Takes mlx_lm.load's arguments (LoRA adapters excepted: fuse them first) and returns
@@ -103,6 +104,10 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     `prefetch_confidence` or the previous token used it too, and its next guesses (up to
     the top 2k) where the cache policy ranks them above its victim (see prefetch.py).
 
+    `max_context` is the tokens (prompt, earlier turns and generated) a sequence may hold:
+    the budget reserves KV cache for that many; a longer prompt is refused (MlxmoeError
+    naming both numbers) and generation stops there (as max_tokens does).
+
     `group` (an mx.distributed group of several ranks, from `mx.distributed.init()` under
     `mlx.launch`) splits the model into mlx-lm's pipeline stages: this rank builds and
     streams only its stage's layers, within its own `memory_budget`; every rank must call
@@ -113,12 +118,14 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     if split not in ("pipeline", "tensor"):
         raise MlxmoeError(f"split {split!r}: choose pipeline or tensor")
     _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts, trace_out)
+    if not _int_in(max_context, 16, 1 << 24):
+        raise MlxmoeError(f"max_context {max_context!r}: tokens a sequence may hold, an integer from 16 to {1 << 24}")
     group = group if group is not None and group.size() > 1 else None
     try:
         loaded = _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
                        trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend,
                        io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group,
-                       split)
+                       split, max_context)
     except Exception as e:
         if group is None:
             raise
@@ -156,7 +163,8 @@ def _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts
 
 def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
           trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend, io_threads,
-          force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group, split="pipeline"):
+          force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group, split="pipeline",
+          max_context=DEFAULT_CONTEXT):
     if tokenizer_config is not None and not isinstance(tokenizer_config, dict):
         raise MlxmoeError(f"tokenizer_config must be a dict, not {tokenizer_config!r} (mlx_lm.load's second "
                           "argument; mlxmoe's options are keywords: memory_budget=..., cache_experts=...)")
@@ -167,7 +175,8 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
     ckpt = open_checkpoint(path_or_hf_repo, model_config, revision, trust_remote_code, group, split)
     try:
         tokenizer = _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy,
-                           profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io)
+                           profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io,
+                           max_context)
     except BaseException:  # nothing stays open: shards, IO threads, a trace's temp file
         runtime = getattr(ckpt.model, "expert_runtime", None)
         if runtime is not None:
@@ -178,12 +187,12 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
 
 
 def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
-           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io):
+           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, max_context=DEFAULT_CONTEXT):
     """Give an opened checkpoint its Runtime (model.expert_runtime, with model.expert_cache); return the tokenizer."""
     tokenizer = read_tokenizer(ckpt.path, tokenizer_config, ckpt.config.get("eos_token_id"))
     ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
-    p = checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts)
+    p = checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts, max_context)
     fp = model_fingerprint(ckpt)
     prior = None if profile is None else stage_profile(ckpt, fp, profile, force_profile)
     rates = None if prior is None else prior.rates()
@@ -526,6 +535,20 @@ def prompt_tokens(model, tokenizer, prompt):
     return ids
 
 
+def _within_context(plan, prompt, prompt_cache, max_tokens):
+    """max_tokens cut to the context the budget reserves KV cache for (plan.context), or an
+    MlxmoeError where the prompt (after the tokens `prompt_cache` holds) leaves no room."""
+    context = getattr(plan, "context", None)
+    if not context:
+        return max_tokens
+    held = max((getattr(c, "offset", 0) for c in prompt_cache or []), default=0)
+    if held + prompt >= context:
+        before = f" after the {held} tokens of the conversation so far" if held else ""
+        raise MlxmoeError(f"prompt: {prompt} tokens{before}, beyond the {context}-token context the memory budget "
+                          "reserves (load with a larger max_context, --max-context, within the budget)")
+    return max_tokens if max_tokens < 0 else min(max_tokens, context - held - prompt)
+
+
 def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], max_tokens: int = 256,
                     **kwargs) -> Iterator[GenerationResponse]:
     """mlx_lm.stream_generate, recording decode speed in the expert cache's stats. Holds
@@ -536,6 +559,8 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
     cache = None if runtime is None else runtime.cache
     if kwargs.get("input_embeddings") is None:
         prompt = prompt_tokens(model, tokenizer, prompt)
+        if runtime is not None:
+            max_tokens = _within_context(runtime.plan, len(prompt), kwargs.get("prompt_cache"), max_tokens)
     if "prefill_step_size" not in kwargs:
         kwargs["prefill_step_size"] = prefill_step(None if runtime is None else runtime.plan, tokenizer, prompt,
                                                    kwargs.get("prompt_cache"))

@@ -100,6 +100,9 @@ def model_options(f):
         click.option("--trace-out", type=click.Path(dir_okay=False), help="Record the routing trace here."),
         click.option("--io", type=click.Choice(["auto", "mmap", "pread", "direct"]), default="auto", show_default=True,
                      help="How experts are read: mmap or pread (through the page cache), direct (around it)."),
+        click.option("--max-context", type=Number(int, 16, 1 << 24), default=4096, show_default=True,
+                     help="Tokens a conversation may hold (prompt, earlier turns, reply): the budget reserves KV "
+                     "cache for them; a longer prompt is refused."),
         click.option("--prefetch", type=Number(int, 0, 64), default=1, show_default=True,
                      help="Read predicted experts this many layer calls ahead in the background (0: off)."),
         click.option("--split", type=click.Choice(["pipeline", "tensor"]), default="pipeline", show_default=True,
@@ -138,7 +141,8 @@ def _load(opts):
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                 profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
-                io=opts["io"], prefetch=opts["prefetch"], group=group, split=opts["split"])
+                io=opts["io"], prefetch=opts["prefetch"], group=group, split=opts["split"],
+                max_context=opts["max_context"])
 
 
 def first_cpu_run():

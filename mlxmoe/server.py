@@ -168,7 +168,8 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         self.runtime, self.group = runtime, runtime.group  # (mlx-lm drops the model when it stops)
         with distributed.waiting(self.group, "starting the server"):
             self.last_stats = distributed.merged_stats(provider.model) if self.group is not None else {}
-        self.context = DEFAULT_CONTEXT  # the tokens the budget's KV reserve is sized for (api.checkpoint_plan)
+        # the tokens the budget's KV reserve is sized for (load's max_context, api.checkpoint_plan)
+        self.context = getattr(runtime.plan, "context", DEFAULT_CONTEXT)
         self.live = runtime.profile  # the load's live profile, learning from every request
         super().__init__(provider, prompt_cache)  # starts the generation thread
 

@@ -395,3 +395,29 @@ def test_meaningless_profiles_are_refused(tmp_path, fields, needle):
     with pytest.raises(MlxmoeError, match=needle) as e:
         ActivationProfile.load(path)
     assert str(path) in str(e.value)
+
+
+# a long prompt: the context the budget reserves KV cache for is enforced in the API (as the server does)
+def test_the_context_reserve_is_enforced_and_max_context_raises_it():
+    model, tokenizer = mlxmoe.load(str(DEMO_MODEL), cache_experts=16, prefetch=0, max_context=64)
+    try:
+        assert model.expert_runtime.plan.context == 64
+        with pytest.raises(MlxmoeError, match="prompt: 70 tokens, beyond the 64-token context"):
+            mlxmoe.generate(model, tokenizer, [5] * 70, max_tokens=2)
+        made = [r.generation_tokens for r in mlxmoe.stream_generate(model, tokenizer, [5] * 60, max_tokens=100)]
+        assert made[-1] == 4  # cut where the context ends, as max_tokens would
+    finally:
+        model.expert_runtime.close()
+    with pytest.raises(MlxmoeError, match="max_context"):
+        mlxmoe.load(str(DEMO_MODEL), max_context=0)
+    default = mlxmoe.memory_plan(str(DEMO_MODEL), cache_experts=8)
+    model, _ = mlxmoe.load(str(DEMO_MODEL), cache_experts=8, prefetch=0, max_context=8192, prewarm=False)
+    try:
+        assert model.expert_runtime.plan.kv_reserve == 2 * default.kv_reserve  # the reserve grows with it
+    finally:
+        model.expert_runtime.close()
+
+
+def test_cli_refuses_a_prompt_beyond_the_context(cli):
+    code, err = cli("generate", "-p", "word " * 3000, "--max-tokens", "2")
+    assert code == 2 and "6000 tokens, beyond the 4096-token context" in err, err
