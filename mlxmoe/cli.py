@@ -375,7 +375,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors
 
-    from .api import prompt_tokens, stream_generate
+    from .api import _within_context, prompt_tokens, stream_generate
     from .files import check_writable
 
     if save_profile:
@@ -434,8 +434,9 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
             messages.append({"role": "user", "content": query})
             try:
                 prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages))
-            except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks): the chat goes on
-                click.echo(f"[{e}]")
+                _within_context(model.expert_runtime.plan, len(prompt), prompt_cache, max_tokens)
+            except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks, the context full)
+                click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
                 continue
             before = _stats(model)
             response = None

@@ -421,3 +421,12 @@ def test_the_context_reserve_is_enforced_and_max_context_raises_it():
 def test_cli_refuses_a_prompt_beyond_the_context(cli):
     code, err = cli("generate", "-p", "word " * 3000, "--max-tokens", "2")
     assert code == 2 and "6000 tokens, beyond the 4096-token context" in err, err
+
+
+def test_chat_beyond_the_context_refuses_the_message_and_goes_on():
+    long = "word " * 40
+    r = run_mlxmoe("chat", "--max-tokens", "2", "--max-context", "64", stdin=f"{long}\nhello\n/quit\n".encode())
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "-token context" in out and "/reset" in out, out
+    assert err.count("tokens,") == 1, err
