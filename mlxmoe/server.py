@@ -15,7 +15,12 @@ generation thread are used as they are; the subclasses below change only what ha
 - The prompt cache (KV caches kept across requests) is off unless --prompt-cache-size says
   otherwise, and then bounded by the KV reserve: stored caches are memory beside the budget.
 - max_tokens is cut to the context the budget's KV reserve holds (finish_reason "length"),
-  and a prompt beyond it is refused (HTTP 400, like mlx-lm's own checks, naming the field).
+  and a prompt beyond it is refused (HTTP 413, its body naming the field as the 400s do).
+- Every request gets an HTTP answer: its body is checked before mlx-lm reads it (UTF-8, at
+  most MAX_DEPTH deep, no NaN/Infinity), its fields beyond mlx-lm's checks (bools for numbers,
+  seed, n, stop, logit_bias ids within the vocabulary, stream_options, mlxmoe.profile): 400
+  naming the field; more than --max-queue requests at once: 503 with Retry-After; anything
+  else that fails: 500. The listen backlog holds many clients (the stdlib's 5 resets them).
 - /v1/messages (Anthropic) is mapped onto the chat path and its responses rewritten from
   OpenAI's; /v1/models lists the served model (mlx-lm lists the Hugging Face cache).
 - Under mlx.launch rank 0 serves HTTP and mlx-lm's generation thread shares each request
@@ -404,6 +409,10 @@ class Handler(mlx_server.APIHandler):
         super().do_GET()
 
     responded = False
+    too_long = False  # the request's prompt is beyond the context: its 400 from mlx-lm becomes a 413
+
+    def _set_completion_headers(self, status_code=200):
+        super()._set_completion_headers(413 if status_code == 400 and self.too_long else status_code)
 
     def send_response(self, *args, **kwargs):
         self.responded = True
@@ -528,6 +537,7 @@ class Handler(mlx_server.APIHandler):
             raise ValueError(f"{field}: the prompt is empty (no tokens to start from)")
         context = self.response_generator.context
         if n >= context:
+            self.too_long = True  # answered 413 (Payload Too Large), the body naming the field
             raise ValueError(f"{field}: the prompt is {n} tokens, beyond the {context}-token context the "
                              "memory budget reserves")
 
