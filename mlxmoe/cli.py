@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import sys
+import time
 
 import click
 
@@ -288,7 +289,8 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
     response, interrupted = None, False
     try:
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                        sampler=_sampler(temp, top_p, seed)):
+                                        sampler=_sampler(temp, top_p, seed),
+                                        prompt_progress_callback=_prefill_progress()):
             click.echo(response.text, nl=False)
         click.echo()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats and profile of what ran are still written
@@ -318,6 +320,23 @@ def _generate_report(model, response, baseline_rss, stats_json):
     click.echo(expert_line(stats, baseline_rss), err=True)
     if stats_json and model.expert_runtime.main_rank():
         write_atomic(stats_json, json.dumps(stats, indent=1))
+
+
+def _prefill_progress(after=3.0):
+    """A prompt_progress_callback for mlx-lm: a progress line on stderr once a prefill has
+    taken more than `after` seconds (a long prompt, a slow disk), ended when it is done."""
+    start, shown = time.monotonic(), [False]
+
+    def callback(done, total):
+        elapsed = time.monotonic() - start
+        if elapsed > after and done < total:
+            click.echo(f"\rprefill: {done}/{total} prompt tokens ({elapsed:.0f} s)", err=True, nl=False)
+            shown[0] = True
+        elif shown[0] and done >= total:
+            click.echo(f"\rprefill: {total}/{total} prompt tokens ({elapsed:.0f} s)", err=True)
+            shown[0] = False
+
+    return callback
 
 
 def _read_stdin():
@@ -442,7 +461,8 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
             response = None
             try:
                 for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
-                                                logits_processors=penalty, prompt_cache=prompt_cache):
+                                                logits_processors=penalty, prompt_cache=prompt_cache,
+                                                prompt_progress_callback=_prefill_progress()):
                     click.echo(response.text, nl=False)
             except Terminated:
                 raise

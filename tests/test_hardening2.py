@@ -430,3 +430,15 @@ def test_chat_beyond_the_context_refuses_the_message_and_goes_on():
     assert r.returncode == 0 and "Traceback" not in err, err
     assert "-token context" in out and "/reset" in out, out
     assert err.count("tokens,") == 1, err
+
+
+def test_a_long_prefill_shows_a_progress_line(capsys):
+    from mlxmoe.cli import _prefill_progress
+
+    quick = _prefill_progress()
+    quick(0, 1000), quick(1000, 1000)
+    assert capsys.readouterr().err == ""  # a prefill of under 3 s says nothing
+    slow = _prefill_progress(after=0)
+    slow(0, 1000), slow(512, 1000), slow(1000, 1000)
+    err = capsys.readouterr().err
+    assert "prefill: 512/1000 prompt tokens" in err and err.endswith("prefill: 1000/1000 prompt tokens (0 s)\n")
