@@ -546,7 +546,8 @@ def _within_context(plan, prompt, prompt_cache, max_tokens):
         before = f" after the {held} tokens of the conversation so far" if held else ""
         raise MlxmoeError(f"prompt: {prompt} tokens{before}, beyond the {context}-token context the memory budget "
                           "reserves (load with a larger max_context, --max-context, within the budget)")
-    return max_tokens if max_tokens < 0 else min(max_tokens, context - held - prompt)
+    room = context - held - prompt
+    return room if max_tokens < 0 else min(max_tokens, room)  # (-1: mlx-lm's "no limit")
 
 
 def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], max_tokens: int = 256,

@@ -406,6 +406,8 @@ def test_the_context_reserve_is_enforced_and_max_context_raises_it():
             mlxmoe.generate(model, tokenizer, [5] * 70, max_tokens=2)
         made = [r.generation_tokens for r in mlxmoe.stream_generate(model, tokenizer, [5] * 60, max_tokens=100)]
         assert made[-1] == 4  # cut where the context ends, as max_tokens would
+        made = [r.generation_tokens for r in mlxmoe.stream_generate(model, tokenizer, [5] * 60, max_tokens=-1)]
+        assert made[-1] == 4  # mlx-lm's "no limit" too
     finally:
         model.expert_runtime.close()
     with pytest.raises(MlxmoeError, match="max_context"):
