@@ -408,15 +408,15 @@ class Handler(mlx_server.APIHandler):
                 "owned_by": "mlxmoe"}]})
         super().do_GET()
 
-    responded = False
+    headers_sent = False
     too_long = False  # the request's prompt is beyond the context: its 400 from mlx-lm becomes a 413
 
     def _set_completion_headers(self, status_code=200):
         super()._set_completion_headers(413 if status_code == 400 and self.too_long else status_code)
 
-    def send_response(self, *args, **kwargs):
-        self.responded = True
-        super().send_response(*args, **kwargs)
+    def end_headers(self):
+        self.headers_sent = True
+        super().end_headers()
 
     def _error(self, status, message, headers=()):
         """An error answer in mlx-lm's form (OpenAIErrors gives it OpenAI's)."""
@@ -444,7 +444,8 @@ class Handler(mlx_server.APIHandler):
                 self.server.leave()
         except Exception as e:  # a bug, or a body mlx-lm's code could not take: an answer all the same
             logging.exception("mlxmoe serve: a request failed")
-            if not self.responded:
+            if not self.headers_sent:  # (a status line and headers only buffered: replaced by the 500)
+                self._headers_buffer = []
                 try:
                     self._error(500, f"internal error ({type(e).__name__}: {str(e)[:200]})")
                 except OSError:
@@ -502,6 +503,16 @@ class Handler(mlx_server.APIHandler):
             if isinstance(body.get(key), bool):
                 raise ValueError(f"{key} must be a number, not {json.dumps(body[key])}")
         super().validate_model_parameters()
+        for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+            if getattr(self, key) > 1 << 24:
+                raise ValueError(f"{key} must be at most {1 << 24}")
+        if self.adapter is not None:
+            raise ValueError("adapters: mlxmoe serve takes no adapters (fuse them into the model first)")
+        if self.requested_draft_model not in (None, "default_model"):
+            raise ValueError("draft_model: mlxmoe serve takes no draft model")
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError("chat_template_kwargs must be an object")
         if self.seed is not None and not 0 <= self.seed < 1 << 63:
             raise ValueError(f"seed must be an integer from 0 to {(1 << 63) - 1}")
         n = body.get("n", 1)

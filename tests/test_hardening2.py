@@ -90,6 +90,13 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("/v1/chat/completions", {**CHAT, "max_tokens": True}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "n": 5}, "n"),
     ("/v1/chat/completions", {**CHAT, "stream_options": 5}, "stream_options"),
+    ("/v1/chat/completions", {**CHAT, "repetition_context_size": 10 ** 12, "repetition_penalty": 1.1},
+     "repetition_context_size"),
+    ("/v1/chat/completions", {**CHAT, "presence_context_size": 10 ** 12, "presence_penalty": 0.5},
+     "presence_context_size"),
+    ("/v1/chat/completions", {**CHAT, "adapters": "x"}, "adapters"),
+    ("/v1/chat/completions", {**CHAT, "draft_model": "x"}, "draft_model"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": 5}, "chat_template_kwargs"),
 ])
 def test_bad_fields_get_400_naming_them(server, path, body, param):
     status, _, data = server.request("POST", path, raw=json.dumps(body).encode())  # NaN written as NaN
