@@ -513,6 +513,8 @@ class Handler(mlx_server.APIHandler):
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError("chat_template_kwargs must be an object")
+        if body.get("tools") is not None and not isinstance(body["tools"], list):
+            raise ValueError("tools must be a list")
         if self.seed is not None and not 0 <= self.seed < 1 << 63:
             raise ValueError(f"seed must be an integer from 0 to {(1 << 63) - 1}")
         n = body.get("n", 1)

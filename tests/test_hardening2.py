@@ -97,6 +97,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("/v1/chat/completions", {**CHAT, "adapters": "x"}, "adapters"),
     ("/v1/chat/completions", {**CHAT, "draft_model": "x"}, "draft_model"),
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": 5}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {**CHAT, "tools": 5}, "tools"),
 ])
 def test_bad_fields_get_400_naming_them(server, path, body, param):
     status, _, data = server.request("POST", path, raw=json.dumps(body).encode())  # NaN written as NaN
