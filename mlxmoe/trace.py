@@ -386,9 +386,13 @@ def _json_file(path):
 def _route(ids, weights, where):
     """Expert ids (ints) and their weights (floats or None) of one token at one layer."""
     try:
+        if not isinstance(ids, list) or not (weights is None or isinstance(weights, list)):
+            raise TypeError("not lists")
         experts = [_integer(x, "an expert id") for x in ids]
+        if weights is not None and any(isinstance(w, bool) or not isinstance(w, (int, float)) for w in weights):
+            raise ValueError(f"weights {str(weights)[:60]} are not all numbers")
         probs = None if weights is None else [float(w) for w in weights]
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise MlxmoeError(f"{where}: expert ids and weights must be lists of numbers ({e})") from None
     if probs is not None and len(probs) != len(experts):
         raise MlxmoeError(f"{where}: {len(probs)} weights for {len(experts)} experts")
@@ -577,12 +581,16 @@ def _decode_ids(value, dtype, where):
     names another), or a plain (nested) list."""
     if isinstance(value, str):
         try:
-            return np.frombuffer(base64.b64decode(value, validate=True), dtype=np.dtype(dtype or "int32"))
+            ids = np.frombuffer(base64.b64decode(value, validate=True), dtype=np.dtype(dtype or "int32"))
+            if ids.dtype.kind not in "iu":
+                raise ValueError(f"{ids.dtype} is not an integer type")
         except (ValueError, TypeError) as e:
             raise MlxmoeError(f"{where}: routed_experts is not base64 of {dtype or 'int32'} ({e})") from None
+        return ids.astype(np.int64)
     try:
         ids = np.asarray(value)
-        if ids.dtype.kind not in "iuf" or (ids.dtype.kind == "f" and not np.all(np.mod(ids, 1) == 0)):
+        if ids.dtype.kind not in "iuf" or (ids.dtype.kind == "f" and not (
+                np.all(np.isfinite(ids)) and np.all(np.mod(ids, 1) == 0) and np.all(np.abs(ids) < 2 ** 62))):
             raise ValueError("the ids are not all integers")
         return ids.astype(np.int64).reshape(-1)
     except (TypeError, ValueError, OverflowError) as e:

@@ -417,3 +417,63 @@ def test_fuzz_numeric_options(option, tmp_path):
         assert not (tmp_path / "out.json").exists()
     print(f"\nfuzz {option}: {CASES} cases, {accepted} accepted (then stopped at the missing model or file), "
           f"{refused} refused naming {flag}")
+
+
+# Importers (issue 29): each mutated source is imported into a trace that read_trace and
+# replay take, or refused with an MlxmoeError naming the source
+def import_sources(rng):
+    """{format: (file name, body)} of small valid sources, one per importer."""
+    import base64
+
+    vllm = [{"type": "route", "req_id": "a", "token_idx": t, "layer": l, "topk_ids": [(t + l) % 6, (t + l + 1) % 6],
+             "topk_weights": [0.7, 0.3]} for t in range(3) for l in range(2)]
+    specmoe = [{"dataset": "d", "problem_id": 0, "layer": l, "token_idx": t, "experts": [t % 8, 7 - l],
+                "gating_probs": [0.6, 0.4]} for l in range(2) for t in range(3)]
+    ocs = {"meta": {"model_id": "m", "num_moe_layers": 2, "num_experts": 8, "top_k": 2},
+           "routes": [{"token_pos": t, "phase": "prefill" if t < 2 else "decode",
+                       "layers": {str(l): {"experts": [t % 8, 7 - l], "weights": [0.6, 0.4]} for l in range(2)}}
+                      for t in range(4)]}
+    ids = np.array([[[(t + l) % 8, 7 - l] for l in range(2)] for t in range(4)], np.int32)
+    sglang = {"meta_info": {"id": "r", "prompt_tokens": 3, "completion_tokens": 2,
+                            "routed_experts": base64.b64encode(ids.tobytes()).decode()}}
+    csv = "# route_trace v1\n# model=/x/t.gguf n_layer=2 n_expert=6 n_expert_used=2\n" \
+          "turn,phase,step,layer,slot,expert,weight\n" + "".join(
+              f"0,{0 if s < 2 else 1},{s},{l},{k},{(s + l + k) % 6},{0.6 - 0.2 * k}\n"
+              for s in range(3) for l in range(2) for k in range(2))
+    return {"vllm": ("r.jsonl", vllm), "specmoe": ("r.jsonl", specmoe), "moe-ocs": ("r.json", ocs),
+            "sglang": ("r.json", sglang), "bigmoeonedge": ("r.csv", csv)}
+
+
+def mutated_source(rng, body):
+    if isinstance(body, str):
+        return mutate_bytes(body.encode(), rng)
+    if isinstance(body, list):  # JSONL: one line mutated (or the bytes of the whole)
+        lines = [dumps(x) for x in body]
+        i = rng.randrange(len(lines))
+        lines[i] = mutated(body[i], rng)
+        return b"\n".join(lines) + b"\n"
+    return mutated(body, rng)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "specmoe", "moe-ocs", "sglang", "bigmoeonedge"])
+def test_fuzz_imports(fmt, tmp_path):
+    from mlxmoe.trace import import_trace
+
+    rng = random.Random(f"import {fmt}")
+    name, body = import_sources(rng)[fmt]
+    src, out = tmp_path / name, tmp_path / "t.jsonl"
+    tally = Tally(f"trace import {fmt}")
+    kw = {"num_layers": 2} if fmt == "sglang" else {}
+    for i in range(CASES):
+        src.write_bytes(mutated_source(rng, body))
+        if out.exists():
+            out.unlink()
+
+        def run():
+            import_trace(fmt, src, out, **kw)
+            header, records = read_trace(out)  # what an import writes, its own reader takes
+            replay(header, records, "lru", max(2, header["num_layers"] * header["num_experts"] // 2))
+
+        if not tally.case(src, run):
+            assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [name]
+    tally.report()
