@@ -500,8 +500,15 @@ class Handler(mlx_server.APIHandler):
         the request not yet built, so a ValueError here is its HTTP 400 naming the field."""
         body = self.body
         for key in NUMBER_FIELDS:
-            if isinstance(body.get(key), bool):
-                raise ValueError(f"{key} must be a number, not {json.dumps(body[key])}")
+            v = body.get(key)
+            if isinstance(v, bool):
+                raise ValueError(f"{key} must be a number, not {json.dumps(v)}")
+            if isinstance(v, int) and not -(1 << 63) <= v < 1 << 63:  # MLX takes 64-bit numbers (else bad_cast)
+                raise ValueError(f"{key} must be at most {(1 << 63) - 1} in magnitude")
+        bias = body.get("logit_bias")
+        if isinstance(bias, dict) and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              and abs(v) < 1e300 for v in bias.values()):
+            raise ValueError("logit_bias must be a dict of int to float (finite, below 1e300 in magnitude)")
         super().validate_model_parameters()
         for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
             if getattr(self, key) > 1 << 24:
@@ -525,8 +532,12 @@ class Handler(mlx_server.APIHandler):
             for token in self.logit_bias:
                 if size is not None and not 0 <= token < size:
                     raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (0 to {size - 1})")
-        if self.stream_options is not None and not isinstance(self.stream_options, dict):
-            raise ValueError("stream_options must be an object, e.g. {\"include_usage\": true}")
+        if self.stream_options is not None:
+            if not isinstance(self.stream_options, dict) or not isinstance(
+                    self.stream_options.get("include_usage", False), bool):
+                raise ValueError("stream_options must be an object, e.g. {\"include_usage\": true}")
+            self.stream_options = {**self.stream_options,  # (mlx-lm reads the key without a default)
+                                   "include_usage": self.stream_options.get("include_usage", False)}
         if self.anthropic:
             anthropic_to_chat(body)
         stop = body.get("stop")

@@ -1,5 +1,7 @@
 """Seeded random mutation of every input mlxmoe parses: profiles, traces, safetensors
-headers, config.json and the tokenizer's files, and every numeric CLI option. Each case
+headers, config.json and the tokenizer's files, every numeric CLI option, the importers'
+sources and the server's request bodies (there: every case an HTTP answer, 200 or a JSON
+400/413, never a dropped connection or a traceback in the log). Each case
 ends in success (and what was read works: replays, saves and loads back) or in one
 MlxmoeError (CLI: one `error:` line, exit 2) that names the file or option: never
 another exception, a hang or a file that cannot be loaded back. CASES per parser; the
@@ -477,3 +479,58 @@ def test_fuzz_imports(fmt, tmp_path):
         if not tally.case(src, run):
             assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [name]
     tally.report()
+
+
+# The server (issue 29): every mutated request gets an HTTP answer (200, or 400/413 with a
+# JSON error), the connection is never dropped and the server logs no traceback
+SERVER_BODIES = {
+    "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "Il gatto"}], "max_tokens": 4,
+                             "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["\n"], "stream": False,
+                             "logit_bias": {"5": 1.0}, "mlxmoe": {"profile": None}},
+    "/v1/completions": {"prompt": "The cat", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+                        "repetition_penalty": 1.1, "top_k": 5, "n": 1},
+    "/v1/messages": {"model": "m", "max_tokens": 4, "system": "Be brief.",
+                     "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                     "stop_sequences": ["x"]},
+}
+
+
+def short(body):
+    """A mutated body with its token counts kept small (the fuzz is of parsing, not of decoding)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return body
+    if isinstance(value, dict):
+        for key in ("max_tokens", "max_completion_tokens"):
+            v = value.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 8:
+                value[key] = 8
+        return dumps(value)
+    return body
+
+
+def test_fuzz_server_requests():
+    from test_server import Server
+
+    rng = random.Random("server")
+    server = Server("--memory-budget", "42MB", "--max-tokens", "4")
+    statuses = {}
+    try:
+        for i in range(CASES):
+            path = rng.choice(list(SERVER_BODIES))
+            body = short(mutated(SERVER_BODIES[path], rng))
+            with deadline(CASE_SECONDS * 3, f"server case {i}"):
+                status, _, data = server.request("POST", path, raw=body)  # a dropped connection raises
+            statuses[status] = statuses.get(status, 0) + 1
+            assert status in (200, 400, 413), (status, body[:200], data[:200])
+            if status != 200:
+                error = json.loads(data)["error"]
+                assert error["message"], data
+        assert server.json("GET", "/health")[2] == {"status": "ok"}
+    finally:
+        code = server.stop()
+    log = "".join(server.lines)
+    assert code == 0 and "Traceback" not in log, log[-3000:]
+    print(f"\nfuzz server requests: {CASES} cases, " + ", ".join(f"{n} answered {s}" for s, n in sorted(
+        statuses.items())) + ", 0 dropped, 0 tracebacks")

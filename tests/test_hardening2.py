@@ -98,6 +98,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     ("/v1/chat/completions", {**CHAT, "draft_model": "x"}, "draft_model"),
     ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": 5}, "chat_template_kwargs"),
     ("/v1/chat/completions", {**CHAT, "tools": 5}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": {}}}, "logit_bias"),  # (found by test_fuzz)
+    ("/v1/chat/completions", {**CHAT, "temperature": 10 ** 30}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
 ])
 def test_bad_fields_get_400_naming_them(server, path, body, param):
     status, _, data = server.request("POST", path, raw=json.dumps(body).encode())  # NaN written as NaN
@@ -118,6 +121,12 @@ def test_bad_bodies_get_400(server, raw, needle):
     assert needle in json.loads(data)["error"]["message"]
     status, _, data = server.request("POST", "/v1/completions", {"prompt": "The cat", "max_tokens": 2, "n": 1})
     assert status == 200, data
+
+
+def test_stream_options_without_include_usage_streams_to_the_end(server):
+    status, _, data = server.request("POST", "/v1/completions", {"prompt": "The cat", "max_tokens": 2, "stream": True,
+                                                                 "stream_options": {}})
+    assert status == 200 and data.rstrip().endswith(b"data: [DONE]"), data
 
 
 def test_many_concurrent_clients_each_get_a_status(server):
