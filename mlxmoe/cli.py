@@ -580,7 +580,7 @@ def profile():
 @prompt_source
 @click.option("--workload", "-w", required=True, help='Name of the workload, e.g. "Italian chat".')
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
-@click.option("--half-life", type=Number(float, 0, low_open=True), default=None,
+@click.option("--half-life", type=Number(float, 1), default=None,
               help="Decay half-life in tokens (default 4096).")
 def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out, half_life, **opts):
     """Run a workload's prompts through the model and save which experts it used, with
@@ -636,7 +636,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
 @click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
 @click.option("--workload", "-w", help="Name of the workload (default: the first trace's file name).")
-@click.option("--half-life", type=Number(float, 0, low_open=True), default=None,
+@click.option("--half-life", type=Number(float, 1), default=None,
               help="Decay half-life in tokens (default 4096).")
 @click.option("--curve/--no-curve", default=True, show_default=True,
               help="Predict the hit rate at each cache size by replaying the traces.")
@@ -934,7 +934,7 @@ def convert(src, dst, bundle):
 @click.option("--prompt-cache-size", type=click.IntRange(min=0), default=0, show_default=True,
               help="Conversations whose KV cache is kept for the next request (mlx-lm's prompt cache; memory "
               "beside the budget, bounded by its KV reserve).")
-@click.option("--max-queue", type=click.IntRange(1, 4096), default=64, show_default=True,
+@click.option("--max-queue", type=Number(int, 1, 4096), default=64, show_default=True,
               help="Generation requests waiting or running at once; more are answered 503 with Retry-After.")
 def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp, top_p, prompt_cache_size, max_queue,
           **opts):

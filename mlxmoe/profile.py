@@ -79,6 +79,8 @@ class ActivationProfile:
         """Tokens after which a count weighs half (None or 0: no decay)."""
         if tokens is not None and not (isinstance(tokens, (int, float)) and math.isfinite(tokens) and tokens >= 0):
             raise MlxmoeError(f"half-life {tokens!r}: give a positive number of tokens")
+        if tokens is not None and 0 < tokens < 1:  # (a profile that forgets within a token; load refuses it)
+            raise MlxmoeError(f"half-life {tokens!r}: 0 (no decay) or at least 1 token")
         self._half_life = tokens
         self._decay = 2.0 ** (-1.0 / tokens) if tokens else 1.0
 

@@ -376,8 +376,10 @@ OPTIONS = {
     "--repetition-penalty": (["chat", "-m", MISSING, "--repetition-penalty", "{}"], in_range(float, 1)),
     "--cache-experts": (["generate", "-m", MISSING, "-p", "hi", "--cache-experts", "{}"], in_range(int, 1)),
     "--prefetch": (["generate", "-m", MISSING, "-p", "hi", "--prefetch", "{}"], in_range(int, 0, 64)),
+    "--max-context": (["generate", "-m", MISSING, "-p", "hi", "--max-context", "{}"], in_range(int, 16, 2 ** 24)),
+    "--max-queue": (["serve", "-m", MISSING, "--max-queue", "{}"], in_range(int, 1, 4096)),
     "--half-life": (["profile", "record", "-m", MISSING, "--prompts", __file__, "-w", "w", "-o", "{out}",
-                     "--half-life", "{}"], in_range(float, 0, low_open=True)),
+                     "--half-life", "{}"], in_range(float, 1)),  # (a profile's half-life: at least 1 token)
     "--top": (["profile", "show", "{missing}", "--top", "{}"], in_range(int, 0, 2 ** 31)),
     "--budget": (["profile", "show", "{missing}", "--budget", "{}"], valid_size),
     "info --memory-budget": (["info", "-m", MISSING, "--memory-budget", "{}"], valid_size),
@@ -388,7 +390,7 @@ OPTIONS = {
                       in_range(int, 1, 2 ** 16)),
     "--top-k": (["trace", "import", "vllm", "{missing}", "-o", "{out}", "--top-k", "{}"], in_range(int, 1, 2 ** 16)),
     "from-trace --half-life": (["profile", "from-trace", "{missing}", "-o", "{out}", "--half-life", "{}"],
-                               in_range(float, 0, low_open=True)),
+                               in_range(float, 1)),
     "--weights": (["profile", "merge", "{missing}", "{missing}", "-o", "{out}", "--weights", "{}"],
                   lambda text: all(number(x, float) is not None and number(x, float) >= 0 for x in text.split(","))
                   and len(text.split(",")) == 2 and any(number(x, float) for x in text.split(","))),
