@@ -419,12 +419,15 @@ class Handler(mlx_server.APIHandler):
         super().end_headers()
 
     def _error(self, status, message, headers=()):
-        """An error answer in mlx-lm's form (OpenAIErrors gives it OpenAI's)."""
+        """An error answer in mlx-lm's form (OpenAIErrors gives it OpenAI's; the server's own
+        failures, 5xx, are typed server_error)."""
         self._set_completion_headers(status)
         for name, value in headers:
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(json.dumps({"error": message}).encode())
+        error = message if status < 500 else {"message": message, "type": "server_error", "param": None,
+                                              "code": None}
+        self.wfile.write(json.dumps({"error": error}).encode())
 
     def do_POST(self):
         wfile, rfile, self.wfile = self.wfile, self.rfile, OpenAIErrors(self.wfile)

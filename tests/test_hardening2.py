@@ -142,8 +142,11 @@ def test_many_concurrent_clients_each_get_a_status(server):
                     return
                 todo.pop()
             try:
-                status, headers, _ = server.request("POST", "/v1/completions", {"prompt": "The cat", "max_tokens": 1})
+                status, headers, body = server.request("POST", "/v1/completions", {"prompt": "The cat",
+                                                                                   "max_tokens": 1})
                 assert status == 200 or (status == 503 and headers.get("Retry-After") == "1"), status
+                if status == 503:
+                    assert json.loads(body)["error"]["type"] == "server_error"
             except Exception as e:  # a reset or a timeout: recorded, the test fails below
                 status = repr(e)
             with lock:
