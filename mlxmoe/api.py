@@ -20,7 +20,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import backend as backends
 from . import distributed
-from .budget import DEFAULT_CONTEXT, Plan, text_config, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
+from .budget import (DEFAULT_CONTEXT, Plan, attention_bytes, kv_bytes_per_token, parse_size, plan, text_config,
+                     working_bytes)
 from .cache import ExpertCache
 from .curves import predicted_curve
 from .errors import MlxmoeError
@@ -83,7 +84,8 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
          io_threads: int = 4, force_profile: bool = False, prewarm: bool = True,
          trace_out: str | os.PathLike | None = None, prefetch: int = 1, prefetch_confidence: float = 0.1,
          io: str = "auto", group: Any = None,
-         split: str = "pipeline", max_context: int = DEFAULT_CONTEXT) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
+         split: str = "pipeline", max_context: int = DEFAULT_CONTEXT
+         ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
     Takes mlx_lm.load's arguments (LoRA adapters excepted: fuse them first) and returns
