@@ -750,7 +750,9 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
         if httpd is not None:
             httpd.server_close()
         generator.stop_and_join()
-        if save_profiles and generator.failure is None:
+        # what was learnt is kept on any exit caught here; after a failure under several ranks
+        # the save's exchanges could not complete (a rank is gone), in one process they need none
+        if save_profiles and (generator.failure is None or group is None):
             with distributed.waiting(group, "saving the profiles"):
                 generator.save()
         signal.signal(signal.SIGTERM, previous)

@@ -464,3 +464,55 @@ def test_a_long_prefill_shows_a_progress_line(capsys):
     slow(0, 1000), slow(512, 1000), slow(1000, 1000)
     err = capsys.readouterr().err
     assert "prefill: 512/1000 prompt tokens" in err and err.endswith("prefill: 1000/1000 prompt tokens (0 s)\n")
+
+
+FAILING_SERVER = """
+import sys
+import mlxmoe.server as s
+
+original, served = s.ResponseGenerator._next_request, []
+
+
+def failing(self, timeout=None):  # after one request, a bug in the generation thread
+    request = original(self, timeout)
+    if request is not None:
+        served.append(1)
+    elif served:
+        raise RuntimeError("boom")
+    return request
+
+
+s.ResponseGenerator._next_request = failing
+from mlxmoe.cli import run
+
+sys.argv = ["mlxmoe", *sys.argv[1:]]
+run()
+"""
+
+
+def test_the_server_saves_what_it_learnt_when_its_generation_fails(tmp_path):
+    from mlxmoe.profile import ActivationProfile
+
+    profile = tmp_path / "italian.json"
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "profiles", "italian.json"), profile)
+    before = ActivationProfile.load(profile).tokens_total
+    proc = subprocess.Popen([sys.executable, "-c", FAILING_SERVER, "serve", "--port", "0", "--profile", str(profile),
+                             "--save-profiles", "--memory-budget", "42MB"], stderr=subprocess.PIPE, text=True)
+    try:
+        port = None
+        for line in proc.stderr:
+            if line.startswith("mlxmoe serve:"):
+                port = int(line.rsplit(":", 1)[1])
+                break
+        assert port is not None
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Il gatto", "max_tokens": 4}),
+                     {"Content-Type": "application/json"})
+        assert conn.getresponse().status == 200
+        conn.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 2 and "generation stopped (RuntimeError: boom)" in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert ActivationProfile.load(profile).tokens_total > before  # the request's routing was saved
