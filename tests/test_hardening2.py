@@ -516,3 +516,28 @@ def test_the_server_saves_what_it_learnt_when_its_generation_fails(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert ActivationProfile.load(profile).tokens_total > before  # the request's routing was saved
+
+
+AT_THE_CONTEXT = """
+import json, random, sys
+import mlx.core as mx
+import mlxmoe
+from mlxmoe.budget import parse_size
+random.seed(1)
+words = "the cat sat on the mat and then the dog came il gatto volpe fiume 42 2048 def forward".split()
+model, tokenizer = mlxmoe.load(None, memory_budget=sys.argv[1])
+ids = tokenizer.encode(" ".join(random.choice(words) for _ in range(6000)))[:4090]
+mx.reset_peak_memory()
+made = [r.generation_tokens for r in mlxmoe.stream_generate(model, tokenizer, ids, max_tokens=20)][-1]
+model.expert_cache.close()
+print(json.dumps({"mlx_peak": mx.get_peak_memory(), "budget": parse_size(sys.argv[1]), "made": made}))
+"""
+
+
+def test_a_prompt_at_the_context_reserve_stays_within_the_budget():
+    """4090 prompt tokens of the 4096 the budget reserves: the reply is cut at the context
+    (6 tokens), MLX's peak within the budget + 5 %."""
+    r = subprocess.run([sys.executable, "-c", AT_THE_CONTEXT, "42MB"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    assert m["made"] == 6 and m["mlx_peak"] <= 1.05 * m["budget"], m
