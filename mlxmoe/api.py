@@ -20,7 +20,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import backend as backends
 from . import distributed
-from .budget import DEFAULT_CONTEXT, Plan, attention_bytes, kv_bytes_per_token, parse_size, plan, working_bytes
+from .budget import (DEFAULT_CONTEXT, Plan, attention_bytes, kv_bytes_per_token, parse_size, plan, text_config,
+                     working_bytes)
 from .cache import ExpertCache
 from .curves import predicted_curve
 from .errors import MlxmoeError
@@ -71,6 +72,7 @@ def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_ex
              parse_size(cache_size, "cache size"), cache_experts, memory=backend.memory(), all_experts=total)
     p.attention = attention
     p.attention_per_key = attention_bytes(ckpt.config, act_bytes, 1, 1)  # per query token and key
+    p.context = context
     return p
 
 
@@ -82,7 +84,8 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
          io_threads: int = 4, force_profile: bool = False, prewarm: bool = True,
          trace_out: str | os.PathLike | None = None, prefetch: int = 1, prefetch_confidence: float = 0.1,
          io: str = "auto", group: Any = None,
-         split: str = "pipeline") -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
+         split: str = "pipeline", max_context: int = DEFAULT_CONTEXT
+         ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
     Takes mlx_lm.load's arguments (LoRA adapters excepted: fuse them first) and returns
@@ -103,6 +106,10 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     `prefetch_confidence` or the previous token used it too, and its next guesses (up to
     the top 2k) where the cache policy ranks them above its victim (see prefetch.py).
 
+    `max_context` is the tokens (prompt, earlier turns and generated) a sequence may hold:
+    the budget reserves KV cache for that many; a longer prompt is refused (MlxmoeError
+    naming both numbers) and generation stops there (as max_tokens does).
+
     `group` (an mx.distributed group of several ranks, from `mx.distributed.init()` under
     `mlx.launch`) splits the model into mlx-lm's pipeline stages: this rank builds and
     streams only its stage's layers, within its own `memory_budget`; every rank must call
@@ -112,12 +119,15 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     """
     if split not in ("pipeline", "tensor"):
         raise MlxmoeError(f"split {split!r}: choose pipeline or tensor")
+    _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts, trace_out)
+    if not _int_in(max_context, 16, 1 << 24):
+        raise MlxmoeError(f"max_context {max_context!r}: tokens a sequence may hold, an integer from 16 to {1 << 24}")
     group = group if group is not None and group.size() > 1 else None
     try:
         loaded = _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
                        trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend,
                        io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group,
-                       split)
+                       split, max_context)
     except Exception as e:
         if group is None:
             raise
@@ -132,9 +142,31 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     return loaded
 
 
+def _int_in(value, low, high):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and low <= value <= high
+
+
+def _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts, trace_out):
+    """load's own options, with the CLI's ranges (one rule for both entrances)."""
+    if not (isinstance(prefetch, bool) or _int_in(prefetch, 0, 64)):  # (True/False: on at depth 1, off)
+        raise MlxmoeError(f"prefetch {prefetch!r}: layer calls ahead, an integer from 0 to 64")
+    if not _int_in(io_threads, 1, 256):
+        raise MlxmoeError(f"io_threads {io_threads!r}: an integer from 1 to 256")
+    if isinstance(prefetch_confidence, bool) or not isinstance(prefetch_confidence, (int, float)) \
+            or not 0 <= prefetch_confidence <= 1:
+        raise MlxmoeError(f"prefetch_confidence {prefetch_confidence!r}: a probability, from 0 to 1")
+    if cache_experts is not None and not _int_in(cache_experts, 1, 1 << 62):
+        raise MlxmoeError(f"cache_experts {cache_experts!r}: a number of experts, an integer of at least 1")
+    if trace_out is not None:
+        from .files import check_writable
+
+        check_writable(trace_out)  # a folder or a missing parent: refused now, not at close()
+
+
 def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
           trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend, io_threads,
-          force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group, split="pipeline"):
+          force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group, split="pipeline",
+          max_context=DEFAULT_CONTEXT):
     if tokenizer_config is not None and not isinstance(tokenizer_config, dict):
         raise MlxmoeError(f"tokenizer_config must be a dict, not {tokenizer_config!r} (mlx_lm.load's second "
                           "argument; mlxmoe's options are keywords: memory_budget=..., cache_experts=...)")
@@ -145,7 +177,8 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
     ckpt = open_checkpoint(path_or_hf_repo, model_config, revision, trust_remote_code, group, split)
     try:
         tokenizer = _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy,
-                           profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io)
+                           profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io,
+                           max_context)
     except BaseException:  # nothing stays open: shards, IO threads, a trace's temp file
         runtime = getattr(ckpt.model, "expert_runtime", None)
         if runtime is not None:
@@ -156,12 +189,12 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
 
 
 def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
-           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io):
+           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, max_context=DEFAULT_CONTEXT):
     """Give an opened checkpoint its Runtime (model.expert_runtime, with model.expert_cache); return the tokenizer."""
     tokenizer = read_tokenizer(ckpt.path, tokenizer_config, ckpt.config.get("eos_token_id"))
     ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
-    p = checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts)
+    p = checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts, max_context)
     fp = model_fingerprint(ckpt)
     prior = None if profile is None else stage_profile(ckpt, fp, profile, force_profile)
     rates = None if prior is None else prior.rates()
@@ -457,17 +490,90 @@ def generation_lock(model):
         return model._mlxmoe_generation_lock
 
 
+def vocab_size(model):
+    """The rows of `model`'s token embedding (config.json's vocab_size), or None where unknown."""
+    runtime = getattr(model, "expert_runtime", None)
+    size = None
+    if runtime is not None:
+        size = text_config(runtime.checkpoint.config).get("vocab_size")
+    if size is None:
+        size = getattr(getattr(model, "args", None), "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def check_token_ids(ids, size, field="prompt"):
+    """Refuse (MlxmoeError naming `field`) token ids that are not integers in [0, size):
+    MLX indexes the embedding with them unchecked (an id past it kills the process)."""
+    for i, t in enumerate(ids):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise MlxmoeError(f"{field}[{i}]: a token id is an integer, not {str(t)[:40]!r}")
+        if size is not None and not 0 <= t < size:
+            raise MlxmoeError(f"{field}[{i}]: token id {t} is outside the vocabulary (0 to {size - 1})")
+
+
+def prompt_tokens(model, tokenizer, prompt):
+    """The prompt's token ids as mlx-lm's stream_generate would make them (a string
+    tokenized, BOS added unless the text starts with it), checked: text that is not
+    valid UTF-8 (undecodable bytes read as surrogates), no tokens, ids outside the
+    vocabulary are refused with an MlxmoeError naming the prompt."""
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise MlxmoeError(f"prompt: not valid UTF-8 text (an undecodable byte at character {e.start})") from None
+        bos = getattr(tokenizer, "bos_token", None)
+        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    elif isinstance(prompt, (mx.array, np.ndarray)):
+        if prompt.ndim != 1:
+            raise MlxmoeError(f"prompt: an array of token ids has one dimension, not shape {list(prompt.shape)}")
+        ids = prompt.tolist()
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+    else:
+        raise MlxmoeError(f"prompt: a string or a list of token ids, not {type(prompt).__name__}")
+    if not ids:
+        raise MlxmoeError("prompt: empty (no tokens to start from)")
+    check_token_ids(ids, vocab_size(model))
+    return ids
+
+
+def _within_context(plan, prompt, prompt_cache, max_tokens):
+    """max_tokens cut to the context the budget reserves KV cache for (plan.context), or an
+    MlxmoeError where the prompt (after the tokens `prompt_cache` holds) leaves no room."""
+    context = getattr(plan, "context", None)
+    if not context:
+        return max_tokens
+    held = max((getattr(c, "offset", 0) for c in prompt_cache or []), default=0)
+    if held + prompt >= context:
+        before = f" after the {held} tokens of the conversation so far" if held else ""
+        raise MlxmoeError(f"prompt: {prompt} tokens{before}, beyond the {context}-token context the memory budget "
+                          "reserves (load with a larger max_context, --max-context, within the budget)")
+    room = context - held - prompt
+    return room if max_tokens < 0 else min(max_tokens, room)  # (-1: mlx-lm's "no limit")
+
+
 def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], max_tokens: int = 256,
                     **kwargs) -> Iterator[GenerationResponse]:
     """mlx_lm.stream_generate, recording decode speed in the expert cache's stats. Holds
-    the model's generation lock from the first response to the last (or close())."""
+    the model's generation lock from the first response to the last (or close()); a thread
+    whose previous generation on the model is still open (half consumed) gets an
+    MlxmoeError, not a wait on itself. The prompt is checked first (prompt_tokens)."""
     runtime = getattr(model, "expert_runtime", None)
     cache = None if runtime is None else runtime.cache
+    if kwargs.get("input_embeddings") is None:
+        prompt = prompt_tokens(model, tokenizer, prompt)
+        if runtime is not None:
+            max_tokens = _within_context(runtime.plan, len(prompt), kwargs.get("prompt_cache"), max_tokens)
     if "prefill_step_size" not in kwargs:
         kwargs["prefill_step_size"] = prefill_step(None if runtime is None else runtime.plan, tokenizer, prompt,
                                                    kwargs.get("prompt_cache"))
     lock = generation_lock(model)
+    me = threading.get_ident()
+    if getattr(model, "_mlxmoe_generation_owner", None) == me:
+        raise MlxmoeError("this thread's previous generation on this model is still open (a stream_generate "
+                          "half consumed): read it to the end or close() it before generating again")
     lock.acquire()
+    model._mlxmoe_generation_owner = me
     try:
         if runtime is not None:
             runtime.new_sequence()
@@ -489,9 +595,12 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
             with distributed.waiting(group, "ending a generation"):
                 distributed.barrier(group)
     finally:
-        if cache is not None and cache.later:  # closed early: its arrays are this thread's
-            cache.flush()
-        lock.release()
+        try:
+            if cache is not None and cache.later:  # closed early: its arrays are this thread's
+                cache.flush()
+        finally:
+            model._mlxmoe_generation_owner = None
+            lock.release()
 
 
 def generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], verbose: bool = False,

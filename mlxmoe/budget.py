@@ -106,6 +106,7 @@ class Plan:
     slot_bytes: int
     attention: int = 0  # of `working`: a prefill step's attention scores, where the backend materialises them
     attention_per_key: int = 0  # those bytes per query token and key
+    context: int = DEFAULT_CONTEXT  # tokens (prompt + generated) the KV reserve is sized for
 
 
 def plan(budget, resident, slot_bytes, min_experts, kv_reserve, working, cache_size=None, cache_experts=None,

@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import sys
+import time
 
 import click
 
@@ -100,6 +101,9 @@ def model_options(f):
         click.option("--trace-out", type=click.Path(dir_okay=False), help="Record the routing trace here."),
         click.option("--io", type=click.Choice(["auto", "mmap", "pread", "direct"]), default="auto", show_default=True,
                      help="How experts are read: mmap or pread (through the page cache), direct (around it)."),
+        click.option("--max-context", type=Number(int, 16, 1 << 24), default=4096, show_default=True,
+                     help="Tokens a conversation may hold (prompt, earlier turns, reply): the budget reserves KV "
+                     "cache for them; a longer prompt is refused."),
         click.option("--prefetch", type=Number(int, 0, 64), default=1, show_default=True,
                      help="Read predicted experts this many layer calls ahead in the background (0: off)."),
         click.option("--split", type=click.Choice(["pipeline", "tensor"]), default="pipeline", show_default=True,
@@ -138,7 +142,8 @@ def _load(opts):
     return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                 profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
-                io=opts["io"], prefetch=opts["prefetch"], group=group, split=opts["split"])
+                io=opts["io"], prefetch=opts["prefetch"], group=group, split=opts["split"],
+                max_context=opts["max_context"])
 
 
 def first_cpu_run():
@@ -276,19 +281,36 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
     baseline_rss = current_rss()  # Python, MLX and mlx-lm imported, no weights yet
     model, tokenizer = _load(opts)
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = _read_stdin()
     if not prompt.strip():
         raise MlxmoeError("the prompt is empty")
     if chat_template:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-    response = None
+        prompt = _chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
+    response, interrupted = None, False
     try:
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                        sampler=_sampler(temp, top_p, seed)):
+                                        sampler=_sampler(temp, top_p, seed),
+                                        prompt_progress_callback=_prefill_progress()):
             click.echo(response.text, nl=False)
+        click.echo()
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats and profile of what ran are still written
+        if model.expert_runtime.group is not None:
+            raise
+        interrupted = True
         click.echo()
     finally:
         _finish(model, save_profile)
+    with signals_deferred():
+        _generate_report(model, response, baseline_rss, stats_json)
+    if interrupted:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+def _generate_report(model, response, baseline_rss, stats_json):
+    """generate's closing lines on stderr, and its --stats-json."""
+    from .files import write_atomic
+
     stats = _stats(model)
     for r, s in enumerate(stats.get("per_rank", [])):
         click.echo(rank_line(r, s), err=True)
@@ -298,6 +320,64 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
     click.echo(expert_line(stats, baseline_rss), err=True)
     if stats_json and model.expert_runtime.main_rank():
         write_atomic(stats_json, json.dumps(stats, indent=1))
+
+
+def _prefill_progress(after=3.0):
+    """A prompt_progress_callback for mlx-lm: a progress line on stderr once a prefill has
+    taken more than `after` seconds (a long prompt, a slow disk), ended when it is done."""
+    start, shown = time.monotonic(), [False]
+
+    def callback(done, total):
+        elapsed = time.monotonic() - start
+        if elapsed > after and done < total:
+            click.echo(f"\rprefill: {done}/{total} prompt tokens ({elapsed:.0f} s)", err=True, nl=False)
+            shown[0] = True
+        elif shown[0] and done >= total:
+            click.echo(f"\rprefill: {total}/{total} prompt tokens ({elapsed:.0f} s)", err=True)
+            shown[0] = False
+
+    return callback
+
+
+def _read_stdin():
+    """Standard input as text, refused (naming it) where it is not UTF-8."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a text stream (tests): what it holds is text already
+        return sys.stdin.read()
+    data = stream.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MlxmoeError(f"the prompt on standard input is not UTF-8 text (byte {e.start})") from None
+
+
+def _input_line(prompt):
+    """input(prompt), but from a pipe or file line by line in bytes, so that a line that is
+    not UTF-8 (UnicodeDecodeError) loses only itself, not what the text reader had buffered."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is None or sys.stdin.isatty():
+        return input(prompt)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    line = buffer.readline()
+    if not line:
+        raise EOFError
+    return line.decode("utf-8").rstrip("\r\n")
+
+
+def _chat_prompt(tokenizer, messages):
+    """The chat template applied to `messages` up to the assistant's turn, or an MlxmoeError
+    saying why the template refused them."""
+    for m in messages:
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise MlxmoeError(f"the {m['role']} message is not valid UTF-8 text (an undecodable byte at character "
+                              f"{e.start})") from None
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # jinja2's errors, the template's own raise_exception, transformers' checks
+        raise MlxmoeError(f"the chat template failed ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 @main.command()
@@ -314,7 +394,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors
 
-    from .api import stream_generate
+    from .api import _within_context, prompt_tokens, stream_generate
     from .files import check_writable
 
     if save_profile:
@@ -331,10 +411,13 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     try:
         while True:
             try:
-                query = input(">> ")
+                query = _input_line(">> ")
             except (EOFError, KeyboardInterrupt):  # SIGTERM too
                 click.echo()
                 break
+            except UnicodeDecodeError as e:  # a terminal or pipe that is not UTF-8: this line only
+                click.echo(f"[not UTF-8 text (byte {e.start}); the line was not sent]")
+                continue
             command = query.strip()
             if not command:
                 continue
@@ -368,12 +451,18 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 query = query.replace("//", "/", 1)
             messages = [{"role": "system", "content": system_prompt}] if system_prompt and first else []
             messages.append({"role": "user", "content": query})
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            try:
+                prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages))
+                _within_context(model.expert_runtime.plan, len(prompt), prompt_cache, max_tokens)
+            except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks, the context full)
+                click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
+                continue
             before = _stats(model)
             response = None
             try:
                 for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
-                                                logits_processors=penalty, prompt_cache=prompt_cache):
+                                                logits_processors=penalty, prompt_cache=prompt_cache,
+                                                prompt_progress_callback=_prefill_progress()):
                     click.echo(response.text, nl=False)
             except Terminated:
                 raise
@@ -494,7 +583,7 @@ def profile():
 @prompt_source
 @click.option("--workload", "-w", required=True, help='Name of the workload, e.g. "Italian chat".')
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
-@click.option("--half-life", type=Number(float, 0, low_open=True), default=None,
+@click.option("--half-life", type=Number(float, 1), default=None,
               help="Decay half-life in tokens (default 4096).")
 def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out, half_life, **opts):
     """Run a workload's prompts through the model and save which experts it used, with
@@ -506,7 +595,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
     exclusive(prompts=prompts_file, chats=chats)
-    check_writable(out)
+    check_writable(out, (prompts_file, chats, opts["profile_path"]))
 
     def fresh_profile(model):  # the live profile starts empty (not from --profile's counts)
         model.expert_runtime.record_profile(workload, half_life)
@@ -542,13 +631,15 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
             os.unlink(scratch)
     click.echo(f"saved {out}: {live.tokens_total} tokens of {workload!r}" + (" (interrupted)" if interrupted else ""),
                err=True)
+    if interrupted:  # what was recorded is saved, but the run did not end: `record && deploy` must not go on
+        sys.exit(130)
 
 
 @profile.command("from-trace")
 @click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
 @click.option("--workload", "-w", help="Name of the workload (default: the first trace's file name).")
-@click.option("--half-life", type=Number(float, 0, low_open=True), default=None,
+@click.option("--half-life", type=Number(float, 1), default=None,
               help="Decay half-life in tokens (default 4096).")
 @click.option("--curve/--no-curve", default=True, show_default=True,
               help="Predict the hit rate at each cache size by replaying the traces.")
@@ -566,7 +657,7 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     from .policies import HALF_LIFE_PROFILE
     from .trace import build_profile, read_trace
 
-    check_writable(out)
+    check_writable(out, traces)
     loaded = [(path, *read_trace(path)) for path in traces]
     name = workload or os.path.basename(traces[0]).split(".")[0]
     p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
@@ -663,7 +754,7 @@ def profile_merge(files, out, weights, workload):
     from .files import check_writable
     from .profile import ActivationProfile
 
-    check_writable(out)
+    check_writable(out, files)
     try:
         w = [float(x) for x in weights.split(",")] if weights is not None else None
     except ValueError:
@@ -715,10 +806,15 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
     exclusive(prompts=prompts_file, chats=chats)
     if opts["trace_out"]:
         raise click.UsageError("trace record writes its trace to --out; --trace-out is for the other commands")
+    from .files import check_writable
+
+    check_writable(out, (prompts_file, chats, opts["profile_path"]))
     opts["trace_out"] = out
-    model, _ = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
+    model, interrupted = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
     model.expert_runtime.close()
-    click.echo(f"saved {out}", err=True)
+    click.echo(f"saved {out}" + (" (interrupted: the prompts run so far)" if interrupted else ""), err=True)
+    if interrupted:
+        sys.exit(130)
 
 
 @trace.command("replay")
@@ -788,7 +884,7 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
     from .files import check_writable
     from .trace import import_trace
 
-    check_writable(out)
+    check_writable(out, (src,))
     wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None
     summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name)
     for w in warnings:
@@ -835,13 +931,16 @@ def convert(src, dst, bundle):
 @click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free port.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Tokens per response where a request does not say.")
-@click.option("--temp", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--temp", type=Number(float, 0), default=0.0, show_default=True,
               help="Sampling temperature where a request does not say.")
-@click.option("--top-p", type=click.FloatRange(0, 1), default=1.0, show_default=True)
+@click.option("--top-p", type=Number(float, 0, 1), default=1.0, show_default=True)
 @click.option("--prompt-cache-size", type=click.IntRange(min=0), default=0, show_default=True,
               help="Conversations whose KV cache is kept for the next request (mlx-lm's prompt cache; memory "
               "beside the budget, bounded by its KV reserve).")
-def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp, top_p, prompt_cache_size, **opts):
+@click.option("--max-queue", type=Number(int, 1, 4096), default=64, show_default=True,
+              help="Generation requests waiting or running at once; more are answered 503 with Retry-After.")
+def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp, top_p, prompt_cache_size, max_queue,
+          **opts):
     """Serve the model over HTTP: OpenAI /v1/chat/completions, /v1/completions and
     /v1/models, Anthropic /v1/messages, /health and the expert cache's /v1/mlxmoe/stats
     (mlx-lm's server on mlxmoe's model). Requests queue: one generation at a time."""
@@ -853,7 +952,7 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
     try:
         run_server(model, tokenizer, opts["model_path"] or "mlxmoe-demo", host, port, profiles_dir, save_profiles,
                    save_every, max_tokens, temp, top_p, prompt_cache_size, opts["force_profile"],
-                   opts["profile_path"])
+                   opts["profile_path"], max_queue=max_queue)
     except BaseException:
         model.expert_cache.close()
         raise

@@ -8,6 +8,7 @@ gone, and every writer calls it before it starts. A temp file gets the permissio
 plain open() would give (umask applied), a temp folder those of mkdir().
 """
 
+import json
 import os
 import re
 import shutil
@@ -74,10 +75,26 @@ def clean_stale(path):
     return removed
 
 
-def check_writable(path):
-    """Fail now, before a long run, if `path` cannot be written at the end; remove the
-    stale partials of `path` that killed runs left."""
+def same_file(a, b):
+    """Whether paths `a` and `b` name one file: the same path once resolved, or (links,
+    other spellings) the same device and inode."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def check_writable(path, inputs=()):
+    """Fail now, before a long run, if `path` cannot be written at the end, or is one of
+    the command's `inputs` (writing it would replace what is being read); remove the stale
+    partials of `path` that killed runs left."""
     path = Path(path)
+    for src in inputs:
+        if src is not None and same_file(path, src):
+            raise MlxmoeError(f"cannot write {path}: it is the input {src} of this command (it would be "
+                              "replaced); write to another file")
     if path.is_dir():
         raise MlxmoeError(f"cannot write {path}: it is a folder")
     if path.exists() and not path.is_file():
@@ -174,3 +191,15 @@ def read_bytes(path, what, limit):
             return f.read(limit + 1)
     except OSError as e:
         raise MlxmoeError(f"cannot read {what} {path}: {e.strerror or e}") from None
+
+
+def read_json(path, what, limit):
+    """The JSON value in the regular file `path` (UTF-8, at most `limit` bytes), or an
+    MlxmoeError that names it."""
+    data = read_bytes(path, what, limit)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise MlxmoeError(f"{path}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise MlxmoeError(f"{path}: not valid JSON ({str(e)[:200]})") from None

@@ -8,10 +8,12 @@ tensors (shapes and dtypes from the bundle metadata) in place of the bundle tens
 """
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jinja2
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
@@ -19,7 +21,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .errors import MlxmoeError
-from .files import read_bytes
+from .files import read_bytes, read_json
 from .experts import StreamingExperts, find_router
 from .shards import PER_EXPERT
 from .store import ExpertStore
@@ -102,6 +104,8 @@ INT_FIELDS = {"num_hidden_layers": 1 << 12, "num_attention_heads": 1 << 12, "num
               "num_local_experts": 1 << 16, "num_experts_per_tok": 1 << 16, "moe_top_k": 1 << 16,
               "num_experts_per_token": 1 << 16, "top_k": 1 << 16, "vocab_size": 1 << 24, "kv_lora_rank": 1 << 16,
               "qk_rope_head_dim": 1 << 14}
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_top_k", "num_experts_per_token", "top_k")
+EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts")
 # The tokenizer's JSON files: each, where present, a readable JSON object
 TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                   "generation_config.json", "vocab.json")
@@ -111,11 +115,7 @@ TOKENIZER_VOCAB = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.
 
 def read_json_object(path, what):
     """The JSON object in the regular file `path`, or an MlxmoeError naming it."""
-    data = read_bytes(path, what, MAX_JSON_BYTES)
-    try:
-        value = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise MlxmoeError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+    value = read_json(path, what, MAX_JSON_BYTES)  # UTF-8 only: mlx-lm reads it as such
     if not isinstance(value, dict):
         raise MlxmoeError(f"{path}: not a JSON object")
     return value
@@ -123,6 +123,8 @@ def read_json_object(path, what):
 
 def read_config(path):
     read_json_object(path / "config.json", "config")
+    if (path / "generation_config.json").exists() or (path / "generation_config.json").is_symlink():
+        read_json_object(path / "generation_config.json", "generation config")  # mlx-lm reads it next
     try:
         config = load_config(path)
     except (json.JSONDecodeError, OSError) as e:  # changed since the check above
@@ -135,6 +137,13 @@ def read_config(path):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most):
                 raise MlxmoeError(f"{path / 'config.json'}: {key} must be an integer from 1 to {most}, "
                                   f"not {str(v)[:40]!r}")
+    for cfg in (config, config.get("text_config")):  # routing picks top_k of the experts: no more than there are
+        cfg = cfg if isinstance(cfg, dict) else {}
+        k = next(((key, cfg[key]) for key in TOP_K_FIELDS if isinstance(cfg.get(key), int)), None)
+        e = next(((key, cfg[key]) for key in EXPERT_FIELDS if isinstance(cfg.get(key), int)), None)
+        if k and e and k[1] > e[1]:
+            raise MlxmoeError(f"{path / 'config.json'}: {k[0]} {k[1]} is more than the {e[1]} experts "
+                              f"({e[0]}) a layer has")
     for key in ("quantization", "quantization_config"):  # (MLX's; not another library's, with its quant_method)
         if not (isinstance(config.get(key), dict) and "quant_method" in config[key]):
             _check_quantization(path, key, config.get(key))
@@ -145,13 +154,34 @@ def read_config(path):
             raise MlxmoeError(f"{path / 'config.json'}: {key} {config[key]} is below the quantization group size "
                               f"{group}")
     try:
-        _get_classes(config)
+        _, args_class = _get_classes(config)
     except ValueError:
         raise MlxmoeError(
             f"{path / 'config.json'}: model_type {config['model_type']!r} is not an architecture mlx-lm knows") from None
     except Exception as e:  # a field mlx-lm reads to pick the class (architectures) of the wrong type
         raise MlxmoeError(f"{path / 'config.json'}: mlx-lm cannot read it ({type(e).__name__}: {e})") from None
+    _check_field_types(path, config, args_class)
     return config
+
+
+def _check_field_types(path, config, args_class):
+    """config.json's fields that mlx-lm's ModelArgs declares int, float or bool, of that kind
+    (mlx-lm takes them as they come: a string rope_theta fails inside the first token). Its
+    annotations are loose (gpt-oss's int rope_theta is 150000.0 in real configs): a number
+    is a number, a flag true, false, 0 or 1."""
+    fields = getattr(args_class, "__dataclass_fields__", {})
+    for key, f in fields.items():
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", None)
+        v = config.get(key)
+        if v is None or kind not in ("int", "float", "bool"):
+            continue
+        if kind == "bool":
+            ok = isinstance(v, bool) or (isinstance(v, int) and v in (0, 1))
+        else:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok:
+            what = "true or false" if kind == "bool" else "a finite number"
+            raise MlxmoeError(f"{path / 'config.json'}: {key} must be {what}, not {json.dumps(v)[:40]}")
 
 
 def _check_quantization(path, key, q):
@@ -182,12 +212,23 @@ def check_tokenizer_files(path):
 def read_tokenizer(path, tokenizer_config=None, eos_token_ids=None):
     """mlx-lm's tokenizer of checkpoint `path`, or an MlxmoeError naming what is wrong."""
     check_tokenizer_files(path)
+    jinja = path / "chat_template.jinja"
+    if jinja.exists() or jinja.is_symlink():  # transformers skips a folder, waits on a FIFO
+        read_bytes(jinja, "chat template", MAX_JSON_BYTES)
     try:
-        return load_tokenizer(path, tokenizer_config or {}, eos_token_ids=eos_token_ids)
+        tokenizer = load_tokenizer(path, tokenizer_config or {}, eos_token_ids=eos_token_ids)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # transformers and tokenizers raise many types (a Rust panic is a BaseException)
         raise MlxmoeError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {str(e)[:200]})") from None
+    template = getattr(tokenizer._tokenizer, "chat_template", None)
+    if isinstance(template, str):  # a template that does not parse: refused now, not at the first chat
+        try:
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            where = jinja if jinja.exists() else path / "tokenizer_config.json"
+            raise MlxmoeError(f"{where}: the chat template does not parse (line {e.lineno}: {e.message})") from None
+    return tokenizer
 
 
 def _layer_order(path):

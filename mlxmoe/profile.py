@@ -79,6 +79,8 @@ class ActivationProfile:
         """Tokens after which a count weighs half (None or 0: no decay)."""
         if tokens is not None and not (isinstance(tokens, (int, float)) and math.isfinite(tokens) and tokens >= 0):
             raise MlxmoeError(f"half-life {tokens!r}: give a positive number of tokens")
+        if tokens is not None and 0 < tokens < 1:  # (a profile that forgets within a token; load refuses it)
+            raise MlxmoeError(f"half-life {tokens!r}: 0 (no decay) or at least 1 token")
         self._half_life = tokens
         self._decay = 2.0 ** (-1.0 / tokens) if tokens else 1.0
 
@@ -283,15 +285,28 @@ def parse(data):
     decay = data.get("decay") or {}
     if not isinstance(decay, dict):
         raise ValueError(f"decay must be an object with half_life_tokens, not {decay!r}")
-    return dict(num_layers=L, num_experts=E, top_k=_number(data, "top_k", 0, int),
-                half_life=_number(decay, "half_life_tokens", None, low=-math.inf, optional=True), model=data.get("model", ""),
+    top_k = _number(data, "top_k", 0, int)
+    if "top_k" in data and not 1 <= top_k <= E:
+        raise ValueError(f"top_k {top_k}: a token routes to 1 to the {E} experts of a layer")
+    half_life = _number(decay, "half_life_tokens", None, low=-math.inf, optional=True)
+    if half_life is not None and half_life < 0:
+        raise ValueError(f"half-life {half_life!r}: give a positive number of tokens")
+    if half_life is not None and 0 < half_life < 1:
+        raise ValueError(f"half_life_tokens {half_life}: 0 (no decay) or at least 1 token")
+    counts, tokens = _matrix(data, "counts", (L, E)), float(_number(data, "tokens", None))
+    fields = dict(num_layers=L, num_experts=E, top_k=top_k, half_life=half_life, model=data.get("model", ""),
                 model_fingerprint=data.get("fingerprint", ""), workload=data.get("workload", ""),
-                counts=_matrix(data, "counts", (L, E)),
+                counts=counts,
                 mass=_matrix(data, "router_mass", (L, E)) if "router_mass" in data else None,
-                tokens=float(_number(data, "tokens", None)), tokens_total=_number(data, "tokens_total", 0, int),
+                tokens=tokens, tokens_total=_number(data, "tokens_total", 0, int),
                 created=_number(data, "created", None, optional=True), curve=check_curve(data.get("curve") or {}),
                 expert_bytes=_number(data, "expert_bytes", None, int, 1, optional=True),
-                resident_bytes=_number(data, "resident_bytes", None, int, 0, optional=True))
+                resident_bytes=_number(data, "resident_bytes", None, int, 1, optional=True))
+    # an expert is counted at most once per token and layer, decayed as the tokens are: a rate above 1 is corrupt
+    most = float(counts.max(initial=0))
+    if most > tokens * (1 + 1e-6) + 1e-3:
+        raise ValueError(f"counts up to {most:.6g} over {tokens:.6g} tokens: an expert counted more than once a token")
+    return fields
 
 
 def check_curve(curve):

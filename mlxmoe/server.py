@@ -15,7 +15,12 @@ generation thread are used as they are; the subclasses below change only what ha
 - The prompt cache (KV caches kept across requests) is off unless --prompt-cache-size says
   otherwise, and then bounded by the KV reserve: stored caches are memory beside the budget.
 - max_tokens is cut to the context the budget's KV reserve holds (finish_reason "length"),
-  and a prompt beyond it is refused (HTTP 400, like mlx-lm's own checks, naming the field).
+  and a prompt beyond it is refused (HTTP 413, its body naming the field as the 400s do).
+- Every request gets an HTTP answer: its body is checked before mlx-lm reads it (UTF-8, at
+  most MAX_DEPTH deep, no NaN/Infinity), its fields beyond mlx-lm's checks (bools for numbers,
+  seed, n, stop, logit_bias ids within the vocabulary, stream_options, mlxmoe.profile): 400
+  naming the field; more than --max-queue requests at once: 503 with Retry-After; anything
+  else that fails: 500. The listen backlog holds many clients (the stdlib's 5 resets them).
 - /v1/messages (Anthropic) is mapped onto the chat path and its responses rewritten from
   OpenAI's; /v1/models lists the served model (mlx-lm lists the Hugging Face cache).
 - Under mlx.launch rank 0 serves HTTP and mlx-lm's generation thread shares each request
@@ -32,7 +37,10 @@ generation thread are used as they are; the subclasses below change only what ha
 
 import argparse
 import copy
+import io
 import json
+import logging
+import math
 import re
 import signal
 import sys
@@ -47,12 +55,20 @@ from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache
 
 from . import distributed
-from .api import generation_lock, model_fingerprint, stream_generate
+from .api import generation_lock, model_fingerprint, stream_generate, vocab_size
 from .budget import DEFAULT_CONTEXT
 from .errors import MlxmoeError
 from .profile import ActivationProfile, js_divergence
 
 PROFILE_HEADER = "X-Mlxmoe-Profile"
+POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions", "/v1/messages")
+MAX_BODY = 64 << 20  # bytes of a request body
+MAX_DEPTH = 64  # nesting of a request body's JSON
+# body fields that are numbers: true/false (Python's bools are ints) refused for them
+NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "num_draft_tokens",
+                 "repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
+                 "frequency_penalty", "frequency_context_size", "xtc_probability", "xtc_threshold", "top_logprobs",
+                 "seed", "n")
 ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -157,7 +173,8 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         self.runtime, self.group = runtime, runtime.group  # (mlx-lm drops the model when it stops)
         with distributed.waiting(self.group, "starting the server"):
             self.last_stats = distributed.merged_stats(provider.model) if self.group is not None else {}
-        self.context = DEFAULT_CONTEXT  # the tokens the budget's KV reserve is sized for (api.checkpoint_plan)
+        # the tokens the budget's KV reserve is sized for (load's max_context, api.checkpoint_plan)
+        self.context = getattr(runtime.plan, "context", DEFAULT_CONTEXT)
         self.live = runtime.profile  # the load's live profile, learning from every request
         super().__init__(provider, prompt_cache)  # starts the generation thread
 
@@ -391,14 +408,88 @@ class Handler(mlx_server.APIHandler):
                 "owned_by": "mlxmoe"}]})
         super().do_GET()
 
+    headers_sent = False
+    too_long = False  # the request's prompt is beyond the context: its 400 from mlx-lm becomes a 413
+
+    def _set_completion_headers(self, status_code=200):
+        super()._set_completion_headers(413 if status_code == 400 and self.too_long else status_code)
+
+    def end_headers(self):
+        self.headers_sent = True
+        super().end_headers()
+
+    def _error(self, status, message, headers=()):
+        """An error answer in mlx-lm's form (OpenAIErrors gives it OpenAI's; the server's own
+        failures, 5xx, are typed server_error)."""
+        self._set_completion_headers(status)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.end_headers()
+        error = message if status < 500 else {"message": message, "type": "server_error", "param": None,
+                                              "code": None}
+        self.wfile.write(json.dumps({"error": error}).encode())
+
     def do_POST(self):
-        if self.path == "/v1/messages":
-            self.anthropic, self.path = True, "/v1/chat/completions"
-        wfile, self.wfile = self.wfile, OpenAIErrors(self.wfile)
+        wfile, rfile, self.wfile = self.wfile, self.rfile, OpenAIErrors(self.wfile)
         try:
-            super().do_POST()
+            if self.path not in POST_PATHS:
+                return super().do_POST()  # mlx-lm's 404
+            if not self._read_body():
+                return
+            if self.path == "/v1/messages":
+                self.anthropic, self.path = True, "/v1/chat/completions"
+            if not self.server.admit():
+                return self._error(503, f"server busy: {self.server.max_queue} requests are queued or running "
+                                   "(mlxmoe serve --max-queue); retry later", [("Retry-After", "1")])
+            try:
+                super().do_POST()
+            finally:
+                self.server.leave()
+        except Exception as e:  # a bug, or a body mlx-lm's code could not take: an answer all the same
+            logging.exception("mlxmoe serve: a request failed")
+            if not self.headers_sent:  # (a status line and headers only buffered: replaced by the 500)
+                self._headers_buffer = []
+                try:
+                    self._error(500, f"internal error ({type(e).__name__}: {str(e)[:200]})")
+                except OSError:
+                    pass
         finally:
-            self.wfile = wfile
+            self.wfile, self.rfile = wfile, rfile
+
+    def _read_body(self):
+        """Read and check the body before mlx-lm does (it then reads the same bytes): UTF-8,
+        JSON nested at most MAX_DEPTH deep, no NaN or Infinity anywhere (named by where they
+        are). False once it has answered 400 or 413."""
+        length = self.headers.get("Content-Length")
+        try:
+            length = int(length)
+        except (TypeError, ValueError):
+            return True  # mlx-lm answers 411 or 400
+        if length < 0:
+            self._error(400, "Invalid Content-Length header")
+            return False
+        if length > MAX_BODY:
+            self._error(413, f"request body: {length} bytes, more than the {MAX_BODY} a request may hold")
+            return False
+        raw = self.rfile.read(length)
+        self.rfile = io.BytesIO(raw)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            self._error(400, f"request body: not UTF-8 text (byte {e.start})")
+            return False
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError:
+            return True  # mlx-lm answers 400 with the parser's message
+        except RecursionError:
+            self._error(400, f"request body: JSON nested too deeply (at most {MAX_DEPTH} levels)")
+            return False
+        problem = _check_json(body)
+        if problem is not None:
+            self._error(400, problem)
+            return False
+        return True
 
     def _send_json(self, status, body):
         data = json.dumps(body).encode()
@@ -410,20 +501,70 @@ class Handler(mlx_server.APIHandler):
     def validate_model_parameters(self):
         """mlx-lm's checks, then mlxmoe's: where mlx-lm calls this the body is parsed and
         the request not yet built, so a ValueError here is its HTTP 400 naming the field."""
+        body = self.body
+        for key in NUMBER_FIELDS:
+            v = body.get(key)
+            if isinstance(v, bool):
+                raise ValueError(f"{key} must be a number, not {json.dumps(v)}")
+            if isinstance(v, int) and not -(1 << 63) <= v < 1 << 63:  # MLX takes 64-bit numbers (else bad_cast)
+                raise ValueError(f"{key} must be at most {(1 << 63) - 1} in magnitude")
+        bias = body.get("logit_bias")
+        if isinstance(bias, dict) and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              and abs(v) < 1e300 for v in bias.values()):
+            raise ValueError("logit_bias must be a dict of int to float (finite, below 1e300 in magnitude)")
         super().validate_model_parameters()
+        for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+            if getattr(self, key) > 1 << 24:
+                raise ValueError(f"{key} must be at most {1 << 24}")
+        if self.adapter is not None:
+            raise ValueError("adapters: mlxmoe serve takes no adapters (fuse them into the model first)")
+        if self.requested_draft_model not in (None, "default_model"):
+            raise ValueError("draft_model: mlxmoe serve takes no draft model")
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError("chat_template_kwargs must be an object")
+        if body.get("tools") is not None and not isinstance(body["tools"], list):
+            raise ValueError("tools must be a list")
+        if self.seed is not None and not 0 <= self.seed < 1 << 63:
+            raise ValueError(f"seed must be an integer from 0 to {(1 << 63) - 1}")
+        n = body.get("n", 1)
+        if n is not None and n != 1:
+            raise ValueError(f"n: {str(n)[:40]} choices asked; this server answers with one (n must be 1)")
+        if self.logit_bias is not None:
+            size = vocab_size(self.response_generator.model_provider.model)
+            for token in self.logit_bias:
+                if size is not None and not 0 <= token < size:
+                    raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (0 to {size - 1})")
+        if self.stream_options is not None:
+            if not isinstance(self.stream_options, dict) or not isinstance(
+                    self.stream_options.get("include_usage", False), bool):
+                raise ValueError("stream_options must be an object, e.g. {\"include_usage\": true}")
+            self.stream_options = {**self.stream_options,  # (mlx-lm reads the key without a default)
+                                   "include_usage": self.stream_options.get("include_usage", False)}
         if self.anthropic:
-            anthropic_to_chat(self.body)
-        ext = self.body.get("mlxmoe") or {}
+            anthropic_to_chat(body)
+        stop = body.get("stop")
+        if stop is not None and not isinstance(stop, str) and not (
+                isinstance(stop, list) and all(isinstance(w, str) for w in stop)):
+            raise ValueError("stop must be a string or a list of strings")
+        if stop == "" or isinstance(stop, list) and "" in stop:
+            raise ValueError("stop: an empty stop sequence")
+        ext = body.get("mlxmoe") or {}
         if not isinstance(ext, dict):
             raise ValueError("mlxmoe must be an object, e.g. {\"profile\": \"italian\"}")
         name = ext.get("profile")
+        if name is not None and not isinstance(name, str):
+            raise ValueError("mlxmoe.profile must be a string, the name of a profile")
         profiles = self.response_generator.profiles
         if name is not None and (profiles is None or name not in profiles.by_name):
             known = ", ".join(profiles.by_name) if profiles is not None else "none: start with --profiles DIR"
             raise ValueError(f"mlxmoe.profile: unknown profile {name!r} (known: {known})")
         field, n = self._prompt_tokens()
+        if n == 0:
+            raise ValueError(f"{field}: the prompt is empty (no tokens to start from)")
         context = self.response_generator.context
         if n >= context:
+            self.too_long = True  # answered 413 (Payload Too Large), the body naming the field
             raise ValueError(f"{field}: the prompt is {n} tokens, beyond the {context}-token context the "
                              "memory budget reserves")
 
@@ -499,6 +640,46 @@ class Handler(mlx_server.APIHandler):
                 "stop_sequence": None, "usage": usage}
 
 
+def _check_json(body):
+    """What is wrong with a parsed request body, naming where (None if nothing): nesting
+    deeper than MAX_DEPTH, or NaN/Infinity (Python's json reads them; JSON has no such numbers)."""
+    stack = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"request body: JSON nested too deeply (at most {MAX_DEPTH} levels)"
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{where or 'request body'}: must be a finite number, not {value}"
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k), depth + 1) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+    return None
+
+
+class Server(ThreadingHTTPServer):
+    """The HTTP server: a listen backlog for many clients at once (the stdlib's 5 resets
+    them), and at most `max_queue` generation requests admitted at once (more get 503)."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_queue=64):
+        self.max_queue, self.admitted, self.admit_lock = max_queue, 0, threading.Lock()
+        super().__init__(address, handler)
+
+    def admit(self):
+        with self.admit_lock:
+            if self.admitted >= self.max_queue:
+                return False
+            self.admitted += 1
+            return True
+
+    def leave(self):
+        with self.admit_lock:
+            self.admitted -= 1
+
+
 def cli_args(model, max_tokens, temp, top_p, prompt_cache_size):
     """The namespace mlx-lm's server reads its settings from, with mlx-lm's defaults."""
     return argparse.Namespace(
@@ -511,11 +692,15 @@ def cli_args(model, max_tokens, temp, top_p, prompt_cache_size):
 
 def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_dir=None, save_profiles=False,
           save_every=16, max_tokens=512, temp=0.0, top_p=1.0, prompt_cache_size=0, force_profile=False,
-          profile_path=None):
+          profile_path=None, max_queue=64):
     """Serve `model` until SIGINT or SIGTERM; then, with save_profiles, save the profiles
     (--profiles) or the live one to `profile_path` (the --profile it was loaded with).
     Under several ranks (model loaded with a group) every rank calls this: rank 0 serves
     HTTP, the others follow its requests; a signal to any rank stops them all."""
+    if not (isinstance(temp, (int, float)) and math.isfinite(temp) and temp >= 0):
+        raise MlxmoeError(f"temp {temp!r}: a finite number, at least 0")
+    if not (isinstance(top_p, (int, float)) and 0 <= top_p <= 1):
+        raise MlxmoeError(f"top_p {top_p!r}: a number from 0 to 1")
     runtime = model.expert_runtime
     group = runtime.group
     profiles = None
@@ -546,8 +731,8 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
     httpd = serving = None
     try:
         if group is None or group.rank() == 0:
-            httpd = ThreadingHTTPServer((host, port), lambda *a, **k: Handler(
-                generator, *a, system_fingerprint=mlx_server.get_system_fingerprint(), **k))
+            httpd = Server((host, port), lambda *a, **k: Handler(
+                generator, *a, system_fingerprint=mlx_server.get_system_fingerprint(), **k), max_queue)
             serving = threading.Thread(target=httpd.serve_forever, daemon=True)
             serving.start()
             print(f"mlxmoe serve: {model_name} at http://{host}:{httpd.server_port}", file=sys.stderr, flush=True)
@@ -565,7 +750,9 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
         if httpd is not None:
             httpd.server_close()
         generator.stop_and_join()
-        if save_profiles and generator.failure is None:
+        # what was learnt is kept on any exit caught here; after a failure under several ranks
+        # the save's exchanges could not complete (a rank is gone), in one process they need none
+        if save_profiles and (generator.failure is None or group is None):
             with distributed.waiting(group, "saving the profiles"):
                 generator.save()
         signal.signal(signal.SIGTERM, previous)

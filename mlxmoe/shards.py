@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import MlxmoeError
+from .files import read_json
 
 # safetensors dtype name -> (numpy dtype used to hold the raw bytes, itemsize)
 DTYPES = {
@@ -166,11 +167,12 @@ def shard_files(model_path):
     """The safetensors files of a checkpoint, checking the index when there is one."""
     model_path = Path(model_path)
     index = model_path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise MlxmoeError(f"{index}: malformed index ({e})") from None
+    if index.exists() or index.is_symlink():
+        data = read_json(index, "shard index", 1 << 30)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+            raise MlxmoeError(f"{index}: malformed index (weight_map must be an object of tensor name -> "
+                              "shard file name)")
         files = sorted({model_path / f for f in weight_map.values()})
         for f in files:
             if not f.exists():

@@ -25,6 +25,7 @@ import csv
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,26 @@ def _probabilities(values, what):
     return out
 
 
+def _integer(v, what, allow_str=False):
+    """`v` as an int: an int, or a float or (`allow_str`: CSV cells, JSON keys) a string
+    that is one exactly; anything else (1.5, "1" in JSON, true) is a ValueError naming `what`."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if allow_str and isinstance(v, str) and re.fullmatch(r"-?\d+", v.strip()):
+        return int(v)
+    raise ValueError(f"{what} must be an integer, not {json.dumps(v)[:40] if _jsonable(v) else repr(v)[:40]}")
+
+
+def _jsonable(v):
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def _header_size(header, key):
     v = header.get(key)
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_EXPERTS:
@@ -131,6 +152,9 @@ def read_trace(path):
         L, E = _header_size(header, "num_layers"), _header_size(header, "num_experts")
         if L * E > MAX_EXPERTS:
             raise ValueError(f"{L} layers x {E} experts is more than {MAX_EXPERTS} experts")
+        k = header.get("top_k")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= E):
+            raise ValueError(f"top_k must be an integer from 1 to the {E} experts, not {str(k)[:40]}")
     except ValueError as e:
         raise MlxmoeError(f"{path}:1: malformed header ({e})") from None
     records, numbers = [], []
@@ -141,9 +165,12 @@ def read_trace(path):
             r = json.loads(line)
             if not isinstance(r, dict) or not isinstance(r.get("e"), list) or not r["e"]:
                 raise ValueError("a line is an object with a non-empty list of experts e")
-            s, t, l, e = int(r["s"]), int(r["t"]), int(r["l"]), [int(x) for x in r["e"]]
+            s, t, l = _integer(r["s"], "s"), _integer(r["t"], "t"), _integer(r["l"], "l")
+            e = [_integer(x, "an expert id") for x in r["e"]]
+            if len(set(e)) != len(e):
+                raise ValueError(f"experts {e} repeat an id (a token routes to distinct experts)")
             p, dist = _probabilities(r.get("p"), "p"), _probabilities(r.get("r"), "r")
-            call = None if r.get("n") is None else int(r["n"])
+            call = None if r.get("n") is None else _integer(r["n"], "n")
             if call is not None and not 1 <= call <= len(lines):
                 raise ValueError(f"n = {call}: a layer call has at least one token and at most the trace's lines")
             phase = r.get("ph")
@@ -240,17 +267,19 @@ def replay(header, records, policy, cache_experts, profile=None, **policy_kw):
     if cache_experts < k:
         raise MlxmoeError(f"--cache-experts must be at least {k} (the most experts one layer uses at once)")
     if policy == "belady":
-        policy_kw["future"] = [(l, x) for _, l, experts, *_ in steps(records, L, cache_experts) for x in experts]
+        policy_kw["future"] = [(l, x) for _, l, experts, *_ in steps(records, L, min(cache_experts, L * E))
+                               for x in experts]
     if profile is not None:
         if policy == "belady":
             raise MlxmoeError("belady starts from a cold cache: a profile is for the online policies")
         profile.check_model(trace_fingerprint(header), L, E, force=True, where=profile.name())  # shapes must agree
         policy_kw["prior"] = profile.rates()
-    residency = Residency(cache_experts, make_policy(policy, cache_experts, L, E, **policy_kw))
+    slots = min(cache_experts, L * E)  # a larger cache holds every expert too: the same hits, no huge tables
+    residency = Residency(slots, make_policy(policy, slots, L, E, **policy_kw))
     if profile is not None:
-        for key in prewarm_order(profile, L, E, cache_experts)[:cache_experts]:
+        for key in prewarm_order(profile, L, E, slots)[:slots]:
             residency.claim([key])
-    for tokens, layer, experts, scores, dist in steps(records, L, cache_experts):
+    for tokens, layer, experts, scores, dist in steps(records, L, slots):
         if tokens:
             residency.tick(tokens)
         residency.access(layer, experts, scores, dist)
@@ -357,22 +386,29 @@ def _json_file(path):
 def _route(ids, weights, where):
     """Expert ids (ints) and their weights (floats or None) of one token at one layer."""
     try:
-        experts = [int(x) for x in ids]
+        if not isinstance(ids, list) or not (weights is None or isinstance(weights, list)):
+            raise TypeError("not lists")
+        experts = [_integer(x, "an expert id") for x in ids]
+        if weights is not None and any(isinstance(w, bool) or not isinstance(w, (int, float)) for w in weights):
+            raise ValueError(f"weights {str(weights)[:60]} are not all numbers")
         probs = None if weights is None else [float(w) for w in weights]
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise MlxmoeError(f"{where}: expert ids and weights must be lists of numbers ({e})") from None
     if probs is not None and len(probs) != len(experts):
         raise MlxmoeError(f"{where}: {len(probs)} weights for {len(experts)} experts")
+    if probs is not None and not all(math.isfinite(w) and w >= 0 for w in probs):
+        raise MlxmoeError(f"{where}: weights must be finite and non-negative, not {probs}")
     return experts, probs
 
 
-def _field(obj, key, where, kind=int):
+def _field(obj, key, where, allow_str=False):
+    """An integer field of a source record, never coerced (1.5 or "1" refused)."""
     try:
-        return kind(obj[key])
+        return _integer(obj[key], repr(key), allow_str)
     except KeyError:
         raise MlxmoeError(f"{where}: missing {key!r}") from None
-    except (TypeError, ValueError):
-        raise MlxmoeError(f"{where}: {key!r} must be {kind.__name__}, not {obj[key]!r}") from None
+    except ValueError as e:
+        raise MlxmoeError(f"{where}: {e}") from None
 
 
 def read_specmoe(path):
@@ -385,7 +421,7 @@ def read_specmoe(path):
         where = f"{path}:{n}"
         if not isinstance(r, dict):
             raise MlxmoeError(f"{where}: not a routing record (a JSON object)")
-        pid = _field(r, "problem_id", where)
+        pid = _field(r, "problem_id", where, allow_str=True)
         experts, probs = _route(r.get("experts"), r.get("gating_probs"), where)
         entry = (_field(r, "token_idx", where), _field(r, "layer", where), experts, probs, False, where)
         sequences.setdefault((str(r.get("dataset", "")), pid), []).append(entry)
@@ -470,7 +506,8 @@ def read_moe_ocs(path):
             if probs is not None:  # rank by weight, as the other formats list them
                 ranked = sorted(zip(probs, experts), key=lambda pe: -pe[0])
                 experts, probs = [e for _, e in ranked], [p for p, _ in ranked]
-            entries.append((token, _field({"layer": layer}, "layer", w), experts, probs, phase == "prefill", w))
+            entries.append((token, _field({"layer": layer}, "layer", w, allow_str=True), experts, probs,
+                            phase == "prefill", w))
     return meta, [("0", entries)]
 
 
@@ -544,12 +581,19 @@ def _decode_ids(value, dtype, where):
     names another), or a plain (nested) list."""
     if isinstance(value, str):
         try:
-            return np.frombuffer(base64.b64decode(value, validate=True), dtype=np.dtype(dtype or "int32"))
+            ids = np.frombuffer(base64.b64decode(value, validate=True), dtype=np.dtype(dtype or "int32"))
+            if ids.dtype.kind not in "iu":
+                raise ValueError(f"{ids.dtype} is not an integer type")
         except (ValueError, TypeError) as e:
             raise MlxmoeError(f"{where}: routed_experts is not base64 of {dtype or 'int32'} ({e})") from None
+        return ids.astype(np.int64)
     try:
-        return np.asarray(value, dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError) as e:
+        ids = np.asarray(value)
+        if ids.dtype.kind not in "iuf" or (ids.dtype.kind == "f" and not (
+                np.all(np.isfinite(ids)) and np.all(np.mod(ids, 1) == 0) and np.all(np.abs(ids) < 2 ** 62))):
+            raise ValueError("the ids are not all integers")
+        return ids.astype(np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as e:
         raise MlxmoeError(f"{where}: routed_experts must be base64 or a list of ids ({e})") from None
 
 
@@ -591,6 +635,10 @@ def read_sglang(path, num_layers=None, top_k=None):
                 raise MlxmoeError(f"{where}: no meta_info.routed_experts nor choices[].sgl_ext.routed_experts")
     arrays = []
     for rid, value, dtype, prompt, completion, where in responses:
+        for field, count in (("prompt_tokens", prompt), ("completion_tokens", completion)):
+            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+                raise MlxmoeError(f"{where}: {field} must be a token count (an integer, at least 0), not "
+                                  f"{json.dumps(count)[:40]}")
         if value is None:
             raise MlxmoeError(f"{where}: no routed_experts (was the request sent with return_routed_experts?)")
         ids = _decode_ids(value, dtype, where)
@@ -648,9 +696,29 @@ def import_trace(fmt, src, out, only=None, num_layers=None, num_experts=None, to
     entries = [e for _, seq in sequences for e in seq]
     if not entries:
         raise MlxmoeError(f"{src}: no routing to import")
+    widest = max(len(e[2]) for e in entries)
     L = num_layers or meta["num_layers"] or max(e[1] for e in entries) + 1
     E = num_experts or meta["num_experts"] or max(x for e in entries for x in e[2]) + 1
-    K = top_k or meta["top_k"] or max(len(e[2]) for e in entries)
+    K = top_k or meta["top_k"] or widest
+    for name, v in (("num_layers", L), ("num_experts", E), ("top_k", K)):  # what read_trace will accept
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_EXPERTS:
+            if {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k}[name]:
+                said = "--" + name.replace("_", "-")
+            elif name != "top_k" and not meta[name]:  # taken from the largest id: name its line
+                said = max(entries, key=lambda e: e[1] if name == "num_layers" else max(e[2]))[5]
+            else:
+                said = f"{src} (its {name})"
+            raise MlxmoeError(f"{said}: {name} {str(v)[:40]} is more than {MAX_EXPERTS} (the largest id + 1 where "
+                              "the file does not say) or below 1")
+    if L * E > MAX_EXPERTS:
+        raise MlxmoeError(f"{src}: {L} layers x {E} experts is more than {MAX_EXPERTS} experts (a layer or expert "
+                          "id far beyond the model's? give --num-layers / --num-experts)")
+    if K > E:
+        raise MlxmoeError(f"{src}: top-k {K} is more than the {E} experts")
+    if widest > K:
+        raise MlxmoeError(f"{src}: a token routes to {widest} experts, more than top-k {K}")
+    if K > widest:
+        warnings.append(f"{src}: top-k {K}, but no token routes to more than {widest} experts")
     if not (num_experts or meta["num_experts"]):
         warnings.append(f"{src} does not say how many experts the model has: took {E} (the largest id + 1); "
                         "pass --num-experts if it has more")

@@ -1,5 +1,7 @@
 """Seeded random mutation of every input mlxmoe parses: profiles, traces, safetensors
-headers, config.json and the tokenizer's files, and every numeric CLI option. Each case
+headers, config.json and the tokenizer's files, every numeric CLI option, the importers'
+sources and the server's request bodies (there: every case an HTTP answer, 200 or a JSON
+400/413, never a dropped connection or a traceback in the log). Each case
 ends in success (and what was read works: replays, saves and loads back) or in one
 MlxmoeError (CLI: one `error:` line, exit 2) that names the file or option: never
 another exception, a hang or a file that cannot be loaded back. CASES per parser; the
@@ -374,8 +376,10 @@ OPTIONS = {
     "--repetition-penalty": (["chat", "-m", MISSING, "--repetition-penalty", "{}"], in_range(float, 1)),
     "--cache-experts": (["generate", "-m", MISSING, "-p", "hi", "--cache-experts", "{}"], in_range(int, 1)),
     "--prefetch": (["generate", "-m", MISSING, "-p", "hi", "--prefetch", "{}"], in_range(int, 0, 64)),
+    "--max-context": (["generate", "-m", MISSING, "-p", "hi", "--max-context", "{}"], in_range(int, 16, 2 ** 24)),
+    "--max-queue": (["serve", "-m", MISSING, "--max-queue", "{}"], in_range(int, 1, 4096)),
     "--half-life": (["profile", "record", "-m", MISSING, "--prompts", __file__, "-w", "w", "-o", "{out}",
-                     "--half-life", "{}"], in_range(float, 0, low_open=True)),
+                     "--half-life", "{}"], in_range(float, 1)),  # (a profile's half-life: at least 1 token)
     "--top": (["profile", "show", "{missing}", "--top", "{}"], in_range(int, 0, 2 ** 31)),
     "--budget": (["profile", "show", "{missing}", "--budget", "{}"], valid_size),
     "info --memory-budget": (["info", "-m", MISSING, "--memory-budget", "{}"], valid_size),
@@ -386,7 +390,7 @@ OPTIONS = {
                       in_range(int, 1, 2 ** 16)),
     "--top-k": (["trace", "import", "vllm", "{missing}", "-o", "{out}", "--top-k", "{}"], in_range(int, 1, 2 ** 16)),
     "from-trace --half-life": (["profile", "from-trace", "{missing}", "-o", "{out}", "--half-life", "{}"],
-                               in_range(float, 0, low_open=True)),
+                               in_range(float, 1)),
     "--weights": (["profile", "merge", "{missing}", "{missing}", "-o", "{out}", "--weights", "{}"],
                   lambda text: all(number(x, float) is not None and number(x, float) >= 0 for x in text.split(","))
                   and len(text.split(",")) == 2 and any(number(x, float) for x in text.split(","))),
@@ -417,3 +421,118 @@ def test_fuzz_numeric_options(option, tmp_path):
         assert not (tmp_path / "out.json").exists()
     print(f"\nfuzz {option}: {CASES} cases, {accepted} accepted (then stopped at the missing model or file), "
           f"{refused} refused naming {flag}")
+
+
+# Importers (issue 29): each mutated source is imported into a trace that read_trace and
+# replay take, or refused with an MlxmoeError naming the source
+def import_sources(rng):
+    """{format: (file name, body)} of small valid sources, one per importer."""
+    import base64
+
+    vllm = [{"type": "route", "req_id": "a", "token_idx": t, "layer": l, "topk_ids": [(t + l) % 6, (t + l + 1) % 6],
+             "topk_weights": [0.7, 0.3]} for t in range(3) for l in range(2)]
+    specmoe = [{"dataset": "d", "problem_id": 0, "layer": l, "token_idx": t, "experts": [t % 8, 7 - l],
+                "gating_probs": [0.6, 0.4]} for l in range(2) for t in range(3)]
+    ocs = {"meta": {"model_id": "m", "num_moe_layers": 2, "num_experts": 8, "top_k": 2},
+           "routes": [{"token_pos": t, "phase": "prefill" if t < 2 else "decode",
+                       "layers": {str(l): {"experts": [t % 8, 7 - l], "weights": [0.6, 0.4]} for l in range(2)}}
+                      for t in range(4)]}
+    ids = np.array([[[(t + l) % 8, 7 - l] for l in range(2)] for t in range(4)], np.int32)
+    sglang = {"meta_info": {"id": "r", "prompt_tokens": 3, "completion_tokens": 2,
+                            "routed_experts": base64.b64encode(ids.tobytes()).decode()}}
+    csv = "# route_trace v1\n# model=/x/t.gguf n_layer=2 n_expert=6 n_expert_used=2\n" \
+          "turn,phase,step,layer,slot,expert,weight\n" + "".join(
+              f"0,{0 if s < 2 else 1},{s},{l},{k},{(s + l + k) % 6},{0.6 - 0.2 * k}\n"
+              for s in range(3) for l in range(2) for k in range(2))
+    return {"vllm": ("r.jsonl", vllm), "specmoe": ("r.jsonl", specmoe), "moe-ocs": ("r.json", ocs),
+            "sglang": ("r.json", sglang), "bigmoeonedge": ("r.csv", csv)}
+
+
+def mutated_source(rng, body):
+    if isinstance(body, str):
+        return mutate_bytes(body.encode(), rng)
+    if isinstance(body, list):  # JSONL: one line mutated (or the bytes of the whole)
+        lines = [dumps(x) for x in body]
+        i = rng.randrange(len(lines))
+        lines[i] = mutated(body[i], rng)
+        return b"\n".join(lines) + b"\n"
+    return mutated(body, rng)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "specmoe", "moe-ocs", "sglang", "bigmoeonedge"])
+def test_fuzz_imports(fmt, tmp_path):
+    from mlxmoe.trace import import_trace
+
+    rng = random.Random(f"import {fmt}")
+    name, body = import_sources(rng)[fmt]
+    src, out = tmp_path / name, tmp_path / "t.jsonl"
+    tally = Tally(f"trace import {fmt}")
+    kw = {"num_layers": 2} if fmt == "sglang" else {}
+    for i in range(CASES):
+        src.write_bytes(mutated_source(rng, body))
+        if out.exists():
+            out.unlink()
+
+        def run():
+            import_trace(fmt, src, out, **kw)
+            header, records = read_trace(out)  # what an import writes, its own reader takes
+            replay(header, records, "lru", max(2, header["num_layers"] * header["num_experts"] // 2))
+
+        if not tally.case(src, run):
+            assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == [name]
+    tally.report()
+
+
+# The server (issue 29): every mutated request gets an HTTP answer (200, or 400/413 with a
+# JSON error), the connection is never dropped and the server logs no traceback
+SERVER_BODIES = {
+    "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "Il gatto"}], "max_tokens": 4,
+                             "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": ["\n"], "stream": False,
+                             "logit_bias": {"5": 1.0}, "mlxmoe": {"profile": None}},
+    "/v1/completions": {"prompt": "The cat", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+                        "repetition_penalty": 1.1, "top_k": 5, "n": 1},
+    "/v1/messages": {"model": "m", "max_tokens": 4, "system": "Be brief.",
+                     "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                     "stop_sequences": ["x"]},
+}
+
+
+def short(body):
+    """A mutated body with its token counts kept small (the fuzz is of parsing, not of decoding)."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return body
+    if isinstance(value, dict):
+        for key in ("max_tokens", "max_completion_tokens"):
+            v = value.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 8:
+                value[key] = 8
+        return dumps(value)
+    return body
+
+
+def test_fuzz_server_requests():
+    from test_server import Server
+
+    rng = random.Random("server")
+    server = Server("--memory-budget", "42MB", "--max-tokens", "4")
+    statuses = {}
+    try:
+        for i in range(CASES):
+            path = rng.choice(list(SERVER_BODIES))
+            body = short(mutated(SERVER_BODIES[path], rng))
+            with deadline(CASE_SECONDS * 3, f"server case {i}"):
+                status, _, data = server.request("POST", path, raw=body)  # a dropped connection raises
+            statuses[status] = statuses.get(status, 0) + 1
+            assert status in (200, 400, 413), (status, body[:200], data[:200])
+            if status != 200:
+                error = json.loads(data)["error"]
+                assert error["message"], data
+        assert server.json("GET", "/health")[2] == {"status": "ok"}
+    finally:
+        code = server.stop()
+    log = "".join(server.lines)
+    assert code == 0 and "Traceback" not in log, log[-3000:]
+    print(f"\nfuzz server requests: {CASES} cases, " + ", ".join(f"{n} answered {s}" for s, n in sorted(
+        statuses.items())) + ", 0 dropped, 0 tracebacks")

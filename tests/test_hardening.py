@@ -98,9 +98,9 @@ def test_merge_never_writes_what_load_refuses(tmp_path, cli):
     m = ActivationProfile.load(tmp_path / "m.json")
     assert np.isfinite(m.tokens) and m.tokens > 0
     np.testing.assert_allclose(m.rates(), ActivationProfile.load(a).rates(), atol=1e-4)
-    # counts of 1e308 overflow a merge: refused, nothing written
+    # counts of 1e308 over 1e-300 tokens: refused (since issue 29 when read, naming the file), nothing written
     c = profile_file(tmp_path, "c.json", counts=[[1e308] * 4, [1e308] * 4], tokens=1e-300)
-    assert_cli_error(cli, ["profile", "merge", c, c, "-o", tmp_path / "n.json"], "n.json")
+    assert_cli_error(cli, ["profile", "merge", c, c, "-o", tmp_path / "n.json"], "c.json", "counts")
     assert not (tmp_path / "n.json").exists()
     assert sorted(f.name for f in tmp_path.iterdir()) == ["a.json", "b.json", "c.json", "m.json"]
 
@@ -226,7 +226,7 @@ def test_interrupt_at_the_first_save_keeps_the_recording(tmp_path, monkeypatch):
     out = tmp_path / "p.json"
     r = CliRunner().invoke(main, ["profile", "record", "--prompts", str(prompts), "-w", "x", "-o", str(out),
                                   "--max-tokens", "4", "--cache-experts", "16"])
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 130, r.output  # interrupted: saved, yet not a success (issue 29)
     assert ActivationProfile.load(out).tokens_total > 0
     assert sorted(f.name for f in tmp_path.iterdir()) == ["p.json", "p.txt"]
 
@@ -245,7 +245,7 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     time.sleep(1)
     proc.send_signal(signal.SIGTERM)
     err = proc.stderr.read()
-    assert proc.wait(timeout=60) == 0, err
+    assert proc.wait(timeout=60) == 130, err  # saved, yet not a success: `record && deploy` stops (issue 29)
     assert "Traceback" not in err and "keeping what was recorded" in err
     assert ActivationProfile.load(out).tokens_total > 0
     assert sorted(f.name for f in tmp_path.iterdir()) == ["p.json", "p.txt"]
