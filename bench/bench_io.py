@@ -20,10 +20,22 @@ dropped before each measurement:
    bundled / stacked;
 4. (unless --no-generate) the whole generate path once per mode, each in its own
    process: mlxmoe.load(cache_experts=25 % of all, io=MODE) + 16 tokens: decode tok/s,
-   bytes read, page cache growth; and once on the bundled copy (io=direct).
+   bytes read, page cache growth; and once on the bundled copy (io=direct);
+5. reads vs dd at the same request size (--sizes: 16 KiB, 64 KiB, 256 KiB: the store's
+   CHUNK, 1 MiB, one expert's size, 4 MiB), each size on one shard, in rounds (page cache
+   dropped before each) in which every reader reads its share in turn, the order rotated
+   round by round: `dd bs=SIZE count=N skip=K iflag=direct` (sequential, one request in
+   flight) against the store's own O_DIRECT read path (`ExpertStore._read_run` of one
+   range) at random SIZE-aligned offsets, into page-aligned buffers (straight into them)
+   and into buffers 24 bytes past a page (as MLX's pools: through the bounce buffer and a
+   copy), with 1 and 4 threads; as floors, Python's bare `os.preadv` loop, sequential like
+   dd and at random offsets; each ratio to dd is taken within its round; per size the CPU
+   time per read and what the bounce copy alone costs; for the expert-size row also whole
+   experts (`read_expert` into `SlotPools`, as the runtime reads them: 9 ranges).
 
     python bench/bench_io.py                  # 8 layers, 300 experts, 2 repeats
     python bench/bench_io.py --quick          # 2 layers, 100 experts, 1 repeat
+    python bench/bench_io.py --only-sizes     # only 5 (bench/out/io-sizes.json)
 """
 
 import argparse
@@ -233,6 +245,226 @@ def generate_all(args, bundled):
     return out
 
 
+# ---------------------------------------------------------------- request sizes
+
+SIZES = "16K,64K,256K,1M,expert,4M"
+SIZE_READS = (64, 2048)  # reads per measurement: --size-bytes // size, within these
+
+
+def parse_size(text, expert_bytes):
+    """"16K", "1M", "4096" or "expert" (one expert's bytes on disk, rounded up to a page) in bytes."""
+    from mlxmoe.store import align_up
+
+    text = text.strip().upper()
+    if text == "EXPERT":
+        return align_up(expert_bytes)
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+    return int(text.rstrip("KM")) * scale
+
+
+def size_name(n):
+    if n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    return f"{n >> 10}K" if n < 1 << 20 and n % (1 << 10) == 0 else f"{n / (1 << 20):.2f}M"
+
+
+def dd_at(shard, size, count, skip):
+    """`dd bs=size count=count skip=skip iflag=direct`: bytes, seconds and GB/s from its own
+    summary line."""
+    r = subprocess.run(["dd", f"if={shard}", "of=/dev/null", f"bs={size}", f"count={count}", f"skip={skip}",
+                        "iflag=direct"], capture_output=True, text=True)
+    m = re.search(r"(\d+) bytes .* copied, ([\d.]+) s, ([\d.]+ \S+)", r.stderr)
+    if r.returncode or not m:
+        raise SystemExit(f"dd failed on {shard}: {r.stderr.strip()}")
+    nbytes, seconds = int(m.group(1)), float(m.group(2))
+    return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9, "dd_says": m.group(3)}
+
+
+def page_buffer(size, skew=0):
+    """A numpy uint8 buffer of `size` bytes starting `skew` bytes past a page (an anonymous
+    mmap is page aligned): skew 0 is read straight into by O_DIRECT, 24 (where MLX's CPU
+    pools start) goes through the store's bounce buffer."""
+    import mmap
+
+    import numpy as np
+
+    return np.frombuffer(mmap.mmap(-1, size + (skew and 4096)), np.uint8)[skew:skew + size]
+
+
+def timed(fn, items, pool=None):
+    """fn over items, one task per item on `pool` (a ThreadPoolExecutor kept for the whole
+    size, as the runtime keeps its IO threads; None: a plain loop): {"seconds", "cpu"} (CPU:
+    the whole process's, user + system)."""
+    cpu, tic = time.process_time(), time.perf_counter()
+    if pool is None:
+        for x in items:
+            fn(x)
+    else:
+        list(pool.map(fn, items))
+    return {"seconds": time.perf_counter() - tic, "cpu": time.process_time() - cpu}
+
+
+def on_each_thread(pool, threads, fn):
+    """Run fn once on each of the `threads` threads of `pool` (the calling thread if None)."""
+    import threading
+
+    if pool is None:
+        return fn()
+    barrier = threading.Barrier(threads)
+    list(pool.map(lambda _: (fn(), barrier.wait()), range(threads)))
+
+
+def size_variants(store, shard, size, slots, per_round, rng, pools):
+    """{name: fn() -> {"bytes", "seconds", "cpu"}}: one round's reads of `per_round` x `size`
+    bytes of `shard` by each reader; each call takes fresh offsets. `pools`: {threads:
+    executor or None}. Each thread's destination and bounce buffer are made and touched
+    before the rounds (as in a runtime that has run a while), not in the timed reads."""
+    import threading
+
+    def sequential():  # a fresh run of per_round blocks
+        skip = rng.randrange(slots - per_round + 1)
+        return skip, [(skip + i) * size for i in range(per_round)]
+
+    def scattered():
+        return [k * size for k in rng.sample(range(slots), per_round)]
+
+    def dd():
+        d = dd_at(shard, size, per_round, sequential()[0])
+        return {"bytes": d["bytes"], "seconds": d["seconds"], "cpu": None, "dd_says": d["dd_says"]}
+
+    def preadv(seq):
+        def run():
+            buf = page_buffer(size)
+            fd = os.open(shard, os.O_RDONLY | os.O_DIRECT)
+            try:
+                offsets = sequential()[1] if seq else scattered()
+                return {"bytes": size * per_round, **timed(lambda off: os.preadv(fd, [buf], off), offsets)}
+            finally:
+                os.close(fd)
+        return run
+
+    def store_read(skew, t):
+        local = threading.local()  # each thread its own destination, as each slot is its own
+
+        def warm():
+            local.d = page_buffer(size, skew)
+            local.d[:] = 0
+            store._bounce(size)[:] = 0  # the store's per-thread bounce buffer
+
+        def read(off):
+            if store._read_run((shard, off, off + size, [(off, local.d)])) < size:
+                raise SystemExit(f"short read of {shard} at {off}")
+        on_each_thread(pools[t], t, warm)
+        return lambda: {"bytes": size * per_round, **timed(read, scattered(), pools[t])}
+
+    out = {"dd": dd, "preadv_seq": preadv(True), "preadv_rand": preadv(False)}
+    for dest, skew in (("aligned", 0), ("bounce", 24)):
+        for t in pools:
+            out[f"{dest}_x{t}"] = store_read(skew, t)
+    return out
+
+
+def expert_variants(store, per_round, rng, pools):
+    """{name: fn}: whole experts read as the runtime reads them, read_expert into SlotPools
+    (a stacked checkpoint's 9 ranges on the store's 4 workers), in the runtime's pool
+    dtypes (on CPU bf16 scales widen to float32) and in the file's (as on a GPU); a few
+    experts read first, untimed, so that the store's workers have their bounce buffers."""
+    from mlxmoe import backend
+    from mlxmoe.api import MX_DTYPES
+    from mlxmoe.cache import SlotPools
+
+    be = backend.detect()
+    pairs = [(l, e) for l in range(store.num_layers) for e in range(store.num_experts)]
+    out, slots = {}, []
+    for label, dtypes in (("runtime", [be.pool_dtype(MX_DTYPES[d]) for d in store.tensor_dtypes]),
+                          ("file", [MX_DTYPES[d] for d in store.tensor_dtypes])):
+        p = SlotPools(store, 16, dtypes, io_threads=1)
+        slots.append(p)
+        for i in range(8):
+            p.read_into(rng.choice(pairs), i)
+        for t in pools:
+            def run(p=p, t=t):
+                sample = rng.sample(pairs, per_round)
+                r = timed(lambda i: p.read_into(sample[i], i % 16), range(per_round), pools[t])
+                return {"bytes": per_round * store.expert_file_bytes(), **r}
+            out[f"expert_{label}_x{t}"] = run
+    return out, slots
+
+
+def size_row(store, shard, size, count, rng, threads, rounds, experts=False):
+    """One request size on `shard` (see the module docstring, 5): `rounds` rounds, each after
+    dropping the page cache, of count / rounds reads by every reader in turn, the order
+    rotated each round so that the disk's drift falls on all alike; per reader its GB/s over
+    all rounds and the median of its per-round ratio to dd's."""
+    from mlxmoe.store import align_down
+
+    slots = align_down(shard.stat().st_size, size) // size  # whole SIZE-aligned blocks in the shard
+    per_round = max(1, min(count, slots) // rounds)
+    pools = {t: ThreadPoolExecutor(t) if t > 1 else None for t in threads}
+    variants = size_variants(store, shard, size, slots, per_round, rng, pools)
+    slot_pools = []
+    if experts:
+        more, slot_pools = expert_variants(store, per_round, rng, pools)
+        variants.update(more)
+    names = list(variants)
+    rows = {n: [] for n in names}
+    for k in range(rounds):
+        drop_page_cache()
+        time.sleep(0.5)
+        for n in names[k % len(names):] + names[:k % len(names)]:
+            rows[n].append(variants[n]())
+    for p in slot_pools:
+        p.close()
+    for p in pools.values():
+        if p is not None:
+            p.shutdown()
+    row = {"size": size, "reads": per_round * rounds, "rounds": rounds, "shard": str(shard)}
+    for n in names:
+        nbytes, seconds = sum(r["bytes"] for r in rows[n]), sum(r["seconds"] for r in rows[n])
+        cpu = None if rows[n][0]["cpu"] is None else sum(r["cpu"] for r in rows[n])
+        row[n] = {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
+                  "x_dd": statistics.median(r["bytes"] / r["seconds"] / (d["bytes"] / d["seconds"])
+                                            for r, d in zip(rows[n], rows["dd"])),
+                  "cpu_us_per_read": None if cpu is None else 1e6 * cpu / (per_round * rounds), "rounds": rows[n]}
+    # the bounce buffer's copy alone, no IO, in warm caches (a copy after a DMA read is colder)
+    src, dst = page_buffer(size), page_buffer(size, 24)
+    src[:] = 1
+    dst[:] = src
+    reps = max(8, min(256, (64 << 20) // size))
+    tic = time.perf_counter()
+    for _ in range(reps):
+        dst[:] = src
+    row["copy_us"] = 1e6 * (time.perf_counter() - tic) / reps
+    return row
+
+
+def sizes_all(args, store, files, threads):
+    """Section 5 over `args.repeat` runs; each size on its own shard (the largest ones in turn)."""
+    shards = sorted(files, key=lambda f: -f.stat().st_size)
+    shards = [f for f in shards if f.stat().st_size >= shards[0].stat().st_size // 2]
+    sizes = [parse_size(x, store.expert_file_bytes()) for x in args.sizes.split(",")]
+    expert = parse_size("expert", store.expert_file_bytes())
+    store.close()
+    store.workers = 4
+    store.set_io("direct", "o_direct")
+    rng = random.Random(args.seed)
+    reps = []
+    for rep in range(1, args.repeat + 1):
+        rows = []
+        for i, size in enumerate(sizes):
+            count = max(SIZE_READS[0], min(SIZE_READS[1], args.size_bytes // size))
+            row = size_row(store, shards[i % len(shards)], size, count, rng, threads, args.size_rounds,
+                           experts=size == expert)
+            rows.append(row)
+            print(f"[bench] run {rep} size {size_name(size)}: dd {row['dd']['gbps']:.3f} GB/s; x dd "
+                  + ", ".join(f"{k} {v['x_dd']:.2f}" for k, v in row.items() if isinstance(v, dict) and k != "dd"),
+                  flush=True)
+        reps.append({"repeat": rep, "rows": rows})
+    if store.fallback:
+        print(f"[bench] {store.fallback}", flush=True)
+    return {"sizes": sizes, "expert_size": expert, "threads": threads, "rounds": args.size_rounds, "runs": reps}
+
+
 # ---------------------------------------------------------------- tables
 
 
@@ -297,6 +529,49 @@ def print_generate(gen):
               f"{mb(g['shard_pages_generate']):>10}{str(g['same_tokens']):>12}")
 
 
+def print_sizes(res):
+    """Section 5: GB/s and x dd (each the median over the runs; a run's x dd is the median of
+    its rounds' ratios to the dd of the same round)."""
+    reps = res["runs"]
+    cols = ["preadv_seq", "preadv_rand"] + [f"{d}_x{t}" for d in ("aligned", "bounce") for t in res["threads"]]
+    print(f"\nreads vs dd at the same request size: O_DIRECT, {res['rounds']} rounds per run, page cache dropped "
+          "before each, the readers in rotating order; GB/s and x dd (the median of the rounds' ratios to the "
+          f"same round's dd), medians of {len(reps)} runs. dd: sequential from a random skip=, one request in "
+          "flight; pv seq / pv rnd: Python's bare os.preadv loop, sequential like dd / at random offsets; "
+          "al / bnc: the store's _read_run at random SIZE-aligned offsets into page-aligned buffers (straight "
+          "in) / buffers 24 bytes past a page (bounce buffer + copy), xT threads; cpu: process CPU (user + "
+          "system) us per read, 1 thread; copy: the bounce copy alone in warm caches, us")
+    head = f"{'size':>7}{'reads':>6}{'dd':>7}"
+    for c in cols:
+        short = c.replace("preadv_", "pv ").replace("aligned", "al").replace("bounce", "bnc").replace("_", " ")
+        head += f"{short:>9}{'x dd':>6}"
+    print(head + f"{'cpu al':>8}{'cpu bnc':>8}{'copy':>7}")
+
+    def med(rows, f):
+        return statistics.median(f(r) for r in rows)
+
+    for i, size in enumerate(res["sizes"]):
+        rows = [r["rows"][i] for r in reps]
+        line = f"{size_name(size):>7}{rows[0]['reads']:>6}{med(rows, lambda r: r['dd']['gbps']):>7.3f}"
+        for c in cols:
+            line += f"{med(rows, lambda r: r[c]['gbps']):>9.3f}{med(rows, lambda r: r[c]['x_dd']):>6.2f}"
+        cpu = [med(rows, lambda r: r[c]["cpu_us_per_read"]) for c in ("aligned_x1", "bounce_x1")]
+        print(line + f"{cpu[0]:>8.0f}{cpu[1]:>8.0f}{med(rows, lambda r: r['copy_us']):>7.0f}")
+    for i, size in enumerate(res["sizes"]):
+        rows = [r["rows"][i] for r in reps]
+        names = [k for k in rows[0] if k.startswith("expert_")]
+        if not names:
+            continue
+        print(f"\nwhole experts ({size_name(size)} each, 9 ranges) read as the runtime does (read_expert into "
+              "SlotPools, the store's 4 workers), in the same rounds as that row: runtime pools (on CPU the "
+              "bf16 scales widen to float32) and file-dtype pools (as on a GPU); x dd: dd at the expert's size")
+        print(f"{'pools':<9}{'thr':>4}{'GB/s':>8}{'x dd':>6}{'cpu us/expert':>14}")
+        for n in names:
+            _, pools, t = n.split("_")
+            print(f"{pools:<9}{t[1:]:>4}{med(rows, lambda r: r[n]['gbps']):>8.3f}"
+                  f"{med(rows, lambda r: r[n]['x_dd']):>6.2f}{med(rows, lambda r: r[n]['cpu_us_per_read']):>14.0f}")
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -312,7 +587,12 @@ def main():
     ap.add_argument("--no-generate", action="store_true")
     ap.add_argument("--quick", action="store_true", help="2 layers, 100 experts, 1 repeat, 8 tokens.")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(HERE / "out" / "io.json"))
+    ap.add_argument("--sizes", default=SIZES, help="Request sizes of section 5 (K, M, or expert: one expert's bytes).")
+    ap.add_argument("--size-bytes", type=int, default=256 << 20,
+                    help=f"Bytes per measurement of section 5 ({SIZE_READS[0]}-{SIZE_READS[1]} reads).")
+    ap.add_argument("--size-rounds", type=int, default=4, help="Rounds per size in section 5 (readers rotated).")
+    ap.add_argument("--only-sizes", action="store_true", help="Only section 5 (request sizes against dd).")
+    ap.add_argument("--out", help="JSON out (default bench/out/io.json, with --only-sizes io-sizes.json).")
     ap.add_argument("--generate-one", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -322,6 +602,7 @@ def main():
     if args.quick:
         args.checkpoint = args.checkpoint.replace("-8L", "-2L")
         args.layers, args.sample, args.repeat, args.tokens = 2, 100, 1, 8
+    args.out = args.out or str(HERE / "out" / ("io-sizes.json" if args.only_sizes else "io.json"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from mlxmoe.loader import open_checkpoint
@@ -329,8 +610,21 @@ def main():
     args.checkpoint = ensure_checkpoint(args.checkpoint, args.layers)
     store = open_checkpoint(args.checkpoint).store
     files = sorted({r.file for experts in store.ranges for row in experts for r in row})
-    shards = sorted(files, key=lambda f: -f.stat().st_size)[:args.dd_shards]
     threads = [int(t) for t in args.threads.split(",")]
+    if args.only_sizes:
+        print(f"[bench] {args.checkpoint}: {store.expert_file_bytes() / 1e6:.2f} MB per expert in "
+              f"{len(store.tensors)} ranges; request sizes {args.sizes}", flush=True)
+        sizes = sizes_all(args, store, files, threads)
+        store.close()
+        out = {"platform": f"{platform.system()} {platform.release()} {platform.machine()}, {os.cpu_count()} cpus",
+               "checkpoint": str(args.checkpoint), "expert_bytes": store.expert_file_bytes(),
+               "ranges_per_expert": len(store.tensors), "request_sizes": sizes}
+        print_sizes(sizes)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        print(f"\nwrote {args.out}")
+        return
+    shards = sorted(files, key=lambda f: -f.stat().st_size)[:args.dd_shards]
     rng = random.Random(args.seed)
     pairs = [(l, e) for l in range(store.num_layers) for e in range(store.num_experts)]
     sample = rng.sample(pairs, min(args.sample, len(pairs)))
@@ -366,6 +660,7 @@ def main():
         r["dd"].append(dd_direct(shards))
         r["dd_gbps"] = statistics.mean(d["gbps"] for d in r["dd"])
         reps.append(r)
+    sizes = sizes_all(args, store, files, threads)
     store.close()
     bstore.close()
 
@@ -375,11 +670,12 @@ def main():
     out = {"platform": f"{platform.system()} {platform.release()} {platform.machine()}, {os.cpu_count()} cpus",
            "checkpoint": str(args.checkpoint), "expert_bytes": store.expert_file_bytes(),
            "ranges_per_expert": len(store.tensors), "sample": len(sample), "bundled": str(bundled),
-           "default_io": default_io(), "runs": reps, "generate": gen}
+           "default_io": default_io(), "runs": reps, "request_sizes": sizes, "generate": gen}
     for r in reps:
         print_modes(r, r["dd_gbps"])
         print_bundle(r, r["dd_gbps"])
     print_bundle_medians(reps)
+    print_sizes(sizes)
     if gen:
         print_generate(gen)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
