@@ -167,8 +167,9 @@ def read_config(path):
 def _check_field_types(path, config, args_class):
     """config.json's fields that mlx-lm's ModelArgs declares int, float or bool, of that kind
     (mlx-lm takes them as they come: a string rope_theta fails inside the first token). Its
-    annotations are loose (gpt-oss's int rope_theta is 150000.0 in real configs): a number
-    is a number, a flag true, false, 0 or 1."""
+    annotations are loose (gpt-oss's int rope_theta is 150000.0 in real configs; hunyuan's
+    int moe_topk is a list, one per layer, in some): a number is a number or a list of
+    numbers, a flag true, false, 0 or 1."""
     fields = getattr(args_class, "__dataclass_fields__", {})
     for key, f in fields.items():
         kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", None)
@@ -178,9 +179,10 @@ def _check_field_types(path, config, args_class):
         if kind == "bool":
             ok = isinstance(v, bool) or (isinstance(v, int) and v in (0, 1))
         else:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                     for x in (v if isinstance(v, list) and v else [v]))
         if not ok:
-            what = "true or false" if kind == "bool" else "a finite number"
+            what = "true or false" if kind == "bool" else "a finite number (or a list of them, one per layer)"
             raise MlxmoeError(f"{path / 'config.json'}: {key} must be {what}, not {json.dumps(v)[:40]}")
 
 
