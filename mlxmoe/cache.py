@@ -217,10 +217,7 @@ class SlotPools:
     def read_into(self, key: tuple, slot: int, pace: Callable | None = None) -> int:
         """Read expert `key` into `slot`; return the bytes read. `pace`: a background read's
         (see ReadGate.reading), called before each piece of it."""
-        outs = [v[slot] for v in self.views]
-        if pace is None:
-            return self.store.read_expert(key[0], key[1], outs)
-        return self.store.read_expert(key[0], key[1], outs, pace=pace)
+        return self.store.read_expert(key[0], key[1], [v[slot] for v in self.views], pace=pace)
 
     def read(self, layer: int, missed: list) -> int:
         """Read `missed` [(expert, slot)] of `layer` (on the IO threads when several); return
@@ -388,7 +385,8 @@ class ExpertCache(Residency):
             if self.held:  # held until this visit: what this layer did not use was a wrong guess
                 self.held.difference_update([k for k in self.held if k[0] == layer])
             if missed and early is not None:
-                unread = {e for e, _ in missed} | {e for (_, e), _ in waits} | {e for l, e in self.loader.failed if l == layer}
+                unread = {e for e, _ in missed} | {e for (_, e), _ in waits}
+                unread |= {e for l, e in self.loader.failed if l == layer}
                 ready = {e: s for e, s in zip(experts, slots) if e not in unread}
         tic = time.perf_counter()
         if missed:
@@ -649,7 +647,8 @@ class BackgroundLoader:
                         return
                     if key in cache.slot_of:
                         continue
-                    room = (cache.capacity - len(cache.active | self.waiting.keys())) // 2 - len(self.waiting)
+                    # (under `background` no other background read is on its way)
+                    room = (cache.capacity - len(cache.active)) // 2
                     taken = self.claim([key], evict=True, worth=worth) if room > 0 else []
                     if not taken:
                         return
@@ -671,7 +670,6 @@ class BackgroundLoader:
         def wanted():
             return not self.stop.is_set() and (until is None or not self.reached(until) or key in cache.active)
 
-        tic = time.perf_counter()
         try:
             with self.gate.reading(key, wanted, granted) as pace:
                 n = cache.pools.read_into(key, slot, pace)
@@ -681,7 +679,6 @@ class BackgroundLoader:
             pass
         with cache.lock:
             counters = cache.counters
-            counters.background_read_seconds += time.perf_counter() - tic
             done = self.waiting.pop(key)
             if n is not None:
                 counters.prefetch_bytes += n

@@ -22,7 +22,6 @@ class CacheStats:
     prefetch_cancelled: int = 0  # background reads stopped part way: their layer call came without them
     cancelled_bytes: int = 0  # ... the bytes they had read (not in bytes_read)
     read_seconds: float = 0.0  # the decode thread's reads
-    background_read_seconds: float = 0.0  # pre-warm and prefetch reads, their waits for a turn included
     bookkeeping_seconds: float = 0.0  # what StreamingExperts adds beyond mlx-lm's own work
     decode_tps: float = 0.0
 

@@ -93,6 +93,11 @@ def runs(ranges, dests, align=1):
     return out
 
 
+def slice_span(r):
+    """The bytes that hold a tensor-parallel slice's runs (`r.runs` of them, `r.step` apart)."""
+    return r.step * (r.runs - 1) + r.nbytes // r.runs
+
+
 def split_run(run, chunk=CHUNK):
     """`run` (see runs) cut at the file offsets that are multiples of `chunk`: pieces of at
     most `chunk` bytes, each still aligned where the run was."""
@@ -352,7 +357,6 @@ class ExpertStore:
                 plain.append(r)
                 dests.append(dest)
         todo = runs(plain, dests, ALIGN if self.io == "direct" else 1)
-        requests = len(todo)
         if pace is not None:
             disk = 0
             for piece in (piece for run in todo for piece in split_run(run)):
@@ -369,7 +373,7 @@ class ExpertStore:
             disk = sum(map(self._read_run, todo))
         for r, dest in sliced:
             if pace is not None:
-                pace(r.step * (r.runs - 1) + r.nbytes // r.runs)
+                pace(slice_span(r))
             disk += self._read_slice(r, dest)
         for file in {r.file for r in ranges}:
             self.check_unchanged(file)
@@ -379,7 +383,7 @@ class ExpertStore:
         with self._lock:
             self.useful_bytes += useful
             self.disk_bytes += disk
-            self.reads += requests
+            self.reads += len(todo)
         return useful
 
     def check_unchanged(self, file):
@@ -397,8 +401,7 @@ class ExpertStore:
     def _read_slice(self, r, dest):
         """A tensor-parallel slice along the last axis: its runs lie `step` apart, so the
         span that holds them is read and this rank's runs kept (the span's bytes count as read)."""
-        per_run = r.nbytes // r.runs
-        span = r.step * (r.runs - 1) + per_run
+        per_run, span = r.nbytes // r.runs, slice_span(r)
         buf = np.empty(span, np.uint8)
         disk = self._read_run((r.file, r.offset, r.offset + span, [(r.offset, buf)]))
         dest.reshape(r.runs, per_run)[...] = np.lib.stride_tricks.as_strided(buf, (r.runs, per_run), (r.step, 1))

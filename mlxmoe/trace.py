@@ -240,7 +240,7 @@ def steps(records, num_layers, capacity=None):
     the distribution are means over the call's tokens, as the runtime gives them."""
     for call in layer_calls(records, num_layers):
         layer = call[0][2]
-        scores = dist = None
+        dist = mass = None  # the router's mean distribution, else the experts' mean scores
         if all(rec[5] is not None for rec in call):
             dist = np.mean([rec[5] for rec in call], axis=0)
         elif all(rec[4] is not None for rec in call):
@@ -249,10 +249,7 @@ def steps(records, num_layers, capacity=None):
                 for x, p in zip(rec[3], rec[4]):
                     mass[x] = mass.get(x, 0.0) + p / len(call)
         for i, experts in enumerate(expert_groups([rec[3] for rec in call], capacity or math.inf)):
-            if dist is not None:
-                scores = dist[experts].tolist()
-            elif all(rec[4] is not None for rec in call):
-                scores = [mass[x] for x in experts]
+            scores = dist[experts].tolist() if dist is not None else None if mass is None else [mass[x] for x in experts]
             yield (len(call) if layer == 0 and i == 0 else 0), layer, experts, scores, dist
 
 
