@@ -531,6 +531,71 @@ def info(model_path, memory_budget, backend, as_json):
                    f"{100 * b['share_of_experts']:.1f}% of all experts")
 
 
+@main.command()
+@click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the demo model.")
+@click.option("--memory-budget", "budgets", multiple=True, type=Size(),
+              help="A budget to forecast, e.g. 12GB; repeat for several. Default: the budgets that hold "
+                   "10, 25, 50 and 100 % of the experts.")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
+              help="A profile of the workload (with its hit-rate curve): its hit rate instead of real routing's.")
+@click.option("--disk-gbps", type=Number(float, 0, low_open=True),
+              help="The disk's read rate in GB/s. Default: measured for ~1 s at the model's expert read size "
+                   "(from its non-expert tensors).")
+@click.option("--prompt-tokens", type=Number(int, 1), default=256, show_default=True,
+              help="Prompt length for the time to first token.")
+@click.option("--max-tokens", type=Number(int, 0), default=256, show_default=True,
+              help="Tokens generated after it (with the prompt: the KV cache the run takes).")
+@click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens, backend, as_json):
+    """Will it run, and how fast: memory, hit rate, bytes read a token, decode tok/s and
+    time to first token at each budget, forecast before loading the model. Reads the
+    config and the safetensors headers, times the disk briefly on non-expert tensors (never
+    an expert's bytes) and this machine's matmuls at the model's shapes (a few seconds).
+    Each figure is a range (low / likely / high); it says which inputs were measured."""
+    from . import backend as backends
+    from .api import checkpoint_plan
+    from .budget import format_size
+    from .forecast import forecast
+    from .loader import open_checkpoint
+    from .profile import ActivationProfile
+
+    be = backends.detect(backend)
+    ckpt = open_checkpoint(model_path)
+    be.apply_dtype_policy(ckpt.model)
+    prof = ActivationProfile.load(profile_path) if profile_path else None
+    total = ckpt.num_layers * ckpt.num_experts
+    if not budgets:
+        budgets = sorted({checkpoint_plan(ckpt, be, cache_experts=min(total, max(ckpt.top_k, round(total * s)))).budget
+                          for s in (0.1, 0.25, 0.5, 1.0)})
+    f = forecast(ckpt, be, budgets, profile=prof, disk_rate=disk_gbps * 1e9 if disk_gbps else None,
+                 prompt_tokens=prompt_tokens, new_tokens=max_tokens, plan=lambda b: checkpoint_plan(ckpt, be, b))
+    if as_json:
+        click.echo(json.dumps(f, indent=1))
+        return
+    click.echo(f"{f['model']}: {f['model_type']} on {f['backend']}, {ckpt.num_layers} MoE layers x "
+               f"{ckpt.num_experts} experts, {f['routed_experts_per_token']} expert reads a token at most, "
+               f"{format_size(f['expert_bytes_on_disk'])} each")
+    for line in f["measured"]:
+        click.echo(f"  measured: {line}")
+    for line in f["assumed"]:
+        click.echo(f"  assumed:  {line}")
+    click.echo(f"  {'budget':>9} {'memory':>9} {'cache':>16} {'hit rate (low-likely-high)':>27} {'MiB read/token':>15} "
+               f"{'decode tok/s (low / likely / high)':>35} {'TTFT s (' + str(prompt_tokens) + ' tokens)':>22}")
+    for r in f["budgets"]:
+        if "error" in r:
+            click.echo(f"  {format_size(r['budget']):>9}  does not fit: {r['error']}")
+            continue
+        h, d, t, b = r["hit_rate"], r["decode_tps"], r["ttft_seconds"], r["read_bytes_per_token"]
+        cache = f"{r['cache_experts']} ({100 * r['share_of_experts']:.0f}%)"
+        hits = f"{100 * h['low']:.0f}-{100 * h['likely']:.0f}-{100 * h['high']:.0f}%"
+        click.echo(f"  {format_size(r['budget']):>9} {format_size(r['memory_bytes']):>9} {cache:>16} {hits:>27} {b['likely'] / 2**20:15.1f} "
+                   f"{d['low']:11.2f} / {d['likely']:.2f} / {d['high']:.2f}{'':>9} "
+                   f"{t['high']:6.1f} - {t['likely']:.1f} - {t['low']:.1f}")
+    sources = sorted({r["hit_rate_source"] for r in f["budgets"] if "hit_rate_source" in r})
+    click.echo(f"  hit rates: {'; '.join(sources)}")
+
+
 def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=None):
     """Load the model (then `on_load(model)`) and feed it the prompts with a progress bar;
     Ctrl-C stops early and keeps what was recorded. Returns (model, interrupted). On an

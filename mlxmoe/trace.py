@@ -276,13 +276,20 @@ def replay(header, records, policy, cache_experts, profile=None, **policy_kw):
     if profile is not None:
         for key in prewarm_order(profile, L, E, slots)[:slots]:
             residency.claim([key])
+    counters, step_tokens, decode = residency.counters, 0, [0, 0]  # decode: hits, accesses of one-token steps
     for tokens, layer, experts, scores, dist in steps(records, L, slots):
         if tokens:
             residency.tick(tokens)
+            step_tokens = tokens
+        hits, misses = counters.hits, counters.misses
         residency.access(layer, experts, scores, dist)
-    hits, accesses = residency.counters.hits, residency.counters.hits + residency.counters.misses
+        if step_tokens == 1:
+            decode[0] += counters.hits - hits
+            decode[1] += counters.hits - hits + counters.misses - misses
+    hits, accesses = counters.hits, counters.hits + counters.misses
     return {"policy": policy, "cache_experts": cache_experts, "accesses": accesses, "hits": hits,
-            "hit_rate": hits / accesses if accesses else 0.0}
+            "hit_rate": hits / accesses if accesses else 0.0,
+            "decode_hit_rate": decode[0] / decode[1] if decode[1] else 0.0}
 
 
 def replay_all(header, records, policies, cache_experts, profile=None, **policy_kw):

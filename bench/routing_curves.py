@@ -1,0 +1,84 @@
+"""The decode hit rate of mlxmoe's default cache against cache size on real routing: the
+table `mlxmoe fit` forecasts from when no profile is given (mlxmoe/data/routing_curves.json).
+
+    python bench/routing_curves.py                      # ../shared/data/real-routing -> mlxmoe/data/routing_curves.json
+    python bench/routing_curves.py --routing DIR --out FILE
+
+Each trace of DIR (see its README: BigMoeOnEdge route traces, Apache-2.0; moe_ocs_learning
+routing, MIT) is imported as `mlxmoe trace import` does and replayed with the default policy
+at each share of the model's experts (cold cache, as a first run without a profile); the hit
+rate counted is the decode steps' (one token a step), which sets decode tok/s. Only these
+figures are written, with their sources, not the routing itself.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mlxmoe.files import write_atomic  # noqa: E402
+from mlxmoe.policies import DEFAULT_POLICY  # noqa: E402
+from mlxmoe.trace import read_trace, replay  # noqa: E402
+
+SHARES = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
+# (family, format, file under the routing folder, source and licence)
+TRACES = [
+    ("qwen3_moe", "bigmoeonedge", "bigmoeonedge/qwen.route.csv",
+     "Qwen3-30B-A3B Q4_K_M, top-6 (forced), github Helldez/BigMoeOnEdge c6463352, Apache-2.0"),
+    ("gemma4", "bigmoeonedge", "bigmoeonedge/gemma.route.csv",
+     "Gemma-4-26B-A4B Q4_K_M, top-6 (forced), github Helldez/BigMoeOnEdge c6463352, Apache-2.0"),
+    ("gpt_oss", "bigmoeonedge", "bigmoeonedge/gptoss.route.csv",
+     "gpt-oss-120b Q4_K_M, top-2 (forced), github Helldez/BigMoeOnEdge c6463352, Apache-2.0"),
+    ("qwen3_5_moe", "moe-ocs", "moe-ocs-learning-qwen3.6/routing_pretrained.mlx.ece94543.json",
+     "Qwen3.6-35B-A3B 4-bit on MLX, top-8, github jinlong-huo/moe_ocs_learning, MIT"),
+    ("qwen3_5_moe", "moe-ocs", "moe-ocs-learning-qwen3.6/routing_pretrained.vllm.7534a717.json",
+     "Qwen3.6-35B-A3B on vLLM, top-8, github jinlong-huo/moe_ocs_learning, MIT"),
+]
+
+
+def curve(trace_file):
+    header, records = read_trace(trace_file)
+    total = header["num_layers"] * header["num_experts"]
+    k = max(len(set(r[3])) for r in records)
+    points = []
+    for share in SHARES:
+        size = max(k, round(total * share))
+        points.append([share, round(replay(header, records, DEFAULT_POLICY, size)["decode_hit_rate"], 4)])
+    return header, points
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--routing", type=Path, default=None,
+                        help="The real-routing folder (default: ../shared/data/real-routing beside the repo).")
+    parser.add_argument("--out", type=Path, default=ROOT / "mlxmoe" / "data" / "routing_curves.json")
+    args = parser.parse_args()
+    routing = args.routing or ROOT.parent / "shared" / "data" / "real-routing"
+    if not routing.is_dir():
+        raise SystemExit(f"no routing folder at {routing}: pass --routing DIR")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, fmt, rel, source in TRACES:
+            out = Path(tmp) / "trace.jsonl"
+            subprocess.run([sys.executable, "-m", "mlxmoe", "trace", "import", fmt, str(routing / rel), "-o", str(out)],
+                           check=True, capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            header, points = curve(out)
+            rows.append({"family": family, "source": source, "layers": header["num_layers"],
+                         "experts": header["num_experts"], "decode_hit_rate": points})
+            print(f"{family:12s} " + "  ".join(f"{100 * s:3.0f}%: {100 * r:5.1f}%" for s, r in points) + f"   {source}")
+    doc = {"what": "decode hit rate of mlxmoe's default cache (cold, no profile) against the share of a model's "
+                   "experts it holds, replayed on routing recorded from real models; made by bench/routing_curves.py",
+           "policy": DEFAULT_POLICY, "curves": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out, (json.dumps(doc, indent=1) + "\n").encode())
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Will it run, and how fast: memory, hit rate, bytes read and tok/s of a checkpoint at a
+memory budget, forecast before loading it, from its config and safetensors headers, a
+brief read of the disk (at the model's own expert read size, from its non-expert tensors:
+never an expert's bytes) and a brief measure of this machine's matmuls at its shapes.
+
+A decode token reads R seconds of experts (the misses the hit rate leaves, at the disk's
+rate) and computes C seconds (every expert resident). Reads and compute overlap in part:
+the forecast's range runs from none (R + C: low) to all (max(R, C): high), the likely
+value in between (max + OVERLAP_LEFT x min), with the hit rate's own range on top."""
+
+import json
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from .budget import attention_bytes, kv_bytes_per_token, parse_size, text_config, working_bytes
+from .curves import curve_at
+from .errors import MlxmoeError
+from .policies import DEFAULT_POLICY
+
+CURVES = Path(__file__).parent / "data" / "routing_curves.json"
+# Of the shorter of reads and compute, the share a token still waits for: a layer's
+# attention and router run before its misses are known, its missed experts after they
+# land (bench/bench_forecast.py tunes it on the 50 % rows of the disk-bound runs).
+OVERLAP_LEFT = 0.75
+DISK_SECONDS = 1.0  # how long the disk is read for, at most
+PREFILL_BATCH = 512  # tokens a prefill step computes at once (api.PREFILL_STEP)
+
+
+def family_curves(path=CURVES):
+    """[(family, [[share, decode hit rate], ...])] of the real-routing table we ship."""
+    return [(c["family"], c["decode_hit_rate"]) for c in json.loads(Path(path).read_text())["curves"]]
+
+
+def _at_share(points, share):
+    """A curve of [share, hit rate] points read at `share` (from 0 hits at an empty cache)."""
+    points = ([[0.0, 0.0]] if points[0][0] > 0 else []) + points
+    return curve_at(points, min(max(share, 0.0), points[-1][0]))
+
+
+def hit_rates(model_type, share, cache_experts, profile=None):
+    """(low, likely, high) decode hit rate at a cache holding `share` of the experts, and
+    where it comes from: the profile's own curve when it has one, else the real routing
+    we ship (likely: the mean of this model family's traces, or of all where we have none
+    of it; low / high: the range across every family)."""
+    if profile is not None and profile.curve:
+        name = DEFAULT_POLICY if DEFAULT_POLICY in profile.curve else next(iter(profile.curve))
+        rate = curve_at(profile.curve[name], cache_experts)
+        if rate is None:  # beyond the curve's sizes: its nearest end
+            points = profile.curve[name]
+            rate = points[0][1] if cache_experts < points[0][0] else points[-1][1]
+        return (rate, rate, rate), f"profile {profile.name()} ({name}'s curve)"
+    if share >= 1.0:
+        return (1.0, 1.0, 1.0), "every expert resident"
+    curves = family_curves()
+    rates = [(family, _at_share(points, share)) for family, points in curves]
+    own = [r for family, r in rates if family == model_type]
+    likely = sum(own or [r for _, r in rates]) / len(own or rates)
+    source = (f"real routing of {model_type} ({len(own)} trace{'s' * (len(own) > 1)})" if own else
+              f"real routing of {len({f for f, _ in curves})} other families (none of {model_type})")
+    return (min(r for _, r in rates), likely, max(r for _, r in rates)), source
+
+
+def non_expert_spans(store):
+    """(file, offset, nbytes) of the checkpoint's tensors that hold no expert, largest first."""
+    spans = [(info.file, info.offset, info.nbytes) for name, info in store.index.items()
+             if name not in store.expert_names and info.nbytes]
+    return sorted(spans, key=lambda s: -s[2])
+
+
+def measure_disk(store, seconds=DISK_SECONDS):
+    """Bytes per second of O_DIRECT reads (the store's own reads) at one expert's request
+    sizes, its ranges read by the store's threads at once, as an expert read is; the
+    requests land in the checkpoint's non-expert tensors, never in an expert's bytes.
+    Returns (rate, bytes read, requests), or None where those tensors are too small."""
+    from .store import ALIGN, align_down, align_up
+
+    sizes = [align_up(r.nbytes) for r in store.ranges[0][0]]
+    spans = [s for s in non_expert_spans(store) if s[2] >= max(sizes) + 2 * ALIGN]
+    if not spans:
+        return None
+    rng = np.random.default_rng(0)
+    scratch = [np.empty(max(sizes), np.uint8) for _ in sizes]
+
+    def request(i, size):
+        file, offset, nbytes = spans[i % len(spans)]
+        lo = align_up(offset) + align_down(int(rng.integers(0, nbytes - size - ALIGN + 1)))
+        return store._read_run((file, lo, lo + size, [(lo, scratch[i % len(scratch)][:size])]))
+
+    done = requests = 0
+    start = time.perf_counter()
+    with ThreadPoolExecutor(store.workers) as pool:
+        while time.perf_counter() - start < seconds and requests < 64 * len(sizes):
+            done += sum(pool.map(request, range(requests, requests + len(sizes)), sizes))
+            requests += len(sizes)
+    return done / (time.perf_counter() - start), done, requests
+
+
+def _expert_block(ckpt, backend, k):
+    """Layer 0's expert block as mlx-lm built it (SwitchGLU or its kin, quantized as the
+    checkpoint is) holding `k` experts of random weights in the slot pools' dtypes, and
+    their bytes: what a layer computes a token with, never read from the checkpoint."""
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    from .loader import MX_DTYPES
+
+    block = ckpt.experts[0]._inner
+    small = []
+    for name, shape, dtype in zip(ckpt.store.tensors, ckpt.store.tensor_shapes, ckpt.store.tensor_dtypes):
+        dtype = backend.pool_dtype(MX_DTYPES[dtype])
+        if mx.issubdtype(dtype, mx.floating):
+            small.append((name, (0.02 * mx.random.normal((k, *shape))).astype(dtype)))
+        else:  # packed weights, integer scales: any bits will do
+            small.append((name, mx.random.randint(0, 1 << 30, (k, *shape)).astype(dtype)))
+    block.update(tree_unflatten(small))
+    mx.eval([a for _, a in small])
+    return block, sum(a.nbytes for _, a in small)
+
+
+def measure_compute(ckpt, backend, dense_bytes, tokens=1, seconds=0.3):
+    """Seconds of compute for a step of `tokens` tokens with every expert resident: each
+    MoE layer's top-k experts, computed by the model's own expert block on random weights
+    with one sync a layer as the runtime runs them, timed here; the other weights the tokens
+    compute with (`dense_bytes`) at the rate that block reached (weight bytes x tokens a
+    second, also returned)."""
+    import mlx.core as mx
+
+    from mlx.utils import tree_flatten
+
+    config = text_config(ckpt.config)
+    hidden = config.get("hidden_size") or config.get("d_model") or config.get("n_embd")
+    if not hidden:
+        raise MlxmoeError(f"{ckpt.path}: config.json names no hidden size (hidden_size, d_model, n_embd)")
+    # mlx-lm computes in the checkpoint's float dtype on GPUs, in float32 on CPU (backend.py)
+    floats = [v.dtype for _, v in tree_flatten(ckpt.model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    dtype = backend.compute_dtype or max(floats, key=lambda d: d.size, default=mx.float16)
+    per_k = {}
+    for k in sorted(set(ckpt.top_ks)):
+        block, nbytes = _expert_block(ckpt, backend, k)
+        x = mx.random.normal((1, tokens, hidden)).astype(dtype)
+        idx = mx.random.randint(0, k, (1, tokens, k)) if tokens > 1 else mx.arange(k)[None, None]
+        mx.eval(block(x, idx))  # warm-up: kernels built
+        n, start = 0, time.perf_counter()
+        while n < 3 or (time.perf_counter() - start < seconds / len(set(ckpt.top_ks)) and n < 200):
+            mx.eval(block(x, idx))
+            n += 1
+        per_k[k] = ((time.perf_counter() - start) / n, nbytes)
+    seconds_k, nbytes = per_k[max(per_k)]
+    rate = nbytes * tokens / seconds_k
+    return sum(per_k[k][0] for k in ckpt.top_ks) + dense_bytes * tokens / rate, rate
+
+
+def dense_active_bytes(ckpt):
+    """Bytes of the non-expert weights a token computes with: all of them but an embedding
+    table that is only looked up (one not tied to the output head)."""
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(ckpt.model.parameters())
+    total = sum(v.nbytes for _, v in params)
+    text = ckpt.config.get("text_config") or {}
+    if ckpt.config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
+        return total
+    return total - sum(v.nbytes for name, v in params if "embed" in name)
+
+
+def distinct_pairs(layers, experts, top_k, tokens):
+    """Expected distinct (layer, expert) pairs a prompt of `tokens` tokens routes to, were
+    its routing uniform (real routing repeats more: an upper end)."""
+    return layers * experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def _tps(seconds):
+    return 1.0 / seconds if seconds > 0 else math.inf
+
+
+def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens=256, new_tokens=256, plan=None):
+    """The forecast for each memory budget in `budgets` (bytes or "12GB"), as dicts, for a
+    prompt of `prompt_tokens` and `new_tokens` generated; `plan(budget)` splits a budget
+    (api.checkpoint_plan); memory_bytes is what the run takes (weights, cache, its KV
+    cache and working memory), at most the budget. Measures the disk (unless
+    `disk_rate`, bytes/s, is given) and the compute once for all budgets."""
+    assumed, measured = [], []
+    if disk_rate is None:
+        disk = measure_disk(ckpt.store)
+        if disk is None:
+            raise MlxmoeError(f"{ckpt.path}: its non-expert tensors are too small to time the disk on; "
+                              "give its read rate with --disk-gbps")
+        disk_rate = disk[0]
+        measured.append(f"disk {disk_rate / 1e9:.3f} GB/s ({disk[2]} O_DIRECT reads of one expert's ranges, "
+                        f"{disk[1] / 2**20:.0f} MiB of non-expert tensors)")
+    else:
+        assumed.append(f"disk {disk_rate / 1e9:.3f} GB/s (given)")
+    dense = dense_active_bytes(ckpt)
+    compute, rate = measure_compute(ckpt, backend, dense)
+    batch = min(prompt_tokens, PREFILL_BATCH)
+    prefill_step, _ = measure_compute(ckpt, backend, dense, tokens=batch)
+    measured.append(f"compute {1000 * compute:.1f} ms a token every expert resident (matmuls of the model's shapes "
+                    f"on {backend.name}, {rate / 1e9:.1f} GB/s of weights)")
+    assumed.append(f"overlap of reads and compute: none (low) to full (high), likely {1 - OVERLAP_LEFT:.0%} of the shorter")
+    # beside the weights and the cache, what this prompt and the tokens after it take: the
+    # budget reserves KV cache and working memory for the longest context instead
+    act = backend.activation_bytes(ckpt.model)
+    step = min(prompt_tokens, PREFILL_BATCH)
+    context = prompt_tokens + new_tokens
+    in_use = int(kv_bytes_per_token(ckpt.config, act) * context * ckpt.stage_share
+                 + working_bytes(ckpt.config, act, step, ckpt.top_k)
+                 + (attention_bytes(ckpt.config, act, step, context) if backend.materialises_attention else 0))
+    total = ckpt.num_layers * ckpt.num_experts
+    expert_disk = ckpt.store.expert_file_bytes()
+    routed = sum(ckpt.top_ks)
+    rows = []
+    for budget in budgets:
+        try:
+            p = plan(budget)
+        except MlxmoeError as e:  # below the minimum: say so in its row
+            rows.append({"budget": parse_size(budget, "memory budget"), "error": str(e)})
+            continue
+        share = p.cache_experts / total
+        (lo, likely, hi), source = hit_rates(ckpt.config.get("model_type", ""), share, p.cache_experts, profile)
+        read_s = [(1 - h) * routed * expert_disk / disk_rate for h in (lo, likely, hi)]
+        decode = {"low": _tps(read_s[0] + compute),
+                  "likely": _tps(max(read_s[1], compute) + OVERLAP_LEFT * min(read_s[1], compute)),
+                  "high": _tps(max(read_s[2], compute))}
+        pairs = min(distinct_pairs(ckpt.num_layers, ckpt.num_experts, max(ckpt.top_ks), prompt_tokens), total)
+        warm = min(p.cache_experts, pairs) if profile is not None else 0  # a profile pre-warms the cache
+        prefill_read = (pairs - warm * likely) * expert_disk / disk_rate
+        prefill_compute = prefill_step * math.ceil(prompt_tokens / batch)
+        rows.append({
+            "budget": p.budget, "memory_bytes": p.resident + p.expert_cache + in_use,
+            "cache_experts": p.cache_experts, "share_of_experts": share,
+            "hit_rate": {"low": lo, "likely": likely, "high": hi}, "hit_rate_source": source,
+            "read_bytes_per_token": {"low": (1 - lo) * routed * expert_disk, "likely": (1 - likely) * routed * expert_disk,
+                                     "high": (1 - hi) * routed * expert_disk},
+            "decode_tps": decode,
+            "ttft_seconds": {"low": prefill_read + prefill_compute,
+                             "likely": max(prefill_read, prefill_compute) + OVERLAP_LEFT * min(prefill_read, prefill_compute),
+                             "high": max(prefill_read, prefill_compute)},
+        })
+    return {"model": str(ckpt.path), "model_type": ckpt.config.get("model_type"), "backend": backend.name,
+            "new_tokens": new_tokens, "disk_bytes_per_second": disk_rate, "compute_seconds_per_token": compute, "prompt_tokens": prompt_tokens,
+            "expert_bytes_on_disk": expert_disk, "routed_experts_per_token": routed,
+            "measured": measured, "assumed": assumed, "budgets": rows}

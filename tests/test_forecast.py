@@ -1,0 +1,88 @@
+"""`mlxmoe fit`: the forecast reads headers, times the disk on non-expert tensors only, and
+gives ordered ranges; a budget below the minimum is a row that says so."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from mlxmoe import backend as backends
+from mlxmoe.api import checkpoint_plan
+from mlxmoe.budget import parse_size
+from mlxmoe.forecast import family_curves, forecast, hit_rates
+from mlxmoe.loader import open_checkpoint
+from mlxmoe.profile import ActivationProfile
+from mlxmoe.store import ExpertStore
+
+
+def expert_spans(store):
+    return [(r.file, r.offset, r.offset + r.nbytes) for layer in store.ranges for row in layer for r in row]
+
+
+@pytest.mark.parametrize("quant", [None, "4bit"])
+def test_fit_times_the_disk_without_reading_an_expert(checkpoint, on_disk, monkeypatch, quant):
+    path = on_disk(checkpoint("qwen3_moe", quant=quant))
+    reads = []
+    real = ExpertStore._read_run
+
+    def spy(self, run):
+        reads.append((run[0], run[1], run[2]))
+        return real(self, run)
+
+    monkeypatch.setattr(ExpertStore, "_read_run", spy)
+    be = backends.detect("cpu")
+    ckpt = open_checkpoint(str(path))
+    be.apply_dtype_policy(ckpt.model)
+    total = ckpt.num_layers * ckpt.num_experts
+    budgets = [checkpoint_plan(ckpt, be, cache_experts=c).budget for c in (ckpt.top_k, total // 2, total)]
+    f = forecast(ckpt, be, budgets, prompt_tokens=16, new_tokens=16, plan=lambda b: checkpoint_plan(ckpt, be, b))
+    assert reads, "the disk was not timed"
+    experts = expert_spans(ckpt.store)
+    for file, lo, hi in reads:  # no request touches an expert's bytes
+        assert not any(f == file and lo < e_hi and e_lo < hi for f, e_lo, e_hi in experts), (file, lo, hi)
+    assert ckpt.store.useful_bytes == 0 and f["disk_bytes_per_second"] > 0
+    assert f["compute_seconds_per_token"] > 0
+    rows = f["budgets"]
+    for r in rows:
+        d, t, h = r["decode_tps"], r["ttft_seconds"], r["hit_rate"]
+        assert d["low"] <= d["likely"] <= d["high"]
+        assert t["high"] <= t["likely"] <= t["low"]
+        assert 0 <= h["low"] <= h["likely"] <= h["high"] <= 1
+        assert r["memory_bytes"] <= r["budget"]
+    # more budget: never slower, never more reads; every expert resident: no reads at all
+    assert [r["decode_tps"]["likely"] for r in rows] == sorted(r["decode_tps"]["likely"] for r in rows)
+    assert rows[-1]["read_bytes_per_token"]["likely"] == 0 and rows[-1]["hit_rate_source"] == "every expert resident"
+
+
+def test_fit_cli_json_given_disk_reads_nothing(checkpoint, on_disk, monkeypatch):
+    path = on_disk(checkpoint("qwen3_moe", quant="4bit"))
+    monkeypatch.setattr(ExpertStore, "_read_run", lambda self, run: pytest.fail(f"read {run[:3]}"))
+    code, out, err = run_cli("fit", "-m", path, "--disk-gbps", "2", "--memory-budget", "1KB",
+                             "--memory-budget", "1GB", "--json", "--backend", "cpu")
+    assert code == 0, err
+    f = json.loads(out)
+    assert f["disk_bytes_per_second"] == 2e9 and any("given" in a for a in f["assumed"])
+    small, big = f["budgets"]
+    assert "below the minimum" in small["error"] and small["budget"] == parse_size("1KB")
+    assert big["budget"] == parse_size("1GB") and big["decode_tps"]["high"] > 0
+
+
+def test_fit_text_names_what_was_measured(checkpoint, on_disk):
+    code, out, err = run_cli("fit", "-m", on_disk(checkpoint("qwen3_moe", quant="4bit")), "--backend", "cpu")
+    assert code == 0, err
+    assert "measured: disk" in out and "measured: compute" in out and "assumed:" in out
+    assert "decode tok/s" in out and "hit rates:" in out
+
+
+def test_hit_rates_from_profile_curve_or_real_routing(tmp_path):
+    families = {f for f, _ in family_curves()}
+    assert {"qwen3_moe", "gemma4", "gpt_oss"} <= families
+    (lo, likely, hi), source = hit_rates("qwen3_moe", 0.25, 100)
+    assert lo <= likely <= hi and "real routing of qwen3_moe" in source
+    (lo2, likely2, hi2), source2 = hit_rates("mixtral_unknown", 0.25, 100)
+    assert (lo2, hi2) == (lo, hi) and "other families" in source2
+    # smaller caches hit less
+    assert hit_rates("qwen3_moe", 0.05, 10)[0][1] < likely < hit_rates("qwen3_moe", 0.5, 200)[0][1]
+    p = ActivationProfile(num_layers=2, num_experts=8, top_k=2, curve={"activation-floor": [[4, 0.5], [8, 0.9]]})
+    assert hit_rates("qwen3_moe", 0.375, 6, profile=p)[0] == pytest.approx((0.7, 0.7, 0.7))
+    assert hit_rates("qwen3_moe", 0.1, 2, profile=p)[0] == (0.5, 0.5, 0.5)  # below its sizes: its first point
