@@ -13,10 +13,12 @@ side in one run.
 2. For each disk: the checkpoint folder itself (`local`), or mounted through
    ../shared/tools/slowdisk.py at a rate (bench_disk.py's mount): `mlxmoe fit --json` for
    the budgets that hold each --shares of the experts (timed: it must take < 10 s), then
-   each budget in its own process: mlxmoe.load(memory_budget=..., profile=...) and a timed
+   each budget in its own process: mlxmoe.load(memory_budget=..., profile=...), a 4-token
+   warm-up generation (kernels built: one-time costs are not forecast) and a timed
    greedy generation (bench_runtime.generate_timed): decode tok/s over the tokens after the
-   first, time to first token, and the memory the process grew by (peak RSS after the run
-   less the RSS before the load).
+   first, time to first token, and the memory the model took: MLX's peak (weights, slot
+   pools, KV cache, activations; on a GPU its memory) and, beside it, what the process's
+   RSS grew by (that also holds MLX's cache of freed buffers and Python's objects).
 3. A table of forecast (low / likely / high) against measured, and the targets: measured
    inside the range in every row, the likely value within +-25 % in >= 80 % of rows,
    memory within +-5 %.
@@ -41,6 +43,7 @@ sys.path.insert(0, str(HERE))
 import bench_disk as bd  # noqa: E402  (mount, unmount, fuse_check, the default checkpoint)
 import bench_runtime as br  # noqa: E402  (run_child, generate_timed)
 
+WARMUP_PROMPT = "Hi there"  # a warm-up generation before the timed one: one-time costs are not the forecast's
 PROFILE_PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning was", "Numbers: 1, 2, 3,"]
 
 
@@ -51,27 +54,34 @@ def rss():
 
 def run_measured(args):
     """One budget: load from --path with the profile, one timed greedy generation."""
-    import mlx.core as mx  # noqa: F401  (imported before the baseline RSS: not the model's memory)
+    import mlx.core as mx  # (imported before the baseline RSS: not the model's memory)
 
     import mlxmoe
     from mlxmoe.budget import peak_rss
 
     before = rss()
+    mx.reset_peak_memory()
     tic = time.perf_counter()
-    model, tokenizer = mlxmoe.load(args.path, memory_budget=args.budget, profile=args.profile)
+    model, tokenizer = mlxmoe.load(args.path, memory_budget=args.budget, profile=args.profile, backend=args.backend)
     load_seconds = time.perf_counter() - tic
     model.expert_cache.prewarm_done(timeout=600)  # the forecast's pre-warmed cache: measured from there
-    run, _, _ = br.generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, args.tokens,
-                                  window=args.no_repeat)
+    for _ in mlxmoe.stream_generate(model, tokenizer, WARMUP_PROMPT, max_tokens=4):  # kernels built (JIT on CUDA)
+        pass
+    snap = lambda: br.cache_snapshot(model.expert_cache)  # noqa: E731
+    run, first, last = br.generate_timed(mlxmoe.stream_generate, model, tokenizer, args.prompt, args.tokens,
+                                         snapshot=snap, window=args.no_repeat)
+    run["decode"] = br.window_stats(first, last)
     stats = model.expert_cache.stats()
     model.expert_cache.close()
     return {"load_seconds": load_seconds, "run": {k: v for k, v in run.items() if k != "text"},
-            "memory_bytes": peak_rss() - before, "cache_experts": stats.get("cache_experts")}
+            "memory_bytes": mx.get_peak_memory(), "rss_growth_bytes": peak_rss() - before,
+            "cache_experts": stats.get("cache_experts")}
 
 
 def fit(args, path, profile, budgets, prompt_tokens):
     cmd = [sys.executable, "-m", "mlxmoe", "fit", "-m", str(path), "--profile", str(profile), "--json",
-           "--prompt-tokens", str(prompt_tokens), "--max-tokens", str(args.tokens)] + [a for b in budgets for a in ("--memory-budget", str(b))]
+           "--prompt-tokens", str(prompt_tokens), "--max-tokens", str(args.tokens)]
+    cmd += [a for b in budgets for a in ("--memory-budget", str(b))] + (["--backend", args.backend] if args.backend else [])
     tic = time.perf_counter()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode:
@@ -81,13 +91,13 @@ def fit(args, path, profile, budgets, prompt_tokens):
     return f
 
 
-def budgets_for(path, shares):
+def budgets_for(path, shares, backend=None):
     """The budget that holds each share of the experts (mlxmoe info's plan)."""
     from mlxmoe import backend as backends
     from mlxmoe.api import checkpoint_plan
     from mlxmoe.loader import open_checkpoint
 
-    be = backends.detect()
+    be = backends.detect(backend)
     ckpt = open_checkpoint(str(path))
     be.apply_dtype_policy(ckpt.model)
     total = ckpt.num_layers * ckpt.num_experts
@@ -118,7 +128,7 @@ def report(rows, overlap):
         print(f"{r['disk']:>8} {r['budget'] / 2**30:8.2f}G {100 * r['forecast']['share_of_experts']:5.0f}%  "
               f"{d['low']:8.2f} / {d['likely']:6.2f} / {d['high']:6.2f} {m['decode_tps']:9.2f} "
               f"{'yes' if r['inside'] else 'NO':>3} {100 * r['likely_error']:+9.1f}%  "
-              f"{t['high']:9.2f} - {t['low']:6.2f} {m['ttft']:6.2f}  {r['forecast']['memory_bytes'] / 2**30:10.2f}G "
+              f"{t['low']:9.2f} - {t['high']:6.2f} {m['ttft']:6.2f}  {r['forecast']['memory_bytes'] / 2**30:10.2f}G "
               f"{m['memory_bytes'] / 2**30:8.2f}G {100 * r['memory_error']:+5.1f}%  {r['fit_seconds']:5.1f}")
     n = len(rows)
     inside = sum(r["inside"] for r in rows)
@@ -141,6 +151,7 @@ def main():
     parser.add_argument("--prompt", default=bd.DEFAULT_PROMPT, help="The measured runs' prompt (not a profile prompt).")
     parser.add_argument("--tokens", type=int, default=24, help="Greedy tokens per generation. Default 24.")
     parser.add_argument("--no-repeat", type=int, default=32, help="bench_disk's no-repeat window.")
+    parser.add_argument("--backend", choices=["cpu", "metal", "cuda"], help="Default: the best available.")
     parser.add_argument("--latency", default="0.1ms", help="slowdisk's latency per request.")
     parser.add_argument("--slowdisk", type=Path, default=bd.SLOWDISK)
     parser.add_argument("--timeout", type=int, default=1800)
@@ -164,7 +175,7 @@ def main():
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     if any(r not in ("local", "disk") for r in rates):
         bd.fuse_check(args)
-    budgets = budgets_for(args.checkpoint, shares)
+    budgets = budgets_for(args.checkpoint, shares, args.backend)
     from mlxmoe.forecast import OVERLAP_LEFT
 
     rows = []
@@ -184,13 +195,17 @@ def main():
                     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", "run", "--path", str(path),
                            "--budget", str(budget), "--profile", str(profile), "--prompt", args.prompt,
                            "--tokens", str(args.tokens), "--no-repeat", str(args.no_repeat)]
+                    cmd += ["--backend", args.backend] if args.backend else []
                     m = br.run_child(cmd, f"{rate} {budget / 2**30:.2f} GB", args.timeout)
                     if "error" in m:
                         print(f"[bench] {rate} {budget}: {m['error']}", file=sys.stderr)
                         continue
                     run = m["run"]
+                    steps = max(1, run["decode_steps"])
                     measured = {"decode_tps": run["decode_tps"], "ttft": run["prefill_seconds"],
-                                "memory_bytes": m["memory_bytes"]}
+                                "memory_bytes": m["memory_bytes"], "decode_steps": run["decode_steps"],
+                                "hit_rate": run["decode"]["hit_rate"],
+                                "read_bytes_per_token": run["decode"]["bytes_read"] / steps}
                     d = fb["decode_tps"]
                     rows.append({"disk": rate, "budget": budget, "forecast": fb, "measured": measured,
                                  "fit_seconds": f["wall_seconds"],
@@ -203,7 +218,7 @@ def main():
                 if mounted:
                     bd.unmount(*mounted)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"checkpoint": str(args.checkpoint), "prompt": args.prompt, "tokens": args.tokens,
+    args.output.write_text(json.dumps({"checkpoint": str(args.checkpoint), "backend": args.backend, "prompt": args.prompt, "tokens": args.tokens,
                                        "rows": rows}, indent=1))
     for r in rows:
         if r["disk"] != (rows[rows.index(r) - 1]["disk"] if rows.index(r) else None):

@@ -15,6 +15,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationResponse
+from mlx_lm.generate import generation_stream as _mlx_generation_stream
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -552,6 +553,19 @@ def _within_context(plan, prompt, prompt_cache, max_tokens):
     return room if max_tokens < 0 else min(max_tokens, room)  # (-1: mlx-lm's "no limit")
 
 
+_STREAMS = {}
+
+
+def generation_stream(backend):
+    """The stream generation runs on for this backend: mlx-lm's own, unless it was made for
+    another device (mlx_lm.generate builds it on the default device at import: the GPU where
+    there is one, also when this model runs on the CPU)."""
+    device = mx.cpu if backend.name == "cpu" else mx.gpu
+    if _mlx_generation_stream.device == device:
+        return _mlx_generation_stream
+    return _STREAMS.setdefault(backend.name, mx.new_thread_local_stream(device))
+
+
 def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], max_tokens: int = 256,
                     **kwargs) -> Iterator[GenerationResponse]:
     """mlx_lm.stream_generate, recording decode speed in the expert cache's stats. Holds
@@ -564,6 +578,8 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
         prompt = prompt_tokens(model, tokenizer, prompt)
         if runtime is not None:
             max_tokens = _within_context(runtime.plan, len(prompt), kwargs.get("prompt_cache"), max_tokens)
+    if runtime is not None and "stream" not in kwargs:
+        kwargs["stream"] = generation_stream(runtime.backend)
     if "prefill_step_size" not in kwargs:
         kwargs["prefill_step_size"] = prefill_step(None if runtime is None else runtime.plan, tokenizer, prompt,
                                                    kwargs.get("prompt_cache"))

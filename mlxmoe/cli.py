@@ -539,7 +539,7 @@ def info(model_path, memory_budget, backend, as_json):
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="A profile of the workload (with its hit-rate curve): its hit rate instead of real routing's.")
 @click.option("--disk-gbps", type=Number(float, 0, low_open=True),
-              help="The disk's read rate in GB/s. Default: measured for ~1 s at the model's expert read size "
+              help="The disk's read rate in GB/s. Default: measured for ~0.5 s at the model's expert read size "
                    "(from its non-expert tensors).")
 @click.option("--prompt-tokens", type=Number(int, 1), default=256, show_default=True,
               help="Prompt length for the time to first token.")
@@ -591,7 +591,7 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
         hits = f"{100 * h['low']:.0f}-{100 * h['likely']:.0f}-{100 * h['high']:.0f}%"
         click.echo(f"  {format_size(r['budget']):>9} {format_size(r['memory_bytes']):>9} {cache:>16} {hits:>27} {b['likely'] / 2**20:15.1f} "
                    f"{d['low']:11.2f} / {d['likely']:.2f} / {d['high']:.2f}{'':>9} "
-                   f"{t['high']:6.1f} - {t['likely']:.1f} - {t['low']:.1f}")
+                   f"{t['low']:6.1f} - {t['likely']:.1f} - {t['high']:.1f}")
     sources = sorted({r["hit_rate_source"] for r in f["budgets"] if "hit_rate_source" in r})
     click.echo(f"  hit rates: {'; '.join(sources)}")
 

@@ -26,7 +26,7 @@ CURVES = Path(__file__).parent / "data" / "routing_curves.json"
 # attention and router run before its misses are known, its missed experts after they
 # land (bench/bench_forecast.py tunes it on the 50 % rows of the disk-bound runs).
 OVERLAP_LEFT = 0.75
-DISK_SECONDS = 1.0  # how long the disk is read for, at most
+DISK_SECONDS = 0.5  # how long the disk is read for, at most
 PREFILL_BATCH = 512  # tokens a prefill step computes at once (api.PREFILL_STEP)
 
 
@@ -43,25 +43,27 @@ def _at_share(points, share):
 
 def hit_rates(model_type, share, cache_experts, profile=None):
     """(low, likely, high) decode hit rate at a cache holding `share` of the experts, and
-    where it comes from: the profile's own curve when it has one, else the real routing
-    we ship (likely: the mean of this model family's traces, or of all where we have none
-    of it; low / high: the range across every family)."""
-    if profile is not None and profile.curve:
-        name = DEFAULT_POLICY if DEFAULT_POLICY in profile.curve else next(iter(profile.curve))
-        rate = curve_at(profile.curve[name], cache_experts)
-        if rate is None:  # beyond the curve's sizes: its nearest end
-            points = profile.curve[name]
-            rate = points[0][1] if cache_experts < points[0][0] else points[-1][1]
-        return (rate, rate, rate), f"profile {profile.name()} ({name}'s curve)"
+    where it comes from. A curve is replayed from a cold cache over a short run, so even
+    a cache of every expert misses the experts' first uses: low is the curve as it is (a
+    first run), likely and high the curve over its value at every expert (the misses a
+    longer run keeps making, once each expert has been read). From the profile's own curve
+    when it has one, else from the real routing we ship: likely the mean of this model
+    family's traces (of all where we have none of it), low / high across every family."""
     if share >= 1.0:
         return (1.0, 1.0, 1.0), "every expert resident"
+    if profile is not None and profile.curve:
+        name = DEFAULT_POLICY if DEFAULT_POLICY in profile.curve else next(iter(profile.curve))
+        points = [[c / (profile.num_layers * profile.num_experts), r] for c, r in profile.curve[name]]
+        cold, full = _at_share(points, share), points[-1][1] or 1.0
+        return (cold, cold / full, cold / full), f"profile {profile.name()} ({name}'s curve)"
     curves = family_curves()
-    rates = [(family, _at_share(points, share)) for family, points in curves]
-    own = [r for family, r in rates if family == model_type]
-    likely = sum(own or [r for _, r in rates]) / len(own or rates)
+    cold = [(family, _at_share(points, share)) for family, points in curves]
+    warm = [(family, r / (points[-1][1] or 1.0)) for (family, r), (_, points) in zip(cold, curves)]
+    own = [r for family, r in warm if family == model_type]
+    likely = sum(own or [r for _, r in warm]) / len(own or warm)
     source = (f"real routing of {model_type} ({len(own)} trace{'s' * (len(own) > 1)})" if own else
               f"real routing of {len({f for f, _ in curves})} other families (none of {model_type})")
-    return (min(r for _, r in rates), likely, max(r for _, r in rates)), source
+    return (min(r for _, r in cold), likely, max(r for _, r in warm)), source
 
 
 def non_expert_spans(store):
@@ -121,7 +123,7 @@ def _expert_block(ckpt, backend, k):
     return block, sum(a.nbytes for _, a in small)
 
 
-def measure_compute(ckpt, backend, dense_bytes, tokens=1, seconds=0.3):
+def measure_compute(ckpt, backend, dense_bytes, tokens=1, seconds=0.25):
     """Seconds of compute for a step of `tokens` tokens with every expert resident: each
     MoE layer's top-k experts, computed by the model's own expert block on random weights
     with one sync a layer as the runtime runs them, timed here; the other weights the tokens
@@ -151,7 +153,52 @@ def measure_compute(ckpt, backend, dense_bytes, tokens=1, seconds=0.3):
         per_k[k] = ((time.perf_counter() - start) / n, nbytes)
     seconds_k, nbytes = per_k[max(per_k)]
     rate = nbytes * tokens / seconds_k
-    return sum(per_k[k][0] for k in ckpt.top_ks) + dense_bytes * tokens / rate, rate
+    layers = text_config(ckpt.config).get("num_hidden_layers") or ckpt.num_layers
+    fixed = layers * _launch_seconds(hidden, dtype) + ckpt.num_layers * _policy_seconds(ckpt)
+    return sum(per_k[k][0] for k in ckpt.top_ks) + dense_bytes * tokens / rate + fixed, rate
+
+
+OPS_PER_LAYER = 30  # kernels a decoder layer launches beside its expert block (norms, projections, rope, ...)
+
+
+def _launch_seconds(hidden, dtype, seconds=0.05):
+    """What a layer's small kernels cost beside their bytes: a chain of OPS_PER_LAYER ops on
+    one token's hidden state, evaluated (on a GPU, launches and a sync dominate a token)."""
+    import mlx.core as mx
+
+    x = mx.ones((1, hidden), dtype)
+
+    def chain():
+        y = x
+        for _ in range(OPS_PER_LAYER // 2):
+            y = y * 0.5 + 1.0
+        mx.eval(y)
+
+    chain()
+    n, start = 0, time.perf_counter()
+    while n < 5 or (time.perf_counter() - start < seconds and n < 500):
+        chain()
+        n += 1
+    return (time.perf_counter() - start) / n
+
+
+def _policy_seconds(ckpt, calls=300):
+    """The host work of one MoE layer call: the default policy's bookkeeping (cache.Residency
+    with the default policy at half the experts) on random routing of top-k experts."""
+    from .cache import Residency
+    from .policies import make_policy
+
+    L, E, k = ckpt.num_layers, ckpt.num_experts, max(ckpt.top_ks)
+    slots = max(k, L * E // 2)
+    residency = Residency(slots, make_policy(DEFAULT_POLICY, slots, L, E))
+    rng = np.random.default_rng(0)
+    routes = [sorted(rng.choice(E, k, replace=False).tolist()) for _ in range(calls)]
+    start = time.perf_counter()
+    for i, experts in enumerate(routes):
+        if i % L == 0:
+            residency.tick(1)
+        residency.access(i % L, experts, [1.0 / k] * k)
+    return (time.perf_counter() - start) / calls
 
 
 def dense_active_bytes(ckpt):
@@ -171,6 +218,14 @@ def distinct_pairs(layers, experts, top_k, tokens):
     """Expected distinct (layer, expert) pairs a prompt of `tokens` tokens routes to, were
     its routing uniform (real routing repeats more: an upper end)."""
     return layers * experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def _seconds(reads, compute):
+    """Seconds of a step that reads for reads = (fewest, likely, most) seconds and computes
+    for `compute`: from all of the shorter hidden behind the longer (low) to none (high)."""
+    return {"low": max(reads[0], compute),
+            "likely": max(reads[1], compute) + OVERLAP_LEFT * min(reads[1], compute),
+            "high": reads[2] + compute}
 
 
 def _tps(seconds):
@@ -221,24 +276,20 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
             continue
         share = p.cache_experts / total
         (lo, likely, hi), source = hit_rates(ckpt.config.get("model_type", ""), share, p.cache_experts, profile)
-        read_s = [(1 - h) * routed * expert_disk / disk_rate for h in (lo, likely, hi)]
-        decode = {"low": _tps(read_s[0] + compute),
-                  "likely": _tps(max(read_s[1], compute) + OVERLAP_LEFT * min(read_s[1], compute)),
-                  "high": _tps(max(read_s[2], compute))}
+        token_bytes = [(1 - h) * routed * expert_disk for h in (hi, likely, lo)]  # fewest, likely, most
+        decode = _seconds([b / disk_rate for b in token_bytes], compute)
+        # the prompt's experts: from a cold cache, or from one its profile pre-warmed
         pairs = min(distinct_pairs(ckpt.num_layers, ckpt.num_experts, max(ckpt.top_ks), prompt_tokens), total)
-        warm = min(p.cache_experts, pairs) if profile is not None else 0  # a profile pre-warms the cache
-        prefill_read = (pairs - warm * likely) * expert_disk / disk_rate
-        prefill_compute = prefill_step * math.ceil(prompt_tokens / batch)
+        warm = (hi, likely, lo) if profile is not None else (0, 0, 0)
+        prefill = _seconds([pairs * (1 - h) * expert_disk / disk_rate for h in warm],
+                           prefill_step * math.ceil(prompt_tokens / batch))
         rows.append({
             "budget": p.budget, "memory_bytes": p.resident + p.expert_cache + in_use,
             "cache_experts": p.cache_experts, "share_of_experts": share,
             "hit_rate": {"low": lo, "likely": likely, "high": hi}, "hit_rate_source": source,
-            "read_bytes_per_token": {"low": (1 - lo) * routed * expert_disk, "likely": (1 - likely) * routed * expert_disk,
-                                     "high": (1 - hi) * routed * expert_disk},
-            "decode_tps": decode,
-            "ttft_seconds": {"low": prefill_read + prefill_compute,
-                             "likely": max(prefill_read, prefill_compute) + OVERLAP_LEFT * min(prefill_read, prefill_compute),
-                             "high": max(prefill_read, prefill_compute)},
+            "read_bytes_per_token": dict(zip(("low", "likely", "high"), token_bytes)),
+            "decode_tps": {"low": _tps(decode["high"]), "likely": _tps(decode["likely"]), "high": _tps(decode["low"])},
+            "ttft_seconds": prefill,
         })
     return {"model": str(ckpt.path), "model_type": ckpt.config.get("model_type"), "backend": backend.name,
             "new_tokens": new_tokens, "disk_bytes_per_second": disk_rate, "compute_seconds_per_token": compute, "prompt_tokens": prompt_tokens,
