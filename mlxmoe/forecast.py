@@ -26,6 +26,9 @@ CURVES = Path(__file__).parent / "data" / "routing_curves.json"
 # attention and router run before its misses are known, its missed experts after they
 # land (bench/bench_forecast.py tunes it on the 50 % rows of the disk-bound runs).
 OVERLAP_LEFT = 0.75
+# How far a token's compute may be from the timed matmuls (the model's other kernels, the
+# prefetcher's copies, the host's own work): tuned on bench_forecast's rows of a 16-core CPU.
+COMPUTE_MARGIN = 0.15
 DISK_SECONDS = 0.5  # how long the disk is read for, at most
 PREFILL_BATCH = 512  # tokens a prefill step computes at once (api.PREFILL_STEP)
 
@@ -222,10 +225,12 @@ def distinct_pairs(layers, experts, top_k, tokens):
 
 def _seconds(reads, compute):
     """Seconds of a step that reads for reads = (fewest, likely, most) seconds and computes
-    for `compute`: from all of the shorter hidden behind the longer (low) to none (high)."""
-    return {"low": max(reads[0], compute),
+    for about `compute`: from all of the shorter hidden behind the longer (low) to none
+    (high), the compute itself within COMPUTE_MARGIN."""
+    fast, slow = compute * (1 - COMPUTE_MARGIN), compute * (1 + COMPUTE_MARGIN)
+    return {"low": max(reads[0], fast),
             "likely": max(reads[1], compute) + OVERLAP_LEFT * min(reads[1], compute),
-            "high": reads[2] + compute}
+            "high": reads[2] + slow}
 
 
 def _tps(seconds):
@@ -255,7 +260,8 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
     prefill_step, _ = measure_compute(ckpt, backend, dense, tokens=batch)
     measured.append(f"compute {1000 * compute:.1f} ms a token every expert resident (matmuls of the model's shapes "
                     f"on {backend.name}, {rate / 1e9:.1f} GB/s of weights)")
-    assumed.append(f"overlap of reads and compute: none (low) to full (high), likely {1 - OVERLAP_LEFT:.0%} of the shorter")
+    assumed.append(f"overlap of reads and compute: none (low) to full (high), likely {1 - OVERLAP_LEFT:.0%} of the "
+                   f"shorter; compute within +-{COMPUTE_MARGIN:.0%} of the timed matmuls")
     # beside the weights and the cache, what this prompt and the tokens after it take: the
     # budget reserves KV cache and working memory for the longest context instead
     act = backend.activation_bytes(ckpt.model)
