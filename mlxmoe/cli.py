@@ -902,9 +902,9 @@ def convert(src, dst, bundle):
     """Repack checkpoint SRC into the new folder DST.
 
     Without --bundle, in mlx-lm's stacked layout, as mlx-lm loads it: for a Hugging Face
-    checkpoint whose experts mlxmoe cannot stream as they are (mlx-lm's sanitize computes
-    them: fp8 dequantized to bf16, int4 packs repacked); the per-expert and fused layouts
-    stream as they are.
+    checkpoint whose experts mlxmoe cannot stream as they are, because mlx-lm's sanitize
+    computes them (fp8 dequantized to bf16); the per-expert and fused layouts stream as
+    they are.
 
     With --bundle, each expert's tensors (weight, scales and biases of gate, up and down,
     or whatever the architecture has) are written back to back as one range starting at
@@ -917,7 +917,10 @@ def convert(src, dst, bundle):
     """
     from .convert import bundle as bundle_checkpoint, restack
 
-    (bundle_checkpoint if bundle else restack)(src, dst, progress=lambda line: click.echo(line, err=True))
+    if bundle:
+        bundle_checkpoint(src, dst, progress=lambda line: click.echo(line, err=True))
+    else:
+        restack(src, dst)
     click.echo(f"wrote {dst}", err=True)
 
 

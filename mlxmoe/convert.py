@@ -73,11 +73,10 @@ def copy_small_files(src, out):
             shutil.copy2(f, out / f.name)
 
 
-def restack(src, dst, progress=None):
-    """Write checkpoint `src`, in any layout mlx-lm loads (a Hugging Face layout whose experts
-    mlx-lm's sanitize computes: fp8 dequantized, int4 repacked), in mlx-lm's stacked layout
-    to the new folder `dst`, as mlx-lm loads it (the tensors of one output shard at a time
-    in memory); returns dst."""
+def restack(src, dst):
+    """Write checkpoint `src`, in any layout mlx-lm loads (one whose experts mlx-lm's sanitize
+    computes, e.g. fp8 dequantized), in mlx-lm's stacked layout to the new folder `dst`,
+    as mlx-lm's own load_model (lazy) and save_model make it; returns dst."""
     from mlx_lm.utils import load_model, save_config, save_model
 
     from .loader import read_config, resolve

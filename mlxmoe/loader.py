@@ -490,11 +490,12 @@ def _as_model_computes(store, layer, module):
         v = module[lin][p]
         want, dtype = tuple(v.shape[1:]), v.dtype
         have, fdtype = store.tensor_shapes[i], store.tensor_dtypes[i]
-        if (have, MX_DTYPES[fdtype]) == (want, dtype):
+        if (have, MX_DTYPES.get(fdtype)) == (want, dtype):
             continue
         if fdtype in INT_TYPES.values() and dtype in INT_TYPES and \
                 tensor_bytes(fdtype, have) == math.prod(want) * dtype.size:
-            store.tensor_shapes[i], store.tensor_dtypes[i] = want, INT_TYPES[dtype]
+            store.tensor_shapes[i] = store.model_shapes[i] = want  # (the fingerprint's too: as stacked)
+            store.tensor_dtypes[i] = INT_TYPES[dtype]
             continue
         info = store.index[layer[t][0][0]]
         raise MlxmoeError(f"{info.file}: {info.name} gives {fdtype} {list(have)} per expert where the model computes "
