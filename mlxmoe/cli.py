@@ -966,6 +966,11 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
 def convert(src, dst, bundle):
     """Repack checkpoint SRC into the new folder DST.
 
+    Without --bundle, in mlx-lm's stacked layout, as mlx-lm loads it: for a Hugging Face
+    checkpoint whose experts mlxmoe cannot stream as they are, because mlx-lm's sanitize
+    computes them (fp8 dequantized to bf16); the per-expert and fused layouts stream as
+    they are.
+
     With --bundle, each expert's tensors (weight, scales and biases of gate, up and down,
     or whatever the architecture has) are written back to back as one range starting at
     a 4096-byte aligned offset, so loading an expert is one read (with --io direct, one
@@ -973,13 +978,14 @@ def convert(src, dst, bundle):
     checkpoint): 1.4x the read throughput in bench/bench_io.py. Non-expert
     tensors, config.json and the tokenizer are copied unchanged; DST loads with
     `--model DST` like any checkpoint (not with stock mlx-lm). SRC is any checkpoint
-    mlxmoe loads (stacked or per-expert). DST appears only when the conversion is complete.
+    mlxmoe streams. DST appears only when the conversion is complete.
     """
-    from .convert import bundle as bundle_checkpoint
+    from .convert import bundle as bundle_checkpoint, restack
 
-    if not bundle:
-        raise click.UsageError("nothing to do: --bundle is the only conversion")
-    bundle_checkpoint(src, dst, progress=lambda line: click.echo(line, err=True))
+    if bundle:
+        bundle_checkpoint(src, dst, progress=lambda line: click.echo(line, err=True))
+    else:
+        restack(src, dst)
     click.echo(f"wrote {dst}", err=True)
 
 

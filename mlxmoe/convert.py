@@ -1,4 +1,5 @@
-"""`mlxmoe convert --bundle`: repack a checkpoint so that each expert is one aligned range.
+"""`mlxmoe convert`: repack a checkpoint in mlx-lm's stacked layout (restack), or with
+--bundle so that each expert is one aligned range.
 
 The bundled layout (`mlxmoe.bundle/1`, described in store.py) keeps every non-expert
 tensor as it is in one ordinary safetensors shard and writes one shard per MoE layer
@@ -15,11 +16,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+from mlx.utils import tree_flatten
 
 from .budget import format_size
 from .errors import MlxmoeError
 from .files import temp_folder_beside
-from .shards import ALIGN, BUNDLE_FORMAT, DTYPES, tensor_bytes
+from .shards import ALIGN, BUNDLE_FORMAT, DTYPES, read_header, shard_files, tensor_bytes
 from .store import align_up
 
 COPY_CHUNK = 16 << 20
@@ -55,15 +57,56 @@ def finish(f):
     os.fsync(f.fileno())
 
 
-def bundle(src, dst, progress=print):
-    """Write the bundled copy of checkpoint `src` to the new folder `dst`; returns dst."""
-    from .loader import open_checkpoint
-
+def check_dst(dst):
     dst = Path(dst)
     if dst.exists():
         raise MlxmoeError(f"{dst} already exists; pass a new folder")
     if not dst.parent.is_dir():
         raise MlxmoeError(f"cannot write {dst}: folder {dst.parent} does not exist")
+    return dst
+
+
+def copy_small_files(src, out):
+    """config.json, the tokenizer and every other file of `src` but its weights."""
+    for f in sorted(Path(src).iterdir()):
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out / f.name)
+
+
+def restack(src, dst):
+    """Write checkpoint `src`, in any layout mlx-lm loads (one whose experts mlx-lm's sanitize
+    computes, e.g. fp8 dequantized), in mlx-lm's stacked layout to the new folder `dst`,
+    as mlx-lm's own load_model (lazy) and save_model make it; returns dst."""
+    from mlx_lm.utils import load_model, save_config, save_model
+
+    from .loader import read_config, resolve
+
+    dst, path = check_dst(dst), resolve(src)
+    read_config(path)
+    try:
+        model, config = load_model(path, lazy=True, strict=True)
+    except Exception as e:  # mlx-lm's own errors, of many types
+        raise MlxmoeError(f"{path}: mlx-lm cannot load this checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+    if {n for f in shard_files(path) for n in read_header(f)} == {k for k, _ in tree_flatten(model.parameters())}:
+        raise MlxmoeError(f"{path} is in mlx-lm's stacked layout already: mlxmoe streams it as it is "
+                          "(--bundle repacks it so that each expert is one read)")
+    tmp = temp_folder_beside(dst)
+    try:
+        copy_small_files(path, tmp)
+        save_model(tmp, model, donate_model=True)
+        save_config(config, config_path=tmp / "config.json")
+        os.rename(tmp, dst)
+    except BaseException:  # Ctrl-C too: nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def bundle(src, dst, progress=print):
+    """Write the bundled copy of checkpoint `src` to the new folder `dst`; returns dst."""
+    from .loader import open_checkpoint
+
+    dst = check_dst(dst)
     ckpt = open_checkpoint(src)
     store = ckpt.store
     try:
@@ -93,9 +136,7 @@ def _write(ckpt, out, progress):
     names = [f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors" for i in range(layers + 1)]
     weight_map = {}
 
-    for f in sorted(ckpt.path.iterdir()):
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, out / f.name)
+    copy_small_files(ckpt.path, out)
 
     rest = sorted((i for name, i in store.index.items() if name not in store.expert_names),
                   key=lambda i: (str(i.file), i.offset))

@@ -16,14 +16,14 @@ from pathlib import Path
 import jinja2
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .errors import MlxmoeError
 from .files import read_bytes, read_json
 from .experts import StreamingExperts, find_router
-from .shards import PER_EXPERT
+from .shards import PER_EXPERT, tensor_bytes
 from .store import ExpertStore
 
 # safetensors dtype -> MLX dtype (of a slot pool before the backend's dtype policy, of a stand-in)
@@ -237,24 +237,65 @@ def _layer_order(path):
     return [int(p) for p in re.findall(r"\d+", path)]
 
 
-def _per_expert_sources(model, store):
-    """Which file tensor feeds each expert of each stacked parameter, for checkpoints
-    in the per-expert layout. We run the model's own `sanitize` on stand-ins that carry
-    their file tensor's number, and read back how it stacked them."""
-    names = [n for n in store.index if PER_EXPERT.search(n)]
+# A stand-in's rows (see _hf_sources): enough to tell halves (0 1 | 2 3) from interleaved rows (0 2 | 1 3)
+ROWS = 4
+# What a stacked parameter's rows are, from the stand-in rows sanitize gave it: all of the
+# file tensor's, or gate's or up's part of a fused gate_up tensor
+ROW_PARTS = {(0, 1, 2, 3): None, (0, 1): ("halves", 2, 0), (2, 3): ("halves", 2, 1),
+             (0, 2): ("interleaved", 2, 0), (1, 3): ("interleaved", 2, 1)}
+
+
+def _hf_sources(model, store):
+    """Where each expert of each stacked parameter lies in a checkpoint in a Hugging Face
+    layout (per-expert tensors `...experts.N.gate_proj.weight`, or stacked ones that
+    sanitize splits: qwen3.5's and gemma4's gate_up_proj halves, gpt-oss's interleaved
+    rows): {parameter: [(file tensor, expert row or None, rows part) per expert]}, a rows
+    part as ROW_PARTS. The model's own `sanitize` runs on int32 stand-ins of the file's
+    `.experts.` tensors, each value the number of one expert of one tensor and one of ROWS
+    rows (a per-expert tensor's stand-in is [ROWS, 1, ...], a stacked one's [E, ROWS, 1,
+    ...]: sanitize splits and slices that axis); we read back how it stacked and split them."""
+    params = {k for k, _ in tree_flatten(model.parameters())}
+    names = [n for n, info in store.index.items() if ".experts." in n and n not in params and not info.bundle
+             and (PER_EXPERT.search(n) or len(info.shape) >= 2)]
     if not names or not hasattr(model, "sanitize"):
         return {}
-    tracers = {n: mx.array([i], dtype=mx.int32) for i, n in enumerate(names)}
+    tracers, ids, base = {}, [], 0
+    for n in names:
+        shape = store.index[n].shape
+        if PER_EXPERT.search(n):
+            tracers[n] = (base + mx.arange(ROWS, dtype=mx.int32)).reshape(ROWS, *[1] * (len(shape) - 1))
+            ids.append((n, None))
+        else:
+            e = mx.arange(shape[0], dtype=mx.int32)[:, None] * ROWS + mx.arange(ROWS, dtype=mx.int32)
+            tracers[n] = (base + e).reshape(shape[0], ROWS, *[1] * (len(shape) - 2))
+            ids += [(n, k) for k in range(shape[0])]
+        base = len(ids) * ROWS
     try:
         out = model.sanitize(dict(tracers))
-    except Exception as e:  # sanitize may index shapes that stand-ins lack
-        raise MlxmoeError(f"{store.path}: the per-expert layout of this checkpoint is not supported ({e}); "
-                          "repack it with `mlx_lm.convert`") from None
+    except Exception as e:  # sanitize may compute with the values (dequantize) or index shapes stand-ins lack
+        info = store.index[names[0]]
+        raise MlxmoeError(f"{info.file}: mlxmoe cannot stream experts stored as {info.name} is ({info.dtype} "
+                          f"{list(info.shape)}): mlx-lm's sanitize computes them ({type(e).__name__}: "
+                          f"{str(e)[:120]}); {convert_hint(store.path)}") from None
     sources = {}
     for key, v in out.items():
-        if isinstance(v, mx.array) and v.dtype == mx.int32 and v.ndim == 2 and v.shape[1] == 1 and key not in tracers:
-            sources[key] = [names[i] for i in v.reshape(-1).tolist()]
+        if key in tracers or not isinstance(v, mx.array) or v.dtype not in (mx.int32, mx.uint32) or v.ndim < 2:
+            continue
+        rows = v.reshape(v.shape[0], -1).tolist()
+        found = []
+        for r in rows:
+            part = tuple(x % ROWS for x in r)
+            if not 0 <= min(r) <= max(r) < base or len({x // ROWS for x in r}) != 1 or part not in ROW_PARTS:
+                break
+            found.append((*ids[r[0] // ROWS], ROW_PARTS[part]))
+        else:
+            sources[key] = found
     return sources
+
+
+def convert_hint(path):
+    """How to turn checkpoint `path`, which mlxmoe cannot stream from, into one it can."""
+    return f"convert it once with `mlxmoe convert {path} DST` (mlx-lm's stacked layout, which streams as it is)"
 
 
 def _bundled_classes(store):
@@ -322,15 +363,15 @@ def _pipeline(path, config, model, switches, group):
     return switches[local[0]:local[-1] + 1], local[0], (end - start) / decoder_layers
 
 
-def _shard(path, config, model, store, group):
+def _shard(path, config, model, store, group, hf_layout):
     """Shard `model` with mlx-lm's own `model.shard(group)` (attention heads, dense MLPs,
     experts in place); return the share of the KV cache a rank keeps."""
     if not hasattr(model, "shard"):
         raise MlxmoeError(f"{path}: mlx-lm cannot shard model_type {config['model_type']!r} over ranks (its model "
                           "has no shard()); use the pipeline split")
-    if store.bundled or any(PER_EXPERT.search(n) for n in store.index):
+    if store.bundled or hf_layout:
         raise MlxmoeError(f"{path}: the tensor split reads slices of stacked experts; this checkpoint's layout "
-                          "is not stacked (repack it with `mlx_lm.convert`)")
+                          f"is not stacked ({convert_hint(path)})")
     try:
         model.shard(group)
     except ValueError as e:  # heads or widths that do not divide by the ranks
@@ -371,12 +412,12 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None, s
     if len(counts) > 1:
         raise MlxmoeError(f"{path}: model_type {config['model_type']!r} has MoE layers of {sorted(counts)} experts; "
                           "mlxmoe streams layers of one expert count")
+    sources = _hf_sources(model, store)
     total, offset, share = len(switches), 0, 1.0
     if group is not None and split == "tensor":
-        share = _shard(path, config, model, store, group)
+        share = _shard(path, config, model, store, group, bool(sources))
     elif group is not None:
         switches, offset, share = _pipeline(path, config, model, switches, group)
-    per_expert = _per_expert_sources(model, store)
     layers = []
     for mpath, module in switches:
         tensors = {}
@@ -396,16 +437,20 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None, s
                                           f"bias after the ranks' sum (model_type {config['model_type']!r}); "
                                           "run this model in one process")
                     tensors[f"{lin}.{p}"] = [(full, e, shard) for e in range(E)]
-                elif full in per_expert and len(per_expert[full]) == E:
-                    tensors[f"{lin}.{p}"] = [(n, None) for n in per_expert[full]]
+                elif full in sources and len(sources[full]) == E:
+                    tensors[f"{lin}.{p}"] = [(n, k, None, rows) for n, k, rows in sources[full]]
                 else:
-                    raise MlxmoeError(f"{path}: cannot find the bytes of {full} in this checkpoint's layout; "
-                                      "repack it with `mlx_lm.convert`")
+                    stored = next((f" (its experts are stored as {i.file.name}: {i.name}, {i.dtype} "
+                                   f"{list(i.shape)})" for n, i in store.index.items() if ".experts." in n), "")
+                    raise MlxmoeError(f"{path}: cannot find the bytes of {full} in this checkpoint's layout{stored}; "
+                                      f"{convert_hint(path)}")
         layers.append(tensors)
     if any(getattr(module[lin], "global_scale", None) is not None for _, module in switches for lin in LINEARS
            if lin in module):
         raise MlxmoeError(f"{path}: experts with a global scale (nvfp4) are not supported yet")
     store.map_layers(layers)
+    if sources:
+        _as_model_computes(store, layers[0], switches[0][1])
 
     ckpt = Checkpoint(path, config, model, store, module_paths=[p for p, _ in switches], layer_offset=offset,
                       top_ks=[top_ks[p] for p, _ in switches],
@@ -428,6 +473,34 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None, s
         swaps.append((mpath, streaming))
     model.update_modules(tree_unflatten(swaps))
     return ckpt
+
+
+# The integer types a file's expert bytes may be read as (mlx-lm's sanitize views gpt-oss's
+# uint8 mxfp4 blocks as uint32)
+INT_TYPES = {mx.uint8: "U8", mx.uint16: "U16", mx.uint32: "U32", mx.int8: "I8", mx.int32: "I32"}
+
+
+def _as_model_computes(store, layer, module):
+    """Check each expert tensor of a checkpoint in a Hugging Face layout against the one
+    the model computes with (`module`, a switch module, as sanitize and mlx-lm built it):
+    the same shape and dtype, or the same bytes of integers (the model's shape and type
+    kept for the slots); else an error naming the file tensor."""
+    for i, t in enumerate(store.tensors):
+        lin, p = t.split(".")
+        v = module[lin][p]
+        want, dtype = tuple(v.shape[1:]), v.dtype
+        have, fdtype = store.tensor_shapes[i], store.tensor_dtypes[i]
+        if (have, MX_DTYPES.get(fdtype)) == (want, dtype):
+            continue
+        if fdtype in INT_TYPES.values() and dtype in INT_TYPES and \
+                tensor_bytes(fdtype, have) == math.prod(want) * dtype.size:
+            store.tensor_shapes[i] = store.model_shapes[i] = want  # (the fingerprint's too: as stacked)
+            store.tensor_dtypes[i] = INT_TYPES[dtype]
+            continue
+        info = store.index[layer[t][0][0]]
+        raise MlxmoeError(f"{info.file}: {info.name} gives {fdtype} {list(have)} per expert where the model computes "
+                          f"with {str(dtype).split('.')[-1]} {list(want)}; mlxmoe cannot stream it as it is: "
+                          f"{convert_hint(store.path)}")
 
 
 # Where mlx-lm's MoE blocks, their routers and the args they were built from keep how many

@@ -5,7 +5,9 @@ We parse the headers ourselves (8-byte little-endian length + JSON) so that read
 expert never touches the other experts of a stacked tensor.
 
 Three layouts: stacked (`switch_mlp.gate_proj.weight` `[E, out, in]`, one expert's
-tensors 9 ranges far apart), per-expert (`experts.N.gate_proj.weight`), and bundled
+tensors 9 ranges far apart), Hugging Face's (per-expert `experts.N.gate_proj.weight`, or
+stacked with gate and up fused in `experts.gate_up_proj` `[E, 2 * I, H]`: an expert's gate
+is a block of its rows (qwen3.5, gemma4) or every other row (gpt-oss), row_part), and bundled
 (`mlxmoe convert --bundle`, format `mlxmoe.bundle/1`): each MoE layer's experts in one
 uint8 safetensors tensor `<module>.bundle` of shape `[E, stride]` that starts at a
 4096-byte aligned file offset, `stride` a multiple of 4096, so expert e is one aligned
@@ -76,6 +78,17 @@ def shard_slice(shape, start, nbytes, axis, parts, index):
     if outer == 1:
         return tuple(shape), dict(offset=start, nbytes=piece * inner)
     return tuple(shape), dict(offset=start, nbytes=outer * piece * inner, runs=outer, step=shape[axis] * parts * inner)
+
+
+def row_part(shape, start, nbytes, how, parts, index):
+    """(shape, start, nbytes) of part `index` of `parts` of the rows (axis 0) of a tensor
+    of `shape` stored row-major at `start`: a block of them (how="halves"), or every
+    parts-th row from row `index` ("interleaved"; then `nbytes` is the rows' own bytes,
+    which lie one row apart from `start`: a Range with runs = rows)."""
+    row = nbytes // shape[0]
+    n = shape[0] // parts
+    start += index * (n if how == "halves" else 1) * row
+    return (n, *shape[1:]), start, n * row
 
 
 def stamp(path):

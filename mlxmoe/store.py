@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import MlxmoeError
-from .shards import ALIGN, DTYPES, Range, read_header, shard_files, shard_slice, stamp, to_float32
+from .shards import ALIGN, DTYPES, Range, read_header, row_part, shard_files, shard_slice, stamp, to_float32
 
 IO_MODES = ("mmap", "pread", "direct")
 BYPASSES = ("o_direct", "f_nocache", "fadvise")
@@ -199,9 +199,11 @@ class ExpertStore:
     def map_layers(self, layers):
         """Record the byte ranges of every expert.
 
-        `layers[l]` is {tensor: [(file tensor name, expert row or None[, shard])] * num_experts}:
+        `layers[l]` is {tensor: [(file tensor name, expert row or None[, shard[, rows]])] * num_experts}:
         a row index into a stacked [E, ...] tensor, or None for a per-expert tensor; shard
-        (axis of one expert's tensor, parts, index): only that part (tensor parallelism).
+        (axis of one expert's tensor, parts, index): only that part (tensor parallelism);
+        rows ("halves" or "interleaved", parts, index): only that part of the expert's rows
+        (gate's or up's of a fused gate_up tensor, shards.row_part).
         """
         self.tensors = list(layers[0])
         for l, layer in enumerate(layers):
@@ -211,7 +213,8 @@ class ExpertStore:
             for e in range(len(next(iter(layer.values())))):
                 row = []
                 for t, sources in layer.items():
-                    name, k, *shard = sources[e]
+                    name, k, *parts = sources[e]
+                    shard, rows = (*parts, None, None)[:2]
                     info = self.index[name]
                     self.expert_names.add(name)
                     if k is None:
@@ -219,9 +222,13 @@ class ExpertStore:
                     else:
                         nbytes = info.nbytes // info.shape[0]
                         shape, start = info.shape[1:], info.offset + k * (info.stride or nbytes)
+                    if rows is not None:
+                        shape, start, nbytes = row_part(shape, start, nbytes, *rows)
                     where, whole = dict(offset=start, nbytes=nbytes), tuple(shape)
-                    if shard and shard[0] is not None:
-                        shape, where = shard_slice(shape, start, nbytes, *shard[0])
+                    if rows is not None and rows[0] == "interleaved":
+                        where.update(runs=shape[0], step=rows[1] * nbytes // shape[0])
+                    if shard is not None:
+                        shape, where = shard_slice(shape, start, nbytes, *shard)
                     if l == 0 and e == 0:
                         self.tensor_dtypes.append(info.dtype)
                         self.tensor_shapes.append(tuple(shape))
@@ -371,10 +378,7 @@ class ExpertStore:
                 raise
         else:
             disk = sum(map(self._read_run, todo))
-        for r, dest in sliced:
-            if pace is not None:
-                pace(slice_span(r))
-            disk += self._read_slice(r, dest)
+        disk += self._read_slices(sliced, pace)
         for file in {r.file for r in ranges}:
             self.check_unchanged(file)
         for out, buf, dtype in converts:
@@ -398,13 +402,29 @@ class ExpertStore:
             raise MlxmoeError(f"shard {file} changed on disk since the model was loaded (size, modification "
                               f"time {self.stamps[file]} -> {now}); load it again")
 
-    def _read_slice(self, r, dest):
-        """A tensor-parallel slice along the last axis: its runs lie `step` apart, so the
-        span that holds them is read and this rank's runs kept (the span's bytes count as read)."""
-        per_run, span = r.nbytes // r.runs, slice_span(r)
-        buf = np.empty(span, np.uint8)
-        disk = self._read_run((r.file, r.offset, r.offset + span, [(r.offset, buf)]))
-        dest.reshape(r.runs, per_run)[...] = np.lib.stride_tricks.as_strided(buf, (r.runs, per_run), (r.step, 1))
+    def _read_slices(self, sliced, pace=None):
+        """Slices [(Range with runs `step` bytes apart, dest)]: a tensor-parallel slice along
+        the last axis, or one of a fused tensor's interleaved row sets (gpt-oss's gate and up
+        rows). The span that holds a slice's runs is read and its runs kept (the span's bytes
+        count as read); slices whose spans overlap (gate's and up's rows of one expert) are
+        read as one span."""
+        groups = []  # [file, start, end, [(range, dest)]]
+        for r, dest in sorted(sliced, key=lambda rd: (str(rd[0].file), rd[0].offset)):
+            end = r.offset + slice_span(r)
+            if groups and groups[-1][0] == r.file and r.offset < groups[-1][2]:
+                groups[-1][2] = max(groups[-1][2], end)
+                groups[-1][3].append((r, dest))
+            else:
+                groups.append([r.file, r.offset, end, [(r, dest)]])
+        disk = 0
+        for file, start, end, members in groups:
+            if pace is not None:
+                pace(end - start)
+            buf = np.empty(end - start, np.uint8)
+            disk += self._read_run((file, start, end, [(start, buf)]))
+            for r, dest in members:
+                runs = np.lib.stride_tricks.as_strided(buf[r.offset - start:], (r.runs, r.nbytes // r.runs), (r.step, 1))
+                dest.reshape(runs.shape)[...] = runs
         return disk
 
     def _pool(self):

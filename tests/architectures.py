@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
@@ -243,9 +244,132 @@ def make_model(config, seed=0):
     return model
 
 
-def build(path, arch, tokenizer_dir, quant=None, seed=0, overrides=None):
-    """A tiny checkpoint of `arch` at `path`, float32 or quantized ("4bit": affine, group
-    32), its config changed by `overrides`; returns (path, config)."""
+# The families tested in bf16, mxfp4 and the Hugging Face layout besides float32 and 4-bit
+# (tests/test_architectures.py): the most used MoE models.
+FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", "gemma4", "gpt_oss", "glm4_moe", "deepseek_v3", "minimax",
+            "kimi_k25", "mixtral")
+
+# Hugging Face names of a family's per-expert projections where they are not mlx-lm's
+HF_PROJ = {arch: {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"} for arch in ("mixtral", "minimax")}
+# Families whose Hugging Face checkpoints hold each layer's experts stacked, gate and up
+# fused in one tensor [E, 2 * I, H]: halves (qwen3_5_moe, gemma4) or interleaved rows (gpt_oss)
+FUSED = {"qwen3_5_moe": "halves", "gemma4": "halves", "gpt_oss": "interleaved"}
+# The MXFP4 checkpoints of gpt-oss as mlx-community ships them: experts mxfp4, the rest 8-bit
+MXFP4_REST = {"group_size": 64, "bits": 8, "mode": "affine"}
+
+
+def _fuse(gate, up, how, axis):
+    """gate and up in one tensor along `axis`: gate then up, or their rows interleaved."""
+    if how == "halves":
+        return mx.concatenate([gate, up], axis=axis)
+    shape = list(gate.shape)
+    shape[axis] *= 2
+    return mx.stack([gate, up], axis=axis + 1 if axis >= 0 else axis).reshape(shape)
+
+
+def hf_weights(model, config):
+    """The weights of `model` (a model of FAMILIES, float, or gpt_oss with mxfp4 experts)
+    named and laid out as its Hugging Face checkpoint, i.e. what mlx-lm's sanitize turns
+    into `model`'s weights: per-expert tensors (`...experts.E.gate_proj.weight`), or
+    FUSED stacked ones; deepseek's kv_b_proj before mlx-lm splits it; qwen3_next's and
+    qwen3_5's norms as offsets from 1 and conv1d weights [C, 1, K]."""
+    arch = config["model_type"]
+    weights = dict(tree_flatten(model.parameters()))
+    out = {}
+    for path, _ in switch_modules(model):
+        parent = path.rsplit(".", 1)[0]
+        params = {(lin, p): weights.pop(f"{path}.{lin}.{p}") for lin in ("gate_proj", "up_proj", "down_proj")
+                  for p in ("weight", "scales", "biases", "bias") if f"{path}.{lin}.{p}" in weights}
+        if arch in FUSED:
+            base = path if path.endswith(".experts") else parent if parent.endswith(".experts") else f"{parent}.experts"
+            for (lin, p), v in params.items():
+                if lin == "up_proj":
+                    continue
+                name = "gate_up_proj" if lin == "gate_proj" else lin
+                if lin == "gate_proj":
+                    v = _fuse(v, params["up_proj", p], FUSED[arch], -1 if p == "bias" else -2)
+                if p == "weight" and v.dtype == mx.uint32:  # mxfp4 codes: bytes, 16 per block of 32
+                    v = v.view(mx.uint8).reshape(*v.shape[:-1], -1, 16)
+                suffix = {"weight": "_blocks", "scales": "_scales", "bias": "_bias"}[p] if arch == "gpt_oss" else ""
+                out[f"{base}.{name}{suffix}"] = v
+        else:
+            for (lin, p), v in params.items():
+                name = HF_PROJ.get(arch, {}).get(lin, lin)
+                for e in range(v.shape[0]):
+                    out[f"{parent}.experts.{e}.{name}.{p}"] = mx.contiguous(v[e])
+    norms = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight", ".q_norm.weight",
+             ".k_norm.weight")
+    for k, v in weights.items():
+        if k.endswith(".self_attn.embed_q.weight"):  # deepseek: kv_b_proj, [heads * (nope + v), kv_lora]
+            prefix = k[: -len(".embed_q.weight")]
+            kv_b = mx.concatenate([v.swapaxes(-1, -2), weights[f"{prefix}.unembed_out.weight"]], axis=1)
+            out[f"{prefix}.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
+        elif k.endswith(".self_attn.unembed_out.weight"):
+            continue
+        elif arch in ("qwen3_next", "qwen3_5_moe") and "conv1d.weight" in k:
+            out[k] = v.moveaxis(2, 1)
+        elif arch in ("qwen3_next", "qwen3_5_moe") and k.endswith(norms) and v.ndim == 1:
+            out[k] = v - 1.0
+        else:
+            out[k] = v
+    if arch in ("qwen3_5_moe", "gemma4"):
+        out = {k.replace("language_model.model.", "model.language_model.", 1): v for k, v in out.items()}
+    return out
+
+
+FP8_BLOCK = 128  # DeepSeek's and MiniMax's fp8 checkpoints: one scale per 128 x 128 block
+PER_EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.\w+\.weight$")
+
+
+def _fp8_experts(hf):
+    """The per-expert weights of `hf` in fp8 with a scale per block (weight_scale_inv), as
+    DeepSeek-V3 and MiniMax ship them; mlx-lm's sanitize dequantizes them to bf16."""
+    out = {}
+    for k, v in hf.items():
+        if PER_EXPERT_WEIGHT.search(k):
+            out[k] = mx.to_fp8(v)
+            out[f"{k}_scale_inv"] = mx.ones([-(-n // FP8_BLOCK) for n in v.shape])
+        else:
+            out[k] = v
+    return out
+
+
+def _check_hf_weights(model, hf, path):
+    """mlx-lm's sanitize of `hf` gives back `model`'s weights exactly (the fixture is right)."""
+    want = dict(tree_flatten(model.parameters()))
+    got = model.sanitize(dict(hf))
+    if set(got) != set(want):
+        raise AssertionError(f"{path}: sanitize of the HF layout gives other names: "
+                             f"{sorted(set(got) ^ set(want))[:6]}")
+    for k, v in want.items():
+        if got[k].shape != v.shape or got[k].dtype != v.dtype or not mx.array_equal(got[k], v).item():
+            raise AssertionError(f"{path}: sanitize of the HF layout changes {k}")
+
+
+def _is_expert(model):
+    """path -> whether it is a projection of the model's experts (SwitchGLU/SwitchMLP)."""
+    experts = {p for p, _ in switch_modules(model)}
+    return lambda path: path.rsplit(".", 1)[0] in experts
+
+
+def _quantize(model, config, quant):
+    """quantize_model with synthetic.QUANT[quant]; "mxfp4": the experts only, the rest
+    8-bit affine (MXFP4_REST), as mlx-community's gpt-oss checkpoints."""
+    q, predicate = synthetic.QUANT[quant], None
+    if quant == "mxfp4":
+        is_expert = _is_expert(model)
+        q, predicate = MXFP4_REST, lambda path, _: synthetic.QUANT["mxfp4"] if is_expert(path) else MXFP4_REST
+    with contextlib.redirect_stdout(io.StringIO()):
+        return quantize_model(model, config, q["group_size"], q["bits"], mode=q["mode"], quant_predicate=predicate)
+
+
+def build(path, arch, tokenizer_dir, quant=None, seed=0, overrides=None, dtype="float32", layout="stacked"):
+    """A tiny checkpoint of `arch` at `path`, its config changed by `overrides`; returns
+    (path, config). `dtype`: of its floats (synthetic.DTYPES); `quant`: None, "4bit"
+    (affine, group 32) or "mxfp4" (experts mxfp4, the rest 8-bit, as gpt-oss ships on
+    mlx-community); `layout`: "stacked" (mlx-lm's, saved with its save functions) or
+    "hf" (as the model's Hugging Face checkpoint: hf_weights; gpt_oss's with mxfp4 experts,
+    its original format; "fp8": per-expert fp8 weights with block scales, as DeepSeek's)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     synthetic._copy_tokenizer(Path(tokenizer_dir), path)
@@ -254,11 +378,29 @@ def build(path, arch, tokenizer_dir, quant=None, seed=0, overrides=None):
     model = make_model(config, seed)
     if not switch_modules(model):
         raise ValueError(f"{arch}: the tiny config builds no SwitchGLU/SwitchMLP")
-    if quant is not None:
-        q = synthetic.QUANT[quant]
-        with contextlib.redirect_stdout(io.StringIO()):
-            model, config = quantize_model(model, config, q["group_size"], q["bits"], mode=q["mode"])
-    mx.eval(model.parameters())
-    save_model(path, model)
+    if dtype != "float32":
+        synthetic._cast(model, dtype)
+        config["torch_dtype"] = dtype
+    if layout == "hf":
+        if (quant == "mxfp4") != (arch == "gpt_oss") or quant not in (None, "mxfp4", "fp8"):
+            raise ValueError(f"the hf layout of {arch} is float{', mxfp4 experts' if arch == 'gpt_oss' else ''} "
+                             "(or fp8 experts)")
+        if quant == "mxfp4":  # the experts only, as gpt-oss's own checkpoints
+            is_expert = _is_expert(model)
+            nn.quantize(model, **synthetic.QUANT[quant], class_predicate=lambda p, m: hasattr(m, "to_quantized")
+                        and is_expert(p))
+            config["quantization_config"] = {"quant_method": "mxfp4"}
+        mx.eval(model.parameters())
+        hf = hf_weights(model, config)
+        _check_hf_weights(model, hf, path)
+        if quant == "fp8":
+            hf = _fp8_experts(hf)
+            config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+        synthetic.save_weights(path, hf, fmt="pt")
+    else:
+        if quant is not None:
+            model, config = _quantize(model, config, quant)
+        mx.eval(model.parameters())
+        save_model(path, model)
     save_config(config, config_path=path / "config.json")
     return path, config

@@ -165,9 +165,6 @@ _ARCH_CONFIGS = {
 LM_SCALE = 4.0
 ANTI_REPEAT = 0.5
 
-# Hugging Face names of the stacked SwitchGLU projections, per expert.
-_MIXTRAL_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
-
 
 def train_tokenizer(out_dir, texts=None, vocab_size: int = 400) -> Path:
     """Train a byte-level BPE tokenizer with ChatML specials and save it."""
@@ -340,32 +337,6 @@ def save_weights(path, weights: dict, max_shard_bytes=None, fmt="mlx"):
         json.dump(index, f, indent=4)
 
 
-def _to_per_expert(weights: dict, config: dict) -> dict:
-    """Stacked mlx-lm weights -> Hugging Face per-expert names (and kv_b_proj)."""
-    mixtral = config["model_type"] == "mixtral"
-    out = {}
-    for k, v in weights.items():
-        if ".switch_mlp." in k:
-            prefix, rest = k.split(".switch_mlp.")
-            proj, kind = rest.split(".")
-            if mixtral:
-                proj = _MIXTRAL_NAMES[proj]
-            for e in range(v.shape[0]):
-                out[f"{prefix}.experts.{e}.{proj}.{kind}"] = mx.contiguous(v[e])
-        elif k.endswith(".self_attn.embed_q.weight"):
-            # deepseek_v3: undo the MLA absorption of mlx-lm's sanitize.
-            prefix = k[: -len(".embed_q.weight")]
-            wk = v.swapaxes(-1, -2)  # [heads, qk_nope, kv_lora]
-            wv = weights[f"{prefix}.unembed_out.weight"]  # [heads, v_head, kv_lora]
-            kv_b = mx.concatenate([wk, wv], axis=1)
-            out[f"{prefix}.kv_b_proj.weight"] = kv_b.reshape(-1, kv_b.shape[-1])
-        elif k.endswith(".self_attn.unembed_out.weight"):
-            continue
-        else:
-            out[k] = v
-    return out
-
-
 def _copy_tokenizer(src: Path, dst: Path):
     for f in src.iterdir():
         if f.is_file() and not f.name.startswith(("model", "config.json")):
@@ -388,7 +359,7 @@ def build_checkpoint(
 
     ``layout="stacked"`` is the mlx-lm layout (``...switch_mlp.gate_proj.weight``
     of shape [E, out, in]); ``layout="per_expert"`` is the Hugging Face layout
-    (``...experts.{e}.gate_proj.weight``, ``w1/w2/w3`` for mixtral), float only.
+    (``...experts.{e}.gate_proj.weight``, ``w1/w2/w3`` for mixtral: architectures.hf_weights), float only.
     """
     if layout not in ("stacked", "per_expert"):
         raise ValueError(f"layout must be 'stacked' or 'per_expert', got {layout!r}")
@@ -415,8 +386,9 @@ def build_checkpoint(
     mx.eval(model.parameters())
 
     if layout == "per_expert":
-        weights = _to_per_expert(dict(tree_flatten(model.parameters())), config)
-        save_weights(path, weights, max_shard_bytes, fmt="pt")
+        from architectures import hf_weights  # (it imports this module)
+
+        save_weights(path, hf_weights(model, config), max_shard_bytes, fmt="pt")
     elif max_shard_bytes:
         save_weights(path, dict(tree_flatten(model.parameters())), max_shard_bytes)
     else:

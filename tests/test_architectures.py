@@ -50,6 +50,27 @@ def test_greedy_tokens_match_stock(arch, quant, tokenizer_dir, tmp_path):
     if arch in architectures.NOT_BUILDABLE:
         pytest.skip(f"{arch}: {architectures.NOT_BUILDABLE[arch]}")
     path, config = architectures.build(tmp_path / arch, arch, tokenizer_dir, quant)
+    check_against_stock(arch, path, config, quant or "float32", info=quant is None)
+
+
+# The most used families in the other forms their checkpoints come in: bf16 (as most are
+# published), mxfp4 (gpt-oss as mlx-community ships it: experts mxfp4, the rest 8-bit) and
+# the Hugging Face layout (as the model's own repo ships it; gpt-oss's with its mxfp4 experts)
+VARIANTS = [(arch, "stacked", "bfloat16", None) for arch in architectures.FAMILIES]
+VARIANTS += [("gpt_oss", "stacked", "float32", "mxfp4")]
+VARIANTS += [(arch, "hf", "bfloat16", "mxfp4" if arch == "gpt_oss" else None) for arch in architectures.FAMILIES]
+
+
+@pytest.mark.parametrize("arch,layout,dtype,quant", VARIANTS,
+                         ids=[f"{a}-{l}-{q or d}" for a, l, d, q in VARIANTS])
+def test_families_in_every_form(arch, layout, dtype, quant, tokenizer_dir, tmp_path):
+    path, config = architectures.build(tmp_path / arch, arch, tokenizer_dir, quant, dtype=dtype, layout=layout)
+    check_against_stock(arch, path, config, f"{layout} {quant or dtype}")
+
+
+def check_against_stock(arch, path, config, what, info=False):
+    """Greedy tokens through mlxmoe equal stock mlx-lm's at every SHARE of the experts;
+    the cache below the top-k is refused naming it (and `mlxmoe info` shows it)."""
     want = stock_tokens(arch, path)
     k = architectures.expected_top_k(config)
 
@@ -57,7 +78,7 @@ def test_greedy_tokens_match_stock(arch, quant, tokenizer_dir, tmp_path):
     refused = rf"at least {k} experts \(top-k\), got {k - 1}" if k > 1 else "cache_experts 0"
     with pytest.raises(MlxmoeError, match=refused):
         mlxmoe.load(str(path), cache_experts=k - 1)
-    if quant is None:
+    if info:
         code, out, err = run_cli("info", "--model", path, "--json")
         assert code == 0, err
         assert json.loads(out)["top_k"] == k
@@ -76,7 +97,7 @@ def test_greedy_tokens_match_stock(arch, quant, tokenizer_dir, tmp_path):
             stats = runtime.cache.stats()
         finally:
             runtime.close()
-        assert tokens == want, f"{arch} {quant or 'float32'}: a cache of {runtime.cache.capacity} of {total} " \
+        assert tokens == want, f"{arch} {what}: a cache of {runtime.cache.capacity} of {total} " \
                                "experts changed the tokens"
         if slots is not None:
             assert stats["misses"] > 0
@@ -138,3 +159,18 @@ def test_top_k_per_layer(tokenizer_dir, tmp_path):
     assert "top-3 (top-1, 3 by layer)" in out
     with pytest.raises(MlxmoeError, match=r"at least 3 experts \(top-k\), got 2"):
         mlxmoe.load(str(path), cache_experts=2)
+
+
+def test_layout_mlx_lm_computes_is_converted(tokenizer_dir, tmp_path):
+    """deepseek_v3 as DeepSeek ships it: fp8 experts with block scales, which mlx-lm's
+    sanitize dequantizes. mlxmoe cannot stream bytes that are computed: refused naming
+    `mlxmoe convert`; converted by it, the tokens are stock mlx-lm's on the original."""
+    src, config = architectures.build(tmp_path / "fp8", "deepseek_v3", tokenizer_dir, "fp8", dtype="bfloat16",
+                                      layout="hf")
+    with pytest.raises(MlxmoeError, match=rf"model.safetensors: .*experts\.\d+\.\w+\.weight.* sanitize computes "
+                                          rf".*`mlxmoe convert {src} DST`"):
+        mlxmoe.load(str(src))
+    code, _, err = run_cli("convert", src, tmp_path / "stacked")
+    assert code == 0, err
+    assert stock_tokens("deepseek_v3", tmp_path / "stacked") == stock_tokens("deepseek_v3", src)
+    check_against_stock("deepseek_v3", tmp_path / "stacked", config, "fp8 converted")

@@ -146,7 +146,7 @@ def test_refuses_bad_input(bundled, checkpoint, tmp_path):
     r = cli("convert", "--bundle", str(src), str(dst))
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "already exists" in r.stderr
     r = cli("convert", str(src), str(tmp_path / "out"))
-    assert r.returncode != 0 and "--bundle" in r.stderr
+    assert r.returncode != 0 and "stacked layout already" in r.stderr and "--bundle" in r.stderr
     assert not (tmp_path / "out").exists()
 
 
