@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 
 import click
@@ -130,33 +131,86 @@ def sampling_options(f):
     return f
 
 
+def import_mlx():
+    """Import MLX and mlx-lm (most of a second: mlx-lm brings transformers) with Ctrl-C and
+    SIGTERM held until done, as an interrupt while MLX's extension initialises aborts the
+    process. Only the commands that open a model call it: `profile show`, `trace replay`
+    and the like start at once."""
+    with signals_deferred():
+        from . import api  # noqa: F401
+
+
 def _load(opts):
+    import_mlx()
     from . import distributed, load
 
     exclusive(cache_size=opts["cache_size"], cache_experts=opts["cache_experts"])
     group = distributed.init()  # None unless started as several ranks (mlx.launch)
     if group is not None and group.rank() != 0:  # rank 0 speaks for all
         sys.stdout = sys.stderr = open(os.devnull, "w")
-    if first_cpu_run():
+    global _compiling_said
+    if cpu_kernels() == 0:
         click.echo("first run: MLX compiles its CPU kernels (a few seconds, once)", err=True)
-    return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
-                cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
-                profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
-                io=opts["io"], prefetch=opts["prefetch"], group=group, split=opts["split"],
-                max_context=opts["max_context"])
+        _compiling_said = True
+    loading = notice(2.0, lambda: f"loading {opts['model_path'] or 'the demo model'}...")
+    try:
+        model, tokenizer = load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
+                                cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
+                                profile=opts["profile_path"], force_profile=opts["force_profile"],
+                                trace_out=opts["trace_out"], io=opts["io"], prefetch=opts["prefetch"], group=group,
+                                split=opts["split"], max_context=opts["max_context"])
+    finally:
+        loading.cancel()
+    cache = model.expert_cache
+    if opts["profile_path"]:  # the pre-warm reads in the background; say so if it is long
+        notice(2.0, lambda: None if cache.prewarm_done(0) else
+               f"pre-warming the cache with the hottest experts of {cache.profile.workload!r} in the background "
+               "(the first tokens share the disk with it)")
+    return model, tokenizer
 
 
-def first_cpu_run():
-    """True when MLX's CPU backend has no compiled kernels cached yet (it builds them with
-    the C++ compiler on first use, into <tmp>/mlx/<version>/cpu)."""
+_compiling_said = False  # the first run's line said that MLX compiles its kernels
+
+
+def cpu_kernels():
+    """How many kernels MLX's CPU backend has compiled and cached (it builds them with the
+    C++ compiler on first use of an operation, into <tmp>/mlx/<version>/cpu); None on a GPU."""
     import tempfile
 
     import mlx.core as mx
 
     if mx.metal.is_available() or mx.cuda.is_available():
-        return False
-    kernels = os.path.join(tempfile.gettempdir(), "mlx", mx.__version__, "cpu")
-    return not os.path.isdir(kernels) or not os.listdir(kernels)
+        return None
+    try:
+        return len(os.listdir(os.path.join(tempfile.gettempdir(), "mlx", mx.__version__, "cpu")))
+    except OSError:
+        return 0
+
+
+def notice(seconds, line):
+    """A timer that, `seconds` on, says `line()` on stderr (if it returns one): what a user
+    who waits that long is waiting for. cancel() it when the wait is over."""
+    def say():
+        text = line()
+        if text:
+            click.echo(text, err=True)
+
+    timer = threading.Timer(seconds, say)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def compiling(seconds=2.0):
+    """A notice for the wait for a reply's first token: MLX is compiling CPU kernels, where
+    new ones have appeared in its cache meanwhile (a sampler or a shape this machine has not
+    run before). cancel() it at the first token."""
+    before = cpu_kernels()
+
+    def line():
+        if before is not None and not _compiling_said and cpu_kernels() > before:
+            return "MLX is compiling CPU kernels for these settings (a few seconds, once: later runs reuse them)"
+    return notice(seconds, line)
 
 
 def _stats(model):
@@ -181,7 +235,8 @@ def summary(stats, before, elapsed_tokens, tps):
     total = hits + stats["misses"] - before["misses"]
     read = format_size(stats["bytes_read"] - before["bytes_read"])
     rate = f"{100 * hits / total:.1f}%" if total else "n/a"
-    return f"[{elapsed_tokens} tokens, {tps:.1f} tok/s, expert hit rate {rate}, {read} read]"
+    speed = f", {tps:.1f} tok/s" if elapsed_tokens >= 2 else ""  # (one token's rate is a wait, not a speed)
+    return f"[{elapsed_tokens} tokens{speed}, expert hit rate {rate}, {read} read]"
 
 
 CHAT_HELP = """/help          this list
@@ -267,11 +322,14 @@ save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=Fa
 @model_options
 @sampling_options
 @click.option("--prompt", "-p", required=True, help="The prompt ('-' reads standard input).")
-@click.option("--chat-template/--no-chat-template", default=False, help="Wrap the prompt in the chat template.")
+@click.option("--chat-template/--no-chat-template", " /--raw", default=None,
+              help="Wrap the prompt in the model's chat template, as mlx_lm.generate does. Default: on where the "
+              "model has one; --raw (or --no-chat-template) continues the prompt as plain text.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the cache stats to this file.")
 @save_profile_option
 def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, top_p, seed, **opts):
     """Generate text from a prompt, streaming it to standard output."""
+    import_mlx()
     from .api import stream_generate
     from .files import check_writable, write_atomic
 
@@ -284,13 +342,14 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         prompt = _read_stdin()
     if not prompt.strip():
         raise MlxmoeError("the prompt is empty")
-    if chat_template:
+    if chat_template or (chat_template is None and tokenizer.has_chat_template):
         prompt = _chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    response, interrupted = None, False
+    response, interrupted, waiting = None, False, compiling()
     try:
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                         sampler=_sampler(temp, top_p, seed),
                                         prompt_progress_callback=_prefill_progress()):
+            waiting.cancel()
             click.echo(response.text, nl=False)
         click.echo()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats and profile of what ran are still written
@@ -299,6 +358,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         interrupted = True
         click.echo()
     finally:
+        waiting.cancel()
         _finish(model, save_profile)
     with signals_deferred():
         _generate_report(model, response, baseline_rss, stats_json)
@@ -315,26 +375,33 @@ def _generate_report(model, response, baseline_rss, stats_json):
     for r, s in enumerate(stats.get("per_rank", [])):
         click.echo(rank_line(r, s), err=True)
     if response is not None:
-        click.echo(f"prompt: {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s; "
-                   f"generation: {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s", err=True)
+        click.echo(f"prompt: {_tokens_at(response.prompt_tokens, response.prompt_tps)}; "
+                   f"generation: {_tokens_at(response.generation_tokens, response.generation_tps)}", err=True)
     click.echo(expert_line(stats, baseline_rss), err=True)
     if stats_json and model.expert_runtime.main_rank():
         write_atomic(stats_json, json.dumps(stats, indent=1))
 
 
-def _prefill_progress(after=3.0):
+def _tokens_at(n, tps):
+    """"12 tokens at 34.5 tok/s", without a rate for fewer than 2 tokens (one token's rate
+    is the time to reach it: a wait, not a speed)."""
+    return f"{n} token{'s' if n != 1 else ''}" + (f" at {tps:.1f} tok/s" if n >= 2 else "")
+
+
+def _prefill_progress(after=2.0):
     """A prompt_progress_callback for mlx-lm: a progress line on stderr once a prefill has
-    taken more than `after` seconds (a long prompt, a slow disk), ended when it is done."""
-    start, shown = time.monotonic(), [False]
+    taken more than `after` seconds (a long prompt, a slow disk), redrawn at most once a
+    second, ended when it is done."""
+    start, shown = time.monotonic(), [None]  # when the line was last drawn
 
     def callback(done, total):
         elapsed = time.monotonic() - start
-        if elapsed > after and done < total:
+        if elapsed > after and done < total and (shown[0] is None or elapsed - shown[0] >= 1):
             click.echo(f"\rprefill: {done}/{total} prompt tokens ({elapsed:.0f} s)", err=True, nl=False)
-            shown[0] = True
-        elif shown[0] and done >= total:
+            shown[0] = elapsed
+        elif shown[0] is not None and done >= total:
             click.echo(f"\rprefill: {total}/{total} prompt tokens ({elapsed:.0f} s)", err=True)
-            shown[0] = False
+            shown[0] = None
 
     return callback
 
@@ -391,6 +458,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     """Chat with the model. The KV cache carries over between turns; after each reply a
     line gives tokens/s, the expert hit rate and the bytes read. /help lists the commands
     (/reset, /stats, /profile FILE, /quit)."""
+    import_mlx()
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors
 
@@ -458,15 +526,17 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
                 continue
             before = _stats(model)
-            response = None
+            response, waiting = None, compiling()
             try:
                 for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
                                                 logits_processors=penalty, prompt_cache=prompt_cache,
                                                 prompt_progress_callback=_prefill_progress()):
+                    waiting.cancel()
                     click.echo(response.text, nl=False)
             except Terminated:
                 raise
             except KeyboardInterrupt:
+                waiting.cancel()
                 click.echo("\n[interrupted]")
                 prompt_cache, first = make_prompt_cache(model), True
                 continue
@@ -487,6 +557,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
 def info(model_path, memory_budget, backend, as_json):
     """Architecture, experts, bytes of resident weights and of one expert, the smallest
     budget that works and what a given budget buys. Reads headers only."""
+    import_mlx()  # mlx-lm's model classes say what the checkpoint holds
     from . import backend as backends
     from .api import checkpoint_plan
     from .budget import format_size
@@ -535,6 +606,7 @@ def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=
     """Load the model (then `on_load(model)`) and feed it the prompts with a progress bar;
     Ctrl-C stops early and keeps what was recorded. Returns (model, interrupted). On an
     error, a trace being written is dropped, not left behind half-written."""
+    import_mlx()
     from .api import read_prompts, run_prompts
 
     model, tokenizer = _load(opts)
@@ -662,6 +734,7 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     name = workload or os.path.basename(traces[0]).split(".")[0]
     p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
     if model_path:
+        import_mlx()
         from . import backend as backends
         from .api import model_name, profile_identity
         from .loader import open_checkpoint
@@ -944,6 +1017,7 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
     """Serve the model over HTTP: OpenAI /v1/chat/completions, /v1/completions and
     /v1/models, Anthropic /v1/messages, /health and the expert cache's /v1/mlxmoe/stats
     (mlx-lm's server on mlxmoe's model). Requests queue: one generation at a time."""
+    import_mlx()
     from .server import serve as run_server
 
     if profiles_dir and opts["profile_path"]:
@@ -984,8 +1058,6 @@ def run(args=None):
     like Ctrl-C (what was recorded is saved, temp files removed), and either exits 130."""
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        with signals_deferred():  # Ctrl-C while MLX's extension initialises would abort the process
-            from . import api  # noqa: F401
         main(args, standalone_mode=False)
         if _exit_at_once:
             _exit_now(0)

@@ -50,7 +50,7 @@ def test_generate_and_sampler_match_mlx_lm(checkpoint):
 def test_cli_generate_writes_stats(checkpoint, tmp_path):
     path = checkpoint("mixtral", quant="4bit")
     out = tmp_path / "stats.json"
-    r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "16",
+    r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--raw", "--max-tokens", "16",
                                   "--cache-experts", "4", "--stats-json", str(out)])
     assert r.exit_code == 0, r.output
     model, tokenizer = mlxmoe.load(str(path), cache_experts=4)
@@ -59,6 +59,29 @@ def test_cli_generate_writes_stats(checkpoint, tmp_path):
     assert STATS_KEYS <= set(stats)
     assert stats["cache_experts"] == 4 and stats["misses"] > 0
     assert "hit rate" in r.stderr
+
+
+def test_generate_applies_the_chat_template_by_default(checkpoint):
+    """As mlx_lm.generate does: the model's chat template wraps the prompt unless --raw (or
+    --no-chat-template) asks for a plain completion; --help says so. A one-token reply gets
+    no rate: its "rate" is only the wait for it."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    want = {"chat": mlxmoe.generate(model, tokenizer, templated, max_tokens=8),
+            "raw": mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=8)}
+    for flags, kind in (([], "chat"), (["--chat-template"], "chat"), (["--raw"], "raw"),
+                        (["--no-chat-template"], "raw")):
+        r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "8",
+                                      "--cache-experts", "8", *flags])
+        assert r.exit_code == 0, r.output
+        assert r.stdout == want[kind] + "\n", flags
+    r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "1",
+                                  "--cache-experts", "8"])
+    line = next(l for l in r.stderr.splitlines() if l.startswith("prompt:"))
+    assert line.endswith("; generation: 1 token") and " tok/s" in line.split(";")[0], line
+    help_text = " ".join(CliRunner().invoke(main, ["generate", "--help"]).stdout.split())
+    assert "--raw" in help_text and "Default: on where the model has one" in help_text
 
 
 def test_cli_chat_two_turns(checkpoint):

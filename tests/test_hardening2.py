@@ -329,7 +329,7 @@ def test_sigterm_during_generate_writes_the_stats_and_exits_130(tmp_path):
     import signal
 
     stats = tmp_path / "s.json"
-    proc = subprocess.Popen([sys.executable, "-m", "mlxmoe", "generate", "-p", "Il gatto", "--max-tokens", "100000",
+    proc = subprocess.Popen([sys.executable, "-m", "mlxmoe", "generate", "-p", "Il gatto", "--raw", "--max-tokens", "100000",
                              "--stats-json", str(stats)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout.read(8)  # generating
@@ -441,7 +441,7 @@ def test_the_context_reserve_is_enforced_and_max_context_raises_it():
 
 
 def test_cli_refuses_a_prompt_beyond_the_context(cli):
-    code, err = cli("generate", "-p", "word " * 3000, "--max-tokens", "2")
+    code, err = cli("generate", "-p", "word " * 3000, "--raw", "--max-tokens", "2")
     assert code == 2 and "6000 tokens, beyond the 4096-token context" in err, err
 
 
@@ -459,11 +459,38 @@ def test_a_long_prefill_shows_a_progress_line(capsys):
 
     quick = _prefill_progress()
     quick(0, 1000), quick(1000, 1000)
-    assert capsys.readouterr().err == ""  # a prefill of under 3 s says nothing
+    assert capsys.readouterr().err == ""  # a prefill of under 2 s says nothing
     slow = _prefill_progress(after=0)
-    slow(0, 1000), slow(512, 1000), slow(1000, 1000)
+    slow(512, 1000), slow(600, 1000), slow(1000, 1000)
     err = capsys.readouterr().err
     assert "prefill: 512/1000 prompt tokens" in err and err.endswith("prefill: 1000/1000 prompt tokens (0 s)\n")
+    assert "600/1000" not in err  # redrawn at most once a second
+
+
+def test_a_kernel_compile_during_a_wait_is_said(tmp_path, monkeypatch, capsys):
+    """Waiting for a reply's first token while MLX compiles CPU kernels (new ones appear in
+    its kernel cache: a sampler this machine has not run before) gets one line saying so."""
+    import tempfile
+
+    from mlxmoe import cli
+
+    if cli.cpu_kernels() is None:
+        pytest.skip("a GPU backend: MLX compiles no CPU kernels")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(cli, "_compiling_said", False)
+    import mlx.core as mx
+
+    kernels = tmp_path / "mlx" / mx.__version__ / "cpu"
+    kernels.mkdir(parents=True)
+    (kernels / "a.so").touch()
+    for compiles in (False, True):
+        waiting = cli.compiling(0.3)
+        if compiles:
+            (kernels / "b.so").touch()
+        time.sleep(0.8)
+        waiting.cancel()
+        err = capsys.readouterr().err
+        assert ("MLX is compiling CPU kernels" in err) == compiles, err
 
 
 FAILING_SERVER = """
