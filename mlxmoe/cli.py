@@ -1018,15 +1018,16 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
     /v1/models, Anthropic /v1/messages, /health and the expert cache's /v1/mlxmoe/stats
     (mlx-lm's server on mlxmoe's model). Requests queue: one generation at a time."""
     import_mlx()
+    from .api import model_name
     from .server import serve as run_server
 
     if profiles_dir and opts["profile_path"]:
         raise click.UsageError("--profile and --profiles exclude each other")
     model, tokenizer = _load(opts)
     try:
-        run_server(model, tokenizer, opts["model_path"] or "mlxmoe-demo", host, port, profiles_dir, save_profiles,
-                   save_every, max_tokens, temp, top_p, prompt_cache_size, opts["force_profile"],
-                   opts["profile_path"], max_queue=max_queue)
+        name = model_name(model.expert_runtime.checkpoint.path)  # as profiles and traces name it
+        run_server(model, tokenizer, name, host, port, profiles_dir, save_profiles, save_every, max_tokens, temp,
+                   top_p, prompt_cache_size, opts["force_profile"], opts["profile_path"], max_queue=max_queue)
     except BaseException:
         model.expert_cache.close()
         raise
