@@ -124,7 +124,8 @@ def sampling_options(f):
                      help="Sampling temperature (0: greedy)."),
         click.option("--top-p", type=Number(float, 0, 1, low_open=True), default=1.0, show_default=True,
                      help="Nucleus sampling mass, in (0, 1]."),
-        click.option("--seed", type=Number(int, 0, (1 << 64) - 1), default=0, show_default=True, help="Random seed."),
+        click.option("--seed", type=Number(int, 0, (1 << 64) - 1),
+                     help="Random seed, to repeat a sampled run. Default: a new one each run, as mlx_lm.generate."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -167,6 +168,12 @@ def _load(opts):
                f"pre-warming the cache with the hottest experts of {cache.profile.workload!r} in the background "
                "(the first tokens share the disk with it)")
     return model, tokenizer
+
+
+def _prior(model, opts):
+    """(workload, tokens) of the --profile the live profile starts from, or None."""
+    live = model.expert_runtime.profile
+    return (live.workload, live.tokens_total) if opts["profile_path"] else None
 
 
 _compiling_said = False  # the first run's line said that MLX compiles its kernels
@@ -223,7 +230,8 @@ def _sampler(temp, top_p, seed):
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    mx.random.seed(seed)
+    if seed is not None:
+        mx.random.seed(seed)
     return make_sampler(temp, top_p)
 
 
@@ -304,18 +312,23 @@ def main():
     through a cache that keeps the ones your workload uses."""
 
 
-def _finish(model, save_profile):
-    """Close the cache (ending a trace) and save the live profile, atomically."""
+def _finish(model, save_profile, prior=None):
+    """Close the cache (ending a trace) and save the live profile, atomically, saying how
+    many of its tokens come from the --profile it started from (`prior`)."""
     runtime = model.expert_runtime
     with signals_deferred():
         runtime.close()
         live = runtime.save_profile(save_profile) if save_profile else None
     if live is not None and runtime.main_rank():
-        click.echo(f"saved profile {save_profile} ({live.tokens_total} tokens)", err=True)
+        parts = "" if prior is None else (f": {prior[1]} of {prior[0]!r} (--profile) + "
+                                          f"{live.tokens_total - prior[1]} from this run")
+        click.echo(f"saved profile {save_profile} ({live.tokens_total} tokens{parts})", err=True)
 
 
 save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=False),
-                                   help="Write the live profile here at exit (also on Ctrl-C).")
+                                   help="Write the live profile here at exit (also on Ctrl-C): what this run "
+                                   "used, on top of the --profile it started from (profile record saves only "
+                                   "what it recorded).")
 
 
 @main.command()
@@ -338,6 +351,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
             check_writable(path)
     baseline_rss = current_rss()  # Python, MLX and mlx-lm imported, no weights yet
     model, tokenizer = _load(opts)
+    prior = _prior(model, opts)
     if prompt == "-":
         prompt = _read_stdin()
     if not prompt.strip():
@@ -359,7 +373,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         click.echo()
     finally:
         waiting.cancel()
-        _finish(model, save_profile)
+        _finish(model, save_profile, prior)
     with signals_deferred():
         _generate_report(model, response, baseline_rss, stats_json)
     if interrupted:
@@ -468,6 +482,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     if save_profile:
         check_writable(save_profile)
     model, tokenizer = _load(opts)
+    prior = _prior(model, opts)
     cache = model.expert_cache
     sampler = _sampler(temp, top_p, seed)
     penalty = make_logits_processors(repetition_penalty=repetition_penalty, repetition_context_size=64)
@@ -546,7 +561,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps),
                            err=True)
     finally:
-        _finish(model, save_profile)
+        _finish(model, save_profile, prior)
 
 
 @main.command()
@@ -753,8 +768,14 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
         header = loaded[0][1]
         p.curve = predicted_curve(header, [r for _, _, records in loaded for r in records])
         p.save(out)
-    click.echo(f"saved {out}: {p.tokens_total} tokens of {p.workload!r} ({p.model}, fingerprint {p.fingerprint})",
+    click.echo(f"saved {out}: {p.tokens_total} tokens of {p.workload!r} ({_model_of(p)}, fingerprint {p.fingerprint})",
                err=True)
+
+
+def _model_of(p):
+    """How a profile's model is named in messages: its name, or where the routing it was
+    built from named none, that it is known by its shape only."""
+    return f"model {p.model}" if p.model else "a model known by its shape only"
 
 
 @profile.command("show")
@@ -779,6 +800,9 @@ def profile_show(file, top, png, budget, as_json):
            "layers": layers, "hot25_share_mean": round(float(share.mean()), 3), "curve": p.curve}
     if png:
         write_heatmap_png(png, p.counts)
+    if budget and not p.expert_bytes:
+        click.echo(f"--budget {budget}: {file} does not hold the model's expert size (a profile built from routing "
+                   "alone); `mlxmoe profile from-trace TRACE --model CHECKPOINT` records it", err=True)
     if budget and p.expert_bytes:
         free = parse_size(budget, "budget") - (p.resident_bytes or 0)
         c = min(max(0, free // p.expert_bytes), p.num_layers * p.num_experts)
@@ -788,7 +812,7 @@ def profile_show(file, top, png, budget, as_json):
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
-    click.echo(f"{p.workload!r} on {p.model}: {p.tokens_total} tokens, half-life {p.half_life} tokens")
+    click.echo(f"{p.workload!r} on {_model_of(p)}: {p.tokens_total} tokens, half-life {p.half_life} tokens")
     click.echo(f"hottest 25% of experts carry {100 * share.mean():.1f}% of activations (mean over layers)")
     for row in layers:
         hot = ", ".join(f"{e}:{r:.2f}" for e, r in row["hot"])
@@ -807,7 +831,7 @@ def profile_show(file, top, png, budget, as_json):
         c = out["budget"]["cache_experts"]
         every = " (every expert)" if c == p.num_layers * p.num_experts else ""
         click.echo(f"{budget} holds {c} experts{every} beside {format_size(p.resident_bytes or 0)} of resident weights, "
-                   "KV cache and working memory")
+                   "KV cache reserve and working memory")
         if c < p.top_k:
             click.echo(f"  too small: a layer needs {p.top_k} experts at once")
         elif out["budget"]["predicted_hit_rate"]:

@@ -84,6 +84,27 @@ def test_generate_applies_the_chat_template_by_default(checkpoint):
     assert "--raw" in help_text and "Default: on where the model has one" in help_text
 
 
+def test_save_profile_says_what_came_from_the_prior(tmp_path):
+    """--save-profile after --profile writes the prior's tokens plus this run's, and says so."""
+    from mlxmoe.profile import ActivationProfile
+
+    prior = ActivationProfile.load(ROOT / "profiles" / "italian.json")
+    out = tmp_path / "live.json"
+    r = CliRunner().invoke(main, ["generate", "--prompt", "Ciao", "--max-tokens", "4", "--profile",
+                                  str(ROOT / "profiles" / "italian.json"), "--save-profile", str(out)])
+    assert r.exit_code == 0, r.output
+    total = ActivationProfile.load(out).tokens_total
+    assert f"saved profile {out} ({total} tokens: {prior.tokens_total} of {prior.workload!r} (--profile) + " \
+           f"{total - prior.tokens_total} from this run)" in r.stderr
+
+
+def test_sampled_runs_vary_unless_seeded():
+    """As mlx_lm.generate: a new seed each run, --seed repeats one."""
+    runs = [CliRunner().invoke(main, ["generate", "--prompt", "Il", "--raw", "--max-tokens", "12", "--temp", "1.5",
+                                      *s]).stdout for s in ([], [], ["--seed", "3"], ["--seed", "3"])]
+    assert runs[2] == runs[3] and len(set(runs)) >= 2
+
+
 def test_cli_chat_two_turns(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     r = CliRunner().invoke(main, ["chat", "--model", str(path), "--max-tokens", "12", "--cache-experts", "8"],
