@@ -782,24 +782,34 @@ def _model_of(p):
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--top", type=Number(int, 0, 1 << 31), default=5, show_default=True,
               help="Hot experts listed per layer.")
-@click.option("--png", type=click.Path(dir_okay=False), help="Write a layers x experts heatmap PNG.")
+@click.option("--png", type=click.Path(dir_okay=False), help="Write a layers x experts heatmap PNG (activations "
+              "per token).")
+@click.option("--curve-png", type=click.Path(dir_okay=False), help="Write a PNG of the predicted hit rate against "
+              "cache size, per policy (with --budget: the cache it buys marked).")
 @click.option("--budget", type=Size(), help="Also show what this memory budget buys (e.g. 16GB).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def profile_show(file, top, png, budget, as_json):
+def profile_show(file, top, png, curve_png, budget, as_json):
     """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
     from .budget import format_size, parse_size
     from .curves import curve_at
-    from .heatmap import write_heatmap_png
+    from .files import check_writable
+    from .heatmap import write_curve_png, write_heatmap_png
     from .profile import ActivationProfile
 
+    for path in (png, curve_png):
+        if path:
+            check_writable(path, (file,))
     p = ActivationProfile.load(file)
+    if curve_png and not p.curve:
+        raise MlxmoeError(f"{file} holds no predicted hit-rate curve (recorded without one: profile record, or "
+                          "profile from-trace without --no-curve, predicts it)")
     share = p.hot_share(0.25)
     layers = [{"layer": l, "hot25_share": round(float(share[l]), 3),
                "hot": [[e, round(r, 4)] for _, e, r in p.top(top, layer=l)]} for l in range(p.num_layers)]
     out = {"workload": p.workload, "model": p.model, "tokens": p.tokens_total, "half_life": p.half_life,
            "layers": layers, "hot25_share_mean": round(float(share.mean()), 3), "curve": p.curve}
     if png:
-        write_heatmap_png(png, p.counts)
+        write_heatmap_png(png, p.rates(), f"{p.workload!r} on {_model_of(p)}: activations per token")
     if budget and not p.expert_bytes:
         click.echo(f"--budget {budget}: {file} does not hold the model's expert size (a profile built from routing "
                    "alone); `mlxmoe profile from-trace TRACE --model CHECKPOINT` records it", err=True)
@@ -809,6 +819,11 @@ def profile_show(file, top, png, budget, as_json):
         predicted = {name: curve_at(points, c) for name, points in p.curve.items()}
         out["budget"] = {"budget": budget, "cache_experts": c,
                          "predicted_hit_rate": {n: round(r, 4) for n, r in predicted.items() if r is not None}}
+    if curve_png:
+        c = out.get("budget", {}).get("cache_experts")
+        write_curve_png(curve_png, p.curve, p.num_layers * p.num_experts,
+                        f"{p.workload!r} on {_model_of(p)}: predicted hit rate by cache size",
+                        marker=None if c is None else (c, f"{budget}: {c} experts"))
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
@@ -837,8 +852,9 @@ def profile_show(file, top, png, budget, as_json):
         elif out["budget"]["predicted_hit_rate"]:
             rates = out["budget"]["predicted_hit_rate"]
             click.echo("  predicted hit rate there: " + ", ".join(f"{n} {100 * r:.1f}%" for n, r in rates.items()))
-    if png:
-        click.echo(f"heatmap: {png}")
+    for what, path in (("heatmap", png), ("hit-rate curve", curve_png)):
+        if path:
+            click.echo(f"{what}: {path}")
 
 
 @profile.command("merge")
