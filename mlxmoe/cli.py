@@ -1002,7 +1002,8 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
     summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name)
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
-    click.echo(f"saved {out}: {summary['sequences']} sequences, {summary['tokens']} tokens "
+    n = summary["sequences"]
+    click.echo(f"saved {out}: {n} sequence{'s' if n != 1 else ''}, {summary['tokens']} tokens "
                f"({summary['prefill_tokens']} of prompts), {summary['num_layers']} layers x "
                f"{summary['num_experts']} experts, top-{summary['top_k']}", err=True)
 
