@@ -243,8 +243,7 @@ def summary(stats, before, elapsed_tokens, tps):
     total = hits + stats["misses"] - before["misses"]
     read = format_size(stats["bytes_read"] - before["bytes_read"])
     rate = f"{100 * hits / total:.1f}%" if total else "n/a"
-    speed = f", {tps:.1f} tok/s" if elapsed_tokens >= 2 else ""  # (one token's rate is a wait, not a speed)
-    return f"[{elapsed_tokens} tokens{speed}, expert hit rate {rate}, {read} read]"
+    return f"[{_tokens_at(elapsed_tokens, tps)}, expert hit rate {rate}, {read} read]"
 
 
 CHAT_HELP = """/help          this list
@@ -765,8 +764,11 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
         p.model, p.fingerprint, (p.expert_bytes, p.resident_bytes) = model_name(ckpt.path), fp, sizes
     p.save(out)
     if curve:
-        header = loaded[0][1]
-        p.curve = predicted_curve(header, [r for _, _, records in loaded for r in records])
+        header, records = loaded[0][1], [r for _, _, records in loaded for r in records]
+        with click.progressbar(ONLINE, file=sys.stderr,
+                               label="predicting the hit rate at each cache size, policy by policy") as policies:
+            for policy in policies:  # one at a time: a long trace takes a while each
+                p.curve.update(predicted_curve(header, records, [policy]))
         p.save(out)
     click.echo(f"saved {out}: {p.tokens_total} tokens of {p.workload!r} ({_model_of(p)}, fingerprint {p.fingerprint})",
                err=True)
@@ -950,14 +952,16 @@ def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force
     if profile_path:
         prior = ActivationProfile.load(profile_path)
         prior.check_model(trace_fingerprint(header), header["num_layers"], header["num_experts"], force, profile_path)
-    results = replay_all(header, records, policy_names(policy), cache_experts, prior)
-    width = max(len(r["policy"]) for r in results)
-    for r in results:
+    names = policy_names(policy)
+    width = max(map(len, names))
+
+    def show(r):  # each policy as it ends (a long trace takes a while each)
         if as_json:
             click.echo(json.dumps(r))
         else:
             click.echo(f"{r['policy']:>{width}}: hit rate {100 * r['hit_rate']:.2f}% ({r['hits']}/{r['accesses']}), "
                        f"belady {100 * r['belady_hit_rate']:.2f}%")
+    replay_all(header, records, names, cache_experts, prior, done=show)
 
 
 @trace.command("import")

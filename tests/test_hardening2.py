@@ -241,7 +241,7 @@ def test_a_chat_line_not_in_utf8_is_refused_and_the_chat_goes_on(errors):
     out, err = r.stdout.decode(), r.stderr.decode()
     assert r.returncode == 0 and "Traceback" not in err, err
     assert "not UTF-8" in out or "not valid UTF-8" in out, out
-    assert err.count("tokens,") == 1, err  # "hello" was answered
+    assert err.count(", expert hit rate") == 1, err  # "hello" was answered
 
 
 def vllm_routes(path):
@@ -451,7 +451,7 @@ def test_chat_beyond_the_context_refuses_the_message_and_goes_on():
     out, err = r.stdout.decode(), r.stderr.decode()
     assert r.returncode == 0 and "Traceback" not in err, err
     assert "-token context" in out and "/reset" in out, out
-    assert err.count("tokens,") == 1, err
+    assert err.count(", expert hit rate") == 1, err
 
 
 def test_a_long_prefill_shows_a_progress_line(capsys):
