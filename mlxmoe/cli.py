@@ -208,16 +208,55 @@ def notice(seconds, line):
     return timer
 
 
-def compiling(seconds=2.0):
-    """A notice for the wait for a reply's first token: MLX is compiling CPU kernels, where
-    new ones have appeared in its cache meanwhile (a sampler or a shape this machine has not
-    run before). cancel() it at the first token."""
-    before = cpu_kernels()
+class Waiting:
+    """A reply's wait for its first token, said on stderr once it passes `after` seconds: the
+    prefill's progress in prompt tokens, redrawn each second (a long prompt, a slow disk), and
+    once, that MLX is compiling CPU kernels where new ones have appeared in its cache (a
+    sampler or shape this machine has not run before). `progress` is mlx-lm's
+    prompt_progress_callback; stop() at the first token."""
 
-    def line():
-        if before is not None and not _compiling_said and cpu_kernels() > before:
-            return "MLX is compiling CPU kernels for these settings (a few seconds, once: later runs reuse them)"
-    return notice(seconds, line)
+    def __init__(self, after=2.0):
+        self.start, self.kernels = time.monotonic(), cpu_kernels()
+        self.done, self.total, self.shown = 0, 0, False  # shown: a progress line is open
+        self.lock, self.stopped = threading.Lock(), threading.Event()
+        threading.Thread(target=self._watch, args=(after,), daemon=True).start()
+
+    def progress(self, done, total):
+        with self.lock:
+            self.done, self.total = done, total
+            if done >= total:
+                self._end_line()
+
+    def stop(self):
+        with self.lock:
+            self.stopped.set()
+            self._end_line()
+
+    def _end_line(self):
+        if self.shown:
+            click.echo(f"\rprefill: {self.total}/{self.total} prompt tokens ({time.monotonic() - self.start:.0f} s)",
+                       err=True)
+            self.shown = False
+
+    def _watch(self, after):
+        compiling = self.kernels is None or _compiling_said  # nothing to say about kernels
+        if self.stopped.wait(after):
+            return
+        while True:
+            with self.lock:
+                if self.stopped.is_set():
+                    return
+                if not compiling and cpu_kernels() > self.kernels:
+                    compiling = True
+                    click.echo(("\n" if self.shown else "") + "MLX is compiling CPU kernels for these settings (a few "
+                               "seconds, once: later runs reuse them)", err=True)
+                    self.shown = False
+                if self.done < self.total:
+                    click.echo(f"\rprefill: {self.done}/{self.total} prompt tokens "
+                               f"({time.monotonic() - self.start:.0f} s)", err=True, nl=False)
+                    self.shown = True
+            if self.stopped.wait(1.0):
+                return
 
 
 def _stats(model):
@@ -357,12 +396,12 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         raise MlxmoeError("the prompt is empty")
     if chat_template or (chat_template is None and tokenizer.has_chat_template):
         prompt = _chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    response, interrupted, waiting = None, False, compiling()
+    response, interrupted, waiting = None, False, Waiting()
     try:
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                         sampler=_sampler(temp, top_p, seed),
-                                        prompt_progress_callback=_prefill_progress()):
-            waiting.cancel()
+                                        prompt_progress_callback=waiting.progress):
+            waiting.stop()
             click.echo(response.text, nl=False)
         click.echo()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats and profile of what ran are still written
@@ -371,7 +410,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         interrupted = True
         click.echo()
     finally:
-        waiting.cancel()
+        waiting.stop()
         _finish(model, save_profile, prior)
     with signals_deferred():
         _generate_report(model, response, baseline_rss, stats_json)
@@ -399,24 +438,6 @@ def _tokens_at(n, tps):
     """"12 tokens at 34.5 tok/s", without a rate for fewer than 2 tokens (one token's rate
     is the time to reach it: a wait, not a speed)."""
     return f"{n} token{'s' if n != 1 else ''}" + (f" at {tps:.1f} tok/s" if n >= 2 else "")
-
-
-def _prefill_progress(after=2.0):
-    """A prompt_progress_callback for mlx-lm: a progress line on stderr once a prefill has
-    taken more than `after` seconds (a long prompt, a slow disk), redrawn at most once a
-    second, ended when it is done."""
-    start, shown = time.monotonic(), [None]  # when the line was last drawn
-
-    def callback(done, total):
-        elapsed = time.monotonic() - start
-        if elapsed > after and done < total and (shown[0] is None or elapsed - shown[0] >= 1):
-            click.echo(f"\rprefill: {done}/{total} prompt tokens ({elapsed:.0f} s)", err=True, nl=False)
-            shown[0] = elapsed
-        elif shown[0] is not None and done >= total:
-            click.echo(f"\rprefill: {total}/{total} prompt tokens ({elapsed:.0f} s)", err=True)
-            shown[0] = None
-
-    return callback
 
 
 def _read_stdin():
@@ -540,20 +561,21 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
                 continue
             before = _stats(model)
-            response, waiting = None, compiling()
+            response, waiting = None, Waiting()
             try:
                 for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
                                                 logits_processors=penalty, prompt_cache=prompt_cache,
-                                                prompt_progress_callback=_prefill_progress()):
-                    waiting.cancel()
+                                                prompt_progress_callback=waiting.progress):
+                    waiting.stop()
                     click.echo(response.text, nl=False)
             except Terminated:
                 raise
             except KeyboardInterrupt:
-                waiting.cancel()
                 click.echo("\n[interrupted]")
                 prompt_cache, first = make_prompt_cache(model), True
                 continue
+            finally:
+                waiting.stop()
             first = False
             click.echo()
             if response is not None:

@@ -1,8 +1,11 @@
 """The API mirrors mlx-lm's; the CLI's generate, chat and info work end to end."""
 
 import json
-from pathlib import Path
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -526,3 +529,15 @@ def test_public_api_has_type_hints():
                   if p.name != "self" and p.kind is not p.VAR_KEYWORD]
         missing = [p.name for p in params if p.name not in hints] + ([] if "return" in hints else ["return"])
         assert not missing, f"{f.__qualname__}: no type for {missing}"
+
+
+def test_light_commands_start_without_mlx_lm():
+    """Commands that open no model (profile show, trace replay, --help) never import mlx-lm,
+    which brings transformers (most of a second): they answer at once."""
+    code = ("import sys\nfrom mlxmoe.cli import run\ntry:\n    run(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\nassert 'mlx_lm' not in sys.modules and 'transformers' not in sys.modules")
+    for args in (["profile", "show", str(ROOT / "profiles" / "italian.json")], ["--help"],
+                 ["trace", "replay", str(ROOT / "examples" / "routing" / "demo.trace.jsonl"), "--cache-experts", "16"]):
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, (args, r.stderr)

@@ -6,6 +6,7 @@ bounded."""
 import http.client
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -455,16 +456,23 @@ def test_chat_beyond_the_context_refuses_the_message_and_goes_on():
 
 
 def test_a_long_prefill_shows_a_progress_line(capsys):
-    from mlxmoe.cli import _prefill_progress
+    """A wait for the first token that passes 2 s shows the prefill's progress in prompt
+    tokens, redrawn each second, also within one long step (a slow disk), ended when done."""
+    from mlxmoe.cli import Waiting
 
-    quick = _prefill_progress()
-    quick(0, 1000), quick(1000, 1000)
+    quick = Waiting()
+    quick.progress(0, 1000), quick.progress(1000, 1000), quick.stop()
     assert capsys.readouterr().err == ""  # a prefill of under 2 s says nothing
-    slow = _prefill_progress(after=0)
-    slow(512, 1000), slow(600, 1000), slow(1000, 1000)
+    slow = Waiting(after=0.2)
+    slow.progress(0, 1000)
+    time.sleep(1.4)  # drawn at 0.2 s and at 1.2 s, within the first step
+    slow.progress(512, 1000)
+    time.sleep(1.0)
+    slow.progress(1000, 1000)
+    slow.stop()
     err = capsys.readouterr().err
-    assert "prefill: 512/1000 prompt tokens" in err and err.endswith("prefill: 1000/1000 prompt tokens (0 s)\n")
-    assert "600/1000" not in err  # redrawn at most once a second
+    assert "prefill: 0/1000 prompt tokens" in err and "prefill: 512/1000 prompt tokens" in err, err
+    assert re.search(r"prefill: 1000/1000 prompt tokens \(\d+ s\)\n$", err), err
 
 
 def test_a_kernel_compile_during_a_wait_is_said(tmp_path, monkeypatch, capsys):
@@ -472,25 +480,25 @@ def test_a_kernel_compile_during_a_wait_is_said(tmp_path, monkeypatch, capsys):
     its kernel cache: a sampler this machine has not run before) gets one line saying so."""
     import tempfile
 
+    import mlx.core as mx
+
     from mlxmoe import cli
 
     if cli.cpu_kernels() is None:
         pytest.skip("a GPU backend: MLX compiles no CPU kernels")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(cli, "_compiling_said", False)
-    import mlx.core as mx
-
     kernels = tmp_path / "mlx" / mx.__version__ / "cpu"
     kernels.mkdir(parents=True)
     (kernels / "a.so").touch()
     for compiles in (False, True):
-        waiting = cli.compiling(0.3)
+        waiting = cli.Waiting(0.3)
         if compiles:
-            (kernels / "b.so").touch()
-        time.sleep(0.8)
-        waiting.cancel()
+            (kernels / f"{compiles}.so").touch()
+        time.sleep(1.6)
+        waiting.stop()
         err = capsys.readouterr().err
-        assert ("MLX is compiling CPU kernels" in err) == compiles, err
+        assert err.count("MLX is compiling CPU kernels") == compiles, err  # once
 
 
 FAILING_SERVER = """
