@@ -541,3 +541,19 @@ def test_light_commands_start_without_mlx_lm():
         r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert r.returncode == 0, (args, r.stderr)
+
+
+def test_load_and_prewarm_waits_are_said(monkeypatch):
+    """A load, and a profile's pre-warm, still running when their notice comes (2 s on; at
+    once here) each get a line saying what the wait is."""
+    from mlxmoe import cli
+    from mlxmoe.cache import ExpertCache
+
+    monkeypatch.setattr(cli, "notice", lambda seconds, line, notice=cli.notice: notice(0.0, line))
+    monkeypatch.setattr(ExpertCache, "prewarm_done", lambda self, timeout=None: False)  # as on a slow disk
+    profile = ROOT / "profiles" / "italian.json"
+    r = CliRunner().invoke(main, ["generate", "-p", "Ciao", "--max-tokens", "4", "--profile", str(profile)])
+    assert r.exit_code == 0, r.output
+    assert "loading the demo model..." in r.stderr
+    workload = mlxmoe.profile.ActivationProfile.load(profile).workload
+    assert f"pre-warming the cache with the hottest experts of {workload!r} in the background" in r.stderr
