@@ -107,11 +107,11 @@ class Profiles:
 
     def save(self):
         """Write the profiles that learnt since the last save (each atomically); return their files."""
-        saved = [self.paths[name] for name in sorted(self.changed)]
-        for name in sorted(self.changed):
+        names = sorted(self.changed)
+        for name in names:
             self.by_name[name].save(self.paths[name])
         self.changed.clear()
-        return saved
+        return [self.paths[name] for name in names]
 
 
 class Provider(mlx_server.ModelProvider):
