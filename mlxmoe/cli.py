@@ -136,9 +136,13 @@ def import_mlx():
     """Import MLX and mlx-lm (most of a second: mlx-lm brings transformers) with Ctrl-C and
     SIGTERM held until done, as an interrupt while MLX's extension initialises aborts the
     process. Only the commands that open a model call it: `profile show`, `trace replay`
-    and the like start at once."""
-    with signals_deferred():
-        from . import api  # noqa: F401
+    and the like start at once. A line says so if it takes more than 2 s (a busy machine)."""
+    waiting = notice(2.0, lambda: "starting MLX and mlx-lm...")
+    try:
+        with signals_deferred():
+            from . import api  # noqa: F401
+    finally:
+        waiting.cancel()
 
 
 def _load(opts):

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # a gap longer than this between two outputs, with nothing said about the wait, is a silent wait
 SILENCE = 2.0
-NOTICES = ("compil", "prefill:", "loading", "pre-warming", "predicting", "recording", "tracing")
+NOTICES = ("starting", "compil", "prefill:", "loading", "pre-warming", "predicting", "recording", "tracing")
 
 
 def code_blocks(path):
