@@ -94,7 +94,8 @@ def main():
         line_chart(args.out / f"policies-demo-{lang}.svg", f"Hit rate by cache size: demo model, {name} held-out text",
                    curves(*read_trace(path)))
     profile = ActivationProfile.load(HERE.parent / "profiles" / "italian.json")
-    write_heatmap_png(args.out / "italian-profile-heatmap.png", profile.rates())
+    write_heatmap_png(args.out / "italian-profile-heatmap.png", profile.rates(),
+                      f"{profile.workload!r} on {profile.model}: activations per token")
     print(f"wrote {args.out}")
 
 

@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 
 import click
@@ -123,40 +124,143 @@ def sampling_options(f):
                      help="Sampling temperature (0: greedy)."),
         click.option("--top-p", type=Number(float, 0, 1, low_open=True), default=1.0, show_default=True,
                      help="Nucleus sampling mass, in (0, 1]."),
-        click.option("--seed", type=Number(int, 0, (1 << 64) - 1), default=0, show_default=True, help="Random seed."),
+        click.option("--seed", type=Number(int, 0, (1 << 64) - 1),
+                     help="Random seed, to repeat a sampled run. Default: a new one each run, as mlx_lm.generate."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
+def import_mlx():
+    """Import MLX and mlx-lm (most of a second: mlx-lm brings transformers) with Ctrl-C and
+    SIGTERM held until done, as an interrupt while MLX's extension initialises aborts the
+    process. Only the commands that open a model call it: `profile show`, `trace replay`
+    and the like start at once. A line says so if it takes more than 2 s (a busy machine)."""
+    waiting = notice(2.0, lambda: "starting MLX and mlx-lm...")
+    try:
+        with signals_deferred():
+            from . import api  # noqa: F401
+    finally:
+        waiting.cancel()
+
+
 def _load(opts):
+    import_mlx()
     from . import distributed, load
 
     exclusive(cache_size=opts["cache_size"], cache_experts=opts["cache_experts"])
     group = distributed.init()  # None unless started as several ranks (mlx.launch)
     if group is not None and group.rank() != 0:  # rank 0 speaks for all
         sys.stdout = sys.stderr = open(os.devnull, "w")
-    if first_cpu_run():
+    global _compiling_said
+    if cpu_kernels() == 0:
         click.echo("first run: MLX compiles its CPU kernels (a few seconds, once)", err=True)
-    return load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
-                cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
-                profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
-                io=opts["io"], prefetch=opts["prefetch"], group=group, split=opts["split"],
-                max_context=opts["max_context"])
+        _compiling_said = True
+    loading = notice(2.0, lambda: f"loading {opts['model_path'] or 'the demo model'}...")
+    try:
+        model, tokenizer = load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
+                                cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
+                                profile=opts["profile_path"], force_profile=opts["force_profile"],
+                                trace_out=opts["trace_out"], io=opts["io"], prefetch=opts["prefetch"], group=group,
+                                split=opts["split"], max_context=opts["max_context"])
+    finally:
+        loading.cancel()
+    cache = model.expert_cache
+    if opts["profile_path"]:  # the pre-warm reads in the background; say so if it is long
+        notice(2.0, lambda: None if cache.prewarm_done(0) else
+               f"pre-warming the cache with the hottest experts of {cache.profile.workload!r} in the background "
+               "(the first tokens share the disk with it)")
+    return model, tokenizer
 
 
-def first_cpu_run():
-    """True when MLX's CPU backend has no compiled kernels cached yet (it builds them with
-    the C++ compiler on first use, into <tmp>/mlx/<version>/cpu)."""
+def _prior(model, opts):
+    """(workload, tokens) of the --profile the live profile starts from, or None."""
+    live = model.expert_runtime.profile
+    return (live.workload, live.tokens_total) if opts["profile_path"] else None
+
+
+_compiling_said = False  # the first run's line said that MLX compiles its kernels
+
+
+def cpu_kernels():
+    """How many kernels MLX's CPU backend has compiled and cached (it builds them with the
+    C++ compiler on first use of an operation, into <tmp>/mlx/<version>/cpu); None on a GPU."""
     import tempfile
 
     import mlx.core as mx
 
     if mx.metal.is_available() or mx.cuda.is_available():
-        return False
-    kernels = os.path.join(tempfile.gettempdir(), "mlx", mx.__version__, "cpu")
-    return not os.path.isdir(kernels) or not os.listdir(kernels)
+        return None
+    try:
+        return len(os.listdir(os.path.join(tempfile.gettempdir(), "mlx", mx.__version__, "cpu")))
+    except OSError:
+        return 0
+
+
+def notice(seconds, line):
+    """A timer that, `seconds` on, says `line()` on stderr (if it returns one): what a user
+    who waits that long is waiting for. cancel() it when the wait is over."""
+    def say():
+        text = line()
+        if text:
+            click.echo(text, err=True)
+
+    timer = threading.Timer(seconds, say)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+class Waiting:
+    """A reply's wait for its first token, said on stderr once it passes `after` seconds: the
+    prefill's progress in prompt tokens, redrawn each second (a long prompt, a slow disk), and
+    once, that MLX is compiling CPU kernels where new ones have appeared in its cache (a
+    sampler or shape this machine has not run before). `progress` is mlx-lm's
+    prompt_progress_callback; stop() at the first token."""
+
+    def __init__(self, after=2.0):
+        self.start, self.kernels = time.monotonic(), cpu_kernels()
+        self.done, self.total, self.shown = 0, 0, False  # shown: a progress line is open
+        self.lock, self.stopped = threading.Lock(), threading.Event()
+        threading.Thread(target=self._watch, args=(after,), daemon=True).start()
+
+    def progress(self, done, total):
+        with self.lock:
+            self.done, self.total = done, total
+            if done >= total:
+                self._end_line()
+
+    def stop(self):
+        with self.lock:
+            self.stopped.set()
+            self._end_line()
+
+    def _end_line(self):
+        if self.shown:
+            click.echo(f"\rprefill: {self.total}/{self.total} prompt tokens ({time.monotonic() - self.start:.0f} s)",
+                       err=True)
+            self.shown = False
+
+    def _watch(self, after):
+        compiling = self.kernels is None or _compiling_said  # nothing to say about kernels
+        if self.stopped.wait(after):
+            return
+        while True:
+            with self.lock:
+                if self.stopped.is_set():
+                    return
+                if not compiling and cpu_kernels() > self.kernels:
+                    compiling = True
+                    click.echo(("\n" if self.shown else "") + "MLX is compiling CPU kernels for these settings (a few "
+                               "seconds, once: later runs reuse them)", err=True)
+                    self.shown = False
+                if self.done < self.total:
+                    click.echo(f"\rprefill: {self.done}/{self.total} prompt tokens "
+                               f"({time.monotonic() - self.start:.0f} s)", err=True, nl=False)
+                    self.shown = True
+            if self.stopped.wait(1.0):
+                return
 
 
 def _stats(model):
@@ -169,7 +273,8 @@ def _sampler(temp, top_p, seed):
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    mx.random.seed(seed)
+    if seed is not None:
+        mx.random.seed(seed)
     return make_sampler(temp, top_p)
 
 
@@ -181,7 +286,7 @@ def summary(stats, before, elapsed_tokens, tps):
     total = hits + stats["misses"] - before["misses"]
     read = format_size(stats["bytes_read"] - before["bytes_read"])
     rate = f"{100 * hits / total:.1f}%" if total else "n/a"
-    return f"[{elapsed_tokens} tokens, {tps:.1f} tok/s, expert hit rate {rate}, {read} read]"
+    return f"[{_tokens_at(elapsed_tokens, tps)}, expert hit rate {rate}, {read} read]"
 
 
 CHAT_HELP = """/help          this list
@@ -249,29 +354,37 @@ def main():
     through a cache that keeps the ones your workload uses."""
 
 
-def _finish(model, save_profile):
-    """Close the cache (ending a trace) and save the live profile, atomically."""
+def _finish(model, save_profile, prior=None):
+    """Close the cache (ending a trace) and save the live profile, atomically, saying how
+    many of its tokens come from the --profile it started from (`prior`)."""
     runtime = model.expert_runtime
     with signals_deferred():
         runtime.close()
         live = runtime.save_profile(save_profile) if save_profile else None
     if live is not None and runtime.main_rank():
-        click.echo(f"saved profile {save_profile} ({live.tokens_total} tokens)", err=True)
+        parts = "" if prior is None else (f": {prior[1]} of {prior[0]!r} (--profile) + "
+                                          f"{live.tokens_total - prior[1]} from this run")
+        click.echo(f"saved profile {save_profile} ({live.tokens_total} tokens{parts})", err=True)
 
 
 save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=False),
-                                   help="Write the live profile here at exit (also on Ctrl-C).")
+                                   help="Write the live profile here at exit (also on Ctrl-C): what this run "
+                                   "used, on top of the --profile it started from (profile record saves only "
+                                   "what it recorded).")
 
 
 @main.command()
 @model_options
 @sampling_options
 @click.option("--prompt", "-p", required=True, help="The prompt ('-' reads standard input).")
-@click.option("--chat-template/--no-chat-template", default=False, help="Wrap the prompt in the chat template.")
+@click.option("--chat-template/--no-chat-template", " /--raw", default=None,
+              help="Wrap the prompt in the model's chat template, as mlx_lm.generate does. Default: on where the "
+              "model has one; --raw (or --no-chat-template) continues the prompt as plain text.")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the cache stats to this file.")
 @save_profile_option
 def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, top_p, seed, **opts):
     """Generate text from a prompt, streaming it to standard output."""
+    import_mlx()
     from .api import stream_generate
     from .files import check_writable, write_atomic
 
@@ -280,17 +393,19 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
             check_writable(path)
     baseline_rss = current_rss()  # Python, MLX and mlx-lm imported, no weights yet
     model, tokenizer = _load(opts)
+    prior = _prior(model, opts)
     if prompt == "-":
         prompt = _read_stdin()
     if not prompt.strip():
         raise MlxmoeError("the prompt is empty")
-    if chat_template:
+    if chat_template or (chat_template is None and tokenizer.has_chat_template):
         prompt = _chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    response, interrupted = None, False
+    response, interrupted, waiting = None, False, Waiting()
     try:
         for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
                                         sampler=_sampler(temp, top_p, seed),
-                                        prompt_progress_callback=_prefill_progress()):
+                                        prompt_progress_callback=waiting.progress):
+            waiting.stop()
             click.echo(response.text, nl=False)
         click.echo()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats and profile of what ran are still written
@@ -299,7 +414,8 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         interrupted = True
         click.echo()
     finally:
-        _finish(model, save_profile)
+        waiting.stop()
+        _finish(model, save_profile, prior)
     with signals_deferred():
         _generate_report(model, response, baseline_rss, stats_json)
     if interrupted:
@@ -315,28 +431,17 @@ def _generate_report(model, response, baseline_rss, stats_json):
     for r, s in enumerate(stats.get("per_rank", [])):
         click.echo(rank_line(r, s), err=True)
     if response is not None:
-        click.echo(f"prompt: {response.prompt_tokens} tokens at {response.prompt_tps:.1f} tok/s; "
-                   f"generation: {response.generation_tokens} tokens at {response.generation_tps:.1f} tok/s", err=True)
+        click.echo(f"prompt: {_tokens_at(response.prompt_tokens, response.prompt_tps)}; "
+                   f"generation: {_tokens_at(response.generation_tokens, response.generation_tps)}", err=True)
     click.echo(expert_line(stats, baseline_rss), err=True)
     if stats_json and model.expert_runtime.main_rank():
         write_atomic(stats_json, json.dumps(stats, indent=1))
 
 
-def _prefill_progress(after=3.0):
-    """A prompt_progress_callback for mlx-lm: a progress line on stderr once a prefill has
-    taken more than `after` seconds (a long prompt, a slow disk), ended when it is done."""
-    start, shown = time.monotonic(), [False]
-
-    def callback(done, total):
-        elapsed = time.monotonic() - start
-        if elapsed > after and done < total:
-            click.echo(f"\rprefill: {done}/{total} prompt tokens ({elapsed:.0f} s)", err=True, nl=False)
-            shown[0] = True
-        elif shown[0] and done >= total:
-            click.echo(f"\rprefill: {total}/{total} prompt tokens ({elapsed:.0f} s)", err=True)
-            shown[0] = False
-
-    return callback
+def _tokens_at(n, tps):
+    """"12 tokens at 34.5 tok/s", without a rate for fewer than 2 tokens (one token's rate
+    is the time to reach it: a wait, not a speed)."""
+    return f"{n} token{'s' if n != 1 else ''}" + (f" at {tps:.1f} tok/s" if n >= 2 else "")
 
 
 def _read_stdin():
@@ -391,6 +496,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     """Chat with the model. The KV cache carries over between turns; after each reply a
     line gives tokens/s, the expert hit rate and the bytes read. /help lists the commands
     (/reset, /stats, /profile FILE, /quit)."""
+    import_mlx()
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors
 
@@ -400,6 +506,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     if save_profile:
         check_writable(save_profile)
     model, tokenizer = _load(opts)
+    prior = _prior(model, opts)
     cache = model.expert_cache
     sampler = _sampler(temp, top_p, seed)
     penalty = make_logits_processors(repetition_penalty=repetition_penalty, repetition_context_size=64)
@@ -458,11 +565,12 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
                 continue
             before = _stats(model)
-            response = None
+            response, waiting = None, Waiting()
             try:
                 for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
                                                 logits_processors=penalty, prompt_cache=prompt_cache,
-                                                prompt_progress_callback=_prefill_progress()):
+                                                prompt_progress_callback=waiting.progress):
+                    waiting.stop()
                     click.echo(response.text, nl=False)
             except Terminated:
                 raise
@@ -470,13 +578,15 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 click.echo("\n[interrupted]")
                 prompt_cache, first = make_prompt_cache(model), True
                 continue
+            finally:
+                waiting.stop()
             first = False
             click.echo()
             if response is not None:
                 click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps),
                            err=True)
     finally:
-        _finish(model, save_profile)
+        _finish(model, save_profile, prior)
 
 
 @main.command()
@@ -487,6 +597,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
 def info(model_path, memory_budget, backend, as_json):
     """Architecture, experts, bytes of resident weights and of one expert, the smallest
     budget that works and what a given budget buys. Reads headers only."""
+    import_mlx()  # mlx-lm's model classes say what the checkpoint holds
     from . import backend as backends
     from .api import checkpoint_plan
     from .budget import format_size
@@ -600,6 +711,7 @@ def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=
     """Load the model (then `on_load(model)`) and feed it the prompts with a progress bar;
     Ctrl-C stops early and keeps what was recorded. Returns (model, interrupted). On an
     error, a trace being written is dropped, not left behind half-written."""
+    import_mlx()
     from .api import read_prompts, run_prompts
 
     model, tokenizer = _load(opts)
@@ -727,6 +839,7 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     name = workload or os.path.basename(traces[0]).split(".")[0]
     p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
     if model_path:
+        import_mlx()
         from . import backend as backends
         from .api import model_name, profile_identity
         from .loader import open_checkpoint
@@ -742,45 +855,72 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
         p.model, p.fingerprint, (p.expert_bytes, p.resident_bytes) = model_name(ckpt.path), fp, sizes
     p.save(out)
     if curve:
-        header = loaded[0][1]
-        p.curve = predicted_curve(header, [r for _, _, records in loaded for r in records])
+        header, records = loaded[0][1], [r for _, _, records in loaded for r in records]
+        with click.progressbar(ONLINE, file=sys.stderr,
+                               label="predicting the hit rate at each cache size, policy by policy") as policies:
+            for policy in policies:  # one at a time: a long trace takes a while each
+                p.curve.update(predicted_curve(header, records, [policy]))
         p.save(out)
-    click.echo(f"saved {out}: {p.tokens_total} tokens of {p.workload!r} ({p.model}, fingerprint {p.fingerprint})",
+    click.echo(f"saved {out}: {p.tokens_total} tokens of {p.workload!r} ({_model_of(p)}, fingerprint {p.fingerprint})",
                err=True)
+
+
+def _model_of(p):
+    """How a profile's model is named in messages: its name, or where the routing it was
+    built from named none, that it is known by its shape only."""
+    return f"model {p.model}" if p.model else "a model known by its shape only"
 
 
 @profile.command("show")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--top", type=Number(int, 0, 1 << 31), default=5, show_default=True,
               help="Hot experts listed per layer.")
-@click.option("--png", type=click.Path(dir_okay=False), help="Write a layers x experts heatmap PNG.")
+@click.option("--png", type=click.Path(dir_okay=False), help="Write a layers x experts heatmap PNG (activations "
+              "per token).")
+@click.option("--curve-png", type=click.Path(dir_okay=False), help="Write a PNG of the predicted hit rate against "
+              "cache size, per policy (with --budget: the cache it buys marked).")
 @click.option("--budget", type=Size(), help="Also show what this memory budget buys (e.g. 16GB).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def profile_show(file, top, png, budget, as_json):
+def profile_show(file, top, png, curve_png, budget, as_json):
     """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
     from .budget import format_size, parse_size
     from .curves import curve_at
-    from .heatmap import write_heatmap_png
+    from .files import check_writable
+    from .heatmap import write_curve_png, write_heatmap_png
     from .profile import ActivationProfile
 
+    for path in (png, curve_png):
+        if path:
+            check_writable(path, (file,))
     p = ActivationProfile.load(file)
+    if curve_png and not p.curve:
+        raise MlxmoeError(f"{file} holds no predicted hit-rate curve (recorded without one: profile record, or "
+                          "profile from-trace without --no-curve, predicts it)")
     share = p.hot_share(0.25)
     layers = [{"layer": l, "hot25_share": round(float(share[l]), 3),
                "hot": [[e, round(r, 4)] for _, e, r in p.top(top, layer=l)]} for l in range(p.num_layers)]
     out = {"workload": p.workload, "model": p.model, "tokens": p.tokens_total, "half_life": p.half_life,
            "layers": layers, "hot25_share_mean": round(float(share.mean()), 3), "curve": p.curve}
     if png:
-        write_heatmap_png(png, p.counts)
+        write_heatmap_png(png, p.rates(), f"{p.workload!r} on {_model_of(p)}: activations per token")
+    if budget and not p.expert_bytes:
+        click.echo(f"--budget {budget}: {file} does not hold the model's expert size (a profile built from routing "
+                   "alone); `mlxmoe profile from-trace TRACE --model CHECKPOINT` records it", err=True)
     if budget and p.expert_bytes:
         free = parse_size(budget, "budget") - (p.resident_bytes or 0)
         c = min(max(0, free // p.expert_bytes), p.num_layers * p.num_experts)
         predicted = {name: curve_at(points, c) for name, points in p.curve.items()}
         out["budget"] = {"budget": budget, "cache_experts": c,
                          "predicted_hit_rate": {n: round(r, 4) for n, r in predicted.items() if r is not None}}
+    if curve_png:
+        c = out.get("budget", {}).get("cache_experts")
+        write_curve_png(curve_png, p.curve, p.num_layers * p.num_experts,
+                        f"{p.workload!r} on {_model_of(p)}: predicted hit rate by cache size",
+                        marker=None if c is None else (c, f"{budget}: {c} experts"))
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
-    click.echo(f"{p.workload!r} on {p.model}: {p.tokens_total} tokens, half-life {p.half_life} tokens")
+    click.echo(f"{p.workload!r} on {_model_of(p)}: {p.tokens_total} tokens, half-life {p.half_life} tokens")
     click.echo(f"hottest 25% of experts carry {100 * share.mean():.1f}% of activations (mean over layers)")
     for row in layers:
         hot = ", ".join(f"{e}:{r:.2f}" for e, r in row["hot"])
@@ -799,14 +939,15 @@ def profile_show(file, top, png, budget, as_json):
         c = out["budget"]["cache_experts"]
         every = " (every expert)" if c == p.num_layers * p.num_experts else ""
         click.echo(f"{budget} holds {c} experts{every} beside {format_size(p.resident_bytes or 0)} of resident weights, "
-                   "KV cache and working memory")
+                   "KV cache reserve and working memory")
         if c < p.top_k:
             click.echo(f"  too small: a layer needs {p.top_k} experts at once")
         elif out["budget"]["predicted_hit_rate"]:
             rates = out["budget"]["predicted_hit_rate"]
             click.echo("  predicted hit rate there: " + ", ".join(f"{n} {100 * r:.1f}%" for n, r in rates.items()))
-    if png:
-        click.echo(f"heatmap: {png}")
+    for what, path in (("heatmap", png), ("hit-rate curve", curve_png)):
+        if path:
+            click.echo(f"{what}: {path}")
 
 
 @profile.command("merge")
@@ -902,14 +1043,16 @@ def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force
     if profile_path:
         prior = ActivationProfile.load(profile_path)
         prior.check_model(trace_fingerprint(header), header["num_layers"], header["num_experts"], force, profile_path)
-    results = replay_all(header, records, policy_names(policy), cache_experts, prior)
-    width = max(len(r["policy"]) for r in results)
-    for r in results:
+    names = policy_names(policy)
+    width = max(map(len, names))
+
+    def show(r):  # each policy as it ends (a long trace takes a while each)
         if as_json:
             click.echo(json.dumps(r))
         else:
             click.echo(f"{r['policy']:>{width}}: hit rate {100 * r['hit_rate']:.2f}% ({r['hits']}/{r['accesses']}), "
                        f"belady {100 * r['belady_hit_rate']:.2f}%")
+    replay_all(header, records, names, cache_experts, prior, done=show)
 
 
 @trace.command("import")
@@ -954,7 +1097,8 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
     summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name)
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
-    click.echo(f"saved {out}: {summary['sequences']} sequences, {summary['tokens']} tokens "
+    n = summary["sequences"]
+    click.echo(f"saved {out}: {n} sequence{'s' if n != 1 else ''}, {summary['tokens']} tokens "
                f"({summary['prefill_tokens']} of prompts), {summary['num_layers']} layers x "
                f"{summary['num_experts']} experts, top-{summary['top_k']}", err=True)
 
@@ -1015,15 +1159,17 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
     """Serve the model over HTTP: OpenAI /v1/chat/completions, /v1/completions and
     /v1/models, Anthropic /v1/messages, /health and the expert cache's /v1/mlxmoe/stats
     (mlx-lm's server on mlxmoe's model). Requests queue: one generation at a time."""
+    import_mlx()
+    from .api import model_name
     from .server import serve as run_server
 
     if profiles_dir and opts["profile_path"]:
         raise click.UsageError("--profile and --profiles exclude each other")
     model, tokenizer = _load(opts)
     try:
-        run_server(model, tokenizer, opts["model_path"] or "mlxmoe-demo", host, port, profiles_dir, save_profiles,
-                   save_every, max_tokens, temp, top_p, prompt_cache_size, opts["force_profile"],
-                   opts["profile_path"], max_queue=max_queue)
+        name = model_name(model.expert_runtime.checkpoint.path)  # as profiles and traces name it
+        run_server(model, tokenizer, name, host, port, profiles_dir, save_profiles, save_every, max_tokens, temp,
+                   top_p, prompt_cache_size, opts["force_profile"], opts["profile_path"], max_queue=max_queue)
     except BaseException:
         model.expert_cache.close()
         raise
@@ -1055,8 +1201,6 @@ def run(args=None):
     like Ctrl-C (what was recorded is saved, temp files removed), and either exits 130."""
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        with signals_deferred():  # Ctrl-C while MLX's extension initialises would abort the process
-            from . import api  # noqa: F401
         main(args, standalone_mode=False)
         if _exit_at_once:
             _exit_now(0)

@@ -56,7 +56,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from . import distributed
 from .api import generation_lock, model_fingerprint, stream_generate, vocab_size
-from .budget import DEFAULT_CONTEXT
+from .budget import DEFAULT_CONTEXT, format_size
 from .errors import MlxmoeError
 from .profile import ActivationProfile, js_divergence
 
@@ -106,10 +106,12 @@ class Profiles:
         self.changed.add(name)
 
     def save(self):
-        """Write the profiles that learnt since the last save (each atomically)."""
-        for name in sorted(self.changed):
+        """Write the profiles that learnt since the last save (each atomically); return their files."""
+        names = sorted(self.changed)
+        for name in names:
             self.by_name[name].save(self.paths[name])
         self.changed.clear()
+        return [self.paths[name] for name in names]
 
 
 class Provider(mlx_server.ModelProvider):
@@ -296,12 +298,14 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
 
     def save(self):
         """Under several ranks rank 0 writes: every rank's profiles learnt the whole model's
-        routing; the live profile is the stages' merged (a collective)."""
+        routing; the live profile is the stages' merged (a collective). Returns the files written."""
         if self.profiles is not None:
             if self.group is None or self.group.rank() == 0:
-                self.profiles.save()
+                return self.profiles.save()
         elif self.live is not None and self.profile_path is not None:
             self.runtime.save_profile(self.profile_path)  # between requests: the live profile is self.live
+            return [self.profile_path]
+        return []
 
 
 class OpenAIErrors:
@@ -399,10 +403,18 @@ class Handler(mlx_server.APIHandler):
     anthropic = False
     request = None
 
+    def parse_request(self):
+        """The stdlib's, then the path without a trailing slash: every route answers with
+        or without one (/v1/models/ as /v1/models)."""
+        ok = super().parse_request()
+        if ok and len(self.path) > 1:
+            self.path = self.path.rstrip("/") or "/"
+        return ok
+
     def do_GET(self):
         if self.path == "/v1/mlxmoe/stats":
             return self._send_json(200, self.response_generator.stats())
-        if self.path.rstrip("/") == "/v1/models":
+        if self.path == "/v1/models":
             return self._send_json(200, {"object": "list", "data": [{
                 "id": self.response_generator.cli_args.model, "object": "model", "created": self.created,
                 "owned_by": "mlxmoe"}]})
@@ -513,6 +525,7 @@ class Handler(mlx_server.APIHandler):
                                               and abs(v) < 1e300 for v in bias.values()):
             raise ValueError("logit_bias must be a dict of int to float (finite, below 1e300 in magnitude)")
         super().validate_model_parameters()
+        self.requested_model = self.response_generator.cli_args.model  # the served model's name, whatever was asked
         for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
             if getattr(self, key) > 1 << 24:
                 raise ValueError(f"{key} must be at most {1 << 24}")
@@ -690,6 +703,29 @@ def cli_args(model, max_tokens, temp, top_p, prompt_cache_size):
         kv_group_size=64, quantized_kv_start=0, pipeline=False)
 
 
+def say(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+def serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save_profiles, save_every):
+    """What `serve` says it serves: the model, the budget and what the expert cache holds,
+    the profiles and whether they are written back."""
+    cache, ckpt = runtime.cache, runtime.checkpoint
+    total = ckpt.num_layers * ckpt.num_experts  # (under several ranks, this rank's stage)
+    line = (f"serving {model_name}: memory budget {format_size(runtime.plan.budget)}, expert cache "
+            f"{cache.capacity} of {total} experts ({format_size(cache.capacity * cache.pools.slot_bytes)}), "
+            f"policy {cache.policy.name}")
+    if profiles is not None:
+        line += f"; profiles {', '.join(profiles.by_name)} from {profiles_dir}"
+    elif profile_path is not None:
+        line += f"; profile {profile_path}"
+    else:
+        line += "; no profile"
+    if save_profiles:
+        line += f" (learning: written back {f'every {save_every} requests and ' if save_every else ''}at exit)"
+    return line
+
+
 def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_dir=None, save_profiles=False,
           save_every=16, max_tokens=512, temp=0.0, top_p=1.0, prompt_cache_size=0, force_profile=False,
           profile_path=None, max_queue=64):
@@ -735,7 +771,8 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
                 generator, *a, system_fingerprint=mlx_server.get_system_fingerprint(), **k), max_queue)
             serving = threading.Thread(target=httpd.serve_forever, daemon=True)
             serving.start()
-            print(f"mlxmoe serve: {model_name} at http://{host}:{httpd.server_port}", file=sys.stderr, flush=True)
+            say(serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save_profiles, save_every))
+            say(f"mlxmoe serve: {model_name} at http://{host}:{httpd.server_port}")
         # until a signal (on any rank) stops the generation, or it fails; not Thread.join(): a
         # Ctrl-C that interrupts it leaves the thread taken for ended (Python 3.11, bpo-45274)
         generator.ended.wait()
@@ -754,7 +791,9 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
         # the save's exchanges could not complete (a rank is gone), in one process they need none
         if save_profiles and (generator.failure is None or group is None):
             with distributed.waiting(group, "saving the profiles"):
-                generator.save()
+                saved = generator.save()
+            if group is None or group.rank() == 0:
+                say(f"saved {', '.join(map(str, saved))}" if saved else "profiles unchanged since the last save")
         signal.signal(signal.SIGTERM, previous)
     if generator.failure is not None:
         e = generator.failure

@@ -292,15 +292,17 @@ def replay(header, records, policy, cache_experts, profile=None, **policy_kw):
             "decode_hit_rate": decode[0] / decode[1] if decode[1] else 0.0}
 
 
-def replay_all(header, records, policies, cache_experts, profile=None, **policy_kw):
+def replay_all(header, records, policies, cache_experts, profile=None, done=None, **policy_kw):
     """replay() for each policy, each with `belady_hit_rate` of the same size (from a
-    cold cache: the profile is for the online policies)."""
+    cold cache: the profile is for the online policies); `done(result)` as each ends."""
     best = replay(header, records, "belady", cache_experts)
     out = []
     for name in policies:
         r = dict(best) if name == "belady" else replay(header, records, name, cache_experts, profile, **policy_kw)
         r["belady_hit_rate"] = best["hit_rate"]
         out.append(r)
+        if done is not None:
+            done(r)
     return out
 
 

@@ -1,8 +1,11 @@
 """The API mirrors mlx-lm's; the CLI's generate, chat and info work end to end."""
 
 import json
-from pathlib import Path
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -50,7 +53,7 @@ def test_generate_and_sampler_match_mlx_lm(checkpoint):
 def test_cli_generate_writes_stats(checkpoint, tmp_path):
     path = checkpoint("mixtral", quant="4bit")
     out = tmp_path / "stats.json"
-    r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "16",
+    r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--raw", "--max-tokens", "16",
                                   "--cache-experts", "4", "--stats-json", str(out)])
     assert r.exit_code == 0, r.output
     model, tokenizer = mlxmoe.load(str(path), cache_experts=4)
@@ -61,6 +64,50 @@ def test_cli_generate_writes_stats(checkpoint, tmp_path):
     assert "hit rate" in r.stderr
 
 
+def test_generate_applies_the_chat_template_by_default(checkpoint):
+    """As mlx_lm.generate does: the model's chat template wraps the prompt unless --raw (or
+    --no-chat-template) asks for a plain completion; --help says so. A one-token reply gets
+    no rate: its "rate" is only the wait for it."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    want = {"chat": mlxmoe.generate(model, tokenizer, templated, max_tokens=8),
+            "raw": mlxmoe.generate(model, tokenizer, PROMPT, max_tokens=8)}
+    for flags, kind in (([], "chat"), (["--chat-template"], "chat"), (["--raw"], "raw"),
+                        (["--no-chat-template"], "raw")):
+        r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "8",
+                                      "--cache-experts", "8", *flags])
+        assert r.exit_code == 0, r.output
+        assert r.stdout == want[kind] + "\n", flags
+    r = CliRunner().invoke(main, ["generate", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "1",
+                                  "--cache-experts", "8"])
+    line = next(l for l in r.stderr.splitlines() if l.startswith("prompt:"))
+    assert line.endswith("; generation: 1 token") and " tok/s" in line.split(";")[0], line
+    help_text = " ".join(CliRunner().invoke(main, ["generate", "--help"]).stdout.split())
+    assert "--raw" in help_text and "Default: on where the model has one" in help_text
+
+
+def test_save_profile_says_what_came_from_the_prior(tmp_path):
+    """--save-profile after --profile writes the prior's tokens plus this run's, and says so."""
+    from mlxmoe.profile import ActivationProfile
+
+    prior = ActivationProfile.load(ROOT / "profiles" / "italian.json")
+    out = tmp_path / "live.json"
+    r = CliRunner().invoke(main, ["generate", "--prompt", "Ciao", "--max-tokens", "4", "--profile",
+                                  str(ROOT / "profiles" / "italian.json"), "--save-profile", str(out)])
+    assert r.exit_code == 0, r.output
+    total = ActivationProfile.load(out).tokens_total
+    assert f"saved profile {out} ({total} tokens: {prior.tokens_total} of {prior.workload!r} (--profile) + " \
+           f"{total - prior.tokens_total} from this run)" in r.stderr
+
+
+def test_sampled_runs_vary_unless_seeded():
+    """As mlx_lm.generate: a new seed each run, --seed repeats one."""
+    runs = [CliRunner().invoke(main, ["generate", "--prompt", "Il", "--raw", "--max-tokens", "12", "--temp", "1.5",
+                                      *s]).stdout for s in ([], [], ["--seed", "3"], ["--seed", "3"])]
+    assert runs[2] == runs[3] and len(set(runs)) >= 2
+
+
 def test_cli_chat_two_turns(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     r = CliRunner().invoke(main, ["chat", "--model", str(path), "--max-tokens", "12", "--cache-experts", "8"],
@@ -68,7 +115,8 @@ def test_cli_chat_two_turns(checkpoint):
     assert r.exit_code == 0, r.output
     summaries = [l for l in r.stderr.splitlines() if "expert hit rate" in l]
     assert len(summaries) == 2, r.stderr
-    assert all("tok/s" in l and " read]" in l for l in summaries)
+    shape = r"\[(\d+ tokens at [\d.]+ tok/s|1 token), expert hit rate ([\d.]+%|n/a), [\d.]+ \w+ read\]"
+    assert all(re.fullmatch(shape, l) for l in summaries), summaries  # no rate for one token
     assert "hit rate" in r.stdout and "on demand" in r.stdout  # /stats: a short table
 
 
@@ -481,3 +529,31 @@ def test_public_api_has_type_hints():
                   if p.name != "self" and p.kind is not p.VAR_KEYWORD]
         missing = [p.name for p in params if p.name not in hints] + ([] if "return" in hints else ["return"])
         assert not missing, f"{f.__qualname__}: no type for {missing}"
+
+
+def test_light_commands_start_without_mlx_lm():
+    """Commands that open no model (profile show, trace replay, --help) never import mlx-lm,
+    which brings transformers (most of a second): they answer at once."""
+    code = ("import sys\nfrom mlxmoe.cli import run\ntry:\n    run(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\nassert 'mlx_lm' not in sys.modules and 'transformers' not in sys.modules")
+    for args in (["profile", "show", str(ROOT / "profiles" / "italian.json")], ["--help"],
+                 ["trace", "replay", str(ROOT / "examples" / "routing" / "demo.trace.jsonl"), "--cache-experts", "16"]):
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, (args, r.stderr)
+
+
+def test_load_and_prewarm_waits_are_said(monkeypatch):
+    """A load, and a profile's pre-warm, still running when their notice comes (2 s on; at
+    once here) each get a line saying what the wait is."""
+    from mlxmoe import cli
+    from mlxmoe.cache import ExpertCache
+
+    monkeypatch.setattr(cli, "notice", lambda seconds, line, notice=cli.notice: notice(0.0, line))
+    monkeypatch.setattr(ExpertCache, "prewarm_done", lambda self, timeout=None: False)  # as on a slow disk
+    profile = ROOT / "profiles" / "italian.json"
+    r = CliRunner().invoke(main, ["generate", "-p", "Ciao", "--max-tokens", "4", "--profile", str(profile)])
+    assert r.exit_code == 0, r.output
+    assert "loading the demo model..." in r.stderr
+    workload = mlxmoe.profile.ActivationProfile.load(profile).workload
+    assert f"pre-warming the cache with the hottest experts of {workload!r} in the background" in r.stderr

@@ -5,6 +5,7 @@ ships inside the wheel."""
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -143,8 +144,7 @@ def test_readme_main_command_runs(tmp_path):
     the Italian profile) works as written, and caches some but not all experts."""
     root = Path(__file__).resolve().parents[1]
     line = next(l for l in (root / "README.md").read_text().splitlines() if l.startswith("pip install -e . && mlxmoe"))
-    args = line.split("&& mlxmoe ", 1)[1].replace('"Il file di configurazione"', "PROMPT").split()
-    args = [a if a != "PROMPT" else "Il file di configurazione" for a in args] + ["--max-tokens", "8"]
+    args = shlex.split(line.split("&& mlxmoe ", 1)[1]) + ["--max-tokens", "8"]
     args[args.index("--temp") + 1] = "0"
     stats = tmp_path / "stats.json"
     r = subprocess.run([sys.executable, "-m", "mlxmoe", *args, "--stats-json", str(stats)], cwd=root,

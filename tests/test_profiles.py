@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import mlx_lm
 import numpy as np
@@ -21,6 +22,7 @@ from mlxmoe.policies import ONLINE
 from mlxmoe.profile import ActivationProfile
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_profile(L=3, E=8, seed=0, **kw):
@@ -321,7 +323,7 @@ def test_chat_saves_profile_and_trace(checkpoint, tmp_path):
     assert r.exit_code == 0, r.output
     saved = ActivationProfile.load(tmp_path / "named.json")
     assert saved.curve == {"lru": [[4, 0.5]]} and saved.workload == "w"
-    assert r.stderr.count(" tok/s, expert hit rate") == 2  # "ciao" and "q" got replies; the blank lines did not
+    assert r.stderr.count(", expert hit rate") == 2  # "ciao" and "q" got replies; the blank lines did not
 
 
 def test_ctrl_c_during_record_leaves_a_valid_profile(checkpoint, tmp_path):
@@ -397,3 +399,66 @@ def test_chats_file_renders_with_the_template_and_names_bad_lines(tmp_path):
         path.write_text(json.dumps(chat) + "\n\n" + bad + "\n")  # line 3: blank lines count
         with pytest.raises(MlxmoeError, match=f"chats.jsonl:3: .*{message}"):
             read_prompts(path, tokenizer, chats=True)
+
+
+def read_png(path):
+    """An RGB PNG as written by mlxmoe.heatmap (8-bit, filter 0 on every row) as an array."""
+    import struct
+    import zlib
+
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, size = 8, b"", None
+    while pos < len(data):
+        n, tag = struct.unpack(">I4s", data[pos:pos + 8])
+        if tag == b"IHDR":
+            size = struct.unpack(">II", data[pos + 8:pos + 16])
+        elif tag == b"IDAT":
+            idat += data[pos + 8:pos + 8 + n]
+        pos += 12 + n
+    w, h = size
+    rows = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(h, 1 + 3 * w)
+    assert (rows[:, 0] == 0).all()
+    return rows[:, 1:].reshape(h, w, 3)
+
+
+def test_profile_pngs_have_axes_labels_and_scales(tmp_path):
+    """The heatmap: cells coloured on one scale (the hottest yellow, the coldest dark), a
+    colour bar beside them, labels (black text) on both axes. The curve: a line per policy
+    in its colour and, with --budget, a dashed line at the cache the budget buys."""
+    from mlxmoe.heatmap import COLORS, VIRIDIS
+
+    profile = ROOT / "profiles" / "italian.json"
+    p = ActivationProfile.load(profile)
+    r = CliRunner().invoke(main, ["profile", "show", str(profile), "--png", str(tmp_path / "h.png"), "--curve-png",
+                                  str(tmp_path / "c.png"), "--budget", "42MB", "--json"])
+    assert r.exit_code == 0, r.output
+    c = json.loads(r.stdout)["budget"]["cache_experts"]
+    img = read_png(tmp_path / "h.png")
+    rgb = img.reshape(-1, 3)
+    colours = {tuple(x) for x in rgb}
+    assert tuple(VIRIDIS[-1].astype(np.uint8)) in colours and tuple(VIRIDIS[0].astype(np.uint8)) in colours
+    black = (img == 0).all(axis=2)
+    h, w = black.shape
+    assert black[:, :40].sum() > 50 and black[-30:, :].sum() > 100  # layer labels, expert labels
+    bar = img[:, -90:].reshape(-1, 3)  # the colour scale, right of the cells
+    assert len({tuple(x) for x in bar} - {(255, 255, 255), (0, 0, 0)}) > 20
+    img = read_png(tmp_path / "c.png")
+    for colour in COLORS[:len(p.curve)]:
+        assert (img == colour).all(axis=2).sum() > 100, colour
+    left, pw = 48, img.shape[1] - 48 - 16
+    x = int(round(left + c / (p.num_layers * p.num_experts) * pw))
+    column = (img[:, x - 1:x + 2] == 0).all(axis=2).any(axis=1)
+    assert 100 < column.sum() < img.shape[0] * 0.8  # dashed: on and off down the plot
+    # a profile built from routing alone: no budget to show, and said so
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"format": "mlxmoe.trace/1", "num_layers": 2, "num_experts": 4, "top_k": 1, "model": ""}\n'
+                     + "".join(f'{{"s": 0, "t": {t}, "l": {l}, "e": [{(t + l) % 4}]}}\n' for t in range(8)
+                               for l in range(2)))
+    r = CliRunner().invoke(main, ["profile", "from-trace", str(trace), "-o", str(tmp_path / "w.json")])
+    assert r.exit_code == 0 and "a model known by its shape only" in r.stderr, r.output
+    r = CliRunner().invoke(main, ["profile", "show", str(tmp_path / "w.json"), "--budget", "1GB"])
+    assert r.exit_code == 0 and "does not hold the model's expert size" in r.stderr, r.output
+    r = CliRunner().invoke(main, ["profile", "from-trace", str(trace), "--no-curve", "-o", str(tmp_path / "n.json")])
+    r = CliRunner().invoke(main, ["profile", "show", str(tmp_path / "n.json"), "--curve-png", str(tmp_path / "x.png")])
+    assert r.exit_code != 0 and "no predicted hit-rate curve" in str(r.exception)

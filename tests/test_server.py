@@ -134,7 +134,15 @@ def test_usage_stats_models_health(server):
     assert stats["hits"] >= usage["expert_hits"]
     models = server.client.models.list()
     assert [m.id for m in models.data] == ["mlxmoe-demo"]
+    assert body["model"] == "mlxmoe-demo"  # one name everywhere, whatever the request asked for
     assert server.json("GET", "/health")[2] == {"status": "ok"}
+    for path in ("/health/", "/v1/models/", "/v1/mlxmoe/stats/"):  # a trailing slash, alike for every route
+        assert server.request("GET", path)[0] == 200, path
+    status, _, body = server.json("POST", "/v1/completions/", {"prompt": PROMPTS[0], "max_tokens": 2, "model": "x"})
+    assert status == 200 and body["model"] == "mlxmoe-demo"
+    # the start says what is served
+    assert any(l.startswith("serving mlxmoe-demo: memory budget 42.0 MB, expert cache 57 of 128 experts")
+               for l in server.lines), server.lines
     # usage in a stream, when asked for
     chunks = list(server.client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
                                                         max_tokens=6, stream=True,
@@ -294,4 +302,8 @@ def test_profiles_saved_every_n_requests_and_at_sigterm_mid_request(tmp_path):
         s.proc.kill()
     after = {n: ActivationProfile.load(folder / f"{n}.json").tokens_total for n in ("italian", "english")}
     assert after["italian"] > before["italian"] and after["english"] > before["english"]
+    s.drained.wait(10)
+    assert any("; profiles english, italian from" in l and "(learning:" in l for l in s.lines
+               if l.startswith("serving mlxmoe-demo")), s.lines
+    assert any(l.startswith("saved ") and "english.json" in l for l in s.lines), s.lines  # what SIGTERM saved
     assert sorted(p.name for p in folder.iterdir()) == ["english.json", "italian.json"]  # no temp file left
