@@ -657,8 +657,10 @@ def info(model_path, memory_budget, backend, as_json):
 @click.option("--max-tokens", type=Number(int, 0), default=256, show_default=True,
               help="Tokens generated after it (with the prompt: the KV cache the run takes).")
 @click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available.")
+@click.option("--png", type=click.Path(dir_okay=False),
+              help="Also draw decode tok/s (low, likely, high) against the budget as a PNG.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens, backend, as_json):
+def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens, backend, png, as_json):
     """Will it run, and how fast: memory, hit rate, bytes read a token, decode tok/s and
     time to first token at each budget, forecast before loading the model. Reads the
     config and the safetensors headers, times the disk briefly on non-expert tensors (never
@@ -667,7 +669,9 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
     from . import backend as backends
     from .api import checkpoint_plan
     from .budget import format_size
+    from .files import check_writable
     from .forecast import forecast
+    from .heatmap import write_lines_png
     from .loader import open_checkpoint
     from .profile import ActivationProfile
 
@@ -679,8 +683,17 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
     if not budgets:
         budgets = sorted({checkpoint_plan(ckpt, be, cache_experts=min(total, max(ckpt.top_k, round(total * s)))).budget
                           for s in (0.1, 0.25, 0.5, 1.0)})
+    if png:
+        check_writable(png)
     f = forecast(ckpt, be, budgets, profile=prof, disk_rate=disk_gbps * 1e9 if disk_gbps else None,
                  prompt_tokens=prompt_tokens, new_tokens=max_tokens, plan=lambda b: checkpoint_plan(ckpt, be, b))
+    if png:
+        rows = [r for r in f["budgets"] if "error" not in r]
+        lines = {k: [[r["budget"], r["decode_tps"][k]] for r in rows] for k in ("high", "likely", "low")}
+        top = max([p[1] for p in lines["high"]], default=1.0) * 1.1
+        write_lines_png(png, lines, max(r["budget"] for r in f["budgets"]), top, "memory budget", "decode tok/s",
+                        f"forecast decode tok/s: {os.path.basename(f['model'])}", x_tick=format_size,
+                        y_tick=lambda y: f"{y:.3g}")
     if as_json:
         click.echo(json.dumps(f, indent=1))
         return
@@ -705,6 +718,8 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
                    f"{t['low']:6.1f} - {t['likely']:.1f} - {t['high']:.1f}")
     sources = sorted({r["hit_rate_source"] for r in f["budgets"] if "hit_rate_source" in r})
     click.echo(f"  hit rates: {'; '.join(sources)}")
+    if png:
+        click.echo(f"  chart: {png}")
 
 
 def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=None):

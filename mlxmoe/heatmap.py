@@ -138,36 +138,44 @@ def write_curve_png(path, curve, total, title="predicted hit rate by cache size"
     """Each policy's predicted hit rate ({policy: [[experts, hit rate], ...]}) against the
     cache size, 0 to `total` experts, with a legend; `marker` (experts, label) draws a
     dashed line at a cache size (what a budget buys)."""
+    write_lines_png(path, curve, total, 1.0, f"experts cached (of {total})", "hit rate", title, marker=marker,
+                    x_tick=lambda x: str(round(x)), y_tick=lambda y: f"{100 * y:.0f}%", width=width, height=height)
+
+
+def write_lines_png(path, lines, x_max, y_max, x_label, y_label, title, marker=None, x_tick=str, y_tick=str,
+                    width=640, height=400):
+    """Lines ({name: [[x, y], ...]}) on axes from 0 to x_max and y_max, with a legend;
+    `marker` (x, label) draws a dashed line at x."""
     left, top, bottom, right = 48, 28, 40, 16
     pw, ph = width - left - right, height - top - bottom
     c = Canvas(max(width, 6 * len(title) + 16), height)
     c.text(8, 8, title)
 
-    def at(experts, rate):
-        return left + experts / total * pw, top + (1 - rate) * ph
+    def at(x, y):
+        return left + x / x_max * pw, top + (1 - y / y_max) * ph
 
-    for i in range(6):  # hit rate 0 to 100 %
+    for i in range(6):
         y = top + ph - i * ph // 5
         c.rect(left, y, left + pw, y + 1, GRID)
-        c.text(left - 5, y - 3, f"{20 * i}%", anchor="right")
-    for i in range(5):  # cache size, a quarter of the experts apart
+        c.text(left - 5, y - 3, y_tick(y_max * i / 5), anchor="right")
+    for i in range(5):
         x = left + i * pw // 4
         c.rect(x, top, x + 1, top + ph, GRID)
-        c.text(x, top + ph + 5, str(round(total * i / 4)), anchor="center")
+        c.text(x, top + ph + 5, x_tick(x_max * i / 4), anchor="center")
     c.rect(left, top, left + 1, top + ph + 1, INK)
     c.rect(left, top + ph, left + pw + 1, top + ph + 1, INK)
-    c.text(left + pw // 2, height - 12, f"experts cached (of {total})", anchor="center")
-    c.text(6, top + ph // 2, "hit rate", anchor="center", vertical=True)
+    c.text(left + pw // 2, height - 12, x_label, anchor="center")
+    c.text(6, top + ph // 2, y_label, anchor="center", vertical=True)
     if marker is not None:
-        x, _ = at(min(marker[0], total), 0)
+        x, _ = at(min(marker[0], x_max), 0)
         c.line(x, top, x, top + ph, INK, width=1, dash=4)
         c.text(int(x) + 4 if x < left + pw / 2 else int(x) - 4, top + 4, marker[1],
                anchor="left" if x < left + pw / 2 else "right")
-    for i, (name, points) in enumerate(curve.items()):
+    for i, (name, points) in enumerate(lines.items()):
         color = COLORS[i % len(COLORS)]
-        for (e0, r0), (e1, r1) in zip(points, points[1:]):
-            c.line(*at(e0, r0), *at(e1, r1), color)
-        y = top + ph - 12 - 10 * (len(curve) - 1 - i)  # the legend, bottom right
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            c.line(*at(x0, y0), *at(x1, y1), color)
+        y = top + ph - 12 - 10 * (len(lines) - 1 - i)  # the legend, bottom right
         c.rect(left + pw - 110, y + 3, left + pw - 98, y + 5, color)
         c.text(left + pw - 94, y, name)
     write_atomic(path, c.png())

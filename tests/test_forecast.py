@@ -68,11 +68,14 @@ def test_fit_cli_json_given_disk_reads_nothing(checkpoint, on_disk, monkeypatch)
     assert big["budget"] == parse_size("1GB") and big["decode_tps"]["high"] > 0
 
 
-def test_fit_text_names_what_was_measured(checkpoint, on_disk):
-    code, out, err = run_cli("fit", "-m", on_disk(checkpoint("qwen3_moe", quant="4bit")), "--backend", "cpu")
+def test_fit_text_names_what_was_measured(checkpoint, on_disk, tmp_path):
+    png = tmp_path / "fit.png"
+    code, out, err = run_cli("fit", "-m", on_disk(checkpoint("qwen3_moe", quant="4bit")), "--backend", "cpu",
+                             "--png", png)
     assert code == 0, err
     assert "measured: disk" in out and "measured: compute" in out and "assumed:" in out
-    assert "decode tok/s" in out and "hit rates:" in out
+    assert "decode tok/s" in out and "hit rates:" in out and f"chart: {png}" in out
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_hit_rates_from_profile_curve_or_real_routing(tmp_path):
