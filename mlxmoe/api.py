@@ -27,6 +27,8 @@ from .curves import predicted_curve
 from .errors import MlxmoeError
 from .experts import all_resident
 from .files import read_lines
+from .lossy import attach_lossy
+from .lossy import check_options as check_lossy
 from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, open_checkpoint, read_tokenizer
 from .policies import ONLINE, make_policy
 from .prefetch import Prefetcher
@@ -84,7 +86,7 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
          io_threads: int = 4, force_profile: bool = False, prewarm: bool = True,
          trace_out: str | os.PathLike | None = None, prefetch: int = 1, prefetch_confidence: float = 0.1,
          io: str = "auto", group: Any = None,
-         split: str = "pipeline", max_context: int = DEFAULT_CONTEXT
+         split: str = "pipeline", max_context: int = DEFAULT_CONTEXT, trim: float = 0.0, cache_bias: float = 0.0
          ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
@@ -110,6 +112,13 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     the budget reserves KV cache for that many; a longer prompt is refused (MlxmoeError
     naming both numbers) and generation stops there (as max_tokens does).
 
+    Lossy modes, opt-in (exact, the default, gives mlx-lm's tokens): `trim` W skips, at a
+    decode step, a routed expert that is not resident and carries less than W of the
+    token's routing weight (the rest weighted as the model's top-k rule does); `cache_bias`
+    B adds B to resident experts' router logits before the top-k (see lossy.py). What they
+    did is in stats() (skipped, biased). mlx-lm's softmax-routed families only (mixtral,
+    qwen2_moe, qwen3_moe, olmoe, gpt_oss); others are refused naming their model type.
+
     `group` (an mx.distributed group of several ranks, from `mx.distributed.init()` under
     `mlx.launch`) splits the model into mlx-lm's pipeline stages: this rank builds and
     streams only its stage's layers, within its own `memory_budget`; every rank must call
@@ -120,6 +129,7 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     if split not in ("pipeline", "tensor"):
         raise MlxmoeError(f"split {split!r}: choose pipeline or tensor")
     _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts, trace_out)
+    check_lossy(trim, cache_bias)
     if not _int_in(max_context, 16, 1 << 24):
         raise MlxmoeError(f"max_context {max_context!r}: tokens a sequence may hold, an integer from 16 to {1 << 24}")
     group = group if group is not None and group.size() > 1 else None
@@ -127,7 +137,7 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
         loaded = _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
                        trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend,
                        io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group,
-                       split, max_context)
+                       split, max_context, trim, cache_bias)
     except Exception as e:
         if group is None:
             raise
@@ -166,7 +176,7 @@ def _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts
 def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
           trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend, io_threads,
           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group, split="pipeline",
-          max_context=DEFAULT_CONTEXT):
+          max_context=DEFAULT_CONTEXT, trim=0.0, cache_bias=0.0):
     if tokenizer_config is not None and not isinstance(tokenizer_config, dict):
         raise MlxmoeError(f"tokenizer_config must be a dict, not {tokenizer_config!r} (mlx_lm.load's second "
                           "argument; mlxmoe's options are keywords: memory_budget=..., cache_experts=...)")
@@ -178,7 +188,7 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
     try:
         tokenizer = _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy,
                            profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io,
-                           max_context)
+                           max_context, trim, cache_bias)
     except BaseException:  # nothing stays open: shards, IO threads, a trace's temp file
         runtime = getattr(ckpt.model, "expert_runtime", None)
         if runtime is not None:
@@ -189,7 +199,8 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
 
 
 def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
-           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, max_context=DEFAULT_CONTEXT):
+           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, max_context=DEFAULT_CONTEXT, trim=0.0,
+           cache_bias=0.0):
     """Give an opened checkpoint its Runtime (model.expert_runtime, with model.expert_cache); return the tokenizer."""
     tokenizer = read_tokenizer(ckpt.path, tokenizer_config, ckpt.config.get("eos_token_id"))
     ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
@@ -218,6 +229,7 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
                                 confidence=prefetch_confidence)
     runtime = Runtime(ckpt, p, be, cache, fp, prefetcher)
     attach_cache(ckpt, runtime)
+    runtime.lossy = attach_lossy(ckpt, cache, trim, cache_bias)
     be.activate(p.budget)
     if trace_out is not None:
         runtime.record_trace(trace_out)
@@ -254,6 +266,7 @@ class Runtime:
         self.group = checkpoint.group  # an mx.distributed group of several ranks, or None
         self.error: BaseException | None = None  # a read that failed on this rank of a group (see experts.py)
         self.prefetcher = prefetcher  # built on `cache`, attached to it
+        self.lossy = None  # lossy.Lossy where a lossy mode is on
         self.trace: TraceWriter | None = None  # the trace being recorded (record_trace), one of the cache's observers
         # under pipeline stages: the file rank 0 merges the stages' traces into (close)
         self.trace_target: str | os.PathLike | None = None

@@ -106,6 +106,12 @@ def model_options(f):
                      "cache for them; a longer prompt is refused."),
         click.option("--prefetch", type=Number(int, 0, 64), default=1, show_default=True,
                      help="Read predicted experts this many layer calls ahead in the background (0: off)."),
+        click.option("--cache-bias", type=Number(float, 0), default=0.0, show_default=True,
+                     help="Lossy, try first: add this to resident experts' router logits so close calls go to "
+                     "experts in memory (fewer reads; 0: exact). See README, 'Lossy modes'."),
+        click.option("--trim", type=Number(float, 0, 1), default=0.0, show_default=True,
+                     help="Lossy: skip a routed expert that is not in memory when it carries less than this "
+                     "share of the token's routing weight (0: exact)."),
         click.option("--split", type=click.Choice(["pipeline", "tensor"]), default="pipeline", show_default=True,
                      help="Under mlx.launch: each rank runs a stage of layers (pipeline), or a slice of "
                      "every layer (tensor, where mlx-lm can shard the model)."),
@@ -143,7 +149,7 @@ def _load(opts):
                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                 profile=opts["profile_path"], force_profile=opts["force_profile"], trace_out=opts["trace_out"],
                 io=opts["io"], prefetch=opts["prefetch"], group=group, split=opts["split"],
-                max_context=opts["max_context"])
+                max_context=opts["max_context"], trim=opts["trim"], cache_bias=opts["cache_bias"])
 
 
 def first_cpu_run():
@@ -181,7 +187,13 @@ def summary(stats, before, elapsed_tokens, tps):
     total = hits + stats["misses"] - before["misses"]
     read = format_size(stats["bytes_read"] - before["bytes_read"])
     rate = f"{100 * hits / total:.1f}%" if total else "n/a"
-    return f"[{elapsed_tokens} tokens, {tps:.1f} tok/s, expert hit rate {rate}, {read} read]"
+    return f"[{elapsed_tokens} tokens, {tps:.1f} tok/s, expert hit rate {rate}, {read} read{lossy_figures(stats, before)}]"
+
+
+def lossy_figures(stats, before=None):
+    """', N experts skipped, M biased in' since `before` where a lossy mode did anything, else ''."""
+    skipped, biased = (stats.get(k, 0) - (before or {}).get(k, 0) for k in ("skipped", "biased"))
+    return f", {skipped} experts skipped, {biased} biased in" if skipped or biased else ""
 
 
 CHAT_HELP = """/help          this list
@@ -230,7 +242,7 @@ def cache_figures(stats):
 
     return (f"hit rate {100 * stats['hit_rate']:.1f}%, {size(stats['bytes_read'])} read "
             f"({stats['loads_demand']} loads on demand + {stats['loads_prefetched']} prefetched), "
-            f"cache {stats['cache_experts']} experts")
+            f"cache {stats['cache_experts']} experts{lossy_figures(stats)}")
 
 
 def current_rss():
