@@ -187,7 +187,8 @@ def summary(stats, before, elapsed_tokens, tps):
     total = hits + stats["misses"] - before["misses"]
     read = format_size(stats["bytes_read"] - before["bytes_read"])
     rate = f"{100 * hits / total:.1f}%" if total else "n/a"
-    return f"[{elapsed_tokens} tokens, {tps:.1f} tok/s, expert hit rate {rate}, {read} read{lossy_figures(stats, before)}]"
+    lossy = lossy_figures(stats, before)
+    return f"[{elapsed_tokens} tokens, {tps:.1f} tok/s, expert hit rate {rate}, {read} read{lossy}]"
 
 
 def lossy_figures(stats, before=None):

@@ -358,8 +358,11 @@ class StreamingExperts(nn.Module):
         counters: (which routed experts to keep, or None: all; scales or None)."""
         cache, gate = self._cache, self._router.gate
         slot_of, layer = cache.slot_of, self._layer
-        keep, scales, biased = self._lossy.step(host_logits(logits), row, [(layer, e) in slot_of for e in row],
-                                                getattr(gate, "last_mask", None))
+        resident = [(layer, e) in slot_of for e in row]
+        mask = getattr(gate, "last_mask", None)
+        if mask is None and all(resident):  # (the common case: nothing to do)
+            return None, None
+        keep, scales, biased = self._lossy.step(host_logits(logits), row, resident, mask)
         skipped = len(row) - sum(keep)
         counters = cache.counters
         counters.skipped += skipped

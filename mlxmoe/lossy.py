@@ -64,6 +64,8 @@ class Lossy:
         biased with (None: not biased). Returns (keep [bool per routed expert], scales [float
         per routed expert] or None where the outputs need none, experts biased into the
         choice)."""
+        if mask is None and all(resident):  # (the common case: nothing to do)
+            return [True] * len(row), None, 0
         chosen = np.asarray(row)
         w = _softmax(logits[chosen]) if self.rule == "topk" else _softmax(logits)[chosen]
         share = w / w.sum()

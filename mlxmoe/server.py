@@ -266,7 +266,8 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                     counts = distributed.sum_ranks(self.group, counts)
                 hits, misses, read, skipped, biased = counts
                 request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                                 "expert_hits": hits, "expert_misses": misses, "mb_read": read / (1 << 20),  # MB as budgets count them
+                                 "expert_hits": hits, "expert_misses": misses,
+                                 "mb_read": read / (1 << 20),  # MB as budgets count them
                                  "profile": name, "experts_skipped": skipped, "experts_biased": biased}
                 self.last_stats = distributed.merged_stats(model)
 

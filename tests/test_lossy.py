@@ -83,7 +83,7 @@ def run(path, **kw):
     return tokens, stats, runtime
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
 def test_trimming_skips_exactly_the_non_resident_below_the_threshold_and_never_reads_them(checkpoint, monkeypatch,
                                                                                           arch):
     path = checkpoint(arch)
@@ -91,7 +91,7 @@ def test_trimming_skips_exactly_the_non_resident_below_the_threshold_and_never_r
     trim = 0.4
     _, stats, runtime = run(path, cache_experts=6, trim=trim)
     rule = runtime.lossy.rule
-    assert rule == ("topk" if arch == "mixtral" else "softmax")
+    assert rule == ("topk" if arch in ("mixtral", "gpt_oss") else "softmax")  # (the tiny olmoe: no norm_topk_prob)
     skipped = 0
     for i, (logits, row, resident, _, (keep, _, _)) in enumerate(steps):
         w = weights(rule, logits, row)
@@ -113,11 +113,12 @@ def test_trimming_skips_exactly_the_non_resident_below_the_threshold_and_never_r
     assert stats["bytes_read"] < exact["bytes_read"]
 
 
-def test_cache_bias_moves_choices_only_toward_resident_experts(checkpoint, monkeypatch):
-    path = checkpoint("qwen3_moe")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_cache_bias_moves_choices_only_toward_resident_experts(checkpoint, monkeypatch, arch):
+    path = checkpoint(arch)
     steps, _ = spy(monkeypatch)
     _, stats, runtime = run(path, cache_experts=6, cache_bias=2.0)
-    assert runtime.lossy.rule == "topk"
+    rule = runtime.lossy.rule
     biased = 0
     for logits, row, resident, mask, (keep, scales, n) in steps:
         assert all(keep)  # no trimming
@@ -131,8 +132,8 @@ def test_cache_bias_moves_choices_only_toward_resident_experts(checkpoint, monke
         assert n == len(set(row) - top)
         biased += n
         # the block applies the biased logits' weights; the scales give the router's own over the chosen
-        applied = weights("topk", logits + 2.0 * mask, row)
-        np.testing.assert_allclose(applied * np.array(scales), weights("topk", logits, row), rtol=1e-9)
+        applied = weights(rule, logits + 2.0 * mask, row)
+        np.testing.assert_allclose(applied * np.array(scales), weights(rule, logits, row), rtol=1e-9)
     assert biased > 0 and stats["biased"] == biased and stats["skipped"] == 0
     _, exact, _ = run(path, cache_experts=6)
     assert stats["loads_demand"] < exact["loads_demand"]
@@ -173,3 +174,19 @@ def test_cli_flags(cli, checkpoint, tmp_path):
     assert "skipped" in err and "biased in" in err
     code, err = cli("generate", "--trim", "2", "--prompt", "x")
     assert code != 0 and "--trim" in err
+
+
+def test_server_usage_counts_them():
+    pytest.importorskip("openai")
+    from test_server import PROMPTS, Server
+
+    server = Server("--cache-experts", "32", "--trim", "0.5", "--cache-bias", "1")
+    try:
+        status, _, body = server.json("POST", "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 16})
+        assert status == 200
+        usage = body["usage"]["mlxmoe"]
+        assert usage["experts_skipped"] + usage["experts_biased"] > 0
+        status, _, stats = server.json("GET", "/v1/mlxmoe/stats")
+        assert stats["skipped"] >= usage["experts_skipped"] and stats["biased"] >= usage["experts_biased"]
+    finally:
+        server.stop()
