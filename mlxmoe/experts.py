@@ -201,6 +201,7 @@ class StreamingExperts(nn.Module):
         self._cache = cache
         self._runtime = None  # api.Runtime, with the cache (loader.attach_cache)
         self._lossy = None  # lossy.Lossy where a lossy mode is on (lossy.attach_lossy)
+        self._fallback = None  # the experts' low-bit copies, a module like _inner (fallback.attach_fallback)
 
     def __call__(self, x, indices):
         runtime = self._runtime
@@ -246,10 +247,12 @@ class StreamingExperts(nn.Module):
                 return self._grouped(x, idx, rows, probs, groups)
             slots = self._slots(rows, idx, probs)
         inner = time.perf_counter()
-        y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
-        if ready is not None:  # the experts resident before the reads, computed meanwhile
+        # mlx-lm's own work: building the expert computation (none left where low-bit copies took all)
+        y = self._inner(x, slots) if slots is not None else None
+        if ready is not None:  # the experts resident before the reads (or low-bit copies), computed meanwhile
             order, y_ready = ready
-            y = mx.take(mx.concatenate([y_ready, y], axis=-2), mx.array(np.argsort(order)), axis=-2)
+            y = y_ready if y is None else mx.concatenate([y_ready, y], axis=-2)
+            y = mx.take(y, mx.array(np.argsort(order)), axis=-2)
         if scales is not None:  # a lossy mode reweighted or dropped some experts (lossy.Lossy.step)
             y = y * mx.array(scales, dtype=y.dtype)[:, None]
         inner = time.perf_counter() - inner
@@ -327,6 +330,9 @@ class StreamingExperts(nn.Module):
         if self._lossy is not None:
             keep, scales = self._lossy_step(row, logits)
         experts = sorted(set(row if keep is None else [e for e, k in zip(row, keep) if k]))
+        if self._fallback is not None:
+            with cache.lock:  # (background loads neither evict nor add a key meanwhile)
+                return self._substitute(x, row, depth, keep, scales, self._low_bit(experts), probs, logits)
         routing = StepRouting(self._layer, row, probs, logits, experts, cache.call_position)
         started = []
 
@@ -352,6 +358,39 @@ class StreamingExperts(nn.Module):
         cols, y_ready = started[0]
         rest = [i for i in range(len(row)) if i not in cols]
         return nest([slot_of[row[i]] for i in rest], depth), [row], (cols + rest, y_ready), scales
+
+    def _low_bit(self, experts):
+        """Those of `experts` not ready in the cache (absent, on their way, or whose read
+        failed): computed with their low-bit copies."""
+        cache, layer = self._cache, self._layer
+        waiting, failed = cache.in_flight, cache.loader.failed
+        return {e for e in experts
+                if (layer, e) not in cache.slot_of or (layer, e) in waiting or (layer, e) in failed}
+
+    def _substitute(self, x, row, depth, keep, scales, low, probs, logits):
+        """_step where some experts (`low`) compute with their low-bit copies at once and are
+        read in the background; the others are resident: a fetch of them never reads (under
+        the cache's lock, held by the caller)."""
+        cache, layer = self._cache, self._layer
+        kept = keep or [True] * len(row)
+        cols = [i for i, e in enumerate(row) if kept[i] and e in low]
+        y_low = self._fallback(x, nest([row[i] for i in cols], depth)) if cols else None
+        rest = [i for i in range(len(row)) if i not in cols]
+        experts = sorted({row[i] for i in rest if kept[i]})
+        routing = StepRouting(layer, row, probs, logits, experts, cache.call_position)
+        slots = cache.fetch(layer, experts, routing=routing) if experts else []
+        cache.observe(routing.record)
+        cache.counters.substituted += len(cols)
+        cache.fallback.request([(layer, row[i]) for i in cols])
+        slot_of = dict(zip(experts, slots))
+        fill = slots[0] if slots else None
+        rest_slots = [slot_of.get(row[i], fill) for i in rest]
+        if fill is None and rest:  # only skipped experts left: they compute with a low-bit copy, scaled by 0
+            cols, rest = cols + rest, []
+            y_low = self._fallback(x, nest([row[i] for i in cols], depth))
+        if not cols:
+            return nest(rest_slots, depth), [row], None, scales
+        return (nest(rest_slots, depth) if rest else None), [row], (cols + rest, y_low), scales
 
     def _lossy_step(self, row, logits):
         """The lossy modes' decision for one token (lossy.Lossy.step), counted in the cache's

@@ -132,7 +132,7 @@ class Provider(mlx_server.ModelProvider):
 def _counters(cache):
     with cache.lock:
         c = cache.counters
-        return c.hits, c.misses, c.demand_bytes + c.prefetch_bytes, c.skipped, c.biased
+        return c.hits, c.misses, c.demand_bytes + c.prefetch_bytes, c.skipped, c.biased, c.substituted
 
 
 class SharedEvent(threading.Event):
@@ -264,11 +264,12 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                 counts = [a - b for a, b in zip(_counters(cache), before)]
                 if self.group is not None:
                     counts = distributed.sum_ranks(self.group, counts)
-                hits, misses, read, skipped, biased = counts
+                hits, misses, read, skipped, biased, substituted = counts
                 request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
                                  "expert_hits": hits, "expert_misses": misses,
                                  "mb_read": read / (1 << 20),  # MB as budgets count them
-                                 "profile": name, "experts_skipped": skipped, "experts_biased": biased}
+                                 "profile": name, "experts_skipped": skipped, "experts_biased": biased,
+                                 "experts_low_bit": substituted}
                 self.last_stats = distributed.merged_stats(model)
 
     def _use_profile(self, name):
