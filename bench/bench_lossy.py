@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from heldout import LANGUAGES, prompts  # noqa: E402
 
 import mlxmoe  # noqa: E402
+import mlxmoe.api  # noqa: E402
 from mlxmoe.cache import Residency  # noqa: E402
 from mlxmoe.policies import DEFAULT_POLICY, make_policy  # noqa: E402
 from mlxmoe.trace import import_trace, layer_calls, read_trace  # noqa: E402
@@ -51,13 +52,19 @@ REAL_FILES = [("bigmoeonedge", "bigmoeonedge/qwen.route.csv"), ("bigmoeonedge", 
               ("moe-ocs", "moe-ocs-learning-qwen3.6/routing_pretrained.mlx.ece94543.json")]
 SETTINGS = [{}, {"trim": 0.1}, {"trim": 0.2}, {"trim": 0.3}, {"trim": 0.4}, {"trim": 0.5}, {"trim": 1.0},
             {"cache_bias": 0.25}, {"cache_bias": 0.5}, {"cache_bias": 0.75}, {"cache_bias": 1.0}, {"cache_bias": 2.0},
-            {"cache_bias": 4.0}, {"cache_bias": 0.5, "trim": 0.3}, {}]  # the last: exact again, the control
+            {"cache_bias": 4.0}, {"cache_bias": 0.5, "trim": 0.3}, {"fallback": 2}, {"fallback": 3},
+            {"fallback": 2, "cache_bias": 0.5}, {"same_memory": 2}, {"same_memory": 3},
+            {}]  # the last: exact again, the control
 THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5)
 RESIDENCIES = (0.1, 0.25, 0.5)
 
 
+NAMES = {"cache_bias": "bias {:g}", "trim": "trim {:g}", "fallback": "{}-bit fallback",
+         "same_memory": "exact, cache + the {}-bit copies' memory"}
+
+
 def name(setting):
-    return ", ".join(f"{'bias' if k == 'cache_bias' else k} {v:g}" for k, v in setting.items()) or "exact"
+    return ", ".join(NAMES[k].format(v) for k, v in setting.items()) or "exact"
 
 
 def texts(tokenizer, lang, tokens, max_seq=128):
@@ -105,6 +112,7 @@ def agreement(a, b, n):
 def run_demo(args):
     model, tokenizer = mlxmoe.load(args.model, prewarm=False)  # (the shapes)
     ckpt = model.expert_runtime.checkpoint
+    slot_bytes = model.expert_cache.pools.slot_bytes
     total = ckpt.num_layers * ckpt.num_experts
     cache_experts = max(ckpt.top_k, round(args.residency * total))
     model.expert_runtime.close()
@@ -112,11 +120,24 @@ def run_demo(args):
     openings = {lang: [tokenizer.decode(tokenizer.encode(p)[:24]) for p in prompts(lang)[:args.gen_prompts]]
                 for lang in LANGUAGES}
     rows, exact_lp, exact_gen = [], {}, {}
+    tmp = tempfile.TemporaryDirectory()
+    copies, memory = {}, {}  # bits -> the file, the copies' bytes in memory
+    for bits in sorted({s.get("fallback") or s.get("same_memory") for s in SETTINGS} - {None}):
+        copies[bits] = Path(tmp.name) / f"fallback{bits}.safetensors"
+        mlxmoe.api.build_fallback(ckpt.path, copies[bits], bits)
+        model, _ = mlxmoe.load(args.model, cache_experts=cache_experts, prewarm=False, fallback=copies[bits])
+        memory[bits] = model.expert_cache.fallback_bytes
+        model.expert_runtime.close()
     for i, setting in enumerate(SETTINGS):
         tic = time.perf_counter()
-        model, tokenizer = mlxmoe.load(args.model, cache_experts=cache_experts, prefetch=args.prefetch, **setting)
+        kw, size = dict(setting), cache_experts
+        if "fallback" in kw:
+            kw["fallback"] = copies[kw["fallback"]]
+        if "same_memory" in kw:  # exact, its cache given the copies' memory
+            size += memory[kw.pop("same_memory")] // slot_bytes
+        model, tokenizer = mlxmoe.load(args.model, cache_experts=size, prefetch=args.prefetch, **kw)
         cache = model.expert_cache
-        row = {"setting": name(setting) if i + 1 < len(SETTINGS) else "exact again", **setting,
+        row = {"setting": name(setting) if i + 1 < len(SETTINGS) else "exact again", **setting, "cache_experts": size,
                "ppl": {}, "kl": {}, "agree": {}, "first_diff": {}}
         cache.reset_stats()
         for lang in LANGUAGES:
@@ -131,7 +152,8 @@ def run_demo(args):
         tokens = s["tokens"]
         row.update(tokens=tokens, bytes_per_token=s["bytes_read"] / tokens, demand_per_token=s["loads_demand"] / tokens,
                    skipped_per_token=s["skipped"] / tokens, biased_per_token=s["biased"] / tokens,
-                   hit_rate=s["hit_rate"])
+                   low_bit_per_token=s["substituted"] / tokens, late_per_token=s["prefetch_late"] / tokens,
+                   hit_rate=s["hit_rate"], fallback_bytes=s["fallback_bytes"])
         for lang in LANGUAGES:
             gen = greedy(model, tokenizer, openings[lang], args.gen)
             if i == 0:
@@ -143,6 +165,7 @@ def run_demo(args):
         row["seconds"] = time.perf_counter() - tic
         rows.append(row)
         print(f"  {row['setting']}: {row['seconds']:.0f} s", file=sys.stderr)
+    tmp.cleanup()
     base = rows[0]
     for row in rows:
         row["ppl_change"] = {lang: row["ppl"][lang] / base["ppl"][lang] - 1 for lang in LANGUAGES}
@@ -216,13 +239,16 @@ def print_demo(demo):
           f"prefetch {demo['prefetch']}, "
           f"tokens per language {demo['tokens_per_language']}, greedy {demo['gen_tokens']} tokens x "
           f"{demo['gen_prompts']} prompts per language")
-    print("| setting | bytes/token | vs exact | demand loads/token | skipped/token | biased/token | "
+    print("| setting | cache | bytes/token | vs exact | demand loads/token | skipped/token | biased/token | "
+          "low-bit/token | "
           + " | ".join(f"ppl {lang}" for lang in langs) + " | worst ppl change | mean KL (nats) | greedy agreement |")
-    print("|---" * (9 + len(langs)) + "|")
+    print("|---" * (11 + len(langs)) + "|")
     for r in demo["rows"]:
         worst = max(r["ppl_change"].values())
-        print(f"| {r['setting']} | {r['bytes_per_token'] / 1024:.0f} KiB | {100 * r['bytes_change']:+.0f} % | "
-              f"{r['demand_per_token']:.2f} | {r['skipped_per_token']:.2f} | {r['biased_per_token']:.2f} | "
+        low = f" + {r['fallback_bytes'] / 2 ** 20:.1f} MiB" if r.get("fallback_bytes") else ""
+        print(f"| {r['setting']} | {r['cache_experts']}{low} | {r['bytes_per_token'] / 1024:.0f} KiB | "
+              f"{100 * r['bytes_change']:+.0f} % | {r['demand_per_token']:.2f} | {r['skipped_per_token']:.2f} | "
+              f"{r['biased_per_token']:.2f} | {r.get('low_bit_per_token', 0):.2f} | "
               + " | ".join(f"{r['ppl'][lang]:.2f}" for lang in langs)
               + f" | {100 * worst:+.1f} % | {np.mean(list(r['kl'].values())):.4f} | "
               f"{100 * np.mean(list(r['agree'].values())):.0f} % |")
