@@ -45,7 +45,7 @@ def build(ckpt, fingerprint: str, dst, bits: int, group_size: int = 64, progress
         raise MlxmoeError(f"--fallback-bits {bits}: one of {', '.join(map(str, BITS))}")
     dst = Path(dst)
     if dst.is_dir():
-        raise MlxmoeError(f"{dst}: a folder; the fallback copies are one file (e.g. {dst / 'fallback-3bit.safetensors'})")
+        raise MlxmoeError(f"{dst}: a folder; the fallback copies are one file (e.g. {dst / 'fallback3.safetensors'})")
     E = ckpt.num_experts
     pools = SlotPools(ckpt.store, E, [MX_DTYPES[d] for d in ckpt.store.tensor_dtypes])
     out = {}
@@ -111,9 +111,12 @@ def read(path, fingerprint: str, num_layers: int, num_experts: int):
 def attach_fallback(ckpt, cache, path, fingerprint) -> int:
     """Give every StreamingExperts of `ckpt` its low-bit copies from `path` (a module like
     its own with low-bit linears) and the cache a FallbackLoader; return their bytes."""
-    arrays, meta = read(path, fingerprint, ckpt.num_layers, ckpt.num_experts)
+    from .lossy import refuse_tensor_split
+
+    refuse_tensor_split(ckpt, "low-bit fallback")
+    arrays, meta = read(path, fingerprint, ckpt.all_layers, ckpt.num_experts)
     bits, group_size, total = int(meta["bits"]), int(meta["group_size"]), 0
-    for layer, streaming in enumerate(ckpt.experts):
+    for layer, streaming in enumerate(ckpt.experts, start=ckpt.layer_offset):  # (a pipeline stage's: the model's index)
         inner = streaming._inner
         low = copy.copy(inner)
         for lin in LINEARS:

@@ -52,6 +52,14 @@ def routing_rule(path, config, what):
     return rule
 
 
+def refuse_tensor_split(ckpt, what):
+    """Under the tensor split every rank computes a slice of the same experts: a choice made
+    from one rank's own cache would differ between ranks."""
+    if ckpt.group is not None and ckpt.split == "tensor":
+        raise MlxmoeError(f"{ckpt.path}: {what} decides from the cache's residency, which differs between the "
+                          "ranks of a tensor split; use the pipeline split or one process")
+
+
 class Lossy:
     """A model's lossy settings and what they did (its counters are the cache's)."""
 
@@ -135,6 +143,7 @@ def attach_lossy(ckpt, cache, trim: float, cache_bias: float) -> Lossy | None:
     if not trim and not cache_bias:
         return None
     what = " and ".join(n for n, v in (("top-k trimming", trim), ("cache-aware routing", cache_bias)) if v)
+    refuse_tensor_split(ckpt, what)
     lossy = Lossy(routing_rule(ckpt.path, ckpt.config, what), trim, cache_bias)
     for streaming in ckpt.experts:
         gate = getattr(streaming._router, "gate", None)

@@ -190,3 +190,13 @@ def test_server_usage_counts_them():
         assert stats["skipped"] >= usage["experts_skipped"] and stats["biased"] >= usage["experts_biased"]
     finally:
         server.stop()
+
+
+def test_tensor_split_is_refused():
+    from types import SimpleNamespace
+
+    from mlxmoe.lossy import refuse_tensor_split
+
+    refuse_tensor_split(SimpleNamespace(group=object(), split="pipeline", path="m"), "x")  # a stage's own layers
+    with pytest.raises(MlxmoeError, match="tensor split"):
+        refuse_tensor_split(SimpleNamespace(group=object(), split="tensor", path="m"), "top-k trimming")
