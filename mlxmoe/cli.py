@@ -936,8 +936,8 @@ def convert(src, dst, bundle, fallback_bits):
     With --fallback-bits B, every expert is quantized to B bits (MLX's affine quantization,
     groups of 64) into one safetensors file: run with `--fallback DST`, a decode step computes
     a missing expert with its copy at once and reads the full one in the background. The
-    copies stay in memory (counted in the budget): at 2 bits about 55 % of the 4-bit experts'
-    bytes, at 3 bits about 78 %.
+    copies stay in memory (counted in the budget): on the demo model 51 % of its 4-bit experts'
+    bytes at 2 bits, 71 % at 3 bits; a larger cache often buys more (bench/RESULTS.md, 'Lossy modes').
 
     With --bundle, each expert's tensors (weight, scales and biases of gate, up and down,
     or whatever the architecture has) are written back to back as one range starting at

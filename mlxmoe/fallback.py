@@ -11,8 +11,8 @@ format, bits, group_size, the model's fingerprint); `load(..., fallback=DST)` us
 
 import copy
 import os
-import queue
 import threading
+from collections import deque
 from pathlib import Path
 
 import mlx.core as mx
@@ -145,34 +145,40 @@ def attach_fallback(ckpt, cache, path, fingerprint) -> int:
 
 class FallbackLoader:
     """Reads, in one background thread, the full experts that decode steps computed with their
-    low-bit copies: each is given a slot (evicting the policy's victim, never what the current
-    layer uses) and read at background priority, for later tokens."""
+    low-bit copies, the latest asked first (a slow disk falls behind: the oldest requests,
+    beyond `most`, are dropped): each is given a slot (evicting the policy's victim, never what
+    the current layer uses) and read at background priority, for later tokens."""
 
-    def __init__(self, cache) -> None:
-        self.cache = cache
-        self.queue: queue.Queue = queue.Queue()
-        self.queued: set = set()
+    def __init__(self, cache, most: int = 64) -> None:
+        self.cache, self.most = cache, most
+        self.pending: deque = deque()
+        self.ready = threading.Event()
         self.thread = threading.Thread(target=self.run, name="mlxmoe-fallback", daemon=True)
         self.thread.start()
         cache.closers.append(self.thread.join)  # (after cache.stop(): no read outlives the pools)
 
     def request(self, keys: list) -> None:
-        for key in keys:
-            if key not in self.queued:
-                self.queued.add(key)
-                self.queue.put(key)
+        with self.cache.lock:
+            for key in keys:
+                if key in self.pending:
+                    self.pending.remove(key)
+                self.pending.append(key)
+            while len(self.pending) > self.most:
+                self.pending.popleft()
+        self.ready.set()
 
     def run(self) -> None:
         cache = self.cache
         loader = cache.loader
         while not loader.stop.is_set():
-            try:
-                key = self.queue.get(timeout=0.05)
-            except queue.Empty:
+            if not self.ready.wait(0.05):
                 continue
             with loader.gate.background:
                 with cache.lock:
-                    self.queued.discard(key)
+                    if not self.pending:
+                        self.ready.clear()
+                        continue
+                    key = self.pending.pop()
                     if loader.stop.is_set() or key in cache.slot_of:
                         continue
                     room = (cache.capacity - len(cache.active)) // 2
