@@ -1,16 +1,17 @@
-"""What the lossy modes (mlxmoe/lossy.py: --trim, --cache-bias) cost in quality and save in
-reads, measured honestly.
+"""What the lossy modes (mlxmoe/lossy.py: --trim, --cache-bias; mlxmoe/fallback.py: --fallback)
+cost in quality and save in reads, measured honestly.
 
 1. The demo model (bundled, or --model) at --residency of its experts (default 25 %), one
-   fresh load per setting, default prefetch: held-out text of each language
+   fresh load per setting (low-bit copies built first, into a temporary folder), --prefetch
+   as given (default 1), a second exact run last as the control: held-out text of each language
    (bench/heldout.py) teacher-forced one token per step (decode steps: where the modes act),
    giving perplexity per language, the mean KL(exact || mode) of the next-token
    distributions against exact at the same residency, bytes read and demand loads per token
    and what the mode did (experts skipped, biased in, per token); then greedy agreement
    with exact over --gen tokens from --gen-prompts held-out openings per language (share
    of positions with the same token, and the first position that differs).
-2. Real routing (--real, the files of ../shared/data/real-routing, imported with mlxmoe's
-   own trace import): replayed through mlxmoe's Residency with the default policy, each
+2. Real routing (the files of ../shared/data/real-routing, imported with mlxmoe's own trace
+   import; --skip-real leaves it out): replayed through mlxmoe's Residency with the default policy, each
    single-token layer call trimmed as the runtime trims it (a non-resident expert below the
    threshold share of the token's top-k weight is skipped, never read; the top one is kept
    where nothing else would be). Per threshold and residency: the share of routing weight
@@ -18,8 +19,9 @@ reads, measured honestly.
    (hits + skipped over routed) beside exact's hit rate. These traces carry only the top-k
    weights, not the router's logits, so cache-aware routing cannot be replayed on them.
 
-    python bench/bench_lossy.py                          # demo + real routing (~5 min on 1 CPU)
-    python bench/bench_lossy.py --skip-real --tokens 200 # demo only, fewer tokens
+    python bench/bench_lossy.py                          # demo + real routing (~15 min on a shared 2-core CPU)
+    python bench/bench_lossy.py --prefetch 0 --skip-real # demo, prefetch off: reads deterministic
+    python bench/bench_lossy.py --skip-real --tokens 40 --gen 16 --gen-prompts 1   # smoke run (~2 min)
     python bench/bench_lossy.py --skip-demo              # real routing only (~1 min)
 
 Writes JSON (--output, default bench/out/lossy.json) and prints the tables.
