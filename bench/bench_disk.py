@@ -77,7 +77,18 @@ DEMO_PROMPT = "Il file di configurazione"  # 5 tokens; on "Hello world!" the dem
 # experts are 47x smaller (60 KiB) and its tokens about 100x faster (3-5 ms on 2 cores).
 DEFAULT_RATES = "400MB/s,40MB/s,20MB/s,10MB/s"
 DISK = "disk"  # the rate that is this machine's own disk: no mount, dd's rate
-CONFIGS = ("off", "default", "baseline")
+CONFIGS = ("off", "default", "baseline", "lossy")
+
+
+def lossy_kwargs(text):
+    """--lossy "cache_bias=0.75,trim=0.3,fallback=PATH" as mlxmoe.load's keywords."""
+    out = {}
+    for item in filter(None, (text or "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("trim", "cache_bias", "fallback"):
+            raise SystemExit(f"--lossy: {key!r} is not trim, cache_bias or fallback")
+        out[key] = value if key == "fallback" else float(value)
+    return out
 MiB = 1 << 20
 
 
@@ -233,7 +244,7 @@ def run_disk(args):
         if tree not in where.parents:
             raise SystemExit(f"baseline: imported mlxmoe from {where}, not from {tree}")
     mount = Path(args.mount) if args.mount else None
-    kwargs = {"prefetch": 0} if args.one == "off" else {}
+    kwargs = {"prefetch": 0} if args.one == "off" else lossy_kwargs(args.lossy) if args.one == "lossy" else {}
     dropped = None if mount else drop_page_cache()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -285,6 +296,8 @@ def child_args(args, **extra):
            "--no-repeat", str(args.no_repeat), "--runs", str(args.runs), "--warmup", str(args.warmup)]
     if args.layers:
         out += ["--layers", str(args.layers), "--experts", str(args.experts)]
+    if args.lossy:
+        out += ["--lossy", args.lossy]
     for key, value in extra.items():
         out += [f"--{key.replace('_', '-')}", str(value)]
     return out
@@ -668,8 +681,11 @@ def main():
                         help="Cache sizes as shares of all layers x experts, comma-separated. Default 0.25,0.5.")
     parser.add_argument("--configs", default=None,
                         help="Of off (prefetch=0), default (mlxmoe.load with no options), baseline (the default "
-                             "of --baseline REF or --baseline-path DIR). Default: off,default (and baseline with "
-                             "either).")
+                             "of --baseline REF or --baseline-path DIR), lossy (the default with --lossy's options). "
+                             "Default: off,default (and baseline with either).")
+    parser.add_argument("--lossy", default=None,
+                        help="mlxmoe.load's lossy options for the 'lossy' configuration, e.g. cache_bias=0.75 or "
+                             "trim=0.3,fallback=/tmp/fb2.safetensors (bench_lossy.py measures their quality).")
     parser.add_argument("--baseline", default=None, metavar="REF",
                         help="A commit whose mlxmoe runs the 'baseline' configuration: checked out once with "
                              "git worktree add --detach /tmp/mlxmoe-baseline-<sha> REF, imported through PYTHONPATH "
@@ -728,6 +744,9 @@ def main():
     configs = args.configs.split(",")
     if any(c not in CONFIGS for c in configs):
         raise SystemExit(f"--configs: choose among {', '.join(CONFIGS)}")
+    if ("lossy" in configs) != bool(args.lossy):
+        raise SystemExit("--configs lossy goes with --lossy OPTIONS")
+    lossy_kwargs(args.lossy)
     if "baseline" in configs and not has_baseline:
         raise SystemExit("--configs baseline needs --baseline REF or --baseline-path DIR")
     if args.runs < 1:

@@ -28,6 +28,11 @@ from .curves import predicted_curve
 from .errors import MlxmoeError
 from .experts import all_resident
 from .files import read_lines
+from .fallback import attach_fallback
+from .fallback import build as write_fallback
+from .fallback import file_bytes as fallback_bytes
+from .lossy import attach_lossy
+from .lossy import check_options as check_lossy
 from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, open_checkpoint, read_tokenizer
 from .policies import ONLINE, make_policy
 from .prefetch import Prefetcher
@@ -56,10 +61,23 @@ def memory_plan(path_or_hf_repo: str | os.PathLike, memory_budget: str | int | N
         ckpt.store.close()
 
 
-def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_experts=None, context=DEFAULT_CONTEXT):
-    """How `memory_budget` splits for an opened checkpoint on this backend (its dtype policy applied)."""
+def build_fallback(path_or_hf_repo: str | os.PathLike, dst: str | os.PathLike, bits: int,
+                   progress: Callable[[str], Any] | None = None) -> int:
+    """Write low-bit copies of the checkpoint's experts to the file `dst` (fallback.py), for
+    load(..., fallback=dst); return its bytes."""
+    ckpt = open_checkpoint(path_or_hf_repo)
+    try:
+        return write_fallback(ckpt, model_fingerprint(ckpt), dst, bits, progress=progress)
+    finally:
+        ckpt.store.close()
+
+
+def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_experts=None, context=DEFAULT_CONTEXT,
+                    extra=0):
+    """How `memory_budget` splits for an opened checkpoint on this backend (its dtype policy
+    applied); `extra`: bytes resident beside the model's own weights (low-bit fallback copies)."""
     params = tree_flatten(ckpt.model.parameters())
-    resident = sum(v.nbytes for _, v in params)
+    resident = sum(v.nbytes for _, v in params) + extra
     act_bytes = backend.activation_bytes(ckpt.model)
     slot_bytes = sum(int(np.prod(shape)) * backend.pool_dtype(MX_DTYPES[d]).size
                      for shape, d in zip(ckpt.store.tensor_shapes, ckpt.store.tensor_dtypes))
@@ -85,7 +103,8 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
          io_threads: int = 4, force_profile: bool = False, prewarm: bool = True,
          trace_out: str | os.PathLike | None = None, prefetch: int = 1, prefetch_confidence: float = 0.1,
          io: str = "auto", group: Any = None,
-         split: str = "pipeline", max_context: int = DEFAULT_CONTEXT
+         split: str = "pipeline", max_context: int = DEFAULT_CONTEXT, trim: float = 0.0, cache_bias: float = 0.0,
+         fallback: str | os.PathLike | None = None
          ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
@@ -111,6 +130,17 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     the budget reserves KV cache for that many; a longer prompt is refused (MlxmoeError
     naming both numbers) and generation stops there (as max_tokens does).
 
+    Lossy modes, opt-in (exact, the default, gives mlx-lm's tokens): `trim` W skips, at a
+    decode step, a routed expert that is not resident and carries less than W of the
+    token's routing weight (the rest weighted as the model's top-k rule does); `cache_bias`
+    B adds B to resident experts' router logits before the top-k (see lossy.py). What they
+    did is in stats() (skipped, biased). mlx-lm's softmax-routed families only (mixtral,
+    qwen2_moe, qwen3_moe, olmoe, gpt_oss); others are refused naming their model type.
+    `fallback`: a file of low-bit copies of every expert (`mlxmoe convert --fallback-bits`),
+    resident within the budget: at a decode step an expert not in the cache computes with
+    its copy at once and is read in the background, so no step waits on a read (stats():
+    substituted, fallback_bytes).
+
     `group` (an mx.distributed group of several ranks, from `mx.distributed.init()` under
     `mlx.launch`) splits the model into mlx-lm's pipeline stages: this rank builds and
     streams only its stage's layers, within its own `memory_budget`; every rank must call
@@ -121,6 +151,7 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     if split not in ("pipeline", "tensor"):
         raise MlxmoeError(f"split {split!r}: choose pipeline or tensor")
     _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts, trace_out)
+    check_lossy(trim, cache_bias)
     if not _int_in(max_context, 16, 1 << 24):
         raise MlxmoeError(f"max_context {max_context!r}: tokens a sequence may hold, an integer from 16 to {1 << 24}")
     group = group if group is not None and group.size() > 1 else None
@@ -128,7 +159,7 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
         loaded = _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
                        trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend,
                        io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group,
-                       split, max_context)
+                       split, max_context, trim, cache_bias, fallback)
     except Exception as e:
         if group is None:
             raise
@@ -167,7 +198,7 @@ def _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts
 def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
           trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend, io_threads,
           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group, split="pipeline",
-          max_context=DEFAULT_CONTEXT):
+          max_context=DEFAULT_CONTEXT, trim=0.0, cache_bias=0.0, fallback=None):
     if tokenizer_config is not None and not isinstance(tokenizer_config, dict):
         raise MlxmoeError(f"tokenizer_config must be a dict, not {tokenizer_config!r} (mlx_lm.load's second "
                           "argument; mlxmoe's options are keywords: memory_budget=..., cache_experts=...)")
@@ -179,7 +210,7 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
     try:
         tokenizer = _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy,
                            profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io,
-                           max_context)
+                           max_context, trim, cache_bias, fallback)
     except BaseException:  # nothing stays open: shards, IO threads, a trace's temp file
         runtime = getattr(ckpt.model, "expert_runtime", None)
         if runtime is not None:
@@ -190,13 +221,15 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
 
 
 def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
-           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, max_context=DEFAULT_CONTEXT):
+           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, max_context=DEFAULT_CONTEXT, trim=0.0,
+           cache_bias=0.0, fallback=None):
     """Give an opened checkpoint its Runtime (model.expert_runtime, with model.expert_cache); return the tokenizer."""
     tokenizer = read_tokenizer(ckpt.path, tokenizer_config, ckpt.config.get("eos_token_id"))
     ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
-    p = checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts, max_context)
     fp = model_fingerprint(ckpt)
+    extra = 0 if fallback is None else fallback_bytes(fallback)  # resident beside the cache, within the budget
+    p = checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts, max_context, extra)
     prior = None if profile is None else stage_profile(ckpt, fp, profile, force_profile)
     rates = None if prior is None else prior.rates()
     if not lazy:
@@ -219,6 +252,9 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
                                 confidence=prefetch_confidence)
     runtime = Runtime(ckpt, p, be, cache, fp, prefetcher)
     attach_cache(ckpt, runtime)
+    runtime.lossy = attach_lossy(ckpt, cache, trim, cache_bias)
+    if fallback is not None:
+        attach_fallback(ckpt, cache, fallback, fp)
     be.activate(p.budget)
     if trace_out is not None:
         runtime.record_trace(trace_out)
@@ -255,6 +291,7 @@ class Runtime:
         self.group = checkpoint.group  # an mx.distributed group of several ranks, or None
         self.error: BaseException | None = None  # a read that failed on this rank of a group (see experts.py)
         self.prefetcher = prefetcher  # built on `cache`, attached to it
+        self.lossy = None  # lossy.Lossy where a lossy mode is on
         self.trace: TraceWriter | None = None  # the trace being recorded (record_trace), one of the cache's observers
         # under pipeline stages: the file rank 0 merges the stages' traces into (close)
         self.trace_target: str | os.PathLike | None = None

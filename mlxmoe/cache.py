@@ -271,6 +271,8 @@ class ExpertCache(Residency):
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident (experts.py)
         self.hold_resident = hold_resident
         self.step_tokens = 1
+        self.fallback = None  # fallback.FallbackLoader where low-bit copies stand in for missing experts
+        self.fallback_bytes = 0  # their memory
         # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps (miss_costs)
         self.layer_loads = [[0.0, 0.0] for _ in range(store.num_layers)]
 
@@ -457,6 +459,7 @@ class ExpertCache(Residency):
         return dict(counts, cache_experts=self.capacity, cache_bytes=self.capacity * self.pools.slot_bytes,
                     resident_per_layer=self.resident_per_layer(), policy=self.policy.name,
                     peak_memory=mx.get_peak_memory(), peak_rss=peak_rss(), decode_tps=decode_tps,
+                    fallback_bytes=self.fallback_bytes,
                     disk_busy_seconds=self.loader.gate.busy_seconds(),
                     predictors=self.prefetcher.stats() if self.prefetcher is not None else {},
                     io=self.store.io_stats())

@@ -107,6 +107,15 @@ def model_options(f):
                      "cache for them; a longer prompt is refused."),
         click.option("--prefetch", type=Number(int, 0, 64), default=1, show_default=True,
                      help="Read predicted experts this many layer calls ahead in the background (0: off)."),
+        click.option("--cache-bias", type=Number(float, 0), default=0.0, show_default=True,
+                     help="Lossy, try first: add this to resident experts' router logits so close calls go to "
+                     "experts in memory (fewer reads; 0: exact). See README, 'Lossy modes'."),
+        click.option("--trim", type=Number(float, 0, 1), default=0.0, show_default=True,
+                     help="Lossy: skip a routed expert that is not in memory when it carries less than this "
+                     "share of the token's routing weight (0: exact)."),
+        click.option("--fallback", type=click.Path(dir_okay=False), help="Lossy: low-bit copies of the experts "
+                     "(convert --fallback-bits), kept in memory within the budget: a missing expert computes with "
+                     "its copy at once and is read in the background (no decode step waits on a read)."),
         click.option("--split", type=click.Choice(["pipeline", "tensor"]), default="pipeline", show_default=True,
                      help="Under mlx.launch: each rank runs a stage of layers (pipeline), or a slice of "
                      "every layer (tensor, where mlx-lm can shard the model)."),
@@ -163,7 +172,8 @@ def _load(opts):
                                 cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
                                 profile=opts["profile_path"], force_profile=opts["force_profile"],
                                 trace_out=opts["trace_out"], io=opts["io"], prefetch=opts["prefetch"], group=group,
-                                split=opts["split"], max_context=opts["max_context"])
+                                split=opts["split"], max_context=opts["max_context"], trim=opts["trim"],
+                                cache_bias=opts["cache_bias"], fallback=opts["fallback"])
     finally:
         loading.cancel()
     cache = model.expert_cache
@@ -286,7 +296,16 @@ def summary(stats, before, elapsed_tokens, tps):
     total = hits + stats["misses"] - before["misses"]
     read = format_size(stats["bytes_read"] - before["bytes_read"])
     rate = f"{100 * hits / total:.1f}%" if total else "n/a"
-    return f"[{_tokens_at(elapsed_tokens, tps)}, expert hit rate {rate}, {read} read]"
+    lossy = lossy_figures(stats, before)
+    return f"[{_tokens_at(elapsed_tokens, tps)}, expert hit rate {rate}, {read} read{lossy}]"
+
+
+def lossy_figures(stats, before=None):
+    """', N experts skipped, M biased in' since `before` where a lossy mode did anything, else ''."""
+    skipped, biased, low = (stats.get(k, 0) - (before or {}).get(k, 0) for k in ("skipped", "biased", "substituted"))
+    parts = [f"{n} experts {what}" for n, what in ((skipped, "skipped"), (biased, "biased in"), (low, "low-bit"))
+             if n]
+    return "".join(", " + p for p in parts)
 
 
 CHAT_HELP = """/help          this list
@@ -316,7 +335,8 @@ def expert_line(stats, baseline_rss):
     weight is loaded named apart from the model's."""
     from .budget import format_size as size
 
-    return (f"experts: {cache_figures(stats)} ({size(stats['cache_bytes'])}); "
+    low = f", low-bit copies {size(stats['fallback_bytes'])}" if stats.get("fallback_bytes") else ""
+    return (f"experts: {cache_figures(stats)} ({size(stats['cache_bytes'])}{low}); "
             f"MLX peak memory {size(stats['peak_memory'])}, process peak RSS {size(stats['peak_rss'])} "
             f"(Python and MLX before loading: {size(baseline_rss)})")
 
@@ -335,7 +355,7 @@ def cache_figures(stats):
 
     return (f"hit rate {100 * stats['hit_rate']:.1f}%, {size(stats['bytes_read'])} read "
             f"({stats['loads_demand']} loads on demand + {stats['loads_prefetched']} prefetched), "
-            f"cache {stats['cache_experts']} experts")
+            f"cache {stats['cache_experts']} experts{lossy_figures(stats)}")
 
 
 def current_rss():
@@ -593,8 +613,10 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
 @click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the demo model.")
 @click.option("--memory-budget", type=Size(), help="Show what this budget buys, e.g. 12GB.")
 @click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available.")
+@click.option("--fallback", type=click.Path(dir_okay=False), help="Low-bit expert copies (convert --fallback-bits): "
+              "their memory, and what the budget buys beside them.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def info(model_path, memory_budget, backend, as_json):
+def info(model_path, memory_budget, backend, fallback, as_json):
     """Architecture, experts, bytes of resident weights and of one expert, the smallest
     budget that works and what a given budget buys. Reads headers only."""
     import_mlx()  # mlx-lm's model classes say what the checkpoint holds
@@ -619,8 +641,13 @@ def info(model_path, memory_budget, backend, as_json):
         "minimum_budget": minimal.minimum,
         "all_resident_budget": minimal.minimum + (total - ckpt.top_k) * minimal.slot_bytes,
     }
+    extra = 0
+    if fallback:
+        from .fallback import file_bytes
+
+        out["fallback_bytes"] = extra = file_bytes(fallback)
     if memory_budget:
-        p = checkpoint_plan(ckpt, be, memory_budget)
+        p = checkpoint_plan(ckpt, be, memory_budget, extra=extra)
         out["budget"] = {"budget": p.budget, "cache_experts": p.cache_experts, "cache_bytes": p.expert_cache,
                          "share_of_experts": p.cache_experts / total}
     if as_json:
@@ -636,6 +663,8 @@ def info(model_path, memory_budget, backend, as_json):
                f"working memory {format_size(out['working_bytes'])}")
     click.echo(f"  smallest budget that works: {format_size(out['minimum_budget'], math.ceil)}; "
                f"everything resident: {format_size(out['all_resident_budget'], math.ceil)}")
+    if fallback:
+        click.echo(f"  low-bit fallback copies: {format_size(extra)} in memory, within the budget")
     if memory_budget:
         b = out["budget"]
         click.echo(f"  {memory_budget} buys {b['cache_experts']} experts ({format_size(b['cache_bytes'])}), "
@@ -1120,12 +1149,21 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
 
 @main.command()
 @click.argument("src", type=click.Path(file_okay=False))
-@click.argument("dst", type=click.Path(file_okay=False))
+@click.argument("dst", type=click.Path())
 @click.option("--bundle", is_flag=True, help="Repack the experts so that each is one 4096-byte aligned range.")
-def convert(src, dst, bundle):
-    """Repack checkpoint SRC into the new folder DST.
+@click.option("--fallback-bits", type=click.Choice(["2", "3", "4"]), help="Write low-bit copies of SRC's experts "
+              "to the file DST (for --fallback).")
+def convert(src, dst, bundle, fallback_bits):
+    """Repack checkpoint SRC into the new folder DST, or (--fallback-bits) write low-bit copies
+    of its experts to the file DST.
 
-    Without --bundle, in mlx-lm's stacked layout, as mlx-lm loads it: for a Hugging Face
+    With --fallback-bits B, every expert is quantized to B bits (MLX's affine quantization,
+    groups of 64) into one safetensors file: run with `--fallback DST`, a decode step computes
+    a missing expert with its copy at once and reads the full one in the background. The
+    copies stay in memory (counted in the budget): on the demo model 51 % of its 4-bit experts'
+    bytes at 2 bits, 71 % at 3 bits; a larger cache often buys more (bench/RESULTS.md, 'Lossy modes').
+
+    Without either, in mlx-lm's stacked layout, as mlx-lm loads it: for a Hugging Face
     checkpoint whose experts mlxmoe cannot stream as they are, because mlx-lm's sanitize
     computes them (fp8 dequantized to bf16); the per-expert and fused layouts stream as
     they are.
@@ -1141,6 +1179,15 @@ def convert(src, dst, bundle):
     """
     from .convert import bundle as bundle_checkpoint, restack
 
+    if bundle and fallback_bits:
+        raise click.UsageError("--bundle and --fallback-bits exclude each other; give one")
+    if fallback_bits:
+        from .api import build_fallback
+        from .budget import format_size
+
+        n = build_fallback(src, dst, int(fallback_bits), progress=lambda line: click.echo(line, err=True))
+        click.echo(f"wrote {dst} ({format_size(n)})", err=True)
+        return
     if bundle:
         bundle_checkpoint(src, dst, progress=lambda line: click.echo(line, err=True))
     else:

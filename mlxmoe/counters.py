@@ -21,6 +21,9 @@ class CacheStats:
     prefetch_stale: int = 0  # predictions dropped because the decode thread got there first
     prefetch_cancelled: int = 0  # background reads stopped part way: their layer call came without them
     cancelled_bytes: int = 0  # ... the bytes they had read (not in bytes_read)
+    skipped: int = 0  # routed experts a lossy mode left out (top-k trimming on a miss)
+    biased: int = 0  # experts chosen only thanks to cache-aware routing's bonus
+    substituted: int = 0  # routed experts computed with their low-bit copies (fallback.py)
     read_seconds: float = 0.0  # the decode thread's reads
     bookkeeping_seconds: float = 0.0  # what StreamingExperts adds beyond mlx-lm's own work
     decode_tps: float = 0.0
@@ -39,4 +42,5 @@ class CacheStats:
                 "prefetch_late": self.prefetch_late, "prefetch_stale": self.prefetch_stale,
                 "prefetch_cancelled": self.prefetch_cancelled, "cancelled_bytes": self.cancelled_bytes,
                 "read_seconds": self.read_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
-                "evictions": self.evictions, "decode_tps": self.decode_tps}
+                "evictions": self.evictions, "skipped": self.skipped, "biased": self.biased,
+                "substituted": self.substituted, "decode_tps": self.decode_tps}

@@ -15,6 +15,7 @@ import numpy as np
 from .backend import host_probs
 from .cache import expert_groups
 from .errors import MlxmoeError
+from .lossy import host_logits
 
 
 def nest(slots: list, depth: int) -> mx.array:
@@ -72,6 +73,7 @@ def find_router(block, num_experts=None):
             return mx.softmax(gate.last_logits.astype(mx.float32), axis=-1, precise=True)
 
         probs.logits = lambda: gate.last_logits  # the model's own array: host_probs reads it with no op
+        probs.gate = gate  # (lossy.attach_lossy biases it)
         return probs, lambda x: base.__call__(gate, x)
     if isinstance(weight, mx.array) and weight.ndim == 2:  # e.g. deepseek's MoEGate: sigmoid scores
         def scores(x):
@@ -198,6 +200,8 @@ class StreamingExperts(nn.Module):
         self._router = router
         self._cache = cache
         self._runtime = None  # api.Runtime, with the cache (loader.attach_cache)
+        self._lossy = None  # lossy.Lossy where a lossy mode is on (lossy.attach_lossy)
+        self._fallback = None  # the experts' low-bit copies, a module like _inner (fallback.attach_fallback)
 
     def __call__(self, x, indices):
         runtime = self._runtime
@@ -232,8 +236,9 @@ class StreamingExperts(nn.Module):
         sync = time.perf_counter() - sync
         counters = cache.counters
         read_before = counters.read_seconds
+        scales = None
         if decode:
-            slots, rows, ready = self._step(x, indices, probs, logits)
+            slots, rows, ready, scales = self._step(x, indices, probs, logits)
         else:
             ready = None
             idx, rows, probs = self._routing(indices, probs)
@@ -242,10 +247,14 @@ class StreamingExperts(nn.Module):
                 return self._grouped(x, idx, rows, probs, groups)
             slots = self._slots(rows, idx, probs)
         inner = time.perf_counter()
-        y = self._inner(x, slots)  # mlx-lm's own work: building the expert computation
-        if ready is not None:  # the experts resident before the reads, computed meanwhile
+        # mlx-lm's own work: building the expert computation (none left where low-bit copies took all)
+        y = self._inner(x, slots) if slots is not None else None
+        if ready is not None:  # the experts resident before the reads (or low-bit copies), computed meanwhile
             order, y_ready = ready
-            y = mx.take(mx.concatenate([y_ready, y], axis=-2), mx.array(np.argsort(order)), axis=-2)
+            y = y_ready if y is None else mx.concatenate([y_ready, y], axis=-2)
+            y = mx.take(y, mx.array(np.argsort(order)), axis=-2)
+        if scales is not None:  # a lossy mode reweighted or dropped some experts (lossy.Lossy.step)
+            y = y * mx.array(scales, dtype=y.dtype)[:, None]
         inner = time.perf_counter() - inner
         if prefetcher is not None:
             prefetcher.layer_done(self._layer, rows, looked, counters.tokens, decode)
@@ -286,7 +295,7 @@ class StreamingExperts(nn.Module):
         """The tapped router's logits of this call (the model's own array), where the cache
         uses the router's distribution; else None."""
         logits = getattr(self._router, "logits", None)
-        return logits() if logits is not None and self._wants_probs() else None
+        return logits() if logits is not None and (self._lossy is not None or self._wants_probs()) else None
 
     def _wants_probs(self):
         return self._router is not None and self._cache.wants_probs()
@@ -309,14 +318,21 @@ class StreamingExperts(nn.Module):
         already resident are computed while they are read (every expert's output is its own
         row: the same numbers). Returns (slots nested as `indices` of the experts left to
         compute, [the token's experts], None or (the order of the rows of [computed early,
-        left], the early rows' output))."""
+        left], the early rows' output), None or the scale of each routed expert's output
+        where a lossy mode reweighted or skipped some: see lossy.py)."""
         cache = self._cache
         row, depth = indices.tolist(), 0
         while isinstance(row[0], list):
             row, depth = row[0], depth + 1
         if self._layer == 0:
             cache.tick(1)
-        experts = sorted(set(row))
+        keep, scales = None, None
+        if self._lossy is not None:
+            keep, scales = self._lossy_step(row, logits)
+        experts = sorted(set(row if keep is None else [e for e, k in zip(row, keep) if k]))
+        if self._fallback is not None:
+            with cache.lock:  # (background loads neither evict nor add a key meanwhile)
+                return self._substitute(x, row, depth, keep, scales, self._low_bit(experts), probs, logits)
         routing = StepRouting(self._layer, row, probs, logits, experts, cache.call_position)
         started = []
 
@@ -334,11 +350,63 @@ class StreamingExperts(nn.Module):
             raise
         cache.observe(routing.record)
         slot_of = dict(zip(experts, slots))
+        if keep is not None:  # a skipped expert computes with a kept one's slot, scaled by 0
+            for e in row:
+                slot_of.setdefault(e, slots[0])
         if not started:
-            return nest([slot_of[e] for e in row], depth), [row], None
+            return nest([slot_of[e] for e in row], depth), [row], None, scales
         cols, y_ready = started[0]
         rest = [i for i in range(len(row)) if i not in cols]
-        return nest([slot_of[row[i]] for i in rest], depth), [row], (cols + rest, y_ready)
+        return nest([slot_of[row[i]] for i in rest], depth), [row], (cols + rest, y_ready), scales
+
+    def _low_bit(self, experts):
+        """Those of `experts` not ready in the cache (absent, on their way, or whose read
+        failed): computed with their low-bit copies."""
+        cache, layer = self._cache, self._layer
+        waiting, failed = cache.in_flight, cache.loader.failed
+        return {e for e in experts
+                if (layer, e) not in cache.slot_of or (layer, e) in waiting or (layer, e) in failed}
+
+    def _substitute(self, x, row, depth, keep, scales, low, probs, logits):
+        """_step where some experts (`low`) compute with their low-bit copies at once and are
+        read in the background; the others are resident: a fetch of them never reads (under
+        the cache's lock, held by the caller)."""
+        cache, layer = self._cache, self._layer
+        kept = keep or [True] * len(row)
+        cols = [i for i, e in enumerate(row) if kept[i] and e in low]
+        y_low = self._fallback(x, nest([row[i] for i in cols], depth)) if cols else None
+        rest = [i for i in range(len(row)) if i not in cols]
+        experts = sorted({row[i] for i in rest if kept[i]})
+        routing = StepRouting(layer, row, probs, logits, experts, cache.call_position)
+        slots = cache.fetch(layer, experts, routing=routing) if experts else []
+        cache.observe(routing.record)
+        cache.counters.substituted += len(cols)
+        cache.fallback.request([(layer, row[i]) for i in cols])
+        slot_of = dict(zip(experts, slots))
+        fill = slots[0] if slots else None
+        rest_slots = [slot_of.get(row[i], fill) for i in rest]
+        if fill is None and rest:  # only skipped experts left: they compute with a low-bit copy, scaled by 0
+            cols, rest = cols + rest, []
+            y_low = self._fallback(x, nest([row[i] for i in cols], depth))
+        if not cols:
+            return nest(rest_slots, depth), [row], None, scales
+        return (nest(rest_slots, depth) if rest else None), [row], (cols + rest, y_low), scales
+
+    def _lossy_step(self, row, logits):
+        """The lossy modes' decision for one token (lossy.Lossy.step), counted in the cache's
+        counters: (which routed experts to keep, or None: all; scales or None)."""
+        cache, gate = self._cache, self._router.gate
+        slot_of, layer = cache.slot_of, self._layer
+        resident = [(layer, e) in slot_of for e in row]
+        mask = getattr(gate, "last_mask", None)
+        if mask is None and all(resident):  # (the common case: nothing to do)
+            return None, None
+        keep, scales, biased = self._lossy.step(host_logits(logits), row, resident, mask)
+        skipped = len(row) - sum(keep)
+        counters = cache.counters
+        counters.skipped += skipped
+        counters.biased += biased
+        return (keep if skipped else None), scales
 
     def _resident(self, x, indices, table):
         """Every expert is resident (they stay put then): slots from the cache's table on

@@ -134,7 +134,7 @@ class Provider(mlx_server.ModelProvider):
 def _counters(cache):
     with cache.lock:
         c = cache.counters
-        return c.hits, c.misses, c.demand_bytes + c.prefetch_bytes
+        return c.hits, c.misses, c.demand_bytes + c.prefetch_bytes, c.skipped, c.biased, c.substituted
 
 
 class SharedEvent(threading.Event):
@@ -263,12 +263,15 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                 if name is not None and self.profiles is not None:
                     self.profiles.learn(name, distributed.whole_usage(ckpt, observed))
                     self.profiles.matched[name] += 1
-                hits, misses, read = (a - b for a, b in zip(_counters(cache), before))
+                counts = [a - b for a, b in zip(_counters(cache), before)]
                 if self.group is not None:
-                    hits, misses, read = distributed.sum_ranks(self.group, [hits, misses, read])
+                    counts = distributed.sum_ranks(self.group, counts)
+                hits, misses, read, skipped, biased, substituted = counts
                 request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                                 "expert_hits": hits, "expert_misses": misses, "mb_read": read / (1 << 20),  # MB as budgets count them
-                                 "profile": name}
+                                 "expert_hits": hits, "expert_misses": misses,
+                                 "mb_read": read / (1 << 20),  # MB as budgets count them
+                                 "profile": name, "experts_skipped": skipped, "experts_biased": biased,
+                                 "experts_low_bit": substituted}
                 self.last_stats = distributed.merged_stats(model)
 
     def _use_profile(self, name):

@@ -377,6 +377,8 @@ OPTIONS = {
     "--cache-experts": (["generate", "-m", MISSING, "-p", "hi", "--cache-experts", "{}"], in_range(int, 1)),
     "--prefetch": (["generate", "-m", MISSING, "-p", "hi", "--prefetch", "{}"], in_range(int, 0, 64)),
     "--max-context": (["generate", "-m", MISSING, "-p", "hi", "--max-context", "{}"], in_range(int, 16, 2 ** 24)),
+    "--trim": (["generate", "-m", MISSING, "-p", "hi", "--trim", "{}"], in_range(float, 0, 1)),
+    "--cache-bias": (["generate", "-m", MISSING, "-p", "hi", "--cache-bias", "{}"], in_range(float, 0)),
     "--max-queue": (["serve", "-m", MISSING, "--max-queue", "{}"], in_range(int, 1, 4096)),
     "--half-life": (["profile", "record", "-m", MISSING, "--prompts", __file__, "-w", "w", "-o", "{out}",
                      "--half-life", "{}"], in_range(float, 1)),  # (a profile's half-life: at least 1 token)
