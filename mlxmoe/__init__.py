@@ -3,9 +3,9 @@
 from .errors import MlxmoeError
 
 __version__ = "0.1.0"
-__all__ = ["DEMO_MODEL", "load", "generate", "stream_generate", "memory_plan", "Runtime", "MlxmoeError",
-           "__version__"]
-_API = ("load", "generate", "stream_generate", "memory_plan", "Runtime")
+__all__ = ["DEMO_MODEL", "load", "LoadOptions", "generate", "stream_generate", "memory_plan", "Runtime",
+           "MlxmoeError", "__version__"]
+_API = ("load", "LoadOptions", "generate", "stream_generate", "memory_plan", "Runtime")
 
 
 def __getattr__(name: str) -> object:

@@ -7,6 +7,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +96,57 @@ def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_ex
     return p
 
 
+@dataclass
+class LoadOptions:
+    """mlxmoe's own options of `load` (keywords there), defined once: the CLI and the server
+    build one and pass it whole (`load(path, options=LoadOptions(...))`). Their meaning is
+    load's docstring."""
+    memory_budget: str | int | None = None
+    cache_size: str | int | None = None
+    cache_experts: int | None = None
+    policy: str | None = None
+    profile: str | os.PathLike | ActivationProfile | None = None
+    backend: str | None = None
+    io_threads: int = 4
+    force_profile: bool = False
+    prewarm: bool = True
+    trace_out: str | os.PathLike | None = None
+    prefetch: int = 1
+    prefetch_confidence: float = 0.1
+    io: str = "auto"
+    group: Any = None
+    split: str = "pipeline"
+    max_context: int = DEFAULT_CONTEXT
+    trim: float = 0.0
+    cache_bias: float = 0.0
+    fallback: str | os.PathLike | None = None
+
+    def check(self) -> None:
+        """Refuse a value out of its range, naming it (the CLI's ranges: one rule for both entrances)."""
+        if self.split not in ("pipeline", "tensor"):
+            raise MlxmoeError(f"split {self.split!r}: choose pipeline or tensor")
+        if not (isinstance(self.prefetch, bool) or _int_in(self.prefetch, 0, 64)):  # (True/False: depth 1, off)
+            raise MlxmoeError(f"prefetch {self.prefetch!r}: layer calls ahead, an integer from 0 to 64")
+        if not _int_in(self.io_threads, 1, 256):
+            raise MlxmoeError(f"io_threads {self.io_threads!r}: an integer from 1 to 256")
+        c = self.prefetch_confidence
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c <= 1:
+            raise MlxmoeError(f"prefetch_confidence {c!r}: a probability, from 0 to 1")
+        if self.cache_experts is not None and not _int_in(self.cache_experts, 1, 1 << 62):
+            raise MlxmoeError(f"cache_experts {self.cache_experts!r}: a number of experts, an integer of at least 1")
+        check_lossy(self.trim, self.cache_bias)
+        if not _int_in(self.max_context, 16, 1 << 24):
+            raise MlxmoeError(f"max_context {self.max_context!r}: tokens a sequence may hold, an integer from 16 "
+                              f"to {1 << 24}")
+        if self.trace_out is not None:
+            from .files import check_writable
+
+            check_writable(self.trace_out)  # a folder or a missing parent: refused now, not at close()
+
+
 def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = None, model_config: dict | None = None,
          adapter_path: str | None = None, lazy: bool = False, return_config: bool = False, revision: str | None = None,
-         trust_remote_code: bool = False, *, memory_budget: str | int | None = None,
-         cache_size: str | int | None = None, cache_experts: int | None = None, policy: str | None = None,
-         profile: str | os.PathLike | ActivationProfile | None = None, backend: str | None = None,
-         io_threads: int = 4, force_profile: bool = False, prewarm: bool = True,
-         trace_out: str | os.PathLike | None = None, prefetch: int = 1, prefetch_confidence: float = 0.1,
-         io: str = "auto", group: Any = None,
-         split: str = "pipeline", max_context: int = DEFAULT_CONTEXT, trim: float = 0.0, cache_bias: float = 0.0,
-         fallback: str | os.PathLike | None = None
+         trust_remote_code: bool = False, *, options: LoadOptions | None = None, **kwargs
          ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
@@ -112,12 +154,17 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     what it returns, (model, tokenizer) or with `return_config` (model, tokenizer,
     config); `model.expert_cache.stats()` gives the cache's stats and `model.expert_runtime`
     (a Runtime) records, swaps and saves profiles as the CLI does. mlxmoe's own options
-    are keyword-only: `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
+    are keyword-only (the fields of LoadOptions; or `options=LoadOptions(...)`):
+    `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
     working memory + expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
+    `policy` names the eviction policy (default activation-floor); `backend` cpu, metal or
+    cuda (default: the best available); `io` how experts are read (auto, mmap, pread,
+    direct; store.py) by `io_threads` threads.
     `profile` (a path or an ActivationProfile) gives the policy its prior and pre-warms
-    the cache with its hottest experts in the background (where the cache holds every
+    the cache with its hottest experts in the background (`prewarm`; where the cache holds every
     expert, all of them are read in the background, after the profile's hottest, and once
-    they are in, layers run without per-layer host work or syncs); the live profile
+    they are in, layers run without per-layer host work or syncs); `force_profile` takes
+    one recorded on another model whose layer and expert counts agree; the live profile
     (`model.expert_runtime.profile`) keeps learning either way. `trace_out` records a
     routing trace (mlxmoe.trace/1) there, completed by `model.expert_runtime.close()`.
     `prefetch` is how many MoE layer calls ahead (past the last layer: the next token's
@@ -148,18 +195,16 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     fails to load makes every rank raise, naming it. `split="tensor"` shards every layer
     with mlx-lm's `model.shard(group)` instead: each rank streams its slice of each expert.
     """
-    if split not in ("pipeline", "tensor"):
-        raise MlxmoeError(f"split {split!r}: choose pipeline or tensor")
-    _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts, trace_out)
-    check_lossy(trim, cache_bias)
-    if not _int_in(max_context, 16, 1 << 24):
-        raise MlxmoeError(f"max_context {max_context!r}: tokens a sequence may hold, an integer from 16 to {1 << 24}")
-    group = group if group is not None and group.size() > 1 else None
+    unknown = sorted(set(kwargs) - {f.name for f in fields(LoadOptions)})
+    if unknown:
+        raise TypeError(f"load() got unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)} "
+                        f"(mlxmoe's options: {', '.join(f.name for f in fields(LoadOptions))})")
+    opts = replace(options or LoadOptions(), **kwargs)
+    opts.check()
+    group = opts.group = opts.group if opts.group is not None and opts.group.size() > 1 else None
     try:
         loaded = _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
-                       trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend,
-                       io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group,
-                       split, max_context, trim, cache_bias, fallback)
+                       trust_remote_code, opts)
     except Exception as e:
         if group is None:
             raise
@@ -178,39 +223,18 @@ def _int_in(value, low, high):
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and low <= value <= high
 
 
-def _check_load_options(prefetch, prefetch_confidence, io_threads, cache_experts, trace_out):
-    """load's own options, with the CLI's ranges (one rule for both entrances)."""
-    if not (isinstance(prefetch, bool) or _int_in(prefetch, 0, 64)):  # (True/False: on at depth 1, off)
-        raise MlxmoeError(f"prefetch {prefetch!r}: layer calls ahead, an integer from 0 to 64")
-    if not _int_in(io_threads, 1, 256):
-        raise MlxmoeError(f"io_threads {io_threads!r}: an integer from 1 to 256")
-    if isinstance(prefetch_confidence, bool) or not isinstance(prefetch_confidence, (int, float)) \
-            or not 0 <= prefetch_confidence <= 1:
-        raise MlxmoeError(f"prefetch_confidence {prefetch_confidence!r}: a probability, from 0 to 1")
-    if cache_experts is not None and not _int_in(cache_experts, 1, 1 << 62):
-        raise MlxmoeError(f"cache_experts {cache_experts!r}: a number of experts, an integer of at least 1")
-    if trace_out is not None:
-        from .files import check_writable
-
-        check_writable(trace_out)  # a folder or a missing parent: refused now, not at close()
-
-
 def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
-          trust_remote_code, memory_budget, cache_size, cache_experts, policy, profile, backend, io_threads,
-          force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, group, split="pipeline",
-          max_context=DEFAULT_CONTEXT, trim=0.0, cache_bias=0.0, fallback=None):
+          trust_remote_code, opts):
     if tokenizer_config is not None and not isinstance(tokenizer_config, dict):
         raise MlxmoeError(f"tokenizer_config must be a dict, not {tokenizer_config!r} (mlx_lm.load's second "
                           "argument; mlxmoe's options are keywords: memory_budget=..., cache_experts=...)")
     if adapter_path is not None:
         raise MlxmoeError(f"adapter {adapter_path}: LoRA adapters are not supported; fuse them into the model "
                           "first (mlx_lm.fuse)")
-    be = backends.detect(backend)
-    ckpt = open_checkpoint(path_or_hf_repo, model_config, revision, trust_remote_code, group, split)
+    be = backends.detect(opts.backend)
+    ckpt = open_checkpoint(path_or_hf_repo, model_config, revision, trust_remote_code, opts.group, opts.split)
     try:
-        tokenizer = _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy,
-                           profile, io_threads, force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io,
-                           max_context, trim, cache_bias, fallback)
+        tokenizer = _build(ckpt, be, tokenizer_config, lazy, opts)
     except BaseException:  # nothing stays open: shards, IO threads, a trace's temp file
         runtime = getattr(ckpt.model, "expert_runtime", None)
         if runtime is not None:
@@ -220,17 +244,15 @@ def _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, r
     return (ckpt.model, tokenizer, ckpt.config) if return_config else (ckpt.model, tokenizer)
 
 
-def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_experts, policy, profile, io_threads,
-           force_profile, prewarm, trace_out, prefetch, prefetch_confidence, io, max_context=DEFAULT_CONTEXT, trim=0.0,
-           cache_bias=0.0, fallback=None):
+def _build(ckpt, be, tokenizer_config, lazy, opts):
     """Give an opened checkpoint its Runtime (model.expert_runtime, with model.expert_cache); return the tokenizer."""
     tokenizer = read_tokenizer(ckpt.path, tokenizer_config, ckpt.config.get("eos_token_id"))
-    ckpt.store.set_io(io)  # "auto", "mmap", "pread" or "direct" (see store.py)
+    ckpt.store.set_io(opts.io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
     fp = model_fingerprint(ckpt)
-    extra = 0 if fallback is None else fallback_bytes(fallback)  # resident beside the cache, within the budget
-    p = checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts, max_context, extra)
-    prior = None if profile is None else stage_profile(ckpt, fp, profile, force_profile)
+    extra = 0 if opts.fallback is None else fallback_bytes(opts.fallback)  # resident beside the cache, within the budget
+    p = checkpoint_plan(ckpt, be, opts.memory_budget, opts.cache_size, opts.cache_experts, opts.max_context, extra)
+    prior = None if opts.profile is None else stage_profile(ckpt, fp, opts.profile, opts.force_profile)
     rates = None if prior is None else prior.rates()
     if not lazy:
         mx.eval(ckpt.model.parameters())
@@ -242,23 +264,23 @@ def _build(ckpt, be, tokenizer_config, lazy, memory_budget, cache_size, cache_ex
         live = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k)
     live.model, live.fingerprint = model_name(ckpt.path), fp
     live.expert_bytes, live.resident_bytes = profile_sizes(p)
-    policy = make_policy(policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
+    policy = make_policy(opts.policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
     # under the tensor split the ranks take the resident path together (Runtime.agree_resident)
-    cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, io_threads, profile=live,
+    cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, opts.io_threads, profile=live,
                         hold_resident=ckpt.group is not None and ckpt.split == "tensor")
     prefetcher = None
-    if prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
-        prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_ks, depth=prefetch, prior=rates,
-                                confidence=prefetch_confidence)
+    if opts.prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
+        prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_ks, depth=opts.prefetch, prior=rates,
+                                confidence=opts.prefetch_confidence)
     runtime = Runtime(ckpt, p, be, cache, fp, prefetcher)
     attach_cache(ckpt, runtime)
-    runtime.lossy = attach_lossy(ckpt, cache, trim, cache_bias)
-    if fallback is not None:
-        attach_fallback(ckpt, cache, fallback, fp)
+    runtime.lossy = attach_lossy(ckpt, cache, opts.trim, opts.cache_bias)
+    if opts.fallback is not None:
+        attach_fallback(ckpt, cache, opts.fallback, fp)
     be.activate(p.budget)
-    if trace_out is not None:
-        runtime.record_trace(trace_out)
-    if prewarm:
+    if opts.trace_out is not None:
+        runtime.record_trace(opts.trace_out)
+    if opts.prewarm:
         order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:
             cache.prewarm(order)

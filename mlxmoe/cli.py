@@ -168,12 +168,7 @@ def _load(opts):
         _compiling_said = True
     loading = notice(2.0, lambda: f"loading {opts['model_path'] or 'the demo model'}...")
     try:
-        model, tokenizer = load(opts["model_path"], memory_budget=opts["memory_budget"], cache_size=opts["cache_size"],
-                                cache_experts=opts["cache_experts"], policy=opts["policy"], backend=opts["backend"],
-                                profile=opts["profile_path"], force_profile=opts["force_profile"],
-                                trace_out=opts["trace_out"], io=opts["io"], prefetch=opts["prefetch"], group=group,
-                                split=opts["split"], max_context=opts["max_context"], trim=opts["trim"],
-                                cache_bias=opts["cache_bias"], fallback=opts["fallback"])
+        model, tokenizer = load(opts["model_path"], options=load_options(opts, group))
     finally:
         loading.cancel()
     cache = model.expert_cache
@@ -182,6 +177,16 @@ def _load(opts):
                f"pre-warming the cache with the hottest experts of {cache.profile.workload!r} in the background "
                "(the first tokens share the disk with it)")
     return model, tokenizer
+
+
+def load_options(opts, group=None):
+    """The api.LoadOptions that a command's model options (model_options) stand for."""
+    from dataclasses import fields
+
+    from .api import LoadOptions
+
+    names = {f.name for f in fields(LoadOptions)} - {"profile", "group"}
+    return LoadOptions(**{k: v for k, v in opts.items() if k in names}, profile=opts["profile_path"], group=group)
 
 
 def _prior(model, opts):
