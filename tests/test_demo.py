@@ -212,7 +212,7 @@ def test_chat_greetings_get_a_short_answer_in_their_language():
     r = CliRunner().invoke(main, ["chat", "--max-tokens", str(max_tokens)], input=f"{turns}\n/quit\n")
     assert r.exit_code == 0, r.output
     replies = [part.split("\n[conversation cleared", 1)[0].strip() for part in r.stdout.split(">> ")[1:-1:2]]
-    counts = [int(n) for n in re.findall(r"\[(\d+) tokens,", r.stderr)]
+    counts = [int(n) for n in re.findall(r"\[(\d+) tokens?[ ,]", r.stderr)]
     detail = f"\nreplies: {replies}\ntokens: {counts}"
     assert len(replies) == len(counts) == len(GREETINGS), detail
     for lang, reply, n in zip(GREETINGS, replies, counts):
