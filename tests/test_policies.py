@@ -158,13 +158,13 @@ def test_activation_lets_go_of_pins_the_workload_does_not_bear_out():
     assert release == 25
     others = list(range(1, 7)) * 5
     _, r = run("activation", 2, single(7, *others[:release - 1]), prior=prior, pin_share=0.5)
-    assert r.policy.pinned == {(0, 7)}
+    assert r.policy.pins.pinned == {(0, 7)}
     _, r = run("activation", 2, single(7, *others[:release]), prior=prior, pin_share=0.5)
-    assert r.policy.pinned == set()
+    assert r.policy.pins.pinned == set()
     # used at about the prior's rate, it stays pinned
     evicted, r = run("activation", 2, single(*[e for o in others for e in (7, 7, 7, 7, 7, 7, 7, 7, 7, o)]),
                      prior=prior, pin_share=0.5)
-    assert (0, 7) not in evicted and r.policy.pinned == {(0, 7)}
+    assert (0, 7) not in evicted and r.policy.pins.pinned == {(0, 7)}
 
 
 def test_activation_evicts_from_the_layer_just_run_on_ties():
@@ -205,7 +205,7 @@ def run_steps(steps, capacity=8, layers=2, experts=8, **kw):
         if tokens:
             r.tick(tokens)
         r.access(layer, es)
-        floors.append(policy.floor)
+        floors.append(policy.floor.floor)
     return evicted, floors
 
 
@@ -359,6 +359,7 @@ def test_activation_counts_a_prefill_call_as_its_tokens():
     many.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))  # learns top-k = 1
     many.tick(7)
     many.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]))
+    one, many = one.estimate, many.estimate
     s7 = many.slow ** 7
     assert one.freq[0, 0] == pytest.approx(1 - one.slow ** 8)  # 8 single-token visits that used expert 0
     # 1 visit, then 7 tokens at share 0.7
@@ -378,6 +379,7 @@ def test_activation_counts_a_prefill_call_as_one_visit_by_default(router):
     p.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))
     p.tick(7)
     p.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]) if router else None)
+    p = p.estimate
     s = p.slow
     assert p.top_k == 1
     assert p.freq[0, 0] == pytest.approx((1 - s) * s + (1 - s) * (0.7 if router else 1))
@@ -434,7 +436,7 @@ def test_activation_evicts_by_expected_time_with_a_sorted_insert():
     seq = [(0, [1]), (1, [5])] * 4 + [(0, [2]), (1, [6])]
     evicted, r = run("activation", 3, seq, layers=2)
     assert evicted == [(0, 2)]
-    p = r.policy
+    p = r.policy.estimate
     assert p.long_rate[0, 2] < p.long_rate[0, 1] and p.long_rate[0, 2] < p.long_rate[1, 5]
 
 def test_slru_pins_the_profiles_hottest_by_default():
@@ -536,10 +538,11 @@ def test_unknown_option_is_refused_naming_it_and_the_policy():
     with pytest.raises(MlxmoeError, match=r"policy 'lru' has no option 'half_life' \(its options: prior\)"):
         make_policy("lru", 8, 2, 8, half_life=4)
     prior = np.full((2, 8), 0.25)
-    p = make_policy("activation-floor", 8, 2, 8, half_life=1, layer_floor=False, prior=prior, now_weight=0.3)
-    assert p.floor is None and p.slow == 0.5 and p.now_weight == 0.3 and len(p.pinned) == 2
-    assert make_policy("activation", 8, 2, 8, layer_floor=True).floor == 4
-    assert make_policy(DEFAULT_POLICY, 8, 2, 8).floor == 4  # less floor_slack x top_k once top_k is seen
+    p = make_policy("activation-floor", 8, 2, 8, half_life=1, floor_slack=None, prior=prior, now_weight=0.3)
+    assert p.floor is None and p.estimate.slow == 0.5 and p.estimate.now_weight == 0.3 and len(p.pins.pinned) == 2
+    assert p.name == "activation-floor"
+    assert make_policy("activation", 8, 2, 8, floor_slack=0).floor.floor == 4
+    assert make_policy(DEFAULT_POLICY, 8, 2, 8).floor.floor == 4  # less floor_slack x top_k once top_k is seen
     assert make_policy("lfu", 8, 2, 8, half_life=4, prior=prior).counts.growth == 2 ** 0.25
     assert make_policy("slru", 8, 2, 8, window=2, pin_share=0.5, prior=prior).window == 2
     make_policy("s3fifo", 8, 2, 8, small_share=0.2, prior=prior)
@@ -554,8 +557,8 @@ def test_optional_hooks_are_declared():
 
     for name in ("lru", "lfu", "slru", "s3fifo", "layer-lru", "layer-lfu", "lfuda"):
         p = make_policy(name, 8, 2, 8)
-        assert (p.miss_cost, p.chance, p.steps) == (None, None, None)
-    p = make_policy(DEFAULT_POLICY, 8, 2, 8)
+        assert p.estimate is None
+    p = make_policy(DEFAULT_POLICY, 8, 2, 8).estimate
     p.current = 0
     p.miss_cost[1] = 0.5
     # a guess of layer 1 used at half its visits: 1 + 2 (1/0.5 - 1) layer steps, at half the cost
