@@ -420,9 +420,8 @@ class NextUse:
     known, its favour of the expert now (`now_weight`, `now_scale`). rate is the decayed
     share of the layer's visits that used the expert, its half-life `horizon` x the mean
     age of the experts evicted (within `long_min`..`long_max` tokens), regularised by
-    `long_prior` visits at the prior's rate. A call of n tokens (a prefill) counts as
-    min(n, `prefill_visits`) visits, p1 moving towards the share of its tokens that used
-    each expert where the router is known.
+    `long_prior` visits at the prior's rate. A call of n tokens (a prefill) counts as one visit, p1
+    moving towards the share of its tokens that used each expert where the router is known.
 
     The hooks the cache and the prefetcher use: `miss_cost`, per layer what a miss costs
     relative to others (an array the cache lowers where prefetch hides a layer's misses);
@@ -431,14 +430,12 @@ class NextUse:
 
     def __init__(self, num_layers, num_experts, prior=None, half_life=HALF_LIFE_ACTIVATION,
                  recency_half_life=HALF_LIFE_RECENCY, recency_weight=0.2, router_weight=1.0, prior_weight=0.1,
-                 now_weight=0.6, now_scale=8.0, horizon=2.0, long_min=16.0, long_max=80.0, long_prior=4.0,
-                 prefill_visits=1):
+                 now_weight=0.6, now_scale=8.0, horizon=2.0, long_min=16.0, long_max=80.0, long_prior=4.0):
         L, E = self.num_layers, self.num_experts = num_layers, num_experts
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
         self.recency_weight, self.router_weight, self.prior_weight = recency_weight, router_weight, prior_weight
         self.now_weight, self.now_scale = now_weight, now_scale
-        self.prefill_visits = prefill_visits or math.inf
         self.prior = np.zeros((L, E)) if prior is None else np.asarray(prior, dtype=np.float64)
         # A layer's rows side by side ([layer, 5, E]: freq, recent, router_mass, prior_weight x prior,
         # used_visits; views below), so that one numpy call decays all, adds a use to all, or sums p1's terms (few calls
@@ -481,19 +478,17 @@ class NextUse:
         self.tokens += tokens
 
     def visit(self, layer, experts, scores=None, probs=None):
-        # A call of n tokens (a prefill) counts as min(n, prefill_visits) visits for p1:
-        # its estimates decay that many times and move towards the share of its tokens
-        # that used each expert. Only the union of the experts is known; the router's mean
-        # distribution times top-k estimates the share, where the router is known (else
-        # each expert of the union counts as used). The long-run counts take a call as one
-        # visit of the experts it used.
+        # A call of n tokens (a prefill) counts as one visit: its estimates decay once and
+        # move towards the share of its tokens that used each expert. Only the union of the
+        # experts is known; the router's mean distribution times top-k estimates the share,
+        # where the router is known (else each expert of the union counts as used). The
+        # long-run counts take a call as one visit of the experts it used.
         # (At E = 32-128 each numpy call costs about its overhead: few calls, in place.)
-        n = min(self.call_tokens, self.prefill_visits)
         experts = np.asarray(experts, dtype=np.intp)
         probs = None if probs is None else np.asarray(probs)
         half_life = min(max(self.horizon * self.evicted_age, self.long_min), self.long_max)
         keep = 2.0 ** (-1.0 / half_life)  # used_visits' decay per visit (a call is one visit)
-        self._count_use(layer, experts, scores, probs, n, keep)
+        self._count_use(layer, experts, scores, probs, keep)
         p1 = self.mix(layer, out=self.next_chance[layer])
         if probs is not None and self.now_weight:
             now = np.minimum(1.0, probs * (self.now_scale * self.top_k))
@@ -512,19 +507,17 @@ class NextUse:
         self.visits += 1
         self.visited_at[layer] = self.visits
 
-    def _count_use(self, layer, experts, scores, probs, n, keep):
-        """Decay `layer`'s rows by a call of n visits and add its use of `experts`."""
-        slow, fast = self.slow ** n, self.fast ** n
+    def _count_use(self, layer, experts, scores, probs, keep):
+        """Decay `layer`'s rows by a visit and add its use of `experts`."""
+        slow, fast, decays = self.slow, self.fast, self.decays
         rows = self.rows[layer]  # a view: updated in place; router_mass only decays where the router is known
-        decays, gains = (self.decays, self.gains) if n == 1 else (np.array([[slow], [fast], [slow], [1.0], [1.0]]),
-                                                                  np.array([[1 - slow], [1 - fast], [1.0]]))
         decays[2, 0] = slow if probs is not None or scores is not None else 1.0
         decays[4, 0] = keep
         rows *= decays
         freq, recent, router_mass, _, used_visits = rows
         # one token, or the router unknown: the experts used: freq, recent x decay + (1 - decay) x 1, used_visits + 1
         if self.call_tokens == 1 or probs is None:
-            rows[self.used_rows, experts] += gains
+            rows[self.used_rows, experts] += self.gains
         else:
             used = np.minimum(1.0, probs * self.top_k)
             freq += (1 - slow) * used
@@ -822,11 +815,11 @@ class Activation(Policy):
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=HALF_LIFE_ACTIVATION,
                  recency_half_life=HALF_LIFE_RECENCY, recency_weight=0.2, router_weight=1.0, prior_weight=0.1,
                  now_weight=0.6, now_scale=8.0, horizon=2.0, long_min=16.0, long_max=80.0, long_prior=4.0,
-                 prefill_visits=1, pin_share=0.25, pin_release=0.5, floor_slack=None, **kw):
+                 pin_share=0.25, pin_release=0.5, floor_slack=None, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         self.estimate = NextUse(num_layers, num_experts, prior, half_life, recency_half_life, recency_weight,
                                 router_weight, prior_weight, now_weight, now_scale, horizon, long_min, long_max,
-                                long_prior, prefill_visits)
+                                long_prior)
         self.pins = ProfilePins(pin_share, pin_release)
         self.pins.follow(self.estimate.prior if prior is not None else None, capacity, num_layers)
         self.index = VictimIndex(self.estimate, self.pins)

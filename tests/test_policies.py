@@ -2,7 +2,6 @@
 with a known optimum, and the replay simulator's output."""
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -345,27 +344,6 @@ def test_trace_router_distribution_must_cover_every_expert(tmp_path):
                     '{"s":0,"t":0,"l":0,"e":[1],"r":[0.5,0.5]}\n')
     with pytest.raises(MlxmoeError, match="router distribution of 2 experts"):
         read_trace(path)
-
-
-def test_activation_counts_a_prefill_call_as_its_tokens():
-    """With prefill_visits unbounded, a call of n tokens decays the short-term estimates n
-    times; the router's mean distribution times top-k stands for the share of tokens that
-    used each expert."""
-    one, many = (make_policy("activation", 4, 1, 4, prefill_visits=math.inf, now_weight=0) for _ in range(2))
-    for _ in range(8):
-        one.tick(1)
-        one.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))
-    many.tick(1)
-    many.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))  # learns top-k = 1
-    many.tick(7)
-    many.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]))
-    one, many = one.estimate, many.estimate
-    s7 = many.slow ** 7
-    assert one.freq[0, 0] == pytest.approx(1 - one.slow ** 8)  # 8 single-token visits that used expert 0
-    # 1 visit, then 7 tokens at share 0.7
-    assert many.freq[0, 0] == pytest.approx((1 - many.slow) * s7 + (1 - s7) * 0.7)
-    assert many.freq[0, 1] == pytest.approx((1 - s7) * 0.1)
-    assert many.next_chance[0, 0] > 5 * many.next_chance[0, 1]
 
 
 @pytest.mark.parametrize("router", [True, False])
