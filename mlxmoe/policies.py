@@ -416,8 +416,7 @@ class NextUse:
     d + L (1 - p1) / rate steps, over its layer's `miss_cost` (1 in a replay; lower where
     prefetch hides the layer's misses, see ExpertCache.miss_costs). p1 mixes decayed
     estimates: frequency of use (`half_life` tokens), recent use (`recency_half_life`),
-    router mass, the profile's prior rate and, where the router's whole distribution is
-    known, its favour of the expert now (`now_weight`, `now_scale`). rate is the decayed
+    router mass and, where the router's whole distribution is known, its favour of the expert now (`now_weight`, `now_scale`). rate is the decayed
     share of the layer's visits that used the expert, its half-life `horizon` x the mean
     age of the experts evicted (within `long_min`..`long_max` tokens), regularised by
     `long_prior` visits at the prior's rate. A call of n tokens (a prefill) counts as one visit, p1
@@ -429,22 +428,21 @@ class NextUse:
     rate)`, the expected layer steps until `key` is used (prefetch.outranks)."""
 
     def __init__(self, num_layers, num_experts, prior=None, half_life=HALF_LIFE_ACTIVATION,
-                 recency_half_life=HALF_LIFE_RECENCY, recency_weight=0.2, router_weight=1.0, prior_weight=0.1,
+                 recency_half_life=HALF_LIFE_RECENCY, recency_weight=0.2, router_weight=1.0,
                  now_weight=0.6, now_scale=8.0, horizon=2.0, long_min=16.0, long_max=80.0, long_prior=4.0):
         L, E = self.num_layers, self.num_experts = num_layers, num_experts
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
-        self.recency_weight, self.router_weight, self.prior_weight = recency_weight, router_weight, prior_weight
+        self.recency_weight, self.router_weight = recency_weight, router_weight
         self.now_weight, self.now_scale = now_weight, now_scale
         self.prior = np.zeros((L, E)) if prior is None else np.asarray(prior, dtype=np.float64)
-        # A layer's rows side by side ([layer, 5, E]: freq, recent, router_mass, prior_weight x prior,
-        # used_visits; views below), so that one numpy call decays all, adds a use to all, or sums p1's terms (few calls
-        # at E = 32-128)
-        self.rows = np.zeros((L, 5, E))
-        self.freq, self.recent, self.router_mass, prior_term, self.used_visits = self.rows.transpose(1, 0, 2)
+        # A layer's rows side by side ([layer, 4, E]: freq, recent, router_mass, used_visits; views
+        # below), so that one numpy call decays all, adds a use to all, or sums p1's terms (few calls at
+        # E = 32-128). The profile's rates seed the frequencies.
+        self.rows = np.zeros((L, 4, E))
+        self.freq, self.recent, self.router_mass, self.used_visits = self.rows.transpose(1, 0, 2)
         self.freq[:] = self.prior
-        prior_term[:] = prior_weight * self.prior
-        self.mix_weights = np.array([[1 - recency_weight], [recency_weight], [router_weight], [1.0]])
+        self.mix_weights = np.array([[1 - recency_weight], [recency_weight], [router_weight]])
         self.next_chance = self.mix(slice(None))  # p1: chance of use at the layer's next visit
         self.horizon, self.long_min, self.long_max, self.long_prior = horizon, long_min, long_max, long_prior
         self.layer_visits = [0.0] * L  # decayed visits of each layer
@@ -459,19 +457,17 @@ class NextUse:
         self.top_k = 1  # the most experts one token has used (seen at single-token calls)
         self.visits = 0  # layer calls so far
         self.visited_at = [0] * L  # the call count at each layer's last visit
-        self.used_rows = np.array([[0], [1], [4]])  # freq, recent, used_visits: what a use adds to
-        self.decays = np.array([[self.slow], [self.fast], [self.slow], [1.0], [1.0]])  # of each row per visit
+        self.used_rows = np.array([[0], [1], [3]])  # freq, recent, used_visits: what a use adds to
+        self.decays = np.array([[self.slow], [self.fast], [self.slow], [1.0]])  # of each row per visit
         self.gains = np.array([[1 - self.slow], [1 - self.fast], [1.0]])  # what a use adds to freq, recent, used_visits
         # the victim is the expert with the largest expected time to next use / its layer's miss cost
         self.miss_cost = np.ones(L)
 
     def set_prior(self, prior):
-        """The prior term and the long-run rates' regulariser follow the new prior; what
-        the live estimates learnt stays."""
+        """The long-run rates' regulariser follows the new prior; what the live estimates
+        learnt stays."""
         self.prior = np.zeros_like(self.prior) if prior is None else np.asarray(prior, dtype=np.float64)
-        self.rows[:, 3, :] = self.prior_weight * self.prior
         self.rate_terms.clear()
-        self.mix(slice(None), out=self.next_chance)
 
     def tick(self, tokens):
         self.call_tokens = tokens
@@ -512,9 +508,9 @@ class NextUse:
         slow, fast, decays = self.slow, self.fast, self.decays
         rows = self.rows[layer]  # a view: updated in place; router_mass only decays where the router is known
         decays[2, 0] = slow if probs is not None or scores is not None else 1.0
-        decays[4, 0] = keep
+        decays[3, 0] = keep
         rows *= decays
-        freq, recent, router_mass, _, used_visits = rows
+        freq, recent, router_mass, used_visits = rows
         # one token, or the router unknown: the experts used: freq, recent x decay + (1 - decay) x 1, used_visits + 1
         if self.call_tokens == 1 or probs is None:
             rows[self.used_rows, experts] += self.gains
@@ -533,9 +529,9 @@ class NextUse:
         self.evicted_age += 0.01 * (self.tokens - self.last_use[key] - self.evicted_age)
 
     def mix(self, layer, out=None):
-        """p1 from the decayed estimates: ((1 - rw) freq + rw recent) + router_weight router_mass
-        + prior_weight prior, summed in that order (a reduction over 4 rows adds them one after the other)."""
-        return np.add.reduce(self.rows[layer, ..., :4, :] * self.mix_weights, axis=-2, out=out)
+        """p1 from the decayed estimates: ((1 - rw) freq + rw recent) + router_weight router_mass,
+        summed in that order (a reduction over 3 rows adds them one after the other)."""
+        return np.add.reduce(self.rows[layer, ..., :3, :] * self.mix_weights, axis=-2, out=out)
 
     def rate_term(self):
         """long_prior x each expert's long-run rate per visit before any is seen: the
@@ -577,33 +573,7 @@ class NextUse:
         age = max(AGING * (self.visits - self.visited_at[layer] - self.num_layers), 0)
         slow, fast = self.slow ** age, self.fast ** age
         return ((1 - self.recency_weight) * self.freq[key] * slow + self.recency_weight * self.recent[key] * fast
-                + self.router_weight * self.router_mass[key] * slow + self.prior_weight * self.prior[key])
-
-
-class ProfilePins:
-    """The profile's hottest experts (`share` of the cache) stay pinned while their live
-    frequency is at least `release` x their prior rate (none without a profile)."""
-
-    def __init__(self, share=0.25, release=0.5):
-        self.share, self.release = share, release
-        self.pinned = set()
-        self.candidates = []  # per layer, the experts pinned by the prior (an array)
-
-    def follow(self, prior, capacity, num_layers):
-        """Pin the prior's hottest (`prior`: an array, or None: no pins)."""
-        self.pinned = set(pins(prior, int(capacity * self.share))) if prior is not None else set()
-        self.candidates = [np.array(sorted(e for l, e in self.pinned if l == layer), dtype=np.intp)
-                           for layer in range(num_layers)]
-
-    def hold(self, layer, freq, prior):
-        """Pin those of `layer`'s candidates whose live frequency (`freq`, the layer's row)
-        is at least release x their prior rate, unpin the others."""
-        candidates = self.candidates[layer]
-        if not len(candidates):
-            return
-        kept = freq[candidates] >= self.release * prior[candidates]
-        for e, pin in zip(candidates.tolist(), kept.tolist()):
-            (self.pinned.add if pin else self.pinned.discard)((layer, e))
+                + self.router_weight * self.router_mass[key] * slow)
 
 
 class LayerFloor:
@@ -713,22 +683,19 @@ class VictimIndex:
     """Each layer's resident experts, farthest next use first, and the farthest of each
     layer's as one array, so that a victim needs no loop over layers."""
 
-    def __init__(self, estimate, pins):
+    def __init__(self, estimate):
         L = estimate.num_layers
-        self.estimate, self.pins = estimate, pins
+        self.estimate = estimate
         self.resident = [set() for _ in range(L)]
         self.order = [[] for _ in range(L)]  # resident experts of each layer, farthest next use first
         self.unsorted = set()  # layers with experts inserted since their order was sorted
         # the second term of steps() of each layer's farthest expert (order[layer][0]; -inf if
-        # none), whether that one is pinned, and the first term, layer steps from the current
-        # layer ([current, layer])
+        # none), and the first term, layer steps from the current layer ([current, layer])
         self.head = np.full(L, -np.inf)
-        self.head_pinned = np.zeros(L, dtype=bool)
         self.distance = np.array([[(l - c) % L or L for l in range(L)] for c in range(L)], dtype=np.float64)
 
     def visited(self, layer):
         self.order[layer] = list(self.resident[layer])
-        self.pins.hold(layer, self.estimate.freq[layer], self.estimate.prior[layer])
         self.sort(layer)
         self.unsorted.discard(layer)
 
@@ -763,7 +730,6 @@ class VictimIndex:
         key = (layer, order[0]) if order else None
         # not aged: see victim()
         self.head[layer] = -np.inf if key is None else self.estimate.tail(key, self.estimate.next_chance[key])
-        self.head_pinned[layer] = key in self.pins.pinned
 
     def steps(self):
         """steps() of every layer's farthest expert (not aged), over its layer's miss cost."""
@@ -772,38 +738,34 @@ class VictimIndex:
 
     def victim(self, protected, steps, steps_of):
         """The expert of largest steps over the layers whose `steps` are not -inf, or None;
-        the layers whose candidate is another one (their farthest is protected or pinned) or
-        whose p1 has aged are redone with `steps_of(key)`."""
-        est, order, pinned = self.estimate, self.order, self.pins.pinned
+        the layers whose candidate is another one (their farthest is protected) or whose p1
+        has aged are redone with `steps_of(key)`."""
+        est, order = self.estimate, self.order
         redo = {l for l, e in protected if order[l] and order[l][0] == e}
         oldest = est.visits - est.num_layers
         redo.update(l for l, visited in enumerate(est.visited_at) if visited < oldest)
-        for skip_pinned in (True, False):
-            candidates, s = {}, steps
-            again = redo | set(np.flatnonzero(self.head_pinned).tolist()) if skip_pinned and pinned else redo
-            if again:
-                s = steps.copy()
-                for layer in again:
-                    if steps[layer] == -np.inf:  # held at its floor (or empty)
-                        continue
-                    s[layer] = -np.inf
-                    for e in order[layer]:
-                        key = (layer, e)
-                        if key in protected or (skip_pinned and key in pinned):
-                            continue
+        candidates, s = {}, steps
+        if redo:
+            s = steps.copy()
+            for layer in redo:
+                if steps[layer] == -np.inf:  # held at its floor (or empty)
+                    continue
+                s[layer] = -np.inf
+                for e in order[layer]:
+                    if (layer, e) not in protected:
                         candidates[layer] = e
-                        s[layer] = steps_of(key) / est.miss_cost[layer]
+                        s[layer] = steps_of((layer, e)) / est.miss_cost[layer]
                         break  # the farthest of this layer is its only candidate
-            layer = int(np.argmax(s))  # the first of equals, as a loop over layers would
-            if s[layer] != -np.inf:
-                return layer, candidates.get(layer, order[layer][0] if order[layer] else None)
-        return None
+        layer = int(np.argmax(s))  # the first of equals, as a loop over layers would
+        if s[layer] == -np.inf:
+            return None
+        return layer, candidates.get(layer, order[layer][0] if order[layer] else None)
 
 
 class Activation(Policy):
     """Evict the expert whose next use is expected farthest (Belady's rule on the NextUse
-    estimate), the profile's hottest pinned (ProfilePins), a prefill pass taking slots from
-    the layers it has left (PrefillPass) and, with `floor_slack` (not None), each layer kept
+    estimate, a profile's rates its prior), a prefill pass taking slots from the layers it
+    has left (PrefillPass) and, with `floor_slack` (not None), each layer kept
     at a floor (LayerFloor). `activation` is these rules without the floor, at the
     estimate's own half-life; the default, `activation-floor`, with the floor (slack 1) and
     a frequency half-life of half a token, chosen on real routing (bench_policies.py
@@ -813,25 +775,18 @@ class Activation(Policy):
     wants_router = True
 
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=HALF_LIFE_ACTIVATION,
-                 recency_half_life=HALF_LIFE_RECENCY, recency_weight=0.2, router_weight=1.0, prior_weight=0.1,
+                 recency_half_life=HALF_LIFE_RECENCY, recency_weight=0.2, router_weight=1.0,
                  now_weight=0.6, now_scale=8.0, horizon=2.0, long_min=16.0, long_max=80.0, long_prior=4.0,
-                 pin_share=0.25, pin_release=0.5, floor_slack=None, **kw):
+                 floor_slack=None, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         self.estimate = NextUse(num_layers, num_experts, prior, half_life, recency_half_life, recency_weight,
-                                router_weight, prior_weight, now_weight, now_scale, horizon, long_min, long_max,
-                                long_prior)
-        self.pins = ProfilePins(pin_share, pin_release)
-        self.pins.follow(self.estimate.prior if prior is not None else None, capacity, num_layers)
-        self.index = VictimIndex(self.estimate, self.pins)
+                                router_weight, now_weight, now_scale, horizon, long_min, long_max, long_prior)
+        self.index = VictimIndex(self.estimate)
         self.prefill_pass = PrefillPass(self.estimate, self.index.order)
         self.floor = None if floor_slack is None else LayerFloor(capacity, num_layers, floor_slack)
 
     def set_prior(self, prior):
-        """The estimate's prior and the pins follow the new prior; what the live estimates learnt stays."""
         self.estimate.set_prior(prior)
-        self.pins.follow(self.estimate.prior if prior is not None else None, self.capacity, self.num_layers)
-        for layer in range(self.num_layers):
-            self.index.set_head(layer)
         return True
 
     def tick(self, tokens=1):

@@ -136,34 +136,17 @@ def test_belady_is_offline_only():
         make_policy("belady", 4, 1, 16)
 
 
-def test_activation_prefers_frequent_and_pins_prior():
+def test_activation_prefers_frequent_and_takes_the_prior():
     evicted, _ = run("activation", 2, single(1, 1, 1, 2, 3))
     assert evicted == [(0, 2)]
-    # a prior that makes expert 7 the hottest pins it: it survives a run of other experts
+    # a prior that makes expert 7 the hottest seeds its frequency and long-run rate: it
+    # survives a run of other experts, which it does not without the prior
     prior = np.zeros((1, 16))
     prior[0, 7] = 0.9
-    evicted, r = run("activation", 2, single(7, 1, 2, 3, 4), prior=prior, pin_share=0.5)
-    assert (0, 7) not in evicted and (0, 7) in r.slot_of
-
-
-def test_activation_lets_go_of_pins_the_workload_does_not_bear_out():
-    # expert 7's prior rate is 0.9 per token. Its live frequency F starts there, takes the
-    # use at the first token, then halves every 24 tokens unused: the pin holds while F is
-    # at least half the prior rate, and lets go at the first token where it is not
-    prior = np.zeros((1, 16))
-    prior[0, 7] = 0.9
-    decay = 2 ** (-1 / 24)
-    release = next(n for n in range(1, 100) if (0.9 * decay + 1 - decay) * decay ** n < 0.5 * 0.9)
-    assert release == 25
-    others = list(range(1, 7)) * 5
-    _, r = run("activation", 2, single(7, *others[:release - 1]), prior=prior, pin_share=0.5)
-    assert r.policy.pins.pinned == {(0, 7)}
-    _, r = run("activation", 2, single(7, *others[:release]), prior=prior, pin_share=0.5)
-    assert r.policy.pins.pinned == set()
-    # used at about the prior's rate, it stays pinned
-    evicted, r = run("activation", 2, single(*[e for o in others for e in (7, 7, 7, 7, 7, 7, 7, 7, 7, o)]),
-                     prior=prior, pin_share=0.5)
-    assert (0, 7) not in evicted and r.policy.pins.pinned == {(0, 7)}
+    for name in ("activation", DEFAULT_POLICY):
+        evicted, r = run(name, 2, single(7, 1, 2, 3, 4), prior=prior)
+        assert (0, 7) not in evicted and (0, 7) in r.slot_of
+    assert run("activation", 2, single(7, 1, 2, 3, 4))[0][0] == (0, 7)
 
 
 def test_activation_evicts_from_the_layer_just_run_on_ties():
@@ -517,7 +500,8 @@ def test_unknown_option_is_refused_naming_it_and_the_policy():
         make_policy("lru", 8, 2, 8, half_life=4)
     prior = np.full((2, 8), 0.25)
     p = make_policy("activation-floor", 8, 2, 8, half_life=1, floor_slack=None, prior=prior, now_weight=0.3)
-    assert p.floor is None and p.estimate.slow == 0.5 and p.estimate.now_weight == 0.3 and len(p.pins.pinned) == 2
+    assert p.floor is None and p.estimate.slow == 0.5 and p.estimate.now_weight == 0.3
+    assert np.array_equal(p.estimate.prior, prior)
     assert p.name == "activation-floor"
     assert make_policy("activation", 8, 2, 8, floor_slack=0).floor.floor == 4
     assert make_policy(DEFAULT_POLICY, 8, 2, 8).floor.floor == 4  # less floor_slack x top_k once top_k is seen
