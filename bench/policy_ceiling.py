@@ -21,7 +21,7 @@ the next D layer calls use (at this token; past the last layer, the next token's
 as the next layers' routers applied to the current hidden state or a co-activation table
 might guess them at best, with and without its layer floor, beside the next-visit oracle.
 
-    python bench/policy_ceiling.py --traces /work/data/traces/*.trace.jsonl --ahead 1,4
+    python bench/policy_ceiling.py --traces TRACES/*.trace.jsonl --ahead 1,4
 
 --choices: how much a layer's own history tells of its next token: how often the default's
 victims (at 50 %) are the candidates used farthest ahead, beside simple rules in the same states.
@@ -35,7 +35,7 @@ and a per-layer transition table (P(expert at the next call | experts at this on
 on the scored trace itself (in sample) and on the other traces of the same model (out of
 sample).
 
-    python bench/policy_ceiling.py --traces /work/data/traces/mixtral-*.trace.jsonl --split
+    python bench/policy_ceiling.py --traces TRACES/*.trace.jsonl --split
 """
 
 import argparse
