@@ -1,6 +1,6 @@
 """Disk-bound benchmark: mlxmoe's decode and prefill where the disk, not compute, is the bottleneck.
 
-The checkpoint is served through ../shared/tools/slowdisk.py, a read-only FUSE mount on which
+The checkpoint is served through slowdisk.py (--slowdisk), a read-only FUSE mount on which
 every read waits its turn on one simulated disk (latency + bytes / rate, FIFO) and the
 kernel's page cache is bypassed (--cold), so a fast machine behaves as one whose disk is
 slow against its compute. In one run, each configuration in its own process (`--one CONFIG`,
@@ -25,7 +25,7 @@ as in bench_runtime.py, whose helpers this imports):
    busy time are the cache's own (stats() bytes_read and disk_busy_seconds);
 3. print, per rate, what it emulates (Belady's decode reads per token / rate against a
    token's compute: "reads = 3.1x compute" is disk-bound), one table with a row per (rate,
-   cache, configuration) against the bounds, and the targets (docs: ../shared/design.md,
+   cache, configuration) against the bounds, and the targets (docs/design.md,
    "Performance targets") as PASS / FAIL lines; write everything as JSON (--output).
 
     python bench/bench_disk.py --quick                           # 20MB/s, 25 %, off + default, 8 tokens (~4 min)
@@ -37,10 +37,11 @@ as in bench_runtime.py, whose helpers this imports):
     python bench/bench_disk.py --rates disk --baseline-path /tmp/base  # old code: git archive REF mlxmoe | tar -x -C /tmp/base
 
 Rates are slowdisk's: binary units (20MB/s = 20 MiB/s), as are the MiB in the tables. An
-emulated rate needs ../shared/tools/slowdisk.py, /dev/fuse, fusermount3 (fuse3), the
+emulated rate needs slowdisk.py (the project's FUSE disk emulator, kept outside this
+repository: --slowdisk PATH or $MLXMOE_SLOWDISK), /dev/fuse, fusermount3 (fuse3), the
 `mfusepy` package and permission to mount (root, or a user FUSE mount); the mount is always
-unmounted at the end of its rate, also on Ctrl-C. The rate `disk` needs none of them (nor
-../shared), only dd and root to drop the page cache (else it warns and runs warm).
+unmounted at the end of its rate, also on Ctrl-C. The rate `disk` needs none of them, only
+dd and root to drop the page cache (else it warns and runs warm).
 The default checkpoint is built (bench_runtime.py --one build, 8 layers) when missing, as
 is a synthetic one at a --model/--checkpoint PATH that does not exist yet.
 """
@@ -66,7 +67,6 @@ sys.path.insert(0, str(HERE))
 
 import bench_runtime as br  # noqa: E402  (its helpers: generate_timed, window_stats, optimal_loads, table...)
 
-SLOWDISK = ROOT.parent / "shared" / "tools" / "slowdisk.py"
 DEFAULT_MODEL = Path("/tmp/mlxmoe-bench/qwen3-30b-shapes-8L")  # bench_runtime.py's 8-layer checkpoint
 # The synthetic checkpoint's tokenizer is nearly one token per character: this is 8 tokens
 # (the demo model's: 3). A short prompt keeps the prefill's reads (every expert it routes
@@ -107,7 +107,9 @@ def fuse_check(args):
     """What an emulated rate needs, checked before anything runs: slowdisk.py, fusermount3
     and mfusepy. Returns slowdisk as a module (imported only here: it imports mfusepy)."""
     missing = []
-    if not args.slowdisk.exists():
+    if args.slowdisk is None:
+        missing.append("slowdisk.py (--slowdisk PATH or $MLXMOE_SLOWDISK)")
+    elif not args.slowdisk.exists():
         missing.append(f"{args.slowdisk} (--slowdisk)")
     if shutil.which("fusermount3") is None:
         missing.append("fusermount3 (fuse3)")
@@ -612,7 +614,7 @@ def report(args, info, compute, belady, runs, baseline=None, dd=None):
     for w in warned:
         print(f"warning in a child: {w}")
 
-    # targets (../shared/design.md, "Performance targets")
+    # targets (docs/design.md, "Performance targets")
     ok = [r for r in rows if "error" not in r]
     bound_rows = [r for r in ok if r["config"] == "default" and r["ratio"] >= 2]
     targets = []
@@ -628,7 +630,7 @@ def report(args, info, compute, belady, runs, baseline=None, dd=None):
         targets.append({"target": name, "pass": passed,
                         "rows": [{"rate": r["rate_text"], "share": r["share"], "value": show(r)} for r in rows_]})
 
-    print("\nTargets (../shared/design.md), default configuration:")
+    print("\nTargets (docs/design.md), default configuration:")
     target("ms/token <= 1.25x bound where reads >= 2x compute", bound_rows,
            lambda r: r["ratio_ms"] <= 1.25, lambda r: f"{r['ratio_ms']:.2f}")
     target("all reads <= 1.5x Belady's where reads >= 2x compute", bound_rows,
@@ -711,7 +713,8 @@ def main():
                              "says so.")
     parser.add_argument("--wait", type=int, default=1800,
                         help="Seconds to wait for the default checkpoint while another process builds it. Default 1800.")
-    parser.add_argument("--slowdisk", type=Path, default=SLOWDISK, help=f"slowdisk.py (default {SLOWDISK}).")
+    parser.add_argument("--slowdisk", type=Path, default=os.environ.get("MLXMOE_SLOWDISK"),
+                        help="slowdisk.py, the FUSE disk emulator an emulated rate mounts (default $MLXMOE_SLOWDISK).")
     parser.add_argument("--output", type=Path, default=None,
                         help="JSON results (and the routing trace beside it, .trace.jsonl). Default: "
                              "bench/out/disk[-demo][-quick].json (bench/out/ is git-ignored).")

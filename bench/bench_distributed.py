@@ -29,8 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # synthetic.py, the test checkpoints' builder
+sys.path.insert(0, str(ROOT))  # mlxmoe, and synthetic.py (the checkpoints' builder tests and bench share)
 
 from bench_runtime import DEFAULT_PROMPT, checkpoint_bytes, checkpoint_matches, generate_timed  # noqa: E402
 from system import drop_page_cache  # noqa: E402

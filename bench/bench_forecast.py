@@ -2,7 +2,7 @@
 against measured runs: the forecast first, then the model itself at each budget, side by
 side in one run.
 
-    python bench/bench_forecast.py                                  # local disk + 40 and 20 MB/s, 25/50/100 %
+    python bench/bench_forecast.py --slowdisk PATH                  # local disk + 40 and 20 MB/s, 25/50/100 %
     python bench/bench_forecast.py --rates local --shares 0.25,0.5  # no FUSE
     python bench/bench_forecast.py --rates disk                     # GPU machines: the machine's disk (= local)
 
@@ -11,7 +11,7 @@ side in one run.
    is not among them (out of sample). The synthetic checkpoint's routing is not a real
    model's, so the real-routing table `fit` uses without a profile does not apply to it.
 2. For each disk: the checkpoint folder itself (`local`), or mounted through
-   ../shared/tools/slowdisk.py at a rate (bench_disk.py's mount): `mlxmoe fit --json` for
+   slowdisk.py (--slowdisk or $MLXMOE_SLOWDISK) at a rate (bench_disk.py's mount): `mlxmoe fit --json` for
    the budgets that hold each --shares of the experts (timed: it must take < 10 s), then
    each budget in its own process: mlxmoe.load(memory_budget=..., profile=...), a 4-token
    warm-up generation (kernels built: one-time costs are not forecast) and a timed
@@ -153,7 +153,8 @@ def main():
     parser.add_argument("--no-repeat", type=int, default=32, help="bench_disk's no-repeat window.")
     parser.add_argument("--backend", choices=["cpu", "metal", "cuda"], help="Default: the best available.")
     parser.add_argument("--latency", default="0.1ms", help="slowdisk's latency per request.")
-    parser.add_argument("--slowdisk", type=Path, default=bd.SLOWDISK)
+    parser.add_argument("--slowdisk", type=Path, default=os.environ.get("MLXMOE_SLOWDISK"),
+                        help="slowdisk.py, the FUSE disk emulator a rate mounts (default $MLXMOE_SLOWDISK).")
     parser.add_argument("--timeout", type=int, default=1800)
     parser.add_argument("--output", type=Path, default=HERE / "out" / "forecast.json")
     parser.add_argument("--one", help=argparse.SUPPRESS)

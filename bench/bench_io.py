@@ -54,9 +54,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # mlxmoe, and synthetic.py (the checkpoints' builder tests and bench share)
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "tests"))  # synthetic.py, the test checkpoints' builder
 
 from system import disk_read_bytes, drop_page_cache, meminfo_cached  # noqa: E402
 

@@ -2,7 +2,7 @@
 experts, on two families of routing, in one run:
 
 - synthetic traces whose per-layer popularity follows Qwen3-30B-A3B's real expert heat
-  (../shared/data/qwen3-30b-a3b-expert-heat.json) with temporal locality (bench/traces.py),
+  (bench/data/qwen3-30b-a3b-expert-heat.json) with temporal locality (bench/traces.py),
 - the same generator with even popularity in Mixtral-8x7B's shape (32 layers x 8 experts,
   top-2): routing far less skewed, where pinning and frequency help little,
 - traces recorded from the bundled demo model on held-out text in five languages
@@ -29,7 +29,7 @@ imported from (the header's "source" up to ':', else the model), plus the synthe
 Qwen3-heat and even traces. Models of 64+ experts are scored at 5/10/25 % (a few hundred
 tokens of them meet Belady's ceiling by 50 %).
 
-    python bench/bench_policies.py --lofo --demo --traces /work/data/traces/*.trace.jsonl
+    python bench/bench_policies.py --lofo --demo --traces TRACES/*.trace.jsonl   # TRACES: bench/real_traces.py's
 """
 
 import argparse

@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))  # synthetic.py, the test checkpoints' builder
+sys.path.insert(0, str(HERE.parent))  # synthetic.py, the checkpoints' builder tests and bench share
 
 from system import disk_read_bytes, drop_page_cache, proc_status  # noqa: E402
 ROOT = HERE.parent

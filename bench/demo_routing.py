@@ -12,7 +12,7 @@ pages, fortunes), and prints per MoE layer:
   between the Italian and the English expert-usage distributions, a table for every pair
   of languages, and a noise floor (JS between two halves of the same language's text);
 - the share of expert activations carried by each language's hottest 25 % of experts, next
-  to the same figure for Qwen3-30B-A3B (../shared/data/qwen3-30b-a3b-expert-heat.json) and
+  to the same figure for Qwen3-30B-A3B (bench/data/qwen3-30b-a3b-expert-heat.json) and
   for the languages mixed together (what the load-balancing loss flattened);
 - held-out perplexity per language against a unigram model fitted on the training split
   (add-one smoothing).
@@ -37,8 +37,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import train_demo as td  # noqa: E402
+from traces import HEAT  # noqa: E402
 
-HEAT = REPO.parent / "shared" / "data" / "qwen3-30b-a3b-expert-heat.json"
 NAMES = {"en": "English", "it": "Italian", "fr": "French", "de": "German", "es": "Spanish"}
 
 

@@ -21,7 +21,7 @@ the next D layer calls use (at this token; past the last layer, the next token's
 as the next layers' routers applied to the current hidden state or a co-activation table
 might guess them at best, with and without its layer floor, beside the next-visit oracle.
 
-    python bench/policy_ceiling.py --traces /work/data/traces/*.trace.jsonl --ahead 1,4
+    python bench/policy_ceiling.py --traces TRACES/*.trace.jsonl --ahead 1,4
 
 --choices: how much a layer's own history tells of its next token: how often the default's
 victims (at 50 %) are the candidates used farthest ahead, beside simple rules in the same states.
@@ -35,7 +35,7 @@ and a per-layer transition table (P(expert at the next call | experts at this on
 on the scored trace itself (in sample) and on the other traces of the same model (out of
 sample).
 
-    python bench/policy_ceiling.py --traces /work/data/traces/mixtral-*.trace.jsonl --split
+    python bench/policy_ceiling.py --traces TRACES/*.trace.jsonl --split
 """
 
 import argparse
@@ -51,7 +51,7 @@ from traces import load_heat  # noqa: E402
 
 from mlxmoe.cache import Residency  # noqa: E402
 from mlxmoe.policies import (DEFAULT_POLICY, FLOOR_SLACK, HALF_LIFE_FLOOR, POLICIES, Activation,  # noqa: E402
-                             ActivationFloor, Policy, make_policy)
+                             Policy, make_policy)
 from mlxmoe.trace import read_trace, replay, steps  # noqa: E402
 
 
@@ -124,31 +124,31 @@ class NextVisit(Activation):
         super().__init__(capacity, num_layers, num_experts, **kw)
         self.next_uses, self.seen = next_uses, [0] * num_layers  # next_uses[layer][i]: experts at its i-th call
         self.known = visits
+        estimate = self.estimate
+        estimate.tail = lambda key, p1=None, rate=None: estimate.num_layers * estimate.cost[key]  # visits told
 
     def visit(self, layer, experts, scores=None, probs=None):
         super().visit(layer, experts, scores, probs)
         i = self.seen[layer] = self.seen[layer] + 1
         uses = self.next_uses[layer]
-        ahead = self.known + 1.0 / self.long_rate[layer]
+        ahead = self.known + 1.0 / self.estimate.long_rate[layer]
         for j in range(min(self.known, len(uses) - i) - 1, -1, -1):  # the nearest use wins
             ahead[uses[i + j]] = j
-        self.next_chance[layer] = ahead == 0
-        self.cost[layer] = ahead
-        self._sort(layer)
-
-    def _tail(self, key, p1=None, rate=None):
-        return self.num_layers * self.cost[key]
+        self.estimate.next_chance[layer] = ahead == 0
+        self.estimate.cost[layer] = ahead
+        self.index.sort(layer)
 
 
-class NextLayers(ActivationFloor):
+class NextLayers(Activation):
     """The default told, at each layer call, the experts the next `ahead` layer calls use
     (the following layers at this token; past the last layer, the next token's first):
     their p1 is 1 or 0 until their own visit. The most cross-layer prediction (the next
     layers' routers on the current hidden state, co-activation) could tell the eviction
     estimate; a layer's own next visit stays unknown, as online."""
 
-    def __init__(self, capacity, num_layers, num_experts, next_uses=None, ahead=1, **kw):
-        super().__init__(capacity, num_layers, num_experts, **kw)
+    def __init__(self, capacity, num_layers, num_experts, next_uses=None, ahead=1, half_life=HALF_LIFE_FLOOR,
+                 floor_slack=FLOOR_SLACK, **kw):
+        super().__init__(capacity, num_layers, num_experts, half_life=half_life, floor_slack=floor_slack, **kw)
         self.next_uses, self.seen = next_uses, [0] * num_layers  # next_uses[layer][i]: experts at its i-th call
         self.ahead = min(ahead, num_layers - 1)
 
@@ -160,9 +160,9 @@ class NextLayers(ActivationFloor):
             if self.seen[target] < len(self.next_uses[target]):
                 used = np.zeros(self.num_experts)
                 used[self.next_uses[target][self.seen[target]]] = 1.0
-                self.next_chance[target] = used
-                np.divide(1.0 - used, self.long_rate[target], out=self.cost[target])
-                self._sort(target)
+                self.estimate.next_chance[target] = used
+                np.divide(1.0 - used, self.estimate.long_rate[target], out=self.estimate.cost[target])
+                self.index.sort(target)
 
 
 def next_uses(header, records, n):
@@ -201,8 +201,9 @@ def next_layers(paths, depths):
             n = max(int(L * E * share), header["top_k"])
             lru, default, best = (replay(header, records, p, n)["hit_rate"] for p in ("lru", DEFAULT_POLICY, "belady"))
             uses = next_uses(header, records, n)
-            as_default = {"half_life": HALF_LIFE_FLOOR, "layer_floor": True, "floor_slack": FLOOR_SLACK}
-            told = [replay(header, records, "next-layers", n, next_uses=uses, ahead=d, layer_floor=floor)["hit_rate"]
+            as_default = {"half_life": HALF_LIFE_FLOOR, "floor_slack": FLOOR_SLACK}
+            told = [replay(header, records, "next-layers", n, next_uses=uses, ahead=d,
+                           floor_slack=FLOOR_SLACK if floor else None)["hit_rate"]
                     for floor in (True, False) for d in depths]
             gap = best - lru
             print(f"{Path(path).name[:40]:>40} {share:>6.0%} {100 * lru:>7.2f} {100 * default:>17.2f} {100 * best:>7.2f}   "
@@ -253,13 +254,13 @@ def choices(paths, share=0.5):
         def victim(protected):
             key = choose(protected)
             t, layer = now["token"], key[0]
-            candidates = [(layer, e) for e in policy.resident[layer] if (layer, e) not in protected]
+            candidates = [(layer, e) for e in policy.index.resident[layer] if (layer, e) not in protected]
             if layer == now["layer"] and len(candidates) > 1:
                 ahead = {c: next_use(uses[c], t) for c in candidates}
                 far = max(ahead.values())
                 counts = lambda c, h: sum(0.5 ** ((t - u) / h) for u in uses[c] if u <= t)
-                picks = {DEFAULT_POLICY: key, "least recent": max(candidates, key=lambda c: t - policy.last_use[c]),
-                         "lowest long-run rate": min(candidates, key=policy.long_rate.__getitem__),
+                picks = {DEFAULT_POLICY: key, "least recent": max(candidates, key=lambda c: t - policy.estimate.last_use[c]),
+                         "lowest long-run rate": min(candidates, key=policy.estimate.long_rate.__getitem__),
                          **{f"counts, half-life {h}": min(candidates, key=lambda c: counts(c, h)) for h in (4, 16, 64)}}
                 right.setdefault("random", []).append(sum(a == far for a in ahead.values()) / len(candidates))
                 for name, c in picks.items():

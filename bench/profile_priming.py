@@ -1,8 +1,8 @@
 """Profiles on real routing: does a profile built from some prompts of a model prime the
 replay of another prompt of the same model, and what does a profile of another workload cost?
 
-For each pair (profile source -> target) of imported real traces (mlxmoe trace import;
-see /work/data/traces/README), the hit rate over the target's first `--tokens` tokens
+For each pair (profile source -> target) of imported real traces (bench/real_traces.py),
+the hit rate over the target's first `--tokens` tokens
 (prompt tokens included where the trace has them) at `--share` of all experts, replayed
 with no profile and with the source's profile (`trace replay --profile`: the policy's prior
 and pins, the cache pre-warmed in the profile's order), for every online policy; and the
@@ -13,10 +13,13 @@ same over the whole target trace. Pairs:
     prompt and back (same workload; the decodes diverge after a few tokens).
 The models' other real traces (bigmoeonedge) hold one prompt each: no pair to make.
 
-    python bench/profile_priming.py [--traces /work/data/traces] [--share 0.5] [--tokens 64]
+    python bench/profile_priming.py --traces TRACES [--share 0.5] [--tokens 64]
+
+TRACES (or $MLXMOE_TRACES): the folder of the traces; a pair whose traces it lacks is left out.
 """
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,12 +46,19 @@ def first_tokens(records, tokens):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", default="/work/data/traces", help="folder of the imported traces")
+    ap.add_argument("--traces", default=os.environ.get("MLXMOE_TRACES"),
+                    help="folder of the imported traces (bench/real_traces.py); default $MLXMOE_TRACES")
     ap.add_argument("--share", type=float, default=0.5, help="cache size as a share of all experts")
     ap.add_argument("--tokens", type=int, default=64, help="the first tokens scored")
     ap.add_argument("--policies", default=",".join(ONLINE))
     args = ap.parse_args()
+    if not args.traces:
+        sys.exit("give --traces TRACES or set MLXMOE_TRACES: the folder of the imported real routing "
+                 "(python bench/real_traces.py REAL_ROUTING TRACES)")
     policies = args.policies.split(",")
+    pairs = [p for p in PAIRS if all((Path(args.traces) / f"{name}.trace.jsonl").exists() for name in p[1:])]
+    if not pairs:
+        sys.exit(f"{args.traces} holds the traces of no pair ({', '.join(f'{s} -> {t}' for _, s, t in PAIRS)})")
     traces = {}
 
     def load(name):
@@ -63,7 +73,7 @@ def main():
           "whole trace: no profile | with | change |")
     print("|---|---|---|---|---|---|---|---|---|")
     worst = {}
-    for model, source, target in PAIRS:
+    for model, source, target in pairs:
         sh, sr = load(source)
         profile = build_profile([(source, sh, sr)], source)
         header, records = load(target)

@@ -1,10 +1,10 @@
 """The decode hit rate of mlxmoe's default cache against cache size on real routing: the
 table `mlxmoe fit` forecasts from when no profile is given (mlxmoe/data/routing_curves.json).
 
-    python bench/routing_curves.py                      # ../shared/data/real-routing -> mlxmoe/data/routing_curves.json
+    python bench/routing_curves.py --routing DIR        # -> mlxmoe/data/routing_curves.json
     python bench/routing_curves.py --routing DIR --out FILE
 
-Each trace of DIR (see its README: BigMoeOnEdge route traces, Apache-2.0; moe_ocs_learning
+Each trace of DIR (the real-routing folder bench/README.md names, or $MLXMOE_ROUTING; see its README: BigMoeOnEdge route traces, Apache-2.0; moe_ocs_learning
 routing, MIT) is imported as `mlxmoe trace import` does and replayed with the default policy
 at each share of the model's experts (cold cache, as a first run without a profile); the hit
 rate counted is the decode steps' (one token a step), which sets decode tok/s. Only these
@@ -55,13 +55,14 @@ def curve(trace_file):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--routing", type=Path, default=None,
-                        help="The real-routing folder (default: ../shared/data/real-routing beside the repo).")
+    parser.add_argument("--routing", type=Path, default=os.environ.get("MLXMOE_ROUTING"),
+                        help="The real-routing folder (default $MLXMOE_ROUTING).")
     parser.add_argument("--out", type=Path, default=ROOT / "mlxmoe" / "data" / "routing_curves.json")
     args = parser.parse_args()
-    routing = args.routing or ROOT.parent / "shared" / "data" / "real-routing"
-    if not routing.is_dir():
-        raise SystemExit(f"no routing folder at {routing}: pass --routing DIR")
+    routing = Path(args.routing) if args.routing else None
+    if routing is None or not routing.is_dir():
+        raise SystemExit(f"no real-routing folder{f' at {routing}' if routing else ''}: pass --routing DIR "
+                         "(or set $MLXMOE_ROUTING)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for family, fmt, rel, source in TRACES:

@@ -1,5 +1,6 @@
 """Synthetic routing traces whose per-layer popularity follows real expert heat
-(../shared/data/qwen3-30b-a3b-expert-heat.json) with temporal locality.
+(bench/data/qwen3-30b-a3b-expert-heat.json: mbolt's, MIT, bench/data/LICENSE-mbolt) with
+temporal locality.
 
 Each layer's router logits are log(popularity) plus two Gaussian AR(1) processes: a
 slow one (topic drift over hundreds of tokens) and a fast one (token-to-token
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-HEAT = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen3-30b-a3b-expert-heat.json"
+HEAT = Path(__file__).resolve().parent / "data" / "qwen3-30b-a3b-expert-heat.json"
 
 
 def load_heat(path=HEAT):

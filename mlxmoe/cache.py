@@ -407,9 +407,9 @@ class ExpertCache(Residency):
         hides (a hidden load still takes the disk's time): a layer whose experts the lookahead
         predicts well gives up slots to one whose misses the decode thread would wait for (on
         the demo model, the next token's first layers, which no predictor sees coming)."""
-        cost = self.policy.miss_cost
-        if cost is None:
+        if self.policy.estimate is None:
             return
+        cost = self.policy.estimate.miss_cost
         counts = self.layer_loads[layer]
         h = counts[0] = counts[0] * keep + hidden
         d = counts[1] = counts[1] * keep + demand

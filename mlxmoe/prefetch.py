@@ -56,11 +56,11 @@ def precision_recall(counts):
             for name, c in counts.items() if c[1]}
 
 
-def visit_steps(policy, key, p):
+def visit_steps(estimate, key, p):
     """Layer steps until `key` is used if each visit of its layer uses it with chance p:
-    the policy's steps() with p as the long-run rate too, d + L (1/p - 1), over the policy's
-    miss cost of that layer (as its victim choice weighs them)."""
-    return policy.steps(key, p, max(p, 1e-9)) / policy.miss_cost[key[0]]
+    the estimate's steps() with p as the long-run rate too, d + L (1/p - 1), over its miss
+    cost of that layer (as the policy's victim choice weighs them)."""
+    return estimate.steps(key, p, max(p, 1e-9)) / estimate.miss_cost[key[0]]
 
 
 def outranks(policy, likely):
@@ -71,11 +71,11 @@ def outranks(policy, likely):
     the victim), so neither the victim's long-run rate nor the router's favour of it at
     its layer's last call, which the eviction order weighs, enters: with them nearly every
     guess loses to every victim. None where the policy keeps no such estimate."""
-    chance = policy.chance
-    if chance is None or policy.miss_cost is None:
+    estimate = policy.estimate
+    if estimate is None:
         return None
-    return lambda key, victim: key not in likely or visit_steps(policy, key, likely[key]) < visit_steps(
-        policy, victim, chance(victim))
+    return lambda key, victim: key not in likely or visit_steps(estimate, key, likely[key]) < visit_steps(
+        estimate, victim, estimate.chance(victim))
 
 
 class Prefetcher:

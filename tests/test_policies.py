@@ -2,7 +2,6 @@
 with a known optimum, and the replay simulator's output."""
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -137,34 +136,17 @@ def test_belady_is_offline_only():
         make_policy("belady", 4, 1, 16)
 
 
-def test_activation_prefers_frequent_and_pins_prior():
+def test_activation_prefers_frequent_and_takes_the_prior():
     evicted, _ = run("activation", 2, single(1, 1, 1, 2, 3))
     assert evicted == [(0, 2)]
-    # a prior that makes expert 7 the hottest pins it: it survives a run of other experts
+    # a prior that makes expert 7 the hottest seeds its frequency and long-run rate: it
+    # survives a run of other experts, which it does not without the prior
     prior = np.zeros((1, 16))
     prior[0, 7] = 0.9
-    evicted, r = run("activation", 2, single(7, 1, 2, 3, 4), prior=prior, pin_share=0.5)
-    assert (0, 7) not in evicted and (0, 7) in r.slot_of
-
-
-def test_activation_lets_go_of_pins_the_workload_does_not_bear_out():
-    # expert 7's prior rate is 0.9 per token. Its live frequency F starts there, takes the
-    # use at the first token, then halves every 24 tokens unused: the pin holds while F is
-    # at least half the prior rate, and lets go at the first token where it is not
-    prior = np.zeros((1, 16))
-    prior[0, 7] = 0.9
-    decay = 2 ** (-1 / 24)
-    release = next(n for n in range(1, 100) if (0.9 * decay + 1 - decay) * decay ** n < 0.5 * 0.9)
-    assert release == 25
-    others = list(range(1, 7)) * 5
-    _, r = run("activation", 2, single(7, *others[:release - 1]), prior=prior, pin_share=0.5)
-    assert r.policy.pinned == {(0, 7)}
-    _, r = run("activation", 2, single(7, *others[:release]), prior=prior, pin_share=0.5)
-    assert r.policy.pinned == set()
-    # used at about the prior's rate, it stays pinned
-    evicted, r = run("activation", 2, single(*[e for o in others for e in (7, 7, 7, 7, 7, 7, 7, 7, 7, o)]),
-                     prior=prior, pin_share=0.5)
-    assert (0, 7) not in evicted and r.policy.pinned == {(0, 7)}
+    for name in ("activation", DEFAULT_POLICY):
+        evicted, r = run(name, 2, single(7, 1, 2, 3, 4), prior=prior)
+        assert (0, 7) not in evicted and (0, 7) in r.slot_of
+    assert run("activation", 2, single(7, 1, 2, 3, 4))[0][0] == (0, 7)
 
 
 def test_activation_evicts_from_the_layer_just_run_on_ties():
@@ -205,7 +187,7 @@ def run_steps(steps, capacity=8, layers=2, experts=8, **kw):
         if tokens:
             r.tick(tokens)
         r.access(layer, es)
-        floors.append(policy.floor)
+        floors.append(policy.floor.floor)
     return evicted, floors
 
 
@@ -347,26 +329,6 @@ def test_trace_router_distribution_must_cover_every_expert(tmp_path):
         read_trace(path)
 
 
-def test_activation_counts_a_prefill_call_as_its_tokens():
-    """With prefill_visits unbounded, a call of n tokens decays the short-term estimates n
-    times; the router's mean distribution times top-k stands for the share of tokens that
-    used each expert."""
-    one, many = (make_policy("activation", 4, 1, 4, prefill_visits=math.inf, now_weight=0) for _ in range(2))
-    for _ in range(8):
-        one.tick(1)
-        one.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))
-    many.tick(1)
-    many.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))  # learns top-k = 1
-    many.tick(7)
-    many.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]))
-    s7 = many.slow ** 7
-    assert one.freq[0, 0] == pytest.approx(1 - one.slow ** 8)  # 8 single-token visits that used expert 0
-    # 1 visit, then 7 tokens at share 0.7
-    assert many.freq[0, 0] == pytest.approx((1 - many.slow) * s7 + (1 - s7) * 0.7)
-    assert many.freq[0, 1] == pytest.approx((1 - s7) * 0.1)
-    assert many.next_chance[0, 0] > 5 * many.next_chance[0, 1]
-
-
 @pytest.mark.parametrize("router", [True, False])
 def test_activation_counts_a_prefill_call_as_one_visit_by_default(router):
     """By default a prefill is one visit: its short-term estimates decay once and move
@@ -378,6 +340,7 @@ def test_activation_counts_a_prefill_call_as_one_visit_by_default(router):
     p.visit(0, [0], None, np.array([0.7, 0.1, 0.1, 0.1]))
     p.tick(7)
     p.visit(0, [0, 1, 2, 3], None, np.array([0.7, 0.1, 0.1, 0.1]) if router else None)
+    p = p.estimate
     s = p.slow
     assert p.top_k == 1
     assert p.freq[0, 0] == pytest.approx((1 - s) * s + (1 - s) * (0.7 if router else 1))
@@ -434,7 +397,7 @@ def test_activation_evicts_by_expected_time_with_a_sorted_insert():
     seq = [(0, [1]), (1, [5])] * 4 + [(0, [2]), (1, [6])]
     evicted, r = run("activation", 3, seq, layers=2)
     assert evicted == [(0, 2)]
-    p = r.policy
+    p = r.policy.estimate
     assert p.long_rate[0, 2] < p.long_rate[0, 1] and p.long_rate[0, 2] < p.long_rate[1, 5]
 
 def test_slru_pins_the_profiles_hottest_by_default():
@@ -536,10 +499,12 @@ def test_unknown_option_is_refused_naming_it_and_the_policy():
     with pytest.raises(MlxmoeError, match=r"policy 'lru' has no option 'half_life' \(its options: prior\)"):
         make_policy("lru", 8, 2, 8, half_life=4)
     prior = np.full((2, 8), 0.25)
-    p = make_policy("activation-floor", 8, 2, 8, half_life=1, layer_floor=False, prior=prior, now_weight=0.3)
-    assert p.floor is None and p.slow == 0.5 and p.now_weight == 0.3 and len(p.pinned) == 2
-    assert make_policy("activation", 8, 2, 8, layer_floor=True).floor == 4
-    assert make_policy(DEFAULT_POLICY, 8, 2, 8).floor == 4  # less floor_slack x top_k once top_k is seen
+    p = make_policy("activation-floor", 8, 2, 8, half_life=1, floor_slack=None, prior=prior, now_weight=0.3)
+    assert p.floor is None and p.estimate.slow == 0.5 and p.estimate.now_weight == 0.3
+    assert np.array_equal(p.estimate.prior, prior)
+    assert p.name == "activation-floor"
+    assert make_policy("activation", 8, 2, 8, floor_slack=0).floor.floor == 4
+    assert make_policy(DEFAULT_POLICY, 8, 2, 8).floor.floor == 4  # less floor_slack x top_k once top_k is seen
     assert make_policy("lfu", 8, 2, 8, half_life=4, prior=prior).counts.growth == 2 ** 0.25
     assert make_policy("slru", 8, 2, 8, window=2, pin_share=0.5, prior=prior).window == 2
     make_policy("s3fifo", 8, 2, 8, small_share=0.2, prior=prior)
@@ -554,8 +519,8 @@ def test_optional_hooks_are_declared():
 
     for name in ("lru", "lfu", "slru", "s3fifo", "layer-lru", "layer-lfu", "lfuda"):
         p = make_policy(name, 8, 2, 8)
-        assert (p.miss_cost, p.chance, p.steps) == (None, None, None)
-    p = make_policy(DEFAULT_POLICY, 8, 2, 8)
+        assert p.estimate is None
+    p = make_policy(DEFAULT_POLICY, 8, 2, 8).estimate
     p.current = 0
     p.miss_cost[1] = 0.5
     # a guess of layer 1 used at half its visits: 1 + 2 (1/0.5 - 1) layer steps, at half the cost

@@ -310,9 +310,9 @@ def test_a_layer_whose_misses_prefetch_hides_gives_up_slots_first():
         r.access(1, [0, 1, 2])
     layer, _ = r.policy.victim(set())
     other = 1 - layer
-    r.policy.miss_cost[other] = 1e-3
+    r.policy.estimate.miss_cost[other] = 1e-3
     assert r.policy.victim(set())[0] == other
-    r.policy.miss_cost[:] = 1.0
+    r.policy.estimate.miss_cost[:] = 1.0
     assert r.policy.victim(set())[0] == layer
 
 
@@ -320,7 +320,7 @@ def test_miss_costs_follow_the_share_of_loads_prefetch_hides(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
     cache = model.expert_cache
-    cost = cache.policy.miss_cost
+    cost = cache.policy.estimate.miss_cost
     cache.layer_loads[0] = [0.0, 0.0]
     cache.miss_costs(0, 3, 1)
     assert cost[0] == pytest.approx(1 - 0.75 * 3 / 5)

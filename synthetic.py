@@ -4,10 +4,11 @@ Builds tiny (and optionally large) random checkpoints with mlx-lm's own model
 classes, quantization and save functions, plus a byte-level BPE tokenizer
 trained locally, so tests and benchmarks never need the Hugging Face hub.
 
-A test fixture (tests/conftest.py), also used by bench/; not part of the package.
+Shared by tests/ (conftest.py's fixtures; pytest puts the repository root on sys.path)
+and bench/ (each script puts the repository root on sys.path); not part of the package.
 
-    python tests/synthetic.py --arch qwen3_moe --out /tmp/tiny --quant 4bit
-    python tests/synthetic.py --large --out /tmp/large --num-layers 4
+    python synthetic.py --arch qwen3_moe --out /tmp/tiny --quant 4bit
+    python synthetic.py --large --out /tmp/large --num-layers 4
 """
 
 import argparse
