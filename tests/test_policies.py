@@ -275,8 +275,10 @@ def test_replay_output_and_belady_ceiling(tmp_path):
     results = replay_all(header, records, ["lru", "lfu", "slru", "s3fifo", "activation", "belady"], 12)
     best = results[-1]["hit_rate"]
     for r in results:
-        assert set(r) == {"policy", "cache_experts", "accesses", "hits", "hit_rate", "belady_hit_rate"}
+        assert set(r) == {"policy", "cache_experts", "accesses", "hits", "hit_rate", "decode_hit_rate",
+                          "belady_hit_rate"}
         assert r["accesses"] == 60 * 3 * 2 and r["belady_hit_rate"] == best
+        assert 0 <= r["decode_hit_rate"] <= 1
         assert r["hit_rate"] <= best
     # the stack-distance curve is exactly the LRU replay
     keys = [[(l, x) for x in e] for _, l, e, *_ in steps(records, header["num_layers"])]
