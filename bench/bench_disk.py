@@ -201,9 +201,9 @@ def run_info(args):
 def run_belady(args):
     """Belady's MIN on the recorded routing for each cache size: its loads in the decode
     window (bench_runtime.optimal_loads) and before the first token (all its loads, from
-    mlxmoe.trace.replay, less those); the distinct (layer, expert) pairs of the prompt and of
+    mlxmoe.workload.trace.replay, less those); the distinct (layer, expert) pairs of the prompt and of
     every layer call before the first token."""
-    from mlxmoe.trace import layer_calls, read_trace, replay
+    from mlxmoe.workload.trace import layer_calls, read_trace, replay
 
     header, records = read_trace(args.trace)
     L = header["num_layers"]

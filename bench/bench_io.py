@@ -135,7 +135,7 @@ def aligned_pools(store, n):
 
     import numpy as np
 
-    from mlxmoe.shards import DTYPES
+    from mlxmoe.storage.shards import DTYPES
 
     pools = []
     for shape, d in zip(store.tensor_shapes, store.tensor_dtypes):
@@ -146,7 +146,7 @@ def aligned_pools(store, n):
 
 def ensure_bundled(path):
     """The `mlxmoe convert --bundle` copy of checkpoint `path`, built once."""
-    from mlxmoe.convert import bundle
+    from mlxmoe.storage.convert import bundle
 
     out = Path(str(path) + "-bundled")
     if not (out / "model.safetensors.index.json").exists():
@@ -252,7 +252,7 @@ SIZE_READS = (64, 2048)  # reads per measurement: --size-bytes // size, within t
 
 def parse_size(text, expert_bytes):
     """"16K", "1M", "4096" or "expert" (one expert's bytes on disk, rounded up to a page) in bytes."""
-    from mlxmoe.store import align_up
+    from mlxmoe.storage.store import align_up
 
     text = text.strip().upper()
     if text == "EXPERT":
@@ -370,7 +370,7 @@ def expert_variants(store, per_round, rng, pools):
     experts read first, untimed, so that the store's workers have their bounce buffers."""
     from mlxmoe import backend
     from mlxmoe.api import MX_DTYPES
-    from mlxmoe.cache import SlotPools
+    from mlxmoe.caching.cache import SlotPools
 
     be = backend.detect()
     pairs = [(l, e) for l in range(store.num_layers) for e in range(store.num_experts)]
@@ -395,7 +395,7 @@ def size_row(store, shard, size, count, rng, threads, rounds, experts=False):
     dropping the page cache, of count / rounds reads by every reader in turn, the order
     rotated each round so that the disk's drift falls on all alike; per reader its GB/s over
     all rounds and the median of its per-round ratio to dd's."""
-    from mlxmoe.store import align_down
+    from mlxmoe.storage.store import align_down
 
     slots = align_down(shard.stat().st_size, size) // size  # whole SIZE-aligned blocks in the shard
     per_round = max(1, min(count, slots) // rounds)
@@ -664,7 +664,7 @@ def main():
     bstore.close()
 
     gen = None if args.no_generate else generate_all(args, bundled)
-    from mlxmoe.store import default_io
+    from mlxmoe.storage.store import default_io
 
     out = {"platform": f"{platform.system()} {platform.release()} {platform.machine()}, {os.cpu_count()} cpus",
            "checkpoint": str(args.checkpoint), "expert_bytes": store.expert_file_bytes(),

@@ -43,9 +43,9 @@ from heldout import LANGUAGES, prompts  # noqa: E402
 
 import mlxmoe  # noqa: E402
 import mlxmoe.api  # noqa: E402
-from mlxmoe.cache import Residency  # noqa: E402
-from mlxmoe.policies import DEFAULT_POLICY, make_policy  # noqa: E402
-from mlxmoe.trace import import_trace, layer_calls, read_trace  # noqa: E402
+from mlxmoe.caching.cache import Residency  # noqa: E402
+from mlxmoe.caching.policies import DEFAULT_POLICY, make_policy  # noqa: E402
+from mlxmoe.workload.trace import import_trace, layer_calls, read_trace  # noqa: E402
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real-routing"
 REAL_FILES = [("bigmoeonedge", "bigmoeonedge/qwen.route.csv"), ("bigmoeonedge", "bigmoeonedge/gemma.route.csv"),

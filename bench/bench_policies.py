@@ -48,8 +48,8 @@ from heldout import LANGUAGES, write_prompts  # noqa: E402
 from policy_ceiling import next_visit_hit_rate  # noqa: E402
 from traces import describe, load_heat, synthetic_records  # noqa: E402
 
-from mlxmoe.policies import DEFAULT_POLICY, FLOOR_SLACK, ONLINE  # noqa: E402
-from mlxmoe.trace import read_trace, replay  # noqa: E402
+from mlxmoe.caching.policies import DEFAULT_POLICY, FLOOR_SLACK, ONLINE  # noqa: E402
+from mlxmoe.workload.trace import read_trace, replay  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 SHARES = (0.25, 0.5, 0.75)

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlxmoe
 from heldout import prompts
-from mlxmoe.cache import Residency
+from mlxmoe.caching.cache import Residency
 from mlxmoe.loader import DEMO_MODEL
-from mlxmoe.policies import DEFAULT_POLICY, make_policy
-from mlxmoe.profile import ActivationProfile
-from mlxmoe.trace import layer_calls, read_trace, replay, steps
+from mlxmoe.caching.policies import DEFAULT_POLICY, make_policy
+from mlxmoe.workload.profile import ActivationProfile
+from mlxmoe.workload.trace import layer_calls, read_trace, replay, steps
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "out"

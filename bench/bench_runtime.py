@@ -263,9 +263,9 @@ def optimal_loads(trace, capacity):
     """Belady's MIN with `capacity` slots replayed on the run's routing, one fetch per layer
     call as the runtime makes them: its loads over the decode window (decode steps 2..N,
     as window_stats counts them: mlx-lm has built two steps when it yields the first token)."""
-    from mlxmoe.cache import Residency
-    from mlxmoe.policies import make_policy
-    from mlxmoe.trace import read_trace, steps
+    from mlxmoe.caching.cache import Residency
+    from mlxmoe.caching.policies import make_policy
+    from mlxmoe.workload.trace import read_trace, steps
 
     header, records = read_trace(trace)
     L, E = header["num_layers"], header["num_experts"]

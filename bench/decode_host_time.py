@@ -25,12 +25,12 @@ from collections import defaultdict
 import numpy as np
 
 import mlxmoe
-import mlxmoe.cache
-import mlxmoe.experts
+import mlxmoe.caching.cache
+import mlxmoe.caching.experts
 from bench_profiles import _share, no_eos
-from mlxmoe.cache import ExpertCache
-from mlxmoe.experts import StreamingExperts
-from mlxmoe.prefetch import Prefetcher
+from mlxmoe.caching.cache import ExpertCache
+from mlxmoe.caching.experts import StreamingExperts
+from mlxmoe.caching.prefetch import Prefetcher
 
 PROMPT = "Il gatto dorme sul divano mentre fuori piove, e la nonna racconta"
 PARTS = {"lookahead (graph)": (Prefetcher, "lookahead"), "routing to host": (StreamingExperts, "_routing"),
@@ -118,7 +118,7 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="the cache's own figures in decode-thread CPU time")
     args = ap.parse_args()
     if args.cpu:  # the clock experts.py and cache.py time bookkeeping and reads with
-        mlxmoe.experts.time = mlxmoe.cache.time = types.SimpleNamespace(perf_counter=time.thread_time)
+        mlxmoe.caching.experts.time = mlxmoe.caching.cache.time = types.SimpleNamespace(perf_counter=time.thread_time)
     variants = {"predictions on the decode thread": False, "predictions in their own thread": True}
     runs = {label: [] for label in variants}
     for i in range(args.runs):  # alternated, the order flipping each round

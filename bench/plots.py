@@ -15,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from traces import load_heat, synthetic_records  # noqa: E402
 
-from mlxmoe.policies import ONLINE  # noqa: E402
-from mlxmoe.heatmap import write_heatmap_png  # noqa: E402
-from mlxmoe.profile import ActivationProfile  # noqa: E402
-from mlxmoe.trace import read_trace, replay  # noqa: E402
+from mlxmoe.caching.policies import ONLINE  # noqa: E402
+from mlxmoe.workload.heatmap import write_heatmap_png  # noqa: E402
+from mlxmoe.workload.profile import ActivationProfile  # noqa: E402
+from mlxmoe.workload.trace import read_trace, replay  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SHARES = (0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9)

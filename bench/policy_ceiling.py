@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from traces import load_heat  # noqa: E402
 
-from mlxmoe.cache import Residency  # noqa: E402
-from mlxmoe.policies import (DEFAULT_POLICY, FLOOR_SLACK, HALF_LIFE_FLOOR, POLICIES, Activation,  # noqa: E402
+from mlxmoe.caching.cache import Residency  # noqa: E402
+from mlxmoe.caching.policies import (DEFAULT_POLICY, FLOOR_SLACK, HALF_LIFE_FLOOR, POLICIES, Activation,  # noqa: E402
                              Policy, make_policy)
-from mlxmoe.trace import read_trace, replay, steps  # noqa: E402
+from mlxmoe.workload.trace import read_trace, replay, steps  # noqa: E402
 
 
 def records_with_state(heat, k, tokens, layers, slow=0.998, fast=0.4, ss=0.8, sf=1.0, temperature=2.5, seed=0,

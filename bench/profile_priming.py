@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlxmoe.policies import ONLINE
-from mlxmoe.policies import HALF_LIFE_PROFILE
-from mlxmoe.trace import build_profile, read_trace, replay
+from mlxmoe.caching.policies import ONLINE
+from mlxmoe.caching.policies import HALF_LIFE_PROFILE
+from mlxmoe.workload.trace import build_profile, read_trace, replay
 
 PAIRS = [
     ("Mixtral-8x7B", "mixtral-gsm8k-p0", "mixtral-humaneval-p1"),

@@ -22,9 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlxmoe.files import write_atomic  # noqa: E402
-from mlxmoe.policies import DEFAULT_POLICY  # noqa: E402
-from mlxmoe.trace import read_trace, replay  # noqa: E402
+from mlxmoe.storage.files import write_atomic  # noqa: E402
+from mlxmoe.caching.policies import DEFAULT_POLICY  # noqa: E402
+from mlxmoe.workload.trace import read_trace, replay  # noqa: E402
 
 SHARES = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
 # (family, format, file under the routing folder, source and licence)

@@ -24,21 +24,21 @@ from . import backend as backends
 from . import distributed
 from .budget import (DEFAULT_CONTEXT, Plan, attention_bytes, kv_bytes_per_token, parse_size, plan, text_config,
                      working_bytes)
-from .cache import ExpertCache
-from .curves import predicted_curve
+from .caching.cache import ExpertCache
+from .workload.curves import predicted_curve
 from .errors import MlxmoeError
-from .experts import all_resident
-from .files import read_lines
-from .fallback import attach_fallback
-from .fallback import build as write_fallback
-from .fallback import file_bytes as fallback_bytes
-from .lossy import attach_lossy
-from .lossy import check_options as check_lossy
+from .caching.experts import all_resident
+from .storage.files import read_lines
+from .caching.fallback import attach_fallback
+from .caching.fallback import build as write_fallback
+from .caching.fallback import file_bytes as fallback_bytes
+from .caching.lossy import attach_lossy
+from .caching.lossy import check_options as check_lossy
 from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, open_checkpoint, read_tokenizer
-from .policies import ONLINE, make_policy
-from .prefetch import Prefetcher
-from .profile import ActivationProfile, fingerprint, prewarm_order
-from .trace import TraceWriter, read_trace
+from .caching.policies import ONLINE, make_policy
+from .caching.prefetch import Prefetcher
+from .workload.profile import ActivationProfile, fingerprint, prewarm_order
+from .workload.trace import TraceWriter, read_trace
 
 # Prompt tokens per prefill step; smaller than mlx-lm's 2048 so the logits and
 # activations of one step stay a small share of the budget.
@@ -139,7 +139,7 @@ class LoadOptions:
             raise MlxmoeError(f"max_context {self.max_context!r}: tokens a sequence may hold, an integer from 16 "
                               f"to {1 << 24}")
         if self.trace_out is not None:
-            from .files import check_writable
+            from .storage.files import check_writable
 
             check_writable(self.trace_out)  # a folder or a missing parent: refused now, not at close()
 

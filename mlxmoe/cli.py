@@ -12,7 +12,7 @@ import time
 import click
 
 from .errors import MlxmoeError
-from .policies import DEFAULT_POLICY, ONLINE
+from .caching.policies import DEFAULT_POLICY, ONLINE
 
 
 class Terminated(KeyboardInterrupt):
@@ -411,7 +411,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
     """Generate text from a prompt, streaming it to standard output."""
     import_mlx()
     from .api import stream_generate
-    from .files import check_writable, write_atomic
+    from .storage.files import check_writable, write_atomic
 
     for path in (stats_json, save_profile):
         if path:
@@ -450,7 +450,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
 
 def _generate_report(model, response, baseline_rss, stats_json):
     """generate's closing lines on stderr, and its --stats-json."""
-    from .files import write_atomic
+    from .storage.files import write_atomic
 
     stats = _stats(model)
     for r, s in enumerate(stats.get("per_rank", [])):
@@ -526,7 +526,7 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     from mlx_lm.sample_utils import make_logits_processors
 
     from .api import _within_context, prompt_tokens, stream_generate
-    from .files import check_writable
+    from .storage.files import check_writable
 
     if save_profile:
         check_writable(save_profile)
@@ -648,7 +648,7 @@ def info(model_path, memory_budget, backend, fallback, as_json):
     }
     extra = 0
     if fallback:
-        from .fallback import file_bytes
+        from .caching.fallback import file_bytes
 
         out["fallback_bytes"] = extra = file_bytes(fallback)
     if memory_budget:
@@ -703,11 +703,11 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
     from . import backend as backends
     from .api import checkpoint_plan
     from .budget import format_size
-    from .files import check_writable
+    from .storage.files import check_writable
     from .forecast import forecast
-    from .heatmap import write_lines_png
+    from .workload.heatmap import write_lines_png
     from .loader import open_checkpoint
-    from .profile import ActivationProfile
+    from .workload.profile import ActivationProfile
 
     be = backends.detect(backend)
     ckpt = open_checkpoint(model_path)
@@ -816,7 +816,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
     a predicted hit-rate-vs-cache-size curve. Ctrl-C saves what was recorded so far.
     With --profile, that profile is the policy's prior and pre-warms the cache; the file
     written holds only what this run recorded."""
-    from .files import check_writable
+    from .storage.files import check_writable
 
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
@@ -878,10 +878,10 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     recorded by mlxmoe carries its model's fingerprint; an imported one only its shape
     (fingerprint shape-LxE), so its profile loads on a real model with --force, where the
     layer and expert counts agree, or without once built with --model naming it."""
-    from .curves import predicted_curve
-    from .files import check_writable
-    from .policies import HALF_LIFE_PROFILE
-    from .trace import build_profile, read_trace
+    from .workload.curves import predicted_curve
+    from .storage.files import check_writable
+    from .caching.policies import HALF_LIFE_PROFILE
+    from .workload.trace import build_profile, read_trace
 
     check_writable(out, traces)
     loaded = [(path, *read_trace(path)) for path in traces]
@@ -933,10 +933,10 @@ def _model_of(p):
 def profile_show(file, top, png, curve_png, budget, as_json):
     """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
     from .budget import format_size, parse_size
-    from .curves import curve_at
-    from .files import check_writable
-    from .heatmap import write_curve_png, write_heatmap_png
-    from .profile import ActivationProfile
+    from .workload.curves import curve_at
+    from .storage.files import check_writable
+    from .workload.heatmap import write_curve_png, write_heatmap_png
+    from .workload.profile import ActivationProfile
 
     for path in (png, curve_png):
         if path:
@@ -1006,8 +1006,8 @@ def profile_show(file, top, png, curve_png, budget, as_json):
 @click.option("--workload", "-w", help="Name of the merged workload.")
 def profile_merge(files, out, weights, workload):
     """Merge profiles (weighted) into one."""
-    from .files import check_writable
-    from .profile import ActivationProfile
+    from .storage.files import check_writable
+    from .workload.profile import ActivationProfile
 
     check_writable(out, files)
     try:
@@ -1031,7 +1031,7 @@ def profile_diff(a, b, top, as_json):
     """Which experts two workloads disagree on, per layer (with the Jensen-Shannon
     divergence of their usage, in bits: 0 same, 1 disjoint; n/a where either profile has
     no activations)."""
-    from .profile import ActivationProfile
+    from .workload.profile import ActivationProfile
 
     pa, pb = ActivationProfile.load(a), ActivationProfile.load(b)
     rows = pa.diff(pb, top)
@@ -1061,7 +1061,7 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
     exclusive(prompts=prompts_file, chats=chats)
     if opts["trace_out"]:
         raise click.UsageError("trace record writes its trace to --out; --trace-out is for the other commands")
-    from .files import check_writable
+    from .storage.files import check_writable
 
     check_writable(out, (prompts_file, chats, opts["profile_path"]))
     opts["trace_out"] = out
@@ -1084,8 +1084,8 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
 def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force):
     """Hit rate of a policy (or all) at a cache size on a recorded trace, beside Belady's
     optimum for the same size."""
-    from .profile import ActivationProfile
-    from .trace import policy_names, read_trace, replay_all, trace_fingerprint
+    from .workload.profile import ActivationProfile
+    from .workload.trace import policy_names, read_trace, replay_all, trace_fingerprint
 
     header, records = read_trace(trace_file)
     prior = None
@@ -1138,8 +1138,8 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
     (all its tokens but the last in one call per layer, then the last; lines marked "ph":
     "prefill"), then each generated token through every layer; gating weights are kept as
     the lines' "p"."""
-    from .files import check_writable
-    from .trace import import_trace
+    from .storage.files import check_writable
+    from .workload.trace import import_trace
 
     check_writable(out, (src,))
     wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None
@@ -1182,7 +1182,7 @@ def convert(src, dst, bundle, fallback_bits):
     `--model DST` like any checkpoint (not with stock mlx-lm). SRC is any checkpoint
     mlxmoe streams. DST appears only when the conversion is complete.
     """
-    from .convert import bundle as bundle_checkpoint, restack
+    from .storage.convert import bundle as bundle_checkpoint, restack
 
     if bundle and fallback_bits:
         raise click.UsageError("--bundle and --fallback-bits exclude each other; give one")

@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import MlxmoeError
-from .files import write_atomic
-from .profile import ActivationProfile
+from .storage.files import write_atomic
+from .workload.profile import ActivationProfile
 
 # Seconds a rank waits for its peers: to join (start-up), to finish loading, to answer in a
 # generation step or a vote; 0: forever.

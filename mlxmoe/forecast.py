@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from .budget import attention_bytes, kv_bytes_per_token, parse_size, text_config, working_bytes
-from .curves import curve_at
+from .workload.curves import curve_at
 from .errors import MlxmoeError
-from .policies import DEFAULT_POLICY
+from .caching.policies import DEFAULT_POLICY
 
 CURVES = Path(__file__).parent / "data" / "routing_curves.json"
 # Of the shorter of reads and compute, the share a token still waits for: a layer's
@@ -81,7 +81,7 @@ def measure_disk(store, seconds=DISK_SECONDS):
     sizes, its ranges read by the store's threads at once, as an expert read is; the
     requests land in the checkpoint's non-expert tensors, never in an expert's bytes.
     Returns (rate, bytes read, requests), or None where those tensors are too small."""
-    from .store import ALIGN, align_down, align_up
+    from .storage.store import ALIGN, align_down, align_up
 
     sizes = [align_up(r.nbytes) for r in store.ranges[0][0]]
     spans = [s for s in non_expert_spans(store) if s[2] >= max(sizes) + 2 * ALIGN]
@@ -188,8 +188,8 @@ def _launch_seconds(hidden, dtype, seconds=0.05):
 def _policy_seconds(ckpt, calls=300):
     """The host work of one MoE layer call: the default policy's bookkeeping (cache.Residency
     with the default policy at half the experts) on random routing of top-k experts."""
-    from .cache import Residency
-    from .policies import make_policy
+    from .caching.cache import Residency
+    from .caching.policies import make_policy
 
     L, E, k = ckpt.num_layers, ckpt.num_experts, max(ckpt.top_ks)
     slots = max(k, L * E // 2)

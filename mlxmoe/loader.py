@@ -21,10 +21,10 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .errors import MlxmoeError
-from .files import read_bytes, read_json
-from .experts import StreamingExperts, find_router
-from .shards import PER_EXPERT, tensor_bytes
-from .store import ExpertStore
+from .storage.files import read_bytes, read_json
+from .caching.experts import StreamingExperts, find_router
+from .storage.shards import PER_EXPERT, tensor_bytes
+from .storage.store import ExpertStore
 
 # safetensors dtype -> MLX dtype (of a slot pool before the backend's dtype policy, of a stand-in)
 MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32, "U8": mx.uint8,

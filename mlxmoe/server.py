@@ -58,7 +58,7 @@ from . import distributed
 from .api import generation_lock, model_fingerprint, stream_generate, vocab_size
 from .budget import DEFAULT_CONTEXT, format_size
 from .errors import MlxmoeError
-from .profile import ActivationProfile, js_divergence
+from .workload.profile import ActivationProfile, js_divergence
 
 PROFILE_HEADER = "X-Mlxmoe-Profile"
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions", "/v1/messages")

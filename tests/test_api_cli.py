@@ -19,7 +19,7 @@ import mlxmoe
 from mlxmoe.backend import detect
 from mlxmoe.cli import main
 from mlxmoe.errors import MlxmoeError
-from mlxmoe.policies import ONLINE
+from mlxmoe.caching.policies import ONLINE
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Once upon a time"
@@ -89,7 +89,7 @@ def test_generate_applies_the_chat_template_by_default(checkpoint):
 
 def test_save_profile_says_what_came_from_the_prior(tmp_path):
     """--save-profile after --profile writes the prior's tokens plus this run's, and says so."""
-    from mlxmoe.profile import ActivationProfile
+    from mlxmoe.workload.profile import ActivationProfile
 
     prior = ActivationProfile.load(ROOT / "profiles" / "italian.json")
     out = tmp_path / "live.json"
@@ -232,7 +232,7 @@ def test_load_takes_mlx_lm_arguments(checkpoint):
 def test_interrupt_between_slot_and_read_leaves_no_garbage(checkpoint, monkeypatch):
     """Ctrl-C can land after a miss got its slot and before its bytes were read: the next
     generation must not compute with whatever that slot held."""
-    from mlxmoe.cache import ExpertCache
+    from mlxmoe.caching.cache import ExpertCache
 
     path = checkpoint("qwen3_moe", quant="4bit")
     ref, ref_tok = stock(path)
@@ -425,8 +425,8 @@ def test_a_curve_needs_a_recorded_trace(tmp_path):
 def test_swap_a_profile_mid_session():
     """use_profile makes a profile the policy's prior and the prefetcher's guess as a load
     with it does, mid-session; the output stays mlx-lm's; another model's profile is refused."""
-    from mlxmoe.prefetch import hottest_per_layer
-    from mlxmoe.profile import ActivationProfile
+    from mlxmoe.caching.prefetch import hottest_per_layer
+    from mlxmoe.workload.profile import ActivationProfile
 
     italian = ROOT / "profiles" / "italian.json"
     ref, ref_tok = stock(mlxmoe.DEMO_MODEL)
@@ -455,7 +455,7 @@ def test_runtime_records_a_trace_and_closes_it(tmp_path):
     """Runtime.record_trace starts a trace mid-session (one at a time); the cache's own
     close() goes through the runtime: the prefetcher's threads end and the trace is
     complete, holding the routing of the generations after it started. abort() drops one."""
-    from mlxmoe.trace import read_trace
+    from mlxmoe.workload.trace import read_trace
 
     model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, cache_experts=20)
     rt, cache = model.expert_runtime, model.expert_cache
@@ -547,7 +547,7 @@ def test_load_and_prewarm_waits_are_said(monkeypatch):
     """A load, and a profile's pre-warm, still running when their notice comes (2 s on; at
     once here) each get a line saying what the wait is."""
     from mlxmoe import cli
-    from mlxmoe.cache import ExpertCache
+    from mlxmoe.caching.cache import ExpertCache
 
     monkeypatch.setattr(cli, "notice", lambda seconds, line, notice=cli.notice: notice(0.0, line))
     monkeypatch.setattr(ExpertCache, "prewarm_done", lambda self, timeout=None: False)  # as on a slow disk
@@ -555,5 +555,5 @@ def test_load_and_prewarm_waits_are_said(monkeypatch):
     r = CliRunner().invoke(main, ["generate", "-p", "Ciao", "--max-tokens", "4", "--profile", str(profile)])
     assert r.exit_code == 0, r.output
     assert "loading the demo model..." in r.stderr
-    workload = mlxmoe.profile.ActivationProfile.load(profile).workload
+    workload = mlxmoe.workload.profile.ActivationProfile.load(profile).workload
     assert f"pre-warming the cache with the hottest experts of {workload!r} in the background" in r.stderr

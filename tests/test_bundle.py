@@ -15,10 +15,10 @@ import mlxmoe
 from mlxmoe import MlxmoeError
 from mlxmoe.api import model_fingerprint
 from mlxmoe.backend import detect
-from mlxmoe.convert import bundle
+from mlxmoe.storage.convert import bundle
 from mlxmoe.loader import open_checkpoint
-from mlxmoe.shards import ALIGN, BUNDLE_FORMAT, DTYPES
-from mlxmoe.store import align_up
+from mlxmoe.storage.shards import ALIGN, BUNDLE_FORMAT, DTYPES
+from mlxmoe.storage.store import align_up
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 24

@@ -18,7 +18,7 @@ import pytest
 
 import mlxmoe
 from mlxmoe.distributed import free_port_base
-from mlxmoe.profile import ActivationProfile
+from mlxmoe.workload.profile import ActivationProfile
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 DEEPSEEK = {"num_hidden_layers": 6}  # its first layer is dense: every stage of 2 or 3 keeps a MoE layer

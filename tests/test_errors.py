@@ -169,7 +169,7 @@ def test_converted_checkpoint_is_readable_by_others(checkpoint, tmp_path):
     import os
     import stat
 
-    from mlxmoe.convert import bundle
+    from mlxmoe.storage.convert import bundle
 
     dst = bundle(checkpoint("qwen3_moe", quant="4bit"), tmp_path / "bundled", progress=lambda _: None)
     umask = os.umask(0)

@@ -11,8 +11,8 @@ from mlxmoe.api import checkpoint_plan
 from mlxmoe.budget import parse_size
 from mlxmoe.forecast import family_curves, forecast, hit_rates
 from mlxmoe.loader import open_checkpoint
-from mlxmoe.profile import ActivationProfile
-from mlxmoe.store import ExpertStore
+from mlxmoe.workload.profile import ActivationProfile
+from mlxmoe.storage.store import ExpertStore
 
 
 def expert_spans(store):

@@ -20,12 +20,12 @@ import pytest
 from conftest import run_cli
 
 from mlxmoe.backend import detect
-from mlxmoe.convert import header as safetensors_header
+from mlxmoe.storage.convert import header as safetensors_header
 from mlxmoe.errors import MlxmoeError
 from mlxmoe.loader import DEMO_MODEL, open_checkpoint, read_config, read_tokenizer
-from mlxmoe.profile import ActivationProfile
-from mlxmoe.shards import BUNDLE_FORMAT, read_header
-from mlxmoe.trace import predictor_scores, read_trace, replay
+from mlxmoe.workload.profile import ActivationProfile
+from mlxmoe.storage.shards import BUNDLE_FORMAT, read_header
+from mlxmoe.workload.trace import predictor_scores, read_trace, replay
 
 CASES = int(os.environ.get("MLXMOE_FUZZ_CASES", 500))
 CASE_SECONDS = 20  # a case that takes longer is a hang
@@ -463,7 +463,7 @@ def mutated_source(rng, body):
 
 @pytest.mark.parametrize("fmt", ["vllm", "specmoe", "moe-ocs", "sglang", "bigmoeonedge"])
 def test_fuzz_imports(fmt, tmp_path):
-    from mlxmoe.trace import import_trace
+    from mlxmoe.workload.trace import import_trace
 
     rng = random.Random(f"import {fmt}")
     name, body = import_sources(rng)[fmt]

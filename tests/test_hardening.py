@@ -17,8 +17,8 @@ import mlxmoe
 from mlxmoe.cli import main
 from mlxmoe.errors import MlxmoeError
 from mlxmoe.loader import DEMO_MODEL
-from mlxmoe.profile import ActivationProfile
-from mlxmoe.trace import read_trace
+from mlxmoe.workload.profile import ActivationProfile
+from mlxmoe.workload.trace import read_trace
 
 
 @pytest.fixture
@@ -195,7 +195,7 @@ def test_exclusive_prompt_sources_and_missing_parent(cli, tmp_path):
 
 # 10
 def test_stale_partials_of_dead_writers_are_removed_at_start(tmp_path):
-    from mlxmoe.files import check_writable, clean_stale
+    from mlxmoe.storage.files import check_writable, clean_stale
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
@@ -267,7 +267,7 @@ def test_a_shard_changed_since_load_is_named(demo):
 
 
 def test_a_trace_closed_before_any_routing_leaves_nothing(tmp_path):
-    from mlxmoe.trace import TraceWriter, read_trace
+    from mlxmoe.workload.trace import TraceWriter, read_trace
 
     empty = TraceWriter(tmp_path / "empty.trace.jsonl", 2, 4, 1)
     empty.close()

@@ -286,7 +286,7 @@ def test_sglang_token_counts_must_be_integers(tmp_path):
 
     import numpy as np
 
-    from mlxmoe.trace import import_trace
+    from mlxmoe.workload.trace import import_trace
 
     payload = base64.b64encode(np.zeros((3, 2, 2), np.int32).tobytes()).decode()
     src = tmp_path / "r.jsonl"
@@ -298,7 +298,7 @@ def test_sglang_token_counts_must_be_integers(tmp_path):
 
 @pytest.mark.parametrize("size", [10 ** 11, 10 ** 31])
 def test_replay_with_a_cache_beyond_every_expert(tmp_path, cli, capsys, size):
-    from mlxmoe.trace import import_trace, read_trace, replay_all
+    from mlxmoe.workload.trace import import_trace, read_trace, replay_all
 
     import_trace("vllm", vllm_routes(tmp_path / "routes.jsonl"), tmp_path / "t.jsonl")
     header, records = read_trace(tmp_path / "t.jsonl")
@@ -363,7 +363,7 @@ def vllm_line(**change):
     ({}, {"num_experts": 4, "top_k": 9}, "top-k 9 is more than the 4 experts"),
 ])
 def test_imports_refuse_what_the_reader_refuses(tmp_path, change, kw, needle):
-    from mlxmoe.trace import import_trace
+    from mlxmoe.workload.trace import import_trace
 
     src = tmp_path / "routes.jsonl"
     src.write_text(vllm_line() + "\n" + vllm_line(token_idx=1, **change) + "\n")
@@ -373,7 +373,7 @@ def test_imports_refuse_what_the_reader_refuses(tmp_path, change, kw, needle):
 
 
 def test_a_top_k_above_every_row_is_a_counted_warning(tmp_path):
-    from mlxmoe.trace import import_trace, read_trace
+    from mlxmoe.workload.trace import import_trace, read_trace
 
     src = tmp_path / "routes.jsonl"
     src.write_text(vllm_line() + "\n")
@@ -390,7 +390,7 @@ def test_a_top_k_above_every_row_is_a_counted_warning(tmp_path):
     ({}, {"e": [1], "l": "0"}, "l must be an integer"),
 ])
 def test_malformed_trace_files_are_refused(tmp_path, header, line, needle):
-    from mlxmoe.trace import read_trace
+    from mlxmoe.workload.trace import read_trace
 
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"format": "mlxmoe.trace/1", "num_layers": 2, "num_experts": 4, **header}) + "\n" +
@@ -407,7 +407,7 @@ def test_malformed_trace_files_are_refused(tmp_path, header, line, needle):
     ({"resident_bytes": 0}, "resident_bytes"), ({"decay": {"half_life_tokens": 1e-300}}, "half_life_tokens"),
 ])
 def test_meaningless_profiles_are_refused(tmp_path, fields, needle):
-    from mlxmoe.profile import ActivationProfile
+    from mlxmoe.workload.profile import ActivationProfile
 
     p = ActivationProfile(2, 4, 2, model="m", model_fingerprint="fp", workload="w")
     p.tick(4)
@@ -528,7 +528,7 @@ run()
 
 
 def test_the_server_saves_what_it_learnt_when_its_generation_fails(tmp_path):
-    from mlxmoe.profile import ActivationProfile
+    from mlxmoe.workload.profile import ActivationProfile
 
     profile = tmp_path / "italian.json"
     shutil.copy(os.path.join(os.path.dirname(__file__), "..", "profiles", "italian.json"), profile)

@@ -13,10 +13,10 @@ import pytest
 
 import mlxmoe
 from mlxmoe import MlxmoeError
-from mlxmoe import store as store_module
+from mlxmoe.storage import store as store_module
 from mlxmoe.loader import open_checkpoint
-from mlxmoe.shards import ALIGN, DTYPES, Range
-from mlxmoe.store import ExpertStore, default_io, resolve_io
+from mlxmoe.storage.shards import ALIGN, DTYPES, Range
+from mlxmoe.storage.store import ExpertStore, default_io, resolve_io
 
 from conftest import fs_type
 

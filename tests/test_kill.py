@@ -15,8 +15,8 @@ import time
 import pytest
 
 from mlxmoe.loader import DEMO_MODEL, open_checkpoint
-from mlxmoe.profile import ActivationProfile
-from mlxmoe.trace import read_trace
+from mlxmoe.workload.profile import ActivationProfile
+from mlxmoe.workload.trace import read_trace
 
 KILLS = int(os.environ.get("MLXMOE_KILLS", 1))  # per command and signal (bench/RESULTS.md: 5)
 PROMPTS = ["Il gatto e la volpe", "The quick brown fox", "hello", "La casa sul lago", "Der Hund", "Once upon a time",

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import mlxmoe
-from mlxmoe.cache import ExpertCache
+from mlxmoe.caching.cache import ExpertCache
 from mlxmoe.errors import MlxmoeError
-from mlxmoe.lossy import Lossy
+from mlxmoe.caching.lossy import Lossy
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 16
@@ -195,7 +195,7 @@ def test_server_usage_counts_them():
 def test_tensor_split_is_refused():
     from types import SimpleNamespace
 
-    from mlxmoe.lossy import refuse_tensor_split
+    from mlxmoe.caching.lossy import refuse_tensor_split
 
     refuse_tensor_split(SimpleNamespace(group=object(), split="pipeline", path="m"), "x")  # a stage's own layers
     with pytest.raises(MlxmoeError, match="tensor split"):

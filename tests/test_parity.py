@@ -82,7 +82,7 @@ def test_everything_resident_runs_without_host_work_per_layer(checkpoint, tmp_pa
     """With room for every expert, all are read once in the background; then layers remap
     on the device and their host work (hits, policy, live profile, trace) is done a token
     later: the same tokens, the same counts as the trace of the run shows."""
-    from mlxmoe.trace import read_trace, steps
+    from mlxmoe.workload.trace import read_trace, steps
 
     path = checkpoint("qwen3_moe", quant="4bit")
     want = reference_tokens(path)

@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from mlxmoe.cache import Residency
+from mlxmoe.caching.cache import Residency
 from mlxmoe.errors import MlxmoeError
-from mlxmoe.policies import DEFAULT_POLICY, make_policy
-from mlxmoe.curves import lru_curve
-from mlxmoe.trace import read_trace, replay, replay_all, steps
+from mlxmoe.caching.policies import DEFAULT_POLICY, make_policy
+from mlxmoe.workload.curves import lru_curve
+from mlxmoe.workload.trace import read_trace, replay, replay_all, steps
 
 
 def run(policy, capacity, sequence, layers=1, experts=16, **kw):
@@ -405,7 +405,7 @@ def test_activation_evicts_by_expected_time_with_a_sorted_insert():
 def test_slru_pins_the_profiles_hottest_by_default():
     import numpy as np
 
-    from mlxmoe.policies import make_policy
+    from mlxmoe.caching.policies import make_policy
 
     prior = np.zeros((2, 8))
     prior[1, 3], prior[0, 5], prior[0, 1] = 0.9, 0.5, 0.1
@@ -442,7 +442,7 @@ def test_replay_matches_the_runtime(checkpoint, tmp_path, layers):
     policy; with one MoE layer too, where only the trace's call sizes tell a prefill from
     decode steps."""
     import mlxmoe
-    from mlxmoe.policies import ONLINE
+    from mlxmoe.caching.policies import ONLINE
 
     path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": layers})
     for policy in ONLINE:
@@ -517,7 +517,7 @@ def test_unknown_option_is_refused_naming_it_and_the_policy():
 def test_optional_hooks_are_declared():
     """The hooks the cache and the prefetcher use exist on every policy: None where the
     policy keeps no estimate of next use, so neither looks them up by name."""
-    from mlxmoe.prefetch import visit_steps
+    from mlxmoe.caching.prefetch import visit_steps
 
     for name in ("lru", "lfu", "slru", "s3fifo", "layer-lru", "layer-lfu", "lfuda"):
         p = make_policy(name, 8, 2, 8)
@@ -533,9 +533,9 @@ def test_optional_hooks_are_declared():
 def test_one_ranking_of_the_hottest():
     """Pins, the prefetcher's profile guesses and a profile's top list rank experts the
     same way: highest rate first, the lower index on ties; pins skip unused experts."""
-    from mlxmoe.policies import hottest, pins
-    from mlxmoe.prefetch import hottest_per_layer
-    from mlxmoe.profile import ActivationProfile
+    from mlxmoe.caching.policies import hottest, pins
+    from mlxmoe.caching.prefetch import hottest_per_layer
+    from mlxmoe.workload.profile import ActivationProfile
 
     rates = np.array([[0.1, 0.5, 0.0, 0.5], [0.0, 0.0, 0.2, 0.0]])
     assert hottest(rates, 3) == [(0, 1), (0, 3), (1, 2)]

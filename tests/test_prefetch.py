@@ -10,7 +10,7 @@ import pytest
 import mlxmoe
 from mlxmoe.backend import detect
 from mlxmoe.errors import MlxmoeError
-from mlxmoe.trace import predictor_scores
+from mlxmoe.workload.trace import predictor_scores
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 
@@ -182,9 +182,9 @@ def test_rank_chances_count_what_the_router_predictor_counts(checkpoint):
 
 
 def test_claim_asks_worth_and_never_evicts_protected():
-    from mlxmoe.cache import Residency
-    from mlxmoe.policies import make_policy
-    from mlxmoe.prefetch import outranks
+    from mlxmoe.caching.cache import Residency
+    from mlxmoe.caching.policies import make_policy
+    from mlxmoe.caching.prefetch import outranks
 
     r = Residency(4, make_policy("activation", 4, 2, 8))
     for t in range(6):  # layer 0 uses 0 and 1 every token, layer 1 uses 0 and 1 once
@@ -216,7 +216,7 @@ def test_prefetch_with_a_policy_without_estimates_keeps_output(checkpoint):
 def test_min_chance_follows_the_disks_occupancy():
     """An idle disk lets guesses down to the floor be read; a disk busy over 80 % of each
     decode step raises the bar (to at most max_chance, 0.25); a stats reset is no load."""
-    from mlxmoe.prefetch import Prefetcher
+    from mlxmoe.caching.prefetch import Prefetcher
 
     pf = Prefetcher(None, [None, None], 2, workers=2, min_chance=0.1, chance_floor=0.05)
     try:
@@ -273,7 +273,7 @@ def test_coactivation_counts_what_consecutive_layer_calls_used(checkpoint, tmp_p
     as the trace of the same run shows them; and the predictor is scored."""
     import numpy as np
 
-    from mlxmoe.trace import layer_calls, read_trace
+    from mlxmoe.workload.trace import layer_calls, read_trace
 
     path = checkpoint("qwen3_moe", quant="4bit")
     trace = tmp_path / "run.trace.jsonl"
@@ -300,8 +300,8 @@ def test_coactivation_counts_what_consecutive_layer_calls_used(checkpoint, tmp_p
 def test_a_layer_whose_misses_prefetch_hides_gives_up_slots_first():
     """The victim is the expert with the largest expected time to next use over its
     layer's miss cost: lowering one layer's cost moves the victim there."""
-    from mlxmoe.cache import Residency
-    from mlxmoe.policies import make_policy
+    from mlxmoe.caching.cache import Residency
+    from mlxmoe.caching.policies import make_policy
 
     r = Residency(6, make_policy("activation", 6, 2, 8))
     for t in range(4):
@@ -343,7 +343,7 @@ def test_failed_prewarm_read_is_read_again_before_the_resident_path(checkpoint):
     again on the decode thread before layers compute from the resident slot table."""
     path = checkpoint("qwen3_moe", quant="4bit")
     want = reference(path)
-    from mlxmoe.store import ExpertStore
+    from mlxmoe.storage.store import ExpertStore
 
     read = ExpertStore.read_expert
 
@@ -461,7 +461,7 @@ def test_trace_written_off_the_decode_thread_is_the_same_file(tmp_path, cache_ex
     thread (the default) or on the decode thread, the same bytes, and the host thread
     writes lines. At 6 slots the prompt's layer calls are fetched in runs of tokens: their
     lines are still one per token, in order, each with its whole call's token count."""
-    from mlxmoe.trace import TraceWriter, layer_calls, read_trace
+    from mlxmoe.workload.trace import TraceWriter, layer_calls, read_trace
 
     write, writers = TraceWriter.write, set()
 
@@ -501,7 +501,7 @@ def test_read_gate_puts_demand_reads_first():
     came without it stops at its next piece."""
     import time
 
-    from mlxmoe.cache import Cancelled, ReadGate
+    from mlxmoe.caching.cache import Cancelled, ReadGate
 
     gate, starts = ReadGate(), []
 

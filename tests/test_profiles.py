@@ -18,8 +18,8 @@ import mlxmoe
 from mlxmoe.backend import detect
 from mlxmoe.cli import main
 from mlxmoe.errors import MlxmoeError
-from mlxmoe.policies import ONLINE
-from mlxmoe.profile import ActivationProfile
+from mlxmoe.caching.policies import ONLINE
+from mlxmoe.workload.profile import ActivationProfile
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,8 +133,8 @@ def test_merge_edge_cases(tmp_path):
 def test_lru_curve_matches_replay_below_a_prefill(tmp_path):
     """A cache smaller than a prefill's experts splits the call as the runtime does; the
     curve's LRU points are then replays, equal to `trace replay` at every size."""
-    from mlxmoe.curves import predicted_curve
-    from mlxmoe.trace import replay
+    from mlxmoe.workload.curves import predicted_curve
+    from mlxmoe.workload.trace import replay
 
     rng = np.random.default_rng(0)
     header = {"num_layers": 2, "num_experts": 16, "top_k": 2}
@@ -283,7 +283,7 @@ def test_record_half_life_fresh_counts_and_bad_paths(checkpoint, tmp_path, monke
 
 
 def test_show_reads_the_hit_rate_a_budget_buys_off_the_curve(tmp_path):
-    from mlxmoe.curves import curve_at
+    from mlxmoe.workload.curves import curve_at
 
     points = [[2, 0.1], [6, 0.5], [12, 0.9]]
     assert curve_at(points, 4) == pytest.approx(0.3) and curve_at(points, 12) == 0.9 and curve_at(points, 2) == 0.1
@@ -356,7 +356,7 @@ def test_first_token_does_not_wait_for_the_prewarm(monkeypatch):
     import threading
     from pathlib import Path
 
-    from mlxmoe.store import ExpertStore
+    from mlxmoe.storage.store import ExpertStore
 
     italian = Path(__file__).resolve().parents[1] / "profiles" / "italian.json"
     prompt = "Il gatto dorme"
@@ -404,7 +404,7 @@ def test_chats_file_renders_with_the_template_and_names_bad_lines(tmp_path):
 
 
 def read_png(path):
-    """An RGB PNG as written by mlxmoe.heatmap (8-bit, filter 0 on every row) as an array."""
+    """An RGB PNG as written by mlxmoe.workload.heatmap (8-bit, filter 0 on every row) as an array."""
     import struct
     import zlib
 
@@ -428,7 +428,7 @@ def test_profile_pngs_have_axes_labels_and_scales(tmp_path):
     """The heatmap: cells coloured on one scale (the hottest yellow, the coldest dark), a
     colour bar beside them, labels (black text) on both axes. The curve: a line per policy
     in its colour and, with --budget, a dashed line at the cache the budget buys."""
-    from mlxmoe.heatmap import COLORS, VIRIDIS
+    from mlxmoe.workload.heatmap import COLORS, VIRIDIS
 
     profile = ROOT / "profiles" / "italian.json"
     p = ActivationProfile.load(profile)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import mlxmoe
-from mlxmoe.profile import ActivationProfile
+from mlxmoe.workload.profile import ActivationProfile
 from test_threads import in_threads
 
 openai = pytest.importorskip("openai")

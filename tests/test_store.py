@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mlxmoe.loader import open_checkpoint
-from mlxmoe.shards import DTYPES, read_header, to_float32
+from mlxmoe.storage.shards import DTYPES, read_header, to_float32
 
 
 def expected_slices(path, ckpt):

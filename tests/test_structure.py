@@ -10,26 +10,34 @@ import mlxmoe
 PACKAGE = Path(mlxmoe.__file__).parent
 
 
+def module_name(path):
+    """'caching.cache' for mlxmoe/caching/cache.py."""
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+
+
 def imports_of(path):
-    """The mlxmoe modules `path` imports, at module level or inside functions."""
+    """The mlxmoe modules (dotted, under mlxmoe) and names `path` imports, at module level or
+    inside functions; relative imports resolved from its package."""
+    package = module_name(path).split(".")[:-1]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                if node.module:
-                    out.add(node.module.split(".")[0])
-                else:
-                    out.update(a.name for a in node.names)
+            if node.level:
+                base = package[:len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
             elif node.module and node.module.startswith("mlxmoe."):
-                out.add(node.module.split(".")[1])
+                base = node.module.split(".")[1:]
+            else:
+                continue
+            out.add(".".join(base))
+            out.update(".".join(base + [a.name]) for a in node.names)
         elif isinstance(node, ast.Import):
-            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("mlxmoe."))
+            out.update(a.name.split(".", 1)[1] for a in node.names if a.name.startswith("mlxmoe."))
     return out
 
 
 def graph():
-    modules = {p.stem: p for p in PACKAGE.glob("*.py")}
-    return {m: sorted(imports_of(p) & set(modules) - {m, "__init__"}) for m, p in modules.items() if m != "__init__"}
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py") if p.stem != "__init__"}
+    return {m: sorted(imports_of(p) & set(modules) - {m}) for m, p in modules.items()}
 
 
 def find_cycle(edges):
@@ -63,14 +71,14 @@ def test_find_cycle_finds_one():
 
 def test_no_import_cycle():
     edges = graph()
-    assert "profile" in edges and "trace" in edges
+    assert "workload.profile" in edges and "workload.trace" in edges and "caching.cache" in edges
     assert find_cycle(edges) is None, f"import cycle: {' -> '.join(find_cycle(edges))}"
-    assert "trace" not in edges["profile"]
+    assert "workload.trace" not in edges["workload.profile"]
 
 
 def test_each_module_imports_in_a_fresh_interpreter():
     # profile and trace in both orders (trace builds on profile), then every module on its own
-    modules = ["mlxmoe.profile, mlxmoe.trace", "mlxmoe.trace, mlxmoe.profile"] + [
+    modules = ["mlxmoe.workload.profile, mlxmoe.workload.trace", "mlxmoe.workload.trace, mlxmoe.workload.profile"] + [
         f"mlxmoe.{m}" for m in sorted(graph()) if m != "__main__"]
     code = "; ".join(f"subprocess.run([sys.executable, '-c', 'import {m}'], check=True)" for m in modules)
     r = subprocess.run([sys.executable, "-c", f"import subprocess, sys; {code}"], capture_output=True, text=True,
@@ -84,7 +92,7 @@ def test_the_checkpoints_builder_is_shared_not_shipped():
     reaches into tests/ for it."""
     root = PACKAGE.parent
     assert not (PACKAGE / "synthetic.py").exists() and (root / "synthetic.py").exists()
-    for path in PACKAGE.glob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         assert "mlxmoe.synthetic" not in path.read_text() and "synthetic" not in imports_of(path), path
     for path in (root / "bench").glob("*.py"):
         assert '"tests"' not in path.read_text() or path.name == "train_demo.py", path  # (it builds the demo: leaving bench/)

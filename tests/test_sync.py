@@ -21,7 +21,7 @@ import pytest
 
 import mlxmoe
 import synthetic
-from mlxmoe.experts import StreamingExperts, resident_table
+from mlxmoe.caching.experts import StreamingExperts, resident_table
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 12

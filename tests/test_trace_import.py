@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from mlxmoe.cli import main
 from mlxmoe.errors import MlxmoeError
-from mlxmoe.profile import ActivationProfile
-from mlxmoe.trace import PREFILL_STEP, import_trace, layer_calls, read_trace, replay
+from mlxmoe.workload.profile import ActivationProfile
+from mlxmoe.workload.trace import PREFILL_STEP, import_trace, layer_calls, read_trace, replay
 
 
 def write_jsonl(path, rows):
@@ -291,7 +291,7 @@ def test_replay_with_profile_matches_a_run_loaded_with_it(checkpoint, tmp_path):
     on its trace, for every policy. A recorded trace carries its model's fingerprint, so
     the profile loads without --force."""
     import mlxmoe
-    from mlxmoe.policies import ONLINE
+    from mlxmoe.caching.policies import ONLINE
 
     path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 2})
     first = tmp_path / "first.trace.jsonl"

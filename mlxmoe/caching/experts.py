@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .backend import host_probs
+from ..backend import host_probs
 from .cache import expert_groups
-from .errors import MlxmoeError
+from ..errors import MlxmoeError
 from .lossy import host_logits
 
 

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
-from .backend import host_probs
+from ..backend import host_probs
 from .policies import hottest
 
 PREDICTORS = ("router", "router_next_token", "coactivation", "previous_token", "profile")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MlxmoeError
+from ..errors import MlxmoeError
 from .shards import ALIGN, DTYPES, Range, read_header, row_part, shard_files, shard_slice, stamp, to_float32
 
 IO_MODES = ("mmap", "pread", "direct")

@@ -7,7 +7,7 @@ import zlib
 
 import numpy as np
 
-from .files import write_atomic
+from ..storage.files import write_atomic
 
 # 5x7 glyphs, one byte per column (bit 0 the top row), after the classic glcdfont
 GLYPHS = dict(zip(

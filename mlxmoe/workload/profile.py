@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MlxmoeError
-from .files import read_bytes, write_atomic
-from .policies import HALF_LIFE_PROFILE, hottest
+from ..errors import MlxmoeError
+from ..storage.files import read_bytes, write_atomic
+from ..caching.policies import HALF_LIFE_PROFILE, hottest
 
 FORMAT = "mlxmoe.profile/1"
 MAX_CELLS = 1 << 22  # layers x experts a profile may claim (the largest MoE models have ~50 000)

@@ -16,7 +16,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from .errors import MlxmoeError
+from ..errors import MlxmoeError
 
 
 def umask():

@@ -3,7 +3,7 @@ other policies on a recorded trace, and reading a curve at a cache size."""
 
 import numpy as np
 
-from .policies import ONLINE
+from ..caching.policies import ONLINE
 from .trace import replay, steps
 
 

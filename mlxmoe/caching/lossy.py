@@ -20,8 +20,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from .backend import host_floats
-from .errors import MlxmoeError
+from ..backend import host_floats
+from ..errors import MlxmoeError
 
 # How mlx-lm's MoE block of each model type weights the experts it routed a token to from
 # its router's logits: "topk", softmax over the chosen experts' logits (renormalised);

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .cache import Residency, expert_groups
-from .errors import MlxmoeError
-from .files import read_lines, temp_beside
-from .policies import HALF_LIFE_PROFILE, ONLINE, make_policy
-from .prefetch import count_prediction, hottest_per_layer, precision_recall
+from ..caching.cache import Residency, expert_groups
+from ..errors import MlxmoeError
+from ..storage.files import read_lines, temp_beside
+from ..caching.policies import HALF_LIFE_PROFILE, ONLINE, make_policy
+from ..caching.prefetch import count_prediction, hottest_per_layer, precision_recall
 from .profile import ActivationProfile, prewarm_order, shape_fingerprint
 
 FORMAT = "mlxmoe.trace/1"

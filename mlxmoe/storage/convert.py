@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .budget import format_size
-from .errors import MlxmoeError
+from ..budget import format_size
+from ..errors import MlxmoeError
 from .files import temp_folder_beside
 from .shards import ALIGN, BUNDLE_FORMAT, DTYPES, read_header, shard_files, tensor_bytes
 from .store import align_up
@@ -79,7 +79,7 @@ def restack(src, dst):
     as mlx-lm's own load_model (lazy) and save_model make it; returns dst."""
     from mlx_lm.utils import load_model, save_config, save_model
 
-    from .loader import read_config, resolve
+    from ..loader import read_config, resolve
 
     dst, path = check_dst(dst), resolve(src)
     read_config(path)
@@ -104,7 +104,7 @@ def restack(src, dst):
 
 def bundle(src, dst, progress=print):
     """Write the bundled copy of checkpoint `src` to the new folder `dst`; returns dst."""
-    from .loader import open_checkpoint
+    from ..loader import open_checkpoint
 
     dst = check_dst(dst)
     ckpt = open_checkpoint(src)

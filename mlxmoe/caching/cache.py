@@ -16,9 +16,9 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from .budget import peak_rss
+from ..budget import peak_rss
 from .counters import CacheStats
-from .errors import MlxmoeError
+from ..errors import MlxmoeError
 from .prefetch import Prefetcher
 
 

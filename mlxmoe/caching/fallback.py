@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-from .errors import MlxmoeError
+from ..errors import MlxmoeError
 
 FORMAT = "mlxmoe.fallback/1"
 BITS = (2, 3, 4, 5, 6, 8)
@@ -39,7 +39,7 @@ def build(ckpt, fingerprint: str, dst, bits: int, group_size: int = 64, progress
     the file `dst` (atomically); return its bytes. Reads each layer's experts once, through
     the expert store."""
     from .cache import SlotPools
-    from .loader import MX_DTYPES
+    from ..loader import MX_DTYPES
 
     if bits not in BITS:
         raise MlxmoeError(f"--fallback-bits {bits}: one of {', '.join(map(str, BITS))}")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MlxmoeError
+from ..errors import MlxmoeError
 from .files import read_json
 
 # safetensors dtype name -> (numpy dtype used to hold the raw bytes, itemsize)

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .errors import MlxmoeError
+from ..errors import MlxmoeError
 
 # Default half-lives of the decayed counts, in tokens (each is a policy's or a profile's option)
 HALF_LIFE_LFU = 256  # lfu's and slru's counts
