@@ -919,6 +919,7 @@ def train(args):
             "train_seconds": earlier["train_seconds"],
             "heldout_ppl_4bit": {k: v["ppl_4bit"] for k, v in earlier["heldout"].items()},
             "history": earlier["history"],
+            **({"continued_from": earlier["continued_from"]} if "continued_from" in earlier else {}),
         }} if earlier else {}),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "blas": os.environ.get("MLXMOE_DEMO_BLAS", "default"),
