@@ -2,6 +2,7 @@
 
     python bench/train_demo.py                    # corpus + tokenizer + training + 4-bit export
     python bench/train_demo.py --steps 20 --chat-steps 5 --work /tmp/demo-smoke-work --out /tmp/demo-smoke  # smoke
+    python bench/train_demo.py --continue-from 0745f27 --steps 600   # more training on a committed demo model
 
 What it does, reproducibly (fixed seed, sorted file lists, fixed step count):
 
@@ -18,7 +19,9 @@ What it does, reproducibly (fixed seed, sorted file lists, fixed step count):
    loss on every router, so that the expert skew that remains is the workload's; then
    tunes it for chat (a fresh optimizer, half the rows greeting conversations of mixed
    languages: CHAT_TUNE). `--from-phase1` starts from the first phase's weights that an
-   earlier run left in the work folder.
+   earlier run left in the work folder. `--continue-from REV` starts instead from the
+   demo model committed at git revision REV (its 4-bit weights dequantized, its tokenizer
+   kept) and trains both phases again on top of it (CONTINUE: a lower peak rate).
 4. Quantizes to 4 bits with mlx-lm's `quantize_model` and saves with mlx-lm's
    `save_model`/`save_config` into `mlxmoe/demo/` with `training.json` (sources,
    package versions, seed, sizes, hyperparameters, time, losses), plus small held-out
@@ -241,6 +244,9 @@ TRAIN = {
 # languages back to back (phase 1 saw each one amid text of its own language, and learnt
 # to answer in that text's language, not in the user's).
 CHAT_TUNE = {"steps": 300, "lr": 5e-4, "min_lr_ratio": 0.1, "warmup": 20, "chat_share": 0.5, "chats": 1200}
+# --continue-from: phase 1 restarts on a model that has already been through both phases,
+# at half the peak rate with a short warmup (its tokenizer and corpus are the same).
+CONTINUE = {"lr": 1e-3, "warmup": 50}
 
 
 # --------------------------------------------------------------------------- setup
@@ -700,6 +706,9 @@ def train(args):
     if args.steps is not None:
         cfg["steps"] = args.steps
         cfg["warmup"] = min(cfg["warmup"], max(1, args.steps // 10))
+    if args.continue_from:
+        cfg.update(CONTINUE)
+        cfg["warmup"] = min(cfg["warmup"], max(1, cfg["steps"] // 10))
     if args.warmup is not None:
         cfg["warmup"] = args.warmup
     work = Path(args.work)
@@ -708,7 +717,15 @@ def train(args):
 
     corpus, manifest = build_corpus(work, rebuild=args.rebuild_corpus)
     tok_dir = work / "tokenizer"
-    tok = train_tokenizer(corpus, tok_dir, cfg["vocab_size"])
+    base = None
+    if args.continue_from:  # the earlier model's own tokenizer and weights
+        base = checkout_demo(args.continue_from, work / f"from-{args.continue_from}")
+        tok_dir = base / "tokenizer"
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(corpus, tok_dir, cfg["vocab_size"])
     vocab = tok.get_vocab_size()
     _log(f"tokenizer: {vocab} tokens")
 
@@ -731,6 +748,19 @@ def train(args):
     config = dict(MODEL_CONFIG, vocab_size=vocab, eos_token_id=[tok.token_to_id(IM_END), tok.token_to_id(EOT)])
     mx.random.seed(SEED)
     model = Model(ModelArgs.from_dict(config))
+    earlier = None
+    if base is not None:
+        from mlx_lm import load as mlx_lm_load
+        from mlx_lm.utils import dequantize_model
+
+        shipped, _ = mlx_lm_load(str(base / "model"))
+        weights = tree_flatten(dequantize_model(shipped).parameters())
+        model.load_weights([(k, v.astype(mx.float32)) for k, v in weights])
+        del shipped
+        with open(base / "model" / "training.json") as f:
+            earlier = json.load(f)
+        _log(f"continuing from the demo model of {args.continue_from} "
+             f"({earlier['tokens_seen']} tokens seen: {earlier['command']})")
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     top_k = config["num_experts_per_tok"]
     _log(f"model: {n_params / 1e6:.2f}M parameters")
@@ -864,9 +894,12 @@ def train(args):
         _log(f"sample {lang}: {prompt!r} -> {samples[lang]['greedy']!r}")
 
     training = {
-        "what": "mlxmoe's demo model: a qwen3_moe trained from scratch by bench/train_demo.py on Debian's "
-                "multilingual man pages and fortunes",
-        "command": "python bench/train_demo.py" + ("" if args.steps is None else f" --steps {args.steps}")
+        "what": "mlxmoe's demo model: a qwen3_moe trained " + ("further, from the demo of " + args.continue_from
+                                                            if args.continue_from else "from scratch")
+                + " by bench/train_demo.py on Debian's multilingual man pages and fortunes",
+        "command": "python bench/train_demo.py"
+                   + ("" if not args.continue_from else f" --continue-from {args.continue_from}")
+                   + ("" if args.steps is None else f" --steps {args.steps}")
                    + ("" if args.chat_steps is None else f" --chat-steps {args.chat_steps}")
                    + ("" if args.eval_tokens == EVAL_TOKENS else f" --eval-tokens {args.eval_tokens}"),
         **manifest,
@@ -875,7 +908,19 @@ def train(args):
         "parameters": n_params,
         "hyperparameters": cfg,
         "chat_tuning": tune,
-        "tokens_seen": (cfg["steps"] + tune["steps"]) * B * L,
+        "tokens_seen": (cfg["steps"] + tune["steps"]) * B * L + (earlier["tokens_seen"] if earlier else 0),
+        **({"continued_from": {
+            "revision": args.continue_from,
+            "commit": (base / "commit").read_text().strip(),
+            "what": "the demo model committed there, its 4-bit weights dequantized to float32 and its tokenizer "
+                    "kept; both phases then ran again on top of it",
+            "command": earlier["command"], "tokens_seen": earlier["tokens_seen"],
+            "hyperparameters": earlier["hyperparameters"], "chat_tuning": earlier.get("chat_tuning"),
+            "train_seconds": earlier["train_seconds"],
+            "heldout_ppl_4bit": {k: v["ppl_4bit"] for k, v in earlier["heldout"].items()},
+            "history": earlier["history"],
+            **({"continued_from": earlier["continued_from"]} if "continued_from" in earlier else {}),
+        }} if earlier else {}),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "blas": os.environ.get("MLXMOE_DEMO_BLAS", "default"),
                     "mlx": _version("mlx"), "mlx_lm": _version("mlx-lm"),
@@ -896,6 +941,38 @@ def train(args):
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     _log(f"saved {out} ({size / 1e6:.1f} MB) in {time.time() - t_start:.0f}s")
     return out
+
+
+def git_commit(rev):
+    r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"--continue-from: no commit {rev!r} in {REPO}")
+    return r.stdout.strip()
+
+
+def checkout_demo(rev, folder):
+    """The demo model committed at `rev` (mlxmoe/demo/*) in `folder`/model, with its tokenizer
+    files also in `folder`/tokenizer (as train_tokenizer writes them), and the commit's id in
+    `folder`/commit. Kept there: a later run (or a machine without the repository's history)
+    reuses it."""
+    folder = Path(folder)
+    if (folder / "commit").exists() and (folder / "model" / "training.json").exists():
+        return folder
+    commit = git_commit(rev)
+    names = subprocess.run(["git", "-C", str(REPO), "ls-tree", "--name-only", commit, "mlxmoe/demo/"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    for sub in ("model", "tokenizer"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    for name in names:
+        data = subprocess.run(["git", "-C", str(REPO), "show", f"{commit}:{name}"], capture_output=True,
+                              check=True).stdout
+        base = Path(name).name
+        (folder / "model" / base).write_bytes(data)
+        if base.startswith("tokenizer") or base == "chat_template.jinja":
+            (folder / "tokenizer" / base).write_bytes(data)
+    (folder / "commit").write_text(commit + "\n")
+    return folder
 
 
 def _version(dist):
@@ -965,6 +1042,9 @@ def main(argv=None):
     parser.add_argument("--rebuild-corpus", action="store_true")
     parser.add_argument("--from-phase1", action="store_true",
                         help="Start from the phase-1 weights an earlier run saved in --work (chat tuning on).")
+    parser.add_argument("--continue-from", metavar="REV", default=None,
+                        help="Start from the demo model committed at git revision REV (its tokenizer kept) "
+                             "instead of from scratch.")
     parser.add_argument("--corpus-only", action="store_true", help="Build the corpus and stop.")
     args = parser.parse_args(argv)
     ensure_fast_blas()

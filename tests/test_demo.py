@@ -88,13 +88,74 @@ def test_italian_prompts_continue_in_italian(streamed):
     assert sum(share(t, EN_WORDS) for t in en_out) > sum(share(t, EN_WORDS) for t in it_out), detail
 
 
-@pytest.mark.xfail(strict=True, reason="the demo's text phase ran 800 steps, not 1900 (a shared 2-core machine): "
-                                       "its plain-text continuations of Italian prompts are mostly option lists")
 def test_most_italian_continuations_are_italian(streamed):
     model, tokenizer = streamed
     it_out = [mlxmoe.generate(model, tokenizer, p, max_tokens=40) for p in IT_PROMPTS]
     # most Italian continuations, taken one by one, are more Italian than English
     assert sum(share(t, IT_WORDS) > share(t, EN_WORDS) for t in it_out) > len(it_out) / 2, it_out
+
+
+# Common function words of each language. A text stays in a language when that language's
+# words are a share of its words that no other language's beat (words that two languages
+# share count for both: a short "de la" stays in French and in Spanish).
+FUNCTION_WORDS = {
+    "en": set("the of and to is in that for with it be are on as this you not or by if from was an which can "
+              "when your".split()),
+    "it": set("di che il la per non un una del della è e' in con si le lo gli da al nel sono questo questa ma se "
+              "come più anche ha alla dei delle".split()),
+    "fr": set("le la les de des du un une et est que qui pour dans pas sur ce cette il ne par avec au aux sont se "
+              "plus son".split()),
+    "de": set("der die das und ist nicht ein eine zu den von mit sich des auf für im dem werden wird auch es als "
+              "bei oder kann".split()),
+    "es": set("el la los las de que y en un una es no por con para del al se lo como más su sus pero este "
+              "esta".split()),
+}
+HELDOUT = Path(__file__).resolve().parents[1] / "bench" / "data" / "heldout"
+
+
+def stays_in(text, lang):
+    """Some of `text`'s words are `lang`'s function words, and no other language has more.
+    Command-line options (`--no-fork`, `-s`) are no language's words: they are left out."""
+    text = re.sub(r"(?<![\w-])--?[^\W\d_][\w-]*", " ", text)
+    scores = {other: share(text, words) for other, words in FUNCTION_WORDS.items()}
+    return scores[lang] > 0 and scores[lang] == max(scores.values())
+
+
+def heldout_prompts(lang, n=8, words=6, min_words=12):
+    """`n` prompts in `lang` the demo never trained on: the first `words` words of lines of
+    at least `min_words` words (prose, so the sentence goes on) that are themselves in
+    `lang`, from train_demo's held-out samples (bench/data/heldout/): man pages and fortunes
+    in turn, each kind's documents' first such lines, then their second..."""
+    kinds = []
+    for f in sorted(HELDOUT.glob(f"{lang}.*.txt"), key=lambda f: ".man." not in f.name):
+        docs = [d for d in f.read_text(encoding="utf-8").split("<|endoftext|>") if d.strip()]
+        lines = [[" ".join(ln.split()[:words]) for ln in d.split("\n")
+                  if len(ln.split()) >= min_words and ln[:1].isupper()
+                  and sum(c.isalpha() or c.isspace() for c in ln) > 0.9 * len(ln) and stays_in(ln, lang)]
+                 for d in docs]
+        kinds.append([ln[r] for r in range(max(map(len, lines))) for ln in lines if len(ln) > r])
+    out = [k[i] for i in range(max(map(len, kinds))) for k in kinds if len(k) > i]
+    return out[:n]
+
+
+NOT_YET = pytest.mark.xfail(strict=True, reason="issue 30's target, not met yet: 7 of 8 stay (the demo's text phases "
+                                                "ran 800 + 600 + 600 steps on a shared 2-core machine)")
+
+
+@pytest.mark.parametrize("lang,at_least", [pytest.param("it", 8, marks=NOT_YET), pytest.param("en", 8, marks=NOT_YET),
+                                           ("it", 7), ("en", 7), ("de", 6), ("fr", 6), ("es", 6)])
+def test_heldout_prompts_continue_in_their_language(stock, lang, at_least):
+    """As a completion model the demo continues text in its language: greedy continuations of
+    8 held-out prompts per language (man pages and fortunes it never saw) stay in the prompt's
+    language by their function words: all 8 in Italian and English, at least 6 of 8 in
+    German, French and Spanish."""
+    model, tokenizer = stock
+    prompts = heldout_prompts(lang)
+    assert len(prompts) == 8, prompts
+    out = [mlx_lm.generate(model, tokenizer, p, max_tokens=40) for p in prompts]
+    stay = [stays_in(t, lang) for t in out]
+    detail = "\n".join(f"{p!r} -> {t!r} ({'stays' if ok else 'leaves'})" for p, t, ok in zip(prompts, out, stay))
+    assert sum(stay) >= at_least, f"{lang}: {sum(stay)}/8 stay in {lang}\n{detail}"
 
 
 def _can_build_wheels():
