@@ -69,11 +69,10 @@ class Lossy:
     def step(self, logits: np.ndarray, row: list, resident: list, mask: np.ndarray | None):
         """One token's routing at a layer: the router's own `logits` [experts], its routed
         experts `row`, whether each is `resident`, the resident mask the router's logits were
-        biased with (None: not biased). Returns (keep [bool per routed expert], scales [float
+        biased with (None: not biased; StreamingExperts does not call it for a token whose
+        experts are all resident and unbiased). Returns (keep [bool per routed expert], scales [float
         per routed expert] or None where the outputs need none, experts biased into the
         choice)."""
-        if mask is None and all(resident):  # (the common case: nothing to do)
-            return [True] * len(row), None, 0
         chosen = np.asarray(row)
         w = _softmax(logits[chosen]) if self.rule == "topk" else _softmax(logits)[chosen]
         share = w / w.sum()
