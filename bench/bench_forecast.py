@@ -47,19 +47,14 @@ WARMUP_PROMPT = "Hi there"  # a warm-up generation before the timed one: one-tim
 PROFILE_PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning was", "Numbers: 1, 2, 3,"]
 
 
-def rss():
-    with open("/proc/self/status") as f:
-        return int(next(l for l in f if l.startswith("VmRSS")).split()[1]) * 1024
-
-
 def run_measured(args):
     """One budget: load from --path with the profile, one timed greedy generation."""
     import mlx.core as mx  # (imported before the baseline RSS: not the model's memory)
 
     import mlxmoe
-    from mlxmoe.budget import peak_rss
+    from system import proc_status
 
-    before = rss()
+    before = proc_status()[0]
     mx.reset_peak_memory()
     tic = time.perf_counter()
     model, tokenizer = mlxmoe.load(args.path, memory_budget=args.budget, profile=args.profile, backend=args.backend)
@@ -74,7 +69,7 @@ def run_measured(args):
     stats = model.expert_cache.stats()
     model.expert_cache.close()
     return {"load_seconds": load_seconds, "run": {k: v for k, v in run.items() if k != "text"},
-            "memory_bytes": mx.get_peak_memory(), "rss_growth_bytes": peak_rss() - before,
+            "memory_bytes": mx.get_peak_memory(), "rss_growth_bytes": proc_status()[1] - before,
             "cache_experts": stats.get("cache_experts")}
 
 
@@ -92,17 +87,15 @@ def fit(args, path, profile, budgets, prompt_tokens):
 
 
 def budgets_for(path, shares, backend=None):
-    """The budget that holds each share of the experts (mlxmoe info's plan)."""
+    """The budget that holds each share of the experts (what `mlxmoe fit` forecasts by default)."""
     from mlxmoe import backend as backends
-    from mlxmoe.api import checkpoint_plan
+    from mlxmoe.forecast import share_budgets
     from mlxmoe.loader import open_checkpoint
 
     be = backends.detect(backend)
     ckpt = open_checkpoint(str(path))
     be.apply_dtype_policy(ckpt.model)
-    total = ckpt.num_layers * ckpt.num_experts
-    return [checkpoint_plan(ckpt, be, cache_experts=min(total, max(ckpt.top_k, round(total * s)))).budget
-            for s in shares]
+    return share_budgets(ckpt, be, shares)
 
 
 def record_profile(args, out):
@@ -221,9 +214,8 @@ def main():
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"checkpoint": str(args.checkpoint), "backend": args.backend, "prompt": args.prompt, "tokens": args.tokens,
                                        "rows": rows}, indent=1))
-    for r in rows:
-        if r["disk"] != (rows[rows.index(r) - 1]["disk"] if rows.index(r) else None):
-            print(f"[{r['disk']}] " + "; ".join(r["fit"]["measured"]), file=sys.stderr)
+    for disk, measured in {r["disk"]: r["fit"]["measured"] for r in rows}.items():  # what fit measured, per disk
+        print(f"[{disk}] " + "; ".join(measured), file=sys.stderr)
     report(rows, OVERLAP_LEFT)
     print(f"\nwrote {args.output}")
 

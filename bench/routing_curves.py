@@ -4,8 +4,9 @@ table `mlxmoe fit` forecasts from when no profile is given (mlxmoe/data/routing_
     python bench/routing_curves.py --routing DIR        # -> mlxmoe/data/routing_curves.json
     python bench/routing_curves.py --routing DIR --out FILE
 
-Each trace of DIR (the real-routing folder bench/README.md names, or $MLXMOE_ROUTING; see its README: BigMoeOnEdge route traces, Apache-2.0; moe_ocs_learning
-routing, MIT) is imported as `mlxmoe trace import` does and replayed with the default policy
+Each trace of DIR (the real-routing folder of bench/README.md, or $MLXMOE_ROUTING; the files
+real_traces.py names: BigMoeOnEdge route traces, Apache-2.0; moe_ocs_learning routing, MIT)
+is imported with `mlxmoe trace import`'s own function and replayed with the default policy
 at each share of the model's experts (cold cache, as a first run without a profile); the hit
 rate counted is the decode steps' (one token a step), which sets decode tok/s. Only these
 figures are written, with their sources, not the routing itself.
@@ -14,32 +15,27 @@ figures are written, with their sources, not the routing itself.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
 
 from mlxmoe.storage.files import write_atomic  # noqa: E402
 from mlxmoe.caching.policies import DEFAULT_POLICY  # noqa: E402
-from mlxmoe.workload.trace import read_trace, replay  # noqa: E402
+from mlxmoe.workload.trace import import_trace, read_trace, replay  # noqa: E402
+from real_traces import SOURCES  # noqa: E402  (the real-routing files, their formats and names)
 
 SHARES = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
-# (family, format, file under the routing folder, source and licence)
-TRACES = [
-    ("qwen3_moe", "bigmoeonedge", "bigmoeonedge/qwen.route.csv",
-     "Qwen3-30B-A3B Q4_K_M, top-6 (forced), github Helldez/BigMoeOnEdge c6463352, Apache-2.0"),
-    ("gemma4", "bigmoeonedge", "bigmoeonedge/gemma.route.csv",
-     "Gemma-4-26B-A4B Q4_K_M, top-6 (forced), github Helldez/BigMoeOnEdge c6463352, Apache-2.0"),
-    ("gpt_oss", "bigmoeonedge", "bigmoeonedge/gptoss.route.csv",
-     "gpt-oss-120b Q4_K_M, top-2 (forced), github Helldez/BigMoeOnEdge c6463352, Apache-2.0"),
-    ("qwen3_5_moe", "moe-ocs", "moe-ocs-learning-qwen3.6/routing_pretrained.mlx.ece94543.json",
-     "Qwen3.6-35B-A3B 4-bit on MLX, top-8, github jinlong-huo/moe_ocs_learning, MIT"),
-    ("qwen3_5_moe", "moe-ocs", "moe-ocs-learning-qwen3.6/routing_pretrained.vllm.7534a717.json",
-     "Qwen3.6-35B-A3B on vLLM, top-8, github jinlong-huo/moe_ocs_learning, MIT"),
-]
+# the mlx-lm model type of each of real_traces.py's traces (the family fit matches on)
+FAMILY = {"bigmoeonedge-qwen3-30b-a3b": "qwen3_moe", "bigmoeonedge-gemma4-26b-a4b": "gemma4",
+          "bigmoeonedge-gptoss-120b": "gpt_oss", "moe-ocs-qwen3.6-35b-a3b.vllm": "qwen3_5_moe",
+          "moe-ocs-qwen3.6-35b-a3b.mlx": "qwen3_5_moe"}
+LICENCE = {"bigmoeonedge": "github Helldez/BigMoeOnEdge c6463352, Apache-2.0",
+           "moe-ocs": "github jinlong-huo/moe_ocs_learning, MIT"}
 
 
 def curve(trace_file):
@@ -65,14 +61,15 @@ def main():
                          "(or set $MLXMOE_ROUTING)")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for family, fmt, rel, source in TRACES:
-            out = Path(tmp) / "trace.jsonl"
-            subprocess.run([sys.executable, "-m", "mlxmoe", "trace", "import", fmt, str(routing / rel), "-o", str(out)],
-                           check=True, capture_output=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        for fmt, rel, name in SOURCES:
+            out = Path(tmp) / f"{name}.trace.jsonl"
+            import_trace(fmt, routing / rel, out)
             header, points = curve(out)
-            rows.append({"family": family, "source": source, "layers": header["num_layers"],
+            source = f"{name} ({rel}), {LICENCE[fmt]}"
+            rows.append({"family": FAMILY[name], "source": source, "layers": header["num_layers"],
                          "experts": header["num_experts"], "decode_hit_rate": points})
-            print(f"{family:12s} " + "  ".join(f"{100 * s:3.0f}%: {100 * r:5.1f}%" for s, r in points) + f"   {source}")
+            print(f"{FAMILY[name]:12s} " + "  ".join(f"{100 * s:3.0f}%: {100 * r:5.1f}%" for s, r in points)
+                  + f"   {source}")
     doc = {"what": "decode hit rate of mlxmoe's default cache (cold, no profile) against the share of a model's "
                    "experts it holds, replayed on routing recorded from real models; made by bench/routing_curves.py",
            "policy": DEFAULT_POLICY, "curves": rows}

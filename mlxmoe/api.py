@@ -622,7 +622,9 @@ def generation_stream(backend):
     device = mx.cpu if backend.name == "cpu" else mx.gpu
     if _mlx_generation_stream.device == device:
         return _mlx_generation_stream
-    return _STREAMS.setdefault(backend.name, mx.new_thread_local_stream(device))
+    if device not in _STREAMS:  # made once: each is a stream (a queue) of its own
+        _STREAMS[device] = mx.new_thread_local_stream(device)
+    return _STREAMS[device]
 
 
 def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], max_tokens: int = 256,

@@ -701,10 +701,9 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
     an expert's bytes) and this machine's matmuls at the model's shapes (a few seconds).
     Each figure is a range (low / likely / high); it says which inputs were measured."""
     from . import backend as backends
-    from .api import checkpoint_plan
     from .budget import format_size
     from .storage.files import check_writable
-    from .forecast import forecast
+    from .forecast import forecast, share_budgets
     from .workload.heatmap import write_lines_png
     from .loader import open_checkpoint
     from .workload.profile import ActivationProfile
@@ -713,14 +712,12 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
     ckpt = open_checkpoint(model_path)
     be.apply_dtype_policy(ckpt.model)
     prof = ActivationProfile.load(profile_path) if profile_path else None
-    total = ckpt.num_layers * ckpt.num_experts
     if not budgets:
-        budgets = sorted({checkpoint_plan(ckpt, be, cache_experts=min(total, max(ckpt.top_k, round(total * s)))).budget
-                          for s in (0.1, 0.25, 0.5, 1.0)})
+        budgets = sorted(set(share_budgets(ckpt, be, (0.1, 0.25, 0.5, 1.0))))
     if png:
         check_writable(png)
     f = forecast(ckpt, be, budgets, profile=prof, disk_rate=disk_gbps * 1e9 if disk_gbps else None,
-                 prompt_tokens=prompt_tokens, new_tokens=max_tokens, plan=lambda b: checkpoint_plan(ckpt, be, b))
+                 prompt_tokens=prompt_tokens, new_tokens=max_tokens)
     if png:
         rows = [r for r in f["budgets"] if "error" not in r]
         lines = {k: [[r["budget"], r["decode_tps"][k]] for r in rows] for k in ("high", "likely", "low")}

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .api import PREFILL_STEP, checkpoint_plan
 from .budget import attention_bytes, kv_bytes_per_token, parse_size, text_config, working_bytes
-from .workload.curves import curve_at
-from .errors import MlxmoeError
 from .caching.policies import DEFAULT_POLICY
+from .errors import MlxmoeError
+from .workload.curves import curve_at
 
 CURVES = Path(__file__).parent / "data" / "routing_curves.json"
 # Of the shorter of reads and compute, the share a token still waits for: a layer's
@@ -30,7 +31,6 @@ OVERLAP_LEFT = 0.75
 # prefetcher's copies, the host's own work): tuned on bench_forecast's rows of a 16-core CPU.
 COMPUTE_MARGIN = 0.15
 DISK_SECONDS = 0.5  # how long the disk is read for, at most
-PREFILL_BATCH = 512  # tokens a prefill step computes at once (api.PREFILL_STEP)
 
 
 def family_curves(path=CURVES):
@@ -126,39 +126,52 @@ def _expert_block(ckpt, backend, k):
     return block, sum(a.nbytes for _, a in small)
 
 
-def measure_compute(ckpt, backend, dense_bytes, tokens=1, seconds=0.25):
-    """Seconds of compute for a step of `tokens` tokens with every expert resident: each
-    MoE layer's top-k experts, computed by the model's own expert block on random weights
-    with one sync a layer as the runtime runs them, timed here; the other weights the tokens
-    compute with (`dense_bytes`) at the rate that block reached (weight bytes x tokens a
-    second, also returned)."""
+def compute_shape(ckpt, backend):
+    """(hidden size, activation dtype) a token is computed with: mlx-lm computes in the
+    checkpoint's float dtype on GPUs, in float32 on CPU (backend.py)."""
     import mlx.core as mx
-
     from mlx.utils import tree_flatten
 
     config = text_config(ckpt.config)
     hidden = config.get("hidden_size") or config.get("d_model") or config.get("n_embd")
     if not hidden:
         raise MlxmoeError(f"{ckpt.path}: config.json names no hidden size (hidden_size, d_model, n_embd)")
-    # mlx-lm computes in the checkpoint's float dtype on GPUs, in float32 on CPU (backend.py)
     floats = [v.dtype for _, v in tree_flatten(ckpt.model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
-    dtype = backend.compute_dtype or max(floats, key=lambda d: d.size, default=mx.float16)
+    return hidden, backend.compute_dtype or max(floats, key=lambda d: d.size, default=mx.float16)
+
+
+def measure_compute(ckpt, backend, dense_bytes, tokens=1, seconds=0.25):
+    """Seconds of compute for a step of `tokens` tokens with every expert resident, beside
+    the per-layer costs of fixed_seconds: each MoE layer's top-k experts, computed by the
+    model's own expert block on random weights with one sync a layer as the runtime runs
+    them, timed here; the other weights the tokens compute with (`dense_bytes`) at the rate
+    that block reached (weight bytes x tokens a second, also returned)."""
+    import mlx.core as mx
+
+    hidden, dtype = compute_shape(ckpt, backend)
+    ks = sorted(set(ckpt.top_ks))
     per_k = {}
-    for k in sorted(set(ckpt.top_ks)):
+    for k in ks:
         block, nbytes = _expert_block(ckpt, backend, k)
         x = mx.random.normal((1, tokens, hidden)).astype(dtype)
         idx = mx.random.randint(0, k, (1, tokens, k)) if tokens > 1 else mx.arange(k)[None, None]
         mx.eval(block(x, idx))  # warm-up: kernels built
         n, start = 0, time.perf_counter()
-        while n < 3 or (time.perf_counter() - start < seconds / len(set(ckpt.top_ks)) and n < 200):
+        while n < 3 or (time.perf_counter() - start < seconds / len(ks) and n < 200):
             mx.eval(block(x, idx))
             n += 1
         per_k[k] = ((time.perf_counter() - start) / n, nbytes)
     seconds_k, nbytes = per_k[max(per_k)]
     rate = nbytes * tokens / seconds_k
+    return sum(per_k[k][0] for k in ckpt.top_ks) + dense_bytes * tokens / rate, rate
+
+
+def fixed_seconds(ckpt, backend):
+    """What every step costs beside its bytes: each decoder layer's small kernels and each
+    MoE layer's host work (the policy's bookkeeping)."""
+    hidden, dtype = compute_shape(ckpt, backend)
     layers = text_config(ckpt.config).get("num_hidden_layers") or ckpt.num_layers
-    fixed = layers * _launch_seconds(hidden, dtype) + ckpt.num_layers * _policy_seconds(ckpt)
-    return sum(per_k[k][0] for k in ckpt.top_ks) + dense_bytes * tokens / rate + fixed, rate
+    return layers * _launch_seconds(hidden, dtype) + ckpt.num_layers * _policy_seconds(ckpt)
 
 
 OPS_PER_LAYER = 30  # kernels a decoder layer launches beside its expert block (norms, projections, rope, ...)
@@ -211,8 +224,7 @@ def dense_active_bytes(ckpt):
 
     params = tree_flatten(ckpt.model.parameters())
     total = sum(v.nbytes for _, v in params)
-    text = ckpt.config.get("text_config") or {}
-    if ckpt.config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
+    if text_config(ckpt.config).get("tie_word_embeddings", False):
         return total
     return total - sum(v.nbytes for name, v in params if "embed" in name)
 
@@ -237,11 +249,18 @@ def _tps(seconds):
     return 1.0 / seconds if seconds > 0 else math.inf
 
 
-def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens=256, new_tokens=256, plan=None):
+def share_budgets(ckpt, backend, shares):
+    """The memory budget that holds each share of the experts (at least a layer's top-k)."""
+    total = ckpt.num_layers * ckpt.num_experts
+    return [checkpoint_plan(ckpt, backend, cache_experts=min(total, max(ckpt.top_k, round(total * s)))).budget
+            for s in shares]
+
+
+def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens=256, new_tokens=256):
     """The forecast for each memory budget in `budgets` (bytes or "12GB"), as dicts, for a
-    prompt of `prompt_tokens` and `new_tokens` generated; `plan(budget)` splits a budget
-    (api.checkpoint_plan); memory_bytes is what the run takes (weights, cache, its KV
-    cache and working memory), at most the budget. Measures the disk (unless
+    prompt of `prompt_tokens` and `new_tokens` generated (the checkpoint opened, its dtype
+    policy applied); memory_bytes is what the run takes (weights, cache, its KV cache and
+    working memory), at most the budget. Measures the disk (unless
     `disk_rate`, bytes/s, is given) and the compute once for all budgets."""
     assumed, measured = [], []
     if disk_rate is None:
@@ -255,9 +274,11 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
     else:
         assumed.append(f"disk {disk_rate / 1e9:.3f} GB/s (given)")
     dense = dense_active_bytes(ckpt)
+    fixed = fixed_seconds(ckpt, backend)
     compute, rate = measure_compute(ckpt, backend, dense)
-    batch = min(prompt_tokens, PREFILL_BATCH)
-    prefill_step, _ = measure_compute(ckpt, backend, dense, tokens=batch)
+    compute += fixed
+    step = min(prompt_tokens, PREFILL_STEP)
+    prefill_step = measure_compute(ckpt, backend, dense, tokens=step)[0] + fixed
     measured.append(f"compute {1000 * compute:.1f} ms a token every expert resident (matmuls of the model's shapes "
                     f"on {backend.name}, {rate / 1e9:.1f} GB/s of weights)")
     assumed.append(f"overlap of reads and compute: none (low) to full (high), likely {1 - OVERLAP_LEFT:.0%} of the "
@@ -265,7 +286,6 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
     # beside the weights and the cache, what this prompt and the tokens after it take: the
     # budget reserves KV cache and working memory for the longest context instead
     act = backend.activation_bytes(ckpt.model)
-    step = min(prompt_tokens, PREFILL_BATCH)
     context = prompt_tokens + new_tokens
     in_use = int(kv_bytes_per_token(ckpt.config, act) * context * ckpt.stage_share
                  + working_bytes(ckpt.config, act, step, ckpt.top_k)
@@ -273,10 +293,13 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
     total = ckpt.num_layers * ckpt.num_experts
     expert_disk = ckpt.store.expert_file_bytes()
     routed = sum(ckpt.top_ks)
+    # the prompt's experts, read from a cold cache or from one its profile pre-warmed
+    pairs = min(distinct_pairs(ckpt.num_layers, ckpt.num_experts, max(ckpt.top_ks), prompt_tokens), total)
+    prefill_compute = prefill_step * math.ceil(prompt_tokens / step)
     rows = []
     for budget in budgets:
         try:
-            p = plan(budget)
+            p = checkpoint_plan(ckpt, backend, budget)
         except MlxmoeError as e:  # below the minimum: say so in its row
             rows.append({"budget": parse_size(budget, "memory budget"), "error": str(e)})
             continue
@@ -284,11 +307,8 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
         (lo, likely, hi), source = hit_rates(ckpt.config.get("model_type", ""), share, p.cache_experts, profile)
         token_bytes = [(1 - h) * routed * expert_disk for h in (hi, likely, lo)]  # fewest, likely, most
         decode = _seconds([b / disk_rate for b in token_bytes], compute)
-        # the prompt's experts: from a cold cache, or from one its profile pre-warmed
-        pairs = min(distinct_pairs(ckpt.num_layers, ckpt.num_experts, max(ckpt.top_ks), prompt_tokens), total)
         warm = (hi, likely, lo) if profile is not None else (0, 0, 0)
-        prefill = _seconds([pairs * (1 - h) * expert_disk / disk_rate for h in warm],
-                           prefill_step * math.ceil(prompt_tokens / batch))
+        prefill = _seconds([pairs * (1 - h) * expert_disk / disk_rate for h in warm], prefill_compute)
         rows.append({
             "budget": p.budget, "memory_bytes": p.resident + p.expert_cache + in_use,
             "cache_experts": p.cache_experts, "share_of_experts": share,

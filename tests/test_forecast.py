@@ -35,7 +35,7 @@ def test_fit_times_the_disk_without_reading_an_expert(checkpoint, on_disk, monke
     be.apply_dtype_policy(ckpt.model)
     total = ckpt.num_layers * ckpt.num_experts
     budgets = [checkpoint_plan(ckpt, be, cache_experts=c).budget for c in (ckpt.top_k, total // 2, total)]
-    f = forecast(ckpt, be, budgets, prompt_tokens=16, new_tokens=16, plan=lambda b: checkpoint_plan(ckpt, be, b))
+    f = forecast(ckpt, be, budgets, prompt_tokens=16, new_tokens=16)
     assert reads, "the disk was not timed"
     experts = expert_spans(ckpt.store)
     for file, lo, hi in reads:  # no request touches an expert's bytes
