@@ -252,6 +252,7 @@ def failed_any(group, error):
 
 SUMMED = ("tokens", "hits", "misses", "bytes_read", "loads_demand", "loads_prefetched", "prefetch_useful",
           "prefetch_late", "prefetch_stale", "prefetch_cancelled", "cancelled_bytes", "disk_busy_seconds",
+          "demand_delay_seconds",
           "read_seconds", "bookkeeping_seconds", "evictions", "skipped", "biased", "substituted", "cache_experts",
           "cache_bytes", "fallback_bytes", "peak_memory", "peak_rss")
 

@@ -251,13 +251,13 @@ def test_background_reads_are_timed_for_pacing(checkpoint):
     read = cache.store.read_expert
     busy = []
 
-    def logged_read(layer, expert, outs, pace=None):
+    def logged_read(layer, expert, outs, pace=None, **kw):
         if pace is not None:  # a background read: the gate counts the disk busy while it runs
             before = cache.loader.gate.busy_seconds()
-            n = read(layer, expert, outs, pace=pace)
+            n = read(layer, expert, outs, pace=pace, **kw)
             busy.append(cache.loader.gate.busy_seconds() > before)
             return n
-        return read(layer, expert, outs)
+        return read(layer, expert, outs, **kw)
 
     cache.store.read_expert = logged_read
     tokens(model, tokenizer, 8)
@@ -526,6 +526,10 @@ def test_read_gate_puts_demand_reads_first():
     during = [t for _, t in starts if begun + 0.002 < t < ended]
     assert not during and len(starts) == 12
     assert gate.busy_seconds() > 0.1 + 12 * 0.01 * 0.9
+    # the demand read came during a 10 ms piece: it waited for the rest of it, no more
+    assert 0 < gate.delayed_seconds() <= 0.012
+    # pieces of 1 byte in 10 ms: the slowest disk, the smallest pieces
+    assert gate.rate < 1000 and gate.chunk() == 64 << 10
 
     starts.clear()  # the decode thread waits for the key: it goes on at demand priority
     worker = threading.Thread(target=background, args=("needed", lambda: True, 6))
@@ -572,6 +576,8 @@ def test_tokens_identical_where_reads_are_slow(checkpoint):
     assert s["loads_prefetched"] + s["prefetch_cancelled"] > 0
     assert s["bytes_read"] == (s["loads_demand"] + s["loads_prefetched"]) * store.expert_file_bytes()
     assert 0 < s["disk_busy_seconds"]
+    # a demand read waits for the one 3 ms piece of a guess under way at most, not a queue of them
+    assert s["demand_delay_seconds"] <= s["loads_demand"] * 0.01
 
 
 @pytest.mark.parametrize("cache_experts,prefetch", [(4, 0), (4, 1), (16, 1)])

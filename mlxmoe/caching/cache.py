@@ -20,6 +20,11 @@ from ..budget import peak_rss
 from .counters import CacheStats
 from ..errors import MlxmoeError
 from .prefetch import Prefetcher
+from ..storage.store import CHUNK
+
+# Background pieces (ReadGate.chunk): about this long at the disk's rate, within these sizes.
+PIECE_SECONDS = 0.002
+MIN_CHUNK, MAX_CHUNK = 64 << 10, 1 << 20
 
 
 def expert_groups(rows, capacity) -> list[list[int]]:
@@ -214,10 +219,10 @@ class SlotPools:
         self.slot_bytes = sum(v[0].nbytes for v in self.views)
         self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="mlxmoe-io") if io_threads > 1 else None
 
-    def read_into(self, key: tuple, slot: int, pace: Callable | None = None) -> int:
+    def read_into(self, key: tuple, slot: int, pace: Callable | None = None, chunk: int = CHUNK) -> int:
         """Read expert `key` into `slot`; return the bytes read. `pace`: a background read's
-        (see ReadGate.reading), called before each piece of it."""
-        return self.store.read_expert(key[0], key[1], [v[slot] for v in self.views], pace=pace)
+        (see ReadGate.reading), called before each piece of it (of `chunk` bytes at most)."""
+        return self.store.read_expert(key[0], key[1], [v[slot] for v in self.views], pace=pace, chunk=chunk)
 
     def read(self, layer: int, missed: list) -> int:
         """Read `missed` [(expert, slot)] of `layer` (on the IO threads when several); return
@@ -461,6 +466,7 @@ class ExpertCache(Residency):
                     peak_memory=mx.get_peak_memory(), peak_rss=peak_rss(), decode_tps=decode_tps,
                     fallback_bytes=self.fallback_bytes,
                     disk_busy_seconds=self.loader.gate.busy_seconds(),
+                    demand_delay_seconds=self.loader.gate.delayed_seconds(),
                     predictors=self.prefetcher.stats() if self.prefetcher is not None else {},
                     io=self.store.io_stats())
 
@@ -498,14 +504,17 @@ class Cancelled(Exception):
 
 
 class ReadGate:
-    """Demand reads first. A background read asks the disk for one piece (store.CHUNK) at a
+    """Demand reads first. A background read asks the disk for one piece (chunk()) at a
     time and waits for its turn before each: not while a demand read is under way, unless
     the decode thread is waiting for that very key (`urgent`). So a demand read waits
     behind the pieces already asked of the disk, never behind a queue of guesses, and one
     background read runs at a time (`background`, held by the loader around each).
 
-    It also measures how busy the disk is: the seconds during which any read was under way
-    (busy_seconds), the occupancy the prefetcher paces its guesses by."""
+    It measures the seconds during which any read was under way (busy_seconds, the
+    occupancy the prefetcher paces its guesses by), the seconds demand reads waited for a
+    guess's piece under way (delayed_seconds, what guesses cost the decode thread where the
+    disk has time for them), and the disk's rate as the pieces find it, which sizes them
+    (chunk())."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -515,6 +524,10 @@ class ReadGate:
         self.under_way = 0  # reads under way: demand calls, a background read between its turns
         self.since = time.perf_counter()
         self.busy = 0.0
+        self.piece = None  # (start, bytes, of an urgent key) of the background piece under way
+        self.waited_from = None  # when a demand read began to wait behind that piece
+        self.delayed = 0.0
+        self.rate = None  # bytes a second, from the pieces read with no demand read waiting
 
     def _reading(self, n: int) -> None:
         """`n` more reads under way (under cond): the busy time so far added up first."""
@@ -530,13 +543,45 @@ class ReadGate:
     def reset(self) -> None:
         with self.cond:
             self._reading(0)
-            self.busy = 0.0
+            self.busy = self.delayed = 0.0
+
+    def delayed_seconds(self) -> float:
+        with self.cond:
+            return self.delayed + (time.perf_counter() - self.waited_from if self.waited_from is not None else 0.0)
+
+    def chunk(self) -> int:
+        """A background piece's bytes: what the disk reads in about PIECE_SECONDS at its
+        measured rate (a demand read that comes meanwhile waits that long at most), a power
+        of two from MIN_CHUNK to MAX_CHUNK; store.CHUNK until a piece was timed."""
+        if self.rate is None:
+            return CHUNK
+        size = MIN_CHUNK
+        while size < MAX_CHUNK and 2 * size <= self.rate * PIECE_SECONDS:
+            size *= 2
+        return size
+
+    def _piece_ended(self) -> None:
+        """The background piece under way (if any) ended now (under cond): a demand read
+        that waited for it adds its wait to `delayed`, else the piece's time gives a rate."""
+        if self.piece is None:
+            return
+        now = time.perf_counter()
+        start, nbytes, _ = self.piece
+        if self.waited_from is not None:
+            self.delayed += now - self.waited_from
+            self.waited_from = None
+        elif now > start:
+            rate = nbytes / (now - start)
+            self.rate = rate if self.rate is None else 0.8 * self.rate + 0.2 * rate
+        self.piece = None
 
     @contextmanager
     def demand(self):
         """Around the decode thread's reads: background reads pause at their next piece."""
         with self.cond:
             self.demand_reads += 1
+            if self.piece is not None and not self.piece[2] and self.waited_from is None:
+                self.waited_from = time.perf_counter()
             self._reading(1)
         try:
             yield
@@ -564,13 +609,15 @@ class ReadGate:
 
         def pace(nbytes):
             with self.cond:
+                self._piece_ended()
                 if self.demand_reads and key not in self.urgent:
                     self._reading(-1)  # paused: the disk serves the demand reads
                     while self.demand_reads and key not in self.urgent:
                         self.cond.wait()
                     self._reading(1)
-            if not wanted():
-                raise Cancelled()
+                if not wanted():
+                    raise Cancelled()
+                self.piece = (time.perf_counter(), nbytes, key in self.urgent)
             granted[0] += nbytes
 
         with self.cond:
@@ -579,6 +626,7 @@ class ReadGate:
             yield pace
         finally:
             with self.cond:
+                self._piece_ended()
                 self._reading(-1)
 
 
@@ -675,7 +723,7 @@ class BackgroundLoader:
 
         try:
             with self.gate.reading(key, wanted, granted) as pace:
-                n = cache.pools.read_into(key, slot, pace)
+                n = cache.pools.read_into(key, slot, pace, self.gate.chunk())
         except Cancelled:
             cancelled = True
         except Exception:  # the decode thread reads it again and reports the error if it recurs

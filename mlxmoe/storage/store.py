@@ -49,8 +49,9 @@ DEFAULT_IO = {"linux": "direct", "darwin": "direct"}
 # flight leaves the disk idle between ranges.
 IO_WORKERS = 4
 BOUNCE = 4 << 20  # per-thread bounce buffer (a multiple of ALIGN): O_DIRECT reads of at most this
-# A paced (background) read asks the disk for at most this much at a time, so that a demand
-# read that comes meanwhile waits behind one such piece at most (a multiple of ALIGN).
+# A paced (background) read asks the disk for at most this much at a time (until the cache's
+# ReadGate has timed the disk), so that a demand read that comes meanwhile waits behind one
+# such piece at most (a multiple of ALIGN).
 CHUNK = 256 << 10
 
 
@@ -333,14 +334,14 @@ class ExpertStore:
             self._local.buf = buf = np.frombuffer(mmap.mmap(-1, align_up(n, 1 << 20)), np.uint8)
         return buf[:n]
 
-    def read_expert(self, layer, expert, outs, pace=None):
+    def read_expert(self, layer, expert, outs, pace=None, chunk=CHUNK):
         """Read expert `expert` of MoE layer `layer` into `outs` (one numpy array per tensor).
 
         An out whose dtype differs from the file's (bf16/f16 scales into float32 on
         CPU) is filled through a converting copy; otherwise bytes land in place.
         Returns the number of useful bytes read (the expert's bytes on disk);
         `disk_bytes` also counts what the mode read around them. With `pace` (a background
-        read), the ranges are read one after another in pieces of at most CHUNK bytes and
+        read), the ranges are read one after another in pieces of at most `chunk` bytes and
         pace(nbytes) is called before each: it may wait (a demand read goes first) or raise
         (the read is no longer wanted), and the slot is then left half-written.
         """
@@ -366,7 +367,7 @@ class ExpertStore:
         todo = runs(plain, dests, ALIGN if self.io == "direct" else 1)
         if pace is not None:
             disk = 0
-            for piece in (piece for run in todo for piece in split_run(run)):
+            for piece in (piece for run in todo for piece in split_run(run, chunk)):
                 pace(piece[2] - piece[1])
                 disk += self._read_run(piece)
         elif self.workers > 1 and len(todo) > 1:  # the ranges of a stacked expert: all at once
