@@ -1136,7 +1136,7 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
     "prefill"), then each generated token through every layer; gating weights are kept as
     the lines' "p"."""
     from .storage.files import check_writable
-    from .workload.trace import import_trace
+    from .workload.importers import import_trace
 
     check_writable(out, (src,))
     wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None

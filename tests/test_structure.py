@@ -76,6 +76,18 @@ def test_no_import_cycle():
     assert "workload.trace" not in edges["workload.profile"]
 
 
+def test_the_layers_inside_a_folder_run_one_way():
+    """The policies' registry builds on the baselines and the default (the default on the
+    baselines' Policy, never the reverse); replay and the importers build on the trace file
+    format, which knows neither."""
+    edges = graph()
+    assert {"caching.baselines", "caching.default"} <= set(edges["caching.policies"])
+    assert "caching.default" not in edges["caching.baselines"]
+    assert {"workload.tracefile", "workload.importers"} <= set(edges["workload.trace"])
+    assert not {"workload.trace", "workload.importers"} & set(edges["workload.tracefile"])
+    assert "workload.trace" not in edges["workload.importers"]
+
+
 def test_each_module_imports_in_a_fresh_interpreter():
     # profile and trace in both orders (trace builds on profile), then every module on its own
     modules = ["mlxmoe.workload.profile, mlxmoe.workload.trace", "mlxmoe.workload.trace, mlxmoe.workload.profile"] + [
