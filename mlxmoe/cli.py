@@ -625,41 +625,15 @@ def info(model_path, memory_budget, backend, fallback, as_json):
     """Architecture, experts, bytes of resident weights and of one expert, the smallest
     budget that works and what a given budget buys. Reads headers only."""
     import_mlx()  # mlx-lm's model classes say what the checkpoint holds
-    from . import backend as backends
-    from .api import checkpoint_plan
+    from .api import model_info
     from .budget import format_size
-    from .loader import open_checkpoint
 
-    be = backends.detect(backend)
-    ckpt = open_checkpoint(model_path)
-    be.apply_dtype_policy(ckpt.model)
-    minimal = checkpoint_plan(ckpt, be, cache_experts=ckpt.top_k)
-    total = ckpt.num_layers * ckpt.num_experts
-    out = {
-        "model": str(ckpt.path), "model_type": ckpt.config["model_type"], "backend": be.name,
-        "moe_layers": ckpt.num_layers, "experts_per_layer": ckpt.num_experts, "top_k": ckpt.top_k,
-        "top_k_per_layer": ckpt.top_ks,
-        "expert_tensors": dict(zip(ckpt.store.tensors, ckpt.store.tensor_dtypes)),
-        "expert_bytes": minimal.slot_bytes, "expert_bytes_on_disk": ckpt.store.expert_file_bytes(),
-        "all_experts_bytes": total * minimal.slot_bytes, "resident_bytes": minimal.resident,
-        "kv_reserve_bytes": minimal.kv_reserve, "working_bytes": minimal.working,
-        "minimum_budget": minimal.minimum,
-        "all_resident_budget": minimal.minimum + (total - ckpt.top_k) * minimal.slot_bytes,
-    }
-    extra = 0
-    if fallback:
-        from .caching.fallback import file_bytes
-
-        out["fallback_bytes"] = extra = file_bytes(fallback)
-    if memory_budget:
-        p = checkpoint_plan(ckpt, be, memory_budget, extra=extra)
-        out["budget"] = {"budget": p.budget, "cache_experts": p.cache_experts, "cache_bytes": p.expert_cache,
-                         "share_of_experts": p.cache_experts / total}
+    out = model_info(model_path, memory_budget, backend, fallback)
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
-    click.echo(f"{out['model']}: {out['model_type']} on {be.name}")
-    ks = sorted(set(ckpt.top_ks))
+    click.echo(f"{out['model']}: {out['model_type']} on {out['backend']}")
+    ks = sorted(set(out["top_k_per_layer"]))
     per_layer = f" (top-{', '.join(map(str, ks))} by layer)" if len(ks) > 1 else ""
     click.echo(f"  {out['moe_layers']} MoE layers x {out['experts_per_layer']} experts, top-{out['top_k']}{per_layer}")
     click.echo(f"  one expert: {format_size(out['expert_bytes'])} in memory "
@@ -669,7 +643,7 @@ def info(model_path, memory_budget, backend, fallback, as_json):
     click.echo(f"  smallest budget that works: {format_size(out['minimum_budget'], math.ceil)}; "
                f"everything resident: {format_size(out['all_resident_budget'], math.ceil)}")
     if fallback:
-        click.echo(f"  low-bit fallback copies: {format_size(extra)} in memory, within the budget")
+        click.echo(f"  low-bit fallback copies: {format_size(out['fallback_bytes'])} in memory, within the budget")
     if memory_budget:
         b = out["budget"]
         click.echo(f"  {memory_budget} buys {b['cache_experts']} experts ({format_size(b['cache_bytes'])}), "
@@ -842,10 +816,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
             if live.tokens_total:
                 with click.progressbar(length=len(ONLINE), file=sys.stderr,
                                        label="predicting the hit rate at each cache size, policy by policy") as bar:
-                    curve = runtime.predict_curve(progress=lambda policy: bar.update(1))
-                with signals_deferred():
-                    live.curve = curve
-                    live.save(out)
+                    runtime.save_curve(out, live, progress=lambda policy: bar.update(1))
         except KeyboardInterrupt:
             interrupted = True
             click.echo("interrupted: saved without the hit-rate curve", err=True)
@@ -886,19 +857,9 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
     if model_path:
         import_mlx()
-        from . import backend as backends
-        from .api import model_name, profile_identity
-        from .loader import open_checkpoint
+        from .api import bind_profile
 
-        ckpt = open_checkpoint(model_path)
-        try:
-            fp, sizes = profile_identity(ckpt, backends.detect(None))
-        finally:
-            ckpt.store.close()
-        # a trace of this shape (imported) becomes this model's; one recorded on another model does not
-        p.check_model(fp, ckpt.num_layers, ckpt.num_experts, force=p.fingerprint.startswith("shape-"),
-                      where=f"{traces[0]} (for --model {model_path})")
-        p.model, p.fingerprint, (p.expert_bytes, p.resident_bytes) = model_name(ckpt.path), fp, sizes
+        bind_profile(p, model_path, where=f"{traces[0]} (for --model {model_path})")
     p.save(out)
     if curve:
         header, records = loaded[0][1], [r for _, _, records in loaded for r in records]
@@ -929,8 +890,6 @@ def _model_of(p):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def profile_show(file, top, png, curve_png, budget, as_json):
     """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
-    from .budget import format_size, parse_size
-    from .workload.curves import curve_at
     from .storage.files import check_writable
     from .workload.heatmap import write_curve_png, write_heatmap_png
     from .workload.profile import ActivationProfile
@@ -949,15 +908,8 @@ def profile_show(file, top, png, curve_png, budget, as_json):
            "layers": layers, "hot25_share_mean": round(float(share.mean()), 3), "curve": p.curve}
     if png:
         write_heatmap_png(png, p.rates(), f"{p.workload!r} on {_model_of(p)}: activations per token")
-    if budget and not p.expert_bytes:
-        click.echo(f"--budget {budget}: {file} does not hold the model's expert size (a profile built from routing "
-                   "alone); `mlxmoe profile from-trace TRACE --model CHECKPOINT` records it", err=True)
-    if budget and p.expert_bytes:
-        free = parse_size(budget, "budget") - (p.resident_bytes or 0)
-        c = min(max(0, free // p.expert_bytes), p.num_layers * p.num_experts)
-        predicted = {name: curve_at(points, c) for name, points in p.curve.items()}
-        out["budget"] = {"budget": budget, "cache_experts": c,
-                         "predicted_hit_rate": {n: round(r, 4) for n, r in predicted.items() if r is not None}}
+    if budget:
+        out.update(_profile_budget(p, file, budget))
     if curve_png:
         c = out.get("budget", {}).get("cache_experts")
         write_curve_png(curve_png, p.curve, p.num_layers * p.num_experts,
@@ -971,29 +923,57 @@ def profile_show(file, top, png, curve_png, budget, as_json):
     for row in layers:
         hot = ", ".join(f"{e}:{r:.2f}" for e, r in row["hot"])
         click.echo(f"  layer {row['layer']:3d}  hot25 {100 * row['hot25_share']:5.1f}%  hottest (expert:rate) {hot}")
-    if p.curve:
-        names = list(p.curve)
-        widths = [max(12, len(n) + 2) for n in names]  # a column per policy, at least one space apart
-        click.echo("predicted hit rate by cache size:")
-        click.echo("  experts" + ("     memory" if p.expert_bytes else "") + "".join(f"{n:>{w}}" for n, w in
-                                                                                    zip(names, widths)))
-        for i, (c, _) in enumerate(p.curve[names[0]]):
-            mem = f"{format_size(c * p.expert_bytes):>11}" if p.expert_bytes else ""
-            click.echo(f"  {c:7d}{mem}" + "".join(f"{100 * p.curve[n][i][1]:{w - 1}.1f}%" for n, w in
-                                                  zip(names, widths)))
+    _show_curve(p)
     if "budget" in out:
-        c = out["budget"]["cache_experts"]
-        every = " (every expert)" if c == p.num_layers * p.num_experts else ""
-        click.echo(f"{budget} holds {c} experts{every} beside {format_size(p.resident_bytes or 0)} of resident weights, "
-                   "KV cache reserve and working memory")
-        if c < p.top_k:
-            click.echo(f"  too small: a layer needs {p.top_k} experts at once")
-        elif out["budget"]["predicted_hit_rate"]:
-            rates = out["budget"]["predicted_hit_rate"]
-            click.echo("  predicted hit rate there: " + ", ".join(f"{n} {100 * r:.1f}%" for n, r in rates.items()))
+        _show_budget(p, out["budget"])
     for what, path in (("heatmap", png), ("hit-rate curve", curve_png)):
         if path:
             click.echo(f"{what}: {path}")
+
+
+def _profile_budget(p, file, budget):
+    """{"budget": what `budget` buys by the profile (curves.profile_budget)}, or {} with a
+    line saying why where the profile does not hold its model's expert size."""
+    from .workload.curves import profile_budget
+
+    bought = profile_budget(p, budget)
+    if bought is None:
+        click.echo(f"--budget {budget}: {file} does not hold the model's expert size (a profile built from routing "
+                   "alone); `mlxmoe profile from-trace TRACE --model CHECKPOINT` records it", err=True)
+        return {}
+    return {"budget": bought}
+
+
+def _show_curve(p):
+    """The profile's predicted hit rate by cache size, a column per policy."""
+    from .budget import format_size
+
+    if not p.curve:
+        return
+    names = list(p.curve)
+    widths = [max(12, len(n) + 2) for n in names]  # a column per policy, at least one space apart
+    click.echo("predicted hit rate by cache size:")
+    click.echo("  experts" + ("     memory" if p.expert_bytes else "") + "".join(f"{n:>{w}}" for n, w in
+                                                                                zip(names, widths)))
+    for i, (c, _) in enumerate(p.curve[names[0]]):
+        mem = f"{format_size(c * p.expert_bytes):>11}" if p.expert_bytes else ""
+        click.echo(f"  {c:7d}{mem}" + "".join(f"{100 * p.curve[n][i][1]:{w - 1}.1f}%" for n, w in
+                                              zip(names, widths)))
+
+
+def _show_budget(p, bought):
+    """What a budget buys by the profile (curves.profile_budget's `bought`)."""
+    from .budget import format_size
+
+    c = bought["cache_experts"]
+    every = " (every expert)" if c == p.num_layers * p.num_experts else ""
+    click.echo(f"{bought['budget']} holds {c} experts{every} beside {format_size(p.resident_bytes or 0)} of resident "
+               "weights, KV cache reserve and working memory")
+    if c < p.top_k:
+        click.echo(f"  too small: a layer needs {p.top_k} experts at once")
+    elif bought["predicted_hit_rate"]:
+        rates = bought["predicted_hit_rate"]
+        click.echo("  predicted hit rate there: " + ", ".join(f"{n} {100 * r:.1f}%" for n, r in rates.items()))
 
 
 @profile.command("merge")
