@@ -230,27 +230,37 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     fails to load makes every rank raise, naming it. `split="tensor"` shards every layer
     with mlx-lm's `model.shard(group)` instead: each rank streams its slice of each expert.
     """
+    opts = _options(options, kwargs)
+    args = (path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
+            trust_remote_code, opts)
+    return _load(*args) if opts.group is None else _load_on_ranks(opts.group, args)
+
+
+def _options(options, kwargs):
+    """`options` (a LoadOptions, or the defaults) with load's keywords `kwargs` over it,
+    checked; `group` None unless it has several ranks."""
     unknown = sorted(set(kwargs) - {f.name for f in fields(LoadOptions)})
     if unknown:
         raise TypeError(f"load() got unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)} "
                         f"(mlxmoe's options: {', '.join(f.name for f in fields(LoadOptions))})")
     opts = replace(options or LoadOptions(), **kwargs)
     opts.check()
-    group = opts.group = opts.group if opts.group is not None and opts.group.size() > 1 else None
+    opts.group = opts.group if opts.group is not None and opts.group.size() > 1 else None
+    return opts
+
+
+def _load_on_ranks(group, args):
+    """_load(*args) on one rank of `group`: a rank that fails makes every rank raise, naming it."""
     try:
-        loaded = _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
-                       trust_remote_code, opts)
+        loaded = _load(*args)
     except Exception as e:
-        if group is None:
-            raise
         distributed.check(group, e)  # raises on every rank, naming this one
         raise
-    if group is not None:
-        try:
-            distributed.check(group)  # every rank loaded
-        except BaseException:
-            loaded[0].expert_runtime.abort()
-            raise
+    try:
+        distributed.check(group)  # every rank loaded
+    except BaseException:
+        loaded[0].expert_runtime.abort()
+        raise
     return loaded
 
 

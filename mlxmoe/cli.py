@@ -522,24 +522,19 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     line gives tokens/s, the expert hit rate and the bytes read. /help lists the commands
     (/reset, /stats, /profile FILE, /quit)."""
     import_mlx()
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors
 
-    from .api import _within_context, prompt_tokens, stream_generate
     from .storage.files import check_writable
 
     if save_profile:
         check_writable(save_profile)
     model, tokenizer = _load(opts)
     prior = _prior(model, opts)
-    cache = model.expert_cache
-    sampler = _sampler(temp, top_p, seed)
     penalty = make_logits_processors(repetition_penalty=repetition_penalty, repetition_context_size=64)
-    prompt_cache = make_prompt_cache(model)
-    first = True
-    profile = f", profile {cache.profile.workload!r}" if opts["profile_path"] else ""
-    click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {cache.capacity} experts cached{profile}. "
-               "/help for commands, /quit to leave.", err=True)
+    session = ChatSession(model, tokenizer, system_prompt, max_tokens, _sampler(temp, top_p, seed), penalty)
+    profile = f", profile {model.expert_cache.profile.workload!r}" if opts["profile_path"] else ""
+    click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {model.expert_cache.capacity} experts "
+               f"cached{profile}. /help for commands, /quit to leave.", err=True)
     try:
         while True:
             try:
@@ -551,67 +546,98 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 click.echo(f"[not UTF-8 text (byte {e.start}); the line was not sent]")
                 continue
             command = query.strip()
-            if not command:
-                continue
             if command in ("/quit", "/exit"):
                 break
-            if command == "/reset":
-                prompt_cache, first = make_prompt_cache(model), True
-                click.echo("[conversation cleared; the expert cache and the live profile are kept]")
-                continue
-            if command == "/stats":
-                click.echo(stats_table(_stats(model)))
-                continue
-            if command == "/help":
-                click.echo(CHAT_HELP)
-                continue
-            if command.split()[0] == "/profile":
-                path = command[len("/profile"):].strip()
-                try:
-                    if not path:
-                        raise MlxmoeError("/profile FILE: name a profile file")
-                    prior = model.expert_runtime.use_profile(path, opts["force_profile"])
-                    click.echo(f"[profile {prior.workload!r} is the expert cache's prior now]")
-                except MlxmoeError as e:
-                    click.echo(f"[{e}]")
-                continue
-            if command.startswith("/") and not command.startswith("//"):
-                click.echo(f"unknown command {command.split()[0]}; /help lists the commands "
-                           "(start a message with // to send one that begins with /)")
+            if not command or session.command(command, opts["force_profile"]):
                 continue
             if command.startswith("//"):
                 query = query.replace("//", "/", 1)
-            messages = [{"role": "system", "content": system_prompt}] if system_prompt and first else []
-            messages.append({"role": "user", "content": query})
-            try:
-                prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages))
-                _within_context(model.expert_runtime.plan, len(prompt), prompt_cache, max_tokens)
-            except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks, the context full)
-                click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
-                continue
-            before = _stats(model)
-            response, waiting = None, Waiting()
-            try:
-                for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
-                                                logits_processors=penalty, prompt_cache=prompt_cache,
-                                                prompt_progress_callback=waiting.progress):
-                    waiting.stop()
-                    click.echo(response.text, nl=False)
-            except Terminated:
-                raise
-            except KeyboardInterrupt:
-                click.echo("\n[interrupted]")
-                prompt_cache, first = make_prompt_cache(model), True
-                continue
-            finally:
-                waiting.stop()
-            first = False
-            click.echo()
-            if response is not None:
-                click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps),
-                           err=True)
+            session.reply(query)
     finally:
         _finish(model, save_profile, prior)
+
+
+class ChatSession:
+    """`mlxmoe chat`'s conversation: its KV cache (kept between turns), its commands and its replies."""
+
+    def __init__(self, model, tokenizer, system_prompt, max_tokens, sampler, logits_processors):
+        self.model, self.tokenizer, self.system_prompt, self.max_tokens = model, tokenizer, system_prompt, max_tokens
+        self.sampler, self.logits_processors = sampler, logits_processors
+        self.reset()
+
+    def reset(self):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.prompt_cache, self.first = make_prompt_cache(self.model), True
+
+    def command(self, command, force_profile=False):
+        """Run `command` if it is one (a line starting with one /): True where it was."""
+        if command == "/reset":
+            self.reset()
+            click.echo("[conversation cleared; the expert cache and the live profile are kept]")
+        elif command == "/stats":
+            click.echo(stats_table(_stats(self.model)))
+        elif command == "/help":
+            click.echo(CHAT_HELP)
+        elif command.split()[0] == "/profile":
+            path = command[len("/profile"):].strip()
+            try:
+                if not path:
+                    raise MlxmoeError("/profile FILE: name a profile file")
+                prior = self.model.expert_runtime.use_profile(path, force_profile)
+                click.echo(f"[profile {prior.workload!r} is the expert cache's prior now]")
+            except MlxmoeError as e:
+                click.echo(f"[{e}]")
+        elif command.startswith("/") and not command.startswith("//"):
+            click.echo(f"unknown command {command.split()[0]}; /help lists the commands "
+                       "(start a message with // to send one that begins with /)")
+        else:
+            return False
+        return True
+
+    def reply(self, query):
+        """Send the user's message `query` and print the reply as it comes, then a line of figures."""
+        from .api import _within_context, prompt_tokens
+
+        model, tokenizer = self.model, self.tokenizer
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and self.first else []
+        messages.append({"role": "user", "content": query})
+        try:
+            prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages))
+            _within_context(model.expert_runtime.plan, len(prompt), self.prompt_cache, self.max_tokens)
+        except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks, the context full)
+            click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
+            return
+        before = _stats(model)
+        response = self._stream(prompt)
+        if response is False:
+            return
+        self.first = False
+        click.echo()
+        if response is not None:
+            click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps), err=True)
+
+    def _stream(self, prompt):
+        """Generate the reply, printing its text as it comes: the last response, None if it
+        had no token, False if Ctrl-C stopped it (the conversation is cleared then)."""
+        from .api import stream_generate
+
+        response, waiting = None, Waiting()
+        try:
+            for response in stream_generate(self.model, self.tokenizer, prompt, max_tokens=self.max_tokens,
+                                            sampler=self.sampler, logits_processors=self.logits_processors,
+                                            prompt_cache=self.prompt_cache, prompt_progress_callback=waiting.progress):
+                waiting.stop()
+                click.echo(response.text, nl=False)
+        except Terminated:
+            raise
+        except KeyboardInterrupt:
+            click.echo("\n[interrupted]")
+            self.reset()
+            return False
+        finally:
+            waiting.stop()
+        return response
 
 
 @main.command()
