@@ -106,5 +106,12 @@ def test_the_checkpoints_builder_is_shared_not_shipped():
     assert not (PACKAGE / "synthetic.py").exists() and (root / "synthetic.py").exists()
     for path in PACKAGE.rglob("*.py"):
         assert "mlxmoe.synthetic" not in path.read_text() and "synthetic" not in imports_of(path), path
-    for path in (root / "bench").glob("*.py"):
-        assert '"tests"' not in path.read_text() or path.name == "train_demo.py", path  # (it builds the demo: leaving bench/)
+    for path in [*(root / "bench").glob("*.py"), *(root / "demo").glob("*.py")]:
+        assert '"tests"' not in path.read_text(), path
+
+
+def test_the_demo_builder_is_not_a_benchmark():
+    """demo/train_demo.py builds the shipped demo model (mlxmoe/demo): beside the demo's
+    sources, not among the benchmarks in bench/."""
+    root = PACKAGE.parent
+    assert (root / "demo" / "train_demo.py").exists() and not (root / "bench" / "train_demo.py").exists()
