@@ -2,7 +2,7 @@
 
     python bench/demo_routing.py            # the committed held-out samples (bench/data/heldout/)
     python bench/demo_routing.py --full     # the whole held-out split, rebuilt from the Debian
-                                            # packages with bench/train_demo.py's own code
+                                            # packages with demo/train_demo.py's own code
 
 Loads the bundled model (mlxmoe/demo) with mlx-lm, records every router's top-k choices on
 held-out text of each language (English, Italian, French, German, Spanish) and kind (man
@@ -35,6 +35,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "demo"))  # train_demo.py, the demo model's builder
 
 import train_demo as td  # noqa: E402
 from traces import HEAT  # noqa: E402
@@ -95,7 +96,7 @@ def load_texts(full, work, folder=td.HELDOUT_DIR):
                 docs = [d for d in f.read_text(encoding="utf-8").split(td.EOT) if d.strip()]
                 texts[f"{lang}.{kind}"] = docs
     if not texts:
-        raise SystemExit(f"no held-out samples in {folder}: run bench/train_demo.py, or use --full")
+        raise SystemExit(f"no held-out samples in {folder}: run demo/train_demo.py, or use --full")
     return texts
 
 

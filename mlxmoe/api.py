@@ -96,6 +96,41 @@ def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_ex
     return p
 
 
+
+def model_info(path_or_hf_repo: str | os.PathLike | None = None, memory_budget: str | int | None = None,
+               backend: str | None = None, fallback: str | os.PathLike | None = None) -> dict:
+    """What `mlxmoe info` shows, reading headers only: architecture, experts, bytes of the
+    resident weights and of one expert, the smallest budget that works, the budget that
+    holds every expert resident and, given `memory_budget`, what it buys (beside the
+    `fallback` file's low-bit copies where given)."""
+    be = backends.detect(backend)
+    ckpt = open_checkpoint(path_or_hf_repo)
+    try:
+        be.apply_dtype_policy(ckpt.model)
+        minimal = checkpoint_plan(ckpt, be, cache_experts=ckpt.top_k)
+        total = ckpt.num_layers * ckpt.num_experts
+        out = {
+            "model": str(ckpt.path), "model_type": ckpt.config["model_type"], "backend": be.name,
+            "moe_layers": ckpt.num_layers, "experts_per_layer": ckpt.num_experts, "top_k": ckpt.top_k,
+            "top_k_per_layer": ckpt.top_ks,
+            "expert_tensors": dict(zip(ckpt.store.tensors, ckpt.store.tensor_dtypes)),
+            "expert_bytes": minimal.slot_bytes, "expert_bytes_on_disk": ckpt.store.expert_file_bytes(),
+            "all_experts_bytes": total * minimal.slot_bytes, "resident_bytes": minimal.resident,
+            "kv_reserve_bytes": minimal.kv_reserve, "working_bytes": minimal.working,
+            "minimum_budget": minimal.minimum,
+            "all_resident_budget": minimal.minimum + (total - ckpt.top_k) * minimal.slot_bytes,
+        }
+        extra = 0
+        if fallback:
+            out["fallback_bytes"] = extra = fallback_bytes(fallback)
+        if memory_budget:
+            p = checkpoint_plan(ckpt, be, memory_budget, extra=extra)
+            out["budget"] = {"budget": p.budget, "cache_experts": p.cache_experts, "cache_bytes": p.expert_cache,
+                             "share_of_experts": p.cache_experts / total}
+        return out
+    finally:
+        ckpt.store.close()
+
 @dataclass
 class LoadOptions:
     """mlxmoe's own options of `load` (keywords there), defined once: the CLI and the server
@@ -195,27 +230,37 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     fails to load makes every rank raise, naming it. `split="tensor"` shards every layer
     with mlx-lm's `model.shard(group)` instead: each rank streams its slice of each expert.
     """
+    opts = _options(options, kwargs)
+    args = (path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
+            trust_remote_code, opts)
+    return _load(*args) if opts.group is None else _load_on_ranks(opts.group, args)
+
+
+def _options(options, kwargs):
+    """`options` (a LoadOptions, or the defaults) with load's keywords `kwargs` over it,
+    checked; `group` None unless it has several ranks."""
     unknown = sorted(set(kwargs) - {f.name for f in fields(LoadOptions)})
     if unknown:
         raise TypeError(f"load() got unknown option{'s' * (len(unknown) > 1)} {', '.join(unknown)} "
                         f"(mlxmoe's options: {', '.join(f.name for f in fields(LoadOptions))})")
     opts = replace(options or LoadOptions(), **kwargs)
     opts.check()
-    group = opts.group = opts.group if opts.group is not None and opts.group.size() > 1 else None
+    opts.group = opts.group if opts.group is not None and opts.group.size() > 1 else None
+    return opts
+
+
+def _load_on_ranks(group, args):
+    """_load(*args) on one rank of `group`: a rank that fails makes every rank raise, naming it."""
     try:
-        loaded = _load(path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
-                       trust_remote_code, opts)
+        loaded = _load(*args)
     except Exception as e:
-        if group is None:
-            raise
         distributed.check(group, e)  # raises on every rank, naming this one
         raise
-    if group is not None:
-        try:
-            distributed.check(group)  # every rank loaded
-        except BaseException:
-            loaded[0].expert_runtime.abort()
-            raise
+    try:
+        distributed.check(group)  # every rank loaded
+    except BaseException:
+        loaded[0].expert_runtime.abort()
+        raise
     return loaded
 
 
@@ -457,10 +502,20 @@ class Runtime:
         if curve:
             live.curve = {}
         live.save(path)
-        if curve and live.tokens_total:
-            live.curve = self.predict_curve(progress)
-            live.save(path)
+        if curve:
+            self.save_curve(path, live, progress)
         return live
+
+    def save_curve(self, path: str | os.PathLike, profile: ActivationProfile,
+                   progress: Callable[[str], Any] | None = None) -> ActivationProfile:
+        """save_profile(curve=True)'s second step, for a caller that lets an interrupt stop
+        it (`mlxmoe profile record`): `profile`, saved at `path` already, gets its curve
+        predicted from the recorded trace (predict_curve, `progress` passed on) and is
+        written again. A profile of no tokens has nothing to predict: left as it is."""
+        if profile.tokens_total:
+            profile.curve = self.predict_curve(progress)
+            profile.save(path)
+        return profile
 
     def close_local(self) -> None:
         """This process's part of close(): the cache's close(), which closes the prefetcher and
@@ -502,6 +557,22 @@ def profile_identity(ckpt, backend):
     backend.apply_dtype_policy(ckpt.model)
     return model_fingerprint(ckpt), profile_sizes(checkpoint_plan(ckpt, backend, cache_experts=ckpt.top_k))
 
+
+def bind_profile(profile: ActivationProfile, path_or_hf_repo: str | os.PathLike, where: str | None = None
+                 ) -> ActivationProfile:
+    """Make a profile built from routing (workload.trace.build_profile) the profile of a
+    checkpoint: its name, fingerprint and sizes (profile_budget then works). A profile known
+    by its shape only (from an imported trace) takes the checkpoint's where the layer and
+    expert counts agree; one recorded on another model is refused (`where` names it)."""
+    ckpt = open_checkpoint(path_or_hf_repo)
+    try:
+        fp, sizes = profile_identity(ckpt, backends.detect(None))
+    finally:
+        ckpt.store.close()
+    profile.check_model(fp, ckpt.num_layers, ckpt.num_experts, force=profile.fingerprint.startswith("shape-"),
+                        where=where)
+    profile.model, profile.fingerprint, (profile.expert_bytes, profile.resident_bytes) = model_name(ckpt.path), fp, sizes
+    return profile
 
 def model_name(path):
     """How profiles and traces name a checkpoint, never by where it lies on this machine:

@@ -522,24 +522,19 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     line gives tokens/s, the expert hit rate and the bytes read. /help lists the commands
     (/reset, /stats, /profile FILE, /quit)."""
     import_mlx()
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_logits_processors
 
-    from .api import _within_context, prompt_tokens, stream_generate
     from .storage.files import check_writable
 
     if save_profile:
         check_writable(save_profile)
     model, tokenizer = _load(opts)
     prior = _prior(model, opts)
-    cache = model.expert_cache
-    sampler = _sampler(temp, top_p, seed)
     penalty = make_logits_processors(repetition_penalty=repetition_penalty, repetition_context_size=64)
-    prompt_cache = make_prompt_cache(model)
-    first = True
-    profile = f", profile {cache.profile.workload!r}" if opts["profile_path"] else ""
-    click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {cache.capacity} experts cached{profile}. "
-               "/help for commands, /quit to leave.", err=True)
+    session = ChatSession(model, tokenizer, system_prompt, max_tokens, _sampler(temp, top_p, seed), penalty)
+    profile = f", profile {model.expert_cache.profile.workload!r}" if opts["profile_path"] else ""
+    click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {model.expert_cache.capacity} experts "
+               f"cached{profile}. /help for commands, /quit to leave.", err=True)
     try:
         while True:
             try:
@@ -551,67 +546,98 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
                 click.echo(f"[not UTF-8 text (byte {e.start}); the line was not sent]")
                 continue
             command = query.strip()
-            if not command:
-                continue
             if command in ("/quit", "/exit"):
                 break
-            if command == "/reset":
-                prompt_cache, first = make_prompt_cache(model), True
-                click.echo("[conversation cleared; the expert cache and the live profile are kept]")
-                continue
-            if command == "/stats":
-                click.echo(stats_table(_stats(model)))
-                continue
-            if command == "/help":
-                click.echo(CHAT_HELP)
-                continue
-            if command.split()[0] == "/profile":
-                path = command[len("/profile"):].strip()
-                try:
-                    if not path:
-                        raise MlxmoeError("/profile FILE: name a profile file")
-                    prior = model.expert_runtime.use_profile(path, opts["force_profile"])
-                    click.echo(f"[profile {prior.workload!r} is the expert cache's prior now]")
-                except MlxmoeError as e:
-                    click.echo(f"[{e}]")
-                continue
-            if command.startswith("/") and not command.startswith("//"):
-                click.echo(f"unknown command {command.split()[0]}; /help lists the commands "
-                           "(start a message with // to send one that begins with /)")
+            if not command or session.command(command, opts["force_profile"]):
                 continue
             if command.startswith("//"):
                 query = query.replace("//", "/", 1)
-            messages = [{"role": "system", "content": system_prompt}] if system_prompt and first else []
-            messages.append({"role": "user", "content": query})
-            try:
-                prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages))
-                _within_context(model.expert_runtime.plan, len(prompt), prompt_cache, max_tokens)
-            except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks, the context full)
-                click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
-                continue
-            before = _stats(model)
-            response, waiting = None, Waiting()
-            try:
-                for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler,
-                                                logits_processors=penalty, prompt_cache=prompt_cache,
-                                                prompt_progress_callback=waiting.progress):
-                    waiting.stop()
-                    click.echo(response.text, nl=False)
-            except Terminated:
-                raise
-            except KeyboardInterrupt:
-                click.echo("\n[interrupted]")
-                prompt_cache, first = make_prompt_cache(model), True
-                continue
-            finally:
-                waiting.stop()
-            first = False
-            click.echo()
-            if response is not None:
-                click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps),
-                           err=True)
+            session.reply(query)
     finally:
         _finish(model, save_profile, prior)
+
+
+class ChatSession:
+    """`mlxmoe chat`'s conversation: its KV cache (kept between turns), its commands and its replies."""
+
+    def __init__(self, model, tokenizer, system_prompt, max_tokens, sampler, logits_processors):
+        self.model, self.tokenizer, self.system_prompt, self.max_tokens = model, tokenizer, system_prompt, max_tokens
+        self.sampler, self.logits_processors = sampler, logits_processors
+        self.reset()
+
+    def reset(self):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.prompt_cache, self.first = make_prompt_cache(self.model), True
+
+    def command(self, command, force_profile=False):
+        """Run `command` if it is one (a line starting with one /): True where it was."""
+        if command == "/reset":
+            self.reset()
+            click.echo("[conversation cleared; the expert cache and the live profile are kept]")
+        elif command == "/stats":
+            click.echo(stats_table(_stats(self.model)))
+        elif command == "/help":
+            click.echo(CHAT_HELP)
+        elif command.split()[0] == "/profile":
+            path = command[len("/profile"):].strip()
+            try:
+                if not path:
+                    raise MlxmoeError("/profile FILE: name a profile file")
+                prior = self.model.expert_runtime.use_profile(path, force_profile)
+                click.echo(f"[profile {prior.workload!r} is the expert cache's prior now]")
+            except MlxmoeError as e:
+                click.echo(f"[{e}]")
+        elif command.startswith("/") and not command.startswith("//"):
+            click.echo(f"unknown command {command.split()[0]}; /help lists the commands "
+                       "(start a message with // to send one that begins with /)")
+        else:
+            return False
+        return True
+
+    def reply(self, query):
+        """Send the user's message `query` and print the reply as it comes, then a line of figures."""
+        from .api import _within_context, prompt_tokens
+
+        model, tokenizer = self.model, self.tokenizer
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and self.first else []
+        messages.append({"role": "user", "content": query})
+        try:
+            prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages))
+            _within_context(model.expert_runtime.plan, len(prompt), self.prompt_cache, self.max_tokens)
+        except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks, the context full)
+            click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
+            return
+        before = _stats(model)
+        response = self._stream(prompt)
+        if response is False:
+            return
+        self.first = False
+        click.echo()
+        if response is not None:
+            click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps), err=True)
+
+    def _stream(self, prompt):
+        """Generate the reply, printing its text as it comes: the last response, None if it
+        had no token, False if Ctrl-C stopped it (the conversation is cleared then)."""
+        from .api import stream_generate
+
+        response, waiting = None, Waiting()
+        try:
+            for response in stream_generate(self.model, self.tokenizer, prompt, max_tokens=self.max_tokens,
+                                            sampler=self.sampler, logits_processors=self.logits_processors,
+                                            prompt_cache=self.prompt_cache, prompt_progress_callback=waiting.progress):
+                waiting.stop()
+                click.echo(response.text, nl=False)
+        except Terminated:
+            raise
+        except KeyboardInterrupt:
+            click.echo("\n[interrupted]")
+            self.reset()
+            return False
+        finally:
+            waiting.stop()
+        return response
 
 
 @main.command()
@@ -625,41 +651,15 @@ def info(model_path, memory_budget, backend, fallback, as_json):
     """Architecture, experts, bytes of resident weights and of one expert, the smallest
     budget that works and what a given budget buys. Reads headers only."""
     import_mlx()  # mlx-lm's model classes say what the checkpoint holds
-    from . import backend as backends
-    from .api import checkpoint_plan
+    from .api import model_info
     from .budget import format_size
-    from .loader import open_checkpoint
 
-    be = backends.detect(backend)
-    ckpt = open_checkpoint(model_path)
-    be.apply_dtype_policy(ckpt.model)
-    minimal = checkpoint_plan(ckpt, be, cache_experts=ckpt.top_k)
-    total = ckpt.num_layers * ckpt.num_experts
-    out = {
-        "model": str(ckpt.path), "model_type": ckpt.config["model_type"], "backend": be.name,
-        "moe_layers": ckpt.num_layers, "experts_per_layer": ckpt.num_experts, "top_k": ckpt.top_k,
-        "top_k_per_layer": ckpt.top_ks,
-        "expert_tensors": dict(zip(ckpt.store.tensors, ckpt.store.tensor_dtypes)),
-        "expert_bytes": minimal.slot_bytes, "expert_bytes_on_disk": ckpt.store.expert_file_bytes(),
-        "all_experts_bytes": total * minimal.slot_bytes, "resident_bytes": minimal.resident,
-        "kv_reserve_bytes": minimal.kv_reserve, "working_bytes": minimal.working,
-        "minimum_budget": minimal.minimum,
-        "all_resident_budget": minimal.minimum + (total - ckpt.top_k) * minimal.slot_bytes,
-    }
-    extra = 0
-    if fallback:
-        from .caching.fallback import file_bytes
-
-        out["fallback_bytes"] = extra = file_bytes(fallback)
-    if memory_budget:
-        p = checkpoint_plan(ckpt, be, memory_budget, extra=extra)
-        out["budget"] = {"budget": p.budget, "cache_experts": p.cache_experts, "cache_bytes": p.expert_cache,
-                         "share_of_experts": p.cache_experts / total}
+    out = model_info(model_path, memory_budget, backend, fallback)
     if as_json:
         click.echo(json.dumps(out, indent=1))
         return
-    click.echo(f"{out['model']}: {out['model_type']} on {be.name}")
-    ks = sorted(set(ckpt.top_ks))
+    click.echo(f"{out['model']}: {out['model_type']} on {out['backend']}")
+    ks = sorted(set(out["top_k_per_layer"]))
     per_layer = f" (top-{', '.join(map(str, ks))} by layer)" if len(ks) > 1 else ""
     click.echo(f"  {out['moe_layers']} MoE layers x {out['experts_per_layer']} experts, top-{out['top_k']}{per_layer}")
     click.echo(f"  one expert: {format_size(out['expert_bytes'])} in memory "
@@ -669,7 +669,7 @@ def info(model_path, memory_budget, backend, fallback, as_json):
     click.echo(f"  smallest budget that works: {format_size(out['minimum_budget'], math.ceil)}; "
                f"everything resident: {format_size(out['all_resident_budget'], math.ceil)}")
     if fallback:
-        click.echo(f"  low-bit fallback copies: {format_size(extra)} in memory, within the budget")
+        click.echo(f"  low-bit fallback copies: {format_size(out['fallback_bytes'])} in memory, within the budget")
     if memory_budget:
         b = out["budget"]
         click.echo(f"  {memory_budget} buys {b['cache_experts']} experts ({format_size(b['cache_bytes'])}), "
@@ -842,10 +842,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
             if live.tokens_total:
                 with click.progressbar(length=len(ONLINE), file=sys.stderr,
                                        label="predicting the hit rate at each cache size, policy by policy") as bar:
-                    curve = runtime.predict_curve(progress=lambda policy: bar.update(1))
-                with signals_deferred():
-                    live.curve = curve
-                    live.save(out)
+                    runtime.save_curve(out, live, progress=lambda policy: bar.update(1))
         except KeyboardInterrupt:
             interrupted = True
             click.echo("interrupted: saved without the hit-rate curve", err=True)
@@ -886,19 +883,9 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
     if model_path:
         import_mlx()
-        from . import backend as backends
-        from .api import model_name, profile_identity
-        from .loader import open_checkpoint
+        from .api import bind_profile
 
-        ckpt = open_checkpoint(model_path)
-        try:
-            fp, sizes = profile_identity(ckpt, backends.detect(None))
-        finally:
-            ckpt.store.close()
-        # a trace of this shape (imported) becomes this model's; one recorded on another model does not
-        p.check_model(fp, ckpt.num_layers, ckpt.num_experts, force=p.fingerprint.startswith("shape-"),
-                      where=f"{traces[0]} (for --model {model_path})")
-        p.model, p.fingerprint, (p.expert_bytes, p.resident_bytes) = model_name(ckpt.path), fp, sizes
+        bind_profile(p, model_path, where=f"{traces[0]} (for --model {model_path})")
     p.save(out)
     if curve:
         header, records = loaded[0][1], [r for _, _, records in loaded for r in records]
@@ -929,8 +916,6 @@ def _model_of(p):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def profile_show(file, top, png, curve_png, budget, as_json):
     """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
-    from .budget import format_size, parse_size
-    from .workload.curves import curve_at
     from .storage.files import check_writable
     from .workload.heatmap import write_curve_png, write_heatmap_png
     from .workload.profile import ActivationProfile
@@ -949,15 +934,8 @@ def profile_show(file, top, png, curve_png, budget, as_json):
            "layers": layers, "hot25_share_mean": round(float(share.mean()), 3), "curve": p.curve}
     if png:
         write_heatmap_png(png, p.rates(), f"{p.workload!r} on {_model_of(p)}: activations per token")
-    if budget and not p.expert_bytes:
-        click.echo(f"--budget {budget}: {file} does not hold the model's expert size (a profile built from routing "
-                   "alone); `mlxmoe profile from-trace TRACE --model CHECKPOINT` records it", err=True)
-    if budget and p.expert_bytes:
-        free = parse_size(budget, "budget") - (p.resident_bytes or 0)
-        c = min(max(0, free // p.expert_bytes), p.num_layers * p.num_experts)
-        predicted = {name: curve_at(points, c) for name, points in p.curve.items()}
-        out["budget"] = {"budget": budget, "cache_experts": c,
-                         "predicted_hit_rate": {n: round(r, 4) for n, r in predicted.items() if r is not None}}
+    if budget:
+        out.update(_profile_budget(p, file, budget))
     if curve_png:
         c = out.get("budget", {}).get("cache_experts")
         write_curve_png(curve_png, p.curve, p.num_layers * p.num_experts,
@@ -971,29 +949,57 @@ def profile_show(file, top, png, curve_png, budget, as_json):
     for row in layers:
         hot = ", ".join(f"{e}:{r:.2f}" for e, r in row["hot"])
         click.echo(f"  layer {row['layer']:3d}  hot25 {100 * row['hot25_share']:5.1f}%  hottest (expert:rate) {hot}")
-    if p.curve:
-        names = list(p.curve)
-        widths = [max(12, len(n) + 2) for n in names]  # a column per policy, at least one space apart
-        click.echo("predicted hit rate by cache size:")
-        click.echo("  experts" + ("     memory" if p.expert_bytes else "") + "".join(f"{n:>{w}}" for n, w in
-                                                                                    zip(names, widths)))
-        for i, (c, _) in enumerate(p.curve[names[0]]):
-            mem = f"{format_size(c * p.expert_bytes):>11}" if p.expert_bytes else ""
-            click.echo(f"  {c:7d}{mem}" + "".join(f"{100 * p.curve[n][i][1]:{w - 1}.1f}%" for n, w in
-                                                  zip(names, widths)))
+    _show_curve(p)
     if "budget" in out:
-        c = out["budget"]["cache_experts"]
-        every = " (every expert)" if c == p.num_layers * p.num_experts else ""
-        click.echo(f"{budget} holds {c} experts{every} beside {format_size(p.resident_bytes or 0)} of resident weights, "
-                   "KV cache reserve and working memory")
-        if c < p.top_k:
-            click.echo(f"  too small: a layer needs {p.top_k} experts at once")
-        elif out["budget"]["predicted_hit_rate"]:
-            rates = out["budget"]["predicted_hit_rate"]
-            click.echo("  predicted hit rate there: " + ", ".join(f"{n} {100 * r:.1f}%" for n, r in rates.items()))
+        _show_budget(p, out["budget"])
     for what, path in (("heatmap", png), ("hit-rate curve", curve_png)):
         if path:
             click.echo(f"{what}: {path}")
+
+
+def _profile_budget(p, file, budget):
+    """{"budget": what `budget` buys by the profile (curves.profile_budget)}, or {} with a
+    line saying why where the profile does not hold its model's expert size."""
+    from .workload.curves import profile_budget
+
+    bought = profile_budget(p, budget)
+    if bought is None:
+        click.echo(f"--budget {budget}: {file} does not hold the model's expert size (a profile built from routing "
+                   "alone); `mlxmoe profile from-trace TRACE --model CHECKPOINT` records it", err=True)
+        return {}
+    return {"budget": bought}
+
+
+def _show_curve(p):
+    """The profile's predicted hit rate by cache size, a column per policy."""
+    from .budget import format_size
+
+    if not p.curve:
+        return
+    names = list(p.curve)
+    widths = [max(12, len(n) + 2) for n in names]  # a column per policy, at least one space apart
+    click.echo("predicted hit rate by cache size:")
+    click.echo("  experts" + ("     memory" if p.expert_bytes else "") + "".join(f"{n:>{w}}" for n, w in
+                                                                                zip(names, widths)))
+    for i, (c, _) in enumerate(p.curve[names[0]]):
+        mem = f"{format_size(c * p.expert_bytes):>11}" if p.expert_bytes else ""
+        click.echo(f"  {c:7d}{mem}" + "".join(f"{100 * p.curve[n][i][1]:{w - 1}.1f}%" for n, w in
+                                              zip(names, widths)))
+
+
+def _show_budget(p, bought):
+    """What a budget buys by the profile (curves.profile_budget's `bought`)."""
+    from .budget import format_size
+
+    c = bought["cache_experts"]
+    every = " (every expert)" if c == p.num_layers * p.num_experts else ""
+    click.echo(f"{bought['budget']} holds {c} experts{every} beside {format_size(p.resident_bytes or 0)} of resident "
+               "weights, KV cache reserve and working memory")
+    if c < p.top_k:
+        click.echo(f"  too small: a layer needs {p.top_k} experts at once")
+    elif bought["predicted_hit_rate"]:
+        rates = bought["predicted_hit_rate"]
+        click.echo("  predicted hit rate there: " + ", ".join(f"{n} {100 * r:.1f}%" for n, r in rates.items()))
 
 
 @profile.command("merge")
@@ -1136,7 +1142,7 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
     "prefill"), then each generated token through every layer; gating weights are kept as
     the lines' "p"."""
     from .storage.files import check_writable
-    from .workload.trace import import_trace
+    from .workload.importers import import_trace
 
     check_writable(out, (src,))
     wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None

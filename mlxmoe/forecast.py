@@ -256,6 +256,31 @@ def share_budgets(ckpt, backend, shares):
             for s in shares]
 
 
+def _disk_rate(ckpt, disk_rate, measured, assumed):
+    """The disk's read rate, bytes/s: `disk_rate` where given (said in `assumed`), else
+    timed on the checkpoint's non-expert tensors (said in `measured`)."""
+    if disk_rate is not None:
+        assumed.append(f"disk {disk_rate / 1e9:.3f} GB/s (given)")
+        return disk_rate
+    disk = measure_disk(ckpt.store)
+    if disk is None:
+        raise MlxmoeError(f"{ckpt.path}: its non-expert tensors are too small to time the disk on; "
+                          "give its read rate with --disk-gbps")
+    measured.append(f"disk {disk[0] / 1e9:.3f} GB/s ({disk[2]} O_DIRECT reads of one expert's ranges, "
+                    f"{disk[1] / 2**20:.0f} MiB of non-expert tensors)")
+    return disk[0]
+
+
+def _run_memory(ckpt, backend, step, context):
+    """Beside the weights and the cache, what a run of `context` tokens (prompt and tokens
+    after it) in prefill steps of `step` takes: the budget reserves KV cache and working
+    memory for the longest context instead."""
+    act = backend.activation_bytes(ckpt.model)
+    return int(kv_bytes_per_token(ckpt.config, act) * context * ckpt.stage_share
+               + working_bytes(ckpt.config, act, step, ckpt.top_k)
+               + (attention_bytes(ckpt.config, act, step, context) if backend.materialises_attention else 0))
+
+
 def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens=256, new_tokens=256):
     """The forecast for each memory budget in `budgets` (bytes or "12GB"), as dicts, for a
     prompt of `prompt_tokens` and `new_tokens` generated (the checkpoint opened, its dtype
@@ -263,16 +288,7 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
     working memory), at most the budget. Measures the disk (unless
     `disk_rate`, bytes/s, is given) and the compute once for all budgets."""
     assumed, measured = [], []
-    if disk_rate is None:
-        disk = measure_disk(ckpt.store)
-        if disk is None:
-            raise MlxmoeError(f"{ckpt.path}: its non-expert tensors are too small to time the disk on; "
-                              "give its read rate with --disk-gbps")
-        disk_rate = disk[0]
-        measured.append(f"disk {disk_rate / 1e9:.3f} GB/s ({disk[2]} O_DIRECT reads of one expert's ranges, "
-                        f"{disk[1] / 2**20:.0f} MiB of non-expert tensors)")
-    else:
-        assumed.append(f"disk {disk_rate / 1e9:.3f} GB/s (given)")
+    disk_rate = _disk_rate(ckpt, disk_rate, measured, assumed)
     dense = dense_active_bytes(ckpt)
     fixed = fixed_seconds(ckpt, backend)
     compute, rate = measure_compute(ckpt, backend, dense)
@@ -283,13 +299,7 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
                     f"on {backend.name}, {rate / 1e9:.1f} GB/s of weights)")
     assumed.append(f"overlap of reads and compute: none (low) to full (high), likely {1 - OVERLAP_LEFT:.0%} of the "
                    f"shorter; compute within +-{COMPUTE_MARGIN:.0%} of the timed matmuls")
-    # beside the weights and the cache, what this prompt and the tokens after it take: the
-    # budget reserves KV cache and working memory for the longest context instead
-    act = backend.activation_bytes(ckpt.model)
-    context = prompt_tokens + new_tokens
-    in_use = int(kv_bytes_per_token(ckpt.config, act) * context * ckpt.stage_share
-                 + working_bytes(ckpt.config, act, step, ckpt.top_k)
-                 + (attention_bytes(ckpt.config, act, step, context) if backend.materialises_attention else 0))
+    in_use = _run_memory(ckpt, backend, step, prompt_tokens + new_tokens)
     total = ckpt.num_layers * ckpt.num_experts
     expert_disk = ckpt.store.expert_file_bytes()
     routed = sum(ckpt.top_ks)

@@ -30,7 +30,7 @@ from .storage.store import ExpertStore
 MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32, "U8": mx.uint8,
              "I8": mx.int8, "U16": mx.uint16, "I32": mx.int32, "F8_E4M3": mx.uint8, "F8_E5M2": mx.uint8}
 
-# The small MoE model trained by bench/train_demo.py that ships inside the package.
+# The small MoE model trained by demo/train_demo.py that ships inside the package.
 DEMO_MODEL = Path(__file__).resolve().parent / "demo"
 MAX_JSON_BYTES = 1 << 30  # config.json, tokenizer.json: the largest real ones are ~30 MB
 
@@ -391,17 +391,7 @@ def _shard_axis(info, shape, group):
 
 
 def _open(path, store, model_config=None, trust_remote_code=False, group=None, split="pipeline"):
-    classes = _bundled_classes(store) if store.bundled else _get_classes
-    try:
-        model, config = load_model(path, lazy=True, strict=True, model_config=model_config,
-                                   get_model_classes=classes, trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        raise MlxmoeError(f"{path}: the weights do not match config.json: {e}") from None
-    except Exception as e:  # mlx-lm's model classes take config.json's fields as they come: any error there
-        raise MlxmoeError(f"{path}: mlx-lm cannot build this model from config.json and its weights "
-                          f"({type(e).__name__}: {str(e)[:200]})") from None
-    if store.bundled:
-        model.__class__ = model.__class__.__mro__[1]  # mlx-lm's own class again
+    model, config = _build_model(path, store, model_config, trust_remote_code)
     switches = sorted(
         ((p, m) for p, m in model.named_modules() if isinstance(m, SWITCH_TYPES)), key=lambda pm: _layer_order(pm[0]))
     if not switches:
@@ -418,33 +408,8 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None, s
         share = _shard(path, config, model, store, group, bool(sources))
     elif group is not None:
         switches, offset, share = _pipeline(path, config, model, switches, group)
-    layers = []
-    for mpath, module in switches:
-        tensors = {}
-        for lin in LINEARS:
-            if lin not in module:
-                continue
-            for p in PARAMS:
-                v = module[lin].get(p)
-                if not isinstance(v, mx.array):
-                    continue
-                full, E = f"{mpath}.{lin}.{p}", v.shape[0]
-                if full in store.index:
-                    shard = _shard_axis(store.index[full], v.shape, group if split == "tensor" else None)
-                    if p == "bias" and shard is None and tensors[f"{lin}.weight"][0][2] is not None:
-                        # mlx-lm's shard divides such a bias by the ranks (their sum adds it back)
-                        raise MlxmoeError(f"{path}: the tensor split cannot stream experts whose {lin} adds its "
-                                          f"bias after the ranks' sum (model_type {config['model_type']!r}); "
-                                          "run this model in one process")
-                    tensors[f"{lin}.{p}"] = [(full, e, shard) for e in range(E)]
-                elif full in sources and len(sources[full]) == E:
-                    tensors[f"{lin}.{p}"] = [(n, k, None, rows) for n, k, rows in sources[full]]
-                else:
-                    stored = next((f" (its experts are stored as {i.file.name}: {i.name}, {i.dtype} "
-                                   f"{list(i.shape)})" for n, i in store.index.items() if ".experts." in n), "")
-                    raise MlxmoeError(f"{path}: cannot find the bytes of {full} in this checkpoint's layout{stored}; "
-                                      f"{convert_hint(path)}")
-        layers.append(tensors)
+    shard_group = group if split == "tensor" else None
+    layers = [_layer_tensors(path, config, store, sources, mpath, module, shard_group) for mpath, module in switches]
     if any(getattr(module[lin], "global_scale", None) is not None for _, module in switches for lin in LINEARS
            if lin in module):
         raise MlxmoeError(f"{path}: experts with a global scale (nvfp4) are not supported yet")
@@ -455,7 +420,61 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None, s
     ckpt = Checkpoint(path, config, model, store, module_paths=[p for p, _ in switches], layer_offset=offset,
                       top_ks=[top_ks[p] for p, _ in switches],
                       total_layers=total, group=group, stage_share=share, split=split)
-    swaps = []
+    _swap_in(ckpt, switches)
+    return ckpt
+
+
+def _build_model(path, store, model_config, trust_remote_code):
+    """mlx-lm's model of the checkpoint, lazy (nothing read), and its config."""
+    classes = _bundled_classes(store) if store.bundled else _get_classes
+    try:
+        model, config = load_model(path, lazy=True, strict=True, model_config=model_config,
+                                   get_model_classes=classes, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise MlxmoeError(f"{path}: the weights do not match config.json: {e}") from None
+    except Exception as e:  # mlx-lm's model classes take config.json's fields as they come: any error there
+        raise MlxmoeError(f"{path}: mlx-lm cannot build this model from config.json and its weights "
+                          f"({type(e).__name__}: {str(e)[:200]})") from None
+    if store.bundled:
+        model.__class__ = model.__class__.__mro__[1]  # mlx-lm's own class again
+    return model, config
+
+
+def _layer_tensors(path, config, store, sources, mpath, module, shard_group):
+    """Where the bytes of each expert tensor of the switch module `module` (at `mpath`) are:
+    {"gate_proj.weight": [(file tensor, expert, shard) or (file tensor, index, None, rows)
+    per expert], ...}; `shard_group`, the group of a tensor split."""
+    tensors = {}
+    for lin in LINEARS:
+        if lin not in module:
+            continue
+        for p in PARAMS:
+            v = module[lin].get(p)
+            if not isinstance(v, mx.array):
+                continue
+            full, E = f"{mpath}.{lin}.{p}", v.shape[0]
+            if full in store.index:
+                shard = _shard_axis(store.index[full], v.shape, shard_group)
+                if p == "bias" and shard is None and tensors[f"{lin}.weight"][0][2] is not None:
+                    # mlx-lm's shard divides such a bias by the ranks (their sum adds it back)
+                    raise MlxmoeError(f"{path}: the tensor split cannot stream experts whose {lin} adds its "
+                                      f"bias after the ranks' sum (model_type {config['model_type']!r}); "
+                                      "run this model in one process")
+                tensors[f"{lin}.{p}"] = [(full, e, shard) for e in range(E)]
+            elif full in sources and len(sources[full]) == E:
+                tensors[f"{lin}.{p}"] = [(n, k, None, rows) for n, k, rows in sources[full]]
+            else:
+                stored = next((f" (its experts are stored as {i.file.name}: {i.name}, {i.dtype} "
+                               f"{list(i.shape)})" for n, i in store.index.items() if ".experts." in n), "")
+                raise MlxmoeError(f"{path}: cannot find the bytes of {full} in this checkpoint's layout{stored}; "
+                                  f"{convert_hint(path)}")
+    return tensors
+
+
+def _swap_in(ckpt, switches):
+    """Put a StreamingExperts in place of each switch module of `switches` (its lazy expert
+    arrays dropped), the routers and the streaming layers recorded in `ckpt`."""
+    model, swaps = ckpt.model, []
     for layer, (mpath, module) in enumerate(switches):
         # Drop the lazy expert arrays: nothing will ever evaluate (read) them.
         for lin in LINEARS:
@@ -466,13 +485,12 @@ def _open(path, store, model_config=None, trust_remote_code=False, group=None, s
         parent = model
         for part in mpath.split(".")[:-1]:
             parent = parent[int(part)] if isinstance(parent, list) else parent[part]
-        probs, scores = find_router(parent, store.num_experts)
+        probs, scores = find_router(parent, ckpt.store.num_experts)
         streaming = StreamingExperts(module, layer, probs)
         ckpt.routers.append(scores)
         ckpt.experts.append(streaming)
         swaps.append((mpath, streaming))
     model.update_modules(tree_unflatten(swaps))
-    return ckpt
 
 
 # The integer types a file's expert bytes may be read as (mlx-lm's sanitize views gpt-oss's

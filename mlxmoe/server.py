@@ -517,18 +517,27 @@ class Handler(mlx_server.APIHandler):
         """mlx-lm's checks, then mlxmoe's: where mlx-lm calls this the body is parsed and
         the request not yet built, so a ValueError here is its HTTP 400 naming the field."""
         body = self.body
-        for key in NUMBER_FIELDS:
-            v = body.get(key)
-            if isinstance(v, bool):
-                raise ValueError(f"{key} must be a number, not {json.dumps(v)}")
-            if isinstance(v, int) and not -(1 << 63) <= v < 1 << 63:  # MLX takes 64-bit numbers (else bad_cast)
-                raise ValueError(f"{key} must be at most {(1 << 63) - 1} in magnitude")
-        bias = body.get("logit_bias")
-        if isinstance(bias, dict) and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                              and abs(v) < 1e300 for v in bias.values()):
-            raise ValueError("logit_bias must be a dict of int to float (finite, below 1e300 in magnitude)")
+        _check_numbers(body)
         super().validate_model_parameters()
         self.requested_model = self.response_generator.cli_args.model  # the served model's name, whatever was asked
+        self._check_parameters()
+        if self.anthropic:
+            anthropic_to_chat(body)
+        _check_stop(body)
+        _check_profile(body, self.response_generator.profiles)
+        field, n = self._prompt_tokens()
+        if n == 0:
+            raise ValueError(f"{field}: the prompt is empty (no tokens to start from)")
+        context = self.response_generator.context
+        if n >= context:
+            self.too_long = True  # answered 413 (Payload Too Large), the body naming the field
+            raise ValueError(f"{field}: the prompt is {n} tokens, beyond the {context}-token context the "
+                             "memory budget reserves")
+
+    def _check_parameters(self):
+        """What mlx-lm takes and mlxmoe does not (adapters, a draft model, several choices)
+        or takes without bounds, on the parameters mlx-lm has read from the body."""
+        body = self.body
         for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
             if getattr(self, key) > 1 << 24:
                 raise ValueError(f"{key} must be at most {1 << 24}")
@@ -557,32 +566,6 @@ class Handler(mlx_server.APIHandler):
                 raise ValueError("stream_options must be an object, e.g. {\"include_usage\": true}")
             self.stream_options = {**self.stream_options,  # (mlx-lm reads the key without a default)
                                    "include_usage": self.stream_options.get("include_usage", False)}
-        if self.anthropic:
-            anthropic_to_chat(body)
-        stop = body.get("stop")
-        if stop is not None and not isinstance(stop, str) and not (
-                isinstance(stop, list) and all(isinstance(w, str) for w in stop)):
-            raise ValueError("stop must be a string or a list of strings")
-        if stop == "" or isinstance(stop, list) and "" in stop:
-            raise ValueError("stop: an empty stop sequence")
-        ext = body.get("mlxmoe") or {}
-        if not isinstance(ext, dict):
-            raise ValueError("mlxmoe must be an object, e.g. {\"profile\": \"italian\"}")
-        name = ext.get("profile")
-        if name is not None and not isinstance(name, str):
-            raise ValueError("mlxmoe.profile must be a string, the name of a profile")
-        profiles = self.response_generator.profiles
-        if name is not None and (profiles is None or name not in profiles.by_name):
-            known = ", ".join(profiles.by_name) if profiles is not None else "none: start with --profiles DIR"
-            raise ValueError(f"mlxmoe.profile: unknown profile {name!r} (known: {known})")
-        field, n = self._prompt_tokens()
-        if n == 0:
-            raise ValueError(f"{field}: the prompt is empty (no tokens to start from)")
-        context = self.response_generator.context
-        if n >= context:
-            self.too_long = True  # answered 413 (Payload Too Large), the body naming the field
-            raise ValueError(f"{field}: the prompt is {n} tokens, beyond the {context}-token context the "
-                             "memory budget reserves")
 
     def _prompt_tokens(self):
         """(field, tokens) of the request's prompt, tokenized as mlx-lm will."""
@@ -655,6 +638,41 @@ class Handler(mlx_server.APIHandler):
                 "model": self.requested_model, "content": content, "stop_reason": stop_reason,
                 "stop_sequence": None, "usage": usage}
 
+
+def _check_numbers(body):
+    """The body's numbers that mlx-lm's own checks would take and MLX could not (before them)."""
+    for key in NUMBER_FIELDS:
+        v = body.get(key)
+        if isinstance(v, bool):
+            raise ValueError(f"{key} must be a number, not {json.dumps(v)}")
+        if isinstance(v, int) and not -(1 << 63) <= v < 1 << 63:  # MLX takes 64-bit numbers (else bad_cast)
+            raise ValueError(f"{key} must be at most {(1 << 63) - 1} in magnitude")
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict) and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          and abs(v) < 1e300 for v in bias.values()):
+        raise ValueError("logit_bias must be a dict of int to float (finite, below 1e300 in magnitude)")
+
+
+def _check_stop(body):
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(w, str) for w in stop)):
+        raise ValueError("stop must be a string or a list of strings")
+    if stop == "" or isinstance(stop, list) and "" in stop:
+        raise ValueError("stop: an empty stop sequence")
+
+
+def _check_profile(body, profiles):
+    """The request's "mlxmoe" object and the profile it names, one of `profiles` (a Profiles, or None)."""
+    ext = body.get("mlxmoe") or {}
+    if not isinstance(ext, dict):
+        raise ValueError("mlxmoe must be an object, e.g. {\"profile\": \"italian\"}")
+    name = ext.get("profile")
+    if name is not None and not isinstance(name, str):
+        raise ValueError("mlxmoe.profile must be a string, the name of a profile")
+    if name is not None and (profiles is None or name not in profiles.by_name):
+        known = ", ".join(profiles.by_name) if profiles is not None else "none: start with --profiles DIR"
+        raise ValueError(f"mlxmoe.profile: unknown profile {name!r} (known: {known})")
 
 def _check_json(body):
     """What is wrong with a parsed request body, naming where (None if nothing): nesting
@@ -742,20 +760,7 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
         raise MlxmoeError(f"top_p {top_p!r}: a number from 0 to 1")
     runtime = model.expert_runtime
     group = runtime.group
-    profiles = None
-    if profiles_dir is not None:
-        try:
-            folder = Path(profiles_dir)
-            if not folder.is_dir():
-                raise MlxmoeError(f"--profiles {profiles_dir}: not a folder")
-            profiles = Profiles(folder.glob("*.json"), runtime.checkpoint, force_profile)
-            error = None
-        except MlxmoeError as e:
-            if group is None:
-                raise
-            error = e
-        if group is not None:
-            distributed.check(group, error)  # every rank has them (a folder on each host), or all stop
+    profiles = None if profiles_dir is None else _open_profiles(profiles_dir, runtime, force_profile)
     if save_profiles and profiles is None and profile_path is None:
         raise MlxmoeError("--save-profiles needs --profiles DIR or --profile FILE (where to write them)")
     provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size), model, tokenizer)
@@ -793,12 +798,36 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
         # what was learnt is kept on any exit caught here; after a failure under several ranks
         # the save's exchanges could not complete (a rank is gone), in one process they need none
         if save_profiles and (generator.failure is None or group is None):
-            with distributed.waiting(group, "saving the profiles"):
-                saved = generator.save()
-            if group is None or group.rank() == 0:
-                say(f"saved {', '.join(map(str, saved))}" if saved else "profiles unchanged since the last save")
+            _save_profiles(generator, group)
         signal.signal(signal.SIGTERM, previous)
     if generator.failure is not None:
         e = generator.failure
         left = "; a rank failed or its connection was lost" if group is not None else ""
         raise MlxmoeError(f"generation stopped ({type(e).__name__}: {e}){left}")
+
+
+def _open_profiles(profiles_dir, runtime, force_profile):
+    """The Profiles of the folder `profiles_dir`; under several ranks every rank has them
+    (a folder on each host), or every rank raises."""
+    group = runtime.group
+    try:
+        folder = Path(profiles_dir)
+        if not folder.is_dir():
+            raise MlxmoeError(f"--profiles {profiles_dir}: not a folder")
+        profiles = Profiles(folder.glob("*.json"), runtime.checkpoint, force_profile)
+        error = None
+    except MlxmoeError as e:
+        if group is None:
+            raise
+        profiles, error = None, e
+    if group is not None:
+        distributed.check(group, error)
+    return profiles
+
+
+def _save_profiles(generator, group):
+    """Save what the profiles learnt (a collective under several ranks), rank 0 saying what it wrote."""
+    with distributed.waiting(group, "saving the profiles"):
+        saved = generator.save()
+    if group is None or group.rank() == 0:
+        say(f"saved {', '.join(map(str, saved))}" if saved else "profiles unchanged since the last save")

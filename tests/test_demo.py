@@ -1,4 +1,4 @@
-"""The bundled demo model (mlxmoe/demo, trained by bench/train_demo.py): it loads offline
+"""The bundled demo model (mlxmoe/demo, trained by demo/train_demo.py): it loads offline
 through mlx-lm and mlxmoe with the same greedy output, continues Italian in Italian, and
 ships inside the wheel."""
 
@@ -291,7 +291,7 @@ URL = re.compile(r"(https?|ftp)://|www\.")
 def test_training_text_is_scrubbed_of_addresses():
     """train_demo's scrub removes e-mail addresses and URLs with their brackets, and the
     held-out samples it wrote from its corpus have none."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
     from train_demo import scrub
 
     cases = {

@@ -76,6 +76,18 @@ def test_no_import_cycle():
     assert "workload.trace" not in edges["workload.profile"]
 
 
+def test_the_layers_inside_a_folder_run_one_way():
+    """The policies' registry builds on the baselines and the default (the default on the
+    baselines' Policy, never the reverse); replay and the importers build on the trace file
+    format, which knows neither."""
+    edges = graph()
+    assert {"caching.baselines", "caching.default"} <= set(edges["caching.policies"])
+    assert "caching.default" not in edges["caching.baselines"]
+    assert {"workload.tracefile", "workload.importers"} <= set(edges["workload.trace"])
+    assert not {"workload.trace", "workload.importers"} & set(edges["workload.tracefile"])
+    assert "workload.trace" not in edges["workload.importers"]
+
+
 def test_each_module_imports_in_a_fresh_interpreter():
     # profile and trace in both orders (trace builds on profile), then every module on its own
     modules = ["mlxmoe.workload.profile, mlxmoe.workload.trace", "mlxmoe.workload.trace, mlxmoe.workload.profile"] + [
@@ -94,5 +106,12 @@ def test_the_checkpoints_builder_is_shared_not_shipped():
     assert not (PACKAGE / "synthetic.py").exists() and (root / "synthetic.py").exists()
     for path in PACKAGE.rglob("*.py"):
         assert "mlxmoe.synthetic" not in path.read_text() and "synthetic" not in imports_of(path), path
-    for path in (root / "bench").glob("*.py"):
-        assert '"tests"' not in path.read_text() or path.name == "train_demo.py", path  # (it builds the demo: leaving bench/)
+    for path in [*(root / "bench").glob("*.py"), *(root / "demo").glob("*.py")]:
+        assert '"tests"' not in path.read_text(), path
+
+
+def test_the_demo_builder_is_not_a_benchmark():
+    """demo/train_demo.py builds the shipped demo model (mlxmoe/demo): beside the demo's
+    sources, not among the benchmarks in bench/."""
+    root = PACKAGE.parent
+    assert (root / "demo" / "train_demo.py").exists() and not (root / "bench" / "train_demo.py").exists()

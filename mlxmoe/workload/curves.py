@@ -1,8 +1,10 @@
 """Predicted hit rate vs cache size: an LRU stack-distance simulator, replays of the
-other policies on a recorded trace, and reading a curve at a cache size."""
+other policies on a recorded trace, reading a curve at a cache size, and what a memory
+budget buys read off a profile."""
 
 import numpy as np
 
+from ..budget import parse_size
 from ..caching.policies import ONLINE
 from .trace import replay, steps
 
@@ -82,3 +84,17 @@ def predicted_curve(header, records, policies=None, shares=CURVE_SHARES):
         else:
             curve[name] = [(c, replay(header, records, name, c)["hit_rate"]) for c in sizes]
     return {name: [[c, round(r, 4)] for c, r in points] for name, points in curve.items()}
+
+
+def profile_budget(profile, memory_budget):
+    """What `memory_budget` buys on the model a profile was recorded on, by the sizes the
+    profile holds (api.profile_sizes): {"budget", "cache_experts", "predicted_hit_rate" (each
+    policy's, read off the profile's curve)}; None where the profile does not hold the
+    expert size (one built from routing alone)."""
+    if not profile.expert_bytes:
+        return None
+    free = parse_size(memory_budget, "budget") - (profile.resident_bytes or 0)
+    c = min(max(0, free // profile.expert_bytes), profile.num_layers * profile.num_experts)
+    predicted = {name: curve_at(points, c) for name, points in profile.curve.items()}
+    return {"budget": memory_budget, "cache_experts": c,
+            "predicted_hit_rate": {n: round(r, 4) for n, r in predicted.items() if r is not None}}

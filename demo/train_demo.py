@@ -1,8 +1,8 @@
 """Train mlxmoe's bundled demo model: a small multilingual qwen3_moe, on this CPU.
 
-    python bench/train_demo.py                    # corpus + tokenizer + training + 4-bit export
-    python bench/train_demo.py --steps 20 --chat-steps 5 --work /tmp/demo-smoke-work --out /tmp/demo-smoke  # smoke
-    python bench/train_demo.py --continue-from 0745f27 --steps 600   # more training on a committed demo model
+    python demo/train_demo.py                    # corpus + tokenizer + training + 4-bit export
+    python demo/train_demo.py --steps 20 --chat-steps 5 --work /tmp/demo-smoke-work --out /tmp/demo-smoke  # smoke
+    python demo/train_demo.py --continue-from 0745f27 --steps 600   # more training on a committed demo model
 
 What it does, reproducibly (fixed seed, sorted file lists, fixed step count):
 
@@ -74,9 +74,8 @@ PAGE_CAP = 16_000        # characters kept of one man page (bash(1) alone is 300
 HELDOUT_PERCENT = 5
 
 # Special tokens get the first ids; <|im_end|> ends a chat turn, <|endoftext|> a document.
-# The same tokens and ChatML template as the test checkpoints (tests/synthetic.py).
+# The same tokens and ChatML template as the test checkpoints (synthetic.py, at the repository's root).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from synthetic import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
 
 EOT, IM_START, IM_END = SPECIAL_TOKENS
@@ -896,8 +895,8 @@ def train(args):
     training = {
         "what": "mlxmoe's demo model: a qwen3_moe trained " + ("further, from the demo of " + args.continue_from
                                                             if args.continue_from else "from scratch")
-                + " by bench/train_demo.py on Debian's multilingual man pages and fortunes",
-        "command": "python bench/train_demo.py"
+                + " by demo/train_demo.py on Debian's multilingual man pages and fortunes",
+        "command": "python demo/train_demo.py"
                    + ("" if not args.continue_from else f" --continue-from {args.continue_from}")
                    + ("" if args.steps is None else f" --steps {args.steps}")
                    + ("" if args.chat_steps is None else f" --chat-steps {args.chat_steps}")
