@@ -113,6 +113,9 @@ def model_options(f):
         click.option("--trim", type=Number(float, 0, 1), default=0.0, show_default=True,
                      help="Lossy: skip a routed expert that is not in memory when it carries less than this "
                      "share of the token's routing weight (0: exact)."),
+        click.option("--trim-mass", type=Number(float, 0, 1), default=0.0, show_default=True,
+                     help="Lossy: skip a routed expert that is not in memory beyond the top ones that carry this "
+                     "share of the token's routing weight (e.g. 0.85; 0: exact)."),
         click.option("--fallback", type=click.Path(dir_okay=False), help="Lossy: low-bit copies of the experts "
                      "(convert --fallback-bits), kept in memory within the budget: a missing expert computes with "
                      "its copy at once and is read in the background (no decode step waits on a read)."),
