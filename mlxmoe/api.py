@@ -118,7 +118,7 @@ class LoadOptions:
     split: str = "pipeline"
     max_context: int = DEFAULT_CONTEXT
     trim: float = 0.0
-    cache_bias: float = 0.0
+    cache_bias: float | str = 0.0  # or "profile"
     trim_mass: float = 0.0
     fallback: str | os.PathLike | None = None
 
@@ -182,7 +182,8 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     decode step, a routed expert that is not resident and carries less than W of the
     token's routing weight (the rest weighted as the model's top-k rule does), `trim_mass` M
     one beyond the top experts that carry M of it; `cache_bias`
-    B adds B to resident experts' router logits before the top-k (see lossy.py). What they
+    B adds B to resident experts' router logits before the top-k (see lossy.py; "profile":
+    the `profile`'s recommended value, from `profile record --recommend-bias`). What they
     did is in stats() (skipped, biased). mlx-lm's softmax-routed families only (mixtral,
     qwen2_moe, qwen3_moe, olmoe, gpt_oss); others are refused naming their model type.
     `fallback`: a file of low-bit copies of every expert (`mlxmoe convert --fallback-bits`),
@@ -276,7 +277,7 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
                                 confidence=opts.prefetch_confidence)
     runtime = Runtime(ckpt, p, be, cache, fp, prefetcher)
     attach_cache(ckpt, runtime)
-    runtime.lossy = attach_lossy(ckpt, cache, opts.trim, opts.cache_bias, opts.trim_mass)
+    runtime.lossy = attach_lossy(ckpt, cache, opts.trim, opts.cache_bias, opts.trim_mass, prior)
     if opts.fallback is not None:
         attach_fallback(ckpt, cache, opts.fallback, fp)
     be.activate(p.budget)

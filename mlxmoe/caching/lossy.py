@@ -42,9 +42,22 @@ def check_options(trim, cache_bias, trim_mass=0.0):
     if isinstance(trim_mass, bool) or not isinstance(trim_mass, (int, float)) or not 0 <= trim_mass <= 1:
         raise MlxmoeError(f"trim_mass {trim_mass!r}: the share of a token's routing weight its top experts keep, "
                           "from 0 (off) to 1")
-    if isinstance(cache_bias, bool) or not isinstance(cache_bias, (int, float)) or not math.isfinite(cache_bias) \
-            or cache_bias < 0:
-        raise MlxmoeError(f"cache_bias {cache_bias!r}: a bonus on resident experts' router logits, 0 (off) or more")
+    if cache_bias != "profile" and (isinstance(cache_bias, bool) or not isinstance(cache_bias, (int, float))
+                                    or not math.isfinite(cache_bias) or cache_bias < 0):
+        raise MlxmoeError(f"cache_bias {cache_bias!r}: a bonus on resident experts' router logits, 0 (off) or more, "
+                          "or 'profile' (the profile's recommended one)")
+
+
+def profile_bias(profile) -> float:
+    """cache_bias="profile": the profile's recommended cache bias, or an MlxmoeError saying
+    what is missing."""
+    if profile is None:
+        raise MlxmoeError("cache_bias 'profile' takes the recommended cache bias of a profile: give one "
+                          "(--profile FILE), or give the bias as a number")
+    if profile.recommended_cache_bias is None:
+        raise MlxmoeError(f"{profile.name()}: this profile recommends no cache bias (`mlxmoe profile "
+                          "record --recommend-bias B` records one); give --cache-bias a number")
+    return float(profile.recommended_cache_bias)
 
 
 def routing_rule(path, config, what):
@@ -177,12 +190,14 @@ def _biased(cls):
     return type(f"Biased{cls.__name__}", (cls,), {"__call__": __call__})
 
 
-def attach_lossy(ckpt, cache, trim: float, cache_bias: float, trim_mass: float = 0.0) -> Lossy | None:
+def attach_lossy(ckpt, cache, trim: float, cache_bias, trim_mass: float = 0.0, profile=None) -> Lossy | None:
     """Give every StreamingExperts of `ckpt` the Lossy settings, and bias their routers by
-    `cache_bias`, and the cache's prefetcher the settings its guesses follow; None (nothing
-    changed) where all are 0. An MlxmoeError names a model type whose routing cannot be
-    reweighted so."""
+    `cache_bias` (a number, or "profile": `profile`'s recommended one), and the cache's
+    prefetcher the settings its guesses follow; None (nothing changed) where all are 0. An
+    MlxmoeError names a model type whose routing cannot be reweighted so."""
     check_options(trim, cache_bias, trim_mass)
+    if cache_bias == "profile":
+        cache_bias = profile_bias(profile)
     if not trim and not cache_bias and not trim_mass:
         return None
     what = " and ".join(n for n, v in (("top-k trimming", trim or trim_mass), ("cache-aware routing", cache_bias))
