@@ -193,14 +193,14 @@ class ActivationProfile:
 
     # Files
     def to_json(self):
-        optional = {} if self.recommended_cache_bias is None else {"recommended_cache_bias": self.recommended_cache_bias}
-        return {**optional,
+        bias = self.recommended_cache_bias  # (absent where none: written as before)
+        return {
             "format": FORMAT, "model": self.model, "fingerprint": self.fingerprint, "workload": self.workload,
             "num_layers": self.num_layers, "num_experts": self.num_experts, "top_k": self.top_k,
             "decay": {"half_life_tokens": self.half_life}, "tokens": self.tokens, "tokens_total": self.tokens_total,
             "created": self.created, "expert_bytes": self.expert_bytes, "resident_bytes": self.resident_bytes,
             "counts": np.round(self.counts, 4).tolist(), "router_mass": np.round(self.mass, 4).tolist(),
-            "curve": self.curve,
+            "curve": self.curve, **({} if bias is None else {"recommended_cache_bias": bias}),
         }
 
     def save(self, path):
