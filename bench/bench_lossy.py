@@ -1,4 +1,4 @@
-"""What the lossy modes (mlxmoe/lossy.py: --trim, --cache-bias; mlxmoe/fallback.py: --fallback)
+"""What the lossy modes (mlxmoe/lossy.py: --trim, --trim-mass, --cache-bias; mlxmoe/fallback.py: --fallback)
 cost in quality and save in reads, measured honestly.
 
 1. The demo model (bundled, or --model) at --residency of its experts (default 25 %), one
@@ -9,7 +9,9 @@ cost in quality and save in reads, measured honestly.
    distributions against exact at the same residency, bytes read and demand loads per token
    and what the mode did (experts skipped, biased in, per token); then greedy agreement
    with exact over --gen tokens from --gen-prompts held-out openings per language (share
-   of positions with the same token, and the first position that differs).
+   of positions with the same token, and the first position that differs). The recommended
+   cache bias: the largest bias alone within +2 % perplexity in every language, written into
+   the profiles named by --recommend-into (what `--cache-bias profile` takes).
 2. Real routing (the files of ../shared/data/real-routing, imported with mlxmoe's own trace
    import; --skip-real leaves it out): replayed through mlxmoe's Residency with the default policy, each
    single-token layer call trimmed as the runtime trims it (a non-resident expert below the
@@ -54,14 +56,15 @@ REAL_FILES = [("bigmoeonedge", "bigmoeonedge/qwen.route.csv"), ("bigmoeonedge", 
               ("moe-ocs", "moe-ocs-learning-qwen3.6/routing_pretrained.mlx.ece94543.json")]
 SETTINGS = [{}, {"trim": 0.1}, {"trim": 0.2}, {"trim": 0.3}, {"trim": 0.4}, {"trim": 0.5}, {"trim": 1.0},
             {"cache_bias": 0.25}, {"cache_bias": 0.5}, {"cache_bias": 0.75}, {"cache_bias": 1.0}, {"cache_bias": 2.0},
-            {"cache_bias": 4.0}, {"cache_bias": 0.5, "trim": 0.3}, {"fallback": 2}, {"fallback": 3},
+            {"cache_bias": 4.0}, {"cache_bias": 0.5, "trim": 0.3}, {"trim_mass": 0.8}, {"trim_mass": 0.9},
+            {"cache_bias": 0.75, "trim_mass": 0.9}, {"fallback": 2}, {"fallback": 3},
             {"fallback": 2, "cache_bias": 0.5}, {"same_memory": 2}, {"same_memory": 3},
             {}]  # the last: exact again, the control
 THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5)
 RESIDENCIES = (0.1, 0.25, 0.5)
 
 
-NAMES = {"cache_bias": "bias {:g}", "trim": "trim {:g}", "fallback": "{}-bit fallback",
+NAMES = {"cache_bias": "bias {:g}", "trim": "trim {:g}", "trim_mass": "trim mass {:g}", "fallback": "{}-bit fallback",
          "same_memory": "exact, cache + the {}-bit copies' memory"}
 
 
@@ -173,8 +176,27 @@ def run_demo(args):
         row["ppl_change"] = {lang: row["ppl"][lang] / base["ppl"][lang] - 1 for lang in LANGUAGES}
         row["bytes_change"] = row["bytes_per_token"] / base["bytes_per_token"] - 1
     return {"model": str(ckpt.path), "prefetch": args.prefetch, "cache_experts": cache_experts, "all_experts": total,
+            "recommended_cache_bias": recommended_bias(rows),
             "tokens_per_language": {lang: sum(len(i) - 1 for i in data[lang]) for lang in LANGUAGES},
             "gen_tokens": args.gen, "gen_prompts": args.gen_prompts, "rows": rows}
+
+
+def recommended_bias(rows, worst=0.02):
+    """The largest cache bias alone (SETTINGS' order) whose perplexity is within `worst` of
+    exact's in every language, or None."""
+    return max((s["cache_bias"] for s, r in zip(SETTINGS, rows)
+                if set(s) == {"cache_bias"} and max(r["ppl_change"].values()) <= worst), default=None)
+
+
+def recommend_into(paths, bias):
+    """Write the recommended cache bias into each profile of `paths` (profile record --recommend-bias's field)."""
+    from mlxmoe.workload.profile import ActivationProfile
+
+    for path in paths:
+        p = ActivationProfile.load(path)
+        p.recommended_cache_bias = bias
+        p.save(path)
+        print(f"{path}: recommended cache bias {bias}", file=sys.stderr)
 
 
 def trimmed_replay(records, L, E, cache_experts, trim):
@@ -254,6 +276,8 @@ def print_demo(demo):
               + " | ".join(f"{r['ppl'][lang]:.2f}" for lang in langs)
               + f" | {100 * worst:+.1f} % | {np.mean(list(r['kl'].values())):.4f} | "
               f"{100 * np.mean(list(r['agree'].values())):.0f} % |")
+    print(f"recommended cache bias (the largest within +2 % perplexity in every language): "
+          f"{demo['recommended_cache_bias']}")
 
 
 def print_real(real):
@@ -275,6 +299,8 @@ def main(argv=None):
     parser.add_argument("--tokens", type=int, default=400, help="Teacher-forced tokens per language (about).")
     parser.add_argument("--gen", type=int, default=64, help="Greedy tokens per prompt.")
     parser.add_argument("--gen-prompts", type=int, default=3, help="Greedy prompts per language.")
+    parser.add_argument("--recommend-into", nargs="*", default=[], metavar="PROFILE",
+                        help="Write the recommended cache bias into these profiles (of the same model).")
     parser.add_argument("--skip-demo", action="store_true")
     parser.add_argument("--skip-real", action="store_true")
     parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "out" / "lossy.json"))
@@ -283,6 +309,8 @@ def main(argv=None):
     if not args.skip_demo:
         result["demo"] = run_demo(args)
         print_demo(result["demo"])
+        if args.recommend_into and result["demo"]["recommended_cache_bias"] is not None:
+            recommend_into(args.recommend_into, result["demo"]["recommended_cache_bias"])
     if not args.skip_real:
         result["real"] = run_real(args)
         print_real(result["real"])

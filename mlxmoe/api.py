@@ -153,7 +153,8 @@ class LoadOptions:
     split: str = "pipeline"
     max_context: int = DEFAULT_CONTEXT
     trim: float = 0.0
-    cache_bias: float = 0.0
+    cache_bias: float | str = 0.0  # or "profile"
+    trim_mass: float = 0.0
     fallback: str | os.PathLike | None = None
 
     def check(self) -> None:
@@ -169,7 +170,7 @@ class LoadOptions:
             raise MlxmoeError(f"prefetch_confidence {c!r}: a probability, from 0 to 1")
         if self.cache_experts is not None and not _int_in(self.cache_experts, 1, 1 << 62):
             raise MlxmoeError(f"cache_experts {self.cache_experts!r}: a number of experts, an integer of at least 1")
-        check_lossy(self.trim, self.cache_bias)
+        check_lossy(self.trim, self.cache_bias, self.trim_mass)
         if not _int_in(self.max_context, 16, 1 << 24):
             raise MlxmoeError(f"max_context {self.max_context!r}: tokens a sequence may hold, an integer from 16 "
                               f"to {1 << 24}")
@@ -214,8 +215,10 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
 
     Lossy modes, opt-in (exact, the default, gives mlx-lm's tokens): `trim` W skips, at a
     decode step, a routed expert that is not resident and carries less than W of the
-    token's routing weight (the rest weighted as the model's top-k rule does); `cache_bias`
-    B adds B to resident experts' router logits before the top-k (see lossy.py). What they
+    token's routing weight (the rest weighted as the model's top-k rule does), `trim_mass` M
+    one beyond the top experts that carry M of it; `cache_bias`
+    B adds B to resident experts' router logits before the top-k (see lossy.py; "profile":
+    the `profile`'s recommended value, from `profile record --recommend-bias`). What they
     did is in stats() (skipped, biased). mlx-lm's softmax-routed families only (mixtral,
     qwen2_moe, qwen3_moe, olmoe, gpt_oss); others are refused naming their model type.
     `fallback`: a file of low-bit copies of every expert (`mlxmoe convert --fallback-bits`),
@@ -319,7 +322,7 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
                                 confidence=opts.prefetch_confidence)
     runtime = Runtime(ckpt, p, be, cache, fp, prefetcher)
     attach_cache(ckpt, runtime)
-    runtime.lossy = attach_lossy(ckpt, cache, opts.trim, opts.cache_bias)
+    runtime.lossy = attach_lossy(ckpt, cache, opts.trim, opts.cache_bias, opts.trim_mass, prior)
     if opts.fallback is not None:
         attach_fallback(ckpt, cache, opts.fallback, fp)
     be.activate(p.budget)

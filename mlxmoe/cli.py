@@ -34,17 +34,20 @@ class Size(click.ParamType):
 
 
 class Number(click.ParamType):
-    """A finite int or float between `low` and `high` (ends excluded where `open`)."""
+    """A finite int or float between `low` and `high` (ends excluded where `open`), or one of `words`."""
 
-    def __init__(self, kind=float, low=None, high=None, low_open=False):
-        self.kind, self.low, self.high, self.low_open = kind, low, high, low_open
+    def __init__(self, kind=float, low=None, high=None, low_open=False, words=()):
+        self.kind, self.low, self.high, self.low_open, self.words = kind, low, high, low_open, words
         self.name = "integer" if kind is int else "number"
 
     def convert(self, value, param, ctx):
+        if value in self.words:
+            return value
         try:
             x = self.kind(value)
         except (TypeError, ValueError, OverflowError):
-            self.fail(f"{str(value)[:40]!r} is not {'an integer' if self.kind is int else 'a number'}", param, ctx)
+            self.fail(f"{str(value)[:40]!r} is not {'an integer' if self.kind is int else 'a number'}"
+                      + "".join(f" or {w}" for w in self.words), param, ctx)
         below = self.low is not None and (x <= self.low if self.low_open else x < self.low)
         if (self.kind is float and not math.isfinite(x)) or below or (self.high is not None and x > self.high):
             lo = "" if self.low is None else f"{'above' if self.low_open else 'at least'} {self.low}"
@@ -107,12 +110,16 @@ def model_options(f):
                      "cache for them; a longer prompt is refused."),
         click.option("--prefetch", type=Number(int, 0, 64), default=1, show_default=True,
                      help="Read predicted experts this many layer calls ahead in the background (0: off)."),
-        click.option("--cache-bias", type=Number(float, 0), default=0.0, show_default=True,
+        click.option("--cache-bias", type=Number(float, 0, words=("profile",)), default=0.0, show_default=True,
                      help="Lossy, try first: add this to resident experts' router logits so close calls go to "
-                     "experts in memory (fewer reads; 0: exact). See README, 'Lossy modes'."),
+                     "experts in memory (fewer reads; 0: exact; profile: the --profile's recommended value). See "
+                     "README, 'Lossy modes'."),
         click.option("--trim", type=Number(float, 0, 1), default=0.0, show_default=True,
                      help="Lossy: skip a routed expert that is not in memory when it carries less than this "
                      "share of the token's routing weight (0: exact)."),
+        click.option("--trim-mass", type=Number(float, 0, 1), default=0.0, show_default=True,
+                     help="Lossy: skip a routed expert that is not in memory beyond the top ones that carry this "
+                     "share of the token's routing weight (e.g. 0.85; 0: exact)."),
         click.option("--fallback", type=click.Path(dir_okay=False), help="Lossy: low-bit copies of the experts "
                      "(convert --fallback-bits), kept in memory within the budget: a missing expert computes with "
                      "its copy at once and is read in the background (no decode step waits on a read)."),
@@ -808,7 +815,10 @@ def profile():
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Profile file to write.")
 @click.option("--half-life", type=Number(float, 1), default=None,
               help="Decay half-life in tokens (default 4096).")
-def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out, half_life, **opts):
+@click.option("--recommend-bias", type=Number(float, 0), default=None,
+              help="Store this cache bias in the profile as the one to use (measured by bench/bench_lossy.py): "
+              "--cache-bias profile takes it.")
+def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out, half_life, recommend_bias, **opts):
     """Run a workload's prompts through the model and save which experts it used, with
     a predicted hit-rate-vs-cache-size curve. Ctrl-C saves what was recorded so far.
     With --profile, that profile is the policy's prior and pre-warms the cache; the file
@@ -822,6 +832,7 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
 
     def fresh_profile(model):  # the live profile starts empty (not from --profile's counts)
         model.expert_runtime.record_profile(workload, half_life)
+        model.expert_runtime.profile.recommended_cache_bias = recommend_bias
 
     # without --trace-out, the trace the curve is computed from is a partial file of OUT's
     # (files.py naming): removed at the end, or by the next run if this one is killed
@@ -931,7 +942,8 @@ def profile_show(file, top, png, curve_png, budget, as_json):
     layers = [{"layer": l, "hot25_share": round(float(share[l]), 3),
                "hot": [[e, round(r, 4)] for _, e, r in p.top(top, layer=l)]} for l in range(p.num_layers)]
     out = {"workload": p.workload, "model": p.model, "tokens": p.tokens_total, "half_life": p.half_life,
-           "layers": layers, "hot25_share_mean": round(float(share.mean()), 3), "curve": p.curve}
+           "layers": layers, "hot25_share_mean": round(float(share.mean()), 3), "curve": p.curve,
+           "recommended_cache_bias": p.recommended_cache_bias}
     if png:
         write_heatmap_png(png, p.rates(), f"{p.workload!r} on {_model_of(p)}: activations per token")
     if budget:
@@ -946,6 +958,8 @@ def profile_show(file, top, png, curve_png, budget, as_json):
         return
     click.echo(f"{p.workload!r} on {_model_of(p)}: {p.tokens_total} tokens, half-life {p.half_life} tokens")
     click.echo(f"hottest 25% of experts carry {100 * share.mean():.1f}% of activations (mean over layers)")
+    if p.recommended_cache_bias is not None:
+        click.echo(f"recommended cache bias: {p.recommended_cache_bias:g} (lossy; --cache-bias profile uses it)")
     for row in layers:
         hot = ", ".join(f"{e}:{r:.2f}" for e, r in row["hot"])
         click.echo(f"  layer {row['layer']:3d}  hot25 {100 * row['hot25_share']:5.1f}%  hottest (expert:rate) {hot}")

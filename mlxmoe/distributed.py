@@ -333,7 +333,7 @@ def stage_profile(profile, offset, layers):
     return ActivationProfile(layers, profile.num_experts, profile.top_k, profile.half_life, profile.model,
                              profile.fingerprint, profile.workload, profile.counts[part], profile.mass[part],
                              profile.tokens, profile.tokens_total, profile.created, profile.curve,
-                             profile.expert_bytes, profile.resident_bytes)
+                             profile.expert_bytes, profile.resident_bytes, profile.recommended_cache_bias)
 
 
 def whole_profile(runtime):
@@ -344,7 +344,7 @@ def whole_profile(runtime):
     resident = sum(r or 0 for r in exchange(ckpt.group, p.resident_bytes))
     return ActivationProfile(ckpt.all_layers, p.num_experts, p.top_k, p.half_life, p.model, p.fingerprint,
                              p.workload, counts, mass, p.tokens, p.tokens_total, p.created, p.curve,
-                             p.expert_bytes, resident)
+                             p.expert_bytes, resident, p.recommended_cache_bias)
 
 
 def finish_trace(runtime):

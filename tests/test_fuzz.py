@@ -379,6 +379,7 @@ OPTIONS = {
     "--max-context": (["generate", "-m", MISSING, "-p", "hi", "--max-context", "{}"], in_range(int, 16, 2 ** 24)),
     "--trim": (["generate", "-m", MISSING, "-p", "hi", "--trim", "{}"], in_range(float, 0, 1)),
     "--cache-bias": (["generate", "-m", MISSING, "-p", "hi", "--cache-bias", "{}"], in_range(float, 0)),
+    "--trim-mass": (["generate", "-m", MISSING, "-p", "hi", "--trim-mass", "{}"], in_range(float, 0, 1)),
     "--max-queue": (["serve", "-m", MISSING, "--max-queue", "{}"], in_range(int, 1, 4096)),
     "--half-life": (["profile", "record", "-m", MISSING, "--prompts", __file__, "-w", "w", "-o", "{out}",
                      "--half-life", "{}"], in_range(float, 1)),  # (a profile's half-life: at least 1 token)

@@ -25,6 +25,20 @@ def weights(rule, logits, row):
     return softmax(logits[row]) if rule == "topk" else softmax(logits)[row]
 
 
+def want_keep(share, resident, trim=0.0, trim_mass=0.0):
+    """The experts trimming keeps, by the rule as stated: resident ones, and the others with at
+    least `trim` of the weight and (trim_mass) among the top ones, best first, until
+    trim_mass of it is covered; the strongest where none would be."""
+    covered, within = 0.0, {}
+    for i in sorted(range(len(share)), key=lambda i: -share[i]):
+        within[i] = not trim_mass or covered < trim_mass
+        covered += share[i]
+    want = [bool(r or (s >= trim and within[i])) for i, (r, s) in enumerate(zip(resident, share))]
+    if not any(want):
+        want[int(np.argmax(share))] = True
+    return want
+
+
 @pytest.mark.parametrize("rule", ["topk", "softmax"])
 def test_step_scales_give_the_models_weights_over_the_kept_experts(rule):
     rng = np.random.default_rng(0)
@@ -34,14 +48,10 @@ def test_step_scales_give_the_models_weights_over_the_kept_experts(rule):
         resident = (rng.random(4) < 0.5).tolist()
         mask = (rng.random(16) < 0.5).astype(np.float64)
         mask[row] = np.array(resident, dtype=np.float64)  # the routed experts' residency agrees
-        lossy = Lossy(rule, trim=0.3, cache_bias=1.5)
+        lossy = Lossy(rule, trim=0.3, cache_bias=1.5, trim_mass=0.7)
         keep, scales, _ = lossy.step(logits, row, resident, mask)
         w = weights(rule, logits, row)
-        share = w / w.sum()
-        want_keep = [r or s >= 0.3 for r, s in zip(resident, share)]
-        if not any(want_keep):
-            want_keep[int(np.argmax(share))] = True
-        assert keep == want_keep
+        assert keep == want_keep(w / w.sum(), resident, 0.3, 0.7)
         wanted = np.where(keep, w, 0.0)
         if rule == "topk":
             wanted /= wanted.sum()
@@ -83,23 +93,20 @@ def run(path, **kw):
     return tokens, stats, runtime
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("arch,kw", [("mixtral", {"trim": 0.4}), ("qwen2_moe", {"trim": 0.4}), ("olmoe", {"trim": 0.4}),
+                                     ("gpt_oss", {"trim": 0.4}), ("mixtral", {"trim_mass": 0.6}),
+                                     ("qwen2_moe", {"trim_mass": 0.6})])
 def test_trimming_skips_exactly_the_non_resident_below_the_threshold_and_never_reads_them(checkpoint, monkeypatch,
-                                                                                          arch):
+                                                                                          arch, kw):
     path = checkpoint(arch)
     steps, reads = spy(monkeypatch)
-    trim = 0.4
-    _, stats, runtime = run(path, cache_experts=6, trim=trim)
+    _, stats, runtime = run(path, cache_experts=6, **kw)
     rule = runtime.lossy.rule
     assert rule == ("topk" if arch in ("mixtral", "gpt_oss") else "softmax")  # (the tiny olmoe: no norm_topk_prob)
     skipped = 0
     for i, (logits, row, resident, _, (keep, _, _)) in enumerate(steps):
         w = weights(rule, logits, row)
-        share = w / w.sum()
-        want = [r or s >= trim for r, s in zip(resident, share)]
-        if not any(want):
-            want[int(np.argmax(share))] = True
-        assert keep == want
+        assert keep == want_keep(w / w.sum(), resident, **kw)
         gone = {e for e, k in zip(row, keep) if not k}
         skipped += len(gone)
         at = reads.index(("step", i))  # this layer call's reads come next, before the next step
@@ -156,7 +163,8 @@ def test_unsupported_model_type_is_refused_by_name(checkpoint):
 
 
 @pytest.mark.parametrize("kw", [{"trim": 1.5}, {"trim": -0.1}, {"cache_bias": -1.0}, {"cache_bias": float("inf")},
-                                {"trim": True}])
+                                {"trim": True}, {"trim_mass": 1.01}, {"trim_mass": -0.5}, {"trim_mass": "0.85"},
+                                {"trim_mass": float("nan")}])
 def test_bad_values_are_refused(checkpoint, kw):
     with pytest.raises(MlxmoeError, match=next(iter(kw))):
         mlxmoe.load(str(checkpoint("qwen3_moe")), **kw)
@@ -174,6 +182,12 @@ def test_cli_flags(cli, checkpoint, tmp_path):
     assert "skipped" in err and "biased in" in err
     code, err = cli("generate", "--trim", "2", "--prompt", "x")
     assert code != 0 and "--trim" in err
+    code, err = cli("generate", "--trim-mass", "1.5", "--prompt", "x")
+    assert code != 0 and "--trim-mass" in err
+    code, err = cli("generate", "-m", str(checkpoint("mixtral")), "--cache-experts", "6", "--trim-mass", "0.55",
+                    "--prompt", PROMPT, "--max-tokens", "8", "--stats-json", str(stats))
+    assert code == 0, err
+    assert json.loads(stats.read_text())["skipped"] > 0
 
 
 def test_server_usage_counts_them():

@@ -136,6 +136,7 @@ class Prefetcher:
         E = num_experts if num_experts is not None and candidates else 0
         self.coactive = np.zeros((len(routers), E, E), dtype=np.float32) if E else None
         self.hottest: list[set] | None = None  # the profile predictor's guesses per layer (set_prior)
+        self.lossy = None  # lossy.Lossy where a lossy mode is on: the guesses follow its rule (lossy.attach_lossy)
         self.set_prior(prior)
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
@@ -269,9 +270,11 @@ class Prefetcher:
             self.pace(time.perf_counter(), self.cache.loader.gate.busy_seconds())
         for step, target, ahead in self.steps(layer):
             when = token + ahead
-            predicted, probs, ranked = {}, None, None
+            predicted, probs, ranked, skip = {}, None, None, ()
             if step in looked:
                 probs = host_probs([looked[step]])[0][-1]
+                if self.lossy is not None:  # as the layer will route: biased, trimmed guesses not read
+                    probs, skip = self.lossy.guesses(probs, target, self.cache.slot_of, self.top_ks[target])
                 ranked = np.argsort(-probs, kind="stable")[: max(self.width, self.top_k)].tolist()
                 guess = set(ranked[: self.top_ks[target]])
                 predicted["router" if when == token else "router_next_token"] = guess
@@ -286,7 +289,7 @@ class Prefetcher:
             if self.hottest is not None:
                 predicted["profile"] = self.hottest[target]
             self.pending[target] = predicted
-            self.submit(target, step, when, predicted, probs, ranked, co)
+            self.submit(target, step, when, predicted, probs, ranked, co, skip)
 
     def pace(self, now, busy_seconds):
         """Once per decode step: the share of the step during which the disk was busy with
@@ -302,7 +305,7 @@ class Prefetcher:
                 self.min_chance = max(self.chance_floor, self.min_chance / 1.5)
         self.paced = (now, busy_seconds)
 
-    def submit(self, target, step, when, predicted, probs, ranked=None, co=None):
+    def submit(self, target, step, when, predicted, probs, ranked=None, co=None, skip=()):
         """Queue the loads for `target`'s call at token count `when`. What is not resident is
         mostly what the predictors got wrong, and a wrong load costs a read and may evict
         something useful: load what the router is sure of, or what it agrees on with the
@@ -313,7 +316,7 @@ class Prefetcher:
         share 0.35 against 0.57 at 25 % cache on the demo model). No guess, sure or not, is
         read while its chance is below `min_chance` (paced by the disk's occupancy, see
         pace); the likeliest are claimed first. `ranked`: the experts by falling `probs`, at
-        least the top candidates x top_k."""
+        least the top candidates x top_k; `skip`: experts a lossy mode would not use (never read)."""
         router = predicted.get("router", predicted.get("router_next_token", set()))
         previous = predicted.get("previous_token", set())
         sure = (router & previous) | {e for e in router if probs[e] >= self.confidence}
@@ -339,6 +342,8 @@ class Prefetcher:
             keys = [k for k in keys if chance.get(k, 1.0) >= self.min_chance]
             likely.update((k, c) for k, c in chance.items() if k[1] not in sure and c >= self.min_chance)
             keys += sorted(likely, key=lambda k: -likely[k])
+        if skip:
+            keys = [k for k in keys if k[1] not in skip]
         self.queue(keys, when, target, worth)
 
     def queue(self, keys, when, target, worth=None):

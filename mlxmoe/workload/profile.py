@@ -56,7 +56,7 @@ def prewarm_order(prior, num_layers, num_experts, cache_experts):
 class ActivationProfile:
     def __init__(self, num_layers, num_experts, top_k, half_life=HALF_LIFE_PROFILE, model="", model_fingerprint="",
                  workload="", counts=None, mass=None, tokens=0.0, tokens_total=0, created=None, curve=None,
-                 expert_bytes=None, resident_bytes=None):
+                 expert_bytes=None, resident_bytes=None, recommended_cache_bias=None):
         self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
         self.half_life = half_life
         self.model, self.fingerprint, self.workload = model, model_fingerprint, workload
@@ -68,6 +68,9 @@ class ActivationProfile:
         self.created = created or time.time()
         self.curve = curve or {}
         self.expert_bytes, self.resident_bytes = expert_bytes, resident_bytes
+        # the --cache-bias this profile's workload was measured to take (profile record --recommend-bias; used
+        # by --cache-bias profile only)
+        self.recommended_cache_bias = recommended_cache_bias
         self.source = None  # the file it was loaded from, for messages
 
     @property
@@ -171,7 +174,9 @@ class ActivationProfile:
         return cls(first.num_layers, first.num_experts, first.top_k, first.half_life, first.model, first.fingerprint,
                    workload or " + ".join(p.workload for p in profiles), rates * tokens, mass * tokens, tokens,
                    sum(p.tokens_total for w, p in zip(weights, profiles) if w > 0), expert_bytes=first.expert_bytes,
-                   resident_bytes=first.resident_bytes)
+                   resident_bytes=first.resident_bytes,
+                   recommended_cache_bias=first.recommended_cache_bias  # where all agree
+                   if all(p.recommended_cache_bias == first.recommended_cache_bias for p in profiles) else None)
 
     def diff(self, other, n=5):
         """Per layer: Jensen-Shannon divergence (bits) of the two usage distributions (None
@@ -188,13 +193,14 @@ class ActivationProfile:
 
     # Files
     def to_json(self):
+        bias = self.recommended_cache_bias  # (absent where none: written as before)
         return {
             "format": FORMAT, "model": self.model, "fingerprint": self.fingerprint, "workload": self.workload,
             "num_layers": self.num_layers, "num_experts": self.num_experts, "top_k": self.top_k,
             "decay": {"half_life_tokens": self.half_life}, "tokens": self.tokens, "tokens_total": self.tokens_total,
             "created": self.created, "expert_bytes": self.expert_bytes, "resident_bytes": self.resident_bytes,
             "counts": np.round(self.counts, 4).tolist(), "router_mass": np.round(self.mass, 4).tolist(),
-            "curve": self.curve,
+            "curve": self.curve, **({} if bias is None else {"recommended_cache_bias": bias}),
         }
 
     def save(self, path):
@@ -301,7 +307,8 @@ def parse(data):
                 tokens=tokens, tokens_total=_number(data, "tokens_total", 0, int),
                 created=_number(data, "created", None, optional=True), curve=check_curve(data.get("curve") or {}),
                 expert_bytes=_number(data, "expert_bytes", None, int, 1, optional=True),
-                resident_bytes=_number(data, "resident_bytes", None, int, 1, optional=True))
+                resident_bytes=_number(data, "resident_bytes", None, int, 1, optional=True),
+                recommended_cache_bias=_number(data, "recommended_cache_bias", None, optional=True))
     # an expert is counted at most once per token and layer, decayed as the tokens are: a rate above 1 is corrupt
     most = float(counts.max(initial=0))
     if most > tokens * (1 + 1e-6) + 1e-3:
