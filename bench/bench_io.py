@@ -348,7 +348,7 @@ def size_variants(store, shard, size, slots, per_round, rng, pools):
         def warm():
             local.d = page_buffer(size, skew)
             local.d[:] = 0
-            store._bounce(size)[:] = 0  # the store's per-thread bounce buffer
+            store.reader._bounce(size)[:] = 0  # the store's per-thread bounce buffer
 
         def read(off):
             if store._read_run((shard, off, off + size, [(off, local.d)])) < size:

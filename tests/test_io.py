@@ -13,7 +13,7 @@ import pytest
 
 import mlxmoe
 from mlxmoe import MlxmoeError
-from mlxmoe.storage import store as store_module
+from mlxmoe.storage import reader as reader_module
 from mlxmoe.loader import open_checkpoint
 from mlxmoe.storage.shards import ALIGN, DTYPES, Range
 from mlxmoe.storage.store import ExpertStore, default_io, resolve_io
@@ -193,7 +193,7 @@ def test_direct_ranges_aligned_unaligned_and_sharing_pages(checkpoint, tmp_path,
     range that ends at the end of the file; with a small bounce buffer, O_DIRECT reads
     go in several chunks."""
     if bounce:
-        monkeypatch.setattr(store_module, "BOUNCE", bounce)
+        monkeypatch.setattr(reader_module, "BOUNCE", bounce)
     if fs_type(tmp_path) == "tmpfs":
         tmp_path = Path(tempfile.mkdtemp(dir="/var/tmp"))
     data = np.random.default_rng(0).integers(0, 256, 7 * ALIGN + 4000, dtype=np.uint8)
