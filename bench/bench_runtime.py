@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))  # synthetic.py, the checkpoints' builder tests and bench share
+sys.path.append(str(HERE.parent))  # synthetic.py (shared with tests); last: a baseline's mlxmoe on PYTHONPATH comes first
 
 from system import disk_read_bytes, drop_page_cache, proc_status  # noqa: E402
 ROOT = HERE.parent
@@ -259,10 +259,11 @@ def run_routing(args):
     return {"trace": str(path), "tokens": run["tokens"], "decode_steps": run["decode_steps"]}
 
 
-def optimal_loads(trace, capacity):
-    """Belady's MIN with `capacity` slots replayed on the run's routing, one fetch per layer
-    call as the runtime makes them: its loads over the decode window (decode steps 2..N,
-    as window_stats counts them: mlx-lm has built two steps when it yields the first token)."""
+def optimal_loads(trace, capacity, policy="belady"):
+    """Belady's MIN (or another `policy`, with no prefetch) with `capacity` slots replayed
+    on the run's routing, one fetch per layer call as the runtime makes them: its loads over
+    the decode window (decode steps 2..N, as window_stats counts them: mlx-lm has built two
+    steps when it yields the first token)."""
     from mlxmoe.caching.cache import Residency
     from mlxmoe.caching.policies import make_policy
     from mlxmoe.workload.trace import read_trace, steps
@@ -271,7 +272,7 @@ def optimal_loads(trace, capacity):
     L, E = header["num_layers"], header["num_experts"]
     fetches = list(steps(records, L, capacity))
     future = [(layer, e) for _, layer, experts, *_ in fetches for e in experts]
-    r = Residency(capacity, make_policy("belady", capacity, L, E, future=future))
+    r = Residency(capacity, make_policy(policy, capacity, L, E, **({"future": future} if policy == "belady" else {})))
     step, loads = -1, 0
     for tokens, layer, experts, scores, dist in fetches:
         if tokens:
