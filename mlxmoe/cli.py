@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -418,7 +419,7 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
     """Generate text from a prompt, streaming it to standard output."""
     import_mlx()
     from .api import stream_generate
-    from .storage.files import check_writable, write_atomic
+    from .storage.files import check_writable
 
     for path in (stats_json, save_profile):
         if path:
@@ -684,7 +685,9 @@ def info(model_path, memory_budget, backend, fallback, as_json):
 
 
 @main.command()
-@click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the demo model.")
+@click.option("--model", "-m", "model_path",
+              help="Model folder, or Hugging Face repo id: then only its config.json and safetensors headers are "
+                   "fetched (a few hundred KB, never a weight). Default: the demo model.")
 @click.option("--memory-budget", "budgets", multiple=True, type=Size(),
               help="A budget to forecast, e.g. 12GB; repeat for several. Default: the budgets that hold "
                    "10, 25, 50 and 100 % of the experts.")
@@ -692,7 +695,8 @@ def info(model_path, memory_budget, backend, fallback, as_json):
               help="A profile of the workload (with its hit-rate curve): its hit rate instead of real routing's.")
 @click.option("--disk-gbps", type=Number(float, 0, low_open=True),
               help="The disk's read rate in GB/s. Default: measured for ~0.5 s at the model's expert read size "
-                   "(from its non-expert tensors).")
+                   "(from its non-expert tensors; for a repo id, from a 64 MiB scratch file written in the Hugging "
+                   "Face cache folder, where it would be downloaded).")
 @click.option("--prompt-tokens", type=Number(int, 1), default=256, show_default=True,
               help="Prompt length for the time to first token.")
 @click.option("--max-tokens", type=Number(int, 0), default=256, show_default=True,
@@ -713,18 +717,29 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
     from .forecast import forecast, share_budgets
     from .workload.heatmap import write_lines_png
     from .loader import open_checkpoint
+    from .storage.remote import header_checkpoint, is_repo_id
     from .workload.profile import ActivationProfile
 
     be = backends.detect(backend)
-    ckpt = open_checkpoint(model_path)
-    be.apply_dtype_policy(ckpt.model)
     prof = ActivationProfile.load(profile_path) if profile_path else None
-    if not budgets:
-        budgets = sorted(set(share_budgets(ckpt, be, (0.1, 0.25, 0.5, 1.0))))
     if png:
         check_writable(png)
-    f = forecast(ckpt, be, budgets, profile=prof, disk_rate=disk_gbps * 1e9 if disk_gbps else None,
-                 prompt_tokens=prompt_tokens, new_tokens=max_tokens)
+    remote = is_repo_id(model_path)
+    with tempfile.TemporaryDirectory(prefix="mlxmoe-headers-") as headers:
+        # a hub repo: its config and shard headers only, the disk timed where it would be downloaded
+        path = header_checkpoint(model_path, headers) if remote else model_path
+        disk_folder = None
+        if remote and not disk_gbps:
+            from huggingface_hub.constants import HF_HUB_CACHE as disk_folder
+        ckpt = open_checkpoint(path)
+        be.apply_dtype_policy(ckpt.model)
+        if not budgets:
+            budgets = sorted(set(share_budgets(ckpt, be, (0.1, 0.25, 0.5, 1.0))))
+        f = forecast(ckpt, be, budgets, profile=prof, disk_rate=disk_gbps * 1e9 if disk_gbps else None,
+                     prompt_tokens=prompt_tokens, new_tokens=max_tokens, disk_folder=disk_folder)
+        ckpt.store.close()
+    if remote:
+        f["model"] = model_path
     if png:
         rows = [r for r in f["budgets"] if "error" not in r]
         lines = {k: [[r["budget"], r["decode_tps"][k]] for r in rows] for k in ("high", "likely", "low")}

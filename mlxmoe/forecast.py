@@ -10,6 +10,7 @@ value in between (max + OVERLAP_LEFT x min), with the hit rate's own range on to
 
 import json
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,6 +32,7 @@ OVERLAP_LEFT = 0.75
 # prefetcher's copies, the host's own work): tuned on bench_forecast's rows of a 16-core CPU.
 COMPUTE_MARGIN = 0.15
 DISK_SECONDS = 0.5  # how long the disk is read for, at most
+SCRATCH_BYTES = 64 << 20  # the file written to time a disk that holds no shard of the model
 
 
 def family_curves(path=CURVES):
@@ -76,15 +78,16 @@ def non_expert_spans(store):
     return sorted(spans, key=lambda s: -s[2])
 
 
-def measure_disk(store, seconds=DISK_SECONDS):
+def measure_disk(store, seconds=DISK_SECONDS, spans=None):
     """Bytes per second of O_DIRECT reads (the store's own reads) at one expert's request
     sizes, its ranges read by the store's threads at once, as an expert read is; the
-    requests land in the checkpoint's non-expert tensors, never in an expert's bytes.
-    Returns (rate, bytes read, requests), or None where those tensors are too small."""
+    requests land in the checkpoint's non-expert tensors (or in `spans`, [(file, offset,
+    bytes)]), never in an expert's bytes. Returns (rate, bytes read, requests), or None
+    where those tensors are too small."""
     from .storage.store import ALIGN, align_down, align_up
 
     sizes = [align_up(r.nbytes) for r in store.ranges[0][0]]
-    spans = [s for s in non_expert_spans(store) if s[2] >= max(sizes) + 2 * ALIGN]
+    spans = [s for s in (spans or non_expert_spans(store)) if s[2] >= max(sizes) + 2 * ALIGN]
     if not spans:
         return None
     rng = np.random.default_rng(0)
@@ -256,12 +259,38 @@ def share_budgets(ckpt, backend, shares):
             for s in shares]
 
 
-def _disk_rate(ckpt, disk_rate, measured, assumed):
+def scratch_disk_rate(store, folder, nbytes=SCRATCH_BYTES):
+    """measure_disk on a scratch file of `nbytes` written (and synced) in `folder`, then
+    removed: the disk where a model would be downloaded to, for a checkpoint of headers only."""
+    from .storage.files import temp_beside
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, scratch = temp_beside(folder / "mlxmoe-disk-probe")  # (a killed run's is removed by the next)
+    try:
+        with open(fd, "wb") as f:
+            block = np.random.default_rng(0).bytes(4 << 20)
+            for _ in range(nbytes // len(block)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        return measure_disk(store, spans=[(Path(scratch), 0, nbytes)])
+    finally:
+        Path(scratch).unlink(missing_ok=True)
+
+
+def _disk_rate(ckpt, disk_rate, measured, assumed, disk_folder=None):
     """The disk's read rate, bytes/s: `disk_rate` where given (said in `assumed`), else
-    timed on the checkpoint's non-expert tensors (said in `measured`)."""
+    timed on the checkpoint's non-expert tensors, or with `disk_folder` (a checkpoint of
+    headers only) on a scratch file there (said in `measured`)."""
     if disk_rate is not None:
         assumed.append(f"disk {disk_rate / 1e9:.3f} GB/s (given)")
         return disk_rate
+    if disk_folder is not None:
+        disk = scratch_disk_rate(ckpt.store, disk_folder)
+        measured.append(f"disk {disk[0] / 1e9:.3f} GB/s ({disk[2]} O_DIRECT reads of one expert's ranges from a "
+                        f"{SCRATCH_BYTES >> 20} MiB scratch file in {disk_folder})")
+        return disk[0]
     disk = measure_disk(ckpt.store)
     if disk is None:
         raise MlxmoeError(f"{ckpt.path}: its non-expert tensors are too small to time the disk on; "
@@ -281,14 +310,16 @@ def _run_memory(ckpt, backend, step, context):
                + (attention_bytes(ckpt.config, act, step, context) if backend.materialises_attention else 0))
 
 
-def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens=256, new_tokens=256):
+def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens=256, new_tokens=256,
+             disk_folder=None):
     """The forecast for each memory budget in `budgets` (bytes or "12GB"), as dicts, for a
     prompt of `prompt_tokens` and `new_tokens` generated (the checkpoint opened, its dtype
     policy applied); memory_bytes is what the run takes (weights, cache, its KV cache and
     working memory), at most the budget. Measures the disk (unless
-    `disk_rate`, bytes/s, is given) and the compute once for all budgets."""
+    `disk_rate`, bytes/s, is given; in `disk_folder` for a checkpoint of headers only) and
+    the compute once for all budgets."""
     assumed, measured = [], []
-    disk_rate = _disk_rate(ckpt, disk_rate, measured, assumed)
+    disk_rate = _disk_rate(ckpt, disk_rate, measured, assumed, disk_folder)
     dense = dense_active_bytes(ckpt)
     fixed = fixed_seconds(ckpt, backend)
     compute, rate = measure_compute(ckpt, backend, dense)

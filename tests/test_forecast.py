@@ -2,6 +2,7 @@
 gives ordered ranges; a budget below the minimum is a row that says so."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,73 @@ def test_hit_rates_from_profile_curve_or_real_routing(tmp_path):
     p = ActivationProfile(num_layers=2, num_experts=8, top_k=2, curve={"activation-floor": [[4, 0.4], [16, 0.8]]})
     assert hit_rates("qwen3_moe", 0.5, 8, profile=p)[0] == pytest.approx((0.5333, 0.6667, 0.6667), abs=1e-4)
     assert hit_rates("qwen3_moe", 1.0, 16, profile=p)[0] == (1.0, 1.0, 1.0)
+
+
+def fake_hub(monkeypatch, folder, repo_id):
+    """huggingface_hub's get_safetensors_metadata and hf_hub_download serving `folder`'s
+    config.json and safetensors headers as the hub's range requests do (nothing else);
+    returns the files hf_hub_download was asked for."""
+    import huggingface_hub
+    from huggingface_hub.utils import SafetensorsFileMetadata, SafetensorsRepoMetadata, TensorInfo
+
+    from mlxmoe.storage.shards import shard_files
+
+    asked = []
+
+    def metadata(repo, revision=None):
+        assert repo == repo_id
+        files, weight_map = {}, {}
+        for shard in shard_files(folder):
+            raw = shard.read_bytes()
+            header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+            meta = header.pop("__metadata__", {})
+            files[shard.name] = SafetensorsFileMetadata(meta, {name: TensorInfo(h["dtype"], h["shape"], tuple(h["data_offsets"]))
+                                                               for name, h in header.items()})
+            weight_map.update((name, shard.name) for name in header)
+        return SafetensorsRepoMetadata(None, len(files) > 1, weight_map, files)
+
+    def download(repo, filename, revision=None):
+        assert repo == repo_id
+        asked.append(filename)
+        return str(folder / filename)
+
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", metadata)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    return asked
+
+
+def test_fit_a_hub_repo_from_its_headers_alone(checkpoint, on_disk, monkeypatch, tmp_path):
+    """A repo id: the config and the shards' headers only (sparse shards, holes for the
+    weights), the same forecast as from the real files; the disk timed on a scratch file in
+    the hub's cache folder, removed after; no read reaches the real checkpoint."""
+    import huggingface_hub.constants
+
+    path = on_disk(checkpoint("qwen3_moe", quant="4bit"))
+    asked = fake_hub(monkeypatch, path, "someone/tiny-moe")
+    args = ("--memory-budget", "1GB", "--json", "--backend", "cpu", "--prompt-tokens", "8")
+    code, out, err = run_cli("fit", "-m", path, "--disk-gbps", "2", *args)
+    assert code == 0, err
+    local = json.loads(out)
+    reads = []
+    real = ExpertStore._read_run
+    monkeypatch.setattr(ExpertStore, "_read_run", lambda self, run: reads.append(run[0]) or real(self, run))
+    cache_folder = tmp_path / "hub-cache"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache_folder))
+    code, out, err = run_cli("fit", "-m", "someone/tiny-moe", *args)
+    assert code == 0, err
+    remote = json.loads(out)
+    assert asked == ["config.json"] and remote["model"] == "someone/tiny-moe"
+    assert reads and all(Path(file).parent == cache_folder for file in reads)  # the scratch file only
+    assert list(cache_folder.iterdir()) == []  # and it is gone
+    assert any("scratch file" in m for m in remote["measured"]) and remote["disk_bytes_per_second"] > 0
+    for key in ("memory_bytes", "cache_experts", "hit_rate", "read_bytes_per_token"):
+        assert remote["budgets"][0][key] == local["budgets"][0][key], key
+    # and without the hub: a clear error naming the repo
+    import huggingface_hub
+
+    def offline(*a, **k):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", offline)
+    code, out, err = run_cli("fit", "-m", "someone/tiny-moe", *args)
+    assert code != 0 and "someone/tiny-moe" in err and "headers" in err
