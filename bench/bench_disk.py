@@ -561,6 +561,9 @@ def report(args, info, compute, belady, runs, baseline=None, dd=None):
             parts.append(f"{share * 100:.0f} % ({n} slots): Belady {b:.1f} reads = "
                          f"{b * info['expert_bytes'] / MiB:.1f} MiB/token, reads = {ratio:.1f}x compute"
                          f" ({'disk-bound' if ratio >= 2 else 'compute-bound' if ratio < 1 else 'mixed'})")
+        what = (f"dd {rate / 1e9:.2f} GB/s = {rate / MiB:.0f} MiB/s" if rate_text == DISK
+                else f"{rate / MiB:g} MiB/s, {args.latency} per request")
+        print(f"  {rate_text} = {what}: " + "; ".join(parts))
     for share, n in slots:  # what no prefetch can change: the reads of online eviction on this routing
         c = belady["caches"][str(n)]
         online = c.get("online_decode_loads")
@@ -571,9 +574,6 @@ def report(args, info, compute, belady, runs, baseline=None, dd=None):
                                                                 for k, v in online.items())
                   + f"; the fewest, {best}'s, put ms/bound at >= {online[best] / c['decode_loads']:.2f} where the "
                   "disk is the bottleneck")
-        what = (f"dd {rate / 1e9:.2f} GB/s = {rate / MiB:.0f} MiB/s" if rate_text == DISK
-                else f"{rate / MiB:g} MiB/s, {args.latency} per request")
-        print(f"  {rate_text} = {what}: " + "; ".join(parts))
 
     table_rows = []
     for row in rows:

@@ -374,7 +374,7 @@ def split(paths):
 
 SEARCH_SPACE = dict(half_life=[8, 12, 24, 48, 96], recency_half_life=[1, 2, 4, 8], recency_weight=[0, 0.1, 0.2, 0.4, 0.6],
                     router_weight=[0, 0.5, 1, 2], now_weight=[0.3, 0.45, 0.6, 0.75, 0.9], now_scale=[2, 4, 8, 16, 32],
-                    horizon=[1, 2, 4], long_min=[4, 8, 16, 32], long_max=[40, 80, 160, 320], long_prior=[1, 4, 16])
+                    horizon=[1, 2, 4], long_min=[4, 8, 16, 32], long_prior=[1, 4, 16])
 
 
 def search(paths, tries, seed=0, share=0.5):

@@ -340,7 +340,7 @@ def test_serve_stops_with_the_error_when_a_rank_dies(checkpoint):
         os.kill(rank_pids(s.proc.pid)[1], signal.SIGKILL)
         s.proc.wait(60)
         assert s.drained.wait(10)
-        errors = [l for l in s.lines if l.startswith("error: ")]
+        errors = [l for l in s.lines if "error: " in l]  # (mlx.launch may write its [WARN] prefix into the line)
         assert errors and "a rank failed or its connection was lost" in errors[0], "".join(s.lines)
     finally:
         kill_group(s)
@@ -427,7 +427,7 @@ def test_a_rank_that_stops_answering_ends_the_server_naming_it(checkpoint, ranks
         errors = []
         while not errors and time.monotonic() - tic < 60:
             time.sleep(0.2)
-            errors = [l for l in s.lines if l.startswith("error: ")]
+            errors = [l for l in s.lines if "error: " in l]  # (mlx.launch may write its [WARN] prefix into the line)
         waited = time.monotonic() - tic
         assert errors and "rank 0: no answer from rank 1 within 10 s" in errors[0], "".join(s.lines)  # not 2
         waits = ("generating a token", "voting to stop") if when == "mid-request" else ("sharing the next request",)

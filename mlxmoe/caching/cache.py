@@ -268,7 +268,6 @@ class ExpertCache(Residency):
         # called with each LayerCall, in order, after the live profile (a TraceWriter's observe)
         self.observers: list[Callable] = []
         self.closers: list[Callable] = []  # closed after the prefetcher, in order (watch)
-        self.wants_router = policy.wants_router
         self.position = 0  # token position in the current sequence
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
@@ -297,7 +296,7 @@ class ExpertCache(Residency):
 
     def wants_probs(self) -> bool:
         """Whether a layer call's router distribution is used (policy, live profile, observers)."""
-        return self.wants_router or self.profile is not None or bool(self.observers)
+        return self.policy.wants_router or self.profile is not None or bool(self.observers)
 
     def tick(self, tokens: int) -> None:
         """New tokens start (called by the first MoE layer)."""
@@ -414,11 +413,9 @@ class ExpertCache(Residency):
         the demo model, the next token's first layers, which no predictor sees coming)."""
         if self.policy.estimate is None:
             return
-        cost = self.policy.estimate.miss_cost
         counts = self.layer_loads[layer]
-        h = counts[0] = counts[0] * keep + hidden
-        d = counts[1] = counts[1] * keep + demand
-        cost[layer] = 1.0 - (1.0 - hidden_cost) * (h / (h + d + 1.0))
+        counts[0], counts[1] = counts[0] * keep + hidden, counts[1] * keep + demand
+        self.policy.estimate.miss_cost[layer] = 1.0 - (1.0 - hidden_cost) * (counts[0] / (sum(counts) + 1.0))
 
     def read_demand(self, layer: int, missed: list) -> None:
         """Read `missed` [(expert, slot)] of `layer` on the decode thread, counted as demand
@@ -450,19 +447,17 @@ class ExpertCache(Residency):
     def prewarm_done(self, timeout: float | None = None) -> bool:
         return self.loader.prewarm_done(timeout)
 
-    def resident_per_layer(self) -> list[int]:
-        with self.lock:  # prefetch workers may be changing it
-            layers = [layer for layer, _ in self.slot_of]
-        return np.bincount(layers, minlength=self.store.num_layers).tolist()
-
     def stats(self) -> dict:
         """The counters (CacheStats.as_dict) with the cache's size, residency, memory, the
         predictors' scores and the store's IO figures."""
         self.flush()
         counts = self.counters.as_dict()
         decode_tps = counts.pop("decode_tps")
+        with self.lock:  # prefetch workers may be changing it
+            layers = [layer for layer, _ in self.slot_of]
+        resident = np.bincount(layers, minlength=self.store.num_layers).tolist()
         return dict(counts, cache_experts=self.capacity, cache_bytes=self.capacity * self.pools.slot_bytes,
-                    resident_per_layer=self.resident_per_layer(), policy=self.policy.name,
+                    resident_per_layer=resident, policy=self.policy.name,
                     peak_memory=mx.get_peak_memory(), peak_rss=peak_rss(), decode_tps=decode_tps,
                     fallback_bytes=self.fallback_bytes,
                     disk_busy_seconds=self.loader.gate.busy_seconds(),

@@ -16,7 +16,6 @@ HALF_LIFE_RECENCY = 4  # activation's recency estimate
 HALF_LIFE_FLOOR = 0.5  # activation-floor's frequency estimate (chosen by bench_policies.py --lofo)
 FLOOR_SLACK = 1.0  # activation-floor's layer floor: the even share less up to this many tokens' experts (the same)
 
-AGING = 4  # a layer call beyond one round of all layers ages a layer's estimates as this many tokens
 
 
 class NextUse:
@@ -30,7 +29,7 @@ class NextUse:
     estimates: frequency of use (`half_life` tokens), recent use (`recency_half_life`),
     router mass and, where the router's whole distribution is known, its favour of the expert now (`now_weight`, `now_scale`). rate is the decayed
     share of the layer's visits that used the expert, its half-life `horizon` x the mean
-    age of the experts evicted (within `long_min`..`long_max` tokens), regularised by
+    age of the experts evicted (at least `long_min` tokens), regularised by
     `long_prior` visits at the prior's rate. A call of n tokens (a prefill) counts as one visit, p1
     moving towards the share of its tokens that used each expert where the router is known.
 
@@ -41,7 +40,7 @@ class NextUse:
 
     def __init__(self, num_layers, num_experts, prior=None, half_life=HALF_LIFE_ACTIVATION,
                  recency_half_life=HALF_LIFE_RECENCY, recency_weight=0.2, router_weight=1.0,
-                 now_weight=0.6, now_scale=8.0, horizon=2.0, long_min=16.0, long_max=80.0, long_prior=4.0):
+                 now_weight=0.6, now_scale=8.0, horizon=2.0, long_min=16.0, long_prior=4.0):
         L, E = self.num_layers, self.num_experts = num_layers, num_experts
         self.slow = 2.0 ** (-1.0 / half_life)
         self.fast = 2.0 ** (-1.0 / recency_half_life)
@@ -56,7 +55,7 @@ class NextUse:
         self.freq[:] = self.prior
         self.mix_weights = np.array([[1 - recency_weight], [recency_weight], [router_weight]])
         self.next_chance = self.mix(slice(None))  # p1: chance of use at the layer's next visit
-        self.horizon, self.long_min, self.long_max, self.long_prior = horizon, long_min, long_max, long_prior
+        self.horizon, self.long_min, self.long_prior = horizon, long_min, long_prior
         self.layer_visits = [0.0] * L  # decayed visits of each layer
         self.long_rate = np.ones((L, E))  # rate: long-run share of the layer's visits that use it
         self.cost = np.zeros((L, E))  # (1 - p1) / rate: expected visits to next use after the next
@@ -94,7 +93,7 @@ class NextUse:
         # (At E = 32-128 each numpy call costs about its overhead: few calls, in place.)
         experts = np.asarray(experts, dtype=np.intp)
         probs = None if probs is None else np.asarray(probs)
-        half_life = min(max(self.horizon * self.evicted_age, self.long_min), self.long_max)
+        half_life = max(self.horizon * self.evicted_age, self.long_min)
         keep = 2.0 ** (-1.0 / half_life)  # used_visits' decay per visit (a call is one visit)
         self._count_use(layer, experts, scores, probs, keep)
         p1 = self.mix(layer, out=self.next_chance[layer])
@@ -157,35 +156,22 @@ class NextUse:
 
     def steps(self, key, p1=None, rate=None):
         """Expected layer steps until `key` is used: d + L (1 - p1) / rate, with p1 its chance
-        of use at its layer's next visit (by default its own, aged) and rate its share of its
+        of use at its layer's next visit (by default its own) and rate its share of its
         layer's visits in the long run (by default its own)."""
         return ((key[0] - self.current) % self.num_layers or self.num_layers) + self.tail(key, p1, rate)
 
     def tail(self, key, p1=None, rate=None):
         """The second term of steps(): L (1 - p1) / rate."""
         if p1 is None:
-            p1 = self.aged(key)
+            p1 = self.next_chance[key]
         return self.num_layers * (1.0 - min(p1, 1.0)) / (self.long_rate[key] if rate is None else rate)
-
-    def aged(self, key):
-        """p1 of a key whose layer has not run for a while (a prefill split into runs calls
-        a layer several times before the next): its estimates decay as if the layer had
-        run and not used it."""
-        if AGING * (self.visits - self.visited_at[key[0]] - self.num_layers) <= 0:
-            return self.next_chance[key]
-        return self.chance(key)
 
     def chance(self, key):
         """The chance that `key`'s layer uses it at its next visit by the decayed estimates
-        alone (without the router's favour at the layer's last call), aged like aged():
-        the prefetcher weighs its guesses against it."""
-        layer, e = key
-        # layer calls since its layer last ran, beyond one round of all layers; each counts
-        # as AGING tokens (fitted on the demo model's prefill traces)
-        age = max(AGING * (self.visits - self.visited_at[layer] - self.num_layers), 0)
-        slow, fast = self.slow ** age, self.fast ** age
-        return ((1 - self.recency_weight) * self.freq[key] * slow + self.recency_weight * self.recent[key] * fast
-                + self.router_weight * self.router_mass[key] * slow)
+        alone (without the router's favour at the layer's last call): the prefetcher weighs
+        its guesses against it."""
+        return ((1 - self.recency_weight) * self.freq[key] + self.recency_weight * self.recent[key]
+                + self.router_weight * self.router_mass[key])
 
 
 class LayerFloor:
@@ -340,18 +326,18 @@ class VictimIndex:
     def set_head(self, layer):
         order = self.order[layer]
         key = (layer, order[0]) if order else None
-        # not aged: see victim()
         self.head[layer] = -np.inf if key is None else self.estimate.tail(key, self.estimate.next_chance[key])
 
     def steps(self):
-        """steps() of every layer's farthest expert (not aged), over its layer's miss cost."""
+        """steps() of every layer's farthest expert, over its layer's miss cost."""
         est = self.estimate
         return (self.distance[est.current] + self.head) / est.miss_cost
 
     def victim(self, protected, steps, steps_of):
         """The expert of largest steps over the layers whose `steps` are not -inf, or None;
-        the layers whose candidate is another one (their farthest is protected) or whose p1
-        has aged are redone with `steps_of(key)`."""
+        the layers whose candidate is another one (their farthest is protected) or that have
+        not run for a round of all layers (a prefill split into runs) are redone with
+        `steps_of(key)`."""
         est, order = self.estimate, self.order
         redo = {l for l, e in protected if order[l] and order[l][0] == e}
         oldest = est.visits - est.num_layers
@@ -388,11 +374,11 @@ class Activation(Policy):
 
     def __init__(self, capacity, num_layers, num_experts, prior=None, half_life=HALF_LIFE_ACTIVATION,
                  recency_half_life=HALF_LIFE_RECENCY, recency_weight=0.2, router_weight=1.0,
-                 now_weight=0.6, now_scale=8.0, horizon=2.0, long_min=16.0, long_max=80.0, long_prior=4.0,
+                 now_weight=0.6, now_scale=8.0, horizon=2.0, long_min=16.0, long_prior=4.0,
                  floor_slack=None, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         self.estimate = NextUse(num_layers, num_experts, prior, half_life, recency_half_life, recency_weight,
-                                router_weight, now_weight, now_scale, horizon, long_min, long_max, long_prior)
+                                router_weight, now_weight, now_scale, horizon, long_min, long_prior)
         self.index = VictimIndex(self.estimate)
         self.prefill_pass = PrefillPass(self.estimate, self.index.order)
         self.floor = None if floor_slack is None else LayerFloor(capacity, num_layers, floor_slack)

@@ -191,6 +191,20 @@ class StepRouting:
                          self.experts, scores, probs, 1 if self.layer == 0 else 0)
 
 
+def summary(rows, probs):
+    """The distinct experts of `rows` (sorted), their router scores and the router's
+    mean distribution over the rows (None where unknown)."""
+    if len(rows) == 1:  # decode: a handful of experts, cheaper without numpy
+        experts = sorted(set(rows[0].tolist()))
+        if probs is None:
+            return experts, None, None
+        probs = probs[0]
+        return experts, [float(probs[e]) for e in experts], probs
+    experts = np.unique(rows).tolist()
+    probs = None if probs is None else probs.mean(axis=0)
+    return experts, None if probs is None else probs[experts].tolist(), probs
+
+
 class StreamingExperts(nn.Module):
     def __init__(self, inner, layer, router=None, cache=None):
         super().__init__()
@@ -423,22 +437,9 @@ class StreamingExperts(nn.Module):
             work.side.append(probs)
         return self._inner(x, table[self._layer][indices])
 
-    def _summary(self, rows, probs):
-        """The distinct experts of `rows` (sorted), their router scores and the router's
-        mean distribution over the rows (None where unknown)."""
-        if len(rows) == 1:  # decode: a handful of experts, cheaper without numpy
-            experts = sorted(set(rows[0].tolist()))
-            if probs is None:
-                return experts, None, None
-            probs = probs[0]
-            return experts, [float(probs[e]) for e in experts], probs
-        experts = np.unique(rows).tolist()
-        probs = None if probs is None else probs.mean(axis=0)
-        return experts, None if probs is None else probs[experts].tolist(), probs
-
     def _record(self, rows: np.ndarray, probs: np.ndarray | None) -> LayerCall:
         """The LayerCall of a layer call's `rows`."""
-        experts, scores, mean = self._summary(rows, probs)
+        experts, scores, mean = summary(rows, probs)
         ticked = len(rows) if self._layer == 0 else 0
         return LayerCall(self._layer, self._cache.call_position, rows, probs, len(rows), experts, scores, mean, ticked)
 

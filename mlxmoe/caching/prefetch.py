@@ -78,6 +78,88 @@ def outranks(policy, likely):
         estimate, victim, estimate.chance(victim))
 
 
+def rank_chances(target, guesses, resident):
+    """For `target`'s guesses, {source: (experts best first, [used, guessed] of each rank)}:
+    each guessed key's chance, the best of its ranks' used / guessed; and the guesses with
+    the resident ones as None, to be scored at the layer's visit (a rank's chance counts
+    only guesses that were not resident: those are the ones a load is for, and they are
+    right far less often than the rest)."""
+    chance, scored = {}, {}
+    for source, (wide, counts) in guesses.items():
+        scored[source] = [None if (target, e) in resident else e for e in wide]
+        for e, (used, guessed) in zip(wide, counts.tolist()):
+            chance[(target, e)] = max(chance.get((target, e), 0.0), used / guessed)
+    return chance, scored
+
+
+def most_picked(probs, order, k):
+    """The experts that a prompt's tokens (`probs` [tokens, experts], `order` each token's
+    experts by falling probability) route to in their top k, the most picked first, then
+    the most routing mass."""
+    picks = np.bincount(order[:, :k].reshape(-1), minlength=probs.shape[-1])
+    return [int(e) for e in np.lexsort((-probs.sum(axis=0), -picks)) if picks[e]]
+
+
+def paced(chance, busy, busy_target, floor, ceiling):
+    """The chance bar after a decode step whose reads kept the disk busy `busy` of it: 1.5x
+    down while under busy_target[0], up while over busy_target[1], within [floor, ceiling]."""
+    if busy > busy_target[1]:
+        return min(ceiling, chance * 1.5)
+    if busy < busy_target[0]:
+        return max(floor, chance / 1.5)
+    return chance
+
+
+class HostThread:
+    """One thread that runs jobs in the order they were put, off the decode thread: each
+    job is given to `work`, or called if it is a function. The first error a job raised is
+    raised again on the caller's thread, at its next put() or settle()."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+        self.jobs = queue.SimpleQueue()  # a put costs far less than a pool's submit; None stops
+        self.error = None
+        self.thread = threading.Thread(target=self._loop, name="mlxmoe-predict", daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while (job := self.jobs.get()) is not None:
+            try:
+                job() if callable(job) else self.work(job)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                self.error = self.error or e
+
+    def _raise(self):
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def put(self, job) -> None:
+        self._raise()
+        self.jobs.put(job)
+
+    def settle(self) -> None:
+        """Wait for the jobs put so far (raising the first error, if any)."""
+        if self.thread.is_alive():
+            done = threading.Event()
+            self.jobs.put(done.set)
+            done.wait()
+        self._raise()
+
+    def is_alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def close(self) -> None:
+        """Drop the jobs not started and stop the thread."""
+        while True:
+            try:
+                self.jobs.get_nowait()
+            except queue.Empty:
+                break
+        self.jobs.put(None)
+        self.thread.join()
+
+
 class Prefetcher:
     def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.1, cross_token=True,
                  candidates=2, min_chance=0.1, chance_floor=0.05, busy_target=(0.5, 0.8), max_chance=0.25,
@@ -113,11 +195,7 @@ class Prefetcher:
         # the decode thread goes on (False: on the decode thread, after each layer call);
         # so do the cache's updates left for later (ExpertCache.host_work)
         self.off_thread = True
-        # layer_done's arguments, a function to call, or None to stop (a put costs far less than a pool's submit)
-        self.host_jobs = queue.SimpleQueue()
-        self.host_error = None  # the first error a work raised, raised again on the decode thread
-        self.host = threading.Thread(target=self._host_loop, name="mlxmoe-predict", daemon=True)
-        self.host.start()
+        self.host = HostThread(lambda job: self._layer_work(*job))
         self.jobs = []  # futures of queued and running loads
         self.steps_of = {}  # (layer, depth, cross_token) -> steps()
         self.previous = {}  # layer -> experts it used at its last call
@@ -153,9 +231,7 @@ class Prefetcher:
         calls (see off_thread)."""
         if not self.off_thread:
             return self._layer_work(layer, rows, looked, token, decode)
-        if self.host_error is not None:
-            self._raise_host_error()
-        self.host_jobs.put((layer, rows, looked, token, decode))
+        self.host.put((layer, rows, looked, token, decode))
 
     def _layer_work(self, layer, rows, looked, token, decode):
         last = rows[-1]  # a decode step's experts as a list, a prefill step's rows as an array
@@ -168,25 +244,9 @@ class Prefetcher:
         if self.off_thread and self.cache is not None:
             self.cache.host_work()
 
-    def _host_loop(self):
-        while (job := self.host_jobs.get()) is not None:
-            try:
-                job() if callable(job) else self._layer_work(*job)
-            except BaseException as e:  # noqa: BLE001 - handed to the decode thread
-                self.host_error = self.host_error or e
-
-    def _raise_host_error(self):
-        if self.host_error is not None:
-            error, self.host_error = self.host_error, None
-            raise error
-
     def settle(self):
         """Wait for the queued scoring and predicting (raising its error, if any)."""
-        if self.host.is_alive():
-            done = threading.Event()
-            self.host_jobs.put(done.set)
-            done.wait()
-        self._raise_host_error()
+        self.host.settle()
 
     def observe(self, layer, experts, decode=True, rows=None):
         """The experts `layer` really used (at the last token of the call): score what
@@ -219,15 +279,11 @@ class Prefetcher:
     def steps(self, layer):
         """(step, target layer, tokens ahead) of the layer calls predicted after `layer`:
         the next `depth`, past the last layer the next token's first ones (`cross_token`)."""
-        key = (layer, self.depth, self.cross_token)
+        key, L = (layer, self.depth, self.cross_token), len(self.routers)
         if key not in self.steps_of:
-            self.steps_of[key] = self._steps(layer)
+            self.steps_of[key] = [(step, (layer + step) % L, (layer + step) // L)
+                                  for step in range(1, min(self.depth, L - 1) + 1) if layer + step < L or self.cross_token]
         return self.steps_of[key]
-
-    def _steps(self, layer):
-        L = len(self.routers)
-        return [(step, (layer + step) % L, (layer + step) // L) for step in range(1, min(self.depth, L - 1) + 1)
-                if layer + step < L or self.cross_token]
 
     def lookahead(self, layer, x, decode=True):
         """{step: the target layer's router scores for hidden states x}, unevaluated (a row
@@ -257,10 +313,7 @@ class Prefetcher:
                 if not ahead and self.candidates:  # each token's guesses by rank, resident ones left out
                     resident = [[(target, e) in self.cache.slot_of for e in row] for row in wide.tolist()]
                     self.prompt_ranked[target] = (step, np.where(resident, -1, wide))
-                top = order[:, : self.top_ks[target]]
-                picks = np.bincount(top.reshape(-1), minlength=probs.shape[-1])
-                order = np.lexsort((-probs.sum(axis=0), -picks))  # most picked, then most mass
-                self.queue([(target, int(e)) for e in order if picks[e]], token + ahead, target)
+                self.queue([(target, e) for e in most_picked(probs, order, self.top_ks[target])], token + ahead, target)
 
     def after_layer(self, layer, looked, token):
         """Called once `layer` has its experts (decode only), with `looked` = lookahead()
@@ -299,10 +352,7 @@ class Prefetcher:
         bottleneck only the likeliest guesses pay for the slots they take and the bytes."""
         if self.paced is not None and now > self.paced[0] and busy_seconds >= self.paced[1]:
             busy = (busy_seconds - self.paced[1]) / (now - self.paced[0])
-            if busy > self.busy_target[1]:
-                self.min_chance = min(self.max_chance, self.min_chance * 1.5)
-            elif busy < self.busy_target[0]:
-                self.min_chance = max(self.chance_floor, self.min_chance / 1.5)
+            self.min_chance = paced(self.min_chance, busy, self.busy_target, self.chance_floor, self.max_chance)
         self.paced = (now, busy_seconds)
 
     def submit(self, target, step, when, predicted, probs, ranked=None, co=None, skip=()):
@@ -324,7 +374,6 @@ class Prefetcher:
         likely = {}  # the guesses beyond the sure ones, with their chance
         worth = outranks(self.cache.policy, likely)
         if worth is not None and self.candidates:
-            chance = {}
             guesses = {}  # source -> (guesses best first, [used, guessed] of each rank)
             if probs is not None:
                 if ranked is None:
@@ -332,13 +381,8 @@ class Prefetcher:
                 guesses[step] = (ranked[: self.width], self.rank_counts[step - 1, target])
             if co is not None:
                 guesses["coactivation"] = (co, self.co_rank_counts[target])
-            for source, (wide, counts) in guesses.items():
-                # a rank's chance counts only guesses that were not resident: those are the
-                # ones a load is for, and they are right far less often than the rest
-                self.ranked.setdefault(target, {})[source] = [None if (target, e) in self.cache.slot_of else e
-                                                              for e in wide]
-                for e, (used, guessed) in zip(wide, counts.tolist()):
-                    chance[(target, e)] = max(chance.get((target, e), 0.0), used / guessed)
+            chance, scored = rank_chances(target, guesses, self.cache.slot_of)
+            self.ranked.setdefault(target, {}).update(scored)
             keys = [k for k in keys if chance.get(k, 1.0) >= self.min_chance]
             likely.update((k, c) for k, c in chance.items() if k[1] not in sure and c >= self.min_chance)
             keys += sorted(likely, key=lambda k: -likely[k])
@@ -364,11 +408,5 @@ class Prefetcher:
         self.jobs = []
 
     def close(self):
-        while True:  # what is queued is dropped, not waited for
-            try:
-                self.host_jobs.get_nowait()
-            except queue.Empty:
-                break
-        self.host_jobs.put(None)
-        self.host.join()
+        self.host.close()  # what is queued is dropped, not waited for
         self.pool.shutdown(wait=True, cancel_futures=True)
