@@ -12,11 +12,12 @@ cost in quality and save in reads, measured honestly.
    of positions with the same token, and the first position that differs). The recommended
    cache bias: the largest bias alone within +2 % perplexity in every language, written into
    the profiles named by --recommend-into (what `--cache-bias profile` takes).
-2. Real routing (the files of ../shared/data/real-routing, imported with mlxmoe's own trace
-   import; --skip-real leaves it out): replayed through mlxmoe's Residency with the default policy, each
+2. Real routing (the files of the real-routing folder of bench/README.md, --routing or
+   $MLXMOE_ROUTING, imported with mlxmoe's own trace import; --skip-real leaves it out): replayed through mlxmoe's Residency with the default policy, each
    single-token layer call trimmed as the runtime trims it (a non-resident expert below the
-   threshold share of the token's top-k weight is skipped, never read; the top one is kept
-   where nothing else would be). Per threshold and residency: the share of routing weight
+   threshold share of the token's top-k weight, or with --trim-mass beyond the share its
+   stronger experts carry, is skipped, never read; the top one is kept where nothing else
+   would be). Per setting and residency: the share of routing weight
    dropped, the experts skipped, and the share of routed experts served without a read
    (hits + skipped over routed) beside exact's hit rate. These traces carry only the top-k
    weights, not the router's logits, so cache-aware routing cannot be replayed on them.
@@ -31,6 +32,7 @@ Writes JSON (--output, default bench/out/lossy.json) and prints the tables.
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -46,10 +48,10 @@ from heldout import LANGUAGES, prompts  # noqa: E402
 import mlxmoe  # noqa: E402
 import mlxmoe.api  # noqa: E402
 from mlxmoe.caching.cache import Residency  # noqa: E402
+from mlxmoe.caching.lossy import Lossy  # noqa: E402
 from mlxmoe.caching.policies import DEFAULT_POLICY, make_policy  # noqa: E402
 from mlxmoe.workload.trace import import_trace, layer_calls, read_trace  # noqa: E402
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real-routing"
 REAL_FILES = [("bigmoeonedge", "bigmoeonedge/qwen.route.csv"), ("bigmoeonedge", "bigmoeonedge/gemma.route.csv"),
               ("bigmoeonedge", "bigmoeonedge/gptoss.route.csv"),
               ("moe-ocs", "moe-ocs-learning-qwen3.6/routing_pretrained.vllm.7534a717.json"),
@@ -61,6 +63,7 @@ SETTINGS = [{}, {"trim": 0.1}, {"trim": 0.2}, {"trim": 0.3}, {"trim": 0.4}, {"tr
             {"fallback": 2, "cache_bias": 0.5}, {"same_memory": 2}, {"same_memory": 3},
             {}]  # the last: exact again, the control
 THRESHOLDS = (0.05, 0.1, 0.2, 0.3, 0.5)
+MASSES = (0.95, 0.9, 0.85, 0.8)  # --trim-mass on real routing, where it differs from --trim (top-8)
 RESIDENCIES = (0.1, 0.25, 0.5)
 
 
@@ -199,9 +202,10 @@ def recommend_into(paths, bias):
         print(f"{path}: recommended cache bias {bias}", file=sys.stderr)
 
 
-def trimmed_replay(records, L, E, cache_experts, trim):
+def trimmed_replay(records, L, E, cache_experts, trim, trim_mass=0.0):
     """The default policy's replay of a trace where each single-token layer call is trimmed
-    at `trim` as the runtime trims it (lossy.Lossy.step on the top-k weights)."""
+    at `trim` / `trim_mass` as the runtime trims it (lossy.Lossy.trimmed on the top-k weights)."""
+    rule = Lossy("topk", trim=trim, trim_mass=trim_mass)
     slots = min(cache_experts, L * E)
     residency = Residency(slots, make_policy(DEFAULT_POLICY, slots, L, E))
     routed = skipped = hits = 0
@@ -216,7 +220,8 @@ def trimmed_replay(records, L, E, cache_experts, trim):
             continue
         experts, p = call[0][3], call[0][4]
         share = np.asarray(p, dtype=np.float64) / sum(p)
-        keep = [bool((layer, x) in residency.slot_of or s >= trim) for x, s in zip(experts, share)]
+        stronger = (share[None, :] * (share[None, :] > share[:, None])).sum(axis=1)
+        keep = [bool((layer, x) in residency.slot_of or not t) for x, t in zip(experts, rule.trimmed(share, stronger))]
         if not any(keep):
             keep[int(np.argmax(share))] = True
         routed += len(experts)
@@ -236,7 +241,7 @@ def run_real(args):
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for fmt, rel in REAL_FILES:
-            src = REAL / rel
+            src = args.routing / rel
             if not src.exists():
                 print(f"  {src}: missing, skipped", file=sys.stderr)
                 continue
@@ -250,9 +255,10 @@ def run_real(args):
             for res in RESIDENCIES:
                 cache_experts = max(header["top_k"], round(res * L * E))
                 exact = trimmed_replay(records, L, E, cache_experts, 0.0)
-                for trim in THRESHOLDS:
-                    r = trimmed_replay(records, L, E, cache_experts, trim)
-                    out.append({"trace": rel, "top_k": header["top_k"], "residency": res, "trim": trim,
+                for trim, trim_mass in [(t, 0.0) for t in THRESHOLDS] + [(0.0, m) for m in MASSES]:
+                    r = trimmed_replay(records, L, E, cache_experts, trim, trim_mass)
+                    out.append({"trace": rel, "top_k": header["top_k"], "residency": res,
+                                "setting": f"trim {trim:g}" if trim else f"trim mass {trim_mass:g}",
                                 "exact_served_without_read": exact["served_without_read"], **r})
     return out
 
@@ -282,11 +288,11 @@ def print_demo(demo):
 
 def print_real(real):
     print("\nreal routing, default policy, single-token layer calls trimmed")
-    print("| trace | top-k | residency | trim | routing weight dropped | skipped / routed | served without a read "
+    print("| trace | top-k | residency | setting | routing weight dropped | skipped / routed | served without a read "
           "(exact) |")
     print("|---|---|---|---|---|---|---|")
     for r in real:
-        print(f"| {r['trace']} | {r['top_k']} | {100 * r['residency']:.0f} % | {r['trim']:g} | "
+        print(f"| {r['trace']} | {r['top_k']} | {100 * r['residency']:.0f} % | {r['setting']} | "
               f"{100 * r['mass_dropped']:.1f} % | {100 * r['skipped'] / max(r['routed'], 1):.1f} % | "
               f"{100 * r['served_without_read']:.1f} % ({100 * r['exact_served_without_read']:.1f} %) |")
 
@@ -303,6 +309,8 @@ def main(argv=None):
                         help="Write the recommended cache bias into these profiles (of the same model).")
     parser.add_argument("--skip-demo", action="store_true")
     parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument("--routing", type=Path, default=os.environ.get("MLXMOE_ROUTING"),
+                        help="The real-routing folder (default $MLXMOE_ROUTING); without it the real part is skipped.")
     parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "out" / "lossy.json"))
     args = parser.parse_args(argv)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -311,7 +319,9 @@ def main(argv=None):
         print_demo(result["demo"])
         if args.recommend_into and result["demo"]["recommended_cache_bias"] is not None:
             recommend_into(args.recommend_into, result["demo"]["recommended_cache_bias"])
-    if not args.skip_real:
+    if not args.skip_real and args.routing is None:
+        print("real routing skipped: give its folder with --routing or $MLXMOE_ROUTING", file=sys.stderr)
+    elif not args.skip_real:
         result["real"] = run_real(args)
         print_real(result["real"])
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
