@@ -319,6 +319,9 @@ def main(argv=None):
         print_demo(result["demo"])
         if args.recommend_into and result["demo"]["recommended_cache_bias"] is not None:
             recommend_into(args.recommend_into, result["demo"]["recommended_cache_bias"])
+        elif args.recommend_into:
+            print("no cache bias kept perplexity within +2 % in every language: the profiles are left as they were",
+                  file=sys.stderr)
     if not args.skip_real and args.routing is None:
         print("real routing skipped: give its folder with --routing or $MLXMOE_ROUTING", file=sys.stderr)
     elif not args.skip_real:

@@ -96,7 +96,6 @@ def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_ex
     return p
 
 
-
 def model_info(path_or_hf_repo: str | os.PathLike | None = None, memory_budget: str | int | None = None,
                backend: str | None = None, fallback: str | os.PathLike | None = None) -> dict:
     """What `mlxmoe info` shows, reading headers only: architecture, experts, bytes of the
@@ -130,6 +129,7 @@ def model_info(path_or_hf_repo: str | os.PathLike | None = None, memory_budget: 
         return out
     finally:
         ckpt.store.close()
+
 
 @dataclass
 class LoadOptions:
@@ -576,6 +576,7 @@ def bind_profile(profile: ActivationProfile, path_or_hf_repo: str | os.PathLike,
                         where=where)
     profile.model, profile.fingerprint, (profile.expert_bytes, profile.resident_bytes) = model_name(ckpt.path), fp, sizes
     return profile
+
 
 def model_name(path):
     """How profiles and traces name a checkpoint, never by where it lies on this machine:

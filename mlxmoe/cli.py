@@ -731,13 +731,18 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
         disk_folder = None
         if remote and not disk_gbps:
             from huggingface_hub.constants import HF_HUB_CACHE as disk_folder
-        ckpt = open_checkpoint(path)
-        be.apply_dtype_policy(ckpt.model)
-        if not budgets:
-            budgets = sorted(set(share_budgets(ckpt, be, (0.1, 0.25, 0.5, 1.0))))
-        f = forecast(ckpt, be, budgets, profile=prof, disk_rate=disk_gbps * 1e9 if disk_gbps else None,
-                     prompt_tokens=prompt_tokens, new_tokens=max_tokens, disk_folder=disk_folder)
-        ckpt.store.close()
+        try:
+            ckpt = open_checkpoint(path)
+            try:
+                be.apply_dtype_policy(ckpt.model)
+                if not budgets:
+                    budgets = sorted(set(share_budgets(ckpt, be, (0.1, 0.25, 0.5, 1.0))))
+                f = forecast(ckpt, be, budgets, profile=prof, disk_rate=disk_gbps * 1e9 if disk_gbps else None,
+                             prompt_tokens=prompt_tokens, new_tokens=max_tokens, disk_folder=disk_folder)
+            finally:
+                ckpt.store.close()
+        except MlxmoeError as e:
+            raise MlxmoeError(str(e).replace(str(headers), model_path)) from None  # the repo, not our temp folder
     if remote:
         f["model"] = model_path
     if png:
@@ -868,7 +873,10 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
             if live.tokens_total:
                 with click.progressbar(length=len(ONLINE), file=sys.stderr,
                                        label="predicting the hit rate at each cache size, policy by policy") as bar:
-                    runtime.save_curve(out, live, progress=lambda policy: bar.update(1))
+                    curve = runtime.predict_curve(progress=lambda policy: bar.update(1))
+                with signals_deferred():  # written whole, or the profile stays as saved above
+                    live.curve = curve
+                    live.save(out)
         except KeyboardInterrupt:
             interrupted = True
             click.echo("interrupted: saved without the hit-rate curve", err=True)

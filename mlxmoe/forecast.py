@@ -260,22 +260,28 @@ def share_budgets(ckpt, backend, shares):
 
 
 def scratch_disk_rate(store, folder, nbytes=SCRATCH_BYTES):
-    """measure_disk on a scratch file of `nbytes` written (and synced) in `folder`, then
-    removed: the disk where a model would be downloaded to, for a checkpoint of headers only."""
+    """measure_disk on a scratch file of `nbytes` (more where one expert's ranges need it)
+    written (and synced) in `folder`, then closed and removed: the disk where a model would
+    be downloaded to, for a checkpoint of headers only."""
     from .storage.files import temp_beside
+    from .storage.store import ALIGN, align_up
 
+    block = 4 << 20
+    need = max(align_up(r.nbytes) for r in store.ranges[0][0]) + 2 * ALIGN
+    nbytes = max(nbytes, align_up(need, block))
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     fd, scratch = temp_beside(folder / "mlxmoe-disk-probe")  # (a killed run's is removed by the next)
     try:
         with open(fd, "wb") as f:
-            block = np.random.default_rng(0).bytes(4 << 20)
-            for _ in range(nbytes // len(block)):
-                f.write(block)
+            data = np.random.default_rng(0).bytes(block)
+            for _ in range(nbytes // block):
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        return measure_disk(store, spans=[(Path(scratch), 0, nbytes)])
+        return measure_disk(store, spans=[(Path(scratch), 0, nbytes)]), nbytes
     finally:
+        store.reader.forget(Path(scratch))
         Path(scratch).unlink(missing_ok=True)
 
 
@@ -287,9 +293,9 @@ def _disk_rate(ckpt, disk_rate, measured, assumed, disk_folder=None):
         assumed.append(f"disk {disk_rate / 1e9:.3f} GB/s (given)")
         return disk_rate
     if disk_folder is not None:
-        disk = scratch_disk_rate(ckpt.store, disk_folder)
+        disk, nbytes = scratch_disk_rate(ckpt.store, disk_folder)
         measured.append(f"disk {disk[0] / 1e9:.3f} GB/s ({disk[2]} O_DIRECT reads of one expert's ranges from a "
-                        f"{SCRATCH_BYTES >> 20} MiB scratch file in {disk_folder})")
+                        f"{nbytes >> 20} MiB scratch file in {disk_folder})")
         return disk[0]
     disk = measure_disk(ckpt.store)
     if disk is None:

@@ -24,6 +24,7 @@ from .errors import MlxmoeError
 from .storage.files import read_bytes, read_json
 from .caching.experts import StreamingExperts, find_router
 from .storage.shards import PER_EXPERT, tensor_bytes
+from .storage.remote import is_repo_id
 from .storage.store import ExpertStore
 
 # safetensors dtype -> MLX dtype (of a slot pool before the backend's dtype policy, of a stand-in)
@@ -86,7 +87,7 @@ def resolve(path_or_repo, revision=None):
         if not (path / "config.json").exists():
             raise MlxmoeError(f"{path}: no config.json; is this a model folder?")
         return path
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(path_or_repo)) and not str(path_or_repo).startswith("."):
+    if is_repo_id(path_or_repo):
         from mlx_lm.utils import _download
 
         try:

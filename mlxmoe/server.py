@@ -674,6 +674,7 @@ def _check_profile(body, profiles):
         known = ", ".join(profiles.by_name) if profiles is not None else "none: start with --profiles DIR"
         raise ValueError(f"mlxmoe.profile: unknown profile {name!r} (known: {known})")
 
+
 def _check_json(body):
     """What is wrong with a parsed request body, naming where (None if nothing): nesting
     deeper than MAX_DEPTH, or NaN/Infinity (Python's json reads them; JSON has no such numbers)."""

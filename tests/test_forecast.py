@@ -162,3 +162,18 @@ def test_fit_a_hub_repo_from_its_headers_alone(checkpoint, on_disk, monkeypatch,
     monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", offline)
     code, out, err = run_cli("fit", "-m", "someone/tiny-moe", *args)
     assert code != 0 and "someone/tiny-moe" in err and "headers" in err
+
+
+def test_the_scratch_file_fits_an_expert_and_is_closed_and_removed(checkpoint, on_disk, tmp_path):
+    """A scratch file asked smaller than one expert's ranges grows to fit them (the disk is
+    timed, not None); it is closed and removed after."""
+    from mlxmoe.forecast import scratch_disk_rate
+
+    ckpt = open_checkpoint(str(on_disk(checkpoint("qwen3_moe", quant="4bit"))))
+    try:
+        folder = tmp_path / "scratch"
+        (rate, done, requests), nbytes = scratch_disk_rate(ckpt.store, folder, nbytes=4096)
+        assert rate > 0 and requests > 0 and nbytes > 4096
+        assert list(folder.iterdir()) == [] and not any(str(folder) in str(f) for f in ckpt.store.reader._fds)
+    finally:
+        ckpt.store.close()

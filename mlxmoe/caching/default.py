@@ -17,7 +17,6 @@ HALF_LIFE_FLOOR = 0.5  # activation-floor's frequency estimate (chosen by bench_
 FLOOR_SLACK = 1.0  # activation-floor's layer floor: the even share less up to this many tokens' experts (the same)
 
 
-
 class NextUse:
     """Each expert's expected layer steps to its next use, the estimate `activation`
     evicts by (Belady's rule on estimates) and the prefetcher weighs its guesses with.

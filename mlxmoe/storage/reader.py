@@ -52,7 +52,6 @@ def align_up(x, a=ALIGN):
     return -(-x // a) * a
 
 
-
 def runs(ranges, dests, align=1):
     """Group one expert's (range, destination) pairs into runs that one read can cover:
     same file, and back to back (align=1) or touching once widened to `align`.
@@ -96,7 +95,6 @@ def preadv_all(fd, bufs, offset, file, align=1):
 
 def truncated(file, end):
     return MlxmoeError(f"truncated shard: {file} ends before offset {end}")
-
 
 
 class ShardReader:
@@ -260,6 +258,21 @@ class ShardReader:
         if hasattr(mmap, "MADV_DONTNEED"):  # out of this process's RSS (the pages stay in the page cache)
             mm.madvise(mmap.MADV_DONTNEED, a, b - a)
         return b - a
+
+    def forget(self, file):
+        """Close `file` if it is open (a scratch file read once): a later read opens it again."""
+        with self._open_lock:
+            self._how.pop(file, None)
+            self._align.pop(file, None)
+            mapped = self._maps.pop(file, None)
+            fd = self._fds.pop(file, None)
+        if mapped is not None:
+            try:
+                mapped[0].close()
+            except BufferError:  # a view of it is still alive: the garbage collector closes it
+                pass
+        if fd is not None:
+            os.close(fd)
 
     def close(self):
         mms = [mm for mm, _ in self._maps.values()]

@@ -38,7 +38,6 @@ IO_WORKERS = 4
 CHUNK = 256 << 10
 
 
-
 def slice_span(r):
     """The bytes that hold a tensor-parallel slice's runs (`r.runs` of them, `r.step` apart)."""
     return r.step * (r.runs - 1) + r.nbytes // r.runs
@@ -56,7 +55,6 @@ def split_run(run, chunk=CHUNK):
         if part:
             out.append((file, part[0][0], max(off + d.nbytes for off, d in part), part))
     return out
-
 
 
 class ExpertStore:

@@ -434,6 +434,7 @@ def _check_entries(entries, L, E):
         if token < 0:
             raise MlxmoeError(f"{where}: token position {token} is negative")
 
+
 def _write_sequence(writer, entries):
     """One sequence's lines in the runtime's order (see above). Returns its counts."""
     cell, dup = {}, 0
