@@ -748,7 +748,7 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
                 distributed.barrier(group)
     finally:
         try:
-            if cache is not None and cache.later:  # closed early: its arrays are this thread's
+            if cache is not None and cache.deferred:  # closed early: its arrays are this thread's
                 cache.flush()
         finally:
             model._mlxmoe_generation_owner = None

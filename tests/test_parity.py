@@ -92,7 +92,7 @@ def test_everything_resident_runs_without_host_work_per_layer(checkpoint, tmp_pa
     assert cache.prewarm_done(timeout=60)
     tokens = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
     assert tokens == want
-    assert cache.slot_table is not None and not cache.later  # the resident path ran, its work is done
+    assert cache.slot_table is not None and not cache.deferred  # the resident path ran, its work is done
     stats = cache.stats()
     total = ckpt.num_layers * ckpt.num_experts
     assert stats["misses"] == 0 and stats["bytes_read"] == total * cache.store.expert_file_bytes()

@@ -479,9 +479,9 @@ def test_deferring_all_hit_calls_changes_no_decision(name):
             for r, out in zip(runs, log):
                 if layer == 0:
                     r.tick(n)
-                before = len(r.later)
+                before = len(r.deferred)
                 slots, missed = r.access(layer, experts, probs[experts].tolist(), probs)
-                deferred += len(r.later) > before
+                deferred += len(r.deferred) > before
                 out.append(("access", tuple(slots), tuple(missed)))
                 if t % 3 == 0:  # a prefetch claims two keys of the next layer
                     out.append(("claim", tuple(r.claim(claim, {(layer, e) for e in experts}, evict=True))))

@@ -193,10 +193,10 @@ def test_claim_asks_worth_and_never_evicts_protected():
         r.access(1, [0, 1] if t == 0 else [2, 3])
     protected = {(1, 2), (1, 3)}
     likely = {(0, 5): 1e-3, (0, 6): 0.99}
-    worth = outranks(r.policy, likely)
-    assert r.claim([(0, 5)], protected, evict=True, worth=worth) == []  # worth less than any victim
+    beats_victim = outranks(r.policy, likely)
+    assert r.claim([(0, 5)], protected, evict=True, beats_victim=beats_victim) == []  # worth less than any victim
     assert len(r.slot_of) == 4
-    taken = r.claim([(0, 6)], protected, evict=True, worth=worth)
+    taken = r.claim([(0, 6)], protected, evict=True, beats_victim=beats_victim)
     assert [k for k, _ in taken] == [(0, 6)]
     assert protected <= r.slot_of.keys()
     assert r.claim([(0, 7)], set(r.slot_of), evict=True) == []  # everything protected: nothing evicted
@@ -415,7 +415,7 @@ def test_predictions_off_the_decode_thread_score_the_same():
         cache.prefetcher.off_thread = off_thread
         out = tokens(model, tokenizer, 24)
         cache.stats()  # waits for the queued predictions
-        assert not cache.later
+        assert not cache.deferred
         p = cache.profile
         results.append((out, {name: list(c) for name, c in cache.prefetcher.counts.items()},
                         p.counts.tolist(), p.mass.tolist(), p.tokens, p.tokens_total))

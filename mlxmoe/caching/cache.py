@@ -45,7 +45,7 @@ class Busy(Exception):
 class Residency:
     """Which key holds which slot; victims from the policy. `defer_hits`: a layer call
     whose experts are all resident needs nothing from the policy now, so its policy updates
-    wait in `later` (see catch_up): the same decisions as without deferring (the replay
+    wait in `deferred` (see catch_up): the same decisions as without deferring (the replay
     does not defer), made off the decode thread where a prefetcher runs."""
 
     def __init__(self, capacity: int, policy, defer_hits: bool = False) -> None:
@@ -59,14 +59,14 @@ class Residency:
         self.held = set()  # prefetched for a coming layer call: victims only when nothing else is
         self.counters = CacheStats()
         self.defer_hits = defer_hits
-        self.later = deque()  # host work left for later, (function, args), in order: see catch_up
+        self.deferred = deque()  # host work left for later, (function, args), in order: see catch_up
         self.catching_up = False
 
     def catch_up(self, until: Callable | None = None) -> None:
-        """Do the host work left in `later`, in order (up to the entry of function `until`).
+        """Do the host work left in `deferred`, in order (up to the entry of function `until`).
 
         The one rule for host work a layer call leaves for later: what changes no decision
-        now waits in `later` (the policy updates of a call that hit, the observers' calls,
+        now waits in `deferred` (the policy updates of a call that hit, the observers' calls,
         on the resident path each token's accounting) and is done in order, under the cache's
         lock, before anything reads the policy's state (a victim, a claim, a key leaving, a
         tick), else by whoever gets to it first: the prefetcher's host thread after each
@@ -76,8 +76,8 @@ class Residency:
             return
         self.catching_up = True
         try:
-            while self.later and self.later[0][0] is not until:
-                work, args = self.later.popleft()
+            while self.deferred and self.deferred[0][0] is not until:
+                work, args = self.deferred.popleft()
                 work(*args)
         finally:
             self.catching_up = False
@@ -100,7 +100,7 @@ class Residency:
                routing: Callable | None = None) -> tuple[list, list]:
         """Make `experts` (distinct ids) of `layer` resident; `scores` are their router
         probabilities and `probs` the router's distribution over all experts, when known, or
-        `routing()` gives both when first needed (at once on a miss, else in `later`).
+        `routing()` gives both when first needed (at once on a miss, else in `deferred`).
 
         Returns (slots, missed) where slots[i] holds experts[i] and missed lists the
         (expert, slot) pairs that must be filled now.
@@ -110,7 +110,7 @@ class Residency:
         if self.defer_hits:
             slots = [self.slot_of.get((layer, int(e))) for e in experts]
             if None not in slots:
-                self.later.append((self._hit, (layer, experts, scores, probs, routing)))
+                self.deferred.append((self._hit, (layer, experts, scores, probs, routing)))
                 self.counters.hits += len(experts)
                 return slots, []
             self.catch_up()
@@ -161,10 +161,10 @@ class Residency:
                 pass
         return self.policy.victim(protected)
 
-    def claim(self, keys: list, protected=(), evict: bool = False, worth: Callable | None = None) -> list:
+    def claim(self, keys: list, protected=(), evict: bool = False, beats_victim: Callable | None = None) -> list:
         """Give slots to the non-resident `keys` (most important first) ahead of their use:
         free slots, and victims outside `protected` when `evict`, as far as they go. A key
-        with `worth(key, victim)` false stops the claim there rather than evict that victim.
+        with `beats_victim(key, victim)` false stops the claim there rather than evict that victim.
         The policy sees the most important inserted last. Returns [(key, slot)]."""
         self.catch_up()
         taken = []
@@ -178,7 +178,7 @@ class Residency:
                     victim = self.victim(set(protected) | self.in_flight.keys())
                 except MlxmoeError:
                     break
-                if worth is not None and not worth(key, victim):
+                if beats_victim is not None and not beats_victim(key, victim):
                     break
                 slot = self._evict(None, victim)
             else:
@@ -310,9 +310,9 @@ class ExpertCache(Residency):
 
     def observe(self, call) -> None:
         """Give `call` (an experts.LayerCall, or a function making it) to the observers: left
-        in `later` where the prefetcher's host thread does it (see Residency.catch_up), else now."""
+        in `deferred` where the prefetcher's host thread does it (see Residency.catch_up), else now."""
         if self.prefetcher is not None and self.prefetcher.off_thread:
-            self.later.append((self.notify, (call,)))
+            self.deferred.append((self.notify, (call,)))
         else:
             with self.lock:
                 self.notify(call)
@@ -332,7 +332,7 @@ class ExpertCache(Residency):
 
     def host_work(self) -> None:
         """Do what the decode thread left for later (the prefetcher's host thread calls it)."""
-        if self.later:  # nothing left: spare the caller a wait for the lock
+        if self.deferred:  # nothing left: spare the caller a wait for the lock
             with self.lock:
                 self.catch_up()
 
@@ -340,7 +340,7 @@ class ExpertCache(Residency):
         """Do all the host work left for later, now (its side arrays evaluated first)."""
         tic = time.perf_counter()
         with self.lock:
-            side = [a for work, _ in self.later for a in getattr(work, "side", ())]
+            side = [a for work, _ in self.deferred for a in getattr(work, "side", ())]
             if side:
                 mx.eval(side)
             self.catch_up()
@@ -677,11 +677,11 @@ class BackgroundLoader:
         """Whether the decode thread has reached the layer call `until` = (tokens, layer)."""
         return (self.cache.counters.tokens, self.cache.current_layer) >= until
 
-    def prefetch(self, keys: list, token: int, layer: int, worth=None) -> None:
+    def prefetch(self, keys: list, token: int, layer: int, beats_victim=None) -> None:
         """Load `keys` (most likely first) for `layer`'s call at token count `token` (the next
         token's for a cross-token guess), called from a prefetch worker, one at a time; the
         rest is dropped once the decode thread reaches that call. May evict, but never what
-        the current layer uses, what is on its way, or (with `worth`, see Residency.claim) a
+        the current layer uses, what is on its way, or (with `beats_victim`, see Residency.claim) a
         victim worth more; at most half the slots not in use are being filled, so wrong
         guesses never make the decode thread wait long for a slot."""
         cache, until = self.cache, (token, layer)
@@ -695,14 +695,14 @@ class BackgroundLoader:
                         continue
                     # (under `background` no other background read is on its way)
                     room = (cache.capacity - len(cache.active)) // 2
-                    taken = self.claim([key], evict=True, worth=worth) if room > 0 else []
+                    taken = self.claim([key], evict=True, beats_victim=beats_victim) if room > 0 else []
                     if not taken:
                         return
                 self.load(key, taken[0][1], until)
 
-    def claim(self, keys: list, evict: bool, worth=None) -> list:
+    def claim(self, keys: list, evict: bool, beats_victim=None) -> list:
         """Give slots to `keys` (under the lock) and mark them on their way; [(key, slot)]."""
-        taken = self.cache.claim(keys, self.cache.active, evict, worth)
+        taken = self.cache.claim(keys, self.cache.active, evict, beats_victim)
         for key, _ in taken:
             self.waiting[key] = threading.Event()
         return taken

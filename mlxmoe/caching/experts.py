@@ -123,7 +123,7 @@ class ResidentCalls:
     layer order. `side`: the untapped routers' probabilities, which the model's output does
     not need.
 
-    The token's first layer call queues it in the cache's `later` (defer). mlx-lm builds a
+    The token's first layer call queues it in the cache's `deferred` (defer). mlx-lm builds a
     token's graph while the previous one computes and has waited for the one before, so the
     work queued before the previous token's is done then with no sync; the previous token's
     side arrays are queued for evaluation then, all at once (read unqueued, they would wait
@@ -136,17 +136,17 @@ class ResidentCalls:
 
     @classmethod
     def defer(cls, cache, layer: int) -> "ResidentCalls":
-        """The current token's work (queued last in `later` until done), a new one at the
+        """The current token's work (queued last in `deferred` until done), a new one at the
         token's first layer call."""
         with cache.lock:
-            last = cache.later[-1][0] if cache.later else None
+            last = cache.deferred[-1][0] if cache.deferred else None
             previous = last if isinstance(last, cls) else None
             if layer != 0 and previous is not None:
                 return previous
             work = cls(cache)
             if previous is not None and previous.side:
                 mx.async_eval(*previous.side)
-            cache.later.append((work, ()))
+            cache.deferred.append((work, ()))
             tic = time.perf_counter()
             cache.catch_up(until=work if previous is None else previous)
             cache.counters.bookkeeping_seconds += time.perf_counter() - tic
@@ -238,7 +238,7 @@ class StreamingExperts(nn.Module):
         decode = x.size == x.shape[-1]
         prefetcher = cache.prefetcher
         # the prefetcher's lookahead is evaluated with this layer's routing: one sync, not two
-        looked = prefetcher.lookahead(self._layer, x, decode) if prefetcher is not None else {}
+        ahead_scores = prefetcher.lookahead(self._layer, x, decode) if prefetcher is not None else {}
         # a decode step reads a tapped router's own logits (no op; the softmax on the host,
         # when first needed: see StepRouting)
         logits = self._logits() if decode else None
@@ -246,7 +246,7 @@ class StreamingExperts(nn.Module):
         router = probs if logits is None else logits
         sync = time.perf_counter()
         # evaluates the router (and with it every earlier layer): mlx-lm's own work
-        mx.eval(indices, *([] if router is None else [router]), *looked.values())
+        mx.eval(indices, *([] if router is None else [router]), *ahead_scores.values())
         sync = time.perf_counter() - sync
         counters = cache.counters
         read_before = counters.read_seconds
@@ -271,7 +271,7 @@ class StreamingExperts(nn.Module):
             y = y * mx.array(scales, dtype=y.dtype)[:, None]
         inner = time.perf_counter() - inner
         if prefetcher is not None:
-            prefetcher.layer_done(self._layer, rows, looked, counters.tokens, decode)
+            prefetcher.layer_done(self._layer, rows, ahead_scores, counters.tokens, decode)
         # what this layer added beyond mlx-lm's own work (building and evaluating the
         # model up to the router, building the expert computation) and the reads: the
         # lookahead and router probabilities, routing copies, the policy, remapping

@@ -64,7 +64,7 @@ def visit_steps(estimate, key, p):
 
 
 def outranks(policy, likely):
-    """worth(key, victim) for Residency.claim: a key with a chance `likely[key]` of use at
+    """beats_victim(key, victim) for Residency.claim: a key with a chance `likely[key]` of use at
     its layer's next visit is loaded only in place of a victim whose own chance (the
     `activation` policy's decayed estimates, `chance`) puts its use later; keys not in
     `likely` always. A guess pays off at that one visit or not at all (unused, it is soon
@@ -224,23 +224,23 @@ class Prefetcher:
         predictor, as Policy.set_prior does for the policy; under the cache's lock mid-run."""
         self.hottest = None if prior is None else hottest_per_layer(prior, self.top_ks)
 
-    def layer_done(self, layer, rows, looked=None, token=0, decode=True):
+    def layer_done(self, layer, rows, ahead_scores=None, token=0, decode=True):
         """A layer call has its experts (`rows`: each token's, [tokens, top_k], a list of one
         list at a decode step): observe()
         what it used, and after_layer() (a decode step) or prefill() predicts the next
         calls (see off_thread)."""
         if not self.off_thread:
-            return self._layer_work(layer, rows, looked, token, decode)
-        self.host.put((layer, rows, looked, token, decode))
+            return self._layer_work(layer, rows, ahead_scores, token, decode)
+        self.host.put((layer, rows, ahead_scores, token, decode))
 
-    def _layer_work(self, layer, rows, looked, token, decode):
+    def _layer_work(self, layer, rows, ahead_scores, token, decode):
         last = rows[-1]  # a decode step's experts as a list, a prefill step's rows as an array
         self.observe(layer, last if isinstance(last, list) else last.tolist(), decode=decode,
                      rows=None if decode else rows)
         if decode:
-            self.after_layer(layer, looked, token)
+            self.after_layer(layer, ahead_scores, token)
         else:
-            self.prefill(layer, looked, token)
+            self.prefill(layer, ahead_scores, token)
         if self.off_thread and self.cache is not None:
             self.cache.host_work()
 
@@ -298,16 +298,16 @@ class Prefetcher:
                 out[step] = self.routers[target](h)
         return out
 
-    def prefill(self, layer, looked, token):
-        """After a prefill layer call has its experts, with `looked` = lookahead() evaluated:
+    def prefill(self, layer, ahead_scores, token):
+        """After a prefill layer call has its experts, with `ahead_scores` = lookahead() evaluated:
         queue the loads of the experts the next layers' routers pick for the prompt's
         tokens (each token's top_k; past the last layer, the last token's for the next
         step), the most picked first, to run while this layer computes. Each token's
         guesses of each rank are scored as a decode step's are (a prompt teaches the rank
         chances that admit decode's guesses)."""
         for step, target, ahead in self.steps(layer):
-            if step in looked:
-                probs = host_probs([looked[step]])[0]  # [tokens, experts]
+            if step in ahead_scores:
+                probs = host_probs([ahead_scores[step]])[0]  # [tokens, experts]
                 order = np.argsort(-probs, axis=-1, kind="stable")
                 wide = order[:, : self.width]
                 if not ahead and self.candidates:  # each token's guesses by rank, resident ones left out
@@ -315,8 +315,8 @@ class Prefetcher:
                     self.prompt_ranked[target] = (step, np.where(resident, -1, wide))
                 self.queue([(target, e) for e in most_picked(probs, order, self.top_ks[target])], token + ahead, target)
 
-    def after_layer(self, layer, looked, token):
-        """Called once `layer` has its experts (decode only), with `looked` = lookahead()
+    def after_layer(self, layer, ahead_scores, token):
+        """Called once `layer` has its experts (decode only), with `ahead_scores` = lookahead()
         evaluated: predict the next layer calls and queue their loads, to run while this
         layer computes."""
         if layer == 0:
@@ -324,8 +324,8 @@ class Prefetcher:
         for step, target, ahead in self.steps(layer):
             when = token + ahead
             predicted, probs, ranked, skip = {}, None, None, ()
-            if step in looked:
-                probs = host_probs([looked[step]])[0][-1]
+            if step in ahead_scores:
+                probs = host_probs([ahead_scores[step]])[0][-1]
                 if self.lossy is not None:  # as the layer will route: biased, trimmed guesses not read
                     probs, skip = self.lossy.guesses(probs, target, self.cache.slot_of, self.top_ks[target])
                 ranked = np.argsort(-probs, kind="stable")[: max(self.width, self.top_k)].tolist()
@@ -372,8 +372,8 @@ class Prefetcher:
         sure = (router & previous) | {e for e in router if probs[e] >= self.confidence}
         keys = [(target, e) for e in sorted(sure, key=lambda e: -probs[e])]
         likely = {}  # the guesses beyond the sure ones, with their chance
-        worth = outranks(self.cache.policy, likely)
-        if worth is not None and self.candidates:
+        beats_victim = outranks(self.cache.policy, likely)
+        if beats_victim is not None and self.candidates:
             guesses = {}  # source -> (guesses best first, [used, guessed] of each rank)
             if probs is not None:
                 if ranked is None:
@@ -388,14 +388,14 @@ class Prefetcher:
             keys += sorted(likely, key=lambda k: -likely[k])
         if skip:
             keys = [k for k in keys if k[1] not in skip]
-        self.queue(keys, when, target, worth)
+        self.queue(keys, when, target, beats_victim)
 
-    def queue(self, keys, when, target, worth=None):
+    def queue(self, keys, when, target, beats_victim=None):
         """Load those of `keys` not resident in a prefetch worker (see cache.BackgroundLoader.prefetch)."""
         keys = [k for k in keys if k not in self.cache.slot_of]
         if keys:
             self.jobs = [j for j in self.jobs if not j.done()]
-            self.jobs.append(self.pool.submit(self.cache.loader.prefetch, keys, when, target, worth))
+            self.jobs.append(self.pool.submit(self.cache.loader.prefetch, keys, when, target, beats_victim))
 
     def stats(self):
         self.settle()
