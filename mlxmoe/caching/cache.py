@@ -56,7 +56,7 @@ class Residency:
         self.slot_of = {}  # (layer, expert) -> slot
         self.free = list(range(capacity - 1, -1, -1))
         self.in_flight = {}  # key -> Event set once the background read filling its slot ended: never victims
-        self.held = set()  # prefetched for a coming layer call: victims only when nothing else is
+        self.awaited = set()  # prefetched for a coming layer call: victims only when nothing else is
         self.counters = CacheStats()
         self.defer_hits = defer_hits
         self.deferred = deque()  # host work left for later, (function, args), in order: see catch_up
@@ -154,9 +154,9 @@ class Residency:
 
     def victim(self, protected: set) -> tuple:
         self.catch_up()
-        if self.held:
+        if self.awaited:
             try:
-                return self.policy.victim(protected | self.held)
+                return self.policy.victim(protected | self.awaited)
             except MlxmoeError:
                 pass
         return self.policy.victim(protected)
@@ -388,8 +388,8 @@ class ExpertCache(Residency):
             waits, useful = self.loader.arrivals(keys)
             if self.prefetcher is not None and self.step_tokens == 1:
                 self.miss_costs(layer, len(waits) + useful, len(missed))
-            if self.held:  # held until this visit: what this layer did not use was a wrong guess
-                self.held.difference_update([k for k in self.held if k[0] == layer])
+            if self.awaited:  # awaited until this visit: what this layer did not use was a wrong guess
+                self.awaited.difference_update([k for k in self.awaited if k[0] == layer])
             if missed and early is not None:
                 unread = {e for e, _ in missed} | {e for (_, e), _ in waits}
                 unread |= {e for l, e in self.loader.failed if l == layer}
@@ -438,7 +438,7 @@ class ExpertCache(Residency):
                     self.free.append(self._release(key))
 
     def evicted(self, key: tuple) -> None:
-        self.held.discard(key)
+        self.awaited.discard(key)
         self.loader.evicted(key)
 
     def prewarm(self, keys: list) -> int:
@@ -709,7 +709,7 @@ class BackgroundLoader:
 
     def load(self, key: tuple, slot: int, until: tuple | None = None) -> None:
         """Background read of one claimed key; always ends its wait, even on error. A key
-        loaded for a layer call `until` = (token, layer) still to come is held for it; once
+        loaded for a layer call `until` = (token, layer) still to come is awaited by it; once
         that call has come without it, the rest of its read is cancelled and its slot freed."""
         cache, n, cancelled, granted = self.cache, None, False, [0]
 
@@ -734,7 +734,7 @@ class BackgroundLoader:
                 else:
                     self.prefetched.add(key)
                     if until is not None and not self.reached(until):
-                        cache.held.add(key)
+                        cache.awaited.add(key)
             elif cancelled and key not in cache.active:
                 counters.prefetch_cancelled += 1
                 counters.cancelled_bytes += granted[0]

@@ -197,7 +197,7 @@ class Prefetcher:
         self.off_thread = True
         self.host = HostThread(lambda job: self._layer_work(*job))
         self.jobs = []  # futures of queued and running loads
-        self.steps_of = {}  # (layer, depth, cross_token) -> steps()
+        self.calls_ahead_of = {}  # (layer, depth, cross_token) -> calls_ahead()
         self.previous = {}  # layer -> experts it used at its last call
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
         # how often the router's i-th guess for a layer `step` layer calls ahead was used:
@@ -276,14 +276,14 @@ class Prefetcher:
             self.coactive[(layer - 1) % L][np.ix_(sorted(source), sorted(used))] += 1.0
         self.previous[layer] = used
 
-    def steps(self, layer):
+    def calls_ahead(self, layer):
         """(step, target layer, tokens ahead) of the layer calls predicted after `layer`:
         the next `depth`, past the last layer the next token's first ones (`cross_token`)."""
         key, L = (layer, self.depth, self.cross_token), len(self.routers)
-        if key not in self.steps_of:
-            self.steps_of[key] = [(step, (layer + step) % L, (layer + step) // L)
+        if key not in self.calls_ahead_of:
+            self.calls_ahead_of[key] = [(step, (layer + step) % L, (layer + step) // L)
                                   for step in range(1, min(self.depth, L - 1) + 1) if layer + step < L or self.cross_token]
-        return self.steps_of[key]
+        return self.calls_ahead_of[key]
 
     def lookahead(self, layer, x, decode=True):
         """{step: the target layer's router scores for hidden states x}, unevaluated (a row
@@ -291,7 +291,7 @@ class Prefetcher:
         them together with `layer`'s own routing, in one sync. Only the router is an op: its
         distribution is taken on the host, off the decode thread (prefill(), after_layer())."""
         out = {}
-        for step, target, ahead in self.steps(layer):
+        for step, target, ahead in self.calls_ahead(layer):
             if self.routers[target] is not None:
                 # the next step's first layers: from the last token's hidden state
                 h = x if decode or not ahead else x.reshape(-1, x.shape[-1])[-1:]
@@ -305,7 +305,7 @@ class Prefetcher:
         step), the most picked first, to run while this layer computes. Each token's
         guesses of each rank are scored as a decode step's are (a prompt teaches the rank
         chances that admit decode's guesses)."""
-        for step, target, ahead in self.steps(layer):
+        for step, target, ahead in self.calls_ahead(layer):
             if step in ahead_scores:
                 probs = host_probs([ahead_scores[step]])[0]  # [tokens, experts]
                 order = np.argsort(-probs, axis=-1, kind="stable")
@@ -321,7 +321,7 @@ class Prefetcher:
         layer computes."""
         if layer == 0:
             self.pace(time.perf_counter(), self.cache.loader.gate.busy_seconds())
-        for step, target, ahead in self.steps(layer):
+        for step, target, ahead in self.calls_ahead(layer):
             when = token + ahead
             predicted, probs, ranked, skip = {}, None, None, ()
             if step in ahead_scores:
