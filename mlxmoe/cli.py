@@ -714,23 +714,49 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
     from . import backend as backends
     from .budget import format_size
     from .storage.files import check_writable
-    from .forecast import forecast, share_budgets
     from .workload.heatmap import write_lines_png
-    from .loader import open_checkpoint
-    from .storage.remote import header_checkpoint, is_repo_id
     from .workload.profile import ActivationProfile
 
     be = backends.detect(backend)
     prof = ActivationProfile.load(profile_path) if profile_path else None
     if png:
         check_writable(png)
+    f, shape = _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_tokens)
+    if png:
+        rows = [r for r in f["budgets"] if "error" not in r]
+        lines = {k: [[r["budget"], r["decode_tps"][k]] for r in rows] for k in ("high", "likely", "low")}
+        top = max([p[1] for p in lines["high"]], default=1.0) * 1.1
+        write_lines_png(png, lines, max(r["budget"] for r in f["budgets"]), top, "memory budget", "decode tok/s",
+                        f"forecast decode tok/s: {os.path.basename(f['model'])}", x_tick=format_size,
+                        y_tick=lambda y: f"{y:.3g}")
+    if as_json:
+        click.echo(json.dumps(f, indent=1))
+        return
+    _print_fit(f, shape, prompt_tokens)
+    if png:
+        click.echo(f"  chart: {png}")
+
+
+def _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_tokens):
+    """fit's forecast (forecast.forecast) and the model's (MoE layers, experts): of a local
+    folder, or of a hub repo from its config and shard headers alone, the disk then timed
+    where it would be downloaded. Waits over 2 s are said on stderr."""
+    from .forecast import forecast, share_budgets
+    from .loader import open_checkpoint
+    from .storage.remote import header_checkpoint, is_repo_id
+
     remote = is_repo_id(model_path)
     with tempfile.TemporaryDirectory(prefix="mlxmoe-headers-") as headers:
-        # a hub repo: its config and shard headers only, the disk timed where it would be downloaded
-        path = header_checkpoint(model_path, headers) if remote else model_path
+        fetching = notice(2.0, lambda: f"reading {model_path}'s config and safetensors headers from the hub...")
+        try:
+            path = header_checkpoint(model_path, headers) if remote else model_path
+        finally:
+            fetching.cancel()
         disk_folder = None
         if remote and not disk_gbps:
             from huggingface_hub.constants import HF_HUB_CACHE as disk_folder
+        timing = notice(2.0, lambda: "timing the disk and this machine's matmuls at the model's shapes"
+                        + (f" (a scratch file in {disk_folder})" if disk_folder else "") + "...")
         try:
             ckpt = open_checkpoint(path)
             try:
@@ -743,20 +769,19 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
                 ckpt.store.close()
         except MlxmoeError as e:
             raise MlxmoeError(str(e).replace(str(headers), model_path)) from None  # the repo, not our temp folder
+        finally:
+            timing.cancel()
     if remote:
         f["model"] = model_path
-    if png:
-        rows = [r for r in f["budgets"] if "error" not in r]
-        lines = {k: [[r["budget"], r["decode_tps"][k]] for r in rows] for k in ("high", "likely", "low")}
-        top = max([p[1] for p in lines["high"]], default=1.0) * 1.1
-        write_lines_png(png, lines, max(r["budget"] for r in f["budgets"]), top, "memory budget", "decode tok/s",
-                        f"forecast decode tok/s: {os.path.basename(f['model'])}", x_tick=format_size,
-                        y_tick=lambda y: f"{y:.3g}")
-    if as_json:
-        click.echo(json.dumps(f, indent=1))
-        return
-    click.echo(f"{f['model']}: {f['model_type']} on {f['backend']}, {ckpt.num_layers} MoE layers x "
-               f"{ckpt.num_experts} experts, {f['routed_experts_per_token']} expert reads a token at most, "
+    return f, (ckpt.num_layers, ckpt.num_experts)
+
+
+def _print_fit(f, shape, prompt_tokens):
+    """fit's table: what was measured and assumed, then a row per budget."""
+    from .budget import format_size
+
+    click.echo(f"{f['model']}: {f['model_type']} on {f['backend']}, {shape[0]} MoE layers x "
+               f"{shape[1]} experts, {f['routed_experts_per_token']} expert reads a token at most, "
                f"{format_size(f['expert_bytes_on_disk'])} each")
     for line in f["measured"]:
         click.echo(f"  measured: {line}")
@@ -776,8 +801,6 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
                    f"{t['low']:6.1f} - {t['likely']:.1f} - {t['high']:.1f}")
     sources = sorted({r["hit_rate_source"] for r in f["budgets"] if "hit_rate_source" in r})
     click.echo(f"  hit rates: {'; '.join(sources)}")
-    if png:
-        click.echo(f"  chart: {png}")
 
 
 def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=None):
