@@ -224,12 +224,12 @@ def run_belady(args):
            "caches": {}}
     for n in args.caches.split(","):
         n = int(n)
-        decode = br.optimal_loads(args.trace, n)
+        decode = br.decode_loads(header, records, n)
         r = replay(header, records, "belady", n)
         total = r["accesses"] - r["hits"]
         # what online eviction does on this routing: each simple baseline's and the default's
         # decode loads with no prefetch (none reads fewer than Belady; at 25 % far more)
-        online = {name: br.optimal_loads(args.trace, n, name) for name in ONLINE_POLICIES}
+        online = {name: br.decode_loads(header, records, n, name) for name in ONLINE_POLICIES}
         out["caches"][str(n)] = {"decode_loads": decode, "total_loads": total, "first_token_loads": total - decode,
                                  "online_decode_loads": online}
     return out

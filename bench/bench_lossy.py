@@ -204,7 +204,7 @@ def recommend_into(paths, bias):
 
 def trimmed_replay(records, L, E, cache_experts, trim, trim_mass=0.0):
     """The default policy's replay of a trace where each single-token layer call is trimmed
-    at `trim` / `trim_mass` as the runtime trims it (lossy.Lossy.trimmed on the top-k weights)."""
+    at `trim` / `trim_mass` as the runtime trims it (lossy.Lossy.kept on the top-k weights)."""
     rule = Lossy("topk", trim=trim, trim_mass=trim_mass)
     slots = min(cache_experts, L * E)
     residency = Residency(slots, make_policy(DEFAULT_POLICY, slots, L, E))
@@ -220,10 +220,7 @@ def trimmed_replay(records, L, E, cache_experts, trim, trim_mass=0.0):
             continue
         experts, p = call[0][3], call[0][4]
         share = np.asarray(p, dtype=np.float64) / sum(p)
-        stronger = (share[None, :] * (share[None, :] > share[:, None])).sum(axis=1)
-        keep = [bool((layer, x) in residency.slot_of or not t) for x, t in zip(experts, rule.trimmed(share, stronger))]
-        if not any(keep):
-            keep[int(np.argmax(share))] = True
+        keep = rule.kept(share, [(layer, x) in residency.slot_of for x in experts])
         routed += len(experts)
         mass += 1.0
         dropped += float(sum(s for s, k in zip(share, keep) if not k))

@@ -264,11 +264,17 @@ def optimal_loads(trace, capacity, policy="belady"):
     on the run's routing, one fetch per layer call as the runtime makes them: its loads over
     the decode window (decode steps 2..N, as window_stats counts them: mlx-lm has built two
     steps when it yields the first token)."""
+    from mlxmoe.workload.trace import read_trace
+
+    return decode_loads(*read_trace(trace), capacity, policy)
+
+
+def decode_loads(header, records, capacity, policy="belady"):
+    """optimal_loads of a trace already read."""
     from mlxmoe.caching.cache import Residency
     from mlxmoe.caching.policies import make_policy
-    from mlxmoe.workload.trace import read_trace, steps
+    from mlxmoe.workload.trace import steps
 
-    header, records = read_trace(trace)
     L, E = header["num_layers"], header["num_experts"]
     fetches = list(steps(records, L, capacity))
     future = [(layer, e) for _, layer, experts, *_ in fetches for e in experts]

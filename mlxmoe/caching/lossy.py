@@ -94,6 +94,15 @@ class Lossy:
             out |= stronger >= self.trim_mass
         return out
 
+    def kept(self, share: np.ndarray, resident: list) -> list:
+        """Which routed experts a token keeps, from each one's `share` of its routed weight:
+        the `resident` ones and those trimming spares; its strongest where none would be."""
+        stronger = (share[None, :] * (share[None, :] > share[:, None])).sum(axis=1)
+        keep = [bool(r or not t) for r, t in zip(resident, self.trimmed(share, stronger))]
+        if not any(keep):
+            keep[int(np.argmax(share))] = True
+        return keep
+
     def step(self, logits: np.ndarray, row: list, resident: list, mask: np.ndarray | None):
         """One token's routing at a layer: the router's own `logits` [experts], its routed
         experts `row`, whether each is `resident`, the resident mask the router's logits were
@@ -103,11 +112,7 @@ class Lossy:
         choice)."""
         chosen = np.asarray(row)
         w = _softmax(logits[chosen]) if self.rule == "topk" else _softmax(logits)[chosen]
-        share = w / w.sum()
-        stronger = (share[None, :] * (share[None, :] > share[:, None])).sum(axis=1)
-        keep = [bool(r or not t) for r, t in zip(resident, self.trimmed(share, stronger))]
-        if not any(keep):
-            keep[int(np.argmax(share))] = True
+        keep = self.kept(w / w.sum(), resident)
         if all(keep) and mask is None:
             return keep, None, 0
         wanted = np.where(keep, w, 0.0)

@@ -264,27 +264,19 @@ class ShardReader:
         with self._open_lock:
             self._how.pop(file, None)
             self._align.pop(file, None)
-            mapped = self._maps.pop(file, None)
+            mm = self._maps.pop(file, (None,))[0]  # (the array over the map dropped with it, so it can close)
             fd = self._fds.pop(file, None)
-        if mapped is not None:
+        if mm is not None:
             try:
-                mapped[0].close()
+                mm.close()
             except BufferError:  # a view of it is still alive: the garbage collector closes it
                 pass
         if fd is not None:
             os.close(fd)
 
     def close(self):
-        mms = [mm for mm, _ in self._maps.values()]
-        self._maps = {}  # drops the arrays over the maps, so they can close
-        for mm in mms:
-            try:
-                mm.close()
-            except BufferError:  # a view of it is still alive: the garbage collector closes it
-                pass
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds, self._how, self._align = {}, {}, {}
+        for file in list(self._fds):
+            self.forget(file)
 
     def __del__(self):
         # a model dropped without close() (mlx-lm's users never call it) still closes its shards
