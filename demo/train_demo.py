@@ -710,6 +710,12 @@ def train(args):
         cfg["warmup"] = min(cfg["warmup"], max(1, cfg["steps"] // 10))
     if args.warmup is not None:
         cfg["warmup"] = args.warmup
+    if args.lr is not None:
+        cfg["lr"] = args.lr
+    if args.chat_lr is not None:
+        tune["lr"] = args.chat_lr
+    if args.sampling_power:
+        cfg["sampling_power"] = args.sampling_power
     work = Path(args.work)
     out = Path(args.out)
     t_start = time.time()
@@ -774,10 +780,18 @@ def train(args):
     value_and_grad = nn.value_and_grad(model, loss_fn)
     L, B = cfg["seq_len"], cfg["batch_size"]
 
+    # --sampling-power P: a row's language drawn in proportion to its training tokens ** P
+    # (0: uniform, the smaller languages upsampled; 1: by size)
+    lang_p = None
+    if args.sampling_power:
+        size = np.array([sum(len(train_ids[k]) for k in train_ids if k[0] == lang) for lang in LANGS], float)
+        lang_p = size ** args.sampling_power / (size ** args.sampling_power).sum()
+        _log("languages drawn " + ", ".join(f"{lang} {p:.3f}" for lang, p in zip(LANGS, lang_p)))
+
     def text_row(rng):
-        # A row's language is uniform, then man page or fortune equally often where a
-        # language has both: the smaller languages and kinds are upsampled.
-        lang = LANGS[int(rng.integers(len(LANGS)))]
+        # A row's language is uniform (or see lang_p), then man page or fortune equally
+        # often where a language has both: the smaller languages and kinds are upsampled.
+        lang = LANGS[int(rng.integers(len(LANGS)))] if lang_p is None else rng.choice(LANGS, p=lang_p)
         return text_window(lang, rng)
 
     def text_window(lang, rng):
@@ -787,7 +801,7 @@ def train(args):
         return ids[i:i + L + 1]
 
     def text_batch(rng):
-        return np.stack([text_window(lang, rng) for lang in rng.choice(LANGS, size=B)])
+        return np.stack([text_window(lang, rng) for lang in rng.choice(LANGS, size=B, p=lang_p)])
 
     def chat_batch(rng):
         return np.stack([chat_row(rng) if rng.random() < tune["chat_share"] else text_row(rng)
@@ -1036,6 +1050,13 @@ def main(argv=None):
     parser.add_argument("--chat-steps", type=int, default=None,
                         help=f"Chat-tuning steps (default {CHAT_TUNE['steps']}).")
     parser.add_argument("--warmup", type=int, default=None, help=f"Warmup steps (default {TRAIN['warmup']}).")
+    parser.add_argument("--lr", type=float, default=None,
+                        help=f"Peak rate of the text phase (default {TRAIN['lr']}, {CONTINUE['lr']} with --continue-from).")
+    parser.add_argument("--chat-lr", type=float, default=None,
+                        help=f"Peak rate of the chat phase (default {CHAT_TUNE['lr']}).")
+    parser.add_argument("--sampling-power", type=float, default=0.0,
+                        help="Draw a text row's language in proportion to its training tokens to this power "
+                             "(default 0: uniform; 0.5 gives the larger languages more rows).")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="Held-out tokens per language and kind.")
     parser.add_argument("--rebuild-corpus", action="store_true")
