@@ -13,8 +13,9 @@ as in bench_runtime.py, whose helpers this imports):
    the fewest expert reads any cache of each size could do (bench_runtime.optimal_loads);
 2. for each disk rate: mount slowdisk over the checkpoint, and for each cache share and each
    configuration (`off`: mlxmoe.load(prefetch=0); `default`: mlxmoe.load() with no options;
-   `baseline`: the default of an older commit, --baseline REF or --baseline-path DIR) load
-   from the mount and generate --tokens greedy tokens: time to first token, decode
+   `baseline`: the default of an older commit, --baseline REF or --baseline-path DIR;
+   `oracle`, a what-if: the default with every lookahead guess right, --oracle-depth layer
+   calls ahead, from the recorded routing) load from the mount and generate --tokens greedy tokens: time to first token, decode
    ms/token, the cache's demand, prefetched and cancelled loads, the bytes the simulated
    disk served, the tokens; unmount;
    the rate `disk` is the machine's own disk instead (where FUSE is not available, e.g. a
@@ -35,6 +36,7 @@ as in bench_runtime.py, whose helpers this imports):
     python bench/bench_disk.py --model demo --rates 2MB/s,0.5MB/s    # the bundled demo model
     python bench/bench_disk.py --rates disk                      # this machine's disk, no FUSE (GPU machines)
     python bench/bench_disk.py --rates disk --baseline-path /tmp/base  # old code: git archive REF mlxmoe | tar -x -C /tmp/base
+    python bench/bench_disk.py --rates 40MB/s --configs default,oracle --oracle-depth 1   # a perfect predictor's ceiling
 
 Rates are slowdisk's: binary units (20MB/s = 20 MiB/s), as are the MiB in the tables. An
 emulated rate needs slowdisk.py (the project's FUSE disk emulator, kept outside this
@@ -77,7 +79,7 @@ DEMO_PROMPT = "Il file di configurazione"  # 5 tokens; on "Hello world!" the dem
 # experts are 47x smaller (60 KiB) and its tokens about 100x faster (3-5 ms on 2 cores).
 DEFAULT_RATES = "400MB/s,40MB/s,20MB/s,10MB/s"
 DISK = "disk"  # the rate that is this machine's own disk: no mount, dd's rate
-CONFIGS = ("off", "default", "baseline", "lossy")
+CONFIGS = ("off", "default", "baseline", "lossy", "oracle")
 # the online policies whose decode loads on the run's routing the report sets beside Belady's
 ONLINE_POLICIES = ("lru", "lfu", "slru", "s3fifo", "layer-lru", "layer-lfu", "lfuda", "activation-floor")
 
@@ -253,6 +255,9 @@ def run_disk(args):
             raise SystemExit(f"baseline: imported mlxmoe from {where}, not from {tree}")
     mount = Path(args.mount) if args.mount else None
     kwargs = {"prefetch": 0} if args.one == "off" else lossy_kwargs(args.lossy) if args.one == "lossy" else {}
+    if args.one == "oracle":
+        kwargs = {"prefetch": args.oracle_depth}
+        install_oracle(args.trace)
     dropped = None if mount else drop_page_cache()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -279,6 +284,42 @@ def run_disk(args):
             "load": disk_window(d0, d1), "runs": [run], "cache_experts": cache_experts,
             "stats": {k: v for k, v in stats.items() if k != "resident_per_layer"},
             "warnings": sorted({str(w.message) for w in caught}), "disk_end": last["disk"]}
+
+
+def install_oracle(trace):
+    """The `oracle` configuration, a what-if of this bench, not an mlxmoe setting: the default
+    whose lookahead is given the run's own routing (`trace`, recorded with every expert
+    resident; greedy, so the same at every cache size). At each decode layer call the router
+    scores of the next --oracle-depth layer calls become a one-hot of the experts they will
+    use: every guess right, read as early as that depth allows. What a perfect predictor
+    would gain, the ceiling of any better lookahead."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxmoe.caching.prefetch import Prefetcher
+    from mlxmoe.workload.trace import layer_calls, read_trace
+
+    header, records = read_trace(trace)
+    num_experts, used, step = header["num_experts"], {}, -1
+    for call in layer_calls(records, header["num_layers"]):
+        if len(call) == 1:  # a decode step's layer calls (the prompt's last token's first)
+            step += call[0][2] == 0
+            used[step, call[0][2]] = call[0][3]
+    lookahead, at = Prefetcher.lookahead, [-1]
+
+    def oracle(self, layer, x, decode=True):
+        out = lookahead(self, layer, x, decode)
+        if decode:
+            at[0] += layer == 0
+            for ahead_step, target, ahead in self.calls_ahead(layer):
+                experts = used.get((at[0] + ahead, target))
+                if ahead_step in out and experts is not None:
+                    scores = np.full((1, num_experts), -30.0, np.float32)
+                    scores[0, experts] = 0.0
+                    out[ahead_step] = mx.array(scores)
+        return out
+
+    Prefetcher.lookahead = oracle
 
 
 def run_one(args):
@@ -330,7 +371,8 @@ def run_rate(args, rate_text, rate, caches, configs, tree, mp=None):
             label = rate_label(rate_text, rate, args.latency)
             r = spawn(config, args, label=f"{config}, {share * 100:.0f} % ({n} slots), {label}",
                       env=env, cache_experts=n, **({"mount": mp} if mp else {}),
-                      **({"baseline_tree": tree} if config == "baseline" else {}))
+                      **({"baseline_tree": tree} if config == "baseline" else {}),
+                      **({"trace": args.trace, "oracle_depth": args.oracle_depth} if config == "oracle" else {}))
             r.update(rate=rate, rate_text=rate_text, latency=args.latency, share=share, slots=n, config=config)
             out.append(r)
             if "runs" in r:
@@ -699,8 +741,12 @@ def main():
                         help="Cache sizes as shares of all layers x experts, comma-separated. Default 0.25,0.5.")
     parser.add_argument("--configs", default=None,
                         help="Of off (prefetch=0), default (mlxmoe.load with no options), baseline (the default "
-                             "of --baseline REF or --baseline-path DIR), lossy (the default with --lossy's options). "
+                             "of --baseline REF or --baseline-path DIR), lossy (the default with --lossy's options), "
+                             "oracle (a what-if: see --oracle-depth). "
                              "Default: off,default (and baseline with either).")
+    parser.add_argument("--oracle-depth", type=int, default=3,
+                        help="The 'oracle' configuration (a what-if: the default's lookahead given the run's own "
+                             "routing, every guess right) predicts this many layer calls ahead. Default 3.")
     parser.add_argument("--lossy", default=None,
                         help="mlxmoe.load's lossy options for the 'lossy' configuration, e.g. cache_bias=0.75 or "
                              "trim=0.3,fallback=/tmp/fb2.safetensors (bench_lossy.py measures their quality).")
@@ -809,6 +855,9 @@ def main():
             routing["trace"] = str(trace_file)
     runs = [r for r in (prev or {}).get("runs", []) if r["rate_text"] not in {t for t, _ in rates}]
     belady = {"error": "no routing trace"}
+    if "oracle" in configs and "trace" not in routing:
+        raise SystemExit("--configs oracle: no routing trace was recorded")
+    args.trace = routing.get("trace")  # the oracle configuration's routing
     if "trace" in routing:
         slots = sorted({n for _, n in caches} | {r["slots"] for r in runs})  # those of --only-rates' kept rows too
         belady = spawn("belady", args, label="Belady's MIN on the routing", trace=routing["trace"],
