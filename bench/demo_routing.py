@@ -15,7 +15,7 @@ pages, fortunes), and prints per MoE layer:
   to the same figure for Qwen3-30B-A3B (bench/data/qwen3-30b-a3b-expert-heat.json) and
   for the languages mixed together (what the load-balancing loss flattened);
 - held-out perplexity per language against a unigram model fitted on the training split
-  (add-one smoothing).
+  (add-one smoothing), and nats per character, which compares models whose tokenizers differ
 
 Results also go to bench/out/demo_routing.json. The held-out text was never trained on
 (train_demo.py holds out ~5 % of the documents by md5 of their name). The 4-bit weights are
@@ -161,11 +161,14 @@ def main(argv=None):
     seq_len = 256
 
     texts = load_texts(args.full, Path(args.work), args.heldout_dir)
-    counts, nll, targets = {}, {}, {}
+    counts, nll, targets, chars = {}, {}, {}, {}
     for key, docs in texts.items():
         ids = tokenizer.encode(td.EOT.join(docs) + td.EOT, add_special_tokens=False)
         c, l, t = run_model(model, ids, seq_len, top_k, max_tokens=args.max_tokens if args.full else None)
         counts[key], nll[key], targets[key] = c, l, t
+        # the characters the scored tokens spell: per character, models with different
+        # tokenizers compare on the same text (the decoding gives the text back exactly)
+        chars[key] = len(tokenizer.decode(ids[: len(t) + 1]))
 
     # A language's expert usage: its kinds weighted equally (French has man pages only).
     langs = [lang for lang in td.LANGS if any(k.startswith(lang + ".") for k in counts)]
@@ -265,18 +268,20 @@ def main(argv=None):
         uni = np.asarray(json.load(f)["counts"], np.float64)
     logp_uni = np.log((uni + 1) / (uni.sum() + len(uni)))
     print()
-    print("Held-out perplexity per token (the same tokens for both; unigram: training-split counts, add-one)")
-    print(f"  {'':<10s}{'tokens':>8s}{'model':>10s}{'unigram':>10s}   per kind (model / unigram)")
+    print("Held-out perplexity per token (the same tokens for both; unigram: training-split counts, add-one), "
+          "and the model's nats per character (comparable across tokenizers)")
+    print(f"  {'':<10s}{'tokens':>8s}{'model':>10s}{'unigram':>10s}{'nats/char':>11s}   per kind (model / unigram)")
     ppl = {}
     for lang in langs:
         keys = [k for k in nll if k.startswith(lang + ".")]
         l = np.concatenate([nll[k] for k in keys])
         t = np.concatenate([targets[k] for k in keys])
         m, u = math.exp(l.mean()), math.exp(-logp_uni[t].mean())
+        per_char = l.sum() / sum(chars[k] for k in keys)
         kinds = {k.split(".")[1]: (math.exp(nll[k].mean()), math.exp(-logp_uni[targets[k]].mean())) for k in keys}
-        ppl[lang] = {"tokens": int(len(t)), "model": m, "unigram": u,
+        ppl[lang] = {"tokens": int(len(t)), "model": m, "unigram": u, "nats_per_char": float(per_char),
                      "per_kind": {k: {"model": a, "unigram": b} for k, (a, b) in kinds.items()}}
-        print(f"  {NAMES[lang]:<10s}{len(t):>8d}{m:>10.1f}{u:>10.1f}   "
+        print(f"  {NAMES[lang]:<10s}{len(t):>8d}{m:>10.1f}{u:>10.1f}{per_char:>11.4f}   "
               + ", ".join(f"{k} {a:.1f} / {b:.1f}" for k, (a, b) in kinds.items()))
     res["perplexity"] = ppl
     res["seconds"] = round(time.time() - t0, 1)

@@ -3,6 +3,8 @@
     python demo/train_demo.py                    # corpus + tokenizer + training + 4-bit export
     python demo/train_demo.py --steps 20 --chat-steps 5 --work /tmp/demo-smoke-work --out /tmp/demo-smoke  # smoke
     python demo/train_demo.py --continue-from 0745f27 --steps 600   # more training on a committed demo model
+    python demo/train_demo.py --continue-from 73e2b16 --steps 600 --warmup 20 --lr 2e-4 --sampling-power 0.5 \
+        --chat-steps 60 --chat-lr 1e-4                              # the shipped model's last run (an anneal)
 
 What it does, reproducibly (fixed seed, sorted file lists, fixed step count):
 
@@ -21,7 +23,9 @@ What it does, reproducibly (fixed seed, sorted file lists, fixed step count):
    languages: CHAT_TUNE). `--from-phase1` starts from the first phase's weights that an
    earlier run left in the work folder. `--continue-from REV` starts instead from the
    demo model committed at git revision REV (its 4-bit weights dequantized, its tokenizer
-   kept) and trains both phases again on top of it (CONTINUE: a lower peak rate).
+   kept) and trains both phases again on top of it (CONTINUE: a lower peak rate; `--lr`
+   and `--chat-lr` set the phases' peak rates, `--sampling-power` draws the larger
+   languages more often).
 4. Quantizes to 4 bits with mlx-lm's `quantize_model` and saves with mlx-lm's
    `save_model`/`save_config` into `mlxmoe/demo/` with `training.json` (sources,
    package versions, seed, sizes, hyperparameters, time, losses), plus small held-out
@@ -913,7 +917,11 @@ def train(args):
         "command": "python demo/train_demo.py"
                    + ("" if not args.continue_from else f" --continue-from {args.continue_from}")
                    + ("" if args.steps is None else f" --steps {args.steps}")
+                   + ("" if args.warmup is None else f" --warmup {args.warmup}")
+                   + ("" if args.lr is None else f" --lr {args.lr:g}")
+                   + ("" if not args.sampling_power else f" --sampling-power {args.sampling_power:g}")
                    + ("" if args.chat_steps is None else f" --chat-steps {args.chat_steps}")
+                   + ("" if args.chat_lr is None else f" --chat-lr {args.chat_lr:g}")
                    + ("" if args.eval_tokens == EVAL_TOKENS else f" --eval-tokens {args.eval_tokens}"),
         **manifest,
         "model_config": MODEL_CONFIG,
