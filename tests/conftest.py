@@ -8,6 +8,10 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A suite started in the background by a non-interactive shell (`.ci/run &`) inherits Ctrl-C
+# ignored, as would every server and command the tests stop with it: give SIGINT back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import pytest
 
