@@ -34,9 +34,10 @@ from .caching.fallback import build as write_fallback
 from .caching.fallback import file_bytes as fallback_bytes
 from .caching.lossy import attach_lossy
 from .caching.lossy import check_options as check_lossy
-from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, open_checkpoint, read_tokenizer
+from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, decoder_layers, open_checkpoint, read_tokenizer
 from .caching.policies import ONLINE, make_policy
 from .caching.prefetch import Prefetcher
+from .caching.speculate import Speculator
 from .workload.profile import ActivationProfile, fingerprint, prewarm_order
 from .workload.trace import TraceWriter, read_trace
 
@@ -325,6 +326,9 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
     runtime.lossy = attach_lossy(ckpt, cache, opts.trim, opts.cache_bias, opts.trim_mass, prior)
     if opts.fallback is not None:
         attach_fallback(ckpt, cache, opts.fallback, fp)
+    decoders = decoder_layers(ckpt)
+    if prefetcher is not None and ckpt.group is None and runtime.lossy is None and opts.fallback is None and decoders:
+        cache.speculate_with(Speculator(ckpt.model, decoders, ckpt.blocks, cache, prefetcher))
     be.activate(p.budget)
     if opts.trace_out is not None:
         runtime.record_trace(opts.trace_out)

@@ -50,6 +50,7 @@ class Checkpoint:
     experts: list = field(default_factory=list)  # StreamingExperts, one per MoE layer
     module_paths: list = field(default_factory=list)
     routers: list = field(default_factory=list)  # per MoE layer: x -> router scores, or None
+    blocks: list = field(default_factory=list)  # per MoE layer: the module holding its experts (the MoE block)
     top_ks: list = field(default_factory=list)  # per MoE layer: the experts each token is routed to
     layer_offset: int = 0  # under a pipeline split: the whole model's index of this stage's first MoE layer
     total_layers: int = 0  # the whole model's MoE layers (this stage's alone when 0)
@@ -489,6 +490,7 @@ def _swap_in(ckpt, switches):
         probs, scores = find_router(parent, ckpt.store.num_experts)
         streaming = StreamingExperts(module, layer, probs)
         ckpt.routers.append(scores)
+        ckpt.blocks.append(parent)
         ckpt.experts.append(streaming)
         swaps.append((mpath, streaming))
     model.update_modules(tree_unflatten(swaps))
@@ -624,6 +626,18 @@ def model_top_k(path, config, model, switches):
 def _num_experts(module):
     """The experts of a SwitchGLU/SwitchMLP as mlx-lm built it: the leading dimension of its weights."""
     return next(module[lin]["weight"].shape[0] for lin in LINEARS if lin in module)
+
+
+def decoder_layers(ckpt):
+    """Each MoE layer's decoder layer, an index into `model.layers` (as mlx-lm's prompt cache
+    counts them); None where a MoE layer lies in none of them."""
+    layers = getattr(ckpt.model, "layers", None)
+    found = [_stage_layer(p) for p in ckpt.module_paths]
+    if layers is None or any(d is None or d >= len(layers) for d in found):
+        return None
+    if not all(any(m is s for _, m in layers[d].named_modules()) for d, s in zip(found, ckpt.experts)):
+        return None
+    return found
 
 
 def attach_cache(ckpt, runtime):

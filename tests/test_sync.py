@@ -10,7 +10,8 @@ block and is counted apart.
 
 Targets: with every expert resident no sync per layer call; streaming at half the
 experts exactly one per decode layer call (the routing, the lookahead and the router's
-probabilities in one `mx.eval`)."""
+probabilities in one `mx.eval`). Running ahead (speculate.py) computes while the decode
+thread waits for reads: its syncs and layer calls are counted apart (`ahead`)."""
 
 import sys
 import threading
@@ -39,6 +40,8 @@ class SyncCounter:
         self.thread = threading.get_ident()
         self.calls = []  # per decode layer call: [syncs, async evals, layer, streamed]
         self.current = None
+        self.ahead = 0  # syncs while running ahead
+        self.speculator = None
         self.token = 0
         self.made = {}  # id -> (array, token it was made in) for arrays layer calls made or got
         self.covered = {}  # id -> array evaluated by an mlxmoe mx.eval
@@ -67,6 +70,9 @@ class SyncCounter:
             return read
 
         def call(module, x, indices):
+            counter.speculator = module._cache.speculator
+            if counter._running_ahead():
+                return orig_call(module, x, indices)
             decode = x.size == x.shape[-1]
             if decode and module._layer == 0:
                 counter.token += 1
@@ -105,8 +111,13 @@ class SyncCounter:
     def _mine(self):
         return threading.get_ident() == self.thread and _from_mlxmoe(3)
 
+    def _running_ahead(self):
+        return self.speculator is not None and self.speculator.running is not None
+
     def _sync(self):
-        if self.current is not None:
+        if self._running_ahead():
+            self.ahead += 1
+        elif self.current is not None:
             self.current[0] += 1
 
     def _read(self, x):

@@ -272,6 +272,9 @@ class ExpertCache(Residency):
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
         self.prefetcher: Prefetcher | None = None  # when prefetching (attach)
+        self.speculator = None  # speculate.Speculator where the decode thread runs ahead while it waits for reads
+        self.demand_io = None  # the thread that reads a decode step's misses meanwhile
+        self.read_each = None  # seconds a demand read took an expert, decayed mean (when running ahead)
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident (experts.py)
         self.hold_resident = hold_resident
         self.step_tokens = 1
@@ -285,6 +288,11 @@ class ExpertCache(Residency):
         close() closes it."""
         with self.lock:
             self.prefetcher = prefetcher
+
+    def speculate_with(self, speculator) -> None:
+        """Have `speculator` (speculate.Speculator) run ahead while decode steps wait for reads."""
+        self.demand_io = self.demand_io or ThreadPoolExecutor(1, thread_name_prefix="mlxmoe-demand")
+        self.speculator = speculator
 
     def watch(self, observer: Callable, close: Callable | None = None) -> None:
         """Give each layer call to `observer` from now on; close() calls `close` after the
@@ -395,9 +403,11 @@ class ExpertCache(Residency):
                 unread |= {e for l, e in self.loader.failed if l == layer}
                 ready = {e: s for e, s in zip(experts, slots) if e not in unread}
         tic = time.perf_counter()
-        if missed:
-            if early is not None and ready:
-                early(ready)
+        if missed and early is not None and ready:
+            early(ready)
+        if self.speculator is not None and self.step_tokens == 1 and (missed or waits):
+            self.read_running_ahead(layer, missed, waits)
+        elif missed:
             self.read_demand(layer, missed)
         if waits or self.loader.failed:
             self.loader.wait_for(waits, keys)
@@ -429,6 +439,35 @@ class ExpertCache(Residency):
             self.forget([(layer, e) for e, _ in missed])
             raise
         self.counters.loads_demand += len(missed)
+
+    def read_running_ahead(self, layer: int, missed: list, waits: list) -> None:
+        """read_demand() of `missed` on the demand thread while the decode thread runs ahead
+        of `layer` (speculate.py), for as long as those reads and the background ones it
+        waits for (`waits`, [(key, Event)]) are expected to take."""
+        start, ended = time.perf_counter(), []
+
+        def read():
+            self.read_demand(layer, missed)
+            ended.append(time.perf_counter())
+
+        reads = self.demand_io.submit(read) if missed else None
+        coming = [done for _, done in waits if not done.is_set()]
+
+        def reading():
+            return (reads is not None and not reads.done()) or any(not done.is_set() for done in coming)
+
+        try:
+            if self.read_each is not None and (missed or coming):
+                until = start + self.read_each * (len(missed) + len(coming))
+                self.speculator.run_ahead(layer, until, reading, [e for e, _ in missed])
+        finally:
+            self.speculator.early = None
+            if reads is not None:
+                wait([reads])  # no thread writes into the slots once this returns
+        if reads is not None:
+            reads.result()
+            each = (ended[0] - start) / len(missed)
+            self.read_each = each if self.read_each is None else 0.7 * self.read_each + 0.3 * each
 
     def forget(self, keys: list) -> None:
         """Take `keys` out of the cache: their slots are free again, holding nothing."""
@@ -490,6 +529,8 @@ class ExpertCache(Residency):
             self.prefetcher.close()
         for close in self.closers:
             close()
+        if self.demand_io is not None:
+            self.demand_io.shutdown(wait=True)
         self.pools.close()
         self.store.close()
 
@@ -640,6 +681,9 @@ class BackgroundLoader:
         self.waiting: dict = {}
         self.prefetched: set = set()
         self.failed: set = set()
+        # (token count, layer) -> the experts running ahead found that layer call routes to
+        # (speculate.py): a background read of another is no longer wanted
+        self.routed_ahead: dict = {}
         self.stop = threading.Event()  # set when the cache closes
         self.prewarm_thread: threading.Thread | None = None
 
@@ -691,7 +735,7 @@ class BackgroundLoader:
                     if self.stop.is_set() or self.reached(until):
                         cache.counters.prefetch_stale += 1
                         return
-                    if key in cache.slot_of:
+                    if key in cache.slot_of or not self.wanted(key, until):
                         continue
                     # (under `background` no other background read is on its way)
                     room = (cache.capacity - len(cache.active)) // 2
@@ -699,6 +743,12 @@ class BackgroundLoader:
                     if not taken:
                         return
                 self.load(key, taken[0][1], until)
+
+    def wanted(self, key: tuple, until: tuple) -> bool:
+        """Whether a guess `key` for the layer call `until` = (token, layer) is still worth
+        reading: running ahead has not found that call routes elsewhere."""
+        routed = self.routed_ahead.get(until)
+        return routed is None or key[1] in routed
 
     def claim(self, keys: list, evict: bool, beats_victim=None) -> list:
         """Give slots to `keys` (under the lock) and mark them on their way; [(key, slot)]."""
@@ -714,7 +764,9 @@ class BackgroundLoader:
         cache, n, cancelled, granted = self.cache, None, False, [0]
 
         def wanted():
-            return not self.stop.is_set() and (until is None or not self.reached(until) or key in cache.active)
+            if self.stop.is_set():
+                return False
+            return until is None or key in cache.active or not self.reached(until) and self.wanted(key, until)
 
         try:
             with self.gate.reading(key, wanted, granted) as pace:

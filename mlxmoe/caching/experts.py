@@ -231,6 +231,8 @@ class StreamingExperts(nn.Module):
 
     def _call(self, x, indices):
         cache = self._cache
+        if cache.speculator is not None and cache.speculator.running is not None:
+            return cache.speculator.experts(self, x, indices)  # running ahead (speculate.py)
         table = resident_table(cache)
         if table is not None:
             return self._resident(x, indices, table)
@@ -355,6 +357,8 @@ class StreamingExperts(nn.Module):
             y = self._inner(x, nest([ready[row[i]] for i in cols], depth))
             mx.async_eval(y)
             started.append((cols, y))
+            if cache.speculator is not None:  # the layer's output with these, while running ahead
+                cache.speculator.early = (self._layer, cols, y)
 
         try:
             slots = cache.fetch(self._layer, experts, routing=routing, early=early)

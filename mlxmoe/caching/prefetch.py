@@ -10,7 +10,9 @@ Predictors, each scored for precision and recall on every layer it predicted:
   as the experts the current layer uses now (MoE-Infinity's activation matrix, learned
   online; past the last layer, the next token's first layer after this token's last),
 - `previous_token`: the experts the target layer used at its last call,
-- `profile`: the layer's hottest experts in the profile prior.
+- `profile`: the layer's hottest experts in the profile prior,
+- `speculative`: what the next layers route to when the decode thread runs them ahead
+  while it waits for reads (speculate.py; read as far as its precision clears the bar).
 What is loaded: the router's confident guesses and those it shares with the previous
 token; then the router's next guesses (top 2k) and the co-activation's, each only where
 the cache policy would rather evict its victim than the guess, judged by how often the
@@ -33,7 +35,7 @@ import numpy as np
 from ..backend import host_probs
 from .policies import hottest
 
-PREDICTORS = ("router", "router_next_token", "coactivation", "previous_token", "profile")
+PREDICTORS = ("router", "router_next_token", "coactivation", "previous_token", "profile", "speculative")
 
 
 def hottest_per_layer(rates, k):
@@ -197,6 +199,8 @@ class Prefetcher:
         self.off_thread = True
         self.host = HostThread(lambda job: self._layer_work(*job))
         self.jobs = []  # futures of queued and running loads
+        self.jobs_lock = threading.Lock()  # queue() is called from the host thread and the decode thread
+        self.speculated_for = {}  # (layer, token count) -> experts running ahead found it routes to
         self.calls_ahead_of = {}  # (layer, depth, cross_token) -> calls_ahead()
         self.previous = {}  # layer -> experts it used at its last call
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
@@ -236,7 +240,7 @@ class Prefetcher:
     def _layer_work(self, layer, rows, ahead_scores, token, decode):
         last = rows[-1]  # a decode step's experts as a list, a prefill step's rows as an array
         self.observe(layer, last if isinstance(last, list) else last.tolist(), decode=decode,
-                     rows=None if decode else rows)
+                     rows=None if decode else rows, token=token)
         if decode:
             self.after_layer(layer, ahead_scores, token)
         else:
@@ -248,7 +252,7 @@ class Prefetcher:
         """Wait for the queued scoring and predicting (raising its error, if any)."""
         self.host.settle()
 
-    def observe(self, layer, experts, decode=True, rows=None):
+    def observe(self, layer, experts, decode=True, rows=None, token=None):
         """The experts `layer` really used (at the last token of the call): score what
         was predicted for it, if this is the decode step it was predicted for. At a prefill
         step, `rows` (each token's experts) score the router's guesses of each rank for
@@ -264,6 +268,9 @@ class Prefetcher:
         pending = self.pending.pop(layer, {})
         for name, predicted in pending.items() if decode else ():
             count_prediction(self.counts[name], predicted, used)
+        speculated = self.speculated_for.pop((layer, token), None)
+        if decode and speculated is not None:
+            count_prediction(self.counts["speculative"], speculated, used)
         for step, guesses in self.ranked.pop(layer, {}).items() if decode else ():
             counts = self.co_rank_counts[layer] if step == "coactivation" else self.rank_counts[step - 1, layer]
             for i, e in enumerate(guesses):
@@ -390,12 +397,30 @@ class Prefetcher:
             keys = [k for k in keys if k[1] not in skip]
         self.queue(keys, when, target, beats_victim)
 
+    def speculated(self, target, experts, token):
+        """Running ahead (speculate.py) found that `target`'s call at token count `token` routes
+        to `experts`: load those not resident, while such guesses' precision so far (from a
+        prior of one in two) clears `min_chance`, each in place of a victim the policy values less."""
+        if len(self.speculated_for) > 4 * len(self.routers):  # calls that never came (a generation ended)
+            self.speculated_for = {k: v for k, v in self.speculated_for.items() if k[1] >= token}
+            routed = self.cache.loader.routed_ahead
+            for call in [c for c in routed if c[0] < token]:
+                routed.pop(call, None)
+        self.speculated_for[(target, token)] = set(experts)
+        self.cache.loader.routed_ahead[(token, target)] = set(experts)  # the other guesses for it: no longer read
+        correct, predicted, _ = self.counts["speculative"]
+        chance = (correct + 1.0) / (predicted + 2.0)
+        if chance >= self.min_chance:
+            likely = {(target, e): chance for e in experts}
+            self.queue(list(likely), token, target, outranks(self.cache.policy, likely))
+
     def queue(self, keys, when, target, beats_victim=None):
         """Load those of `keys` not resident in a prefetch worker (see cache.BackgroundLoader.prefetch)."""
         keys = [k for k in keys if k not in self.cache.slot_of]
         if keys:
-            self.jobs = [j for j in self.jobs if not j.done()]
-            self.jobs.append(self.pool.submit(self.cache.loader.prefetch, keys, when, target, beats_victim))
+            with self.jobs_lock:
+                self.jobs = [j for j in self.jobs if not j.done()]
+                self.jobs.append(self.pool.submit(self.cache.loader.prefetch, keys, when, target, beats_victim))
 
     def stats(self):
         self.settle()
@@ -404,8 +429,9 @@ class Prefetcher:
     def drain(self):
         """Wait until every queued prediction and load has ended."""
         self.settle()
-        wait(self.jobs)
-        self.jobs = []
+        with self.jobs_lock:
+            jobs, self.jobs = self.jobs, []
+        wait(jobs)
 
     def close(self):
         self.host.close()  # what is queued is dropped, not waited for
