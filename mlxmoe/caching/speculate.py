@@ -25,6 +25,10 @@ from .experts import nest
 
 # decoder layers run ahead of the layer waiting for its reads (beside that layer's own rerun)
 LAYERS_AHEAD = 3
+# a layer run ahead computes this many of its resident experts, those its router weighs most
+# (where the router is tapped): on the Qwen3-shaped checkpoint, guesses two and three layers
+# ahead right 0.91 / 0.89 of the time with 2, 0.93 / 0.91 with all 8, in a third of the time
+AHEAD_EXPERTS = 2
 
 
 # the caches a layer run ahead can read without writing them
@@ -71,10 +75,13 @@ class Speculator:
         self.running = None  # the MoE layer waiting for its reads, while running ahead of it
         self.early = None  # (MoE layer, [its rows computed early], their output): see experts()
         self.unread = ()  # the waiting layer's experts not in their slots yet
-        self.layer_seconds = None  # a decoder layer run ahead, decayed mean
-        self.route_seconds = None  # ... until its MoE layer's routing is known
+        # decayed means, over the layers run ahead after the first (which also waits for the
+        # waiting layer's early compute): from a layer's start until its routing is known,
+        # and from then until its end
+        self.route_seconds = self.finish_seconds = None
+        self.routed = None  # when the routing of the layer run ahead now was known
         self.until = 0.0  # when the reads are expected to end (run_ahead)
-        self.started = 0.0  # when the decoder layer run ahead now started
+        self.started = None  # when the decoder layer run ahead now started (None: the first)
         self.last = False  # whether it is the last one this time
         self.error = None  # why it is off, if it is
         self.layers_run = 0
@@ -105,7 +112,7 @@ class Speculator:
         if self.error is not None or self.inside != d0 or call[2] is None or call[0][0].shape[-2] != 1:
             return  # off, not within the layer's call, not a decode step's (one token), or no KV cache to read
         args, kwargs, kv, offset = call
-        self.running, self.unread, self.until, self.last = layer, set(unread), until, False
+        self.running, self.unread, self.until, self.last, self.started = layer, set(unread), until, False, None
         try:
             h, first = self._output(layer, d0), d0 + 1
             if h is None:
@@ -114,18 +121,19 @@ class Speculator:
                 now = time.perf_counter()
                 if self.last or not reading() or now + (self.route_seconds or 0.0) > until:
                     break
-                self.started = now
                 real = kv if d == d0 else self.calls.get(d, (None, None, None))[2]
                 if real is None:
                     break
                 ahead = AheadKV(real, offset if d == d0 else real.offset)
+                self.routed = None
                 h = self.layers[d](h, *(ahead if v is kv else v for v in args[1:]),
                                    **{k: ahead if v is kv else v for k, v in kwargs.items()})
                 if not isinstance(h, mx.array):
                     raise TypeError(f"decoder layer {d} returned {type(h).__name__}, not an array")
                 mx.eval(h)
-                if not self.last:
-                    self.layer_seconds = decayed(self.layer_seconds, time.perf_counter() - now)
+                if not self.last and self.routed is not None:
+                    self.finish_seconds = decayed(self.finish_seconds, time.perf_counter() - self.routed)
+                self.started = time.perf_counter()
                 self.layers_run += 1
         except Exception as e:  # noqa: BLE001 - running ahead is optional: off for this model, the decode goes on
             self.error = f"{type(e).__name__}: {e}"
@@ -149,10 +157,7 @@ class Speculator:
             row, depth = row[0], depth + 1
         if layer == self.running and self.early is not None and self.early[0] == layer:
             _, cols, y = self.early
-            rest = [i for i in range(len(row)) if i not in cols]
-            if rest:
-                y = mx.concatenate([y, mx.zeros((*y.shape[:-2], len(rest), y.shape[-1]), y.dtype)], axis=-2)
-            return mx.take(y, mx.array(np.argsort(cols + rest)), axis=-2)
+            return _in_row_order(y, cols, len(row))
         unread = self.unread if layer == self.running else ()
         with cache.lock:
             slots = {e: cache.slot_of[(layer, e)] for e in set(row) if e not in unread
@@ -160,14 +165,26 @@ class Speculator:
                      and (layer, e) not in cache.loader.failed}
         if layer != self.running:
             self.prefetcher.speculated(layer, sorted(set(row)), cache.counters.tokens)
-            now = time.perf_counter()
-            self.route_seconds = decayed(self.route_seconds, now - self.started)
-            self.last = now + (self.layer_seconds or 0.0) > self.until
-        if not slots or self.last:
+            self.routed = time.perf_counter()
+            if self.started is not None:
+                self.route_seconds = decayed(self.route_seconds, self.routed - self.started)
+            self.last = self.routed + (self.finish_seconds or 0.0) + (self.route_seconds or 0.0) > self.until
+        logits = getattr(streaming._router, "logits", None)
+        if logits is not None and len(slots) > AHEAD_EXPERTS and layer != self.running:
+            weight = np.array(logits()).reshape(-1)
+            slots = {e: slots[e] for e in sorted(slots, key=lambda e: -weight[e])[:AHEAD_EXPERTS]}
+        cols = [i for i, e in enumerate(row) if e in slots]
+        if not cols or self.last:
             return mx.zeros((*indices.shape, x.shape[-1]), x.dtype)
-        some = next(iter(slots.values()))
-        y = streaming._inner(x, nest([slots.get(e, some) for e in row], depth))
-        return y * mx.array([float(e in slots) for e in row], dtype=y.dtype)[:, None]
+        return _in_row_order(streaming._inner(x, nest([slots[row[i]] for i in cols], depth)), cols, len(row))
+
+
+def _in_row_order(y, cols, k):
+    """The output of a layer's k routed experts from `y`, that of those at `cols` (the rest zero)."""
+    rest = [i for i in range(k) if i not in cols]
+    if rest:
+        y = mx.concatenate([y, mx.zeros((*y.shape[:-2], len(rest), y.shape[-1]), y.dtype)], axis=-2)
+    return mx.take(y, mx.array(np.argsort(cols + rest)), axis=-2)
 
 
 def decayed(mean, value, keep=0.7):
