@@ -686,3 +686,25 @@ def test_running_ahead_reads_the_kv_cache_without_writing_it():
         assert np.array_equal(np.array(values[..., offset:, :]), np.array(new + 1))
     assert real.keys is before[0] and real.offset == before[1]
     assert np.array_equal(np.array(real.keys[..., :5, :]), before[2])
+
+
+def test_running_ahead_keeps_no_prompt_activations(checkpoint):
+    """What running ahead keeps of the last layer calls (their arguments, the norms' inputs
+    and outputs, the MoE blocks' inputs) is a decode step's one token at most: a prompt's
+    activations would stay alive until each layer's next call, outside the memory budget."""
+    import mlx.core as mx
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    speculator = model.expert_cache.speculator
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt = " ".join(["the cat sat on the mat and then the dog came"] * 4)
+    mx.eval(model(mx.array([tokenizer.encode(prompt)]), cache=make_prompt_cache(model)))  # a prompt step
+    kept = [a for args, kwargs, _, _ in speculator.calls.values() if args is not None
+            for a in (*args, *kwargs.values())]
+    kept += [a for pairs in speculator.norms.values() for pair in pairs.values() for a in pair]
+    kept += list(speculator.block_inputs.values())
+    arrays = [a for a in kept if isinstance(a, mx.array)]
+    assert len(speculator.calls) == len(model.layers)
+    assert all(a.ndim < 2 or a.shape[-2] == 1 for a in arrays), [a.shape for a in arrays if a.shape[-2] != 1]

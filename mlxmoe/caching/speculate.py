@@ -92,13 +92,16 @@ class Speculator:
             for name, norm in layer.children().items():
                 if "norm" in name.lower() and isinstance(norm, nn.Module):
                     _tap(norm, self, after=lambda a, kw, out, d=d, n=id(norm): self.norms.setdefault(d, {}).__setitem__(
-                        n, (a[0] if a else None, out)))
+                        n, (one_token(a), out if one_token(a) is not None else None)))
         for moe, block in enumerate(blocks):
-            _tap(block, self, before=lambda a, kw, moe=moe: self.block_inputs.__setitem__(moe, a[0] if a else None))
+            _tap(block, self, before=lambda a, kw, moe=moe: self.block_inputs.__setitem__(moe, one_token(a)))
 
     def _record(self, d, args, kwargs) -> None:
+        """A decoder layer's call: its arguments kept only at a decode step (a prompt's
+        activations would stay alive until the layer's next call)."""
         kv = next((a for a in (*args, *kwargs.values()) if type(a) in KV_TYPES), None)
-        self.calls[d] = (args, kwargs, kv, None if kv is None else kv.offset)
+        one = one_token(args) is not None
+        self.calls[d] = (args if one else None, kwargs if one else None, kv, None if kv is None else kv.offset)
         self.inside = d
 
     def run_ahead(self, layer: int, until: float, reading, unread=()) -> None:
@@ -109,7 +112,7 @@ class Speculator:
         may start then (the last layer run ahead needs nothing past its routing)."""
         d0 = self.decoder_of[layer]
         call = self.calls.get(d0)
-        if self.error is not None or self.inside != d0 or call[2] is None or call[0][0].shape[-2] != 1:
+        if self.error is not None or self.inside != d0 or call[0] is None or call[2] is None:
             return  # off, not within the layer's call, not a decode step's (one token), or no KV cache to read
         args, kwargs, kv, offset = call
         self.running, self.unread, self.until, self.last, self.started = layer, set(unread), until, False, None
@@ -185,6 +188,12 @@ def _in_row_order(y, cols, k):
     if rest:
         y = mx.concatenate([y, mx.zeros((*y.shape[:-2], len(rest), y.shape[-1]), y.dtype)], axis=-2)
     return mx.take(y, mx.array(np.argsort(cols + rest)), axis=-2)
+
+
+def one_token(args):
+    """A call's first argument if it is the hidden state of one token, else None."""
+    x = args[0] if args else None
+    return x if isinstance(x, mx.array) and x.ndim >= 2 and x.shape[-2] == 1 else None
 
 
 def decayed(mean, value, keep=0.7):
