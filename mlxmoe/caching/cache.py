@@ -19,7 +19,7 @@ import numpy as np
 from ..budget import peak_rss
 from .counters import CacheStats
 from ..errors import MlxmoeError
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, decayed
 from ..storage.store import CHUNK
 
 # Background pieces (ReadGate.chunk): about this long at the disk's rate, within these sizes.
@@ -274,7 +274,6 @@ class ExpertCache(Residency):
         self.prefetcher: Prefetcher | None = None  # when prefetching (attach)
         self.speculator = None  # speculate.Speculator where the decode thread runs ahead while it waits for reads
         self.demand_io = None  # the thread that reads a decode step's misses meanwhile
-        self.read_each = None  # seconds a demand read took an expert, decayed mean (when running ahead)
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident (experts.py)
         self.hold_resident = hold_resident
         self.step_tokens = 1
@@ -456,18 +455,18 @@ class ExpertCache(Residency):
         def reading():
             return (reads is not None and not reads.done()) or any(not done.is_set() for done in coming)
 
+        speculator = self.speculator
         try:
-            if self.read_each is not None and (missed or coming):
-                until = start + self.read_each * (len(missed) + len(coming))
-                self.speculator.run_ahead(layer, until, reading, [e for e, _ in missed])
+            if speculator.read_each is not None and (missed or coming):
+                until = start + speculator.read_each * (len(missed) + len(coming))
+                speculator.run_ahead(layer, until, reading, [e for e, _ in missed])
         finally:
-            self.speculator.early = None
+            speculator.early = None
             if reads is not None:
                 wait([reads])  # no thread writes into the slots once this returns
         if reads is not None:
             reads.result()
-            each = (ended[0] - start) / len(missed)
-            self.read_each = each if self.read_each is None else 0.7 * self.read_each + 0.3 * each
+            speculator.read_each = decayed(speculator.read_each, (ended[0] - start) / len(missed))
 
     def forget(self, keys: list) -> None:
         """Take `keys` out of the cache: their slots are free again, holding nothing."""

@@ -112,6 +112,11 @@ def paced(chance, busy, busy_target, floor, ceiling):
     return chance
 
 
+def decayed(mean, value, keep=0.7):
+    """A decayed mean updated with `value` (the value itself if there was none)."""
+    return value if mean is None else keep * mean + (1 - keep) * value
+
+
 class HostThread:
     """One thread that runs jobs in the order they were put, off the decode thread: each
     job is given to `work`, or called if it is a function. The first error a job raised is
@@ -200,7 +205,6 @@ class Prefetcher:
         self.host = HostThread(lambda job: self._layer_work(*job))
         self.jobs = []  # futures of queued and running loads
         self.jobs_lock = threading.Lock()  # queue() is called from the host thread and the decode thread
-        self.speculated_for = {}  # (layer, token count) -> experts running ahead found it routes to
         self.calls_ahead_of = {}  # (layer, depth, cross_token) -> calls_ahead()
         self.previous = {}  # layer -> experts it used at its last call
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
@@ -268,7 +272,8 @@ class Prefetcher:
         pending = self.pending.pop(layer, {})
         for name, predicted in pending.items() if decode else ():
             count_prediction(self.counts[name], predicted, used)
-        speculated = self.speculated_for.pop((layer, token), None)
+        # what running ahead found (BackgroundLoader.routed_ahead), no longer needed once the call came
+        speculated = None if self.cache is None else self.cache.loader.routed_ahead.pop((token, layer), None)
         if decode and speculated is not None:
             count_prediction(self.counts["speculative"], speculated, used)
         for step, guesses in self.ranked.pop(layer, {}).items() if decode else ():
@@ -401,13 +406,11 @@ class Prefetcher:
         """Running ahead (speculate.py) found that `target`'s call at token count `token` routes
         to `experts`: load those not resident, while such guesses' precision so far (from a
         prior of one in two) clears `min_chance`, each in place of a victim the policy values less."""
-        if len(self.speculated_for) > 4 * len(self.routers):  # calls that never came (a generation ended)
-            self.speculated_for = {k: v for k, v in self.speculated_for.items() if k[1] >= token}
-            routed = self.cache.loader.routed_ahead
-            for call in [c for c in routed if c[0] < token]:
+        routed = self.cache.loader.routed_ahead  # scored and dropped when the call comes (observe)
+        if len(routed) > 4 * len(self.routers):  # calls that never came (a generation ended)
+            for call in [c for c in list(routed) if c[0] < token]:  # (list: one copy, as the host thread pops)
                 routed.pop(call, None)
-        self.speculated_for[(target, token)] = set(experts)
-        self.cache.loader.routed_ahead[(token, target)] = set(experts)  # the other guesses for it: no longer read
+        routed[(token, target)] = set(experts)  # the other guesses for that call: no longer read
         correct, predicted, _ = self.counts["speculative"]
         chance = (correct + 1.0) / (predicted + 2.0)
         if chance >= self.min_chance:

@@ -22,6 +22,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .experts import nest
+from .prefetch import decayed
 
 # decoder layers run ahead of the layer waiting for its reads (beside that layer's own rerun)
 LAYERS_AHEAD = 3
@@ -79,6 +80,7 @@ class Speculator:
         # waiting layer's early compute): from a layer's start until its routing is known,
         # and from then until its end
         self.route_seconds = self.finish_seconds = None
+        self.read_each = None  # seconds a decode step's demand read took an expert (ExpertCache.read_running_ahead)
         self.routed = None  # when the routing of the layer run ahead now was known
         self.until = 0.0  # when the reads are expected to end (run_ahead)
         self.started = None  # when the decoder layer run ahead now started (None: the first)
@@ -91,10 +93,14 @@ class Speculator:
                  after=lambda a, kw, out: setattr(self, "inside", None))
             for name, norm in layer.children().items():
                 if "norm" in name.lower() and isinstance(norm, nn.Module):
-                    _tap(norm, self, after=lambda a, kw, out, d=d, n=id(norm): self.norms.setdefault(d, {}).__setitem__(
-                        n, (one_token(a), out if one_token(a) is not None else None)))
+                    _tap(norm, self, after=lambda a, kw, out, d=d, n=id(norm): self._normed(d, n, a, out))
         for moe, block in enumerate(blocks):
             _tap(block, self, before=lambda a, kw, moe=moe: self.block_inputs.__setitem__(moe, one_token(a)))
+
+    def _normed(self, d, norm, args, out) -> None:
+        """A norm of decoder layer `d` was called: its input and output kept at a decode step."""
+        x = one_token(args)
+        self.norms.setdefault(d, {})[norm] = (x, None if x is None else out)
 
     def _record(self, d, args, kwargs) -> None:
         """A decoder layer's call: its arguments kept only at a decode step (a prompt's
@@ -194,10 +200,6 @@ def one_token(args):
     """A call's first argument if it is the hidden state of one token, else None."""
     x = args[0] if args else None
     return x if isinstance(x, mx.array) and x.ndim >= 2 and x.shape[-2] == 1 else None
-
-
-def decayed(mean, value, keep=0.7):
-    return value if mean is None else keep * mean + (1 - keep) * value
 
 
 def _tap(module, speculator, before=None, after=None):
