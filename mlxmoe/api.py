@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.generate import generation_stream as _mlx_generation_stream
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
+from mlx_lm.sample_utils import greedy_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import backend as backends
@@ -37,7 +38,7 @@ from .caching.lossy import check_options as check_lossy
 from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, decoder_layers, open_checkpoint, read_tokenizer
 from .caching.policies import ONLINE, make_policy
 from .caching.prefetch import Prefetcher
-from .caching.speculate import Speculator
+from .caching.speculate import NextToken, Speculator
 from .workload.profile import ActivationProfile, fingerprint, prewarm_order
 from .workload.trace import TraceWriter, read_trace
 
@@ -723,6 +724,11 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
     if "prefill_step_size" not in kwargs:
         kwargs["prefill_step_size"] = prefill_step(None if runtime is None else runtime.plan, tokenizer, prompt,
                                                    kwargs.get("prompt_cache"))
+    speculator = None if cache is None else cache.speculator
+    next_token = None
+    if speculator is not None and speculator.head is not None:  # running ahead crosses into the next token
+        next_token = NextToken(kwargs.get("logits_processors"))
+        next_token.wrap(kwargs, greedy_sampler)
     lock = generation_lock(model)
     me = threading.get_ident()
     if getattr(model, "_mlxmoe_generation_owner", None) == me:
@@ -733,6 +739,8 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
     try:
         if runtime is not None:
             runtime.new_sequence()
+        if next_token is not None:
+            speculator.next_token = next_token
         group = None if runtime is None else runtime.group
         steps = _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
         while True:
@@ -755,6 +763,8 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
             if cache is not None and cache.deferred:  # closed early: its arrays are this thread's
                 cache.flush()
         finally:
+            if next_token is not None:
+                speculator.next_token = None
             model._mlxmoe_generation_owner = None
             lock.release()
 

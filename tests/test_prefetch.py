@@ -664,6 +664,112 @@ def test_running_ahead_while_reads_are_slow_keeps_tokens(checkpoint, arch):
     assert tokens(model, tokenizer, 12) == want  # a second generation: new KV caches, the same tokens
 
 
+def ban_recent(window):
+    """A logits processor banning the last `window` tokens (greedy decoding then differs
+    from the plain argmax at most steps)."""
+    import mlx.core as mx
+
+    def process(tokens, logits):
+        banned = mx.zeros(logits.shape[-1], dtype=mx.bool_)
+        banned[tokens[-window:]] = True
+        return mx.where(banned, -mx.inf, logits)
+
+    return process
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_running_ahead_crosses_into_the_next_token(checkpoint, arch):
+    """Where the last layers wait for reads, running ahead guesses the next token as the
+    generation would choose it (its logits processors applied to the approximate logits)
+    and runs that token's first layers, whose routing is read ahead. Tokens are stock
+    mlx-lm's with the same processor; the processor only ever sees real tokens."""
+    path = checkpoint(arch, quant="4bit")
+    model, tokenizer = mlx_lm.load(str(path))
+    detect().apply_dtype_policy(model)
+    want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=12,
+                                                    logits_processors=[ban_recent(4)])]
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    cache = model.expert_cache
+    speculator = cache.speculator
+    assert speculator.head is not None
+    slow_reads(cache.store, 0.02)
+    seen = []
+    ban = ban_recent(4)
+
+    def processor(tokens, logits):
+        seen.append(tokens.tolist())
+        return ban(tokens, logits)
+
+    got = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=12,
+                                                   logits_processors=[processor])]
+    assert got == want
+    assert speculator.error is None and speculator.next_token is None  # let go at the end
+    right, guessed = speculator.tokens_guessed
+    assert guessed > 0 and right > 0
+    prompt = seen[0]
+    assert all(tokens == prompt + got[:len(tokens) - len(prompt)] for tokens in seen)
+
+
+def test_next_token_guess_follows_the_processors():
+    """NextToken keeps what mlx-lm's generation loop gives its processors and sampler, and
+    guesses the next token as the processors would leave the logits (their argmax)."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import greedy_sampler
+
+    from mlxmoe.caching.speculate import NextToken
+
+    plain = NextToken()
+    kwargs = {}
+    plain.wrap(kwargs, greedy_sampler)
+    assert "logits_processors" not in kwargs  # mlx-lm keeps no token list for nothing
+    assert kwargs["sampler"](mx.array([[0.0, 1.0, 5.0]])).item() == 2 and plain.last.item() == 2
+    assert plain.guess(mx.array([[0.0, 5.0, 4.0]])).item() == 1
+
+    banning = NextToken([ban_recent(2)])
+    kwargs = {}
+    banning.wrap(kwargs, greedy_sampler)
+    assert banning.guess(mx.array([[0.0, 5.0, 4.0]])) is None  # no token sampled yet
+    first, *rest = kwargs["logits_processors"]
+    logits = mx.array([[0.0, 1.0, 5.0]])
+    tokens = mx.array([1])
+    for processor in (first, *rest):
+        logits = processor(tokens, logits)
+    kwargs["sampler"](logits)  # token 2; tokens 1 and 2 are now the last two
+    assert banning.guess(mx.array([[0.0, 5.0, 4.0]])).item() == 0
+
+
+def test_guesses_are_read_only_where_they_can_pay():
+    """The bar a guess's chance must clear: none is read before a read and a layer's
+    compute are timed; where a layer computes in far less than a read of one piece and the
+    disk is busy, nearly nothing clears it (a right guess hides at most that compute, a
+    wrong one costs its read); where a wrong read is cancelled after a short piece, or the
+    disk idles, it is min_chance."""
+    from types import SimpleNamespace
+
+    from mlxmoe.caching.prefetch import Prefetcher
+
+    pf = Prefetcher(None, [None, None], 2, workers=1, min_chance=0.1)
+    try:
+        gate = SimpleNamespace(rate=None, chunk=lambda: 1 << 20)
+        pf.cache = SimpleNamespace(loader=SimpleNamespace(gate=gate), layer_seconds=None,
+                                   store=SimpleNamespace(expert_file_bytes=lambda: 1 << 20))
+        assert pf.bar(1) == float("inf")
+        gate.rate, pf.cache.layer_seconds = 2 << 20, 0.001  # a read of one piece 0.5 s, a layer 1 ms
+        assert pf.bar(1) > 0.99  # the disk taken as busy until measured
+        pf.pace(0.0, 0.0)
+        pf.pace(1.0, 0.9)  # busy 90 % of a step
+        assert 0.99 < pf.bar(1) < 1.0 and pf.bar(3) < pf.bar(1)
+        gate.chunk = lambda: 1 << 14  # pieces of 7.8 ms: a wrong guess stops after one
+        cost = 0.9 * (1 << 14) / (2 << 20)
+        assert pf.bar(1) == pytest.approx(cost / (0.001 + cost))
+        assert pf.bar(8) == pytest.approx(max(pf.min_chance, cost / (0.008 + cost)))
+        for t in range(2, 30):
+            pf.pace(float(t), 0.9)  # the disk idle since
+        assert pf.bar(1) == pf.min_chance
+    finally:
+        pf.close()
+
+
 def test_running_ahead_reads_the_kv_cache_without_writing_it():
     """A layer run ahead attends to the real cache's keys up to its offset and this token's,
     and leaves the real cache as it was (its arrays, offset and values)."""

@@ -274,6 +274,10 @@ class ExpertCache(Residency):
         self.prefetcher: Prefetcher | None = None  # when prefetching (attach)
         self.speculator = None  # speculate.Speculator where the decode thread runs ahead while it waits for reads
         self.demand_io = None  # the thread that reads a decode step's misses meanwhile
+        # decayed seconds of a decode step's compute from one layer call's fetch to the next's
+        # (the prefetcher weighs what a right guess can save by it); (when, layer) of the last fetch
+        self.layer_seconds = None
+        self.fetched = (0.0, -1)
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident (experts.py)
         self.hold_resident = hold_resident
         self.step_tokens = 1
@@ -367,6 +371,8 @@ class ExpertCache(Residency):
         call that no background read is filling leave the cache: a key given a slot but not
         yet read would otherwise pass for resident with another expert's bytes."""
         self.check_open()
+        if self.step_tokens == 1 and layer == self.fetched[1] + 1:
+            self.layer_seconds = decayed(self.layer_seconds, time.perf_counter() - self.fetched[0])
         try:
             return self._fetch(layer, experts, scores, probs, routing, early)
         except BaseException:
@@ -374,6 +380,8 @@ class ExpertCache(Residency):
                 unsure = [(layer, e) for e in experts if (layer, e) not in self.in_flight]
             self.forget(unsure)
             raise
+        finally:
+            self.fetched = (time.perf_counter(), layer)
 
     def check_open(self) -> None:
         if self.loader.stop.is_set():
@@ -432,8 +440,11 @@ class ExpertCache(Residency):
         (Ctrl-C in `chat`, which carries on), those keys leave the cache: left in, they would
         pass for resident with another expert's bytes."""
         try:
+            tic = time.perf_counter()
             with self.loader.gate.demand():
-                self.counters.demand_bytes += self.pools.read(layer, missed)
+                n = self.pools.read(layer, missed)
+            self.loader.gate.timed(n, time.perf_counter() - tic)
+            self.counters.demand_bytes += n
         except BaseException:
             self.forget([(layer, e) for e, _ in missed])
             raise
@@ -583,6 +594,12 @@ class ReadGate:
     def delayed_seconds(self) -> float:
         with self.cond:
             return self.delayed + (time.perf_counter() - self.waited_from if self.waited_from is not None else 0.0)
+
+    def timed(self, nbytes: int, seconds: float) -> None:
+        """A demand read of `nbytes` took `seconds`: the disk's rate until a piece measures it."""
+        with self.cond:
+            if self.rate is None and seconds > 0:
+                self.rate = nbytes / seconds
 
     def chunk(self) -> int:
         """A background piece's bytes: what the disk reads in about PIECE_SECONDS at its

@@ -197,6 +197,7 @@ class Prefetcher:
         self.min_chance, self.chance_floor, self.max_chance = min_chance, chance_floor, max_chance
         self.busy_target = busy_target
         self.paced = None  # (time, the disk's busy seconds) at the last decode step's start
+        self.busy = None  # [busy, all] decayed seconds of decode steps: the disk's recent occupancy (pace)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
         # scoring and predicting run in this one thread, in the layer calls' order, while
         # the decode thread goes on (False: on the decode thread, after each layer call);
@@ -314,7 +315,8 @@ class Prefetcher:
         """After a prefill layer call has its experts, with `ahead_scores` = lookahead() evaluated:
         queue the loads of the experts the next layers' routers pick for the prompt's
         tokens (each token's top_k; past the last layer, the last token's for the next
-        step), the most picked first, to run while this layer computes. Each token's
+        step, where the router's first guess at that distance clears the bar), the most
+        picked first, to run while this layer computes. Each token's
         guesses of each rank are scored as a decode step's are (a prompt teaches the rank
         chances that admit decode's guesses)."""
         for step, target, ahead in self.calls_ahead(layer):
@@ -325,6 +327,9 @@ class Prefetcher:
                 if not ahead and self.candidates:  # each token's guesses by rank, resident ones left out
                     resident = [[(target, e) in self.cache.slot_of for e in row] for row in wide.tolist()]
                     self.prompt_ranked[target] = (step, np.where(resident, -1, wide))
+                used, guessed = self.rank_counts[step - 1, target, 0]
+                if ahead and used / guessed < self.bar(step):
+                    continue  # the next step's guesses: read where the router's first was right often enough
                 self.queue([(target, e) for e in most_picked(probs, order, self.top_ks[target])], token + ahead, target)
 
     def after_layer(self, layer, ahead_scores, token):
@@ -363,9 +368,30 @@ class Prefetcher:
         busy_target[1]. Reads the disk has time for cost nothing; where the disk is the
         bottleneck only the likeliest guesses pay for the slots they take and the bytes."""
         if self.paced is not None and now > self.paced[0] and busy_seconds >= self.paced[1]:
-            busy = (busy_seconds - self.paced[1]) / (now - self.paced[0])
-            self.min_chance = paced(self.min_chance, busy, self.busy_target, self.chance_floor, self.max_chance)
+            busy, seconds = busy_seconds - self.paced[1], now - self.paced[0]
+            self.min_chance = paced(self.min_chance, busy / seconds, self.busy_target, self.chance_floor, self.max_chance)
+            self.busy = [busy, seconds] if self.busy is None else [0.7 * self.busy[0] + busy, 0.7 * self.busy[1] + seconds]
         self.paced = (now, busy_seconds)
+
+    def bar(self, steps):
+        """The chance a guess for the layer call `steps` calls ahead needs to be read: at least
+        `min_chance`, and what makes its read pay. A right guess hides at most the compute
+        until its call (steps x a decode layer's, measured) and never more than its read. A
+        wrong one is cancelled at its next piece once its call comes, and while it is read a
+        demand read waits for its piece under way at most: it costs about a piece of disk
+        time (its whole read where it is one piece) as far as the disk was busy of late
+        (time-weighted over the last decode steps; taken as always until one is measured).
+        So where a layer computes in far less than a read of one piece (the demo model: 0.5
+        against 29 ms at 2 MB/s) no guess is worth its read; none is read before a read and a
+        decode layer were timed."""
+        cache = self.cache
+        gate, layer = cache.loader.gate, cache.layer_seconds
+        if gate.rate is None or layer is None:
+            return float("inf")
+        read = cache.store.expert_file_bytes() / gate.rate
+        busy = 1.0 if self.busy is None else min(1.0, self.busy[0] / self.busy[1])
+        gain, cost = min(steps * layer, read), min(read, gate.chunk() / gate.rate) * busy
+        return max(self.min_chance, cost / (gain + cost))
 
     def submit(self, target, step, when, predicted, probs, ranked=None, co=None, skip=()):
         """Queue the loads for `target`'s call at token count `when`. What is not resident is
@@ -395,17 +421,18 @@ class Prefetcher:
                 guesses["coactivation"] = (co, self.co_rank_counts[target])
             chance, scored = rank_chances(target, guesses, self.cache.slot_of)
             self.ranked.setdefault(target, {}).update(scored)
-            keys = [k for k in keys if chance.get(k, 1.0) >= self.min_chance]
-            likely.update((k, c) for k, c in chance.items() if k[1] not in sure and c >= self.min_chance)
+            bar = self.bar(step)
+            keys = [k for k in keys if chance.get(k, 1.0) >= bar]
+            likely.update((k, c) for k, c in chance.items() if k[1] not in sure and c >= bar)
             keys += sorted(likely, key=lambda k: -likely[k])
         if skip:
             keys = [k for k in keys if k[1] not in skip]
         self.queue(keys, when, target, beats_victim)
 
-    def speculated(self, target, experts, token):
-        """Running ahead (speculate.py) found that `target`'s call at token count `token` routes
-        to `experts`: load those not resident, while such guesses' precision so far (from a
-        prior of one in two) clears `min_chance`, each in place of a victim the policy values less."""
+    def speculated(self, target, experts, token, steps=1):
+        """Running ahead (speculate.py) found that `target`'s call at token count `token`, `steps`
+        layer calls ahead, routes to `experts`: load those not resident, while such guesses'
+        precision so far (from a prior of one in two) clears the bar, each in place of a victim the policy values less."""
         routed = self.cache.loader.routed_ahead  # scored and dropped when the call comes (observe)
         if len(routed) > 4 * len(self.routers):  # calls that never came (a generation ended)
             for call in [c for c in list(routed) if c[0] < token]:  # (list: one copy, as the host thread pops)
@@ -413,7 +440,7 @@ class Prefetcher:
         routed[(token, target)] = set(experts)  # the other guesses for that call: no longer read
         correct, predicted, _ = self.counts["speculative"]
         chance = (correct + 1.0) / (predicted + 2.0)
-        if chance >= self.min_chance:
+        if chance >= self.bar(steps):
             likely = {(target, e): chance for e in experts}
             self.queue(list(likely), token, target, outranks(self.cache.policy, likely))
 

@@ -9,6 +9,12 @@ the guesses one, two and three layers ahead on the Qwen3-shaped checkpoint. Noth
 computes reaches the model's output: its attention reads the KV cache and never writes
 it (AheadKV), its expert calls touch no counter, policy or observer.
 
+Past the last decoder layer it crosses into the next token where a generation told it how
+that token is chosen (NextToken): the token the approximate logits would give, after the
+generation's logits processors, is embedded and the next token's first layers run on it
+(their KV caches already hold this token), so the next token's first reads start while
+this token's last layers wait; without it the disk idled at each token boundary.
+
 It only runs while the reads are expected to last longer than one layer of it (so it
 never delays the decode where reads are quick), on models whose decoder layers keep a
 KVCache or RotatingKVCache; an error in it turns it off for the model (`error`), the decode goes on.
@@ -53,6 +59,65 @@ class AheadKV:
                 mx.concatenate([self.real.values[..., :old, :], values], axis=2))
 
 
+class NextToken:
+    """How a generation chooses its tokens, for running ahead into the next one: its logits
+    processors (mlx-lm's take the tokens so far and the logits and keep no state; they are
+    also called on the logits run ahead) and the token its sampler chose last."""
+
+    def __init__(self, processors=None) -> None:
+        self.processors = list(processors or [])
+        self.tokens = None  # the tokens the processors saw at the last step
+        self.last = None  # the token the sampler chose last: this step's input
+
+    def seen(self, tokens, logits):
+        """A logits processor, put first: keeps the tokens the others are given."""
+        self.tokens = tokens
+        return logits
+
+    def sampler(self, sampler):
+        """`sampler`, also keeping the token it chooses."""
+        def sample(logprobs):
+            self.last = sampler(logprobs)
+            return self.last
+        return sample
+
+    def wrap(self, kwargs: dict, default_sampler) -> None:
+        """Have stream_generate's `kwargs` (mlx-lm's) feed this: the tokens sampled and, where
+        there are processors, the tokens they are given."""
+        kwargs["sampler"] = self.sampler(kwargs.get("sampler") or default_sampler)
+        if self.processors:
+            kwargs["logits_processors"] = [self.seen, *self.processors]
+
+    def guess(self, logits):
+        """The next token from the logits run ahead: the processors' argmax (a sampler's likeliest)."""
+        if self.processors:
+            if self.last is None:
+                return None
+            last = self.last.reshape(-1)
+            tokens = last if self.tokens is None else mx.concatenate([self.tokens, last])
+            for processor in self.processors:
+                logits = processor(tokens, logits)
+        return mx.argmax(logits, axis=-1)
+
+
+def model_head(model):
+    """(embed, logits) of an mlx-lm model whose decoder layers run between its `model.embed_tokens`
+    and its `model.norm` followed by `lm_head` (or the tied embedding); None otherwise."""
+    inner = getattr(model, "model", None)
+    embed, norm = getattr(inner, "embed_tokens", None), getattr(inner, "norm", None)
+    if not isinstance(embed, nn.Module) or not isinstance(norm, nn.Module):
+        return None
+    layers = getattr(inner, "layers", None)  # model.layers may be a copy of the list (pipeline_layers)
+    if layers is None or len(layers) != len(model.layers) or any(a is not b for a, b in zip(layers, model.layers)):
+        return None
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        head = getattr(embed, "as_linear", None)
+    if head is None:
+        return None
+    return embed, lambda h: head(norm(h))
+
+
 class Speculator:
     """Runs ahead on `model.layers` (decoder layers; `decoder_of[l]`: the decoder layer of
     MoE layer l, `blocks[l]`: the MoE block holding its experts) for a cache's decode
@@ -69,6 +134,12 @@ class Speculator:
         self.layers = model.layers
         self.decoder_of, self.blocks = decoder_of, blocks
         self.cache, self.prefetcher, self.layers_ahead = cache, prefetcher, layers_ahead
+        self.head = model_head(model)  # (embed, logits) to cross into the next token
+        self.next_token = None  # NextToken while a generation tells how it chooses tokens
+        self.token_ahead = 0  # 1 while running the next token's layers
+        self.steps = 0  # decoder layers between the one waiting and the one run ahead now
+        self.tokens_guessed = [0, 0]  # [right, guessed] next tokens (scored at the next step)
+        self.guessed = None  # (token count, token) of the last next token guessed
         self.calls = {}  # decoder layer -> (args, kwargs, its KV cache, the cache's offset before) of its last call
         self.inside = None  # the decoder layer being called now, if any
         self.norms = {}  # decoder layer -> {norm's id: (its last input, output)}
@@ -122,19 +193,29 @@ class Speculator:
             return  # off, not within the layer's call, not a decode step's (one token), or no KV cache to read
         args, kwargs, kv, offset = call
         self.running, self.unread, self.until, self.last, self.started = layer, set(unread), until, False, None
+        self.token_ahead = 0
         try:
             h, first = self._output(layer, d0), d0 + 1
             if h is None:
                 h, first = args[0], d0
-            for d in range(first, min(d0 + 1 + self.layers_ahead, len(self.layers))):
+            n = len(self.layers)
+            for p in range(first, d0 + 1 + self.layers_ahead):
+                d = p % n
                 now = time.perf_counter()
                 if self.last or not reading() or now + (self.route_seconds or 0.0) > until:
                     break
+                if p == n:  # past the last layer: the next token's, on its guess
+                    h = self._next_input(h) if d0 > 0 else None
+                    if h is None:
+                        break
+                    self.token_ahead = 1
+                elif p > n and d >= d0:
+                    break  # the next token's layers run ahead: only those this token has called
                 real = kv if d == d0 else self.calls.get(d, (None, None, None))[2]
                 if real is None:
                     break
                 ahead = AheadKV(real, offset if d == d0 else real.offset)
-                self.routed = None
+                self.routed, self.steps = None, p - d0
                 h = self.layers[d](h, *(ahead if v is kv else v for v in args[1:]),
                                    **{k: ahead if v is kv else v for k, v in kwargs.items()})
                 if not isinstance(h, mx.array):
@@ -148,6 +229,25 @@ class Speculator:
             self.error = f"{type(e).__name__}: {e}"
         finally:
             self.running, self.early, self.unread = None, None, ()
+
+    def _next_input(self, h):
+        """The next token's embedding, from the hidden state `h` past the last layer run
+        ahead (None where the model's head or the generation's NextToken is unknown); the
+        guess made at the last step is scored against the token it got."""
+        next_token = self.next_token
+        if self.head is None or next_token is None:
+            return None
+        tokens = self.cache.counters.tokens
+        if self.guessed is not None and self.guessed[0] == tokens and next_token.last is not None:
+            self.tokens_guessed[0] += self.guessed[1] == next_token.last.reshape(-1)[0].item()
+            self.tokens_guessed[1] += 1
+        self.guessed = None
+        embed, logits = self.head
+        token = next_token.guess(logits(h)[:, -1, :])
+        if token is None:
+            return None
+        self.guessed = (tokens + 1, token.item())
+        return embed(token.reshape(1, 1))
 
     def _output(self, layer, d0):
         """MoE layer `layer`'s decoder layer's output with the experts at hand: the norm's
@@ -173,7 +273,7 @@ class Speculator:
                      and (layer, e) in cache.slot_of and (layer, e) not in cache.in_flight
                      and (layer, e) not in cache.loader.failed}
         if layer != self.running:
-            self.prefetcher.speculated(layer, sorted(set(row)), cache.counters.tokens)
+            self.prefetcher.speculated(layer, sorted(set(row)), cache.counters.tokens + self.token_ahead, self.steps)
             self.routed = time.perf_counter()
             if self.started is not None:
                 self.route_seconds = decayed(self.route_seconds, self.routed - self.started)
