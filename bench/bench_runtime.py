@@ -87,6 +87,7 @@ def no_repeat(window):
             logits[:, tokens[-window:]] = float("-inf")
         return logits
 
+    process.stateless = True  # mlxmoe's running ahead may call it to guess the next token
     return process
 
 

@@ -666,7 +666,7 @@ def test_running_ahead_while_reads_are_slow_keeps_tokens(checkpoint, arch):
 
 def ban_recent(window):
     """A logits processor banning the last `window` tokens (greedy decoding then differs
-    from the plain argmax at most steps)."""
+    from the plain argmax at most steps), marked stateless."""
     import mlx.core as mx
 
     def process(tokens, logits):
@@ -674,40 +674,57 @@ def ban_recent(window):
         banned[tokens[-window:]] = True
         return mx.where(banned, -mx.inf, logits)
 
+    process.stateless = True
     return process
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_running_ahead_crosses_into_the_next_token(checkpoint, arch):
     """Where the last layers wait for reads, running ahead guesses the next token as the
-    generation would choose it (its logits processors applied to the approximate logits)
-    and runs that token's first layers, whose routing is read ahead. Tokens are stock
-    mlx-lm's with the same processor; the processor only ever sees real tokens."""
+    generation would choose it (its stateless logits processors applied to the approximate
+    logits) and runs that token's first layers, whose routing is read ahead and scored at
+    that token's calls. Tokens are stock mlx-lm's with the same processors, and a processor
+    that keeps state is called exactly as stock mlx-lm calls it."""
     path = checkpoint(arch, quant="4bit")
+
+    def counting():
+        calls = []
+
+        def process(tokens, logits):  # keeps state: never called for a guess
+            calls.append(tokens.tolist())
+            return logits
+        return process, calls
+
+    stock_counter, stock_calls = counting()
     model, tokenizer = mlx_lm.load(str(path))
     detect().apply_dtype_policy(model)
     want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=12,
-                                                    logits_processors=[ban_recent(4)])]
+                                                    logits_processors=[ban_recent(4), stock_counter])]
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
     cache = model.expert_cache
     speculator = cache.speculator
     assert speculator.head is not None
     slow_reads(cache.store, 0.02)
-    seen = []
-    ban = ban_recent(4)
+    routed, scored = cache.loader.routed_ahead, []
 
-    def processor(tokens, logits):
-        seen.append(tokens.tolist())
-        return ban(tokens, logits)
+    class Scored(dict):  # the running ahead's findings the layer calls took (observe pops them)
+        def pop(self, key, *default):
+            found = super().pop(key, *default)
+            if found is not None and key[0] == cache.counters.tokens:
+                scored.append(key)
+            return found
 
+    cache.loader.routed_ahead = Scored(routed)
+    counter, calls = counting()
     got = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=12,
-                                                   logits_processors=[processor])]
+                                                   logits_processors=[ban_recent(4), counter])]
+    cache.prefetcher.settle()
     assert got == want
+    assert calls == stock_calls
     assert speculator.error is None and speculator.next_token is None  # let go at the end
     right, guessed = speculator.tokens_guessed
     assert guessed > 0 and right > 0
-    prompt = seen[0]
-    assert all(tokens == prompt + got[:len(tokens) - len(prompt)] for tokens in seen)
+    assert any(layer == 0 for _, layer in scored)  # a next token's first layer, found the step before
 
 
 def test_next_token_guess_follows_the_processors():

@@ -358,9 +358,14 @@ class ExpertCache(Residency):
         self.counters.bookkeeping_seconds += time.perf_counter() - tic
 
     def new_sequence(self) -> None:
-        """A new sequence starts at position 0 (the last one's host work done first)."""
+        """A new sequence starts at position 0 (the last one's host work done first); what
+        running ahead found of calls that never came, and the last step's timing, are dropped."""
         self.flush()
         self.position = 0
+        self.fetched = (0.0, -1)
+        self.loader.routed_ahead.clear()
+        if self.prefetcher is not None:
+            self.prefetcher.paced = None  # the pause between sequences is no decode step
 
     def fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None,
               routing: Callable | None = None, early: Callable | None = None) -> list:
@@ -519,6 +524,7 @@ class ExpertCache(Residency):
         with self.lock:  # loads from before the reset are not this window's (prefetch_useful <= loads_prefetched)
             self.counters.reset()
             self.loader.prefetched.clear()
+            self.loader.routed_ahead.clear()  # keyed by token counts, which restart
             self.loader.gate.reset()
 
     def stop(self) -> None:

@@ -434,8 +434,9 @@ class Prefetcher:
         layer calls ahead, routes to `experts`: load those not resident, while such guesses'
         precision so far (from a prior of one in two) clears the bar, each in place of a victim the policy values less."""
         routed = self.cache.loader.routed_ahead  # scored and dropped when the call comes (observe)
-        if len(routed) > 4 * len(self.routers):  # calls that never came (a generation ended)
-            for call in [c for c in list(routed) if c[0] < token]:  # (list: one copy, as the host thread pops)
+        if len(routed) > 4 * len(self.routers):  # calls that never came
+            now = self.cache.counters.tokens
+            for call in [c for c in list(routed) if c[0] < now]:  # (list: one copy, as the host thread pops)
                 routed.pop(call, None)
         routed[(token, target)] = set(experts)  # the other guesses for that call: no longer read
         correct, predicted, _ = self.counts["speculative"]

@@ -11,9 +11,11 @@ it (AheadKV), its expert calls touch no counter, policy or observer.
 
 Past the last decoder layer it crosses into the next token where a generation told it how
 that token is chosen (NextToken): the token the approximate logits would give, after the
-generation's logits processors, is embedded and the next token's first layers run on it
-(their KV caches already hold this token), so the next token's first reads start while
-this token's last layers wait; without it the disk idled at each token boundary.
+generation's stateless logits processors (mlx-lm's own, or those marked `stateless = True`;
+another may keep state, such as a grammar's matcher, and is never called an extra time), is
+embedded and the next token's first layers run on it (their KV caches already hold this
+token), so the next token's first reads start while this token's last layers wait; without
+it the disk idled at each token boundary.
 
 It only runs while the reads are expected to last longer than one layer of it (so it
 never delays the decode where reads are quick), on models whose decoder layers keep a
@@ -59,15 +61,24 @@ class AheadKV:
                 mx.concatenate([self.real.values[..., :old, :], values], axis=2))
 
 
+def stateless(processor) -> bool:
+    """Whether a logits processor may be called an extra time: mlx-lm's own (a function of the
+    tokens and logits it is given) or one marked `stateless = True`."""
+    return getattr(processor, "__module__", None) == "mlx_lm.sample_utils" or getattr(processor, "stateless", False) is True
+
+
 class NextToken:
-    """How a generation chooses its tokens, for running ahead into the next one: its logits
-    processors (mlx-lm's take the tokens so far and the logits and keep no state; they are
-    also called on the logits run ahead) and the token its sampler chose last."""
+    """How a generation chooses its tokens, for running ahead into the next one: its
+    stateless logits processors (also called on the logits run ahead; the others are left
+    out of the guess), the token its sampler chose last, and the token guessed at the last
+    crossing. One per generation (stream_generate)."""
 
     def __init__(self, processors=None) -> None:
-        self.processors = list(processors or [])
+        self.all_processors = list(processors or [])
+        self.processors = [p for p in self.all_processors if stateless(p)]
         self.tokens = None  # the tokens the processors saw at the last step
         self.last = None  # the token the sampler chose last: this step's input
+        self.guessed = None  # (token count, token) of the next token guessed last
 
     def seen(self, tokens, logits):
         """A logits processor, put first: keeps the tokens the others are given."""
@@ -86,10 +97,10 @@ class NextToken:
         there are processors, the tokens they are given."""
         kwargs["sampler"] = self.sampler(kwargs.get("sampler") or default_sampler)
         if self.processors:
-            kwargs["logits_processors"] = [self.seen, *self.processors]
+            kwargs["logits_processors"] = [self.seen, *self.all_processors]
 
     def guess(self, logits):
-        """The next token from the logits run ahead: the processors' argmax (a sampler's likeliest)."""
+        """The next token from the logits run ahead: the stateless processors' argmax (a sampler's likeliest)."""
         if self.processors:
             if self.last is None:
                 return None
@@ -139,7 +150,7 @@ class Speculator:
         self.token_ahead = 0  # 1 while running the next token's layers
         self.steps = 0  # decoder layers between the one waiting and the one run ahead now
         self.tokens_guessed = [0, 0]  # [right, guessed] next tokens (scored at the next step)
-        self.guessed = None  # (token count, token) of the last next token guessed
+        self.head_seconds = None  # decayed seconds of a guess of the next token (the head, the processors)
         self.calls = {}  # decoder layer -> (args, kwargs, its KV cache, the cache's offset before) of its last call
         self.inside = None  # the decoder layer being called now, if any
         self.norms = {}  # decoder layer -> {norm's id: (its last input, output)}
@@ -158,7 +169,7 @@ class Speculator:
         self.last = False  # whether it is the last one this time
         self.error = None  # why it is off, if it is
         self.layers_run = 0
-        for d in sorted(set(decoder_of)):
+        for d in range(len(self.layers)):  # every decoder layer, dense ones too (run ahead through them)
             layer = self.layers[d]
             _tap(layer, self, before=lambda a, kw, d=d: self._record(d, a, kw),
                  after=lambda a, kw, out: setattr(self, "inside", None))
@@ -205,7 +216,10 @@ class Speculator:
                 if self.last or not reading() or now + (self.route_seconds or 0.0) > until:
                     break
                 if p == n:  # past the last layer: the next token's, on its guess
-                    h = self._next_input(h) if d0 > 0 else None
+                    first_kv = self.calls.get(0, (None, None, None))[2]
+                    if d0 == 0 or first_kv is None or now + (self.head_seconds or 0.0) + (self.route_seconds or 0.0) > until:
+                        break  # the next token's first layer not this token's yet (or dense, untapped), or no time
+                    h = self._next_input(h)
                     if h is None:
                         break
                     self.token_ahead = 1
@@ -233,21 +247,30 @@ class Speculator:
     def _next_input(self, h):
         """The next token's embedding, from the hidden state `h` past the last layer run
         ahead (None where the model's head or the generation's NextToken is unknown); the
-        guess made at the last step is scored against the token it got."""
+        guess made at the last step is scored against the token it got. An error here (a
+        processor's) turns crossing off for the generation only."""
         next_token = self.next_token
         if self.head is None or next_token is None:
             return None
+        tic = time.perf_counter()
         tokens = self.cache.counters.tokens
-        if self.guessed is not None and self.guessed[0] == tokens and next_token.last is not None:
-            self.tokens_guessed[0] += self.guessed[1] == next_token.last.reshape(-1)[0].item()
-            self.tokens_guessed[1] += 1
-        self.guessed = None
-        embed, logits = self.head
-        token = next_token.guess(logits(h)[:, -1, :])
-        if token is None:
+        guessed = next_token.guessed
+        try:
+            if guessed is not None and guessed[0] == tokens and next_token.last is not None:
+                self.tokens_guessed[0] += guessed[1] == next_token.last.reshape(-1)[0].item()
+                self.tokens_guessed[1] += 1
+            next_token.guessed = None
+            embed, logits = self.head
+            token = next_token.guess(logits(h)[:, -1, :])
+            if token is None:
+                return None
+            next_token.guessed = (tokens + 1, token.item())
+            x = embed(token.reshape(1, 1))
+        except Exception:  # noqa: BLE001 - the guess is optional: no crossing for this generation
+            self.next_token = None
             return None
-        self.guessed = (tokens + 1, token.item())
-        return embed(token.reshape(1, 1))
+        self.head_seconds = decayed(self.head_seconds, time.perf_counter() - tic)
+        return x
 
     def _output(self, layer, d0):
         """MoE layer `layer`'s decoder layer's output with the experts at hand: the norm's
