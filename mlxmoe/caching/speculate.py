@@ -215,19 +215,18 @@ class Speculator:
                 now = time.perf_counter()
                 if self.last or not reading() or now + (self.route_seconds or 0.0) > until:
                     break
-                if p == n:  # past the last layer: the next token's, on its guess
-                    first_kv = self.calls.get(0, (None, None, None))[2]
-                    if d0 == 0 or first_kv is None or now + (self.head_seconds or 0.0) + (self.route_seconds or 0.0) > until:
-                        break  # the next token's first layer not this token's yet (or dense, untapped), or no time
-                    h = self._next_input(h)
-                    if h is None:
-                        break
-                    self.token_ahead = 1
-                elif p > n and d >= d0:
+                if p >= n and d >= d0:
                     break  # the next token's layers run ahead: only those this token has called
                 real = kv if d == d0 else self.calls.get(d, (None, None, None))[2]
                 if real is None:
                     break
+                if p == n:  # past the last layer: the next token's, on its guess (if there is time for it)
+                    if now + (self.head_seconds or 0.0) + (self.route_seconds or 0.0) > until:
+                        break
+                    h = self._next_input(h)
+                    if h is None:
+                        break
+                    self.token_ahead = 1
                 ahead = AheadKV(real, offset if d == d0 else real.offset)
                 self.routed, self.steps = None, p - d0
                 h = self.layers[d](h, *(ahead if v is kv else v for v in args[1:]),
