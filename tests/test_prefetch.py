@@ -530,8 +530,7 @@ def test_read_gate_puts_demand_reads_first():
     assert gate.busy_seconds() > 0.1 + 12 * 0.01 * 0.9
     # the demand read came during a 10 ms piece: it waited for the rest of it, no more
     assert 0 < gate.delayed_seconds() <= 0.012
-    # pieces of 1 byte in 10 ms: the slowest disk, the smallest pieces
-    assert gate.rate < 1000 and gate.chunk() == 64 << 10
+    assert gate.rate is None  # a read that shared the disk with a demand read does not time it
 
     starts.clear()  # the decode thread waits for the key: it goes on at demand priority
     worker = threading.Thread(target=background, args=("needed", lambda: True, 6))
@@ -551,6 +550,8 @@ def test_read_gate_puts_demand_reads_first():
     wanted.clear()
     worker.join()
     assert starts[-1] == ("stale", "cancelled") and len(starts) < 12
+    # that read had the disk to itself: pieces of 1 byte in 10 ms, the slowest disk, the smallest pieces
+    assert gate.rate < 1000 and gate.chunk() == 64 << 10
 
 
 def slow_reads(store, seconds):

@@ -50,3 +50,54 @@ def test_header_index(checkpoint):
     for name, info in tensors.items():
         assert info.shape == tuple(loaded[name].shape)
         assert info.nbytes == loaded[name].nbytes
+
+
+def test_a_paced_read_asks_pieces_ahead(checkpoint):
+    """A paced (background) read has its next pieces asked of the disk while one is read
+    (store.PIECES_AHEAD at once, never more), each after its pace() call, and reads the
+    expert's bytes; cancelled by pace(), it returns once no piece is being read."""
+    import threading
+    import time
+
+    from mlxmoe.storage.store import PIECES_AHEAD
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    store = open_checkpoint(path).store
+    run, lock, state = store._read_run, threading.Lock(), {"now": 0, "most": 0, "paced": 0, "read": 0}
+
+    def slow(piece):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            state["read"] += 1
+            assert state["read"] <= state["paced"]  # asked only after its pace()
+        time.sleep(0.002)
+        try:
+            return run(piece)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    def pace(nbytes):
+        with lock:
+            state["paced"] += 1
+
+    fresh = [np.empty(shape, DTYPES[d]) for shape, d in zip(store.tensor_shapes, store.tensor_dtypes)]
+    want = [o.copy() for o in fresh]
+    store.read_expert(0, 1, want)
+    store._read_run = slow
+    assert store.read_expert(0, 1, fresh, pace=pace, chunk=4096) == store.expert_file_bytes()
+    assert state["paced"] == state["read"] > 2 * PIECES_AHEAD and state["most"] == PIECES_AHEAD
+    for got, ref in zip(fresh, want):
+        np.testing.assert_array_equal(got, ref)
+
+    def cancel_at_5(nbytes):
+        pace(nbytes)
+        if state["paced"] == 5:
+            raise RuntimeError("no longer wanted")
+
+    state.update(most=0, paced=0, read=0)
+    with pytest.raises(RuntimeError):
+        store.read_expert(0, 2, fresh, pace=cancel_at_5, chunk=4096)
+    assert state["now"] == 0 and state["read"] == 4
+    store.close()

@@ -556,17 +556,18 @@ class Cancelled(Exception):
 
 
 class ReadGate:
-    """Demand reads first. A background read asks the disk for one piece (chunk()) at a
-    time and waits for its turn before each: not while a demand read is under way, unless
-    the decode thread is waiting for that very key (`urgent`). So a demand read waits
-    behind the pieces already asked of the disk, never behind a queue of guesses, and one
-    background read runs at a time (`background`, held by the loader around each).
+    """Demand reads first. A background read asks the disk for its pieces (chunk()) a few
+    at a time (store.PIECES_AHEAD) and waits for its turn before each: not while a demand
+    read is under way, unless the decode thread is waiting for that very key (`urgent`). So
+    a demand read waits behind the pieces already asked of the disk, never behind a queue
+    of guesses, and one background read runs at a time (`background`, held by the loader
+    around each).
 
     It measures the seconds during which any read was under way (busy_seconds, the
     occupancy the prefetcher paces its guesses by), the seconds demand reads waited for a
     guess's piece under way (delayed_seconds, what guesses cost the decode thread where the
-    disk has time for them), and the disk's rate as the pieces find it, which sizes them
-    (chunk())."""
+    disk has time for them), and the disk's rate as the background reads find it, which
+    sizes their pieces (chunk())."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -579,7 +580,7 @@ class ReadGate:
         self.piece = None  # (start, bytes, of an urgent key) of the background piece under way
         self.waited_from = None  # when a demand read began to wait behind that piece
         self.delayed = 0.0
-        self.rate = None  # bytes a second, from the pieces read with no demand read waiting
+        self.rate = None  # bytes a second, from background reads that had the disk to themselves
 
     def _reading(self, n: int) -> None:
         """`n` more reads under way (under cond): the busy time so far added up first."""
@@ -620,17 +621,10 @@ class ReadGate:
 
     def _piece_ended(self) -> None:
         """The background piece under way (if any) ended now (under cond): a demand read
-        that waited for it adds its wait to `delayed`, else the piece's time gives a rate."""
-        if self.piece is None:
-            return
-        now = time.perf_counter()
-        start, nbytes, _ = self.piece
-        if self.waited_from is not None:
-            self.delayed += now - self.waited_from
+        that waited for it adds its wait to `delayed`."""
+        if self.piece is not None and self.waited_from is not None:
+            self.delayed += time.perf_counter() - self.waited_from
             self.waited_from = None
-        elif now > start:
-            rate = nbytes / (now - start)
-            self.rate = rate if self.rate is None else 0.8 * self.rate + 0.2 * rate
         self.piece = None
 
     @contextmanager
@@ -663,11 +657,17 @@ class ReadGate:
     def reading(self, key: tuple, wanted: Callable[[], bool], granted: list):
         """Around a background read of `key`: yields its pace(nbytes), called before each
         piece, which waits for the piece's turn, raises Cancelled once `wanted()` is false,
-        and else adds the piece's bytes to granted[0]."""
+        and else adds the piece's bytes to granted[0]. A read that no demand read shared
+        the disk with after its first piece gives the disk's rate: its bytes over its time
+        (its pieces are asked ahead of each other, store.PIECES_AHEAD: none has a time of
+        its own)."""
+        since = [None, True]  # when its first piece was asked; whether it had the disk to itself since
 
         def pace(nbytes):
             with self.cond:
                 self._piece_ended()
+                if self.demand_reads and since[0] is not None:
+                    since[1] = False
                 if self.demand_reads and key not in self.urgent:
                     self._reading(-1)  # paused: the disk serves the demand reads
                     while self.demand_reads and key not in self.urgent:
@@ -676,6 +676,7 @@ class ReadGate:
                 if not wanted():
                     raise Cancelled()
                 self.piece = (time.perf_counter(), nbytes, key in self.urgent)
+                since[0] = since[0] or self.piece[0]
             granted[0] += nbytes
 
         with self.cond:
@@ -685,6 +686,10 @@ class ReadGate:
         finally:
             with self.cond:
                 self._piece_ended()
+                now = time.perf_counter()
+                if since[0] is not None and since[1] and not self.demand_reads and now > since[0]:
+                    rate = granted[0] / (now - since[0])
+                    self.rate = rate if self.rate is None else 0.8 * self.rate + 0.2 * rate
                 self._reading(-1)
 
 
