@@ -550,8 +550,29 @@ def test_read_gate_puts_demand_reads_first():
     wanted.clear()
     worker.join()
     assert starts[-1] == ("stale", "cancelled") and len(starts) < 12
-    # that read had the disk to itself: pieces of 1 byte in 10 ms, the slowest disk, the smallest pieces
-    assert gate.rate < 1000 and gate.chunk() == 64 << 10
+
+    rate = gate.rate  # a read with the disk to itself: pieces of 1 byte in 10 ms, the slowest disk, the smallest pieces
+    worker = threading.Thread(target=background, args=("alone", lambda: True, 3))
+    worker.start()
+    worker.join()
+    assert gate.rate is not None and gate.rate != rate and gate.rate < 1000 and gate.chunk() == 64 << 10
+    asked, go = threading.Event(), threading.Event()
+
+    def held(key):
+        with gate.reading(key, lambda: True, [0]) as pace:
+            pace(1)
+            asked.set()
+            go.wait(5)
+            pace(1)
+
+    rate, worker = gate.rate, threading.Thread(target=held, args=("shared",))
+    worker.start()
+    assert asked.wait(5)
+    with gate.demand():  # begun and ended between its pieces: it shared the disk, it times nothing
+        pass
+    go.set()
+    worker.join()
+    assert gate.rate == rate
 
 
 def slow_reads(store, seconds):
@@ -584,7 +605,7 @@ def test_tokens_identical_where_reads_are_slow(checkpoint):
     assert s["loads_prefetched"] + s["prefetch_cancelled"] > 0
     assert s["bytes_read"] == (s["loads_demand"] + s["loads_prefetched"]) * store.expert_file_bytes()
     assert 0 < s["disk_busy_seconds"]
-    # a demand read waits for the one 3 ms piece of a guess under way at most, not a queue of them
+    # a demand read waits for the 3 ms pieces a guess asked (two) at most, not a queue of guesses
     assert s["demand_delay_seconds"] <= s["loads_demand"] * 0.01
 
 
@@ -777,7 +798,7 @@ def test_guesses_are_read_only_where_they_can_pay():
         pf.pace(0.0, 0.0)
         pf.pace(1.0, 0.9)  # busy 90 % of a step
         assert 0.99 < pf.bar(1) < 1.0 and pf.bar(3) < pf.bar(1)
-        gate.chunk = lambda: 1 << 14  # pieces of 7.8 ms: a wrong guess stops after one
+        gate.chunk = lambda: 1 << 14  # pieces of 7.8 ms: a wrong guess stops after those asked
         cost = 0.9 * (1 << 14) / (2 << 20)
         assert pf.bar(1) == pytest.approx(cost / (0.001 + cost))
         assert pf.bar(8) == pytest.approx(max(pf.min_chance, cost / (0.008 + cost)))

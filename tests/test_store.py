@@ -71,7 +71,7 @@ def test_a_paced_read_asks_pieces_ahead(checkpoint):
             state["most"] = max(state["most"], state["now"])
             state["read"] += 1
             assert state["read"] <= state["paced"]  # asked only after its pace()
-        time.sleep(0.002)
+        time.sleep(0.01)
         try:
             return run(piece)
         finally:

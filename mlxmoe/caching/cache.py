@@ -22,7 +22,8 @@ from ..errors import MlxmoeError
 from .prefetch import Prefetcher, decayed
 from ..storage.store import CHUNK
 
-# Background pieces (ReadGate.chunk): about this long at the disk's rate, within these sizes.
+# Background pieces (ReadGate.chunk): about this long at the disk's rate, within these sizes
+# (a demand read waits behind store.PIECES_AHEAD of them at most).
 PIECE_SECONDS = 0.002
 MIN_CHUNK, MAX_CHUNK = 64 << 10, 1 << 20
 
@@ -577,8 +578,9 @@ class ReadGate:
         self.under_way = 0  # reads under way: demand calls, a background read between its turns
         self.since = time.perf_counter()
         self.busy = 0.0
-        self.piece = None  # (start, bytes, of an urgent key) of the background piece under way
-        self.waited_from = None  # when a demand read began to wait behind that piece
+        self.piece = None  # None, or whether the background pieces asked of the disk are an urgent key's
+        self.waited_from = None  # when a demand read began to wait behind them
+        self.demands = 0  # demand reads begun
         self.delayed = 0.0
         self.rate = None  # bytes a second, from background reads that had the disk to themselves
 
@@ -603,15 +605,15 @@ class ReadGate:
             return self.delayed + (time.perf_counter() - self.waited_from if self.waited_from is not None else 0.0)
 
     def timed(self, nbytes: int, seconds: float) -> None:
-        """A demand read of `nbytes` took `seconds`: the disk's rate until a piece measures it."""
+        """A demand read of `nbytes` took `seconds`: the disk's rate until a background read measures it."""
         with self.cond:
             if self.rate is None and seconds > 0:
                 self.rate = nbytes / seconds
 
     def chunk(self) -> int:
         """A background piece's bytes: what the disk reads in about PIECE_SECONDS at its
-        measured rate (a demand read that comes meanwhile waits that long at most), a power
-        of two from MIN_CHUNK to MAX_CHUNK; store.CHUNK until a piece was timed."""
+        measured rate (a demand read that comes meanwhile waits behind those asked), a power
+        of two from MIN_CHUNK to MAX_CHUNK; store.CHUNK until the rate is known."""
         if self.rate is None:
             return CHUNK
         size = MIN_CHUNK
@@ -620,8 +622,9 @@ class ReadGate:
         return size
 
     def _piece_ended(self) -> None:
-        """The background piece under way (if any) ended now (under cond): a demand read
-        that waited for it adds its wait to `delayed`."""
+        """The oldest background piece asked (if any) ended now (under cond): a demand read
+        that waited for it adds its wait to `delayed` (a lower bound: the next piece asked
+        may still be read after it)."""
         if self.piece is not None and self.waited_from is not None:
             self.delayed += time.perf_counter() - self.waited_from
             self.waited_from = None
@@ -632,7 +635,8 @@ class ReadGate:
         """Around the decode thread's reads: background reads pause at their next piece."""
         with self.cond:
             self.demand_reads += 1
-            if self.piece is not None and not self.piece[2] and self.waited_from is None:
+            self.demands += 1
+            if self.piece is False and self.waited_from is None:
                 self.waited_from = time.perf_counter()
             self._reading(1)
         try:
@@ -657,17 +661,15 @@ class ReadGate:
     def reading(self, key: tuple, wanted: Callable[[], bool], granted: list):
         """Around a background read of `key`: yields its pace(nbytes), called before each
         piece, which waits for the piece's turn, raises Cancelled once `wanted()` is false,
-        and else adds the piece's bytes to granted[0]. A read that no demand read shared
-        the disk with after its first piece gives the disk's rate: its bytes over its time
-        (its pieces are asked ahead of each other, store.PIECES_AHEAD: none has a time of
-        its own)."""
-        since = [None, True]  # when its first piece was asked; whether it had the disk to itself since
+        and else adds the piece's bytes to granted[0]. A read that ended (or was cancelled)
+        with no demand read begun since its first piece gives the disk's rate: its bytes over
+        its time (its pieces are asked ahead of each other, store.PIECES_AHEAD: none has a
+        time of its own)."""
+        first = [None, None]  # when its first piece was asked; the demand reads begun by then (None: one was under way)
 
         def pace(nbytes):
             with self.cond:
                 self._piece_ended()
-                if self.demand_reads and since[0] is not None:
-                    since[1] = False
                 if self.demand_reads and key not in self.urgent:
                     self._reading(-1)  # paused: the disk serves the demand reads
                     while self.demand_reads and key not in self.urgent:
@@ -675,20 +677,27 @@ class ReadGate:
                     self._reading(1)
                 if not wanted():
                     raise Cancelled()
-                self.piece = (time.perf_counter(), nbytes, key in self.urgent)
-                since[0] = since[0] or self.piece[0]
+                self.piece = key in self.urgent
+                if first[0] is None:
+                    first[:] = [time.perf_counter(), None if self.demand_reads else self.demands]
             granted[0] += nbytes
 
         with self.cond:
             self._reading(1)
+        failed = False
         try:
             yield pace
+        except Cancelled:
+            raise
+        except BaseException:
+            failed = True  # (its pieces may not all have been read)
+            raise
         finally:
             with self.cond:
                 self._piece_ended()
                 now = time.perf_counter()
-                if since[0] is not None and since[1] and not self.demand_reads and now > since[0]:
-                    rate = granted[0] / (now - since[0])
+                if not failed and first[1] == self.demands and not self.demand_reads and now > first[0]:
+                    rate = granted[0] / (now - first[0])
                     self.rate = rate if self.rate is None else 0.8 * self.rate + 0.2 * rate
                 self._reading(-1)
 

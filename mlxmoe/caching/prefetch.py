@@ -378,9 +378,11 @@ class Prefetcher:
         `min_chance`, and what makes its read pay. A right guess hides at most the compute
         until its call (steps x a decode layer's, measured) and never more than its read. A
         wrong one is cancelled at its next piece once its call comes, and while it is read a
-        demand read waits for its piece under way at most: it costs about a piece of disk
-        time (its whole read where it is one piece) as far as the disk was busy of late
-        (time-weighted over the last decode steps; taken as always until one is measured).
+        demand read waits for the pieces it asked at most: it costs about a piece of disk
+        time (its whole read where it is one piece; charged the store.PIECES_AHEAD pieces
+        asked at once, fewer right guesses get in where reads are quick and the decode waits
+        more) as far as the disk was busy of late (time-weighted over the last decode
+        steps; taken as always until one is measured).
         So where a layer computes in far less than a read of one piece (the demo model: 0.5
         against 29 ms at 2 MB/s) no guess is worth its read; none is read before a read and a
         decode layer were timed."""

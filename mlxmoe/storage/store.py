@@ -32,9 +32,9 @@ from .shards import ALIGN, DTYPES, Range, read_header, row_part, shard_files, sh
 # down: 9 far apart) are read by this many threads at once: with O_DIRECT one request in
 # flight leaves the disk idle between ranges.
 IO_WORKERS = 4
-# A paced (background) read asks the disk for at most this much at a time (until the cache's
-# ReadGate has timed the disk), so that a demand read that comes meanwhile waits behind one
-# such piece at most (a multiple of ALIGN).
+# A paced (background) read asks the disk for pieces of at most this much (until the cache's
+# ReadGate has timed the disk), so that a demand read that comes meanwhile waits behind
+# PIECES_AHEAD such pieces at most (a multiple of ALIGN).
 CHUNK = 256 << 10
 # pieces of a paced read asked of the disk at once (a demand read waits behind this many at most)
 PIECES_AHEAD = 2
@@ -183,9 +183,10 @@ class ExpertStore:
         CPU) is filled through a converting copy; otherwise bytes land in place.
         Returns the number of useful bytes read (the expert's bytes on disk);
         `disk_bytes` also counts what the mode read around them. With `pace` (a background
-        read), the ranges are read one after another in pieces of at most `chunk` bytes and
-        pace(nbytes) is called before each: it may wait (a demand read goes first) or raise
-        (the read is no longer wanted), and the slot is then left half-written.
+        read), the ranges are read in order in pieces of at most `chunk` bytes, PIECES_AHEAD
+        of them asked at once, and pace(nbytes) is called before each is asked: it may wait
+        (a demand read goes first) or raise (the read is no longer wanted), and the slot is
+        then left half-written.
         """
         ranges, plain = self.ranges[layer][expert], []
         dests, converts, sliced = [], [], []
@@ -245,11 +246,13 @@ class ExpertStore:
         try:
             for piece in pieces:
                 if len(asked) >= PIECES_AHEAD:
-                    disk += asked.pop(0).result()
+                    disk += asked[0].result()
+                    asked.pop(0)
                 pace(piece[2] - piece[1])
                 asked.append(self._pool().submit(self._read_run, piece))
             while asked:
-                disk += asked.pop(0).result()
+                disk += asked[0].result()
+                asked.pop(0)
         except BaseException:  # cancelled (pace) or an error: no piece may write into the slot once it is given back
             wait(asked)
             raise
