@@ -236,12 +236,6 @@ class ExpertStore:
         disk at once: with one at a time the disk idles from each piece's end until the next
         is asked for (1.18x the time of one long read at 64 KiB pieces on a 40 MB/s disk,
         1.07x with two). Returns the bytes read, once no piece is being read any more."""
-        if self.workers < 2:
-            disk = 0
-            for piece in pieces:
-                pace(piece[2] - piece[1])
-                disk += self._read_run(piece)
-            return disk
         asked, disk = [], 0
         try:
             for piece in pieces:
