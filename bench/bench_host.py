@@ -1,0 +1,505 @@
+"""Host-bound decode: stock mlx-lm against mlxmoe where building a token's graph on the host is
+most of a token, as on a GPU, with an emulated round trip to the device (issue 42, items 1-2).
+
+The checkpoint has Qwen3-30B-A3B's counts (qwen3_moe, 48 MoE layers, 128 experts, top-8, 4-bit
+affine, group 32) and tiny matrices (hidden 64, moe_intermediate 32, 2 heads / 1 KV head of 32,
+a 400-token vocabulary): 29 MB, built by synthetic.build_checkpoint (mlx-lm's own classes and
+save functions) on first use. Configurations, each in its own process, alternated over rounds
+(the order reversed every other round): `stock` (mlx_lm.load + mlx_lm.stream_generate),
+`resident` (mlxmoe.load holding every expert, all read before the timing), `hit99`, `hit95`,
+`hit90` (mlxmoe with the cache whose warm decode hit rate is about 99, 95, 90 %: sizes found by
+a calibration run, kept in the checkpoint's folder), `cacheN` (N experts). Each process warms
+with one generation of the same workload (its cache then holds what the workload uses), then
+times one generation per emulated round trip: greedy, the same prompt, the decode window from
+the first token to the last; the hit rate is that window's (expert_cache.stats() deltas).
+
+Emulated round trip (--rtt S, microseconds; a list runs each in the same process): on the
+decode thread only (the child's main thread, which runs the generator) the bench patches
+mx.eval, mx.synchronize, np.array and np.asarray (given an mx.array), and mx.array's item,
+tolist, __bool__, __int__ and __float__; stock and mlxmoe alike, from outside the runtime. A
+patched call is a *wait* when the decode thread slept in it (its voluntary context switches,
+getrusage(RUSAGE_THREAD).ru_nvcsw, went up): the device had not finished what it reads. Each
+wait then costs S more, added when it returns (the device is done; the host learns it S
+later), by time.sleep with the thread's timer slack at 1 ns, shortened by the sleeps' mean
+overshoot so far (so they add S on average where S exceeds the machine's wake-up delay; the
+added time is measured and printed). `--spin` busy-waits instead: exact, but it takes a core,
+which on a 2-core machine the device's compute shares (its CPU time is left out of the host
+time). A
+read of an array already computed returns without sleeping and costs nothing (on a GPU it costs
+no round trip either): stock's `y.item()` where the host is slower than the device, the resident
+path reading the routing of two tokens back, `.tolist()` after an `mx.eval` of the same array.
+`--every-call` charges S to every patched call instead (an upper bound). Not covered: reads
+through the buffer protocol elsewhere (memoryview(a), np.frombuffer, numpy functions other
+than np.array/np.asarray given an mx.array), functions bound before the patch (`from mlx.core
+import eval`: none in mlxmoe or mlx_lm's decode path when this was written), waits off the
+decode thread (IO and prefetch threads). A GIL hand-over to another Python thread inside a
+patched call also reads as a wait (rare: ~1 % of the reads of evaluated arrays, seen with the
+prefetcher's thread running).
+
+Columns: waits and calls (patched calls) per decoded token; decode-thread host ms per token:
+time.thread_time() of the decode thread over the decode window, per token (a sleep and a wait
+on the device take none; it includes the counting's own cost, ~1-2 us a patched call, printed);
+"/ stock" and "host / stock's" against stock at the same round trip, medians over the rounds.
+
+    python bench/bench_host.py --tokens 16 --rounds 1 --rtt 0,150          # smoke
+    python bench/bench_host.py --rtt 0,150,1000                            # issue 42's rows
+    python bench/bench_host.py --configs stock,hit99,hit99:new --variant new='{"prefetch": 0}'
+"""
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_runtime import DEFAULT_PROMPT, fmt, no_repeat, run_child, table  # noqa: E402
+
+ROOT = HERE.parent
+DEFAULT_CHECKPOINT = Path("/tmp/mlxmoe-bench/host-bound-qwen3-48L")
+# qwen3_moe config.json values over synthetic.py's tiny ones: Qwen3-30B-A3B's counts, tiny matrices
+SHAPES = {"num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8, "hidden_size": 64,
+          "moe_intermediate_size": 32, "intermediate_size": 128, "num_attention_heads": 2,
+          "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 4096}
+HIT_TARGETS = {"hit99": 0.99, "hit95": 0.95, "hit90": 0.90}
+CALIBRATION_FILE = "bench_host-calibration.json"
+
+
+# ---------------------------------------------------------------- the emulated round trip (child)
+
+
+class DeviceWaits:
+    """Counts the decode thread's host calls that read the device (`calls`), the waits among
+    them (`waits`: the thread slept in the call) and adds `rtt_us` to each wait (see the
+    module's docstring)."""
+
+    def __init__(self, spin=False, every_call=False):
+        self.thread = threading.get_ident()
+        self.spin, self.every_call = spin, every_call
+        self.calls = self.waits = 0
+        self.added = self.emulation_cpu = 0.0  # wall seconds added; decode-thread CPU seconds spent adding them
+        self.sites = {}  # "file:line" of the caller -> waits
+        self.rtt = self.sleep_for = self.overshoot = 0.0
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns: this thread's sleeps end on time
+
+    def set_rtt(self, rtt_us):
+        self.rtt = rtt_us * 1e-6
+        self.sleep_for = max(0.0, self.rtt - self.overshoot)
+
+    def mark(self):
+        return {"calls": self.calls, "waits": self.waits, "added": self.added, "emulation_cpu": self.emulation_cpu,
+                "sites": dict(self.sites)}
+
+    def _wait(self):
+        self.waits += 1
+        frame = sys._getframe(2)  # _wait <- call <- the caller
+        site = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+        self.sites[site] = self.sites.get(site, 0) + 1
+        if not self.rtt:
+            return
+        tic, cpu = time.perf_counter(), time.thread_time()
+        if self.spin:
+            while time.perf_counter() - tic < self.rtt:
+                pass
+        else:  # shortened by the sleeps' mean overshoot so far, so that they add S on average
+            time.sleep(self.sleep_for)
+            self.overshoot += 0.1 * (time.perf_counter() - tic - self.sleep_for - self.overshoot)
+            self.sleep_for = max(0.0, self.rtt - self.overshoot)
+        self.added += time.perf_counter() - tic
+        self.emulation_cpu += time.thread_time() - cpu
+
+    def wrap(self, fn, reads):
+        """`fn` counted on the decode thread (`reads`: only where its first argument is an mx.array)."""
+        import mlx.core as mx
+
+        def call(*args, **kwargs):
+            if threading.get_ident() != self.thread or reads and not (args and isinstance(args[0], mx.array)):
+                return fn(*args, **kwargs)
+            slept = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls += 1
+                if self.every_call or resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw > slept:
+                    self._wait()
+
+        return call
+
+    def install(self):
+        """Patch mlx and numpy (this process, for good); returns the counting's cost per call, us."""
+        import mlx.core as mx
+        import numpy as np
+
+        a = mx.array(1)
+        mx.eval(a)
+        n = 2000
+        tic = time.perf_counter()
+        for _ in range(n):
+            a.item()
+        plain = time.perf_counter() - tic
+        mx.eval = self.wrap(mx.eval, False)
+        mx.synchronize = self.wrap(mx.synchronize, False)
+        np.array = self.wrap(np.array, True)
+        np.asarray = self.wrap(np.asarray, True)
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+            setattr(mx.array, name, self.wrap(getattr(mx.array, name), True))
+        tic = time.perf_counter()
+        for _ in range(n):
+            a.item()
+        cost = (time.perf_counter() - tic - plain) / n * 1e6
+        self.calls = self.waits = 0
+        self.sites.clear()
+        return cost
+
+
+# ---------------------------------------------------------------- one configuration (child process)
+
+
+def timed_generation(generate, model, tokenizer, args, waits=None, cache=None):
+    """One greedy generation; the decode window's figures, from the first token to the last
+    (the cache's counters: to the generation's end, which accounts the last tokens' hits)."""
+    processors = [no_repeat(args.no_repeat)] if args.no_repeat else None
+    tokens, first, stats0 = [], None, None
+
+    def mark():
+        m = waits.mark() if waits is not None else {}
+        return dict(m, wall=time.perf_counter(), host=time.thread_time(), cpu=time.process_time())
+
+    for response in generate(model, tokenizer, args.prompt, max_tokens=args.tokens, logits_processors=processors):
+        tokens.append(int(response.token))
+        if first is None:
+            stats0 = cache.stats() if cache is not None else None
+            first = last = mark()
+        else:
+            last = mark()
+    d = {k: last[k] - first[k] for k in first if k != "sites"}
+    steps = max(len(tokens) - 1, 1)
+    out = {"tokens": tokens, "decode_steps": len(tokens) - 1, "tok_s": steps / d["wall"] if d["wall"] else None,
+           "ms_per_token": 1e3 * d["wall"] / steps,
+           "host_ms_per_token": 1e3 * (d["host"] - d.get("emulation_cpu", 0.0)) / steps,
+           "process_cpu_ms_per_token": 1e3 * d["cpu"] / steps}
+    if waits is not None:
+        sites0 = first["sites"]
+        sites = {k: (n - sites0.get(k, 0)) / steps for k, n in last["sites"].items() if n > sites0.get(k, 0)}
+        out.update(waits_per_token=d["waits"] / steps, calls_per_token=d["calls"] / steps,
+                   added_us_per_wait=1e6 * d["added"] / d["waits"] if d["waits"] else None,
+                   wait_sites=dict(sorted(sites.items(), key=lambda kv: -kv[1])[:8]))
+    if cache is not None:
+        stats1 = cache.stats()
+        delta = {k: v - stats0[k] for k, v in stats1.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(stats0.get(k), (int, float))}
+        hits, misses = delta.get("hits", 0), delta.get("misses", 0)
+        out.update(hits=hits, misses=misses, hit_rate=hits / (hits + misses) if hits + misses else None,
+                   stats_delta=delta)
+    return out
+
+
+def open_model(args):
+    """(model, tokenizer, stream_generate, expert cache or None) of this process's configuration."""
+    if args.slots is None:
+        import mlx_lm
+
+        model, tokenizer = mlx_lm.load(str(args.checkpoint))
+        return model, tokenizer, mlx_lm.stream_generate, None
+    import mlxmoe
+
+    kwargs = {**json.loads(args.load_kwargs), "cache_experts": args.slots}
+    model, tokenizer = mlxmoe.load(str(args.checkpoint), **kwargs)
+    cache = model.expert_cache
+    if args.slots >= SHAPES["num_hidden_layers"] * SHAPES["num_experts"] and hasattr(cache, "prewarm_done"):
+        cache.prewarm_done(timeout=args.timeout)  # every expert read in the background before the timing
+    return model, tokenizer, mlxmoe.stream_generate, cache
+
+
+def run_config(args):
+    """Warm with one generation, then one timed generation per round trip in args.rtt."""
+    rtts = [float(x) for x in args.rtt.split(",")]
+    model, tokenizer, generate, cache = open_model(args)
+    waits = DeviceWaits(args.spin, args.every_call)
+    cost = waits.install()
+    waits.set_rtt(rtts[0])
+    timed_generation(generate, model, tokenizer, args, waits, cache)  # the same workload: the cache warms
+    rows = []
+    for rtt in rtts:
+        waits.set_rtt(rtt)
+        rows.append(dict(timed_generation(generate, model, tokenizer, args, waits, cache), rtt_us=rtt))
+    out = {"rows": rows, "count_cost_us": cost, "slots": args.slots}
+    if cache is not None:
+        out["cache_experts"] = cache.stats().get("cache_experts", args.slots)
+        runtime = getattr(model, "expert_runtime", None)
+        if runtime is not None:
+            runtime.close()
+    return out
+
+
+def calibrate(args):
+    """Cache sizes whose warm decode hit rate is about each target (no round trip emulated):
+    a search over sizes, one load and two generations each (warm, measured)."""
+    import mlxmoe
+
+    total = SHAPES["num_hidden_layers"] * SHAPES["num_experts"]
+    floor = 2 * SHAPES["num_experts_per_tok"]
+    points = {}
+
+    def rate(n):
+        if n not in points:
+            model, tokenizer = mlxmoe.load(str(args.checkpoint), **{**json.loads(args.load_kwargs), "cache_experts": n})
+            timed_generation(mlxmoe.stream_generate, model, tokenizer, args, cache=model.expert_cache)
+            points[n] = timed_generation(mlxmoe.stream_generate, model, tokenizer, args,
+                                         cache=model.expert_cache)["hit_rate"] or 0.0
+            model.expert_runtime.close()
+            print(f"[calibrate] {n} experts ({100 * n / total:.1f} %): hit rate {100 * points[n]:.2f} %",
+                  file=sys.stderr, flush=True)
+        return points[n]
+
+    sizes = {}
+    for name, target in sorted(HIT_TARGETS.items(), key=lambda kv: -kv[1]):
+        for _ in range(args.calibration_probes):
+            lo = max([n for n, r in points.items() if r < target] + [floor])
+            hi = min([n for n, r in points.items() if r >= target] + [total])
+            if hi - lo <= 1:
+                break
+            n = round(math.sqrt(lo * hi))
+            if lo in points and hi in points and points[hi] < 1:  # log miss rate, linear in log size
+                m_lo, m_hi = math.log(1 - points[lo]), math.log(1 - points[hi])
+                f = (math.log(1 - target) - m_lo) / (m_hi - m_lo)
+                n = round(math.exp(math.log(lo) + f * (math.log(hi) - math.log(lo))))
+            n = min(max(n, lo + 1), hi - 1)
+            if abs((1 - rate(n)) - (1 - target)) <= 0.25 * (1 - target):
+                break
+        sizes[name] = min(points, key=lambda n: abs(points[n] - target)) if points else total
+    return {"sizes": sizes, "points": {str(n): r for n, r in sorted(points.items())}}
+
+
+def run_one(args):
+    sys.path.insert(0, str(ROOT))
+    if args.one == "build":
+        from synthetic import build_checkpoint
+
+        build_checkpoint(args.checkpoint, "qwen3_moe", quant="4bit", dtype="float32", seed=0, config_overrides=SHAPES)
+        return {}
+    if args.one == "calibrate":
+        return calibrate(args)
+    return run_config(args)
+
+
+# ---------------------------------------------------------------- parent
+
+
+def checkpoint_ready(path):
+    config, index = Path(path) / "config.json", Path(path) / "model.safetensors.index.json"
+    if not config.exists() or not index.exists():
+        return False
+    c = json.loads(config.read_text())
+    shards = set(json.loads(index.read_text())["weight_map"].values())
+    return (c.get("model_type") == "qwen3_moe" and all(c.get(k) == v for k, v in SHAPES.items())
+            and c.get("quantization", {}).get("bits") == 4 and all((Path(path) / s).exists() for s in shards))
+
+
+def spawn(args, one, load_kwargs="{}", slots=None, rtts=None):
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", one, "--checkpoint", str(args.checkpoint),
+           "--tokens", str(args.tokens), "--prompt", args.prompt, "--no-repeat", str(args.no_repeat),
+           "--load-kwargs", load_kwargs, "--timeout", str(args.timeout),
+           "--calibration-probes", str(args.calibration_probes)]
+    if slots is not None:
+        cmd += ["--slots", str(slots)]
+    if rtts is not None:
+        cmd += ["--rtt", ",".join(str(r) for r in rtts)]
+    cmd += ["--spin"] * args.spin + ["--every-call"] * args.every_call
+    return run_child(cmd, one if slots is None else f"{one} ({slots} experts)", args.timeout)
+
+
+def cache_sizes(args, configs):
+    """Experts of each partially cached configuration: --cache-experts, else the calibration
+    kept in the checkpoint's folder for this workload, else a calibration run now."""
+    given = dict(item.split("=") for item in args.cache_experts.split(",")) if args.cache_experts else {}
+    sizes = {name: int(n) for name, n in given.items()}
+    for c in configs:
+        if c.startswith("cache") and c[5:].isdigit():
+            sizes[c] = int(c[5:])
+    wanted = [c for c in configs if c in HIT_TARGETS and c not in sizes]
+    if not wanted:
+        return sizes, None
+    file = Path(args.checkpoint) / CALIBRATION_FILE
+    key = json.dumps([args.tokens, args.prompt, args.no_repeat, json.loads(args.load_kwargs)], sort_keys=True)
+    kept = json.loads(file.read_text()) if file.exists() else {}
+    if key not in kept or args.recalibrate:
+        result = spawn(args, "calibrate", args.load_kwargs)
+        if "error" in result:
+            raise SystemExit(f"calibration failed: {result['error']}")
+        kept[key] = {"sizes": result["sizes"], "points": result["points"]}
+        file.write_text(json.dumps(kept, indent=1))
+    sizes.update({c: kept[key]["sizes"][c] for c in wanted})
+    return sizes, kept[key]
+
+
+def parse_configs(args):
+    """[(name, base configuration, mlxmoe.load kwargs as JSON)], a ':VARIANT' suffix adding --variant's."""
+    variants = dict(v.split("=", 1) for v in args.variant)
+    base = json.loads(args.load_kwargs)
+    out = []
+    for name in args.configs.split(","):
+        config, _, variant = name.partition(":")
+        if variant and variant not in variants:
+            raise SystemExit(f"{name}: no --variant {variant}=JSON")
+        ok = config in ("stock", "resident", *HIT_TARGETS) or config.startswith("cache") and config[5:].isdigit()
+        if not ok or config == "stock" and variant:
+            raise SystemExit(f"unknown configuration {name!r}")
+        out.append((name, config, json.dumps({**base, **json.loads(variants.get(variant, "{}"))})))
+    return out
+
+
+def pooled(runs, rtt):
+    """One configuration's rows at round trip `rtt` over the rounds, pooled (medians, means, sums)."""
+    rows = [row for r in runs for row in r.get("rows", []) if row["rtt_us"] == rtt]
+    if not rows:
+        return None
+    med = lambda k: statistics.median(x[k] for x in rows) if all(x.get(k) is not None for x in rows) else None
+    mean = lambda k: statistics.fmean(x[k] for x in rows) if all(x.get(k) is not None for x in rows) else None
+    out = {k: med(k) for k in ("tok_s", "ms_per_token", "host_ms_per_token", "process_cpu_ms_per_token")}
+    out.update({k: mean(k) for k in ("waits_per_token", "calls_per_token", "added_us_per_wait")})
+    if "hits" in rows[0]:
+        hits, misses = sum(x["hits"] for x in rows), sum(x["misses"] for x in rows)
+        out["hit_rate"] = hits / (hits + misses) if hits + misses else None
+    out["tokens"] = [x["tokens"] for x in rows]
+    out["rounds"] = len(rows)
+    sites = {}
+    for x in rows:
+        for s, n in x["wait_sites"].items():
+            sites[s] = sites.get(s, 0) + n / len(rows)
+    out["wait_sites"] = dict(sorted(sites.items(), key=lambda kv: -kv[1])[:4])
+    return out
+
+
+def report(args, configs, sizes, results, rtts):
+    """The table (or JSON lines), one row per configuration and round trip; returns the rows."""
+    total = SHAPES["num_hidden_layers"] * SHAPES["num_experts"]
+    stock = {rtt: pooled(results.get("stock", []), rtt) for rtt in rtts}
+    ref = next((s["tokens"][0] for s in stock.values() if s), None)
+    rows, lines = [], []
+    for rtt in rtts:
+        for name, config, kwargs in configs:
+            p = pooled(results[name], rtt)
+            if p is None:
+                rows.append([name, f"{rtt:g}"] + ["-"] * 8 + ["FAILED"])
+                continue
+            s = stock[rtt]
+            slots = None if config == "stock" else total if config == "resident" else sizes[config]
+            same = None if ref is None else all(t == ref for t in p["tokens"])
+            line = {"config": name, "rtt_us": rtt, "cache_experts": slots, "cache_share": slots and slots / total,
+                    "load_kwargs": None if config == "stock" else json.loads(kwargs),
+                    **{k: v for k, v in p.items() if k != "tokens"},
+                    "vs_stock": p["tok_s"] / s["tok_s"] if s and p["tok_s"] and s["tok_s"] else None,
+                    "host_vs_stock": p["host_ms_per_token"] / s["host_ms_per_token"] if s else None,
+                    "tokens_identical": same}
+            lines.append(line)
+            rows.append([name, f"{rtt:g}", "-" if slots is None else f"{slots} ({100 * slots / total:.1f} %)",
+                         "-" if p.get("hit_rate") is None else f"{100 * p['hit_rate']:.1f} %",
+                         fmt(p["tok_s"], ".1f"), fmt(line["vs_stock"], ".2f"), fmt(p["waits_per_token"], ".1f"),
+                         fmt(p["calls_per_token"], ".1f"), fmt(p["host_ms_per_token"], ".2f"),
+                         fmt(line["host_vs_stock"], ".2f"), {None: "-", True: "yes", False: "NO"}[same]])
+    if args.json:
+        for line in lines:
+            print(json.dumps(line))
+        return lines
+    for rtt in rtts:
+        s = stock[rtt]
+        if s:
+            print(f"stock mlx-lm at {rtt:g} us: {s['tok_s']:.1f} tok/s ({s['ms_per_token']:.1f} ms a token), "
+                  f"decode-thread host {s['host_ms_per_token']:.1f} ms a token = "
+                  f"{100 * s['host_ms_per_token'] / s['ms_per_token']:.0f} % of it")
+    table(f"Host-bound decode, {SHAPES['num_hidden_layers']} MoE layers x {SHAPES['num_experts']} experts, top "
+          f"{SHAPES['num_experts_per_tok']}, 4-bit, hidden {SHAPES['hidden_size']} (decode window: tokens "
+          f"2..{args.tokens}, {args.rounds} round{'s' * (args.rounds > 1)}, medians)",
+          ["config", "rtt us", "cache (experts, %)", "hit rate", "tok/s", "/ stock", "waits/token", "calls/token",
+           "host ms/token", "host / stock's", "tokens identical"], rows)
+    added = [l["added_us_per_wait"] for l in lines if l["rtt_us"] and l.get("added_us_per_wait")]
+    cost = [r["count_cost_us"] for runs in results.values() for r in runs if "count_cost_us" in r]
+    rule = "every patched call (--every-call)" if args.every_call else "patched calls on the decode thread that slept"
+    print(f"waits: {rule}; calls: all patched calls; added per wait {'(spin)' if args.spin else '(sleep)'}: "
+          + (f"{min(added):.0f}-{max(added):.0f} us measured" if added else "-")
+          + (f"; counting cost {statistics.median(cost):.1f} us a call, in the host time" if cost else ""))
+    rtt = max(rtts)
+    print(f"waits per token by call site at {rtt:g} us: " + "; ".join(
+        f"{l['config']} " + ", ".join(f"{k} {v:.1f}" for k, v in l["wait_sites"].items())
+        for l in lines if l["rtt_us"] == rtt and l["wait_sites"]))
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="Built here if missing.")
+    parser.add_argument("--configs", default="stock,resident," + ",".join(HIT_TARGETS),
+                        help="Comma-separated: stock, resident, hit99, hit95, hit90, cacheN (N experts); "
+                             "NAME:VARIANT adds --variant VARIANT's load arguments.")
+    parser.add_argument("--rtt", default="0,150,1000", help="Emulated round trips, us, comma-separated.")
+    parser.add_argument("--tokens", type=int, default=64, help="Greedy tokens per generation.")
+    parser.add_argument("--rounds", type=int, default=2, help="Processes of each configuration, alternated.")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT)
+    parser.add_argument("--no-repeat", type=int, default=32,
+                        help="Ban the last N tokens (still greedy; see bench_runtime.no_repeat); 0: plain greedy.")
+    parser.add_argument("--load-kwargs", default="{}", help='mlxmoe.load arguments as JSON, e.g. \'{"prefetch": 0}\'.')
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=JSON: load arguments over --load-kwargs for configurations NAME:VARIANT.")
+    parser.add_argument("--cache-experts", default=None,
+                        help="Sizes instead of the calibration, e.g. hit99=1100,hit95=700.")
+    parser.add_argument("--recalibrate", action="store_true", help="Calibrate again (else the kept sizes are used).")
+    parser.add_argument("--calibration-probes", type=int, default=6, help="Sizes tried at most per hit-rate target.")
+    parser.add_argument("--spin", action="store_true", help="Busy-wait the round trip instead of sleeping.")
+    parser.add_argument("--every-call", action="store_true", help="Charge the round trip to every patched call.")
+    parser.add_argument("--json", action="store_true", help="JSON lines (one per row) instead of the table.")
+    parser.add_argument("--output", type=Path, default=HERE / "out" / "host.json", help="All results, JSON.")
+    parser.add_argument("--timeout", type=int, default=1800, help="Seconds per process.")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--slots", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.one:  # child
+        Path(args.result).write_text(json.dumps(run_one(args)))
+        return
+
+    t_start, load_start = time.perf_counter(), os.getloadavg()
+    configs = parse_configs(args)
+    rtts = [float(x) for x in args.rtt.split(",")]
+    if not checkpoint_ready(args.checkpoint):
+        if "error" in spawn(args, "build") or not checkpoint_ready(args.checkpoint):
+            raise SystemExit(f"building the checkpoint at {args.checkpoint} failed")
+    sizes, calibration = cache_sizes(args, [c for _, c, _ in configs])
+    total = SHAPES["num_hidden_layers"] * SHAPES["num_experts"]
+    results = {name: [] for name, _, _ in configs}
+    for i in range(args.rounds):
+        order = configs if i % 2 == 0 else configs[::-1]
+        for name, config, kwargs in order:
+            slots = None if config == "stock" else total if config == "resident" else sizes[config]
+            results[name].append(spawn(args, name, kwargs, slots, rtts if i % 2 == 0 else rtts[::-1]))
+    load_end = os.getloadavg()
+    if not args.json:
+        print(f"checkpoint {args.checkpoint}; load average {' '.join(f'{x:.2f}' for x in load_start)} at the start, "
+              f"{' '.join(f'{x:.2f}' for x in load_end)} at the end ({os.cpu_count()} CPUs)")
+        if calibration:
+            print("calibration (experts: warm decode hit rate): "
+                  + ", ".join(f"{n}: {100 * r:.1f} %" for n, r in calibration["points"].items()))
+    lines = report(args, configs, sizes, results, rtts)
+    out = {"argv": sys.argv, "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                         "loadavg_start": load_start, "loadavg_end": load_end},
+           "shapes": SHAPES, "sizes": sizes, "calibration": calibration, "rows": lines, "results": results,
+           "wall_seconds": time.perf_counter() - t_start}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(out, indent=1))
+    if not args.json:
+        print(f"wrote {args.output} ({out['wall_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
