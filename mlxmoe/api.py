@@ -29,7 +29,7 @@ from .caching.cache import ExpertCache
 from .workload.curves import predicted_curve
 from .errors import MlxmoeError
 from .caching.experts import all_resident
-from .storage.files import read_lines
+from .storage.files import check_outputs, read_lines
 from .caching.fallback import attach_fallback
 from .caching.fallback import build as write_fallback
 from .caching.fallback import file_bytes as fallback_bytes
@@ -70,6 +70,7 @@ def build_fallback(path_or_hf_repo: str | os.PathLike, dst: str | os.PathLike, b
     load(..., fallback=dst); return its bytes."""
     ckpt = open_checkpoint(path_or_hf_repo)
     try:
+        check_outputs({"dst": dst}, {"the model": ckpt.path})  # before the work (files.py's rule)
         return write_fallback(ckpt, model_fingerprint(ckpt), dst, bits, progress=progress)
     finally:
         ckpt.store.close()
@@ -176,10 +177,9 @@ class LoadOptions:
         if not _int_in(self.max_context, 16, 1 << 24):
             raise MlxmoeError(f"max_context {self.max_context!r}: tokens a sequence may hold, an integer from 16 "
                               f"to {1 << 24}")
-        if self.trace_out is not None:
-            from .storage.files import check_writable
-
-            check_writable(self.trace_out)  # a folder or a missing parent: refused now, not at close()
+        if self.trace_out is not None:  # refused now, not at close(): files.py's rule (the model's: record_trace)
+            profile = None if isinstance(self.profile, ActivationProfile) else self.profile
+            check_outputs({"trace_out": self.trace_out}, {"profile": profile, "fallback": self.fallback})
 
 
 def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = None, model_config: dict | None = None,
@@ -386,6 +386,7 @@ class Runtime:
         if self.trace is not None:
             raise MlxmoeError(f"a trace is being recorded already, to {self.trace.path}")
         ckpt = self.checkpoint
+        check_outputs({"record_trace": path}, {"the model": ckpt.path})
         self.trace_file = path
         if ckpt.group is not None and ckpt.split == "tensor" and ckpt.group.rank():
             return None
@@ -507,6 +508,7 @@ class Runtime:
             live.workload = workload or os.path.splitext(os.path.basename(path))[0]
         if not self.main_rank():
             return live
+        check_outputs({"save_profile": path}, {"the model": self.checkpoint.path, "the trace": self.trace_file})
         if curve:
             live.curve = {}
         live.save(path)
@@ -520,6 +522,7 @@ class Runtime:
         it (`mlxmoe profile record`): `profile`, saved at `path` already, gets its curve
         predicted from the recorded trace (predict_curve, `progress` passed on) and is
         written again. A profile of no tokens has nothing to predict: left as it is."""
+        check_outputs({"save_curve": path}, {"the model": self.checkpoint.path, "the trace": self.trace_file})
         if profile.tokens_total:
             profile.curve = self.predict_curve(progress)
             profile.save(path)

@@ -9,11 +9,13 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import click
 
 from .errors import MlxmoeError
 from .caching.policies import DEFAULT_POLICY, ONLINE
+from .storage.files import check_outputs, model_folder
 
 
 class Terminated(KeyboardInterrupt):
@@ -195,6 +197,12 @@ def load_options(opts, group=None):
 
     names = {f.name for f in fields(LoadOptions)} - {"profile", "group"}
     return LoadOptions(**{k: v for k, v in opts.items() if k in names}, profile=opts["profile_path"], group=group)
+
+
+def model_inputs(opts):
+    """The files a command's model options (model_options) read: no output may be one (files.check_outputs)."""
+    return {"--model": model_folder(opts["model_path"]), "--profile": opts["profile_path"],
+            "--fallback": opts["fallback"]}
 
 
 def _prior(model, opts):
@@ -419,11 +427,9 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
     """Generate text from a prompt, streaming it to standard output."""
     import_mlx()
     from .api import stream_generate
-    from .storage.files import check_writable
 
-    for path in (stats_json, save_profile):
-        if path:
-            check_writable(path)
+    check_outputs({"--stats-json": stats_json, "--save-profile": save_profile, "--trace-out": opts["trace_out"]},
+                  model_inputs(opts), updates={"--save-profile": "--profile"})  # (it learns on top of it)
     baseline_rss = current_rss()  # Python, MLX and mlx-lm imported, no weights yet
     model, tokenizer = _load(opts)
     prior = _prior(model, opts)
@@ -532,10 +538,8 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
     import_mlx()
     from mlx_lm.sample_utils import make_logits_processors
 
-    from .storage.files import check_writable
-
-    if save_profile:
-        check_writable(save_profile)
+    check_outputs({"--save-profile": save_profile, "--trace-out": opts["trace_out"]}, model_inputs(opts),
+                  updates={"--save-profile": "--profile"})
     model, tokenizer = _load(opts)
     prior = _prior(model, opts)
     penalty = make_logits_processors(repetition_penalty=repetition_penalty, repetition_context_size=64)
@@ -713,14 +717,12 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
     Each figure is a range (low / likely / high); it says which inputs were measured."""
     from . import backend as backends
     from .budget import format_size
-    from .storage.files import check_writable
     from .workload.heatmap import write_lines_png
     from .workload.profile import ActivationProfile
 
+    check_outputs({"--png": png}, {"--model": model_folder(model_path), "--profile": profile_path})
     be = backends.detect(backend)
     prof = ActivationProfile.load(profile_path) if profile_path else None
-    if png:
-        check_writable(png)
     f, shape = _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_tokens)
     if png:
         rows = [r for r in f["budgets"] if "error" not in r]
@@ -866,12 +868,11 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
     a predicted hit-rate-vs-cache-size curve. Ctrl-C saves what was recorded so far.
     With --profile, that profile is the policy's prior and pre-warms the cache; the file
     written holds only what this run recorded."""
-    from .storage.files import check_writable
-
     if not (prompts_file or chats):
         raise click.UsageError("give --prompts FILE or --chats FILE.jsonl")
     exclusive(prompts=prompts_file, chats=chats)
-    check_writable(out, (prompts_file, chats, opts["profile_path"]))
+    check_outputs({"--out": out, "--trace-out": opts["trace_out"]},
+                  {**model_inputs(opts), "--prompts": prompts_file, "--chats": chats})
 
     def fresh_profile(model):  # the live profile starts empty (not from --profile's counts)
         model.expert_runtime.record_profile(workload, half_life)
@@ -930,11 +931,10 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     (fingerprint shape-LxE), so its profile loads on a real model with --force, where the
     layer and expert counts agree, or without once built with --model naming it."""
     from .workload.curves import predicted_curve
-    from .storage.files import check_writable
     from .caching.policies import HALF_LIFE_PROFILE
     from .workload.trace import build_profile, read_trace
 
-    check_writable(out, traces)
+    check_outputs({"--out": out}, {"TRACES": traces, "--model": model_path and model_folder(model_path)})
     loaded = [(path, *read_trace(path)) for path in traces]
     name = workload or os.path.basename(traces[0]).split(".")[0]
     p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
@@ -973,13 +973,10 @@ def _model_of(p):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def profile_show(file, top, png, curve_png, budget, as_json):
     """Per-layer hot experts, skew, and the predicted hit rate at each cache size."""
-    from .storage.files import check_writable
     from .workload.heatmap import write_curve_png, write_heatmap_png
     from .workload.profile import ActivationProfile
 
-    for path in (png, curve_png):
-        if path:
-            check_writable(path, (file,))
+    check_outputs({"--png": png, "--curve-png": curve_png}, {"FILE": file})
     p = ActivationProfile.load(file)
     if curve_png and not p.curve:
         raise MlxmoeError(f"{file} holds no predicted hit-rate curve (recorded without one: profile record, or "
@@ -1069,10 +1066,9 @@ def _show_budget(p, bought):
 @click.option("--workload", "-w", help="Name of the merged workload.")
 def profile_merge(files, out, weights, workload):
     """Merge profiles (weighted) into one."""
-    from .storage.files import check_writable
     from .workload.profile import ActivationProfile
 
-    check_writable(out, files)
+    check_outputs({"--out": out}, {"FILES": files})
     try:
         w = [float(x) for x in weights.split(",")] if weights is not None else None
     except ValueError:
@@ -1124,9 +1120,7 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
     exclusive(prompts=prompts_file, chats=chats)
     if opts["trace_out"]:
         raise click.UsageError("trace record writes its trace to --out; --trace-out is for the other commands")
-    from .storage.files import check_writable
-
-    check_writable(out, (prompts_file, chats, opts["profile_path"]))
+    check_outputs({"--out": out}, {**model_inputs(opts), "--prompts": prompts_file, "--chats": chats})
     opts["trace_out"] = out
     model, interrupted = _record(opts, prompts_file, chats, chat_template, max_tokens, "tracing")
     model.expert_runtime.close()
@@ -1201,10 +1195,9 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
     (all its tokens but the last in one call per layer, then the last; lines marked "ph":
     "prefill"), then each generated token through every layer; gating weights are kept as
     the lines' "p"."""
-    from .storage.files import check_writable
     from .workload.importers import import_trace
 
-    check_writable(out, (src,))
+    check_outputs({"--out": out}, {"SRC": src})
     wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None
     summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name)
     for w in warnings:
@@ -1250,6 +1243,7 @@ def convert(src, dst, bundle, fallback_bits):
     if bundle and fallback_bits:
         raise click.UsageError("--bundle and --fallback-bits exclude each other; give one")
     if fallback_bits:
+        check_outputs({"DST": dst}, {"SRC": model_folder(src)})  # before the work: not after it
         from .api import build_fallback
         from .budget import format_size
 
@@ -1295,6 +1289,11 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
 
     if profiles_dir and opts["profile_path"]:
         raise click.UsageError("--profile and --profiles exclude each other")
+    stored = sorted(Path(profiles_dir).glob("*.json")) if profiles_dir else []  # (--profiles' are written back)
+    kept = (stored or opts["profile_path"]) if save_profiles else None
+    check_outputs({"--save-profiles": kept, "--trace-out": opts["trace_out"]},
+                  {**model_inputs(opts), "--profiles": stored},
+                  updates={"--save-profiles": "--profiles" if profiles_dir else "--profile"})
     model, tokenizer = _load(opts)
     try:
         name = model_name(model.expert_runtime.checkpoint.path)  # as profiles and traces name it

@@ -10,7 +10,6 @@ format, bits, group_size, the model's fingerprint); `load(..., fallback=DST)` us
 """
 
 import copy
-import os
 import threading
 from collections import deque
 from pathlib import Path
@@ -20,6 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from ..errors import MlxmoeError
+from ..storage.files import write_atomic
 
 FORMAT = "mlxmoe.fallback/1"
 BITS = (2, 3, 4, 5, 6, 8)
@@ -75,12 +75,7 @@ def build(ckpt, fingerprint: str, dst, bits: int, group_size: int = 64, progress
         pools.close()
     meta = {"format": FORMAT, "bits": str(bits), "group_size": str(group_size), "fingerprint": fingerprint,
             "num_layers": str(ckpt.num_layers), "num_experts": str(E)}
-    tmp = dst.with_name(f".{dst.name}.tmp.safetensors")
-    try:
-        mx.save_safetensors(str(tmp), out, metadata=meta)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_atomic(dst, lambda f: mx.save_safetensors(f, out, metadata=meta))  # (a temp name clean_stale knows)
     return dst.stat().st_size
 
 

@@ -5,9 +5,14 @@ Every writer goes through a temp file (or folder) beside its target, named
 then a rename. A run killed before the rename (SIGKILL, a power cut) leaves such a
 partial beside the target; `clean_stale(target)` removes those whose writing process is
 gone, and every writer calls it before it starts. A temp file gets the permissions a
-plain open() would give (umask applied), a temp folder those of mkdir().
+plain open() would give (umask applied), a temp folder those of mkdir(). A symlink as
+the target is kept: its target is written (write_target).
+
+What a run may write at all is one rule, checked before any work (check_outputs): no output
+is an input of the run, a file of the model folder, or another output of the run.
 """
 
+import errno
 import json
 import os
 import re
@@ -86,24 +91,123 @@ def same_file(a, b):
         return False
 
 
-def check_writable(path, inputs=()):
-    """Fail now, before a long run, if `path` cannot be written at the end, or is one of
-    the command's `inputs` (writing it would replace what is being read); remove the stale
-    partials of `path` that killed runs left."""
+def write_target(path):
+    """Where writing `path` lands: a symlink's final target (written there and the link
+    kept, as cp and editors do); a symlink loop is an MlxmoeError."""
+    try:
+        return Path(os.path.realpath(path, strict=True))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise MlxmoeError(f"cannot write {path}: a symlink loop ({e.strerror})") from None
+    return Path(os.path.realpath(path))  # a new file, or a link to one: resolved as far as it goes
+
+
+def model_folder(path_or_repo):
+    """The local folder of a model as the loader finds it (None: the bundled demo model; a
+    Hugging Face repo id: its snapshot in the hub's cache, if downloaded), or None; never
+    downloads anything."""
+    if path_or_repo is None:
+        from ..loader import DEMO_MODEL
+
+        return DEMO_MODEL
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path if (path / "config.json").exists() else None  # (else not a model: load says so)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        config = try_to_load_from_cache(str(path_or_repo), "config.json")
+    except Exception:  # not a repo id the hub client takes: nothing of it in the cache
+        return None
+    return Path(config).parent if isinstance(config, str) else None
+
+
+def _paths(value):
+    """An option's paths: none (not given), one, or several (a list)."""
+    if value is None:
+        return []
+    return [v for v in value if v is not None] if isinstance(value, (list, tuple)) else [value]
+
+
+def _inode(path):
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _folder_files(folder):
+    """{(device, inode): path} of the files in `folder` and below, links followed (a Hugging
+    Face snapshot's files are links into the cache's blobs)."""
+    files = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            f = os.path.join(root, name)
+            key = _inode(f)
+            if key is not None:
+                files.setdefault(key, f)
+    return files
+
+
+def check_outputs(outputs, inputs=None, updates=None):
+    """The one rule for every file mlxmoe writes, checked before any work. `outputs` and
+    `inputs` map an option's name to its path (None: not given; a list: several); an input
+    folder is the model's. Refused, naming both: an output that is an input (one real
+    path, or one device and inode), that lies in an input folder or is one of its files
+    (a Hugging Face snapshot's links into its blobs included), or that is another output
+    of the run; an empty path, a folder, a symlink loop, a folder that cannot be written
+    (check_writable). `updates` {output: input} lets an output write back the input it
+    names, read whole before the run (--save-profile over its --profile)."""
+    updates, seen = updates or {}, []
+    given = [(name, src) for name, value in (inputs or {}).items() for src in _paths(value)]
+    folders = [(name, src, _folder_files(src)) for name, src in given if os.path.isdir(src)]
+    for name, value in outputs.items():
+        for out in _paths(value):
+            if not str(out).strip():
+                raise MlxmoeError(f"{name}: an empty path; give a file name")
+            try:
+                target = write_target(out)
+            except MlxmoeError as e:
+                raise MlxmoeError(f"{name}: {e}") from None
+            if target.is_dir():
+                raise MlxmoeError(f"cannot write {name} {out}: it is a folder")
+            for other, path in seen:
+                if same_file(target, path):
+                    raise MlxmoeError(f"{other} {path} and {name} {out} are the same file: each output of a run "
+                                      "needs its own")
+            seen.append((name, out))
+            for in_name, src in given:
+                if in_name != updates.get(name) and same_file(target, src):
+                    raise MlxmoeError(f"cannot write {name} {out}: it is the input {in_name} {src} of this run (it "
+                                      "would be replaced); write to another file")
+            for in_name, folder, files in folders:
+                real = os.path.realpath(folder)
+                if os.path.commonpath([target, real]) == real:
+                    raise MlxmoeError(f"cannot write {name} {out}: it lies in {in_name} {folder}, an input of this "
+                                      "run (the model's files are never written); write outside it")
+                mine = files.get(_inode(target))
+                if mine:
+                    raise MlxmoeError(f"cannot write {name} {out}: it is the file {mine} of {in_name} {folder} "
+                                      "(under another name), an input of this run; write to another file")
+            try:
+                check_writable(target)
+            except MlxmoeError as e:
+                raise MlxmoeError(f"{name}: {e}") from None
+
+
+def check_writable(path):
+    """Fail now, before a long run, if `path` cannot be written at the end (a folder, not a
+    regular file, a missing or read-only folder: a temp file is made there and removed);
+    remove the stale partials of `path` that killed runs left."""
     path = Path(path)
-    for src in inputs:
-        if src is not None and same_file(path, src):
-            raise MlxmoeError(f"cannot write {path}: it is the input {src} of this command (it would be "
-                              "replaced); write to another file")
     if path.is_dir():
         raise MlxmoeError(f"cannot write {path}: it is a folder")
     if path.exists() and not path.is_file():
         raise MlxmoeError(f"cannot write {path}: not a regular file")
-    if not path.parent.is_dir():
-        raise MlxmoeError(f"cannot write {path}: folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise MlxmoeError(f"cannot write {path}: folder {path.parent} is not writable")
-    clean_stale(path)
+    fd, tmp = temp_beside(path)  # a probe: os.access says yes to root where a write fails (immutable)
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def temp_beside(path):
@@ -138,11 +242,14 @@ def temp_folder_beside(path):
 
 
 def write_atomic(path, data):
-    """Write `data` (str or bytes) to `path` through a temp file beside it and a rename."""
+    """Write `data` (str, bytes, or a function given the binary file to write) to `path`
+    through a temp file beside it, fsync'd, and a rename: a kill at any moment leaves the
+    old file or the new one. A symlink at `path` is kept and its target written."""
+    path = write_target(path)
     fd, tmp = temp_beside(path)
     try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
-            f.write(data)
+        with os.fdopen(fd, "w" if isinstance(data, str) else "wb") as f:
+            data(f) if callable(data) else f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from ..errors import MlxmoeError
-from ..storage.files import read_lines, temp_beside
+from ..storage.files import read_lines, temp_beside, write_target
 from .profile import shape_fingerprint
 
 FORMAT = "mlxmoe.trace/1"
@@ -33,11 +33,12 @@ MAX_EXPERTS = 1 << 22  # layers x experts a header may claim
 
 
 class TraceWriter:
-    """Writes a trace to a temp file beside `path`, renamed into place by close()."""
+    """Writes a trace to a temp file beside `path` (a symlink's target: the link is kept),
+    fsync'd and renamed into place by close()."""
 
     def __init__(self, path, num_layers, num_experts, top_k, model="", **extra):
         """`extra`: more header keys (an imported trace's source, its sequences' names)."""
-        self.path = Path(path)
+        self.path = write_target(path)
         fd, self.tmp = temp_beside(self.path)
         self.file = os.fdopen(fd, "w")
         header = {"format": FORMAT, "num_layers": num_layers, "num_experts": num_experts, "top_k": top_k,
@@ -77,6 +78,8 @@ class TraceWriter:
             return
         if self.lines == 0:
             return self.abort()
+        self.file.flush()
+        os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.tmp, self.path)
 
