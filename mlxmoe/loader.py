@@ -21,7 +21,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .errors import MlxmoeError
-from .storage.files import read_bytes, read_json
+from .storage.files import DEMO_MODEL, read_bytes, read_json
 from .caching.experts import StreamingExperts, find_router
 from .storage.shards import PER_EXPERT, tensor_bytes
 from .storage.remote import is_repo_id
@@ -32,7 +32,6 @@ MX_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": m
              "I8": mx.int8, "U16": mx.uint16, "I32": mx.int32, "F8_E4M3": mx.uint8, "F8_E5M2": mx.uint8}
 
 # The small MoE model trained by demo/train_demo.py that ships inside the package.
-DEMO_MODEL = Path(__file__).resolve().parent / "demo"
 MAX_JSON_BYTES = 1 << 30  # config.json, tokenizer.json: the largest real ones are ~30 MB
 
 SWITCH_TYPES = (SwitchGLU, SwitchMLP)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from ..errors import MlxmoeError
 
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo"  # the bundled demo model (mlxmoe.DEMO_MODEL)
+
 
 def umask():
     """The process's file-mode creation mask (reading it means setting it: set it back)."""
@@ -107,8 +109,6 @@ def model_folder(path_or_repo):
     Hugging Face repo id: its snapshot in the hub's cache, if downloaded), or None; never
     downloads anything."""
     if path_or_repo is None:
-        from ..loader import DEMO_MODEL
-
         return DEMO_MODEL
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
