@@ -39,6 +39,7 @@ from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, decoder_lay
 from .caching.policies import ONLINE, make_policy
 from .caching.prefetch import Prefetcher
 from .caching.speculate import NextToken, Speculator
+from .caching.verify import Verifier
 from .workload.profile import ActivationProfile, fingerprint, prewarm_order
 from .workload.trace import TraceWriter, read_trace
 
@@ -159,6 +160,7 @@ class LoadOptions:
     cache_bias: float | str = 0.0  # or "profile"
     trim_mass: float = 0.0
     fallback: str | os.PathLike | None = None
+    verify: bool = True
 
     def check(self) -> None:
         """Refuse a value out of its range, naming it (the CLI's ranges: one rule for both entrances)."""
@@ -227,6 +229,10 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     resident within the budget: at a decode step an expert not in the cache computes with
     its copy at once and is read in the background, so no step waits on a read (stats():
     substituted, fallback_bytes).
+    `verify` (on by default): where some experts are not resident, a decode step looks its
+    slots up on the device and waits for the device once, at its end, instead of at every
+    MoE layer; a layer that missed is read and the token computed again from it (see
+    caching/verify.py; stats(): verified_tokens, replays, verify). False: a wait per layer.
 
     `group` (an mx.distributed group of several ranks, from `mx.distributed.init()` under
     `mlx.launch`) splits the model into mlx-lm's pipeline stages: this rank builds and
@@ -315,11 +321,15 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
     live.model, live.fingerprint = model_name(ckpt.path), fp
     live.expert_bytes, live.resident_bytes = profile_sizes(p)
     policy = make_policy(opts.policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
+    decoders = decoder_layers(ckpt)
+    streamed = p.cache_experts < ckpt.num_layers * ckpt.num_experts
+    verify = bool(opts.verify and streamed and decoders and ckpt.group is None and opts.fallback is None
+                  and not (opts.trim or opts.cache_bias or opts.trim_mass))
     # under the tensor split the ranks take the resident path together (Runtime.agree_resident)
     cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, opts.io_threads, profile=live,
-                        hold_resident=ckpt.group is not None and ckpt.split == "tensor")
+                        hold_resident=ckpt.group is not None and ckpt.split == "tensor", spare=verify)
     prefetcher = None
-    if opts.prefetch and p.cache_experts < ckpt.num_layers * ckpt.num_experts:
+    if opts.prefetch and streamed:
         prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_ks, depth=opts.prefetch, prior=rates,
                                 confidence=opts.prefetch_confidence)
     runtime = Runtime(ckpt, p, be, cache, fp, prefetcher)
@@ -327,9 +337,10 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
     runtime.lossy = attach_lossy(ckpt, cache, opts.trim, opts.cache_bias, opts.trim_mass, prior)
     if opts.fallback is not None:
         attach_fallback(ckpt, cache, opts.fallback, fp)
-    decoders = decoder_layers(ckpt)
     if prefetcher is not None and ckpt.group is None and runtime.lossy is None and opts.fallback is None and decoders:
         cache.speculate_with(Speculator(ckpt.model, decoders, ckpt.blocks, cache, prefetcher))
+    if verify and runtime.lossy is None:
+        cache.verifier = Verifier(ckpt.model, decoders, cache, guess=prefetcher is not None)
     be.activate(p.budget)
     if opts.trace_out is not None:
         runtime.record_trace(opts.trace_out)

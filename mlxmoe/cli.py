@@ -113,6 +113,10 @@ def model_options(f):
                      "cache for them; a longer prompt is refused."),
         click.option("--prefetch", type=Number(int, 0, 64), default=1, show_default=True,
                      help="Read predicted experts this many layer calls ahead in the background (0: off)."),
+        click.option("--wait-per-layer", "verify", is_flag=True, flag_value=False, default=True,
+                     help="Wait for the device at every MoE layer of a decode step, as before. Default: a step "
+                     "whose experts are not all in memory looks them up on the device and waits once, at its "
+                     "end; a layer that missed is read and the step computed again from it (exact either way)."),
         click.option("--cache-bias", type=Number(float, 0, words=("profile",)), default=0.0, show_default=True,
                      help="Lossy, try first: add this to resident experts' router logits so close calls go to "
                      "experts in memory (fewer reads; 0: exact; profile: the --profile's recommended value). See "

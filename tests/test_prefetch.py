@@ -77,7 +77,8 @@ def test_no_expert_is_read_twice(checkpoint):
 def test_failed_background_read_falls_back_to_a_demand_read(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     want = reference(path)
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    # (verify=False: every decode step through the prefetcher, none reading its guesses itself)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     store = model.expert_cache.store
     read = store.read_expert
 
@@ -277,7 +278,8 @@ def test_coactivation_counts_what_consecutive_layer_calls_used(checkpoint, tmp_p
 
     path = checkpoint("qwen3_moe", quant="4bit")
     trace = tmp_path / "run.trace.jsonl"
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, trace_out=str(trace))
+    # (verify=False: every decode step through the prefetcher, which verified steps never call)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, trace_out=str(trace), verify=False)
     cache = model.expert_cache
     tokens(model, tokenizer, 12)
     cache.prefetcher.drain()

@@ -154,10 +154,11 @@ def test_resident_decode_makes_no_sync(model_path, monkeypatch):
 
 
 def test_streamed_decode_makes_one_sync(model_path, monkeypatch):
+    """With a wait per layer call (verify=False; verified decode steps: tests/test_verify.py)."""
     model, tokenizer = mlxmoe.load(str(model_path), cache_experts=None)
     total = model.expert_cache.capacity
     model.expert_cache.close()
-    model, tokenizer = mlxmoe.load(str(model_path), cache_experts=total // 2)
+    model, tokenizer = mlxmoe.load(str(model_path), cache_experts=total // 2, verify=False)
     cache = model.expert_cache
     counter = SyncCounter(monkeypatch)
     counter.run(model, tokenizer)

@@ -55,6 +55,7 @@ class Residency:
         self.capacity = capacity
         self.policy = policy
         self.slot_of = {}  # (layer, expert) -> slot
+        self.version = 0  # changes whenever slot_of does
         self.free = list(range(capacity - 1, -1, -1))
         self.in_flight = {}  # key -> Event set once the background read filling its slot ended: never victims
         self.awaited = set()  # prefetched for a coming layer call: victims only when nothing else is
@@ -135,6 +136,7 @@ class Residency:
                 self.counters.misses += 1
                 slot = self.free.pop() if self.free else self._evict(protected)
                 self.slot_of[key] = slot
+                self.version += 1
                 self.policy.insert(key)
                 missed.append((key[1], slot))
             slots.append(self.slot_of[key])
@@ -151,6 +153,7 @@ class Residency:
         self.catch_up()
         self.policy.remove(key)
         self.evicted(key)
+        self.version += 1
         return self.slot_of.pop(key)
 
     def victim(self, protected: set) -> tuple:
@@ -185,6 +188,7 @@ class Residency:
             else:
                 break
             self.slot_of[key] = slot
+            self.version += 1
             taken.append((key, slot))
         for key, _ in reversed(taken):
             self.policy.insert(key)
@@ -198,16 +202,17 @@ class SlotPools:
     """The slots' memory, shared by all MoE layers (every layer's experts have the same
     shapes), and the reads into it: per expert tensor an mx array [capacity, *shape]
     (`pools`), a writable numpy view of its memory (`views`) and what the experts compute
-    with (`compute`, a dtype view where numpy lacks the type)."""
+    with (`compute`, a dtype view where numpy lacks the type). `spare`: one slot more, past
+    the cache's, holding zeros: the placeholder of verified decode steps (verify.py)."""
 
-    def __init__(self, store, capacity: int, pool_dtypes: list, io_threads: int = 4) -> None:
+    def __init__(self, store, capacity: int, pool_dtypes: list, io_threads: int = 4, spare: bool = False) -> None:
         self.store = store
         self.pools, self.views, self.compute = [], [], []
         for shape, dtype in zip(store.tensor_shapes, pool_dtypes):
             storage = mx.uint16 if dtype == mx.bfloat16 else dtype
             # made on the CPU stream: on CUDA that is managed memory, host-writable with no
             # copy (a GPU-made array is moved to managed memory when numpy first views it)
-            pool = mx.zeros((capacity, *shape), dtype=storage, stream=mx.cpu)
+            pool = mx.zeros((capacity + spare, *shape), dtype=storage, stream=mx.cpu)
             mx.eval(pool)
             view = np.array(pool, copy=False)
             if not view.flags.writeable:
@@ -226,14 +231,18 @@ class SlotPools:
         return self.store.read_expert(key[0], key[1], [v[slot] for v in self.views], pace=pace, chunk=chunk)
 
     def read(self, layer: int, missed: list) -> int:
-        """Read `missed` [(expert, slot)] of `layer` (on the IO threads when several); return
-        the bytes read. On an error, once no thread writes into those slots any more."""
+        """Read `missed` [(expert, slot)] of `layer`: read_keys."""
+        return self.read_keys([((layer, e), slot) for e, slot in missed])
+
+    def read_keys(self, keyed: list) -> int:
+        """Read `keyed` [(key, slot)] (on the IO threads when several); return the bytes
+        read. On an error, once no thread writes into those slots any more."""
         futures = []
         try:
-            if self.io is not None and len(missed) > 1:
-                futures = [self.io.submit(self.read_into, (layer, e), slot) for e, slot in missed]
+            if self.io is not None and len(keyed) > 1:
+                futures = [self.io.submit(self.read_into, key, slot) for key, slot in keyed]
                 return sum(f.result() for f in futures)
-            return sum(self.read_into((layer, e), slot) for e, slot in missed)
+            return sum(self.read_into(key, slot) for key, slot in keyed)
         except BaseException:
             wait(futures)
             raise
@@ -258,10 +267,10 @@ class ExpertCache(Residency):
     the owner clears it (api.Runtime.agree_resident, under the tensor split)."""
 
     def __init__(self, store, capacity: int, policy, pool_dtypes: list, io_threads: int = 4, profile=None,
-                 hold_resident: bool = False) -> None:
+                 hold_resident: bool = False, spare: bool = False) -> None:
         super().__init__(capacity, policy, defer_hits=True)
         self.store = store
-        self.pools = SlotPools(store, capacity, pool_dtypes, io_threads)
+        self.pools = SlotPools(store, capacity, pool_dtypes, io_threads, spare)
         self.lock = threading.RLock()
         self.loader = BackgroundLoader(self)
         self.in_flight = self.loader.waiting
@@ -274,6 +283,8 @@ class ExpertCache(Residency):
         self.current_layer = -1
         self.prefetcher: Prefetcher | None = None  # when prefetching (attach)
         self.speculator = None  # speculate.Speculator where the decode thread runs ahead while it waits for reads
+        self.verifier = None  # verify.Verifier where decode steps wait once, at their end
+        self.layer_wait = None  # decayed seconds a decode step's layer call waited for the device
         self.demand_io = None  # the thread that reads a decode step's misses meanwhile
         # decayed seconds of a decode step's compute from one layer call's fetch to the next's
         # (the prefetcher weighs what a right guess can save by it); (when, layer) of the last fetch
@@ -518,6 +529,7 @@ class ExpertCache(Residency):
                     disk_busy_seconds=self.loader.gate.busy_seconds(),
                     demand_delay_seconds=self.loader.gate.delayed_seconds(),
                     predictors=self.prefetcher.stats() if self.prefetcher is not None else {},
+                    verify=self.verifier.stats() if self.verifier is not None else {"on": False, "reason": "not used"},
                     io=self.store.io_stats())
 
     def reset_stats(self) -> None:

@@ -24,6 +24,9 @@ class CacheStats:
     skipped: int = 0  # routed experts a lossy mode left out (top-k trimming on a miss)
     biased: int = 0  # experts chosen only thanks to cache-aware routing's bonus
     substituted: int = 0  # routed experts computed with their low-bit copies (fallback.py)
+    verified_tokens: int = 0  # decode steps with one wait at their end (verify.py)
+    replays: int = 0  # ... forwards run again from a layer that missed
+    replayed_layers: int = 0  # ... decoder layers those computed again
     read_seconds: float = 0.0  # the decode thread's reads
     bookkeeping_seconds: float = 0.0  # what StreamingExperts adds beyond mlx-lm's own work
     decode_tps: float = 0.0
@@ -43,4 +46,5 @@ class CacheStats:
                 "prefetch_cancelled": self.prefetch_cancelled, "cancelled_bytes": self.cancelled_bytes,
                 "read_seconds": self.read_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
                 "evictions": self.evictions, "skipped": self.skipped, "biased": self.biased,
-                "substituted": self.substituted, "decode_tps": self.decode_tps}
+                "substituted": self.substituted, "verified_tokens": self.verified_tokens,
+                "replays": self.replays, "replayed_layers": self.replayed_layers, "decode_tps": self.decode_tps}

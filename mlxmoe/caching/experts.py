@@ -16,6 +16,7 @@ from ..backend import host_probs
 from .cache import expert_groups
 from ..errors import MlxmoeError
 from .lossy import host_logits
+from .prefetch import decayed
 
 
 def nest(slots: list, depth: int) -> mx.array:
@@ -231,6 +232,8 @@ class StreamingExperts(nn.Module):
 
     def _call(self, x, indices):
         cache = self._cache
+        if cache.verifier is not None and cache.verifier.forward:
+            return cache.verifier.experts(self, x, indices)  # a verified decode step (verify.py)
         if cache.speculator is not None and cache.speculator.running is not None:
             return cache.speculator.experts(self, x, indices)  # running ahead (speculate.py)
         table = resident_table(cache)
@@ -250,6 +253,8 @@ class StreamingExperts(nn.Module):
         # evaluates the router (and with it every earlier layer): mlx-lm's own work
         mx.eval(indices, *([] if router is None else [router]), *ahead_scores.values())
         sync = time.perf_counter() - sync
+        if decode:  # what a wait per layer costs (the device's work the host could not build beside)
+            cache.layer_wait = decayed(cache.layer_wait, sync)
         counters = cache.counters
         read_before = counters.read_seconds
         scales = None

@@ -1,0 +1,294 @@
+"""Decode steps that never wait at a layer: a token's experts verified once, at its end.
+
+At a decode step (one token) on a partly cached model, each MoE layer looks its experts'
+slots up on the device (`tables[layer][indices]`; an expert that is not resident points at
+the placeholder, the pools' spare last slot, which no expert ever holds) and computes at
+once, and each decoder layer's output is queued (`mx.async_eval`) as soon as it is built:
+the device computes while the host builds the next layers. After the model's forward one
+wait reads every layer's routing. Where no routed expert was missing the token is exact:
+its slots are those the per-layer path would have used, since nothing is read, evicted or
+prefetched while a verified token computes. Otherwise the first layer that missed reads its
+experts (the policy chooses victims as on the per-layer path, after the hits of the layers
+before it), the KV caches of its decoder layer and those after it are trimmed by the token,
+and the forward runs again: the decoder layers before it return the outputs they gave
+(their caches as they were), the rest compute with the new slots.
+
+A replay costs the decoder layers it recomputes; the per-layer path costs a wait per layer
+call. Where the replays cost more than the waits they save (both timed here), the mode is
+off for OFF_TOKENS tokens, then tried again (`stats()["verify"]` says which and why).
+A token takes the per-layer path where a background read is under way, a cache cannot be
+trimmed (a rotating cache that wrapped), or every expert is resident (the resident path
+needs no check at all).
+"""
+
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from ..backend import host_probs
+
+# verified tokens weighed at a time (off after fewer where their replays already cost more);
+# tokens on the per-layer path before the mode is tried again, once it turned itself off
+WEIGH_TOKENS, FIRST_WEIGH = 16, 2
+OFF_TOKENS = 32
+KV_TYPES = (KVCache, RotatingKVCache)
+
+
+def wait_seconds(samples: int = 7) -> float:
+    """What one host wait on the device costs with nothing queued: the median of a few."""
+    times = []
+    for _ in range(samples):
+        a = mx.array(1.0) + 1
+        tic = time.perf_counter()
+        mx.eval(a)
+        times.append(time.perf_counter() - tic)
+    return float(np.median(times))
+
+
+class Verifier:
+    """Verified decode steps on `model` (mlx-lm's, its MoE layer l in decoder layer
+    `decoder_of[l]` of `model.layers`) over `cache`. The model's and its decoder layers'
+    instances get subclasses whose calls go through decode() and decoder()."""
+
+    def __init__(self, model, decoder_of: list, cache, guess: bool = True) -> None:
+        self.cache, self.decoder_of = cache, decoder_of
+        self.guess = guess  # read the later layers' misses with a missed layer's (a prefetch: not with prefetch off)
+        self.layers = model.layers
+        self.placeholder = cache.capacity  # the spare slot (SlotPools' last): never an expert's
+        self.host_table = None  # [layers, experts] slots, placeholder where not resident
+        self.version = None  # the cache's residency version the tables show
+        self.tables = None  # the same, an mx array per layer
+        self.forward = False  # within a verified forward
+        self.replay_from = None  # the decoder layer a replay computes from (None: the first run)
+        self.outputs = {}  # decoder layer -> its output in this token
+        self.calls = {}  # MoE layer -> (indices, router logits or probs, tapped) of this token
+        self.guessed = set()  # keys read on a guess (_guesses) and not used yet
+        self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
+        self.steps = 0  # decode steps seen (verified or not)
+        self.off_until = 0  # step count before which the mode is off
+        self.reason = None  # why it is off (or was last)
+        self.wait = wait_seconds()
+        self.weighed = [0.0, 0.0, 0]  # seconds the replays cost, seconds of waits saved, tokens
+        self.first_pass = self.replay_seconds = 0.0  # of the last token: its first forward and check, its replays
+        self.error = None
+        _wrap(model, self._model_call)
+        for d, layer in enumerate(self.layers):
+            _wrap(layer, lambda call, args, kwargs, d=d: self._decoder_call(d, call, args, kwargs))
+
+    def stats(self) -> dict:
+        on = self.error is None and self.steps >= self.off_until
+        return {"on": on, "reason": self.error or self.reason, "wait_us": round((self.cache.layer_wait or self.wait) * 1e6, 1)}
+
+    # -- the model's call ---------------------------------------------------------------
+
+    def _ready(self, args, kwargs):
+        """The prompt cache of a call that can be verified, else None."""
+        cache = self.cache
+        inputs = args[0] if args else kwargs.get("inputs")
+        kv = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        if self.error is not None or self.forward or not isinstance(inputs, mx.array) or inputs.size != 1 \
+                or kv is None or len(kv) != len(self.layers):
+            return None
+        self.steps += 1
+        if self.steps <= self.off_until:
+            return None
+        from .experts import resident_table
+
+        if resident_table(cache) is not None:  # the resident path: no check at all
+            return None
+        if cache.in_flight or cache.loader.failed or not cache.loader.prewarm_done(0) or cache.fallback is not None:
+            return None
+        if any(type(c) not in KV_TYPES or not c.is_trimmable() for c in kv):
+            return None
+        return kv
+
+    def _model_call(self, call, args, kwargs):
+        kv = self._ready(args, kwargs)
+        if kv is None:
+            self.tables = None  # the per-layer path may change what is resident
+            return call(*args, **kwargs)
+        cache = self.cache
+        if self.tables is None:
+            if cache.prefetcher is not None:
+                cache.prefetcher.drain()  # what the per-layer path asked for: read before going quiet
+                if cache.in_flight:
+                    return call(*args, **kwargs)
+        if self.tables is None or self.version != cache.version:
+            self._build_tables()
+        cache.tick(1)
+        self.forward, self.replay_from, self.checked = True, None, 0
+        self.outputs.clear()
+        self.calls.clear()
+        replayed, replays, self.first_pass = 0, 0, None
+        tic, read = time.perf_counter(), cache.counters.read_seconds
+        try:
+            while True:
+                out = call(*args, **kwargs)
+                missed = self._check(tic)
+                if missed is None:
+                    break
+                first = self.decoder_of[missed]
+                for c in kv[first:]:
+                    c.trim(1)
+                replayed += len(self.layers) - first
+                replays += 1
+                self.replay_from = first
+                for layer in [m for m in self.calls if m >= missed]:
+                    del self.calls[layer]
+        finally:
+            self.forward = False
+            self.outputs.clear()
+            self.calls.clear()
+        counters = cache.counters
+        counters.verified_tokens += 1
+        counters.replays += replays
+        counters.replayed_layers += replayed
+        if replays:
+            self.replay_seconds = time.perf_counter() - tic - self.first_pass - (counters.read_seconds - read)
+        self._weigh(replays)
+        return out
+
+    def _weigh(self, replays: int) -> None:
+        """Every WEIGH_TOKENS tokens: off for OFF_TOKENS tokens where the replays (their time
+        beyond the first pass and the reads) cost more than the waits the per-layer path would
+        have made beyond these tokens' (one each, and one a replay), each as long as a layer
+        call of that path waited last (or an empty round trip, before any)."""
+        w = self.weighed
+        w[0] += self.replay_seconds if replays else 0.0
+        w[1] += max(len(self.decoder_of) - 1 - replays, 0) * (self.cache.layer_wait or self.wait)
+        w[2] += 1
+        if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1]:
+            return
+        if w[0] > w[1]:
+            self.off_until = self.steps + OFF_TOKENS
+            self.reason = (f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, more than the "
+                           f"{w[1] / w[2] * 1e3:.2f} ms of waits they save")
+            self.tables = None
+        self.weighed = [0.0, 0.0, 0]
+
+    def _build_tables(self) -> None:
+        cache = self.cache
+        table = np.full((cache.store.num_layers, cache.store.num_experts), self.placeholder, dtype=np.uint32)
+        with cache.lock:
+            for (layer, e), slot in cache.slot_of.items():
+                table[layer, e] = slot
+            self.version = cache.version
+        old, self.host_table = self.host_table, table
+        tables = self.tables or [None] * len(table)
+        self.tables = [t if old is not None and t is not None and np.array_equal(old[i], table[i])
+                       else mx.array(table[i]) for i, t in enumerate(tables)]
+
+    # -- inside the forward -------------------------------------------------------------
+
+    def _decoder_call(self, d, call, args, kwargs):
+        if not self.forward:
+            return call(*args, **kwargs)
+        if self.replay_from is not None and d < self.replay_from:
+            return self.outputs[d]  # as computed before the miss (its cache untouched)
+        out = call(*args, **kwargs)
+        self.outputs[d] = out
+        mx.async_eval(out)  # the device starts on this layer while the host builds the next
+        return out
+
+    def experts(self, streaming, x, indices):
+        """A MoE layer's experts within a verified forward: slots looked up on the device,
+        routing kept for the check."""
+        layer = streaming._layer
+        logits = streaming._logits()
+        probs = streaming._probs(x) if logits is None else None
+        self.calls[layer] = (indices, logits if logits is not None else probs, logits is not None)
+        return streaming._inner(x, self.tables[layer][indices])
+
+    # -- the check ----------------------------------------------------------------------
+
+    def _check(self, start: float):
+        """The one wait of a forward: its routing on the host. The layers before the first
+        that missed are told to the policy and observers as hits; that layer's experts are
+        read (and told). Returns that layer, or None."""
+        cache = self.cache
+        layers = sorted(self.calls)
+        routers = [self.calls[m][1] for m in layers if self.calls[m][1] is not None]
+        flat = mx.concatenate([self.calls[m][0].reshape(-1) for m in layers])
+        mx.eval(flat, *routers)
+        if self.first_pass is None:  # the host's build and the device's compute of one pass
+            self.first_pass = time.perf_counter() - start
+        start = time.perf_counter()
+        rows = np.split(np.array(flat), np.cumsum([self.calls[m][0].size for m in layers])[:-1])
+        tapped = [self.calls[m][1] for m in layers if self.calls[m][2]]
+        from_logits = iter(host_probs(tapped) if tapped else ())
+        probs = [None if self.calls[m][1] is None else
+                 (next(from_logits) if self.calls[m][2] else np.array(self.calls[m][1])).reshape(-1)
+                 for m in layers]
+        missed = None
+        for i, (m, row, p) in enumerate(zip(layers, rows, probs)):
+            if m < self.checked:
+                continue
+            row = row.tolist()
+            experts = sorted(set(row))
+            scores = None if p is None else [float(p[e]) for e in experts]
+            hit = not (self.host_table[m][experts] == self.placeholder).any()
+            if hit:
+                cache.counters.hits += len(experts)
+                cache.deferred.append((cache._hit, (m, experts, scores, p, None)))
+                if self.guessed:
+                    used = self.guessed.intersection((m, e) for e in experts)
+                    cache.counters.prefetch_useful += len(used)
+                    self.guessed -= used
+            else:
+                self._read(m, experts, scores, p, self._guesses(layers[i + 1:], rows[i + 1:]) if self.guess else [])
+                missed = m
+            cache.observe(_call(m, cache.call_position, row, experts, scores, p))
+            self.checked = m + 1
+            if missed is not None:
+                break
+        cache.counters.bookkeeping_seconds += time.perf_counter() - start
+        return missed
+
+    def _guesses(self, layers, rows) -> list:
+        """The experts missing from the later layers' routing in this pass: computed from a
+        hidden state that a missing expert left wrong, yet mostly what the replay will route
+        to (a layer's output changes little without one of its experts)."""
+        table, placeholder = self.host_table, self.placeholder
+        return [(m, int(e)) for m, row in zip(layers, rows) for e in np.unique(row) if table[m][e] == placeholder]
+
+    def _read(self, layer, experts, scores, probs, guesses) -> None:
+        """Make a missed layer call's experts resident (the policy's victims, a demand read),
+        then as many of the `guesses` as the policy gives slots to (read together: the
+        replay would miss them one layer at a time), and the tables say so."""
+        cache = self.cache
+        tic = time.perf_counter()
+        try:
+            with cache.lock:
+                _, missed = cache.access(layer, experts, scores, probs)
+                taken = cache.claim(guesses, protected={(layer, e) for e in experts}, evict=True)
+            cache.read_demand(layer, missed)
+            n = cache.pools.read_keys(taken) if taken else 0
+        except BaseException:  # (Ctrl-C included) a key given a slot but not read must not pass for resident
+            cache.forget([(layer, e) for e in experts] + guesses)
+            raise
+        if taken:
+            cache.counters.loads_prefetched += len(taken)
+            cache.counters.prefetch_bytes += n
+            self.guessed.update(key for key, _ in taken)
+        cache.counters.read_seconds += time.perf_counter() - tic
+        self._build_tables()
+
+
+def _call(layer, position, row, experts, scores, probs):
+    from .experts import LayerCall
+
+    rows = np.array([row], dtype=np.uint32)
+    return LayerCall(layer, position, rows, None if probs is None else probs.reshape(1, -1), 1, experts, scores,
+                     probs, 1 if layer == 0 else 0)
+
+
+def _wrap(module, through):
+    """Give the module instance a subclass whose call goes through `through(call, args, kwargs)`."""
+    cls = type(module)
+
+    def __call__(self, *args, **kwargs):
+        return through(lambda *a, **kw: cls.__call__(self, *a, **kw), args, kwargs)
+
+    module.__class__ = type(f"Verified{cls.__name__}", (cls,), {"__call__": __call__})

@@ -1,0 +1,226 @@
+"""Verified decode steps (caching/verify.py): no wait at a layer call, one at the token's end,
+a layer that missed read and the token computed again from it; tokens and KV caches as
+stock mlx-lm's, the placeholder slot never in the output, waits per token counted."""
+
+import threading
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlxmoe
+import synthetic
+from mlxmoe.backend import detect
+
+PROMPT = "The quick brown fox"  # short: gpt_oss's 32-token windows do not wrap
+TOKENS = 20
+
+
+def reference(path, prompt_cache=None):
+    model, tokenizer = mlx_lm.load(str(path))
+    detect().apply_dtype_policy(model)
+    kw = {} if prompt_cache is None else {"prompt_cache": prompt_cache(model)}
+    tokens = [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS, **kw)]
+    return tokens, kw.get("prompt_cache")
+
+
+def generate(model, tokenizer, evict=None, weigh=False, **kw):
+    """Greedy tokens; before each decode step i, `evict(i)` gives keys to take out of the cache
+    (so that the step misses there). The verified path stays on whatever its replays cost
+    (its switch is not consulted) unless `weigh`."""
+    cache, tokens = model.expert_cache, []
+    if cache.verifier is not None and not weigh:
+        cache.verifier._weigh = lambda replays: None
+    for i, r in enumerate(mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS, **kw)):
+        tokens.append(r.token)
+        if evict is not None:
+            cache.forget(evict(i))
+    return tokens
+
+
+def every_expert(cache, *layers):
+    E = cache.store.num_experts
+    return lambda i: [(layer, e) for layer in layers for e in range(E)]
+
+
+@pytest.mark.parametrize("arch,quant", [("qwen3_moe", "4bit"), ("mixtral", None), ("gpt_oss", None),
+                                        ("deepseek_v3", None), ("qwen2_moe", None), ("olmoe", None)])
+def test_tokens_equal_stock_at_every_cache_size(checkpoint, arch, quant):
+    path = checkpoint(arch, quant=quant)
+    want, _ = reference(path)
+    probe, _ = mlxmoe.load(str(path))
+    L, E, k = probe.expert_cache.store.num_layers, probe.expert_cache.store.num_experts, probe.expert_runtime.checkpoint.top_k
+    probe.expert_runtime.close()
+    for size in (L * E - 1, L * E * 3 // 4, L * E // 2, k * L, k):
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=size)
+        assert generate(model, tokenizer) == want, f"{arch}: {size} experts"
+        stats = model.expert_cache.stats()
+        assert stats["verified_tokens"] > TOKENS // 2, f"{arch}: {size} experts"
+        assert stats["loads_demand"] == stats["misses"]
+        model.expert_runtime.close()
+
+
+@pytest.mark.parametrize("where", ["first", "last", "consecutive", "first and last"])
+def test_a_miss_anywhere_is_read_and_recomputed(checkpoint, where):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want, _ = reference(path)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
+    L = model.expert_cache.store.num_layers
+    total = model.expert_cache.capacity
+    model.expert_runtime.close()
+    layers = {"first": [0], "last": [L - 1], "consecutive": [1, 2], "first and last": [0, L - 1]}[where]
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 1)
+    cache = model.expert_cache
+    assert generate(model, tokenizer, evict=every_expert(cache, *layers)) == want
+    stats = cache.stats()
+    # every decode step after the first missed at each of those layers, once verified
+    assert stats["replays"] >= len(layers) * 2, stats
+    assert stats["verified_tokens"] >= 2
+
+
+def test_placeholder_never_reaches_the_output(checkpoint):
+    path = checkpoint("qwen3_moe")  # float weights: NaN in the placeholder would spread
+    want, _ = reference(path)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
+    total = model.expert_cache.capacity
+    model.expert_runtime.close()
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=total // 2)
+    cache = model.expert_cache
+    spare = cache.capacity
+    for view in cache.pools.views:
+        assert view.shape[0] == spare + 1
+        view[spare] = np.nan if view.dtype.kind == "f" else view[spare]
+    nan_seen = []
+
+    def watch(tokens, logits):
+        nan_seen.append(bool(mx.isnan(logits).any().item()))
+        return logits
+
+    L = cache.store.num_layers
+    assert generate(model, tokenizer, evict=every_expert(cache, 0, L - 1), logits_processors=[watch]) == want
+    assert cache.stats()["replays"] > 0 and not any(nan_seen)
+
+
+def test_kv_caches_after_a_recompute_equal_stock(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want, stock_kv = reference(path, prompt_cache=make_prompt_cache)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
+    total = model.expert_cache.capacity
+    model.expert_runtime.close()
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 1)
+    cache = model.expert_cache
+    L = cache.store.num_layers
+    kv = make_prompt_cache(model)
+    assert generate(model, tokenizer, evict=every_expert(cache, 1), prompt_cache=kv) == want
+    assert cache.stats()["replays"] > 0
+    for ours, theirs in zip(kv, stock_kv):
+        assert ours.offset == theirs.offset
+        for a, b in zip(ours.state[:2], theirs.state[:2]):
+            n = ours.offset
+            assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
+
+
+class WaitCounter:
+    """mlxmoe's waits on the device per decode step, on the decode thread: mx.eval, .item(),
+    .tolist(), and np.array of an array no earlier mlxmoe mx.eval of the step covered."""
+
+    def __init__(self, monkeypatch, model):
+        self.thread = threading.get_ident()
+        self.steps = []  # per model call of one token: waits
+        self.missed = []  # ... and its layer calls that missed (one replay each)
+        self.covered = set()
+        eval_, array = mx.eval, np.array
+        counter, cls = self, type(model)
+        call = cls.__call__
+
+        def model_call(m, inputs, *a, **kw):
+            if inputs.size != 1:
+                return call(m, inputs, *a, **kw)
+            counter.steps.append(0)
+            counter.covered = set()
+            c = m.expert_cache.counters
+            replays, verified = c.replays, c.verified_tokens
+            out = call(m, inputs, *a, **kw)
+            counter.missed.append(c.replays - replays if c.verified_tokens > verified else None)
+            return out
+
+        def mine():
+            import sys
+            return threading.get_ident() == counter.thread and \
+                sys._getframe(2).f_globals.get("__name__", "").startswith("mlxmoe")
+
+        def counted_eval(*args, **kw):
+            if mine() and counter.steps:
+                counter.steps[-1] += 1
+                counter.covered.update(id(x) for x in args if isinstance(x, mx.array))
+            return eval_(*args, **kw)
+
+        def counted_array(obj, *args, **kw):
+            if isinstance(obj, mx.array) and mine() and counter.steps and id(obj) not in counter.covered:
+                counter.steps[-1] += 1
+            return array(obj, *args, **kw)
+
+        def reader(fn):
+            def read(obj, *args, **kw):
+                if mine() and counter.steps:
+                    counter.steps[-1] += 1
+                return fn(obj, *args, **kw)
+            return read
+
+        monkeypatch.setattr(cls, "__call__", model_call)
+        monkeypatch.setattr(mx, "eval", counted_eval)
+        monkeypatch.setattr(np, "array", counted_array)
+        for name in ("item", "tolist"):
+            monkeypatch.setattr(mx.array, name, reader(getattr(mx.array, name)))
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3_moe", "deepseek_v3"])
+def test_waits_per_step_at_most_one_plus_missed_layer_calls(checkpoint, monkeypatch, name):
+    path = mlxmoe.DEMO_MODEL if name == "demo" else checkpoint(name)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
+    total = model.expert_cache.capacity
+    model.expert_runtime.close()
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 2)
+    cache = model.expert_cache
+    generate(model, tokenizer)  # warm: the same workload before
+    before = cache.stats()
+    counter = WaitCounter(monkeypatch, model)
+    L = cache.store.num_layers
+    evict = every_expert(cache, L - 1)
+    tokens = generate(model, tokenizer, evict=lambda i: evict(i) if i % 3 == 0 else [])
+    after = cache.stats()
+    # mlx-lm computes one step past the last token it yields
+    assert after["verified_tokens"] - before["verified_tokens"] >= len(tokens) - 1 >= 8
+    assert after["replays"] > before["replays"]
+    verified = [(w, m) for w, m in zip(counter.steps, counter.missed) if m is not None]
+    assert len(verified) >= len(tokens) - 1
+    for waits, missed in verified:
+        assert waits <= 1 + missed, verified
+    assert [w for w, m in verified if m == 0] and all(w == 1 for w, m in verified if m == 0)
+
+
+def test_off_where_replays_cost_more_than_waits(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want, _ = reference(path)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
+    total = model.expert_cache.capacity
+    model.expert_runtime.close()
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 1)
+    cache = model.expert_cache
+    cache.verifier.wait = 1e-9  # waits that cost nothing: no replay pays
+    L = cache.store.num_layers
+    assert generate(model, tokenizer, evict=every_expert(cache, 0, L - 1), weigh=True) == want
+    stats = cache.stats()
+    assert stats["verify"]["on"] is False and "replays cost" in stats["verify"]["reason"]
+    assert stats["verified_tokens"] < TOKENS - 2
+
+
+def test_verify_off_waits_per_layer(checkpoint):
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want, _ = reference(path)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=64, verify=False)
+    assert generate(model, tokenizer) == want
+    stats = model.expert_cache.stats()
+    assert stats["verified_tokens"] == 0 and stats["verify"]["on"] is False
