@@ -15,7 +15,7 @@ and the forward runs again: the decoder layers before it return the outputs they
 
 A replay costs the decoder layers it recomputes; the per-layer path costs a wait per layer
 call. Where the replays cost more than the waits they save (both timed here), the mode is
-off for OFF_TOKENS tokens, then tried again (`stats()["verify"]` says which and why).
+off for OFF_STEPS steps (doubled at each turn off in a row), then tried again (`stats()["verify"]` says which and why).
 A token takes the per-layer path where a background read is under way, a cache cannot be
 trimmed (a rotating cache that wrapped), or every expert is resident (the resident path
 needs no check at all).
@@ -30,9 +30,11 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from ..backend import host_probs
 
 # verified tokens weighed at a time (off after fewer where their replays already cost more);
-# tokens on the per-layer path before the mode is tried again, once it turned itself off
+# steps on the per-layer path before the mode is tried again once it turned itself off: the
+# first, doubled at each turn off in a row up to the most (a workload whose misses stay
+# frequent pays for a try ever more rarely)
 WEIGH_TOKENS, FIRST_WEIGH = 16, 2
-OFF_TOKENS = 32
+OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 KV_TYPES = (KVCache, RotatingKVCache)
 
 
@@ -68,6 +70,7 @@ class Verifier:
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
         self.steps = 0  # decode steps seen (verified or not)
         self.off_until = 0  # step count before which the mode is off
+        self.off_steps = OFF_STEPS  # for how long it turns off next
         self.reason = None  # why it is off (or was last)
         self.wait = wait_seconds()
         self.weighed = [0.0, 0.0, 0]  # seconds the replays cost, seconds of waits saved, tokens
@@ -151,7 +154,7 @@ class Verifier:
         return out
 
     def _weigh(self, replays: int) -> None:
-        """Every WEIGH_TOKENS tokens: off for OFF_TOKENS tokens where the replays (their time
+        """Every WEIGH_TOKENS tokens: off for a while (off_steps) where the replays (their time
         beyond the first pass and the reads) cost more than the waits the per-layer path would
         have made beyond these tokens' (one each, and one a replay), each as long as a layer
         call of that path waited last (or an empty round trip, before any)."""
@@ -162,10 +165,13 @@ class Verifier:
         if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1]:
             return
         if w[0] > w[1]:
-            self.off_until = self.steps + OFF_TOKENS
+            self.off_until = self.steps + self.off_steps
+            self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
             self.reason = (f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, more than the "
                            f"{w[1] / w[2] * 1e3:.2f} ms of waits they save")
             self.tables = None
+        else:
+            self.off_steps = OFF_STEPS
         self.weighed = [0.0, 0.0, 0]
 
     def _build_tables(self) -> None:
