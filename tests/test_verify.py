@@ -224,3 +224,22 @@ def test_verify_off_waits_per_layer(checkpoint):
     assert generate(model, tokenizer) == want
     stats = model.expert_cache.stats()
     assert stats["verified_tokens"] == 0 and stats["verify"]["on"] is False
+
+
+def test_live_profile_learnt_at_once_equals_call_by_call(checkpoint, tmp_path):
+    """A verified step's hits teach the live profile in one go where it is the only
+    observer; with a trace recorded too, call by call: the same counts and mass."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    profiles = []
+    for trace in (None, tmp_path / "run.trace.jsonl"):
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
+        total = model.expert_cache.capacity
+        model.expert_runtime.close()
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 1, trace_out=trace)
+        generate(model, tokenizer)
+        generate(model, tokenizer)
+        assert model.expert_cache.stats()["verified_tokens"] >= TOKENS
+        profiles.append(model.expert_runtime.profile)
+        model.expert_runtime.close()
+    a, b = profiles
+    assert a.tokens == b.tokens and np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)

@@ -227,30 +227,65 @@ class Verifier:
         probs = [None if self.calls[m][1] is None else
                  (next(from_logits) if self.calls[m][2] else np.array(self.calls[m][1])).reshape(-1)
                  for m in layers]
+        keep = [i for i, m in enumerate(layers) if m >= self.checked]  # (a replay's: from the layer it reran)
+        layers, rows, probs = [layers[i] for i in keep], [rows[i] for i in keep], [probs[i] for i in keep]
+        if not layers:
+            return None
+        first = self._first_miss(layers, rows)
+        self._hits(layers[:first], rows[:first], probs[:first])
         missed = None
-        for i, (m, row, p) in enumerate(zip(layers, rows, probs)):
-            if m < self.checked:
-                continue
-            row = row.tolist()
+        if first is not None:
+            missed, row, p = layers[first], rows[first].tolist(), probs[first]
             experts = sorted(set(row))
-            scores = None if p is None else [float(p[e]) for e in experts]
-            hit = not (self.host_table[m][experts] == self.placeholder).any()
-            if hit:
-                cache.counters.hits += len(experts)
-                cache.deferred.append((cache._hit, (m, experts, scores, p, None)))
-                if self.guessed:
-                    used = self.guessed.intersection((m, e) for e in experts)
-                    cache.counters.prefetch_useful += len(used)
-                    self.guessed -= used
-            else:
-                self._read(m, experts, scores, p, self._guesses(layers[i + 1:], rows[i + 1:]) if self.guess else [])
-                missed = m
-            cache.observe(_call(m, cache.call_position, row, experts, scores, p))
-            self.checked = m + 1
-            if missed is not None:
-                break
+            scores = None if p is None else p[experts].tolist()
+            guesses = self._guesses(layers[first + 1:], rows[first + 1:]) if self.guess else []
+            self._read(missed, experts, scores, p, guesses)
+            self._observe([missed], [(missed, experts, scores, p)], [rows[first]], [p])
+        self.checked = layers[-1] + 1 if missed is None else missed + 1
         cache.counters.bookkeeping_seconds += time.perf_counter() - start
         return missed
+
+    def _first_miss(self, layers, rows):
+        """The index of the first layer call whose experts are not all in the tables, or None."""
+        if len({len(r) for r in rows}) == 1:  # (every layer routes as many: one lookup)
+            absent = (self.host_table[np.array(layers)[:, None], np.stack(rows)] == self.placeholder).any(axis=1)
+        else:
+            absent = np.array([(self.host_table[m][r] == self.placeholder).any() for m, r in zip(layers, rows)])
+        return int(absent.argmax()) if absent.any() else None
+
+    def _hits(self, layers, rows, probs) -> None:
+        """Layer calls whose experts were all resident, in order: counted, their policy updates
+        left for later (Residency.deferred), told to the observers; where the live profile is
+        the only one, learnt in one go."""
+        cache = self.cache
+        calls = []
+        for m, row, p in zip(layers, rows, probs):
+            experts = sorted(set(row.tolist()))
+            calls.append((m, experts, None if p is None else p[experts].tolist(), p))
+        cache.counters.hits += sum(len(c[1]) for c in calls)
+        cache.deferred.extend((cache._hit, (*c, None)) for c in calls)
+        if self.guessed:
+            used = self.guessed.intersection((m, e) for m, experts, _, _ in calls for e in experts)
+            cache.counters.prefetch_useful += len(used)
+            self.guessed -= used
+        self._observe(layers, calls, rows, probs)
+
+    def _observe(self, layers, calls, rows, probs) -> None:
+        """Tell the observers of `calls` [(layer, experts, scores, probs)]; where the live
+        profile is the only one, it learns them at once (as ActivationProfile.observe would
+        one by one)."""
+        cache = self.cache
+        profile = cache.profile
+        if cache.observers or profile is None or any(p is None for p in probs):
+            for (m, experts, scores, p), row in zip(calls, rows):
+                cache.observe(_call(m, cache.call_position, row.tolist(), experts, scores, p))
+        elif calls:
+            with cache.lock:
+                if layers[0] == 0:
+                    profile.tick(1)
+                profile.counts[np.repeat(layers, [len(c[1]) for c in calls]),
+                               np.concatenate([c[1] for c in calls])] += 1.0
+                profile.mass[layers] += np.stack(probs)
 
     def _guesses(self, layers, rows) -> list:
         """The experts missing from the later layers' routing in this pass: computed from a
