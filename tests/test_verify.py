@@ -243,3 +243,43 @@ def test_live_profile_learnt_at_once_equals_call_by_call(checkpoint, tmp_path):
         model.expert_runtime.close()
     a, b = profiles
     assert a.tokens == b.tokens and np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
+
+
+@pytest.mark.parametrize("layers", [[3], [9], [0, 17], [8, 15, 16], [23]])
+def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
+    """On a model deeper than a window (24 decoder layers; verify.WINDOW = 8), checks within
+    the forward read the layers a window behind the one just queued; a miss found there or
+    at the end is read and the forward run again from it: tokens and KV caches as stock's.
+    Waits with nothing queued after them (the check at the forward's end): at most 1 + the
+    layer calls that missed."""
+    from mlxmoe.caching import verify
+
+    path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 24})
+    want, stock_kv = reference(path, prompt_cache=make_prompt_cache)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
+    total = model.expert_cache.capacity
+    model.expert_runtime.close()
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 1)
+    cache = model.expert_cache
+    checks = []  # per check: (until: None at the forward's end, the layer that missed or None)
+    check = verify.Verifier._check
+
+    def counted(self, until=None):
+        missed = check(self, until)
+        checks.append((until, missed))
+        return missed
+
+    monkeypatch.setattr(verify.Verifier, "_check", counted)
+    kv = make_prompt_cache(model)
+    assert generate(model, tokenizer, evict=every_expert(cache, *layers), prompt_cache=kv) == want
+    stats = cache.stats()
+    assert stats["verified_tokens"] >= TOKENS - 2 and stats["replays"] >= 2 * len(layers)
+    assert any(u is not None and m is not None for u, m in checks) or layers == [23]
+    ends = [m for u, m in checks if u is None]
+    assert sum(m is None for m in ends) == stats["verified_tokens"]  # one clean check at the end of each step
+    assert len(ends) <= stats["verified_tokens"] + stats["replays"]
+    for ours, theirs in zip(kv, stock_kv):
+        n = ours.offset
+        assert n == theirs.offset
+        for a, b in zip(ours.state[:2], theirs.state[:2]):
+            assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()

@@ -28,6 +28,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..backend import host_probs
+from .prefetch import decayed
 
 # verified tokens weighed at a time (off after fewer where their replays already cost more);
 # steps on the per-layer path before the mode is tried again once it turned itself off: the
@@ -36,6 +37,19 @@ from ..backend import host_probs
 WEIGH_TOKENS, FIRST_WEIGH = 16, 2
 OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 KV_TYPES = (KVCache, RotatingKVCache)
+# decoder layers between two checks within a forward: a check reads the routing of the layers
+# a window behind the one just queued (the device computes that window meanwhile), so a miss
+# is found within about two windows of it and a replay recomputes those, not the rest of the token
+WINDOW = 8
+
+
+class Replay(Exception):
+    """A check within a forward found a layer call that missed (`missed`, a MoE layer) once
+    the decoder layers before `ran` had run in this pass."""
+
+    def __init__(self, missed: int, ran: int) -> None:
+        super().__init__(missed, ran)
+        self.missed, self.ran = missed, ran
 
 
 def wait_seconds(samples: int = 7) -> float:
@@ -74,7 +88,8 @@ class Verifier:
         self.reason = None  # why it is off (or was last)
         self.wait = wait_seconds()
         self.weighed = [0.0, 0.0, 0]  # seconds the replays cost, seconds of waits saved, tokens
-        self.first_pass = self.replay_seconds = 0.0  # of the last token: its first forward and check, its replays
+        self.clean = None  # decayed seconds of a verified step without a replay (its reads left out)
+        self.replay_seconds = 0.0  # what the last step's replays added to it
         self.error = None
         _wrap(model, self._model_call)
         for d, layer in enumerate(self.layers):
@@ -124,18 +139,21 @@ class Verifier:
         self.forward, self.replay_from, self.checked = True, None, 0
         self.outputs.clear()
         self.calls.clear()
-        replayed, replays, self.first_pass = 0, 0, None
+        replayed, replays = 0, 0
         tic, read = time.perf_counter(), cache.counters.read_seconds
         try:
             while True:
-                out = call(*args, **kwargs)
-                missed = self._check(tic)
+                try:
+                    out = call(*args, **kwargs)
+                    missed, ran = self._check(), len(self.layers)
+                except Replay as r:
+                    missed, ran = r.missed, r.ran
                 if missed is None:
                     break
                 first = self.decoder_of[missed]
-                for c in kv[first:]:
+                for c in kv[first:ran]:  # what this pass wrote from that layer on
                     c.trim(1)
-                replayed += len(self.layers) - first
+                replayed += ran - first
                 replays += 1
                 self.replay_from = first
                 for layer in [m for m in self.calls if m >= missed]:
@@ -148,8 +166,13 @@ class Verifier:
         counters.verified_tokens += 1
         counters.replays += replays
         counters.replayed_layers += replayed
-        if replays:
-            self.replay_seconds = time.perf_counter() - tic - self.first_pass - (counters.read_seconds - read)
+        seconds = time.perf_counter() - tic - (counters.read_seconds - read)
+        if not replays:
+            self.clean = decayed(self.clean, seconds)
+        elif self.clean is not None:
+            self.replay_seconds = max(seconds - self.clean, 0.0)
+        else:  # (no step without a replay timed yet: the replayed layers' share of this one)
+            self.replay_seconds = seconds * replayed / (len(self.layers) + replayed)
         self._weigh(replays)
         return out
 
@@ -196,6 +219,11 @@ class Verifier:
         out = call(*args, **kwargs)
         self.outputs[d] = out
         mx.async_eval(out)  # the device starts on this layer while the host builds the next
+        ran = d + 1
+        if ran % WINDOW == 0 and ran < len(self.layers):
+            missed = self._check(until=ran - WINDOW)
+            if missed is not None:
+                raise Replay(missed, ran)
         return out
 
     def experts(self, streaming, x, indices):
@@ -209,17 +237,19 @@ class Verifier:
 
     # -- the check ----------------------------------------------------------------------
 
-    def _check(self, start: float):
-        """The one wait of a forward: its routing on the host. The layers before the first
-        that missed are told to the policy and observers as hits; that layer's experts are
-        read (and told). Returns that layer, or None."""
+    def _check(self, until: int | None = None):
+        """A wait for the routing of this pass's layer calls not checked yet (in decoder
+        layers before `until`, or all), on the host. The layers before the first that missed
+        are told to the policy and observers as hits; that layer's experts are read (and
+        told). Returns that layer, or None."""
         cache = self.cache
-        layers = sorted(self.calls)
+        layers = [m for m in sorted(self.calls) if m >= self.checked  # (a replay's: from the layer it reran)
+                  and (until is None or self.decoder_of[m] < until)]
+        if not layers:
+            return None
         routers = [self.calls[m][1] for m in layers if self.calls[m][1] is not None]
         flat = mx.concatenate([self.calls[m][0].reshape(-1) for m in layers])
         mx.eval(flat, *routers)
-        if self.first_pass is None:  # the host's build and the device's compute of one pass
-            self.first_pass = time.perf_counter() - start
         start = time.perf_counter()
         rows = np.split(np.array(flat), np.cumsum([self.calls[m][0].size for m in layers])[:-1])
         tapped = [self.calls[m][1] for m in layers if self.calls[m][2]]
@@ -227,10 +257,6 @@ class Verifier:
         probs = [None if self.calls[m][1] is None else
                  (next(from_logits) if self.calls[m][2] else np.array(self.calls[m][1])).reshape(-1)
                  for m in layers]
-        keep = [i for i, m in enumerate(layers) if m >= self.checked]  # (a replay's: from the layer it reran)
-        layers, rows, probs = [layers[i] for i in keep], [rows[i] for i in keep], [probs[i] for i in keep]
-        if not layers:
-            return None
         first = self._first_miss(layers, rows)
         self._hits(layers[:first], rows[:first], probs[:first])
         missed = None
