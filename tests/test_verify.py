@@ -40,6 +40,14 @@ def generate(model, tokenizer, evict=None, weigh=False, **kw):
     return tokens
 
 
+def all_but(path, n, **kw):
+    """The model loaded with a cache of all its experts but `n`."""
+    model, _ = mlxmoe.load(str(path), cache_experts=None)
+    total = model.expert_cache.capacity
+    model.expert_runtime.close()
+    return mlxmoe.load(str(path), cache_experts=total - n, **kw)
+
+
 def every_expert(cache, *layers):
     E = cache.store.num_experts
     return lambda i: [(layer, e) for layer in layers for e in range(E)]
@@ -106,10 +114,7 @@ def test_placeholder_never_reaches_the_output(checkpoint):
 def test_kv_caches_after_a_recompute_equal_stock(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     want, stock_kv = reference(path, prompt_cache=make_prompt_cache)
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
-    total = model.expert_cache.capacity
-    model.expert_runtime.close()
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 1)
+    model, tokenizer = all_but(path, 1)
     cache = model.expert_cache
     L = cache.store.num_layers
     kv = make_prompt_cache(model)
@@ -179,10 +184,7 @@ class WaitCounter:
 @pytest.mark.parametrize("name", ["demo", "qwen3_moe", "deepseek_v3"])
 def test_waits_per_step_at_most_one_plus_missed_layer_calls(checkpoint, monkeypatch, name):
     path = mlxmoe.DEMO_MODEL if name == "demo" else checkpoint(name)
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
-    total = model.expert_cache.capacity
-    model.expert_runtime.close()
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 2)
+    model, tokenizer = all_but(path, 2)
     cache = model.expert_cache
     generate(model, tokenizer)  # warm: the same workload before
     before = cache.stats()
@@ -204,10 +206,7 @@ def test_waits_per_step_at_most_one_plus_missed_layer_calls(checkpoint, monkeypa
 def test_off_where_replays_cost_more_than_waits(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     want, _ = reference(path)
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
-    total = model.expert_cache.capacity
-    model.expert_runtime.close()
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 1)
+    model, tokenizer = all_but(path, 1)
     cache = model.expert_cache
     cache.verifier.wait = 1e-9  # waits that cost nothing: no replay pays
     L = cache.store.num_layers
@@ -232,10 +231,7 @@ def test_live_profile_learnt_at_once_equals_call_by_call(checkpoint, tmp_path):
     path = checkpoint("qwen3_moe", quant="4bit")
     profiles = []
     for trace in (None, tmp_path / "run.trace.jsonl"):
-        model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
-        total = model.expert_cache.capacity
-        model.expert_runtime.close()
-        model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 1, trace_out=trace)
+        model, tokenizer = all_but(path, 1, trace_out=trace)
         generate(model, tokenizer)
         generate(model, tokenizer)
         assert model.expert_cache.stats()["verified_tokens"] >= TOKENS
@@ -256,10 +252,7 @@ def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
 
     path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 24})
     want, stock_kv = reference(path, prompt_cache=make_prompt_cache)
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
-    total = model.expert_cache.capacity
-    model.expert_runtime.close()
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=total - 1)
+    model, tokenizer = all_but(path, 1)
     cache = model.expert_cache
     checks = []  # per check: (until: None at the forward's end, the layer that missed or None)
     check = verify.Verifier._check
