@@ -48,6 +48,15 @@ class Policy:
     def access(self, key, hit, score=None):
         pass
 
+    def hits(self, calls):
+        """A token's layer calls that hit, [(layer, experts, scores, probs)] in order: each
+        one's visit, then its accesses (as Residency._hit). A policy may do it in fewer steps
+        where that leaves exactly the same state."""
+        for layer, experts, scores, probs in calls:
+            self.visit(layer, experts, scores, probs)
+            for i, e in enumerate(experts):
+                self.access((layer, int(e)), True, None if scores is None else scores[i])
+
     def insert(self, key):
         raise NotImplementedError
 

@@ -93,6 +93,18 @@ class Residency:
         for i, e in enumerate(experts):
             self.policy.access((layer, int(e)), True, None if scores is None else scores[i])
 
+    def hit_calls(self, calls: list) -> None:
+        """The policy updates of a token's layer calls that hit, [(layer, experts, scores,
+        probs)] in layer order (not changed after), as one entry in `deferred`: the same
+        decisions as one _hit entry each (policy.hits), in a few numpy calls where the
+        policy can (now, after those deferred before, where hits are not deferred). The caller
+        counts the hits."""
+        if self.defer_hits:
+            self.deferred.append((self.policy.hits, (calls,)))
+        else:
+            self.catch_up()
+            self.policy.hits(calls)
+
     def tick(self, tokens: int) -> None:
         """New tokens start: the policy's clock moves (after the calls deferred before)."""
         self.catch_up()

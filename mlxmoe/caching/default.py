@@ -4,6 +4,7 @@ Belady's rule on an estimate of each expert's next use (NextUse), over a victim 
 (PrefillPass), and each layer is kept at a floor (LayerFloor, activation-floor only).
 """
 
+import itertools
 import math
 
 import numpy as np
@@ -133,6 +134,62 @@ class NextUse:
             router_mass += (1 - slow) * probs
         elif scores is not None:
             router_mass[experts] += (1 - slow) * np.asarray(scores)
+
+    def visit_calls(self, calls):
+        """visit() of each of `calls` [(layer, experts, scores, probs)] in order, in one numpy
+        call per step: single-token calls of distinct layers (each layer's rows change alone)
+        whose routing is known alike (probs of one dtype, else scores of one dtype, else
+        neither). Every element goes through the same operations in the same order as in
+        visit(), so the arrays are equal, not just close. False (nothing changed) where the
+        calls are not alike."""
+        if not calls or self.call_tokens != 1:
+            return not calls  # (none: nothing to do)
+        probs = [None if c[3] is None else np.asarray(c[3]) for c in calls]
+        scores = [None if c[2] is None or p is not None else np.asarray(c[2]) for c, p in zip(calls, probs)]
+        known = {(None if p is None else p.dtype, None if s is None else s.dtype) for p, s in zip(probs, scores)}
+        if len(known) > 1 or len({c[0] for c in calls}) < len(calls):
+            return False
+        n, slow, rows = len(calls), self.slow, self.rows
+        layers = np.array([c[0] for c in calls], dtype=np.intp)
+        sizes = [len(c[1]) for c in calls]
+        experts = np.fromiter(itertools.chain.from_iterable(c[1] for c in calls), dtype=np.intp, count=sum(sizes))
+        at = np.repeat(layers, sizes)  # each expert's layer
+        # _count_use: decay, a use, the router's mass
+        keep = 2.0 ** (-1.0 / max(self.horizon * self.evicted_age, self.long_min))  # (changes only when a key leaves)
+        self.decays[2, 0] = slow if probs[0] is not None or scores[0] is not None else 1.0
+        self.decays[3, 0] = keep
+        rows[layers] *= self.decays
+        rows[at, self.used_rows, experts] += self.gains
+        probs = None if probs[0] is None else np.stack(probs)
+        if probs is not None:
+            rows[layers, 2] += (1 - slow) * probs
+        elif scores[0] is not None:
+            rows[at, 2, experts] += (1 - slow) * np.concatenate(scores)
+        # p1, the layer's visits, rate and cost as in visit()
+        p1 = self.mix(layers)
+        if probs is not None and self.now_weight:
+            now = np.minimum(1.0, probs * (self.now_scale * self.top_k))
+            now *= self.now_weight
+            p1 *= 1 - self.now_weight
+            p1 += now
+        self.next_chance[layers] = p1
+        layer_visits = np.array([self.layer_visits[layer] for layer in layers.tolist()]) * keep + 1.0
+        for layer, v in zip(layers.tolist(), layer_visits.tolist()):
+            self.layer_visits[layer] = v
+        rate = self.used_visits[layers] + self.rate_term()[layers]
+        rate /= (layer_visits + self.long_prior)[:, None]
+        np.maximum(rate, 1e-4, out=rate)
+        self.long_rate[layers] = rate
+        cost = np.minimum(p1, 1.0)
+        np.subtract(1.0, cost, out=cost)
+        cost /= rate
+        self.cost[layers] = cost
+        self.last_use[at, experts] = self.tokens
+        self.current = calls[-1][0]
+        for i, layer in enumerate(layers.tolist(), start=self.visits + 1):
+            self.visited_at[layer] = i
+        self.visits += n
+        return True
 
     def left(self, key):
         """`key` was evicted: the mean age of the evicted follows it."""
@@ -311,6 +368,19 @@ class VictimIndex:
             if head:
                 self.set_head(layer)
 
+    def visited_calls(self, layers):
+        """visited() of each of `layers` (distinct), their heads in one numpy call."""
+        est = self.estimate
+        for layer, cost in zip(layers, est.cost[layers].tolist()):
+            order = self.order[layer] = list(self.resident[layer])
+            order.sort(key=cost.__getitem__, reverse=True)
+        self.unsorted.difference_update(layers)
+        full = [layer for layer in layers if self.order[layer]]
+        heads = [self.order[layer][0] for layer in full]
+        self.head[layers] = -np.inf
+        p1 = np.minimum(est.next_chance[full, heads], 1.0)
+        self.head[full] = est.num_layers * (1.0 - p1) / est.long_rate[full, heads]  # tail(), as set_head
+
     def sort(self, layer):
         """Sort `layer`'s resident experts, farthest next use first (ties keep their order)."""
         order = self.order[layer]
@@ -401,6 +471,15 @@ class Activation(Policy):
                 self.floor.update(est.visits, est.top_k, self.index.resident)
         est.visit(layer, experts, scores, probs)
         self.index.visited(layer)
+
+    def hits(self, calls):
+        """As Policy.hits (access() is nothing here) in a few numpy calls (NextUse.visit_calls,
+        VictimIndex.visited_calls); one visit after the other where a call raises top_k (the
+        floor moves then) or the calls are not alike (see visit_calls)."""
+        est = self.estimate
+        if any(len(c[1]) > est.top_k for c in calls) or not est.visit_calls(calls):
+            return super().hits(calls)
+        self.index.visited_calls([c[0] for c in calls])
 
     def insert(self, key):
         self.prefill_pass.inserted(key[0])
