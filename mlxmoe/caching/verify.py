@@ -116,7 +116,7 @@ class Verifier:
 
         if resident_table(cache) is not None:  # the resident path: no check at all
             return None
-        if cache.in_flight or cache.loader.failed or not cache.loader.prewarm_done(0) or cache.fallback is not None:
+        if cache.loader.failed or not cache.loader.prewarm_done(0) or cache.fallback is not None:
             return None
         if any(type(c) not in KV_TYPES or not c.is_trimmable() for c in kv):
             return None
@@ -128,11 +128,11 @@ class Verifier:
             self.tables = None  # the per-layer path may change what is resident
             return call(*args, **kwargs)
         cache = self.cache
-        if self.tables is None:
-            if cache.prefetcher is not None:
-                cache.prefetcher.drain()  # what the per-layer path asked for: read before going quiet
-                if cache.in_flight:
-                    return call(*args, **kwargs)
+        if self.tables is None and cache.prefetcher is not None:
+            cache.prefetcher.drain()  # what the per-layer path asked for: read before going quiet
+        if cache.in_flight:  # (a read under way all the same: this step waits per layer)
+            self.tables = None
+            return call(*args, **kwargs)
         if self.tables is None or self.version != cache.version:
             self._build_tables()
         cache.tick(1)
@@ -289,7 +289,8 @@ class Verifier:
             experts = sorted(set(row.tolist()))
             calls.append((m, experts, None if p is None else p[experts].tolist(), p))
         cache.counters.hits += sum(len(c[1]) for c in calls)
-        cache.deferred.extend((cache._hit, (*c, None)) for c in calls)
+        if calls:
+            cache.hit_calls(calls)
         if self.guessed:
             used = self.guessed.intersection((m, e) for m, experts, _, _ in calls for e in experts)
             cache.counters.prefetch_useful += len(used)
