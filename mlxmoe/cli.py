@@ -87,11 +87,16 @@ def signals_deferred():
                 os.kill(os.getpid(), caught[0])
 
 
+# what --model says of the bundled demo model (storage.files.named_model)
+DEMO_HELP = ("`demo` (the default) is the small demo model that ships with mlxmoe, from any folder; a folder "
+             "named demo in the current directory wins.")
+
+
 def model_options(f):
     """Options shared by every command that loads a model."""
     options = [
-        click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the "
-                     "small demo model that ships with mlxmoe."),
+        click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). "
+                     + DEMO_HELP),
         click.option("--memory-budget", type=Size(), help="Memory for the whole model: resident weights + KV cache "
                      "+ expert cache, e.g. 12GB. Default: 60% of this machine's memory."),
         click.option("--cache-size", type=Size(), help="Expert cache size in bytes (e.g. 2GB); overrides the budget's "
@@ -139,7 +144,35 @@ def model_options(f):
     return f
 
 
+class JsonObject(click.ParamType):
+    """A JSON object given as text (mlx-lm's --chat-template-config), read into a dict."""
+    name = "json"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        try:
+            x = json.loads(value)
+        except ValueError as e:
+            self.fail(f"not JSON ({e})", param, ctx)
+        if not isinstance(x, dict):
+            self.fail("a JSON object of keyword arguments, such as '{\"enable_thinking\": false}'", param, ctx)
+        return x
+
+
+class NonEmpty(click.ParamType):
+    """A string of at least one character."""
+    name = "string"
+
+    def convert(self, value, param, ctx):
+        if not value:
+            self.fail("an empty string", param, ctx)
+        return value
+
+
 def sampling_options(f):
+    """generate's and chat's options, mlx-lm's (mlx_lm.generate --help) under its names and
+    defaults, passed to its make_sampler and stream_generate (sampler, kv_options); --stop."""
     options = [
         click.option("--max-tokens", type=Number(int, 1, 1 << 31), default=256, show_default=True,
                      help="Tokens to generate."),
@@ -147,12 +180,82 @@ def sampling_options(f):
                      help="Sampling temperature (0: greedy)."),
         click.option("--top-p", type=Number(float, 0, 1, low_open=True), default=1.0, show_default=True,
                      help="Nucleus sampling mass, in (0, 1]."),
+        click.option("--min-p", type=Number(float, 0, 1), default=0.0, show_default=True,
+                     help="Sample only tokens at least this share of the likeliest one's probability (0: off)."),
+        click.option("--min-tokens-to-keep", type=Number(int, 1), default=1, show_default=True,
+                     help="Tokens --min-p keeps at the least."),
+        click.option("--top-k", type=Number(int, 0), default=0, show_default=True,
+                     help="Sample among the k likeliest tokens (0: all)."),
+        click.option("--xtc-probability", type=Number(float, 0, 1), default=0.0, show_default=True,
+                     help="Chance of XTC sampling (excluding the top choices) at each token (0: off)."),
+        click.option("--xtc-threshold", type=Number(float, 0, 0.5), default=0.1, show_default=True,
+                     help="XTC excludes the likeliest tokens above this probability, in [0, 0.5]."),
         click.option("--seed", type=Number(int, 0, (1 << 64) - 1),
                      help="Random seed, to repeat a sampled run. Default: a new one each run, as mlx_lm.generate."),
+        click.option("--max-kv-size", type=Number(int, 5, 1 << 24), help="Keep at most this many tokens in the KV "
+                     "cache (mlx-lm's rotating cache: the first 4 and the latest). Default: all."),
+        click.option("--kv-bits", type=click.Choice(["2", "3", "4", "5", "6", "8"]),
+                     help="Quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache). Default: not."),
+        click.option("--kv-group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True,
+                     help="Group size of the KV cache's quantization."),
+        click.option("--quantized-kv-start", type=Number(int, 0), default=5000, show_default=True,
+                     help="With --kv-bits, quantize the KV cache once it holds this many tokens."),
+        click.option("--chat-template-config", type=JsonObject(), help="Keyword arguments for the chat template, "
+                     "a JSON object (e.g. '{\"enable_thinking\": false}')."),
+        click.option("--stop", multiple=True, type=NonEmpty(), help="End the reply at the first occurrence of this "
+                     "text (printed up to it); repeat for several."),
+        click.option("--verbose", type=click.BOOL, default=True, show_default=True,
+                     help="False: print only the reply (no figures, no progress), as mlx_lm.generate --verbose F."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def kv_options(opts):
+    """stream_generate's KV cache arguments from the sampling options (mlx-lm's names)."""
+    exclusive(max_kv_size=opts["max_kv_size"], kv_bits=opts["kv_bits"])  # mlx-lm cannot quantize a rotating cache
+    return {"max_kv_size": opts["max_kv_size"], "kv_bits": opts["kv_bits"] and int(opts["kv_bits"]),
+            "kv_group_size": int(opts["kv_group_size"]), "quantized_kv_start": opts["quantized_kv_start"]}
+
+
+class Stops:
+    """A reply's text up to the first of the --stop strings: feed() returns what can be
+    printed now (a tail that may begin a stop string is held back); `done` once one came."""
+
+    def __init__(self, stops):
+        self.stops, self.held, self.done = stops, "", False
+        self.last = None  # the last response printed (print_reply)
+
+    def feed(self, text):
+        text, self.held = self.held + text, ""
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.done = True
+            return text[:min(found)]
+        keep = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        if keep:
+            text, self.held = text[:-keep], text[-keep:]
+        return text
+
+    def rest(self):
+        """What is held back at the reply's end (no stop string came)."""
+        text, self.held = self.held, ""
+        return text
+
+
+def print_reply(steps, waiting, stops):
+    """Print a reply as stream_generate's `steps` give it, up to the first of `stops` (the
+    generation is closed there); the last response (also stops.last, after Ctrl-C), or None."""
+    with contextlib.closing(steps):
+        for response in steps:
+            stops.last = response
+            waiting.stop()
+            click.echo(stops.feed(response.text), nl=False)
+            if stops.done:
+                break
+    click.echo(stops.rest(), nl=False)
+    return stops.last
 
 
 def import_mlx():
@@ -252,7 +355,7 @@ class Waiting:
     prefill's progress in prompt tokens, redrawn each second (a long prompt, a slow disk), and
     once, that MLX is compiling CPU kernels where new ones have appeared in its cache (a
     sampler or shape this machine has not run before). `progress` is mlx-lm's
-    prompt_progress_callback; stop() at the first token."""
+    prompt_progress_callback; stop() at the first token. `after` None: nothing is said."""
 
     def __init__(self, after=2.0):
         self.start, self.kernels = time.monotonic(), cpu_kernels()
@@ -279,7 +382,7 @@ class Waiting:
 
     def _watch(self, after):
         compiling = self.kernels is None or _compiling_said  # nothing to say about kernels
-        if self.stopped.wait(after):
+        if after is None or self.stopped.wait(after):  # None: say nothing (--verbose False)
             return
         while True:
             with self.lock:
@@ -304,13 +407,16 @@ def _stats(model):
     return merged_stats(model)
 
 
-def _sampler(temp, top_p, seed):
+def _sampler(opts, tokenizer):
+    """mlx-lm's make_sampler from the sampling options, as mlx_lm.generate builds it (seeded first)."""
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    if seed is not None:
-        mx.random.seed(seed)
-    return make_sampler(temp, top_p)
+    if opts["seed"] is not None:
+        mx.random.seed(opts["seed"])
+    return make_sampler(opts["temp"], opts["top_p"], opts["min_p"], opts["min_tokens_to_keep"], top_k=opts["top_k"],
+                        xtc_probability=opts["xtc_probability"], xtc_threshold=opts["xtc_threshold"],
+                        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids))
 
 
 def summary(stats, before, elapsed_tokens, tps):
@@ -422,34 +528,59 @@ save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=Fa
 @model_options
 @sampling_options
 @click.option("--prompt", "-p", required=True, help="The prompt ('-' reads standard input).")
-@click.option("--chat-template/--no-chat-template", " /--raw", default=None,
+@click.option("--system-prompt", help="System message for the chat template.")
+@click.option("--chat-template/--no-chat-template", " /--raw", " /--ignore-chat-template", default=None,
               help="Wrap the prompt in the model's chat template, as mlx_lm.generate does. Default: on where the "
-              "model has one; --raw (or --no-chat-template) continues the prompt as plain text.")
+              "model has one; --raw (or --no-chat-template, or mlx-lm's --ignore-chat-template) continues the "
+              "prompt as plain text.")
+@click.option("--repetition-penalty", type=Number(float, 1.0), help="mlx-lm's penalty on tokens of the last "
+              "--repetition-context-size (1: none). Default: none, as mlx_lm.generate.")
+@click.option("--repetition-context-size", type=Number(int, 1), default=20, show_default=True,
+              help="Tokens the repetition penalty looks back on.")
+@click.option("--prompt-cache-file", type=click.Path(dir_okay=False), help="A KV cache saved by mlx_lm.cache_prompt: "
+              "the prompt continues it (--model defaults to the cache's model).")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the cache stats to this file.")
 @save_profile_option
-def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, top_p, seed, **opts):
+def generate(prompt, system_prompt, chat_template, repetition_penalty, repetition_context_size, prompt_cache_file,
+             stats_json, save_profile, **opts):
     """Generate text from a prompt, streaming it to standard output."""
     import_mlx()
+    from mlx_lm.sample_utils import make_logits_processors
+
     from .api import stream_generate
 
+    kv = kv_options(opts)
+    prompt_cache = _prompt_cache_file(prompt_cache_file, opts, kv) if prompt_cache_file else None
     check_outputs({"--stats-json": stats_json, "--save-profile": save_profile, "--trace-out": opts["trace_out"]},
-                  model_inputs(opts), updates={"--save-profile": "--profile"})  # (it learns on top of it)
+                  {**model_inputs(opts), "--prompt-cache-file": prompt_cache_file},
+                  updates={"--save-profile": "--profile"})  # (it learns on top of it)
     baseline_rss = current_rss()  # Python, MLX and mlx-lm imported, no weights yet
     model, tokenizer = _load(opts)
     prior = _prior(model, opts)
+    if prompt_cache is not None:
+        _check_cache_layers(model, prompt_cache, prompt_cache_file)
     if prompt == "-":
         prompt = _read_stdin()
     if not prompt.strip():
         raise MlxmoeError("the prompt is empty")
-    if chat_template or (chat_template is None and tokenizer.has_chat_template):
-        prompt = _chat_prompt(tokenizer, [{"role": "user", "content": prompt}])
-    response, interrupted, waiting = None, False, Waiting()
+    templated = chat_template or (chat_template is None and tokenizer.has_chat_template)
+    if templated:  # as mlx_lm.generate: after a prompt cache, only what follows its prefix
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        messages.append({"role": "user", "content": prompt})
+        prompt = _chat_prompt(tokenizer, messages, opts["chat_template_config"], tokenize=False)
+        if prompt_cache is not None:
+            messages[-1]["content"] = "<query>"
+            prompt = prompt[_chat_prompt(tokenizer, messages, tokenize=False).index("<query>"):]
+    ids = tokenizer.encode(prompt, add_special_tokens=not templated)
+    processors = make_logits_processors(repetition_penalty=repetition_penalty,
+                                        repetition_context_size=repetition_context_size)
+    verbose, stops = opts["verbose"], Stops(opts["stop"])
+    interrupted, waiting = False, Waiting(2.0 if opts["verbose"] else None)
+    steps = stream_generate(model, tokenizer, ids, max_tokens=opts["max_tokens"], sampler=_sampler(opts, tokenizer),
+                            logits_processors=processors, prompt_cache=prompt_cache,
+                            prompt_progress_callback=waiting.progress, **kv)
     try:
-        for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens,
-                                        sampler=_sampler(temp, top_p, seed),
-                                        prompt_progress_callback=waiting.progress):
-            waiting.stop()
-            click.echo(response.text, nl=False)
+        print_reply(steps, waiting, stops)
         click.echo()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the stats and profile of what ran are still written
         if model.expert_runtime.group is not None:
@@ -457,28 +588,69 @@ def generate(prompt, chat_template, stats_json, save_profile, max_tokens, temp, 
         interrupted = True
         click.echo()
     finally:
+        response = stops.last
         waiting.stop()
         _finish(model, save_profile, prior)
     with signals_deferred():
-        _generate_report(model, response, baseline_rss, stats_json)
+        _generate_report(model, response, baseline_rss, stats_json, verbose)
     if interrupted:
         click.echo("interrupted", err=True)
         sys.exit(130)
 
 
-def _generate_report(model, response, baseline_rss, stats_json):
-    """generate's closing lines on stderr, and its --stats-json."""
+def _prompt_cache_file(path, opts, kv):
+    """The KV cache mlx_lm.cache_prompt saved at `path`, checked as mlx_lm.generate checks it
+    (its quantization against --kv-bits and --kv-group-size); --model defaults to its model."""
+    from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache
+
+    try:
+        cache, metadata = load_prompt_cache(path, return_metadata=True)
+    except Exception as e:  # a missing file, not safetensors, not a cache: mlx's and mlx-lm's own types
+        raise MlxmoeError(f"--prompt-cache-file {path}: not a prompt cache mlx-lm can read "
+                          f"({type(e).__name__}: {str(e)[:200]})") from None
+    if isinstance(cache[0], QuantizedKVCache):
+        for name, key in (("bits", "kv_bits"), ("group_size", "kv_group_size")):
+            if (kv[key] is not None or key == "kv_group_size") and kv[key] != getattr(cache[0], name):
+                raise click.UsageError(f"--{key.replace('_', '-')} {kv[key]} does not match the KV cache in "
+                                       f"--prompt-cache-file ({getattr(cache[0], name)})")
+    made_for = metadata.get("model")
+    if opts["model_path"] is None:
+        opts["model_path"] = made_for
+    elif made_for is not None and not _same_model(opts["model_path"], made_for):
+        raise click.UsageError(f"--prompt-cache-file {path} was made with the model {made_for}, not "
+                               f"{opts['model_path']}")
+    return cache
+
+
+def _same_model(a, b):
+    """Whether two --model arguments name the same model (the same folder, else the same text)."""
+    fa, fb = model_folder(a), model_folder(b)
+    return Path(fa).resolve() == Path(fb).resolve() if fa and fb else str(a) == str(b)
+
+
+def _check_cache_layers(model, cache, path):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if len(cache) != len(make_prompt_cache(model)):
+        raise MlxmoeError(f"--prompt-cache-file {path}: {len(cache)} layers of KV cache, for a model of "
+                          f"{len(make_prompt_cache(model))}")
+
+
+def _generate_report(model, response, baseline_rss, stats_json, verbose=True):
+    """generate's closing lines on stderr (unless not `verbose`), and its --stats-json."""
     from .storage.files import write_atomic
 
     stats = _stats(model)
+    if stats_json and model.expert_runtime.main_rank():
+        write_atomic(stats_json, json.dumps(stats, indent=1))
+    if not verbose:
+        return
     for r, s in enumerate(stats.get("per_rank", [])):
         click.echo(rank_line(r, s), err=True)
     if response is not None:
         click.echo(f"prompt: {_tokens_at(response.prompt_tokens, response.prompt_tps)}; "
                    f"generation: {_tokens_at(response.generation_tokens, response.generation_tps)}", err=True)
     click.echo(expert_line(stats, baseline_rss), err=True)
-    if stats_json and model.expert_runtime.main_rank():
-        write_atomic(stats_json, json.dumps(stats, indent=1))
 
 
 def _tokens_at(n, tps):
@@ -513,9 +685,10 @@ def _input_line(prompt):
     return line.decode("utf-8").rstrip("\r\n")
 
 
-def _chat_prompt(tokenizer, messages):
-    """The chat template applied to `messages` up to the assistant's turn, or an MlxmoeError
-    saying why the template refused them."""
+def _chat_prompt(tokenizer, messages, template_config=None, tokenize=True):
+    """The chat template applied to `messages` up to the assistant's turn (token ids, or the
+    text where not `tokenize`), with --chat-template-config's keyword arguments, or an
+    MlxmoeError saying why the template refused them."""
     for m in messages:
         try:
             m["content"].encode("utf-8")
@@ -523,7 +696,8 @@ def _chat_prompt(tokenizer, messages):
             raise MlxmoeError(f"the {m['role']} message is not valid UTF-8 text (an undecodable byte at character "
                               f"{e.start})") from None
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize,
+                                             **(template_config or {}))
     except Exception as e:  # jinja2's errors, the template's own raise_exception, transformers' checks
         raise MlxmoeError(f"the chat template failed ({type(e).__name__}: {str(e)[:200]})") from None
 
@@ -533,21 +707,27 @@ def _chat_prompt(tokenizer, messages):
 @sampling_options
 @click.option("--system-prompt", help="System message for the chat template.")
 @click.option("--repetition-penalty", type=Number(float, 1.0), default=1.3, show_default=True,
-              help="Penalty on tokens of the last 64 (mlx-lm's): keeps small models out of loops; 1 turns it off.")
+              help="mlx-lm's penalty on tokens of the last --repetition-context-size: keeps small models out of "
+              "loops; 1 turns it off.")
+@click.option("--repetition-context-size", type=Number(int, 1), default=64, show_default=True,
+              help="Tokens the repetition penalty looks back on.")
 @save_profile_option
-def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_p, seed, **opts):
+def chat(system_prompt, repetition_penalty, repetition_context_size, save_profile, **opts):
     """Chat with the model. The KV cache carries over between turns; after each reply a
     line gives tokens/s, the expert hit rate and the bytes read. /help lists the commands
     (/reset, /stats, /profile FILE, /quit)."""
     import_mlx()
     from mlx_lm.sample_utils import make_logits_processors
 
+    kv = kv_options(opts)
     check_outputs({"--save-profile": save_profile, "--trace-out": opts["trace_out"]}, model_inputs(opts),
                   updates={"--save-profile": "--profile"})
     model, tokenizer = _load(opts)
     prior = _prior(model, opts)
-    penalty = make_logits_processors(repetition_penalty=repetition_penalty, repetition_context_size=64)
-    session = ChatSession(model, tokenizer, system_prompt, max_tokens, _sampler(temp, top_p, seed), penalty)
+    penalty = make_logits_processors(repetition_penalty=repetition_penalty,
+                                     repetition_context_size=repetition_context_size)
+    session = ChatSession(model, tokenizer, system_prompt, opts["max_tokens"], _sampler(opts, tokenizer), penalty,
+                          kv, opts["chat_template_config"], opts["stop"], opts["verbose"])
     profile = f", profile {model.expert_cache.profile.workload!r}" if opts["profile_path"] else ""
     click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {model.expert_cache.capacity} experts "
                f"cached{profile}. /help for commands, /quit to leave.", err=True)
@@ -576,15 +756,17 @@ def chat(system_prompt, repetition_penalty, save_profile, max_tokens, temp, top_
 class ChatSession:
     """`mlxmoe chat`'s conversation: its KV cache (kept between turns), its commands and its replies."""
 
-    def __init__(self, model, tokenizer, system_prompt, max_tokens, sampler, logits_processors):
+    def __init__(self, model, tokenizer, system_prompt, max_tokens, sampler, logits_processors, kv=None,
+                 template_config=None, stops=(), verbose=True):
         self.model, self.tokenizer, self.system_prompt, self.max_tokens = model, tokenizer, system_prompt, max_tokens
-        self.sampler, self.logits_processors = sampler, logits_processors
+        self.sampler, self.logits_processors, self.template_config = sampler, logits_processors, template_config
+        self.kv, self.stops, self.verbose = dict(kv or {}), stops, verbose  # stops: --stop's strings
         self.reset()
 
     def reset(self):
         from mlx_lm.models.cache import make_prompt_cache
 
-        self.prompt_cache, self.first = make_prompt_cache(self.model), True
+        self.prompt_cache, self.first = make_prompt_cache(self.model, self.kv.get("max_kv_size")), True
 
     def command(self, command, force_profile=False):
         """Run `command` if it is one (a line starting with one /): True where it was."""
@@ -619,7 +801,7 @@ class ChatSession:
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and self.first else []
         messages.append({"role": "user", "content": query})
         try:
-            prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages))
+            prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages, self.template_config))
             _within_context(model.expert_runtime.plan, len(prompt), self.prompt_cache, self.max_tokens)
         except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks, the context full)
             click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
@@ -630,7 +812,7 @@ class ChatSession:
             return
         self.first = False
         click.echo()
-        if response is not None:
+        if response is not None and self.verbose:
             click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps), err=True)
 
     def _stream(self, prompt):
@@ -638,13 +820,13 @@ class ChatSession:
         had no token, False if Ctrl-C stopped it (the conversation is cleared then)."""
         from .api import stream_generate
 
-        response, waiting = None, Waiting()
+        waiting, stops = Waiting(2.0 if self.verbose else None), Stops(self.stops)
+        kv = {k: v for k, v in self.kv.items() if k != "max_kv_size"}  # (the cache is made: reset)
+        steps = stream_generate(self.model, self.tokenizer, prompt, max_tokens=self.max_tokens, sampler=self.sampler,
+                                logits_processors=self.logits_processors, prompt_cache=self.prompt_cache,
+                                prompt_progress_callback=waiting.progress, **kv)
         try:
-            for response in stream_generate(self.model, self.tokenizer, prompt, max_tokens=self.max_tokens,
-                                            sampler=self.sampler, logits_processors=self.logits_processors,
-                                            prompt_cache=self.prompt_cache, prompt_progress_callback=waiting.progress):
-                waiting.stop()
-                click.echo(response.text, nl=False)
+            response = print_reply(steps, waiting, stops)
         except Terminated:
             raise
         except KeyboardInterrupt:
@@ -657,7 +839,7 @@ class ChatSession:
 
 
 @main.command()
-@click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). Default: the demo model.")
+@click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). " + DEMO_HELP)
 @click.option("--memory-budget", type=Size(), help="Show what this budget buys, e.g. 12GB.")
 @click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available.")
 @click.option("--fallback", type=click.Path(dir_okay=False), help="Low-bit expert copies (convert --fallback-bits): "
@@ -695,7 +877,7 @@ def info(model_path, memory_budget, backend, fallback, as_json):
 @main.command()
 @click.option("--model", "-m", "model_path",
               help="Model folder, or Hugging Face repo id: then only its config.json and safetensors headers are "
-                   "fetched (a few hundred KB, never a weight). Default: the demo model.")
+                   "fetched (a few hundred KB, never a weight). " + DEMO_HELP)
 @click.option("--memory-budget", "budgets", multiple=True, type=Size(),
               help="A budget to forecast, e.g. 12GB; repeat for several. Default: the budgets that hold "
                    "10, 25, 50 and 100 % of the experts.")
@@ -925,9 +1107,9 @@ def profile_record(prompts_file, chats, chat_template, max_tokens, workload, out
               help="Decay half-life in tokens (default 4096).")
 @click.option("--curve/--no-curve", default=True, show_default=True,
               help="Predict the hit rate at each cache size by replaying the traces.")
-@click.option("--model", "-m", "model_path", help="The checkpoint (folder or repo id) the profile is for: its "
-              "fingerprint and expert size (then `profile show --budget` works). Its layer and expert counts must "
-              "be the traces'.")
+@click.option("--model", "-m", "model_path", help="The checkpoint (folder or repo id; `demo`: the bundled "
+              "demo model) the profile is for: its fingerprint and expert size (then `profile show --budget` works). "
+              "Its layer and expert counts must be the traces'.")
 def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     """Build a profile from routing traces (trace record, or trace import) of one model,
     learnt as a run's live profile learns. The model is the traces' header's. A trace

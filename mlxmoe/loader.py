@@ -21,7 +21,7 @@ from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 from mlx_lm.utils import _get_classes, load_config, load_model, load_tokenizer
 
 from .errors import MlxmoeError
-from .storage.files import DEMO_MODEL, read_bytes, read_json
+from .storage.files import DEMO_MODEL, named_model, read_bytes, read_json
 from .caching.experts import StreamingExperts, find_router
 from .storage.shards import PER_EXPERT, tensor_bytes
 from .storage.remote import is_repo_id
@@ -77,8 +77,10 @@ class Checkpoint:
 
 def resolve(path_or_repo, revision=None):
     """A local folder, or a Hugging Face repo id downloaded by mlx-lm (needs network);
-    None is the bundled demo model."""
-    if path_or_repo is None:
+    None and "demo" are the bundled demo model (a folder named demo in the current
+    directory wins: files.named_model)."""
+    path_or_repo = named_model(path_or_repo)
+    if path_or_repo == DEMO_MODEL:
         if not (DEMO_MODEL / "config.json").exists():
             raise MlxmoeError(f"the bundled demo model is missing from {DEMO_MODEL}; pass --model")
         return DEMO_MODEL

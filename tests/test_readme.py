@@ -80,10 +80,11 @@ def run_timed(args, cwd, env, limit):
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory):
-    """A folder holding what a fresh clone has that the README reads (profiles, examples,
-    the package with the demo model), where the commands write their files."""
+    """A folder holding the files of a fresh clone that the README names (profiles,
+    examples), where the commands write theirs; not the package: the demo model is
+    found by name (`--model demo`, or none), from any folder."""
     where = tmp_path_factory.mktemp("clone")
-    for name in ("profiles", "examples", "mlxmoe"):
+    for name in ("profiles", "examples"):
         (where / name).symlink_to(ROOT / name)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     # this machine's pace: the time Python takes to import mlxmoe and MLX (about 1 s on the

@@ -24,6 +24,16 @@ from pathlib import Path
 from ..errors import MlxmoeError
 
 DEMO_MODEL = Path(__file__).resolve().parent.parent / "demo"  # the bundled demo model (mlxmoe.DEMO_MODEL)
+DEMO_NAME = "demo"  # --model demo: the bundled model from any folder
+
+
+def named_model(path_or_repo):
+    """What a model argument stands for: DEMO_MODEL for None, and for "demo" unless the
+    current directory holds a file or folder of that name (a local folder wins); else
+    the argument as given."""
+    if path_or_repo is None or (str(path_or_repo) == DEMO_NAME and not os.path.lexists(DEMO_NAME)):
+        return DEMO_MODEL
+    return path_or_repo
 
 
 def umask():
@@ -105,10 +115,11 @@ def write_target(path):
 
 
 def model_folder(path_or_repo):
-    """The local folder of a model as the loader finds it (None: the bundled demo model; a
-    Hugging Face repo id: its snapshot in the hub's cache, if downloaded), or None; never
-    downloads anything."""
-    if path_or_repo is None:
+    """The local folder of a model as the loader finds it (None or "demo": the bundled demo
+    model, see named_model; a Hugging Face repo id: its snapshot in the hub's cache, if
+    downloaded), or None; never downloads anything."""
+    path_or_repo = named_model(path_or_repo)
+    if path_or_repo == DEMO_MODEL:
         return DEMO_MODEL
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
