@@ -1,24 +1,25 @@
-"""Decode steps that never wait at a layer: a token's experts verified once, at its end.
+"""Decode steps that never wait at a layer: a token's experts verified a window behind.
 
 At a decode step (one token) on a partly cached model, each MoE layer looks its experts'
 slots up on the device (`tables[layer][indices]`; an expert that is not resident points at
 the placeholder, the pools' spare last slot, which no expert ever holds) and computes at
 once, and each decoder layer's output is queued (`mx.async_eval`) as soon as it is built:
-the device computes while the host builds the next layers. After the model's forward one
-wait reads every layer's routing. Where no routed expert was missing the token is exact:
-its slots are those the per-layer path would have used, since nothing is read, evicted or
-prefetched while a verified token computes. Otherwise the first layer that missed reads its
-experts (the policy chooses victims as on the per-layer path, after the hits of the layers
-before it), the KV caches of its decoder layer and those after it are trimmed by the token,
-and the forward runs again: the decoder layers before it return the outputs they gave
-(their caches as they were), the rest compute with the new slots.
+the device computes while the host builds the next layers. Every WINDOW decoder layers a
+check reads the routing of the layers a window behind (the device has a window queued
+meanwhile); one wait after the forward reads the rest. Where no routed expert was missing
+the token is exact: its slots are those the per-layer path would have used, since nothing
+is read, evicted or prefetched while a verified token computes. Otherwise the first layer
+that missed reads its experts (the policy chooses victims as on the per-layer path, after
+the hits of the layers before it), the KV caches its pass wrote from that decoder layer on
+are trimmed by the token, and the forward runs again: the decoder layers before it return
+the outputs they gave (their caches as they were), the rest compute with the new slots.
 
 A replay costs the decoder layers it recomputes; the per-layer path costs a wait per layer
 call. Where the replays cost more than the waits they save (both timed here), the mode is
-off for OFF_STEPS steps (doubled at each turn off in a row), then tried again (`stats()["verify"]` says which and why).
-A token takes the per-layer path where a background read is under way, a cache cannot be
-trimmed (a rotating cache that wrapped), or every expert is resident (the resident path
-needs no check at all).
+off for OFF_STEPS steps (doubled at each turn off in a row), then tried again
+(`stats()["verify"]` says which and why). A step takes the per-layer path where a
+background read is under way, a cache cannot be trimmed (a rotating cache that wrapped),
+or every expert is resident (the resident path needs no check at all).
 """
 
 import time
