@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ from .storage.files import check_outputs, read_lines
 from .caching.fallback import attach_fallback
 from .caching.fallback import build as write_fallback
 from .caching.fallback import file_bytes as fallback_bytes
+from .caching.fallback import read as read_fallback
 from .caching.lossy import attach_lossy
 from .caching.lossy import check_options as check_lossy
 from .loader import DEMO_MODEL, MX_DTYPES, Checkpoint, attach_cache, decoder_layers, open_checkpoint, read_tokenizer
@@ -110,7 +112,11 @@ def model_info(path_or_hf_repo: str | os.PathLike | None = None, memory_budget: 
     ckpt = open_checkpoint(path_or_hf_repo)
     try:
         be.apply_dtype_policy(ckpt.model)
-        minimal = checkpoint_plan(ckpt, be, cache_experts=ckpt.top_k)
+        extra = 0
+        if fallback:  # checked as load(fallback=) checks it: its format, the model's fingerprint and shape
+            read_fallback(fallback, model_fingerprint(ckpt), ckpt.all_layers, ckpt.num_experts)
+            extra = fallback_bytes(fallback)
+        minimal = checkpoint_plan(ckpt, be, cache_experts=ckpt.top_k, extra=extra)
         total = ckpt.num_layers * ckpt.num_experts
         out = {
             "model": str(ckpt.path), "model_type": ckpt.config["model_type"], "backend": be.name,
@@ -118,14 +124,13 @@ def model_info(path_or_hf_repo: str | os.PathLike | None = None, memory_budget: 
             "top_k_per_layer": ckpt.top_ks,
             "expert_tensors": dict(zip(ckpt.store.tensors, ckpt.store.tensor_dtypes)),
             "expert_bytes": minimal.slot_bytes, "expert_bytes_on_disk": ckpt.store.expert_file_bytes(),
-            "all_experts_bytes": total * minimal.slot_bytes, "resident_bytes": minimal.resident,
+            "all_experts_bytes": total * minimal.slot_bytes, "resident_bytes": minimal.resident - extra,
             "kv_reserve_bytes": minimal.kv_reserve, "working_bytes": minimal.working,
             "minimum_budget": minimal.minimum,
             "all_resident_budget": minimal.minimum + (total - ckpt.top_k) * minimal.slot_bytes,
         }
-        extra = 0
         if fallback:
-            out["fallback_bytes"] = extra = fallback_bytes(fallback)
+            out["fallback_bytes"] = extra
         if memory_budget:
             p = checkpoint_plan(ckpt, be, memory_budget, extra=extra)
             out["budget"] = {"budget": p.budget, "cache_experts": p.cache_experts, "cache_bytes": p.expert_cache,
@@ -306,6 +311,8 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
     ckpt.store.set_io(opts.io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
     fp = model_fingerprint(ckpt)
+    if opts.fallback is not None and Path(opts.fallback).is_dir():
+        raise MlxmoeError(f"fallback copies {opts.fallback} is a folder, not a file")
     extra = 0 if opts.fallback is None else fallback_bytes(opts.fallback)  # resident beside the cache, within the budget
     p = checkpoint_plan(ckpt, be, opts.memory_budget, opts.cache_size, opts.cache_experts, opts.max_context, extra)
     prior = None if opts.profile is None else stage_profile(ckpt, fp, opts.profile, opts.force_profile)
@@ -389,11 +396,18 @@ class Runtime:
         """The live profile: what the model has run so far (this stage's layers under pipeline stages)."""
         return self.cache.profile
 
+    def check_open(self, method: str) -> None:
+        """Refuse `method` once the runtime is closed (what saves or reads back what was
+        recorded, save_profile and predict_curve, works after close)."""
+        if self.cache.loader.stop.is_set():
+            raise MlxmoeError(f"{method}: this model was closed (close()); load it again")
+
     def record_trace(self, path: str | os.PathLike) -> TraceWriter | None:
         """Record the routing of every layer call from now on to `path` (mlxmoe.trace/1),
         completed by close() (dropped by abort()). Under tensor splits only rank 0 records
         (every rank routes alike), under pipeline stages every rank its stage's part, merged
         by close(). Returns the writer (None on a rank that records nothing)."""
+        self.check_open("record_trace")
         if self.trace is not None:
             raise MlxmoeError(f"a trace is being recorded already, to {self.trace.path}")
         ckpt = self.checkpoint
@@ -411,6 +425,7 @@ class Runtime:
     def new_sequence(self) -> None:
         """A new sequence starts (stream_generate calls it): positions restart at 0 in the
         cache, and the trace numbers its next sequence."""
+        self.check_open("new_sequence")
         self.cache.new_sequence()
         if self.trace is not None:
             self.trace.new_sequence()
@@ -442,6 +457,7 @@ class Runtime:
         """Start a fresh, empty live profile named `workload` (decay `half_life` tokens,
         default the current one's): what runs from now on is what it records, as in
         `mlxmoe profile record`. Returns it; save it with save_profile."""
+        self.check_open("record_profile")
         old = self.profile
         fresh = ActivationProfile(old.num_layers, old.num_experts, old.top_k, half_life or old.half_life, old.model,
                                   old.fingerprint, workload, expert_bytes=old.expert_bytes,
@@ -457,6 +473,7 @@ class Runtime:
         cache's free slots in the background. Policies built without a way to change their
         prior (lfu, slru...) keep theirs. The live profile is left as it is. Returns the
         profile as applied (this stage's part under pipeline stages)."""
+        self.check_open("use_profile")
         prior = stage_profile(self.checkpoint, self.fingerprint, profile, force)
         rates = prior.rates()
         if prewarm and self.cache.prewarm_done(0):
@@ -644,6 +661,55 @@ def generation_lock(model):
         return model._mlxmoe_generation_lock
 
 
+STREAM_TIMEOUT = 300.0  # seconds (MLXMOE_STREAM_TIMEOUT): see take_model
+
+
+def stream_timeout():
+    """MLXMOE_STREAM_TIMEOUT in seconds (default STREAM_TIMEOUT), read at each use."""
+    text = os.environ.get("MLXMOE_STREAM_TIMEOUT", "")
+    try:
+        value = float(text) if text.strip() else STREAM_TIMEOUT
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value < float("inf")):
+        raise MlxmoeError(f"MLXMOE_STREAM_TIMEOUT={text!r}: give a number of seconds above 0")
+    return value
+
+
+class Holder:
+    """A generation holding a model's generation lock: its thread, and since when its
+    stream waits for its reader (`idle_since`: None while it computes). A stream left
+    unread for MLXMOE_STREAM_TIMEOUT seconds while another thread waits is `revoked`: the
+    lock passes to that thread, and the stream, if read again, raises."""
+
+    def __init__(self, thread):
+        self.thread, self.idle_since, self.revoked = thread, None, False
+
+
+def take_model(model, lock):
+    """Acquire `lock` (generation_lock(model)) for this thread's generation; returns its
+    Holder. Waits at most MLXMOE_STREAM_TIMEOUT seconds: a holding stream left unread that
+    long (abandoned by its thread) is revoked and the lock taken from it; one still being
+    read when the time is up leaves this thread an MlxmoeError, not a wait without end."""
+    timeout, start = stream_timeout(), time.monotonic()
+    holder = Holder(threading.get_ident())
+    while not lock.acquire(timeout=min(0.05, timeout)):
+        now = time.monotonic()
+        with _lock_guard:
+            other = getattr(model, "_mlxmoe_generation", None)
+            if other is not None and other.idle_since is not None and now - other.idle_since >= timeout:
+                other.revoked = True  # the lock is ours now: it stays acquired
+                model._mlxmoe_generation = holder
+                return holder
+        if now - start >= timeout:
+            raise MlxmoeError(f"the model is generating for another thread and was not free within {timeout:g} s "
+                              "(MLXMOE_STREAM_TIMEOUT): finish or close() that generation first, or set "
+                              "MLXMOE_STREAM_TIMEOUT to wait longer")
+    with _lock_guard:
+        model._mlxmoe_generation = holder
+    return holder
+
+
 def vocab_size(model):
     """The rows of `model`'s token embedding (config.json's vocab_size), or None where unknown."""
     runtime = getattr(model, "expert_runtime", None)
@@ -729,6 +795,8 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
     MlxmoeError, not a wait on itself. The prompt is checked first (prompt_tokens)."""
     runtime = getattr(model, "expert_runtime", None)
     cache = None if runtime is None else runtime.cache
+    if runtime is not None:
+        runtime.check_open("stream_generate")
     if kwargs.get("input_embeddings") is None:
         prompt = prompt_tokens(model, tokenizer, prompt)
         if runtime is not None:
@@ -748,7 +816,7 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
     if getattr(model, "_mlxmoe_generation_owner", None) == me:
         raise MlxmoeError("this thread's previous generation on this model is still open (a stream_generate "
                           "half consumed): read it to the end or close() it before generating again")
-    lock.acquire()
+    holder = take_model(model, lock)
     model._mlxmoe_generation_owner = me
     try:
         if runtime is not None:
@@ -758,6 +826,11 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
         group = None if runtime is None else runtime.group
         steps = _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
         while True:
+            with _lock_guard:
+                if holder.revoked:
+                    raise MlxmoeError("this stream was left unread for MLXMOE_STREAM_TIMEOUT seconds while another "
+                                      "thread waited for the model, which went to it: start a new generation")
+                holder.idle_since = None
             with distributed.waiting(group, "generating a token"):  # a step waits on the other stages
                 response = next(steps, None)
                 if response is None:
@@ -766,6 +839,7 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
                     cache.counters.decode_tps = response.generation_tps
                 if group is not None and distributed.failed_any(group, runtime.error):
                     distributed.check(group, runtime.error, bound=False)
+            holder.idle_since = time.monotonic()
             yield response
         if cache is not None:  # the host work the resident path left for later (see experts.ResidentCalls)
             cache.flush()
@@ -773,14 +847,18 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
             with distributed.waiting(group, "ending a generation"):
                 distributed.barrier(group)
     finally:
-        try:
-            if cache is not None and cache.deferred:  # closed early: its arrays are this thread's
-                cache.flush()
-        finally:
-            if next_token is not None:
-                speculator.next_token = None
-            model._mlxmoe_generation_owner = None
-            lock.release()
+        with _lock_guard:
+            holder.idle_since = None  # (not revoked from here on)
+        if not holder.revoked:  # (revoked: the model is another generation's now; nothing of it is ours)
+            try:
+                if cache is not None and cache.deferred:  # closed early: its arrays are this thread's
+                    cache.flush()
+            finally:
+                if next_token is not None:
+                    speculator.next_token = None
+                model._mlxmoe_generation_owner = None
+                model._mlxmoe_generation = None
+                lock.release()
 
 
 def generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], verbose: bool = False,

@@ -16,6 +16,7 @@ import click
 from .errors import MlxmoeError
 from .caching.policies import DEFAULT_POLICY, ONLINE
 from .storage.files import check_outputs, model_folder
+from .workload.tracefile import MAX_EXPERTS
 
 
 class Terminated(KeyboardInterrupt):
@@ -883,6 +884,7 @@ def info(model_path, memory_budget, backend, fallback, as_json):
                    "10, 25, 50 and 100 % of the experts.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="A profile of the workload (with its hit-rate curve): its hit rate instead of real routing's.")
+@click.option("--force", is_flag=True, help="Use a profile of another model whose layer and expert counts agree.")
 @click.option("--disk-gbps", type=Number(float, 0, low_open=True),
               help="The disk's read rate in GB/s. Default: measured for ~0.5 s at the model's expert read size "
                    "(from its non-expert tensors; for a repo id, from a 64 MiB scratch file written in the Hugging "
@@ -895,7 +897,7 @@ def info(model_path, memory_budget, backend, fallback, as_json):
 @click.option("--png", type=click.Path(dir_okay=False),
               help="Also draw decode tok/s (low, likely, high) against the budget as a PNG.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens, backend, png, as_json):
+def fit(model_path, budgets, profile_path, force, disk_gbps, prompt_tokens, max_tokens, backend, png, as_json):
     """Will it run, and how fast: memory, hit rate, bytes read a token, decode tok/s and
     time to first token at each budget, forecast before loading the model. Reads the
     config and the safetensors headers, times the disk briefly on non-expert tensors (never
@@ -909,7 +911,7 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
     check_outputs({"--png": png}, {"--model": model_folder(model_path), "--profile": profile_path})
     be = backends.detect(backend)
     prof = ActivationProfile.load(profile_path) if profile_path else None
-    f, shape = _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_tokens)
+    f, shape = _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_tokens, force)
     if png:
         rows = [r for r in f["budgets"] if "error" not in r]
         lines = {k: [[r["budget"], r["decode_tps"][k]] for r in rows] for k in ("high", "likely", "low")}
@@ -925,10 +927,13 @@ def fit(model_path, budgets, profile_path, disk_gbps, prompt_tokens, max_tokens,
         click.echo(f"  chart: {png}")
 
 
-def _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_tokens):
+def _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_tokens, force=False):
     """fit's forecast (forecast.forecast) and the model's (MoE layers, experts): of a local
     folder, or of a hub repo from its config and shard headers alone, the disk then timed
-    where it would be downloaded. Waits over 2 s are said on stderr."""
+    where it would be downloaded. Waits over 2 s are said on stderr. The profile `prof` is
+    checked against the model as generate checks it (its fingerprint unless `force`, its
+    layer and expert counts always)."""
+    from .api import model_fingerprint
     from .forecast import forecast, share_budgets
     from .loader import open_checkpoint
     from .storage.remote import header_checkpoint, is_repo_id
@@ -948,6 +953,8 @@ def _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_t
         try:
             ckpt = open_checkpoint(path)
             try:
+                if prof is not None:
+                    prof.check_model(model_fingerprint(ckpt), ckpt.all_layers, ckpt.num_experts, force, prof.source)
                 be.apply_dtype_policy(ckpt.model)
                 if not budgets:
                     budgets = sorted(set(share_budgets(ckpt, be, (0.1, 0.25, 0.5, 1.0))))
@@ -956,6 +963,8 @@ def _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_t
             finally:
                 ckpt.store.close()
         except MlxmoeError as e:
+            if not remote:
+                raise
             raise MlxmoeError(str(e).replace(str(headers), model_path)) from None  # the repo, not our temp folder
         finally:
             timing.cancel()
@@ -1318,7 +1327,8 @@ def trace_record(prompts_file, chats, chat_template, max_tokens, out, **opts):
 @trace.command("replay")
 @click.argument("trace_file", type=click.Path(dir_okay=False))
 @click.option("--policy", default="all", show_default=True, type=click.Choice(ONLINE + ["belady", "all"]))
-@click.option("--cache-experts", type=Number(int, 1), required=True, help="Cache size in experts (all layers).")
+@click.option("--cache-experts", type=Number(int, 1, MAX_EXPERTS), required=True,
+              help="Cache size in experts (all layers).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per policy.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="Start as a model loaded with this profile does: the policy's prior and pins, the cache "
@@ -1458,8 +1468,9 @@ def convert(src, dst, bundle, fallback_bits):
               help="Tokens per response where a request does not say.")
 @click.option("--temp", type=Number(float, 0), default=0.0, show_default=True,
               help="Sampling temperature where a request does not say.")
-@click.option("--top-p", type=Number(float, 0, 1), default=1.0, show_default=True)
-@click.option("--prompt-cache-size", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--top-p", type=Number(float, 0, 1, low_open=True), default=1.0, show_default=True,
+              help="Nucleus sampling where a request does not say (above 0, at most 1).")
+@click.option("--prompt-cache-size", type=Number(int, 0, 4096), default=0, show_default=True,
               help="Conversations whose KV cache is kept for the next request (mlx-lm's prompt cache; memory "
               "beside the budget, bounded by its KV reserve).")
 @click.option("--max-queue", type=Number(int, 1, 4096), default=64, show_default=True,

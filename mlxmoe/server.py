@@ -42,9 +42,12 @@ import json
 import logging
 import math
 import re
+import select
 import signal
+import socket
 import sys
 import threading
+import time
 import uuid
 from collections import Counter
 from http.server import ThreadingHTTPServer
@@ -62,7 +65,10 @@ from .workload.profile import ActivationProfile, js_divergence
 
 PROFILE_HEADER = "X-Mlxmoe-Profile"
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions", "/v1/messages")
-MAX_BODY = 64 << 20  # bytes of a request body
+GET_PATHS = ("/health", "/v1/models", "/v1/mlxmoe/stats")  # (and /v1/models/NAME)
+MAX_BODY = 64 << 20  # bytes of a request body, at most
+BODY_BYTES_PER_TOKEN = 256  # a body may hold this many bytes per token of the context (at least 1 MiB)
+DISCARD_SECONDS = 2.0  # how long the body of a refused request is read and dropped (its client then reads the answer)
 MAX_DEPTH = 64  # nesting of a request body's JSON
 # body fields that are numbers: true/false (Python's bools are ints) refused for them
 NUMBER_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "num_draft_tokens",
@@ -319,6 +325,10 @@ class OpenAIErrors:
         self.out = out
 
     def write(self, data):
+        return self.out.write(self.convert(data))
+
+    @staticmethod
+    def convert(data):
         try:
             body = json.loads(data)
         except ValueError:
@@ -327,7 +337,7 @@ class OpenAIErrors:
             field = re.match(r"([A-Za-z_][\w.\[\]]*)(:| must)", body["error"])
             data = json.dumps({"error": {"message": body["error"], "type": "invalid_request_error",
                                          "param": field and field.group(1), "code": None}}).encode()
-        return self.out.write(data)
+        return data
 
     def flush(self):
         self.out.flush()
@@ -414,13 +424,40 @@ class Handler(mlx_server.APIHandler):
             self.path = self.path.rstrip("/") or "/"
         return ok
 
+    def _no_route(self):
+        """404 for a path served by no method, 405 (with Allow) for one served by another;
+        True where it answered."""
+        if self.path in POST_PATHS:
+            allow = "POST"
+        elif self.path in GET_PATHS or self.path.startswith("/v1/models/"):
+            allow = "GET"
+        else:
+            self._send_json(404, {"error": {"message": f"{self.path[:200]}: no such route", "type": "invalid_request_error",
+                                            "param": None, "code": None}})
+            return True
+        if self.command == allow:
+            return False
+        self._send_json(405, {"error": {"message": f"{self.path}: {self.command} is not served here; use {allow}",
+                                        "type": "invalid_request_error", "param": None, "code": None}},
+                        [("Allow", allow)])
+        return True
+
+    def do_PUT(self):
+        self._no_route()
+
+    do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_PUT
+
     def do_GET(self):
+        if self._no_route():
+            return
         if self.path == "/v1/mlxmoe/stats":
             return self._send_json(200, self.response_generator.stats())
+        model = {"id": self.response_generator.cli_args.model, "object": "model", "created": self.created,
+                 "owned_by": "mlxmoe"}
         if self.path == "/v1/models":
-            return self._send_json(200, {"object": "list", "data": [{
-                "id": self.response_generator.cli_args.model, "object": "model", "created": self.created,
-                "owned_by": "mlxmoe"}]})
+            return self._send_json(200, {"object": "list", "data": [model]})
+        if self.path.startswith("/v1/models/"):  # every name is the served model (ModelProvider)
+            return self._send_json(200, model)
         super().do_GET()
 
     headers_sent = False
@@ -436,19 +473,23 @@ class Handler(mlx_server.APIHandler):
     def _error(self, status, message, headers=()):
         """An error answer in mlx-lm's form (OpenAIErrors gives it OpenAI's; the server's own
         failures, 5xx, are typed server_error)."""
+        error = message if status < 500 else {"message": message, "type": "server_error", "param": None,
+                                              "code": None}
+        data = json.dumps({"error": error}).encode()
         self._set_completion_headers(status)
         for name, value in headers:
             self.send_header(name, value)
+        if isinstance(self.wfile, OpenAIErrors):  # (as it will write it: the length told is the body's)
+            data = OpenAIErrors.convert(data)
+        self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        error = message if status < 500 else {"message": message, "type": "server_error", "param": None,
-                                              "code": None}
-        self.wfile.write(json.dumps({"error": error}).encode())
+        self.wfile.write(data)
 
     def do_POST(self):
         wfile, rfile, self.wfile = self.wfile, self.rfile, OpenAIErrors(self.wfile)
         try:
-            if self.path not in POST_PATHS:
-                return super().do_POST()  # mlx-lm's 404
+            if self._no_route():
+                return
             if not self._read_body():
                 return
             if self.path == "/v1/messages":
@@ -460,6 +501,8 @@ class Handler(mlx_server.APIHandler):
                 super().do_POST()
             finally:
                 self.server.leave()
+        except (BrokenPipeError, ConnectionResetError):  # the client went away: nobody to answer
+            logging.info("mlxmoe serve: a client went away before its answer")
         except Exception as e:  # a bug, or a body mlx-lm's code could not take: an answer all the same
             logging.exception("mlxmoe serve: a request failed")
             if not self.headers_sent:  # (a status line and headers only buffered: replaced by the 500)
@@ -483,8 +526,12 @@ class Handler(mlx_server.APIHandler):
         if length < 0:
             self._error(400, "Invalid Content-Length header")
             return False
-        if length > MAX_BODY:
-            self._error(413, f"request body: {length} bytes, more than the {MAX_BODY} a request may hold")
+        context = self.response_generator.context
+        most = min(MAX_BODY, max(1 << 20, context * BODY_BYTES_PER_TOKEN))
+        if length > most:  # answered at once, before any of it is read
+            self._error(413, f"request body: {length} bytes, more than the {most} a request may hold (a prompt "
+                        f"within the {context}-token context takes far fewer)")
+            self._discard(length)
             return False
         raw = self.rfile.read(length)
         self.rfile = io.BytesIO(raw)
@@ -506,12 +553,34 @@ class Handler(mlx_server.APIHandler):
             return False
         return True
 
-    def _send_json(self, status, body):
+    def _discard(self, length):
+        """Read and drop up to `length` bytes of a refused body for DISCARD_SECONDS at most,
+        so that a client still sending it gets to read the answer (not a reset connection)."""
+        self.wfile.flush()
+        self.close_connection = True
+        deadline = time.monotonic() + DISCARD_SECONDS
+        try:
+            self.connection.settimeout(0.1)
+            while length > 0 and time.monotonic() < deadline:
+                try:
+                    chunk = self.connection.recv(min(length, 1 << 20))  # (past what rfile holds: dropped too)
+                except TimeoutError:  # the client sends no more (rfile held the rest)
+                    break
+                if not chunk:
+                    break
+                length -= len(chunk)
+        except OSError:
+            pass
+
+    def _send_json(self, status, body, headers=()):
         data = json.dumps(body).encode()
         self._set_completion_headers(status)
+        for name, value in headers:
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def validate_model_parameters(self):
         """mlx-lm's checks, then mlxmoe's: where mlx-lm calls this the body is parsed and
@@ -560,6 +629,7 @@ class Handler(mlx_server.APIHandler):
             for token in self.logit_bias:
                 if size is not None and not 0 <= token < size:
                     raise ValueError(f"logit_bias: token id {token} is outside the vocabulary (0 to {size - 1})")
+        _check_fields(body, chat=not self.anthropic and self.path.endswith("chat/completions"))
         if self.stream_options is not None:
             if not isinstance(self.stream_options, dict) or not isinstance(
                     self.stream_options.get("include_usage", False), bool):
@@ -598,10 +668,28 @@ class Handler(mlx_server.APIHandler):
             self.stream_options = {"include_usage": True}
             if self.stream:
                 self.wfile = AnthropicStream(wfile, self._anthropic_message([], None, 0, 0))
+        done = threading.Event()
+        threading.Thread(target=self._watch_client, args=(request, done), name="mlxmoe-client", daemon=True).start()
         try:
             super().handle_completion(request, stop_words)
         finally:
+            done.set()
             self.wfile = wfile
+
+    def _watch_client(self, request, done):
+        """Until `done`: a client that closes its connection cancels its request (the
+        generation stops at its next token, streaming or not: a non-streaming answer
+        writes nothing before its end, so no failed write would tell)."""
+        sock = self.connection
+        try:
+            while not done.is_set():
+                if select.select([sock], [], [], 0.05)[0]:
+                    if sock.recv(1, socket.MSG_PEEK) == b"":  # the client's end is closed
+                        request.cancelled = True
+                    return  # (else it sent more than its request: nothing to tell)
+        except (OSError, ValueError):  # reset, or closed here: gone too
+            if not done.is_set():
+                request.cancelled = True
 
     def _set_stream_headers(self, status_code=200):
         # the header names the request's profile, chosen after its prefill: wait for it
@@ -651,6 +739,38 @@ def _check_numbers(body):
     if isinstance(bias, dict) and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                           and abs(v) < 1e300 for v in bias.values()):
         raise ValueError("logit_bias must be a dict of int to float (finite, below 1e300 in magnitude)")
+
+
+def _check_fields(body, chat):
+    """Values mlx-lm takes where they mean nothing, or reads a default from, or ignores (a
+    field given is a field used): ValueError naming the field."""
+    top_p = body.get("top_p")
+    if isinstance(top_p, (int, float)) and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be above 0 and at most 1, not {top_p}")
+    penalty = body.get("repetition_penalty")
+    if isinstance(penalty, (int, float)) and not penalty > 0:
+        raise ValueError(f"repetition_penalty must be above 0 (1: no penalty), not {penalty}")
+    if "top_logprobs" in body and body["top_logprobs"] == -1:  # (mlx-lm's value for "none", not a client's)
+        raise ValueError("top_logprobs must be an integer from 0 to 11")
+    mapping = body.get("role_mapping")
+    if mapping is not None and not (isinstance(mapping, dict) and all(isinstance(v, str) for v in mapping.values())):
+        raise ValueError("role_mapping must be an object of roles to prompt strings, e.g. {\"user\": \"USER: \"}")
+    form = body.get("response_format")
+    if form is not None and not isinstance(form, dict):
+        raise ValueError("response_format must be an object, e.g. {\"type\": \"text\"}")
+    if form is not None and form.get("type") != "text":
+        raise ValueError(f"response_format: only {{\"type\": \"text\"}} is served, not {json.dumps(form)[:80]} "
+                         "(no JSON mode or schema)")
+    messages = body.get("messages") if chat else None
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a role (a string) and a content")
+        content = m.get("content")
+        if content is None and not m.get("tool_calls"):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts, not null "
+                             "(null only beside tool_calls)")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
 
 
 def _check_stop(body):

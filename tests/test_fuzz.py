@@ -386,7 +386,7 @@ OPTIONS = {
     "--top": (["profile", "show", "{missing}", "--top", "{}"], in_range(int, 0, 2 ** 31)),
     "--budget": (["profile", "show", "{missing}", "--budget", "{}"], valid_size),
     "info --memory-budget": (["info", "-m", MISSING, "--memory-budget", "{}"], valid_size),
-    "replay --cache-experts": (["trace", "replay", "{missing}", "--cache-experts", "{}"], in_range(int, 1)),
+    "replay --cache-experts": (["trace", "replay", "{missing}", "--cache-experts", "{}"], in_range(int, 1, 2 ** 22)),
     "--num-layers": (["trace", "import", "vllm", "{missing}", "-o", "{out}", "--num-layers", "{}"],
                      in_range(int, 1, 2 ** 16)),
     "--num-experts": (["trace", "import", "vllm", "{missing}", "-o", "{out}", "--num-experts", "{}"],

@@ -307,6 +307,8 @@ def test_replay_with_a_cache_beyond_every_expert(tmp_path, cli, capsys, size):
     assert [{**r, "cache_experts": 0} for r in huge] == [{**r, "cache_experts": 0} for r in whole]
     assert huge[0]["cache_experts"] == size
     code, err = cli("trace", "replay", tmp_path / "t.jsonl", "--cache-experts", size, "--json")
+    assert code == 2 and "--cache-experts" in err and "at most 4194304" in err  # beyond any trace (issue 43)
+    code, err = cli("trace", "replay", tmp_path / "t.jsonl", "--cache-experts", 1 << 22, "--json")
     assert code == 0, err
 
 

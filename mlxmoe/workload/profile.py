@@ -255,8 +255,7 @@ def _number(data, key, default, kind=(int, float), low=0, optional=False):
     if value is None and optional:
         return None
     if (isinstance(value, bool) or not isinstance(value, kind) or value < low
-            or (isinstance(value, float) and not math.isfinite(value))
-            or (isinstance(value, int) and value > MAX_INT)):
+            or (isinstance(value, float) and not math.isfinite(value)) or value > MAX_INT):
         kinds = "an integer" if kind is int else "a number"
         raise ValueError(f"{key} must be {kinds} between {low} and {MAX_INT}, not {str(value)[:40]}")
     return value
@@ -305,7 +304,7 @@ def parse(data):
                 counts=counts,
                 mass=_matrix(data, "router_mass", (L, E)) if "router_mass" in data else None,
                 tokens=tokens, tokens_total=_number(data, "tokens_total", 0, int),
-                created=_number(data, "created", None, optional=True), curve=check_curve(data.get("curve") or {}),
+                created=_number(data, "created", None, optional=True), curve=check_curve(data.get("curve") or {}, L * E),
                 expert_bytes=_number(data, "expert_bytes", None, int, 1, optional=True),
                 resident_bytes=_number(data, "resident_bytes", None, int, 1, optional=True),
                 recommended_cache_bias=_number(data, "recommended_cache_bias", None, optional=True))
@@ -316,17 +315,28 @@ def parse(data):
     return fields
 
 
-def check_curve(curve):
-    """A profile's curve: {policy: [[cache experts >= 0, hit rate in [0, 1]], ...]}."""
+def check_curve(curve, total=MAX_CELLS):
+    """A profile's curve: {policy: [[cache experts, hit rate], ...]}, the sizes integers
+    from 0 to the model's `total` experts, rising, the same for every policy; hit rates
+    in [0, 1]."""
     if not isinstance(curve, dict):
         raise ValueError(f"curve must map policies to [experts, hit rate] points, not {type(curve).__name__}")
+    sizes = None
     for name, points in curve.items():
         if not isinstance(points, list) or not all(
                 isinstance(pt, (list, tuple)) and len(pt) == 2
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pt)
-                and pt[0] >= 0 and 0 <= pt[1] <= 1 for pt in points):
-            raise ValueError(f"curve of {name!r} must be a list of [experts, hit rate] points (finite numbers, "
-                             "hit rates between 0 and 1)")
+                and isinstance(pt[0], int) and not isinstance(pt[0], bool) and 0 <= pt[0] <= total
+                and isinstance(pt[1], (int, float)) and not isinstance(pt[1], bool) and 0 <= pt[1] <= 1
+                for pt in points):
+            raise ValueError(f"curve of {name!r} must be a list of [experts, hit rate] points (experts an integer "
+                             f"from 0 to the model's {total}, hit rates between 0 and 1)")
+        mine = [pt[0] for pt in points]
+        if any(a >= b for a, b in zip(mine, mine[1:])):
+            raise ValueError(f"curve of {name!r}: the cache sizes {mine[:8]} must rise")
+        if sizes is not None and mine != sizes:
+            raise ValueError(f"curve of {name!r}: cache sizes {mine[:8]}, those of {next(iter(curve))!r} "
+                             f"{sizes[:8]} (every policy is read at the same sizes)")
+        sizes = mine
     return curve
 
 

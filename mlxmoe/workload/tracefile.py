@@ -174,6 +174,9 @@ def read_trace(path):
             raise MlxmoeError(f"{path}:{n}: malformed trace line ({err})") from None
         if not 0 <= l < L or any(not 0 <= x < E for x in e):
             raise MlxmoeError(f"{path}:{n}: layer {l} or experts {e} out of range for {L} layers x {E} experts")
+        if k is not None and len(e) > k:
+            raise MlxmoeError(f"{path}:{n}: {len(e)} experts {e[:8]} in a top-{k} trace (a token routes to at most "
+                              f"{k})")
         if p is not None and len(p) != len(e):
             raise MlxmoeError(f"{path}:{n}: {len(p)} probabilities for {len(e)} experts")
         if dist is not None and len(dist) != E:
