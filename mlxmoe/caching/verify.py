@@ -4,9 +4,9 @@ At a decode step (one token) on a partly cached model, each MoE layer looks its 
 slots up on the device (`tables[layer][indices]`; an expert that is not resident points at
 the placeholder, the pools' spare last slot, which no expert ever holds) and computes at
 once, and each decoder layer's output is queued (`mx.async_eval`) as soon as it is built:
-the device computes while the host builds the next layers. Every WINDOW decoder layers a
-check reads the routing of the layers a window behind (the device has a window queued
-meanwhile); one wait after the forward reads the rest. Where no routed expert was missing
+the device computes while the host builds the next layers. While steps miss, every WINDOW
+decoder layers a check reads the routing of the layers a window behind (the device has a
+window queued meanwhile); one wait after the forward reads the rest. Where no routed expert was missing
 the token is exact: its slots are those the per-layer path would have used, since nothing
 is read, evicted or prefetched while a verified token computes. Otherwise the first layer
 that missed reads its experts (the policy chooses victims as on the per-layer path, after
@@ -90,6 +90,8 @@ class Verifier:
         self.wait = wait_seconds()
         self.weighed = [0.0, 0.0, 0]  # seconds the replays cost, seconds of waits saved, tokens
         self.clean = None  # decayed seconds of a verified step without a replay (its reads left out)
+        self.missing = None  # decayed share of verified steps with a replay
+        self.windowed = True  # checks within the forward (while steps miss)
         self.replay_seconds = 0.0  # what the last step's replays added to it
         self.error = None
         _wrap(model, self._model_call)
@@ -167,6 +169,9 @@ class Verifier:
         counters.verified_tokens += 1
         counters.replays += replays
         counters.replayed_layers += replayed
+        # checks within the forward only while steps miss: a clean step needs one wait
+        self.missing = decayed(self.missing, float(replays > 0))
+        self.windowed = self.missing > 0.05
         seconds = time.perf_counter() - tic - (counters.read_seconds - read)
         if not replays:
             self.clean = decayed(self.clean, seconds)
@@ -221,7 +226,7 @@ class Verifier:
         self.outputs[d] = out
         mx.async_eval(out)  # the device starts on this layer while the host builds the next
         ran = d + 1
-        if ran % WINDOW == 0 and ran < len(self.layers):
+        if self.windowed and ran % WINDOW == 0 and ran < len(self.layers):
             missed = self._check(until=ran - WINDOW)
             if missed is not None:
                 raise Replay(missed, ran)
