@@ -292,7 +292,8 @@ def test_replay_output_and_belady_ceiling(tmp_path):
     ('not json', "malformed trace line"),
     ('{"s":0,"t":0,"l":0,"e":[1],"p":0.5}', "malformed trace line"),
     ('{"s":0,"t":0,"l":0,"e":[1],"p":["a"]}', "malformed trace line"),
-    ('{"s":0,"t":0,"l":0,"e":[1,2],"p":[0.5]}', "probabilities"),
+    ('{"s":0,"t":0,"l":0,"e":[1],"p":[0.5,0.5]}', "probabilities"),
+    ('{"s":0,"t":0,"l":0,"e":[1,2],"p":[0.5]}', "in a top-1 trace"),  # more experts than top-k (issue 43)
 ])
 def test_bad_trace_lines(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"

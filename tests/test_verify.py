@@ -225,16 +225,22 @@ def test_verify_off_waits_per_layer(checkpoint):
     assert stats["verified_tokens"] == 0 and stats["verify"]["on"] is False
 
 
-def test_live_profile_learnt_at_once_equals_call_by_call(checkpoint, tmp_path):
-    """A verified step's hits teach the live profile in one go where it is the only
-    observer; with a trace recorded too, call by call: the same counts and mass."""
+@pytest.mark.parametrize("less", [0, 1], ids=["resident", "verified"])
+def test_live_profile_learnt_at_once_equals_call_by_call(checkpoint, tmp_path, less):
+    """A decode step's hits teach the live profile in one go where it is the only observer
+    (verify.observe_calls: the verified path's and the resident path's); with a trace
+    recorded too, call by call: the same counts and mass."""
     path = checkpoint("qwen3_moe", quant="4bit")
     profiles = []
     for trace in (None, tmp_path / "run.trace.jsonl"):
-        model, tokenizer = all_but(path, 1, trace_out=trace)
+        model, tokenizer = all_but(path, less, trace_out=trace)
         generate(model, tokenizer)
         generate(model, tokenizer)
-        assert model.expert_cache.stats()["verified_tokens"] >= TOKENS
+        stats = model.expert_cache.stats()
+        if less:
+            assert stats["verified_tokens"] >= TOKENS
+        else:  # the resident path
+            assert stats["verified_tokens"] == 0 and model.expert_cache.slot_table is not None
         profiles.append(model.expert_runtime.profile)
         model.expert_runtime.close()
     a, b = profiles

@@ -17,6 +17,7 @@ from .cache import expert_groups
 from ..errors import MlxmoeError
 from .lossy import host_logits
 from .prefetch import decayed
+from .verify import observe_calls
 
 
 def nest(slots: list, depth: int) -> mx.array:
@@ -156,11 +157,21 @@ class ResidentCalls:
     def __call__(self) -> None:
         logits = [c[2] for c in self.calls if c[2] is not None]
         from_logits = iter(host_probs(logits) if logits else ())
+        steps, rows = [], []  # a decode step's calls: told at once (verify.observe_calls)
         for module, indices, tapped, probs in self.calls:
             _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
+            if len(flat) == 1:
+                experts = sorted(set(flat[0].tolist()))
+                p = None if p is None else p.reshape(-1)
+                steps.append((module._layer, experts, None if p is None else p[experts].tolist(), p))
+                rows.append(flat[0])
+                self.cache.counters.hits += len(experts)  # no policy: nothing will be evicted
+                continue
             call = module._record(flat, p)
-            self.cache.counters.hits += len(call.experts)  # no policy: nothing will be evicted
+            self.cache.counters.hits += len(call.experts)
             self.cache.observe(call)
+        if steps:
+            observe_calls(self.cache, steps, rows)
 
 
 class StepRouting:

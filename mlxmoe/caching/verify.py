@@ -272,7 +272,7 @@ class Verifier:
             scores = None if p is None else p[experts].tolist()
             guesses = self._guesses(layers[first + 1:], rows[first + 1:]) if self.guess else []
             self._read(missed, experts, scores, p, guesses)
-            self._observe([missed], [(missed, experts, scores, p)], [rows[first]], [p])
+            observe_calls(cache, [(missed, experts, scores, p)], [rows[first]])
         self.checked = layers[-1] + 1 if missed is None else missed + 1
         cache.counters.bookkeeping_seconds += time.perf_counter() - start
         return missed
@@ -301,24 +301,7 @@ class Verifier:
             used = self.guessed.intersection((m, e) for m, experts, _, _ in calls for e in experts)
             cache.counters.prefetch_useful += len(used)
             self.guessed -= used
-        self._observe(layers, calls, rows, probs)
-
-    def _observe(self, layers, calls, rows, probs) -> None:
-        """Tell the observers of `calls` [(layer, experts, scores, probs)]; where the live
-        profile is the only one, it learns them at once (as ActivationProfile.observe would
-        one by one)."""
-        cache = self.cache
-        profile = cache.profile
-        if cache.observers or profile is None or any(p is None for p in probs):
-            for (m, experts, scores, p), row in zip(calls, rows):
-                cache.observe(_call(m, cache.call_position, row.tolist(), experts, scores, p))
-        elif calls:
-            with cache.lock:
-                if layers[0] == 0:
-                    profile.tick(1)
-                profile.counts[np.repeat(layers, [len(c[1]) for c in calls]),
-                               np.concatenate([c[1] for c in calls])] += 1.0
-                profile.mass[layers] += np.stack(probs)
+        observe_calls(cache, calls, rows)
 
     def _guesses(self, layers, rows) -> list:
         """The experts missing from the later layers' routing in this pass: computed from a
@@ -350,12 +333,25 @@ class Verifier:
         self._build_tables()
 
 
-def _call(layer, position, row, experts, scores, probs):
+def observe_calls(cache, calls, rows) -> None:
+    """Tell the cache's observers of a step's one-token layer calls [(layer, experts, scores,
+    probs)] (each token's experts in `rows`), in order; where the live profile is the only
+    observer, it learns them at once (as ActivationProfile.observe would one by one)."""
     from .experts import LayerCall
 
-    rows = np.array([row], dtype=np.uint32)
-    return LayerCall(layer, position, rows, None if probs is None else probs.reshape(1, -1), 1, experts, scores,
-                     probs, 1 if layer == 0 else 0)
+    profile = cache.profile
+    if cache.observers or profile is None or any(c[3] is None for c in calls):
+        for (layer, experts, scores, probs), row in zip(calls, rows):
+            rows_ = np.asarray(row, dtype=np.uint32).reshape(1, -1)  # as mlx-lm's indices are
+            cache.observe(LayerCall(layer, cache.call_position, rows_, None if probs is None else probs.reshape(1, -1),
+                                    1, experts, scores, probs, 1 if layer == 0 else 0))
+    elif calls:
+        layers = [c[0] for c in calls]
+        with cache.lock:
+            if layers[0] == 0:
+                profile.tick(1)
+            profile.counts[np.repeat(layers, [len(c[1]) for c in calls]), np.concatenate([c[1] for c in calls])] += 1.0
+            profile.mass[layers] += np.stack([c[3] for c in calls])
 
 
 def _wrap(module, through):
