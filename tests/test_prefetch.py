@@ -27,10 +27,12 @@ def tokens(model, tokenizer, n=32):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_prefetch_keeps_output_and_loads_ahead(checkpoint, arch):
+    # (here and in the tests of the per-layer path's prefetcher and running ahead: verify=False,
+    # as a verified decode step calls no predictor; tests/test_verify.py tests that path)
     path = checkpoint(arch, quant="4bit")
     want = reference(path)
     for depth in (1, 2):
-        model, tokenizer = mlxmoe.load(str(path), cache_experts=8, prefetch=depth)
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=8, prefetch=depth, verify=False)
         model.expert_cache.prefetcher.confidence = 0.0  # load every router guess: random weights guess badly
         assert tokens(model, tokenizer) == want
         model.expert_cache.prefetcher.drain()
@@ -134,7 +136,7 @@ def test_predictor_precision_on_a_recorded_trace(tmp_path):
 def test_cross_token_prefetch_loads_the_first_layer(checkpoint):
     """The last layer predicts the next token's layer 0, which is loaded in the background."""
     path = checkpoint("qwen3_moe", quant="4bit")
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     cache = model.expert_cache
     cache.prefetcher.confidence = 0.0
     read, layers, lock = cache.store.read_expert, [], threading.Lock()
@@ -159,7 +161,7 @@ def test_rank_chances_count_what_the_router_predictor_counts(checkpoint):
     counts, and to fewer guesses where some were resident (counted from the decode steps
     on: the prompt's tokens counted before are no decode step's predictions)."""
     path = checkpoint("qwen3_moe", quant="4bit")
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     pf = model.expert_cache.prefetcher
     pf.off_thread = False
     after_prompt, observe = [], pf.observe
@@ -246,7 +248,7 @@ def test_background_reads_are_timed_for_pacing(checkpoint):
     cache = model.expert_cache
     tokens(model, tokenizer, 8)
     demand_only = cache.stats()["disk_busy_seconds"]
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     cache = model.expert_cache
     cache.prefetcher.confidence = 0.0
     read = cache.store.read_expert
@@ -320,7 +322,7 @@ def test_a_layer_whose_misses_prefetch_hides_gives_up_slots_first():
 
 def test_miss_costs_follow_the_share_of_loads_prefetch_hides(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     cache = model.expert_cache
     cost = cache.policy.estimate.miss_cost
     cache.layer_loads[0] = [0.0, 0.0]
@@ -647,7 +649,7 @@ def test_resident_experts_compute_while_the_missing_are_read(checkpoint):
     output is stock mlx-lm's; a step with nothing to read or nothing resident starts nothing."""
     path = checkpoint("qwen3_moe", quant="4bit")
     want = reference(path, 16)
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=6, prefetch=0)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=6, prefetch=0, verify=False)
     cache = model.expert_cache
     fetch, calls = cache.fetch, []
 
@@ -673,7 +675,7 @@ def test_running_ahead_while_reads_are_slow_keeps_tokens(checkpoint, arch):
     mlx-lm's, every read is accounted for, and those guesses are scored."""
     path = checkpoint(arch, quant="4bit")
     want = reference(path, 12)
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     cache = model.expert_cache
     speculator = cache.speculator
     assert speculator is not None
@@ -724,7 +726,7 @@ def test_running_ahead_crosses_into_the_next_token(checkpoint, arch):
     detect().apply_dtype_policy(model)
     want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=12,
                                                     logits_processors=[ban_recent(4), stock_counter])]
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     cache = model.expert_cache
     speculator = cache.speculator
     assert speculator.head is not None
@@ -842,7 +844,7 @@ def test_running_ahead_keeps_no_prompt_activations(checkpoint):
     import mlx.core as mx
 
     path = checkpoint("qwen3_moe", quant="4bit")
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     speculator = model.expert_cache.speculator
     from mlx_lm.models.cache import make_prompt_cache
 
