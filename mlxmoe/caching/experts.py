@@ -17,7 +17,6 @@ from .cache import expert_groups
 from ..errors import MlxmoeError
 from .lossy import host_logits
 from .prefetch import decayed
-from .verify import observe_calls
 
 
 def nest(slots: list, depth: int) -> mx.array:
@@ -40,6 +39,25 @@ class LayerCall(NamedTuple):
     scores: list | None  # their router probabilities (of the one token at a decode step)
     mean: np.ndarray | None  # the router's mean distribution over the tokens
     ticked: int  # tokens that start with this call (the first layer's), else 0
+
+
+def observe_calls(cache, calls, rows) -> None:
+    """Tell the cache's observers of a step's one-token layer calls [(layer, experts, scores,
+    probs)] (each token's experts in `rows`), in order; where the live profile is the only
+    observer, it learns them at once (as ActivationProfile.observe would one by one)."""
+    profile = cache.profile
+    if cache.observers or profile is None or any(c[3] is None for c in calls):
+        for (layer, experts, scores, probs), row in zip(calls, rows):
+            rows_ = np.asarray(row, dtype=np.uint32).reshape(1, -1)  # as mlx-lm's indices are
+            cache.observe(LayerCall(layer, cache.call_position, rows_, None if probs is None else probs.reshape(1, -1),
+                                    1, experts, scores, probs, 1 if layer == 0 else 0))
+    elif calls:
+        layers = [c[0] for c in calls]
+        with cache.lock:
+            if layers[0] == 0:
+                profile.tick(1)
+            profile.counts[np.repeat(layers, [len(c[1]) for c in calls]), np.concatenate([c[1] for c in calls])] += 1.0
+            profile.mass[layers] += np.stack([c[3] for c in calls])
 
 
 def _tapped(cls):

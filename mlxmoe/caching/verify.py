@@ -29,6 +29,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..backend import host_probs
+from .experts import observe_calls, resident_table
 from .prefetch import decayed
 
 # verified tokens weighed at a time (off after fewer where their replays already cost more);
@@ -115,8 +116,6 @@ class Verifier:
         self.steps += 1
         if self.steps <= self.off_until:
             return None
-        from .experts import resident_table
-
         if resident_table(cache) is not None:  # the resident path: no check at all
             return None
         if cache.loader.failed or not cache.loader.prewarm_done(0) or cache.fallback is not None:
@@ -331,27 +330,6 @@ class Verifier:
             self.guessed.update(key for key, _ in taken)
         cache.counters.read_seconds += time.perf_counter() - tic
         self._build_tables()
-
-
-def observe_calls(cache, calls, rows) -> None:
-    """Tell the cache's observers of a step's one-token layer calls [(layer, experts, scores,
-    probs)] (each token's experts in `rows`), in order; where the live profile is the only
-    observer, it learns them at once (as ActivationProfile.observe would one by one)."""
-    from .experts import LayerCall
-
-    profile = cache.profile
-    if cache.observers or profile is None or any(c[3] is None for c in calls):
-        for (layer, experts, scores, probs), row in zip(calls, rows):
-            rows_ = np.asarray(row, dtype=np.uint32).reshape(1, -1)  # as mlx-lm's indices are
-            cache.observe(LayerCall(layer, cache.call_position, rows_, None if probs is None else probs.reshape(1, -1),
-                                    1, experts, scores, probs, 1 if layer == 0 else 0))
-    elif calls:
-        layers = [c[0] for c in calls]
-        with cache.lock:
-            if layers[0] == 0:
-                profile.tick(1)
-            profile.counts[np.repeat(layers, [len(c[1]) for c in calls]), np.concatenate([c[1] for c in calls])] += 1.0
-            profile.mass[layers] += np.stack([c[3] for c in calls])
 
 
 def _wrap(module, through):
