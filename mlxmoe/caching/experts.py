@@ -41,6 +41,14 @@ class LayerCall(NamedTuple):
     ticked: int  # tokens that start with this call (the first layer's), else 0
 
 
+def step_call(layer, row, probs):
+    """(layer, its distinct experts, their router scores, the router's distribution) of a
+    one-token layer call whose experts are `row`: summary() of it, as observe_calls and the
+    policy's hits take it."""
+    experts, scores, probs = summary(np.asarray(row).reshape(1, -1), None if probs is None else probs.reshape(1, -1))
+    return layer, experts, scores, probs
+
+
 def observe_calls(cache, calls, rows) -> None:
     """Tell the cache's observers of a step's one-token layer calls [(layer, experts, scores,
     probs)] (each token's experts in `rows`), in order; where the live profile is the only
@@ -175,15 +183,13 @@ class ResidentCalls:
     def __call__(self) -> None:
         logits = [c[2] for c in self.calls if c[2] is not None]
         from_logits = iter(host_probs(logits) if logits else ())
-        steps, rows = [], []  # a decode step's calls: told at once (verify.observe_calls)
+        steps, rows = [], []  # a decode step's calls: told at once (observe_calls)
         for module, indices, tapped, probs in self.calls:
             _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
             if len(flat) == 1:
-                experts = sorted(set(flat[0].tolist()))
-                p = None if p is None else p.reshape(-1)
-                steps.append((module._layer, experts, None if p is None else p[experts].tolist(), p))
+                steps.append(step_call(module._layer, flat[0], p))
                 rows.append(flat[0])
-                self.cache.counters.hits += len(experts)  # no policy: nothing will be evicted
+                self.cache.counters.hits += len(steps[-1][1])  # no policy: nothing will be evicted
                 continue
             call = module._record(flat, p)
             self.cache.counters.hits += len(call.experts)

@@ -29,7 +29,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..backend import host_probs
-from .experts import observe_calls, resident_table
+from .experts import observe_calls, resident_table, step_call
 from .prefetch import decayed
 
 # verified tokens weighed at a time (off after fewer where their replays already cost more);
@@ -68,7 +68,7 @@ def wait_seconds(samples: int = 7) -> float:
 class Verifier:
     """Verified decode steps on `model` (mlx-lm's, its MoE layer l in decoder layer
     `decoder_of[l]` of `model.layers`) over `cache`. The model's and its decoder layers'
-    instances get subclasses whose calls go through decode() and decoder()."""
+    instances get subclasses whose calls go through _model_call() and _decoder_call()."""
 
     def __init__(self, model, decoder_of: list, cache, guess: bool = True) -> None:
         self.cache, self.decoder_of = cache, decoder_of
@@ -266,12 +266,11 @@ class Verifier:
         self._hits(layers[:first], rows[:first], probs[:first])
         missed = None
         if first is not None:
-            missed, row, p = layers[first], rows[first].tolist(), probs[first]
-            experts = sorted(set(row))
-            scores = None if p is None else p[experts].tolist()
+            call = step_call(layers[first], rows[first], probs[first])
+            missed = call[0]
             guesses = self._guesses(layers[first + 1:], rows[first + 1:]) if self.guess else []
-            self._read(missed, experts, scores, p, guesses)
-            observe_calls(cache, [(missed, experts, scores, p)], [rows[first]])
+            self._read(*call, guesses)
+            observe_calls(cache, [call], [rows[first]])
         self.checked = layers[-1] + 1 if missed is None else missed + 1
         cache.counters.bookkeeping_seconds += time.perf_counter() - start
         return missed
@@ -289,10 +288,7 @@ class Verifier:
         left for later (Residency.deferred), told to the observers; where the live profile is
         the only one, learnt in one go."""
         cache = self.cache
-        calls = []
-        for m, row, p in zip(layers, rows, probs):
-            experts = sorted(set(row.tolist()))
-            calls.append((m, experts, None if p is None else p[experts].tolist(), p))
+        calls = [step_call(m, row, p) for m, row, p in zip(layers, rows, probs)]
         cache.counters.hits += sum(len(c[1]) for c in calls)
         if calls:
             cache.hit_calls(calls)
