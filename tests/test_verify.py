@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlxmoe
 import synthetic
 from mlxmoe.backend import detect
+from mlxmoe.caching import verify
 
 PROMPT = "The quick brown fox"  # short: gpt_oss's 32-token windows do not wrap
 TOKENS = 20
@@ -128,17 +129,32 @@ def test_kv_caches_after_a_recompute_equal_stock(checkpoint):
 
 
 class WaitCounter:
-    """mlxmoe's waits on the device per decode step, on the decode thread: mx.eval, .item(),
-    .tolist(), and np.array of an array no earlier mlxmoe mx.eval of the step covered."""
+    """mlxmoe's waits on the device per decode step, on the decode thread, that leave it with
+    nothing queued: mx.eval, .item(), .tolist(), and np.array of an array no earlier mlxmoe
+    mx.eval of the step covered; not an mx.eval within a check of a forward's earlier layers
+    made once later decoder layers were queued (`queued_after`: how many, per such check)."""
 
     def __init__(self, monkeypatch, model):
         self.thread = threading.get_ident()
         self.steps = []  # per model call of one token: waits
         self.missed = []  # ... and its layer calls that missed (one replay each)
         self.covered = set()
+        self.queued_after = []
+        self.within = False  # in a check within a forward with decoder layers queued after it
         eval_, array = mx.eval, np.array
         counter, cls = self, type(model)
         call = cls.__call__
+        check = verify.Verifier._check
+
+        def within_check(v, until=None):
+            queued = max(v.outputs, default=-1) + 1 - until if until is not None else 0
+            counter.within = queued > 0
+            if queued > 0:
+                counter.queued_after.append(queued)
+            try:
+                return check(v, until)
+            finally:
+                counter.within = False
 
         def model_call(m, inputs, *a, **kw):
             if inputs.size != 1:
@@ -158,7 +174,7 @@ class WaitCounter:
 
         def counted_eval(*args, **kw):
             if mine() and counter.steps:
-                counter.steps[-1] += 1
+                counter.steps[-1] += not counter.within
                 counter.covered.update(id(x) for x in args if isinstance(x, mx.array))
             return eval_(*args, **kw)
 
@@ -175,6 +191,7 @@ class WaitCounter:
             return read
 
         monkeypatch.setattr(cls, "__call__", model_call)
+        monkeypatch.setattr(verify.Verifier, "_check", within_check)
         monkeypatch.setattr(mx, "eval", counted_eval)
         monkeypatch.setattr(np, "array", counted_array)
         for name in ("item", "tolist"):
@@ -200,6 +217,7 @@ def test_waits_per_step_at_most_one_plus_missed_layer_calls(checkpoint, monkeypa
     assert len(verified) >= len(tokens) - 1
     for waits, missed in verified:
         assert waits <= 1 + missed, verified
+    assert all(q >= verify.LAG for q in counter.queued_after)
     assert [w for w, m in verified if m == 0] and all(w == 1 for w, m in verified if m == 0)
 
 
@@ -249,12 +267,12 @@ def test_live_profile_learnt_at_once_equals_call_by_call(checkpoint, tmp_path, l
 
 @pytest.mark.parametrize("layers", [[3], [9], [0, 17], [8, 15, 16], [23]])
 def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
-    """On a model deeper than a window (24 decoder layers; verify.WINDOW = 8), checks within
-    the forward read the layers a window behind the one just queued; a miss found there or
+    """On a 24-decoder-layer model, checks within the forward read the layers LAG behind
+    the one just queued; a miss found there or
     at the end is read and the forward run again from it: tokens and KV caches as stock's.
     Waits with nothing queued after them (the check at the forward's end): at most 1 + the
     layer calls that missed."""
-    from mlxmoe.caching import verify
+
 
     path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 24})
     want, stock_kv = reference(path, prompt_cache=make_prompt_cache)

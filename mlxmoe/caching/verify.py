@@ -4,9 +4,9 @@ At a decode step (one token) on a partly cached model, each MoE layer looks its 
 slots up on the device (`tables[layer][indices]`; an expert that is not resident points at
 the placeholder, the pools' spare last slot, which no expert ever holds) and computes at
 once, and each decoder layer's output is queued (`mx.async_eval`) as soon as it is built:
-the device computes while the host builds the next layers. While steps miss, every WINDOW
-decoder layers a check reads the routing of the layers a window behind (the device has a
-window queued meanwhile); one wait after the forward reads the rest. Where no routed expert was missing
+the device computes while the host builds the next layers. While steps miss, a check after
+each decoder layer reads the routing of the layer LAG behind (the device has LAG layers
+queued meanwhile); one wait after the forward reads the rest. Where no routed expert was missing
 the token is exact: its slots are those the per-layer path would have used, since nothing
 is read, evicted or prefetched while a verified token computes. Otherwise the first layer
 that missed reads its experts (the policy chooses victims as on the per-layer path, after
@@ -39,10 +39,10 @@ from .prefetch import decayed
 WEIGH_TOKENS, FIRST_WEIGH = 16, 2
 OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 KV_TYPES = (KVCache, RotatingKVCache)
-# decoder layers between two checks within a forward: a check reads the routing of the layers
-# a window behind the one just queued (the device computes that window meanwhile), so a miss
-# is found within about two windows of it and a replay recomputes those, not the rest of the token
-WINDOW = 8
+# decoder layers queued past the last one checked within a forward (while steps miss): the
+# device computes them while the host reads that layer's routing, which is then most often
+# ready (no wait), and a miss's replay recomputes LAG + 1 layers, not the rest of the token
+LAG = 2
 
 
 class Replay(Exception):
@@ -82,6 +82,7 @@ class Verifier:
         self.replay_from = None  # the decoder layer a replay computes from (None: the first run)
         self.outputs = {}  # decoder layer -> its output in this token
         self.calls = {}  # MoE layer -> (indices, router logits or probs, tapped) of this token
+        self.hits = ([], [])  # checked layer calls that hit, not told yet: layers, rows
         self.guessed = set()  # keys read on a guess (_guesses) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
         self.steps = 0  # decode steps seen (verified or not)
@@ -164,6 +165,7 @@ class Verifier:
             self.forward = False
             self.outputs.clear()
             self.calls.clear()
+            self.hits = ([], [])
         counters = cache.counters
         counters.verified_tokens += 1
         counters.replays += replays
@@ -225,8 +227,8 @@ class Verifier:
         self.outputs[d] = out
         mx.async_eval(out)  # the device starts on this layer while the host builds the next
         ran = d + 1
-        if self.windowed and ran % WINDOW == 0 and ran < len(self.layers):
-            missed = self._check(until=ran - WINDOW)
+        if self.windowed and LAG < ran < len(self.layers):
+            missed = self._check(until=ran - LAG)
             if missed is not None:
                 raise Replay(missed, ran)
         return out
@@ -245,34 +247,32 @@ class Verifier:
     def _check(self, until: int | None = None):
         """A wait for the routing of this pass's layer calls not checked yet (in decoder
         layers before `until`, or all), on the host. The layers before the first that missed
-        are told to the policy and observers as hits; that layer's experts are read (and
-        told). Returns that layer, or None."""
+        are hits, told to the policy and observers before a read or at the forward's end;
+        that layer's experts are read (and told). Returns that layer, or None."""
         cache = self.cache
         layers = [m for m in sorted(self.calls) if m >= self.checked  # (a replay's: from the layer it reran)
                   and (until is None or self.decoder_of[m] < until)]
-        if not layers:
-            return None
-        routers = [self.calls[m][1] for m in layers if self.calls[m][1] is not None]
-        flat = mx.concatenate([self.calls[m][0].reshape(-1) for m in layers])
-        mx.eval(flat, *routers)
-        start = time.perf_counter()
-        rows = np.split(np.array(flat), np.cumsum([self.calls[m][0].size for m in layers])[:-1])
-        tapped = [self.calls[m][1] for m in layers if self.calls[m][2]]
-        from_logits = iter(host_probs(tapped) if tapped else ())
-        probs = [None if self.calls[m][1] is None else
-                 (next(from_logits) if self.calls[m][2] else np.array(self.calls[m][1])).reshape(-1)
-                 for m in layers]
-        first = self._first_miss(layers, rows)
-        self._hits(layers[:first], rows[:first], probs[:first])
+        if layers:
+            routers = [self.calls[m][1] for m in layers if self.calls[m][1] is not None]
+            # (the arrays the queued layers compute, no new op: one would wait behind the whole queue)
+            mx.eval(*[self.calls[m][0] for m in layers], *routers)
+        start, read = time.perf_counter(), cache.counters.read_seconds
+        rows = [np.array(self.calls[m][0]).reshape(-1) for m in layers]
+        first = self._first_miss(layers, rows) if layers else None
+        self.hits[0].extend(layers[:first])
+        self.hits[1].extend(rows[:first])
+        if first is not None or until is None:
+            self._tell_hits()
         missed = None
         if first is not None:
-            call = step_call(layers[first], rows[first], probs[first])
+            call = step_call(layers[first], rows[first], self._probs(layers[first:first + 1])[0])
             missed = call[0]
             guesses = self._guesses(layers[first + 1:], rows[first + 1:]) if self.guess else []
             self._read(*call, guesses)
             observe_calls(cache, [call], [rows[first]])
-        self.checked = layers[-1] + 1 if missed is None else missed + 1
-        cache.counters.bookkeeping_seconds += time.perf_counter() - start
+        if layers:
+            self.checked = layers[-1] + 1 if missed is None else missed + 1
+        cache.counters.bookkeeping_seconds += time.perf_counter() - start - (cache.counters.read_seconds - read)
         return missed
 
     def _first_miss(self, layers, rows):
@@ -282,6 +282,21 @@ class Verifier:
         else:
             absent = np.array([(self.host_table[m][r] == self.placeholder).any() for m, r in zip(layers, rows)])
         return int(absent.argmax()) if absent.any() else None
+
+    def _probs(self, layers) -> list:
+        """The router's distribution over the experts (flat, on the host) of each of these
+        layer calls of this pass, None where the model gives none; softmax in one go."""
+        calls = [self.calls[m] for m in layers]
+        tapped = [c[1] for c in calls if c[2]]
+        from_logits = iter(host_probs(tapped) if tapped else ())
+        return [None if c[1] is None else (next(from_logits) if c[2] else np.array(c[1])).reshape(-1) for c in calls]
+
+    def _tell_hits(self) -> None:
+        """The hits checked and not told yet, told in one go."""
+        layers, rows = self.hits
+        self.hits = ([], [])
+        if layers:
+            self._hits(layers, rows, self._probs(layers))
 
     def _hits(self, layers, rows, probs) -> None:
         """Layer calls whose experts were all resident, in order: counted, their policy updates
@@ -313,8 +328,11 @@ class Verifier:
         tic = time.perf_counter()
         try:
             with cache.lock:
+                current = cache.version == self.version
                 _, missed = cache.access(layer, experts, scores, probs)
                 taken = cache.claim(guesses, protected={(layer, e) for e in experts}, evict=True)
+                if current:
+                    self._update_tables([((layer, e), slot) for e, slot in missed] + taken)
             cache.read_demand(layer, missed)
             n = cache.pools.read_keys(taken) if taken else 0
         except BaseException:  # (Ctrl-C included) a key given a slot but not read must not pass for resident
@@ -325,7 +343,23 @@ class Verifier:
             cache.counters.prefetch_bytes += n
             self.guessed.update(key for key, _ in taken)
         cache.counters.read_seconds += time.perf_counter() - tic
-        self._build_tables()
+        if self.version != cache.version:
+            self._build_tables()
+
+    def _update_tables(self, given: list) -> None:
+        """The tables after the slots of `given` [(key, slot)] went to those keys (from the
+        keys that held them, now placeholders) and nothing else changed."""
+        table = self.host_table
+        if given:
+            victims = np.isin(table, [slot for _, slot in given])
+            changed = set(np.flatnonzero(victims.any(axis=1)).tolist())
+            table[victims] = self.placeholder
+            for (layer, e), slot in given:
+                table[layer, e] = slot
+                changed.add(layer)
+            for layer in changed:
+                self.tables[layer] = mx.array(table[layer])
+        self.version = self.cache.version
 
 
 def _wrap(module, through):
