@@ -33,7 +33,7 @@ def generate(model, tokenizer, evict=None, weigh=False, **kw):
     (its switch is not consulted) unless `weigh`."""
     cache, tokens = model.expert_cache, []
     if cache.verifier is not None and not weigh:
-        cache.verifier._weigh = lambda replays: None
+        cache.verifier.switch.weigh = lambda *a: False
     for i, r in enumerate(mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS, **kw)):
         tokens.append(r.token)
         if evict is not None:
@@ -226,7 +226,7 @@ def test_off_where_replays_cost_more_than_waits(checkpoint):
     want, _ = reference(path)
     model, tokenizer = all_but(path, 1)
     cache = model.expert_cache
-    cache.verifier.wait = 1e-9  # waits that cost nothing: no replay pays
+    cache.verifier.switch.wait = 1e-9  # waits that cost nothing: no replay pays
     L = cache.store.num_layers
     assert generate(model, tokenizer, evict=every_expert(cache, 0, L - 1), weigh=True) == want
     stats = cache.stats()

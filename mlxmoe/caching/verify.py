@@ -65,6 +65,123 @@ def wait_seconds(samples: int = 7) -> float:
     return float(np.median(times))
 
 
+class Switch:
+    """Whether decode steps are verified: the replays' time (beyond a step without one, its
+    reads left out) weighed every WEIGH_TOKENS tokens against the waits the per-layer path
+    would have made beyond these steps' (one each, and one a replay), each as long as a layer
+    call of that path waited last (`layer_wait()`, or an empty round trip before any). Off
+    for `off_steps` steps where the replays cost more, doubled at each turn off in a row."""
+
+    def __init__(self, moe_layers: int, layer_wait) -> None:
+        self.moe_layers, self.layer_wait = moe_layers, layer_wait
+        self.wait = wait_seconds()
+        self.steps = 0  # decode steps seen (verified or not)
+        self.off_until = 0  # step count before which the mode is off
+        self.off_steps = OFF_STEPS  # for how long it turns off next
+        self.reason = None  # why it is off (or was last)
+        self.weighed = [0.0, 0.0, 0]  # seconds the replays cost, seconds of waits saved, tokens
+        self.clean = None  # decayed seconds of a verified step without a replay
+        self.missing = None  # decayed share of verified steps with a replay
+        self.windowed = True  # checks within the forward (while steps miss)
+
+    def step(self) -> bool:
+        """A decode step starts: whether the mode is on for it."""
+        self.steps += 1
+        return self.steps > self.off_until
+
+    def on(self) -> bool:
+        return self.steps >= self.off_until
+
+    def verified(self, seconds: float, replays: int, replayed: int, decoder_layers: int) -> bool:
+        """A verified step took `seconds` (its reads left out) with `replays` replays of
+        `replayed` decoder layers in all. Returns whether the mode turned itself off."""
+        # checks within the forward only while steps miss: a clean step needs one wait
+        self.missing = decayed(self.missing, float(replays > 0))
+        self.windowed = self.missing > 0.05
+        if not replays:
+            self.clean = decayed(self.clean, seconds)
+            replay_seconds = 0.0
+        elif self.clean is not None:
+            replay_seconds = max(seconds - self.clean, 0.0)
+        else:  # (no step without a replay timed yet: the replayed layers' share of this one)
+            replay_seconds = seconds * replayed / (decoder_layers + replayed)
+        return self.weigh(replay_seconds, replays)
+
+    def weigh(self, replay_seconds: float, replays: int) -> bool:
+        w = self.weighed
+        w[0] += replay_seconds
+        w[1] += max(self.moe_layers - 1 - replays, 0) * (self.layer_wait() or self.wait)
+        w[2] += 1
+        if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1]:
+            return False
+        self.weighed = [0.0, 0.0, 0]
+        if w[0] <= w[1]:
+            self.off_steps = OFF_STEPS
+            return False
+        self.off_until = self.steps + self.off_steps
+        self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
+        self.reason = (f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, more than the "
+                       f"{w[1] / w[2] * 1e3:.2f} ms of waits they save")
+        return True
+
+
+class SlotTables:
+    """Where each expert of the cache is, for lookups on the device: a [layers, experts] table
+    of slots (`host`), the placeholder where not resident, and the same as an mx array per
+    layer (`rows`); `version`: the cache's residency version they show (None: none built)."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self.placeholder = cache.capacity  # the spare slot (SlotPools' last): never an expert's
+        self.host = None
+        self.rows = None
+        self.version = None
+
+    def current(self) -> bool:
+        return self.rows is not None and self.version == self.cache.version
+
+    def build(self) -> None:
+        """From the cache's residency; rows whose slots did not change are kept."""
+        cache = self.cache
+        table = np.full((cache.store.num_layers, cache.store.num_experts), self.placeholder, dtype=np.uint32)
+        with cache.lock:
+            for (layer, e), slot in cache.slot_of.items():
+                table[layer, e] = slot
+            self.version = cache.version
+        old, self.host = self.host, table
+        rows = self.rows or [None] * len(table)
+        self.rows = [t if old is not None and t is not None and np.array_equal(old[i], table[i])
+                     else mx.array(table[i]) for i, t in enumerate(rows)]
+
+    def update(self, given: list) -> None:
+        """After the slots of `given` [(key, slot)] went to those keys (from the keys that
+        held them, now placeholders) and nothing else changed (under the cache's lock)."""
+        table = self.host
+        if given:
+            victims = np.isin(table, [slot for _, slot in given])
+            changed = set(np.flatnonzero(victims.any(axis=1)).tolist())
+            table[victims] = self.placeholder
+            for (layer, e), slot in given:
+                table[layer, e] = slot
+                changed.add(layer)
+            for layer in changed:
+                self.rows[layer] = mx.array(table[layer])
+        self.version = self.cache.version
+
+    def first_miss(self, layers, rows):
+        """The index of the first layer call whose experts (`rows`) are not all resident, or None."""
+        if len({len(r) for r in rows}) == 1:  # (every layer routes as many: one lookup)
+            absent = (self.host[np.array(layers)[:, None], np.stack(rows)] == self.placeholder).any(axis=1)
+        else:
+            absent = np.array([(self.host[m][r] == self.placeholder).any() for m, r in zip(layers, rows)])
+        return int(absent.argmax()) if absent.any() else None
+
+    def absent(self, layers, rows) -> list:
+        """The keys of these layer calls' experts that are not resident."""
+        table, placeholder = self.host, self.placeholder
+        return [(m, int(e)) for m, row in zip(layers, rows) for e in np.unique(row) if table[m][e] == placeholder]
+
+
 class Verifier:
     """Verified decode steps on `model` (mlx-lm's, its MoE layer l in decoder layer
     `decoder_of[l]` of `model.layers`) over `cache`. The model's and its decoder layers'
@@ -74,35 +191,24 @@ class Verifier:
         self.cache, self.decoder_of = cache, decoder_of
         self.guess = guess  # read the later layers' misses with a missed layer's (a prefetch: not with prefetch off)
         self.layers = model.layers
-        self.placeholder = cache.capacity  # the spare slot (SlotPools' last): never an expert's
-        self.host_table = None  # [layers, experts] slots, placeholder where not resident
-        self.version = None  # the cache's residency version the tables show
-        self.tables = None  # the same, an mx array per layer
+        self.tables = SlotTables(cache)
         self.forward = False  # within a verified forward
         self.replay_from = None  # the decoder layer a replay computes from (None: the first run)
         self.outputs = {}  # decoder layer -> its output in this token
         self.calls = {}  # MoE layer -> (indices, router logits or probs, tapped) of this token
         self.hits = ([], [])  # checked layer calls that hit, not told yet: layers, rows
-        self.guessed = set()  # keys read on a guess (_guesses) and not used yet
+        self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
-        self.steps = 0  # decode steps seen (verified or not)
-        self.off_until = 0  # step count before which the mode is off
-        self.off_steps = OFF_STEPS  # for how long it turns off next
-        self.reason = None  # why it is off (or was last)
-        self.wait = wait_seconds()
-        self.weighed = [0.0, 0.0, 0]  # seconds the replays cost, seconds of waits saved, tokens
-        self.clean = None  # decayed seconds of a verified step without a replay (its reads left out)
-        self.missing = None  # decayed share of verified steps with a replay
-        self.windowed = True  # checks within the forward (while steps miss)
-        self.replay_seconds = 0.0  # what the last step's replays added to it
+        self.switch = Switch(len(decoder_of), lambda: cache.layer_wait)
         self.error = None
         _wrap(model, self._model_call)
         for d, layer in enumerate(self.layers):
             _wrap(layer, lambda call, args, kwargs, d=d: self._decoder_call(d, call, args, kwargs))
 
     def stats(self) -> dict:
-        on = self.error is None and self.steps >= self.off_until
-        return {"on": on, "reason": self.error or self.reason, "wait_us": round((self.cache.layer_wait or self.wait) * 1e6, 1)}
+        switch = self.switch
+        return {"on": self.error is None and switch.on(), "reason": self.error or switch.reason,
+                "wait_us": round((self.cache.layer_wait or switch.wait) * 1e6, 1)}
 
     # -- the model's call ---------------------------------------------------------------
 
@@ -114,8 +220,7 @@ class Verifier:
         if self.error is not None or self.forward or not isinstance(inputs, mx.array) or inputs.size != 1 \
                 or kv is None or len(kv) != len(self.layers):
             return None
-        self.steps += 1
-        if self.steps <= self.off_until:
+        if not self.switch.step():
             return None
         if resident_table(cache) is not None:  # the resident path: no check at all
             return None
@@ -128,16 +233,16 @@ class Verifier:
     def _model_call(self, call, args, kwargs):
         kv = self._ready(args, kwargs)
         if kv is None:
-            self.tables = None  # the per-layer path may change what is resident
+            self.tables.rows = None  # the per-layer path may change what is resident
             return call(*args, **kwargs)
         cache = self.cache
-        if self.tables is None and cache.prefetcher is not None:
+        if self.tables.rows is None and cache.prefetcher is not None:
             cache.prefetcher.drain()  # what the per-layer path asked for: read before going quiet
         if cache.in_flight:  # (a read under way all the same: this step waits per layer)
-            self.tables = None
+            self.tables.rows = None
             return call(*args, **kwargs)
-        if self.tables is None or self.version != cache.version:
-            self._build_tables()
+        if not self.tables.current():
+            self.tables.build()
         cache.tick(1)
         self.forward, self.replay_from, self.checked = True, None, 0
         self.outputs.clear()
@@ -170,51 +275,10 @@ class Verifier:
         counters.verified_tokens += 1
         counters.replays += replays
         counters.replayed_layers += replayed
-        # checks within the forward only while steps miss: a clean step needs one wait
-        self.missing = decayed(self.missing, float(replays > 0))
-        self.windowed = self.missing > 0.05
         seconds = time.perf_counter() - tic - (counters.read_seconds - read)
-        if not replays:
-            self.clean = decayed(self.clean, seconds)
-        elif self.clean is not None:
-            self.replay_seconds = max(seconds - self.clean, 0.0)
-        else:  # (no step without a replay timed yet: the replayed layers' share of this one)
-            self.replay_seconds = seconds * replayed / (len(self.layers) + replayed)
-        self._weigh(replays)
+        if self.switch.verified(seconds, replays, replayed, len(self.layers)):
+            self.tables.rows = None
         return out
-
-    def _weigh(self, replays: int) -> None:
-        """Every WEIGH_TOKENS tokens: off for a while (off_steps) where the replays (their time
-        beyond the first pass and the reads) cost more than the waits the per-layer path would
-        have made beyond these tokens' (one each, and one a replay), each as long as a layer
-        call of that path waited last (or an empty round trip, before any)."""
-        w = self.weighed
-        w[0] += self.replay_seconds if replays else 0.0
-        w[1] += max(len(self.decoder_of) - 1 - replays, 0) * (self.cache.layer_wait or self.wait)
-        w[2] += 1
-        if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1]:
-            return
-        if w[0] > w[1]:
-            self.off_until = self.steps + self.off_steps
-            self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
-            self.reason = (f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, more than the "
-                           f"{w[1] / w[2] * 1e3:.2f} ms of waits they save")
-            self.tables = None
-        else:
-            self.off_steps = OFF_STEPS
-        self.weighed = [0.0, 0.0, 0]
-
-    def _build_tables(self) -> None:
-        cache = self.cache
-        table = np.full((cache.store.num_layers, cache.store.num_experts), self.placeholder, dtype=np.uint32)
-        with cache.lock:
-            for (layer, e), slot in cache.slot_of.items():
-                table[layer, e] = slot
-            self.version = cache.version
-        old, self.host_table = self.host_table, table
-        tables = self.tables or [None] * len(table)
-        self.tables = [t if old is not None and t is not None and np.array_equal(old[i], table[i])
-                       else mx.array(table[i]) for i, t in enumerate(tables)]
 
     # -- inside the forward -------------------------------------------------------------
 
@@ -227,7 +291,7 @@ class Verifier:
         self.outputs[d] = out
         mx.async_eval(out)  # the device starts on this layer while the host builds the next
         ran = d + 1
-        if self.windowed and LAG < ran < len(self.layers):
+        if self.switch.windowed and LAG < ran < len(self.layers):
             missed = self._check(until=ran - LAG)
             if missed is not None:
                 raise Replay(missed, ran)
@@ -240,7 +304,7 @@ class Verifier:
         logits = streaming._logits()
         probs = streaming._probs(x) if logits is None else None
         self.calls[layer] = (indices, logits if logits is not None else probs, logits is not None)
-        return streaming._inner(x, self.tables[layer][indices])
+        return streaming._inner(x, self.tables.rows[layer][indices])
 
     # -- the check ----------------------------------------------------------------------
 
@@ -258,7 +322,7 @@ class Verifier:
             mx.eval(*[self.calls[m][0] for m in layers], *routers)
         start, read = time.perf_counter(), cache.counters.read_seconds
         rows = [np.array(self.calls[m][0]).reshape(-1) for m in layers]
-        first = self._first_miss(layers, rows) if layers else None
+        first = self.tables.first_miss(layers, rows) if layers else None
         self.hits[0].extend(layers[:first])
         self.hits[1].extend(rows[:first])
         if first is not None or until is None:
@@ -267,21 +331,15 @@ class Verifier:
         if first is not None:
             call = step_call(layers[first], rows[first], self._probs(layers[first:first + 1])[0])
             missed = call[0]
-            guesses = self._guesses(layers[first + 1:], rows[first + 1:]) if self.guess else []
+            # the later layers' misses in this pass: computed from a hidden state that a missing expert
+            # left wrong, yet mostly what the replay will route to
+            guesses = self.tables.absent(layers[first + 1:], rows[first + 1:]) if self.guess else []
             self._read(*call, guesses)
             observe_calls(cache, [call], [rows[first]])
         if layers:
             self.checked = layers[-1] + 1 if missed is None else missed + 1
         cache.counters.bookkeeping_seconds += time.perf_counter() - start - (cache.counters.read_seconds - read)
         return missed
-
-    def _first_miss(self, layers, rows):
-        """The index of the first layer call whose experts are not all in the tables, or None."""
-        if len({len(r) for r in rows}) == 1:  # (every layer routes as many: one lookup)
-            absent = (self.host_table[np.array(layers)[:, None], np.stack(rows)] == self.placeholder).any(axis=1)
-        else:
-            absent = np.array([(self.host_table[m][r] == self.placeholder).any() for m, r in zip(layers, rows)])
-        return int(absent.argmax()) if absent.any() else None
 
     def _probs(self, layers) -> list:
         """The router's distribution over the experts (flat, on the host) of each of these
@@ -313,13 +371,6 @@ class Verifier:
             self.guessed -= used
         observe_calls(cache, calls, rows)
 
-    def _guesses(self, layers, rows) -> list:
-        """The experts missing from the later layers' routing in this pass: computed from a
-        hidden state that a missing expert left wrong, yet mostly what the replay will route
-        to (a layer's output changes little without one of its experts)."""
-        table, placeholder = self.host_table, self.placeholder
-        return [(m, int(e)) for m, row in zip(layers, rows) for e in np.unique(row) if table[m][e] == placeholder]
-
     def _read(self, layer, experts, scores, probs, guesses) -> None:
         """Make a missed layer call's experts resident (the policy's victims, a demand read),
         then as many of the `guesses` as the policy gives slots to (read together: the
@@ -328,11 +379,11 @@ class Verifier:
         tic = time.perf_counter()
         try:
             with cache.lock:
-                current = cache.version == self.version
+                current = cache.version == self.tables.version
                 _, missed = cache.access(layer, experts, scores, probs)
                 taken = cache.claim(guesses, protected={(layer, e) for e in experts}, evict=True)
                 if current:
-                    self._update_tables([((layer, e), slot) for e, slot in missed] + taken)
+                    self.tables.update([((layer, e), slot) for e, slot in missed] + taken)
             cache.read_demand(layer, missed)
             n = cache.pools.read_keys(taken) if taken else 0
         except BaseException:  # (Ctrl-C included) a key given a slot but not read must not pass for resident
@@ -343,23 +394,8 @@ class Verifier:
             cache.counters.prefetch_bytes += n
             self.guessed.update(key for key, _ in taken)
         cache.counters.read_seconds += time.perf_counter() - tic
-        if self.version != cache.version:
-            self._build_tables()
-
-    def _update_tables(self, given: list) -> None:
-        """The tables after the slots of `given` [(key, slot)] went to those keys (from the
-        keys that held them, now placeholders) and nothing else changed."""
-        table = self.host_table
-        if given:
-            victims = np.isin(table, [slot for _, slot in given])
-            changed = set(np.flatnonzero(victims.any(axis=1)).tolist())
-            table[victims] = self.placeholder
-            for (layer, e), slot in given:
-                table[layer, e] = slot
-                changed.add(layer)
-            for layer in changed:
-                self.tables[layer] = mx.array(table[layer])
-        self.version = self.cache.version
+        if self.tables.version != cache.version:
+            self.tables.build()
 
 
 def _wrap(module, through):
