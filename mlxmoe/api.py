@@ -345,7 +345,7 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
     if opts.fallback is not None:
         attach_fallback(ckpt, cache, opts.fallback, fp)
     if prefetcher is not None and ckpt.group is None and runtime.lossy is None and opts.fallback is None and decoders:
-        cache.speculate_with(Speculator(ckpt.model, decoders, ckpt.blocks, cache, prefetcher))
+        cache.speculator = Speculator(ckpt.model, decoders, ckpt.blocks, cache, prefetcher)
     if verify and runtime.lossy is None:
         cache.verifier = Verifier(ckpt.model, decoders, cache, guess=prefetcher is not None)
     be.activate(p.budget)
@@ -389,7 +389,7 @@ class Runtime:
         # under pipeline stages: the file rank 0 merges the stages' traces into (close)
         self.trace_target: str | os.PathLike | None = None
         self.trace_file: str | os.PathLike | None = None  # where the whole trace is once closed (rank 0's)
-        cache.attach(prefetcher)  # the cache closes it
+        cache.prefetcher = prefetcher  # the cache closes it
 
     @property
     def profile(self) -> ActivationProfile:

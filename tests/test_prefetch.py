@@ -324,19 +324,20 @@ def test_miss_costs_follow_the_share_of_loads_prefetch_hides(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     cache = model.expert_cache
-    cost = cache.policy.estimate.miss_cost
-    cache.layer_loads[0] = [0.0, 0.0]
-    cache.miss_costs(0, 3, 1)
+    estimate = cache.policy.estimate
+    cost = estimate.miss_cost
+    estimate.layer_loads[0] = 0.0
+    estimate.count_loads(0, 3, 1)
     assert cost[0] == pytest.approx(1 - 0.75 * 3 / 5)
-    cache.miss_costs(0, 0, 2)
+    estimate.count_loads(0, 0, 2)
     hidden, demand = 3 * 0.98, 0.98 + 2
     assert cost[0] == pytest.approx(1 - 0.75 * hidden / (hidden + demand + 1))
     # a run: every layer's cost is what its counts say, and prefetch hid some loads
-    cache.layer_loads = [[0.0, 0.0] for _ in cache.layer_loads]
+    estimate.layer_loads[:] = 0.0
     cost[:] = 1.0
     tokens(model, tokenizer, 16)
     cache.prefetcher.drain()
-    counts = np.array(cache.layer_loads)
+    counts = estimate.layer_loads
     assert counts[:, 0].sum() > 0
     assert cost == pytest.approx(1 - 0.75 * counts[:, 0] / counts.sum(axis=1).__add__(1.0))
     assert cost.min() < 1.0

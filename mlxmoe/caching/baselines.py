@@ -24,7 +24,7 @@ class Policy:
     Besides the hooks in policies.py's docstring (and set_prior), the cache and the
     prefetcher use `estimate`, where a policy keeps estimates of next use (None otherwise):
     a NextUse, with `miss_cost` (per layer, an array the cache lowers where prefetch hides
-    a layer's misses, ExpertCache.miss_costs), `chance(key)` and `steps(key, p1, rate)`
+    a layer's misses, NextUse.count_loads), `chance(key)` and `steps(key, p1, rate)`
     (prefetch.outranks weighs guesses with them)."""
 
     name = ""

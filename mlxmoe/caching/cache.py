@@ -55,6 +55,7 @@ class Residency:
         self.capacity = capacity
         self.policy = policy
         self.slot_of = {}  # (layer, expert) -> slot
+        self.lock = threading.RLock()  # over the residency where threads share it
         self.version = 0  # changes whenever slot_of does
         self.free = list(range(capacity - 1, -1, -1))
         self.in_flight = {}  # key -> Event set once the background read filling its slot ended: never victims
@@ -206,6 +207,13 @@ class Residency:
             self.policy.insert(key)
         return taken
 
+    def forget(self, keys: list) -> None:
+        """Take `keys` out of the cache: their slots are free again, holding nothing."""
+        with self.lock:
+            for key in keys:
+                if key in self.slot_of:
+                    self.free.append(self._release(key))
+
     def evicted(self, key: tuple) -> None:
         pass
 
@@ -283,7 +291,6 @@ class ExpertCache(Residency):
         super().__init__(capacity, policy, defer_hits=True)
         self.store = store
         self.pools = SlotPools(store, capacity, pool_dtypes, io_threads, spare)
-        self.lock = threading.RLock()
         self.loader = BackgroundLoader(self)
         self.in_flight = self.loader.waiting
         self.profile = profile  # live ActivationProfile: learns from every layer call (learn)
@@ -293,11 +300,10 @@ class ExpertCache(Residency):
         self.position = 0  # token position in the current sequence
         self.active = set()  # keys the current layer computes with: never evicted by background loads
         self.current_layer = -1
-        self.prefetcher: Prefetcher | None = None  # when prefetching (attach)
-        self.speculator = None  # speculate.Speculator where the decode thread runs ahead while it waits for reads
+        self.prefetcher: Prefetcher | None = None  # when prefetching: built on this cache, close() closes it
+        self.speculator = None  # speculate.Speculator: runs ahead while decode steps wait for reads (close() closes it)
         self.verifier = None  # verify.Verifier where decode steps wait once, at their end
         self.layer_wait = None  # decayed seconds a decode step's layer call waited for the device
-        self.demand_io = None  # the thread that reads a decode step's misses meanwhile
         # decayed seconds of a decode step's compute from one layer call's fetch to the next's
         # (the prefetcher weighs what a right guess can save by it); (when, layer) of the last fetch
         self.layer_seconds = None
@@ -307,19 +313,6 @@ class ExpertCache(Residency):
         self.step_tokens = 1
         self.fallback = None  # fallback.FallbackLoader where low-bit copies stand in for missing experts
         self.fallback_bytes = 0  # their memory
-        # per layer, decayed [loads a prefetch hid, loads on the decode path] at decode steps (miss_costs)
-        self.layer_loads = [[0.0, 0.0] for _ in range(store.num_layers)]
-
-    def attach(self, prefetcher: Prefetcher | None) -> None:
-        """Predict and load ahead with `prefetcher` (built on this cache), or stop (None);
-        close() closes it."""
-        with self.lock:
-            self.prefetcher = prefetcher
-
-    def speculate_with(self, speculator) -> None:
-        """Have `speculator` (speculate.Speculator) run ahead while decode steps wait for reads."""
-        self.demand_io = self.demand_io or ThreadPoolExecutor(1, thread_name_prefix="mlxmoe-demand")
-        self.speculator = speculator
 
     def watch(self, observer: Callable, close: Callable | None = None) -> None:
         """Give each layer call to `observer` from now on; close() calls `close` after the
@@ -353,17 +346,14 @@ class ExpertCache(Residency):
                 self.notify(call)
 
     def notify(self, call) -> None:
+        """The live profile learns `call` (and its tokens at the first layer), then the observers get it."""
         call = call() if callable(call) else call
-        self.learn(call)
-        for observer in self.observers:
-            observer(call)
-
-    def learn(self, call) -> None:
-        """The live profile's observer: it learns every layer call (and its tokens at the first)."""
         if self.profile is not None:
             if call.ticked:
                 self.profile.tick(call.ticked)
             self.profile.observe(call.layer, call.experts, call.scores, call.mean)
+        for observer in self.observers:
+            observer(call)
 
     def host_work(self) -> None:
         """Do what the decode thread left for later (the prefetcher's host thread calls it)."""
@@ -430,8 +420,8 @@ class ExpertCache(Residency):
             self.active = set(keys)
             self.current_layer = layer
             waits, useful = self.loader.arrivals(keys)
-            if self.prefetcher is not None and self.step_tokens == 1:
-                self.miss_costs(layer, len(waits) + useful, len(missed))
+            if self.prefetcher is not None and self.step_tokens == 1 and self.policy.estimate is not None:
+                self.policy.estimate.count_loads(layer, len(waits) + useful, len(missed))
             if self.awaited:  # awaited until this visit: what this layer did not use was a wrong guess
                 self.awaited.difference_update([k for k in self.awaited if k[0] == layer])
             if missed and early is not None:
@@ -442,26 +432,13 @@ class ExpertCache(Residency):
         if missed and early is not None and ready:
             early(ready)
         if self.speculator is not None and self.step_tokens == 1 and (missed or waits):
-            self.read_running_ahead(layer, missed, waits)
+            self.speculator.read_meanwhile(layer, missed, waits)
         elif missed:
             self.read_demand(layer, missed)
         if waits or self.loader.failed:
             self.loader.wait_for(waits, keys)
         self.counters.read_seconds += time.perf_counter() - tic
         return slots
-
-    def miss_costs(self, layer: int, hidden: int, demand: int, keep: float = 0.98, hidden_cost: float = 0.25) -> None:
-        """Count a decode step's loads of `layer` (in fetch, under the lock): `hidden` found
-        resident or on their way thanks to a prefetch, `demand` read on the decode path. The
-        policy's miss cost of the layer is then 1 - (1 - hidden_cost) x the share prefetch
-        hides (a hidden load still takes the disk's time): a layer whose experts the lookahead
-        predicts well gives up slots to one whose misses the decode thread would wait for (on
-        the demo model, the next token's first layers, which no predictor sees coming)."""
-        if self.policy.estimate is None:
-            return
-        counts = self.layer_loads[layer]
-        counts[0], counts[1] = counts[0] * keep + hidden, counts[1] * keep + demand
-        self.policy.estimate.miss_cost[layer] = 1.0 - (1.0 - hidden_cost) * (counts[0] / (sum(counts) + 1.0))
 
     def read_demand(self, layer: int, missed: list) -> None:
         """Read `missed` [(expert, slot)] of `layer` on the decode thread, counted as demand
@@ -478,42 +455,6 @@ class ExpertCache(Residency):
             self.forget([(layer, e) for e, _ in missed])
             raise
         self.counters.loads_demand += len(missed)
-
-    def read_running_ahead(self, layer: int, missed: list, waits: list) -> None:
-        """read_demand() of `missed` on the demand thread while the decode thread runs ahead
-        of `layer` (speculate.py), for as long as those reads and the background ones it
-        waits for (`waits`, [(key, Event)]) are expected to take."""
-        start, ended = time.perf_counter(), []
-
-        def read():
-            self.read_demand(layer, missed)
-            ended.append(time.perf_counter())
-
-        reads = self.demand_io.submit(read) if missed else None
-        coming = [done for _, done in waits if not done.is_set()]
-
-        def reading():
-            return (reads is not None and not reads.done()) or any(not done.is_set() for done in coming)
-
-        speculator = self.speculator
-        try:
-            if speculator.read_each is not None and (missed or coming):
-                until = start + speculator.read_each * (len(missed) + len(coming))
-                speculator.run_ahead(layer, until, reading, [e for e, _ in missed])
-        finally:
-            speculator.early = None
-            if reads is not None:
-                wait([reads])  # no thread writes into the slots once this returns
-        if reads is not None:
-            reads.result()
-            speculator.read_each = decayed(speculator.read_each, (ended[0] - start) / len(missed))
-
-    def forget(self, keys: list) -> None:
-        """Take `keys` out of the cache: their slots are free again, holding nothing."""
-        with self.lock:
-            for key in keys:
-                if key in self.slot_of:
-                    self.free.append(self._release(key))
 
     def evicted(self, key: tuple) -> None:
         self.awaited.discard(key)
@@ -570,8 +511,8 @@ class ExpertCache(Residency):
             self.prefetcher.close()
         for close in self.closers:
             close()
-        if self.demand_io is not None:
-            self.demand_io.shutdown(wait=True)
+        if self.speculator is not None:
+            self.speculator.close()
         self.pools.close()
         self.store.close()
 

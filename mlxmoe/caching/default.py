@@ -25,7 +25,7 @@ class NextUse:
     An expert of a layer d layer steps ahead (of L) is used at its layer's next visit with
     chance p1, and otherwise after about L / rate more steps: its next use is expected in
     d + L (1 - p1) / rate steps, over its layer's `miss_cost` (1 in a replay; lower where
-    prefetch hides the layer's misses, see ExpertCache.miss_costs). p1 mixes decayed
+    prefetch hides the layer's misses, see count_loads). p1 mixes decayed
     estimates: frequency of use (`half_life` tokens), recent use (`recency_half_life`),
     router mass and, where the router's whole distribution is known, its favour of the expert now (`now_weight`, `now_scale`). rate is the decayed
     share of the layer's visits that used the expert, its half-life `horizon` x the mean
@@ -73,6 +73,19 @@ class NextUse:
         self.gains = np.array([[1 - self.slow], [1 - self.fast], [1.0]])  # what a use adds to freq, recent, used_visits
         # the victim is the expert with the largest expected time to next use / its layer's miss cost
         self.miss_cost = np.ones(L)
+        self.layer_loads = np.zeros((L, 2))  # per layer, decayed [loads a prefetch hid, demand loads] (count_loads)
+
+    def count_loads(self, layer, hidden, demand, keep=0.98, hidden_cost=0.25):
+        """A decode step's loads of `layer`: `hidden` found resident or on their way thanks
+        to a prefetch, `demand` read on the decode path. The layer's miss cost is then
+        1 - (1 - hidden_cost) x the share prefetch hides (a hidden load still takes the disk's
+        time): a layer whose experts the lookahead predicts well gives up slots to one whose
+        misses the decode thread would wait for (on the demo model, the next token's first
+        layers, which no predictor sees coming)."""
+        counts = self.layer_loads[layer]
+        counts *= keep
+        counts += (hidden, demand)
+        self.miss_cost[layer] = 1.0 - (1.0 - hidden_cost) * (counts[0] / (counts.sum() + 1.0))
 
     def set_prior(self, prior):
         """The long-run rates' regulariser follows the new prior; what the live estimates

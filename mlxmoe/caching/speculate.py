@@ -23,6 +23,7 @@ KVCache or RotatingKVCache; an error in it turns it off for the model (`error`),
 """
 
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -145,6 +146,7 @@ class Speculator:
         self.layers = model.layers
         self.decoder_of, self.blocks = decoder_of, blocks
         self.cache, self.prefetcher, self.layers_ahead = cache, prefetcher, layers_ahead
+        self.demand_io = ThreadPoolExecutor(1, thread_name_prefix="mlxmoe-demand")  # reads a step's misses meanwhile
         self.head = model_head(model)  # (embed, logits) to cross into the next token
         self.next_token = None  # NextToken while a generation tells how it chooses tokens
         self.token_ahead = 0  # 1 while running the next token's layers
@@ -162,7 +164,7 @@ class Speculator:
         # waiting layer's early compute): from a layer's start until its routing is known,
         # and from then until its end
         self.route_seconds = self.finish_seconds = None
-        self.read_each = None  # seconds a decode step's demand read took an expert (ExpertCache.read_running_ahead)
+        self.read_each = None  # seconds a decode step's demand read took an expert (read_meanwhile)
         self.routed = None  # when the routing of the layer run ahead now was known
         self.until = 0.0  # when the reads are expected to end (run_ahead)
         self.started = None  # when the decoder layer run ahead now started (None: the first)
@@ -191,6 +193,37 @@ class Speculator:
         one = one_token(args) is not None
         self.calls[d] = (args if one else None, kwargs if one else None, kv, None if kv is None else kv.offset)
         self.inside = d
+
+    def read_meanwhile(self, layer: int, missed: list, waits: list) -> None:
+        """The cache's read_demand() of `missed` [(expert, slot)] on the demand thread while
+        the decode thread runs ahead of `layer`, for as long as those reads and the
+        background ones it waits for (`waits`, [(key, Event)]) are expected to take."""
+        start, ended = time.perf_counter(), []
+
+        def read():
+            self.cache.read_demand(layer, missed)
+            ended.append(time.perf_counter())
+
+        reads = self.demand_io.submit(read) if missed else None
+        coming = [done for _, done in waits if not done.is_set()]
+
+        def reading():
+            return (reads is not None and not reads.done()) or any(not done.is_set() for done in coming)
+
+        try:
+            if self.read_each is not None and (missed or coming):
+                until = start + self.read_each * (len(missed) + len(coming))
+                self.run_ahead(layer, until, reading, [e for e, _ in missed])
+        finally:
+            self.early = None
+            if reads is not None:
+                wait([reads])  # no thread writes into the slots once this returns
+        if reads is not None:
+            reads.result()
+            self.read_each = decayed(self.read_each, (ended[0] - start) / len(missed))
+
+    def close(self) -> None:
+        self.demand_io.shutdown(wait=True)
 
     def run_ahead(self, layer: int, until: float, reading, unread=()) -> None:
         """While `reading()` and until about `until` (perf_counter), with MoE layer `layer`
