@@ -287,7 +287,7 @@ def prefetch(model_path, lines, tokens=64):
             cache = model.expert_cache
             pf = cache.prefetcher
             for name, value in attrs.items():
-                setattr(pf, name, value)
+                setattr(pf.bar if hasattr(pf.bar, name) else pf, name, value)
             total, made = dict.fromkeys(DECODE_KEYS, 0), 0
             for line in lines:
                 for i, _ in enumerate(mlxmoe.stream_generate(model, tokenizer, line, max_tokens=tokens,

@@ -223,20 +223,20 @@ def test_min_chance_follows_the_disks_occupancy():
 
     pf = Prefetcher(None, [None, None], 2, workers=2, min_chance=0.1, chance_floor=0.05)
     try:
-        pf.pace(0.0, 0.0)
-        pf.pace(1.0, 0.1)  # the disk busy 0.1 s of a 1 s step: 10 %
-        assert pf.min_chance == pytest.approx(0.1 / 1.5)
-        pf.pace(2.0, 0.2)
-        assert pf.min_chance == 0.05  # not below the floor
-        pf.pace(3.0, 0.2 + 0.9)  # 90 % busy
-        assert pf.min_chance == pytest.approx(0.075)
-        pf.pace(4.0, 1.1 + 0.6)  # 60 %: between the targets, unchanged
-        assert pf.min_chance == pytest.approx(0.075)
+        pf.bar.pace(0.0, 0.0)
+        pf.bar.pace(1.0, 0.1)  # the disk busy 0.1 s of a 1 s step: 10 %
+        assert pf.bar.min_chance == pytest.approx(0.1 / 1.5)
+        pf.bar.pace(2.0, 0.2)
+        assert pf.bar.min_chance == 0.05  # not below the floor
+        pf.bar.pace(3.0, 0.2 + 0.9)  # 90 % busy
+        assert pf.bar.min_chance == pytest.approx(0.075)
+        pf.bar.pace(4.0, 1.1 + 0.6)  # 60 %: between the targets, unchanged
+        assert pf.bar.min_chance == pytest.approx(0.075)
         for t in range(5, 15):
-            pf.pace(float(t), 1.7 + 1.0 * (t - 4))  # always busy
-        assert pf.min_chance == 0.25
-        pf.pace(15.0, 0.0)  # the cache's stats were reset: no step measured
-        assert pf.min_chance == 0.25
+            pf.bar.pace(float(t), 1.7 + 1.0 * (t - 4))  # always busy
+        assert pf.bar.min_chance == 0.25
+        pf.bar.pace(15.0, 0.0)  # the cache's stats were reset: no step measured
+        assert pf.bar.min_chance == 0.25
     finally:
         pf.close()
 
@@ -267,7 +267,8 @@ def test_background_reads_are_timed_for_pacing(checkpoint):
     cache.prefetcher.drain()
     assert demand_only > 0 and cache.counters.loads_prefetched > 0
     assert busy and all(busy)
-    assert cache.prefetcher.chance_floor <= cache.prefetcher.min_chance <= cache.prefetcher.max_chance
+    bar = cache.prefetcher.bar
+    assert bar.chance_floor <= bar.min_chance <= bar.max_chance
 
 
 def test_coactivation_counts_what_consecutive_layer_calls_used(checkpoint, tmp_path):
@@ -795,21 +796,21 @@ def test_guesses_are_read_only_where_they_can_pay():
     pf = Prefetcher(None, [None, None], 2, workers=1, min_chance=0.1)
     try:
         gate = SimpleNamespace(rate=None, chunk=lambda: 1 << 20)
-        pf.cache = SimpleNamespace(loader=SimpleNamespace(gate=gate), layer_seconds=None,
+        pf.cache = pf.bar.cache = SimpleNamespace(loader=SimpleNamespace(gate=gate), layer_seconds=None,
                                    store=SimpleNamespace(expert_file_bytes=lambda: 1 << 20))
         assert pf.bar(1) == float("inf")
         gate.rate, pf.cache.layer_seconds = 2 << 20, 0.001  # a read of one piece 0.5 s, a layer 1 ms
         assert pf.bar(1) > 0.99  # the disk taken as busy until measured
-        pf.pace(0.0, 0.0)
-        pf.pace(1.0, 0.9)  # busy 90 % of a step
+        pf.bar.pace(0.0, 0.0)
+        pf.bar.pace(1.0, 0.9)  # busy 90 % of a step
         assert 0.99 < pf.bar(1) < 1.0 and pf.bar(3) < pf.bar(1)
         gate.chunk = lambda: 1 << 14  # pieces of 7.8 ms: a wrong guess stops after those asked
         cost = 0.9 * (1 << 14) / (2 << 20)
         assert pf.bar(1) == pytest.approx(cost / (0.001 + cost))
-        assert pf.bar(8) == pytest.approx(max(pf.min_chance, cost / (0.008 + cost)))
+        assert pf.bar(8) == pytest.approx(max(pf.bar.min_chance, cost / (0.008 + cost)))
         for t in range(2, 30):
-            pf.pace(float(t), 0.9)  # the disk idle since
-        assert pf.bar(1) == pf.min_chance
+            pf.bar.pace(float(t), 0.9)  # the disk idle since
+        assert pf.bar(1) == pf.bar.min_chance
     finally:
         pf.close()
 

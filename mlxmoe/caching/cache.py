@@ -379,7 +379,7 @@ class ExpertCache(Residency):
         self.fetched = (0.0, -1)
         self.loader.routed_ahead.clear()
         if self.prefetcher is not None:
-            self.prefetcher.paced = None  # the pause between sequences is no decode step
+            self.prefetcher.bar.paced = None  # the pause between sequences is no decode step
 
     def fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None,
               routing: Callable | None = None, early: Callable | None = None) -> list:

@@ -167,6 +167,52 @@ class HostThread:
         self.thread.join()
 
 
+class ReadBar:
+    """The chance a guess needs to be read (called with how many layer calls ahead it is),
+    from the disk's recent occupancy (pace(), once per decode step) and `cache`'s timings."""
+
+    def __init__(self, cache, min_chance=0.1, chance_floor=0.05, max_chance=0.25, busy_target=(0.5, 0.8)):
+        self.cache = cache
+        self.min_chance, self.chance_floor, self.max_chance = min_chance, chance_floor, max_chance
+        self.busy_target = busy_target
+        self.paced = None  # (time, the disk's busy seconds) at the last decode step's start
+        self.busy = None  # [busy, all] decayed seconds of decode steps: the disk's recent occupancy (pace)
+
+    def pace(self, now, busy_seconds):
+        """Once per decode step: the share of the step during which the disk was busy with
+        expert reads, demand or background (`busy_seconds`, the cache's ReadGate's so far),
+        moves `min_chance`: a step of 1.5x down while under busy_target[0], up while over
+        busy_target[1]. Reads the disk has time for cost nothing; where the disk is the
+        bottleneck only the likeliest guesses pay for the slots they take and the bytes."""
+        if self.paced is not None and now > self.paced[0] and busy_seconds >= self.paced[1]:
+            busy, seconds = busy_seconds - self.paced[1], now - self.paced[0]
+            self.min_chance = paced(self.min_chance, busy / seconds, self.busy_target, self.chance_floor, self.max_chance)
+            self.busy = [busy, seconds] if self.busy is None else [0.7 * self.busy[0] + busy, 0.7 * self.busy[1] + seconds]
+        self.paced = (now, busy_seconds)
+
+    def __call__(self, steps):
+        """The chance a guess for the layer call `steps` calls ahead needs to be read: at least
+        `min_chance`, and what makes its read pay. A right guess hides at most the compute
+        until its call (steps x a decode layer's, measured) and never more than its read. A
+        wrong one is cancelled at its next piece once its call comes, and while it is read a
+        demand read waits for the pieces it asked at most: it costs about a piece of disk
+        time (its whole read where it is one piece; charged the store.PIECES_AHEAD pieces
+        asked at once, fewer right guesses get in where reads are quick and the decode waits
+        more) as far as the disk was busy of late (time-weighted over the last decode
+        steps; taken as always until one is measured).
+        So where a layer computes in far less than a read of one piece (the demo model: 0.5
+        against 29 ms at 2 MB/s) no guess is worth its read; none is read before a read and a
+        decode layer were timed."""
+        cache = self.cache
+        gate, layer = cache.loader.gate, cache.layer_seconds
+        if gate.rate is None or layer is None:
+            return float("inf")
+        read = cache.store.expert_file_bytes() / gate.rate
+        busy = 1.0 if self.busy is None else min(1.0, self.busy[0] / self.busy[1])
+        gain, cost = min(steps * layer, read), min(read, gate.chunk() / gate.rate) * busy
+        return max(self.min_chance, cost / (gain + cost))
+
+
 class Prefetcher:
     def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.1, cross_token=True,
                  candidates=2, min_chance=0.1, chance_floor=0.05, busy_target=(0.5, 0.8), max_chance=0.25,
@@ -194,10 +240,7 @@ class Prefetcher:
         self.width = candidates * self.top_k if num_experts is None else min(candidates * self.top_k, num_experts)
         self.confidence = confidence  # router probability above which a lookahead guess is loaded alone
         self.cross_token, self.candidates = cross_token, candidates
-        self.min_chance, self.chance_floor, self.max_chance = min_chance, chance_floor, max_chance
-        self.busy_target = busy_target
-        self.paced = None  # (time, the disk's busy seconds) at the last decode step's start
-        self.busy = None  # [busy, all] decayed seconds of decode steps: the disk's recent occupancy (pace)
+        self.bar = ReadBar(cache, min_chance, chance_floor, max_chance, busy_target)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
         # scoring and predicting run in this one thread, in the layer calls' order, while
         # the decode thread goes on (False: on the decode thread, after each layer call);
@@ -337,7 +380,7 @@ class Prefetcher:
         evaluated: predict the next layer calls and queue their loads, to run while this
         layer computes."""
         if layer == 0:
-            self.pace(time.perf_counter(), self.cache.loader.gate.busy_seconds())
+            self.bar.pace(time.perf_counter(), self.cache.loader.gate.busy_seconds())
         for step, target, ahead in self.calls_ahead(layer):
             when = token + ahead
             predicted, probs, ranked, skip = {}, None, None, ()
@@ -360,40 +403,6 @@ class Prefetcher:
                 predicted["profile"] = self.hottest[target]
             self.pending[target] = predicted
             self.submit(target, step, when, predicted, probs, ranked, co, skip)
-
-    def pace(self, now, busy_seconds):
-        """Once per decode step: the share of the step during which the disk was busy with
-        expert reads, demand or background (`busy_seconds`, the cache's ReadGate's so far),
-        moves `min_chance`: a step of 1.5x down while under busy_target[0], up while over
-        busy_target[1]. Reads the disk has time for cost nothing; where the disk is the
-        bottleneck only the likeliest guesses pay for the slots they take and the bytes."""
-        if self.paced is not None and now > self.paced[0] and busy_seconds >= self.paced[1]:
-            busy, seconds = busy_seconds - self.paced[1], now - self.paced[0]
-            self.min_chance = paced(self.min_chance, busy / seconds, self.busy_target, self.chance_floor, self.max_chance)
-            self.busy = [busy, seconds] if self.busy is None else [0.7 * self.busy[0] + busy, 0.7 * self.busy[1] + seconds]
-        self.paced = (now, busy_seconds)
-
-    def bar(self, steps):
-        """The chance a guess for the layer call `steps` calls ahead needs to be read: at least
-        `min_chance`, and what makes its read pay. A right guess hides at most the compute
-        until its call (steps x a decode layer's, measured) and never more than its read. A
-        wrong one is cancelled at its next piece once its call comes, and while it is read a
-        demand read waits for the pieces it asked at most: it costs about a piece of disk
-        time (its whole read where it is one piece; charged the store.PIECES_AHEAD pieces
-        asked at once, fewer right guesses get in where reads are quick and the decode waits
-        more) as far as the disk was busy of late (time-weighted over the last decode
-        steps; taken as always until one is measured).
-        So where a layer computes in far less than a read of one piece (the demo model: 0.5
-        against 29 ms at 2 MB/s) no guess is worth its read; none is read before a read and a
-        decode layer were timed."""
-        cache = self.cache
-        gate, layer = cache.loader.gate, cache.layer_seconds
-        if gate.rate is None or layer is None:
-            return float("inf")
-        read = cache.store.expert_file_bytes() / gate.rate
-        busy = 1.0 if self.busy is None else min(1.0, self.busy[0] / self.busy[1])
-        gain, cost = min(steps * layer, read), min(read, gate.chunk() / gate.rate) * busy
-        return max(self.min_chance, cost / (gain + cost))
 
     def submit(self, target, step, when, predicted, probs, ranked=None, co=None, skip=()):
         """Queue the loads for `target`'s call at token count `when`. What is not resident is
