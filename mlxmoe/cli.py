@@ -251,7 +251,7 @@ def print_reply(steps, waiting, stops):
     with contextlib.closing(steps):
         for response in steps:
             stops.last = response
-            waiting.stop()
+            waiting.stop(finished=True)
             click.echo(stops.feed(response.text), nl=False)
             if stops.done:
                 break
@@ -353,14 +353,18 @@ def notice(seconds, line):
 
 class Waiting:
     """A reply's wait for its first token, said on stderr once it passes `after` seconds: the
-    prefill's progress in prompt tokens, redrawn each second (a long prompt, a slow disk), and
-    once, that MLX is compiling CPU kernels where new ones have appeared in its cache (a
-    sampler or shape this machine has not run before). `progress` is mlx-lm's
-    prompt_progress_callback; stop() at the first token. `after` None: nothing is said."""
+    prefill's progress in prompt tokens, redrawn each second on a terminal (a long prompt, a
+    slow disk; elsewhere, a log, a line each PLAIN_EVERY seconds), and once, that MLX is
+    compiling CPU kernels where new ones have appeared in its cache (a sampler or shape this
+    machine has not run before). `progress` is mlx-lm's prompt_progress_callback; stop() at
+    the first token (`finished`) or where the prefill was stopped (the last line says where).
+    `after` None: nothing is said."""
+
+    PLAIN_EVERY = 10
 
     def __init__(self, after=2.0):
-        self.start, self.kernels = time.monotonic(), cpu_kernels()
-        self.done, self.total, self.shown = 0, 0, False  # shown: a progress line is open
+        self.start, self.kernels, self.tty = time.monotonic(), cpu_kernels(), sys.stderr.isatty()
+        self.done, self.total, self.shown = 0, 0, False  # shown: a progress line was said (on a terminal: is open)
         self.lock, self.stopped = threading.Lock(), threading.Event()
         threading.Thread(target=self._watch, args=(after,), daemon=True).start()
 
@@ -370,34 +374,40 @@ class Waiting:
             if done >= total:
                 self._end_line()
 
-    def stop(self):
+    def stop(self, finished=False):
         with self.lock:
             self.stopped.set()
+            if finished:
+                self.done = self.total
             self._end_line()
+
+    def _line(self, nl=True):
+        """The progress line: redrawn in place on a terminal (open until `nl`), a line of its own elsewhere."""
+        line = f"prefill: {self.done}/{self.total} prompt tokens ({time.monotonic() - self.start:.0f} s)"
+        click.echo("\r" + line if self.tty else line, err=True, nl=nl or not self.tty)
 
     def _end_line(self):
         if self.shown:
-            click.echo(f"\rprefill: {self.total}/{self.total} prompt tokens ({time.monotonic() - self.start:.0f} s)",
-                       err=True)
+            self._line()
             self.shown = False
 
     def _watch(self, after):
         compiling = self.kernels is None or _compiling_said  # nothing to say about kernels
         if after is None or self.stopped.wait(after):  # None: say nothing (--verbose False)
             return
+        said_at = -math.inf
         while True:
             with self.lock:
                 if self.stopped.is_set():
                     return
                 if not compiling and cpu_kernels() > self.kernels:
                     compiling = True
-                    click.echo(("\n" if self.shown else "") + "MLX is compiling CPU kernels for these settings (a few "
-                               "seconds, once: later runs reuse them)", err=True)
+                    click.echo(("\n" if self.shown and self.tty else "") + "MLX is compiling CPU kernels for these "
+                               "settings (a few seconds, once: later runs reuse them)", err=True)
                     self.shown = False
-                if self.done < self.total:
-                    click.echo(f"\rprefill: {self.done}/{self.total} prompt tokens "
-                               f"({time.monotonic() - self.start:.0f} s)", err=True, nl=False)
-                    self.shown = True
+                if self.done < self.total and (self.tty or time.monotonic() - said_at >= self.PLAIN_EVERY):
+                    self._line(nl=False)
+                    self.shown, said_at = True, time.monotonic()
             if self.stopped.wait(1.0):
                 return
 
@@ -435,8 +445,8 @@ def summary(stats, before, elapsed_tokens, tps):
 def lossy_figures(stats, before=None):
     """', N experts skipped, M biased in' since `before` where a lossy mode did anything, else ''."""
     skipped, biased, low = (stats.get(k, 0) - (before or {}).get(k, 0) for k in ("skipped", "biased", "substituted"))
-    parts = [f"{n} experts {what}" for n, what in ((skipped, "skipped"), (biased, "biased in"), (low, "low-bit"))
-             if n]
+    parts = [f"{plural(n, 'expert')} {what}" for n, what in ((skipped, "skipped"), (biased, "biased in"),
+                                                           (low, "low-bit")) if n]
     return "".join(", " + p for p in parts)
 
 
@@ -487,7 +497,7 @@ def cache_figures(stats):
 
     return (f"hit rate {100 * stats['hit_rate']:.1f}%, {size(stats['bytes_read'])} read "
             f"({stats['loads_demand']} loads on demand + {stats['loads_prefetched']} prefetched), "
-            f"cache {stats['cache_experts']} experts{lossy_figures(stats)}")
+            f"cache {plural(stats['cache_experts'], 'expert')}{lossy_figures(stats)}")
 
 
 def current_rss():
@@ -506,13 +516,16 @@ def main():
     through a cache that keeps the ones your workload uses."""
 
 
-def _finish(model, save_profile, prior=None):
-    """Close the cache (ending a trace) and save the live profile, atomically, saying how
-    many of its tokens come from the --profile it started from (`prior`)."""
+def _finish(model, save_profile, prior=None, trace_out=None):
+    """Close the cache (ending the --trace-out trace, said where written) and save the live
+    profile, atomically, saying how many of its tokens come from the --profile it started
+    from (`prior`)."""
     runtime = model.expert_runtime
     with signals_deferred():
         runtime.close()
         live = runtime.save_profile(save_profile) if save_profile else None
+    if trace_out and runtime.main_rank() and os.path.exists(trace_out):  # (none where nothing was routed)
+        click.echo(f"saved trace {trace_out}", err=True)
     if live is not None and runtime.main_rank():
         parts = "" if prior is None else (f": {prior[1]} of {prior[0]!r} (--profile) + "
                                           f"{live.tokens_total - prior[1]} from this run")
@@ -591,7 +604,7 @@ def generate(prompt, system_prompt, chat_template, repetition_penalty, repetitio
     finally:
         response = stops.last
         waiting.stop()
-        _finish(model, save_profile, prior)
+        _finish(model, save_profile, prior, opts["trace_out"])
     with signals_deferred():
         _generate_report(model, response, baseline_rss, stats_json, verbose)
     if interrupted:
@@ -644,6 +657,7 @@ def _generate_report(model, response, baseline_rss, stats_json, verbose=True):
     stats = _stats(model)
     if stats_json and model.expert_runtime.main_rank():
         write_atomic(stats_json, json.dumps(stats, indent=1))
+        click.echo(f"saved stats {stats_json}", err=True)
     if not verbose:
         return
     for r, s in enumerate(stats.get("per_rank", [])):
@@ -657,7 +671,12 @@ def _generate_report(model, response, baseline_rss, stats_json, verbose=True):
 def _tokens_at(n, tps):
     """"12 tokens at 34.5 tok/s", without a rate for fewer than 2 tokens (one token's rate
     is the time to reach it: a wait, not a speed)."""
-    return f"{n} token{'s' if n != 1 else ''}" + (f" at {tps:.1f} tok/s" if n >= 2 else "")
+    return plural(n, "token") + (f" at {tps:.1f} tok/s" if n >= 2 else "")
+
+
+def plural(n, word):
+    """"1 expert", "2 experts"."""
+    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 def _read_stdin():
@@ -751,7 +770,7 @@ def chat(system_prompt, repetition_penalty, repetition_context_size, save_profil
                 query = query.replace("//", "/", 1)
             session.reply(query)
     finally:
-        _finish(model, save_profile, prior)
+        _finish(model, save_profile, prior, opts["trace_out"])
 
 
 class ChatSession:
@@ -1499,7 +1518,7 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
     except BaseException:
         model.expert_cache.close()
         raise
-    _finish(model, None)  # under several ranks: the trace merged on rank 0
+    _finish(model, None, trace_out=opts["trace_out"])  # under several ranks: the trace merged on rank 0
     global _exit_at_once
     _exit_at_once = True
 
