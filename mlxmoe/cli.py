@@ -226,7 +226,7 @@ class Stops:
 
     def __init__(self, stops):
         self.stops, self.held, self.done = stops, "", False
-        self.last = None  # the last response printed (print_reply)
+        self.last, self.text = None, ""  # the last response printed (print_reply), and all its text
 
     def feed(self, text):
         text, self.held = self.held + text, ""
@@ -252,10 +252,14 @@ def print_reply(steps, waiting, stops):
         for response in steps:
             stops.last = response
             waiting.stop(finished=True)
-            click.echo(stops.feed(response.text), nl=False)
+            text = stops.feed(response.text)
+            stops.text += text
+            click.echo(text, nl=False)
             if stops.done:
                 break
-    click.echo(stops.rest(), nl=False)
+    text = stops.rest()
+    stops.text += text
+    click.echo(text, nl=False)
     return stops.last
 
 
@@ -452,9 +456,14 @@ def lossy_figures(stats, before=None):
 
 CHAT_HELP = """/help          this list
 /reset         start a new conversation (the expert cache and the live profile are kept)
+/save FILE     write the conversation to FILE as JSON messages ([{"role": ..., "content": ...}])
+/load FILE     continue the conversation saved in FILE (/save's format, or any such JSON list)
 /stats         the expert cache's figures so far
 /profile FILE  take this profile as the cache's prior from now on (pre-warms its hottest experts)
-/quit          leave (also /exit or Ctrl-D); Ctrl-C stops a reply"""
+/quit          leave (also /exit, /bye or Ctrl-D)
+Ctrl-C stops a reply: that message and its partial reply are dropped, the turns before them kept
+(Up recalls the message). Several lines make one message: end each but the last with a
+backslash, or put them between lines that begin and end with \"\"\", or paste them."""
 
 
 def stats_table(stats):
@@ -705,6 +714,36 @@ def _input_line(prompt):
     return line.decode("utf-8").rstrip("\r\n")
 
 
+def _line_editing():
+    """Line editing and history (Up recalls a line) for chat where standard input is a
+    terminal: the standard library's readline, imported for input() to use. Bracketed paste
+    is turned on (Python turns it off for its own prompt), so that a pasted block of lines
+    arrives as one message; libedit (some macOS Pythons) ignores the setting."""
+    if not sys.stdin.isatty():
+        return
+    try:
+        import readline
+    except ImportError:  # (Windows)
+        return
+    readline.parse_and_bind("set enable-bracketed-paste on")
+
+
+def _read_message():
+    """The user's next message: a line; lines each but the last of which ends with a
+    backslash; or the lines from one that begins with \"\"\" to one that ends with it (as
+    Ollama). EOFError at the end of input; KeyboardInterrupt (Ctrl-C) drops what was typed."""
+    line = _input_line(">> ")
+    if line.lstrip().startswith('"""'):
+        lines = [line.lstrip()[3:]]
+        while not lines[-1].rstrip().endswith('"""'):
+            lines.append(_input_line("... "))
+        lines[-1] = lines[-1].rstrip()[:-3]
+        return "\n".join(lines).strip("\n")
+    while line.endswith("\\"):
+        line = line[:-1] + "\n" + _input_line("... ")
+    return line
+
+
 def _chat_prompt(tokenizer, messages, template_config=None, tokenize=True):
     """The chat template applied to `messages` up to the assistant's turn (token ids, or the
     text where not `tokenize`), with --chat-template-config's keyword arguments, or an
@@ -734,35 +773,47 @@ def _chat_prompt(tokenizer, messages, template_config=None, tokenize=True):
 @save_profile_option
 def chat(system_prompt, repetition_penalty, repetition_context_size, save_profile, **opts):
     """Chat with the model. The KV cache carries over between turns; after each reply a
-    line gives tokens/s, the expert hit rate and the bytes read. /help lists the commands
-    (/reset, /stats, /profile FILE, /quit)."""
+    line gives tokens/s, the expert hit rate and the bytes read. On a terminal, lines are
+    edited as in a shell (readline: arrows, Up for history). Ctrl-C stops a reply and keeps
+    the conversation: the interrupted message and its partial reply are dropped, as Ollama
+    drops the partial reply (Up recalls the message); Ctrl-C at the prompt says how to leave,
+    Ctrl-D leaves. /help lists the commands (/save FILE, /load FILE, /reset, /stats,
+    /profile FILE, /quit) and how to send several lines."""
     import_mlx()
     from mlx_lm.sample_utils import make_logits_processors
 
     kv = kv_options(opts)
-    check_outputs({"--save-profile": save_profile, "--trace-out": opts["trace_out"]}, model_inputs(opts),
-                  updates={"--save-profile": "--profile"})
+    outputs = {"--save-profile": save_profile, "--trace-out": opts["trace_out"]}
+    check_outputs(outputs, model_inputs(opts), updates={"--save-profile": "--profile"})
     model, tokenizer = _load(opts)
     prior = _prior(model, opts)
     penalty = make_logits_processors(repetition_penalty=repetition_penalty,
                                      repetition_context_size=repetition_context_size)
     session = ChatSession(model, tokenizer, system_prompt, opts["max_tokens"], _sampler(opts, tokenizer), penalty,
                           kv, opts["chat_template_config"], opts["stop"], opts["verbose"])
+    session.files = model_inputs(opts), outputs  # what /save may not write
     profile = f", profile {model.expert_cache.profile.workload!r}" if opts["profile_path"] else ""
     click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {model.expert_cache.capacity} experts "
                f"cached{profile}. /help for commands, /quit to leave.", err=True)
+    _line_editing()
     try:
         while True:
             try:
-                query = _input_line(">> ")
-            except (EOFError, KeyboardInterrupt):  # SIGTERM too
+                query = _read_message()
+            except Terminated:  # SIGTERM
+                click.echo()
+                break
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: what was typed is dropped
+                click.echo("\n[use /quit, /bye or Ctrl-D to leave; Ctrl-C stops a reply]")
+                continue
+            except EOFError:  # Ctrl-D
                 click.echo()
                 break
             except UnicodeDecodeError as e:  # a terminal or pipe that is not UTF-8: this line only
                 click.echo(f"[not UTF-8 text (byte {e.start}); the line was not sent]")
                 continue
             command = query.strip()
-            if command in ("/quit", "/exit"):
+            if command in ("/quit", "/exit", "/bye"):
                 break
             if not command or session.command(command, opts["force_profile"]):
                 continue
@@ -774,70 +825,125 @@ def chat(system_prompt, repetition_penalty, repetition_context_size, save_profil
 
 
 class ChatSession:
-    """`mlxmoe chat`'s conversation: its KV cache (kept between turns), its commands and its replies."""
+    """`mlxmoe chat`'s conversation: its messages, its KV cache (which holds the first
+    `sent` of them, kept between turns), its commands and its replies."""
 
     def __init__(self, model, tokenizer, system_prompt, max_tokens, sampler, logits_processors, kv=None,
                  template_config=None, stops=(), verbose=True):
         self.model, self.tokenizer, self.system_prompt, self.max_tokens = model, tokenizer, system_prompt, max_tokens
         self.sampler, self.logits_processors, self.template_config = sampler, logits_processors, template_config
         self.kv, self.stops, self.verbose = dict(kv or {}), stops, verbose  # stops: --stop's strings
+        self.files = {}, {}  # the run's inputs and outputs, which /save may not overwrite
         self.reset()
 
-    def reset(self):
+    def reset(self, messages=None):
+        """A new conversation: `messages` (/load), else the system prompt's alone; the KV cache empty."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self.messages = system if messages is None else messages
+        self._empty_cache()
+
+    def _empty_cache(self):
         from mlx_lm.models.cache import make_prompt_cache
 
-        self.prompt_cache, self.first = make_prompt_cache(self.model, self.kv.get("max_kv_size")), True
+        self.prompt_cache, self.sent = make_prompt_cache(self.model, self.kv.get("max_kv_size")), 0
 
     def command(self, command, force_profile=False):
         """Run `command` if it is one (a line starting with one /): True where it was."""
-        if command == "/reset":
-            self.reset()
-            click.echo("[conversation cleared; the expert cache and the live profile are kept]")
-        elif command == "/stats":
-            click.echo(stats_table(_stats(self.model)))
-        elif command == "/help":
-            click.echo(CHAT_HELP)
-        elif command.split()[0] == "/profile":
-            path = command[len("/profile"):].strip()
-            try:
-                if not path:
-                    raise MlxmoeError("/profile FILE: name a profile file")
-                prior = self.model.expert_runtime.use_profile(path, force_profile)
-                click.echo(f"[profile {prior.workload!r} is the expert cache's prior now]")
-            except MlxmoeError as e:
-                click.echo(f"[{e}]")
-        elif command.startswith("/") and not command.startswith("//"):
-            click.echo(f"unknown command {command.split()[0]}; /help lists the commands "
-                       "(start a message with // to send one that begins with /)")
-        else:
-            return False
+        name, _, arg = command.partition(" ")
+        try:
+            if command == "/reset":
+                self.reset()
+                click.echo("[conversation cleared; the expert cache and the live profile are kept]")
+            elif command == "/stats":
+                click.echo(stats_table(_stats(self.model)))
+            elif command == "/help":
+                click.echo(CHAT_HELP)
+            elif name in ("/profile", "/save", "/load"):
+                if not arg.strip():
+                    raise MlxmoeError(f"{name} FILE: name a file")
+                if name == "/profile":
+                    prior = self.model.expert_runtime.use_profile(arg.strip(), force_profile)
+                    click.echo(f"[profile {prior.workload!r} is the expert cache's prior now]")
+                else:
+                    (self.save if name == "/save" else self.load)(arg.strip())
+            elif command.startswith("/") and not command.startswith("//"):
+                click.echo(f"unknown command {name}; /help lists the commands "
+                           "(start a message with // to send one that begins with /)")
+            else:
+                return False
+        except MlxmoeError as e:
+            click.echo(f"[{e}]")
         return True
 
+    def save(self, path):
+        """/save: the conversation as JSON messages, written atomically (no input, no other output, overwritten)."""
+        from .storage.files import write_atomic
+
+        inputs, outputs = self.files
+        check_outputs({"/save": path, **outputs}, inputs, updates={"--save-profile": "--profile"})
+        write_atomic(path, json.dumps(self.messages, indent=1, ensure_ascii=False) + "\n")
+        click.echo(f"[saved {len(self.messages)} messages to {path}]")
+
+    def load(self, path):
+        """/load: continue the conversation in `path` (its KV cache is made at the next reply)."""
+        from .storage.files import read_json
+
+        self.reset(conversation(read_json(path, "conversation", 64 << 20), path))
+        click.echo(f"[loaded {len(self.messages)} messages from {path}; the next reply continues them]")
+
     def reply(self, query):
-        """Send the user's message `query` and print the reply as it comes, then a line of figures."""
+        """Send the user's message `query` and print the reply as it comes, then a line of figures.
+        Ctrl-C (not SIGTERM) stops it: the conversation is as it was before `query`."""
         from .api import _within_context, prompt_tokens
 
         model, tokenizer = self.model, self.tokenizer
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and self.first else []
-        messages.append({"role": "user", "content": query})
+        question = {"role": "user", "content": query}
         try:
-            prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages, self.template_config))
+            if self.sent and not self.messages[self.sent:]:  # the cache holds all: only the new message
+                prompt = _chat_prompt(tokenizer, [question], self.template_config)
+            else:  # after /load or an interrupt the cache could not undo: the whole conversation
+                self._empty_cache()
+                prompt = _chat_prompt(tokenizer, self.messages + [question], self.template_config)
+            prompt = prompt_tokens(model, tokenizer, prompt)
             _within_context(model.expert_runtime.plan, len(prompt), self.prompt_cache, self.max_tokens)
         except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks, the context full)
             click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
             return
-        before = _stats(model)
-        response = self._stream(prompt)
-        if response is False:
+        before, lengths = _stats(model), [getattr(c, "offset", 0) for c in self.prompt_cache]
+        kept = len(self.messages), self.sent
+        try:
+            response, text = self._stream(prompt)
+            self.messages += [question, {"role": "assistant", "content": text}]
+            self.sent = len(self.messages)
+        except Terminated:
+            raise
+        except KeyboardInterrupt:
+            click.echo("\n[interrupted: this message and its partial reply are dropped, the conversation before "
+                       "them is kept]")
+            del self.messages[kept[0]:]
+            self.sent = kept[1]
+            self._rewind(lengths)
             return
-        self.first = False
         click.echo()
         if response is not None and self.verbose:
             click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps), err=True)
 
+    def _rewind(self, lengths):
+        """The KV cache back to the conversation before an interrupted turn: each layer's cache
+        trimmed to its length `lengths` then, or, where mlx-lm cannot trim it (a rotating cache
+        that wrapped), made again from the messages at the next turn."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        cache = self.prompt_cache
+        if self.sent and can_trim_prompt_cache(cache) and all(c.offset >= n for c, n in zip(cache, lengths)):
+            for c, n in zip(cache, lengths):
+                c.trim(c.offset - n)
+        else:
+            self._empty_cache()
+
     def _stream(self, prompt):
-        """Generate the reply, printing its text as it comes: the last response, None if it
-        had no token, False if Ctrl-C stopped it (the conversation is cleared then)."""
+        """Generate the reply, printing its text as it comes: (the last response, None if it
+        had no token; the reply's text)."""
         from .api import stream_generate
 
         waiting, stops = Waiting(2.0 if self.verbose else None), Stops(self.stops)
@@ -846,16 +952,24 @@ class ChatSession:
                                 logits_processors=self.logits_processors, prompt_cache=self.prompt_cache,
                                 prompt_progress_callback=waiting.progress, **kv)
         try:
-            response = print_reply(steps, waiting, stops)
-        except Terminated:
-            raise
-        except KeyboardInterrupt:
-            click.echo("\n[interrupted]")
-            self.reset()
-            return False
+            return print_reply(steps, waiting, stops), stops.text
         finally:
             waiting.stop()
-        return response
+
+
+def conversation(messages, path):
+    """`messages` (the JSON /load read from `path`) if it is a conversation: a list of
+    {"role": "system", "user" or "assistant", "content": text}; else an MlxmoeError naming
+    the file and what is wrong."""
+    if not isinstance(messages, list):
+        raise MlxmoeError(f"{path}: not a conversation: a JSON list of messages "
+                          '[{"role": "user", "content": "..."}, ...] (as /save writes) was expected')
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str)):
+            raise MlxmoeError(f"{path}: message {i} is not {{\"role\": \"system\", \"user\" or \"assistant\", "
+                              f"\"content\": text}}: {json.dumps(m)[:80]}")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 @main.command()
