@@ -226,7 +226,7 @@ class Stops:
 
     def __init__(self, stops):
         self.stops, self.held, self.done = stops, "", False
-        self.last = None  # the last response printed (print_reply)
+        self.last, self.text = None, ""  # the last response printed (print_reply), and all its text
 
     def feed(self, text):
         text, self.held = self.held + text, ""
@@ -251,11 +251,15 @@ def print_reply(steps, waiting, stops):
     with contextlib.closing(steps):
         for response in steps:
             stops.last = response
-            waiting.stop()
-            click.echo(stops.feed(response.text), nl=False)
+            waiting.stop(finished=True)
+            text = stops.feed(response.text)
+            stops.text += text
+            click.echo(text, nl=False)
             if stops.done:
                 break
-    click.echo(stops.rest(), nl=False)
+    text = stops.rest()
+    stops.text += text
+    click.echo(text, nl=False)
     return stops.last
 
 
@@ -353,14 +357,18 @@ def notice(seconds, line):
 
 class Waiting:
     """A reply's wait for its first token, said on stderr once it passes `after` seconds: the
-    prefill's progress in prompt tokens, redrawn each second (a long prompt, a slow disk), and
-    once, that MLX is compiling CPU kernels where new ones have appeared in its cache (a
-    sampler or shape this machine has not run before). `progress` is mlx-lm's
-    prompt_progress_callback; stop() at the first token. `after` None: nothing is said."""
+    prefill's progress in prompt tokens, redrawn each second on a terminal (a long prompt, a
+    slow disk; elsewhere, a log, a line each PLAIN_EVERY seconds), and once, that MLX is
+    compiling CPU kernels where new ones have appeared in its cache (a sampler or shape this
+    machine has not run before). `progress` is mlx-lm's prompt_progress_callback; stop() at
+    the first token (`finished`) or where the prefill was stopped (the last line says where).
+    `after` None: nothing is said."""
+
+    PLAIN_EVERY = 10
 
     def __init__(self, after=2.0):
-        self.start, self.kernels = time.monotonic(), cpu_kernels()
-        self.done, self.total, self.shown = 0, 0, False  # shown: a progress line is open
+        self.start, self.kernels, self.tty = time.monotonic(), cpu_kernels(), sys.stderr.isatty()
+        self.done, self.total, self.shown = 0, 0, False  # shown: a progress line was said (on a terminal: is open)
         self.lock, self.stopped = threading.Lock(), threading.Event()
         threading.Thread(target=self._watch, args=(after,), daemon=True).start()
 
@@ -370,34 +378,40 @@ class Waiting:
             if done >= total:
                 self._end_line()
 
-    def stop(self):
+    def stop(self, finished=False):
         with self.lock:
             self.stopped.set()
+            if finished:
+                self.done = self.total
             self._end_line()
+
+    def _line(self, nl=True):
+        """The progress line: redrawn in place on a terminal (open until `nl`), a line of its own elsewhere."""
+        line = f"prefill: {self.done}/{self.total} prompt tokens ({time.monotonic() - self.start:.0f} s)"
+        click.echo("\r" + line if self.tty else line, err=True, nl=nl or not self.tty)
 
     def _end_line(self):
         if self.shown:
-            click.echo(f"\rprefill: {self.total}/{self.total} prompt tokens ({time.monotonic() - self.start:.0f} s)",
-                       err=True)
+            self._line()
             self.shown = False
 
     def _watch(self, after):
         compiling = self.kernels is None or _compiling_said  # nothing to say about kernels
         if after is None or self.stopped.wait(after):  # None: say nothing (--verbose False)
             return
+        said_at = -math.inf
         while True:
             with self.lock:
                 if self.stopped.is_set():
                     return
                 if not compiling and cpu_kernels() > self.kernels:
                     compiling = True
-                    click.echo(("\n" if self.shown else "") + "MLX is compiling CPU kernels for these settings (a few "
-                               "seconds, once: later runs reuse them)", err=True)
+                    click.echo(("\n" if self.shown and self.tty else "") + "MLX is compiling CPU kernels for these "
+                               "settings (a few seconds, once: later runs reuse them)", err=True)
                     self.shown = False
-                if self.done < self.total:
-                    click.echo(f"\rprefill: {self.done}/{self.total} prompt tokens "
-                               f"({time.monotonic() - self.start:.0f} s)", err=True, nl=False)
-                    self.shown = True
+                if self.done < self.total and (self.tty or time.monotonic() - said_at >= self.PLAIN_EVERY):
+                    self._line(nl=False)
+                    self.shown, said_at = True, time.monotonic()
             if self.stopped.wait(1.0):
                 return
 
@@ -435,16 +449,21 @@ def summary(stats, before, elapsed_tokens, tps):
 def lossy_figures(stats, before=None):
     """', N experts skipped, M biased in' since `before` where a lossy mode did anything, else ''."""
     skipped, biased, low = (stats.get(k, 0) - (before or {}).get(k, 0) for k in ("skipped", "biased", "substituted"))
-    parts = [f"{n} experts {what}" for n, what in ((skipped, "skipped"), (biased, "biased in"), (low, "low-bit"))
-             if n]
+    parts = [f"{plural(n, 'expert')} {what}" for n, what in ((skipped, "skipped"), (biased, "biased in"),
+                                                           (low, "low-bit")) if n]
     return "".join(", " + p for p in parts)
 
 
 CHAT_HELP = """/help          this list
 /reset         start a new conversation (the expert cache and the live profile are kept)
+/save FILE     write the conversation to FILE as JSON messages ([{"role": ..., "content": ...}])
+/load FILE     continue the conversation saved in FILE (/save's format, or any such JSON list)
 /stats         the expert cache's figures so far
 /profile FILE  take this profile as the cache's prior from now on (pre-warms its hottest experts)
-/quit          leave (also /exit or Ctrl-D); Ctrl-C stops a reply"""
+/quit          leave (also /exit, /bye or Ctrl-D)
+Ctrl-C stops a reply: that message and its partial reply are dropped, the turns before them kept
+(Up recalls the message). Several lines make one message: end each but the last with a
+backslash, or put them between lines that begin and end with \"\"\", or paste them."""
 
 
 def stats_table(stats):
@@ -487,7 +506,7 @@ def cache_figures(stats):
 
     return (f"hit rate {100 * stats['hit_rate']:.1f}%, {size(stats['bytes_read'])} read "
             f"({stats['loads_demand']} loads on demand + {stats['loads_prefetched']} prefetched), "
-            f"cache {stats['cache_experts']} experts{lossy_figures(stats)}")
+            f"cache {plural(stats['cache_experts'], 'expert')}{lossy_figures(stats)}")
 
 
 def current_rss():
@@ -506,13 +525,16 @@ def main():
     through a cache that keeps the ones your workload uses."""
 
 
-def _finish(model, save_profile, prior=None):
-    """Close the cache (ending a trace) and save the live profile, atomically, saying how
-    many of its tokens come from the --profile it started from (`prior`)."""
+def _finish(model, save_profile, prior=None, trace_out=None):
+    """Close the cache (ending the --trace-out trace, said where written) and save the live
+    profile, atomically, saying how many of its tokens come from the --profile it started
+    from (`prior`)."""
     runtime = model.expert_runtime
     with signals_deferred():
         runtime.close()
         live = runtime.save_profile(save_profile) if save_profile else None
+    if trace_out and runtime.main_rank() and os.path.exists(trace_out):  # (none where nothing was routed)
+        click.echo(f"saved trace {trace_out}", err=True)
     if live is not None and runtime.main_rank():
         parts = "" if prior is None else (f": {prior[1]} of {prior[0]!r} (--profile) + "
                                           f"{live.tokens_total - prior[1]} from this run")
@@ -591,7 +613,7 @@ def generate(prompt, system_prompt, chat_template, repetition_penalty, repetitio
     finally:
         response = stops.last
         waiting.stop()
-        _finish(model, save_profile, prior)
+        _finish(model, save_profile, prior, opts["trace_out"])
     with signals_deferred():
         _generate_report(model, response, baseline_rss, stats_json, verbose)
     if interrupted:
@@ -644,6 +666,7 @@ def _generate_report(model, response, baseline_rss, stats_json, verbose=True):
     stats = _stats(model)
     if stats_json and model.expert_runtime.main_rank():
         write_atomic(stats_json, json.dumps(stats, indent=1))
+        click.echo(f"saved stats {stats_json}", err=True)
     if not verbose:
         return
     for r, s in enumerate(stats.get("per_rank", [])):
@@ -657,7 +680,12 @@ def _generate_report(model, response, baseline_rss, stats_json, verbose=True):
 def _tokens_at(n, tps):
     """"12 tokens at 34.5 tok/s", without a rate for fewer than 2 tokens (one token's rate
     is the time to reach it: a wait, not a speed)."""
-    return f"{n} token{'s' if n != 1 else ''}" + (f" at {tps:.1f} tok/s" if n >= 2 else "")
+    return plural(n, "token") + (f" at {tps:.1f} tok/s" if n >= 2 else "")
+
+
+def plural(n, word):
+    """"1 expert", "2 experts"."""
+    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 def _read_stdin():
@@ -684,6 +712,36 @@ def _input_line(prompt):
     if not line:
         raise EOFError
     return line.decode("utf-8").rstrip("\r\n")
+
+
+def _line_editing():
+    """Line editing and history (Up recalls a line) for chat where standard input is a
+    terminal: the standard library's readline, imported for input() to use. Bracketed paste
+    is turned on (Python turns it off for its own prompt), so that a pasted block of lines
+    arrives as one message; libedit (some macOS Pythons) ignores the setting."""
+    if not sys.stdin.isatty():
+        return
+    try:
+        import readline
+    except ImportError:  # (Windows)
+        return
+    readline.parse_and_bind("set enable-bracketed-paste on")
+
+
+def _read_message():
+    """The user's next message: a line; lines each but the last of which ends with a
+    backslash; or the lines from one that begins with \"\"\" to one that ends with it (as
+    Ollama). EOFError at the end of input; KeyboardInterrupt (Ctrl-C) drops what was typed."""
+    line = _input_line(">> ")
+    if line.lstrip().startswith('"""'):
+        lines = [line.lstrip()[3:]]
+        while not lines[-1].rstrip().endswith('"""'):
+            lines.append(_input_line("... "))
+        lines[-1] = lines[-1].rstrip()[:-3]
+        return "\n".join(lines).strip("\n")
+    while line.endswith("\\"):
+        line = line[:-1] + "\n" + _input_line("... ")
+    return line
 
 
 def _chat_prompt(tokenizer, messages, template_config=None, tokenize=True):
@@ -715,35 +773,47 @@ def _chat_prompt(tokenizer, messages, template_config=None, tokenize=True):
 @save_profile_option
 def chat(system_prompt, repetition_penalty, repetition_context_size, save_profile, **opts):
     """Chat with the model. The KV cache carries over between turns; after each reply a
-    line gives tokens/s, the expert hit rate and the bytes read. /help lists the commands
-    (/reset, /stats, /profile FILE, /quit)."""
+    line gives tokens/s, the expert hit rate and the bytes read. On a terminal, lines are
+    edited as in a shell (readline: arrows, Up for history). Ctrl-C stops a reply and keeps
+    the conversation: the interrupted message and its partial reply are dropped, as Ollama
+    drops the partial reply (Up recalls the message); Ctrl-C at the prompt says how to leave,
+    Ctrl-D leaves. /help lists the commands (/save FILE, /load FILE, /reset, /stats,
+    /profile FILE, /quit) and how to send several lines."""
     import_mlx()
     from mlx_lm.sample_utils import make_logits_processors
 
     kv = kv_options(opts)
-    check_outputs({"--save-profile": save_profile, "--trace-out": opts["trace_out"]}, model_inputs(opts),
-                  updates={"--save-profile": "--profile"})
+    outputs = {"--save-profile": save_profile, "--trace-out": opts["trace_out"]}
+    check_outputs(outputs, model_inputs(opts), updates={"--save-profile": "--profile"})
     model, tokenizer = _load(opts)
     prior = _prior(model, opts)
     penalty = make_logits_processors(repetition_penalty=repetition_penalty,
                                      repetition_context_size=repetition_context_size)
     session = ChatSession(model, tokenizer, system_prompt, opts["max_tokens"], _sampler(opts, tokenizer), penalty,
                           kv, opts["chat_template_config"], opts["stop"], opts["verbose"])
+    session.files = model_inputs(opts), outputs  # what /save may not write
     profile = f", profile {model.expert_cache.profile.workload!r}" if opts["profile_path"] else ""
     click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {model.expert_cache.capacity} experts "
                f"cached{profile}. /help for commands, /quit to leave.", err=True)
+    _line_editing()
     try:
         while True:
             try:
-                query = _input_line(">> ")
-            except (EOFError, KeyboardInterrupt):  # SIGTERM too
+                query = _read_message()
+            except Terminated:  # SIGTERM
+                click.echo()
+                break
+            except KeyboardInterrupt:  # Ctrl-C at the prompt: what was typed is dropped
+                click.echo("\n[use /quit, /bye or Ctrl-D to leave; Ctrl-C stops a reply]")
+                continue
+            except EOFError:  # Ctrl-D
                 click.echo()
                 break
             except UnicodeDecodeError as e:  # a terminal or pipe that is not UTF-8: this line only
                 click.echo(f"[not UTF-8 text (byte {e.start}); the line was not sent]")
                 continue
             command = query.strip()
-            if command in ("/quit", "/exit"):
+            if command in ("/quit", "/exit", "/bye"):
                 break
             if not command or session.command(command, opts["force_profile"]):
                 continue
@@ -751,74 +821,129 @@ def chat(system_prompt, repetition_penalty, repetition_context_size, save_profil
                 query = query.replace("//", "/", 1)
             session.reply(query)
     finally:
-        _finish(model, save_profile, prior)
+        _finish(model, save_profile, prior, opts["trace_out"])
 
 
 class ChatSession:
-    """`mlxmoe chat`'s conversation: its KV cache (kept between turns), its commands and its replies."""
+    """`mlxmoe chat`'s conversation: its messages, its KV cache (which holds the first
+    `sent` of them, kept between turns), its commands and its replies."""
 
     def __init__(self, model, tokenizer, system_prompt, max_tokens, sampler, logits_processors, kv=None,
                  template_config=None, stops=(), verbose=True):
         self.model, self.tokenizer, self.system_prompt, self.max_tokens = model, tokenizer, system_prompt, max_tokens
         self.sampler, self.logits_processors, self.template_config = sampler, logits_processors, template_config
         self.kv, self.stops, self.verbose = dict(kv or {}), stops, verbose  # stops: --stop's strings
+        self.files = {}, {}  # the run's inputs and outputs, which /save may not overwrite
         self.reset()
 
-    def reset(self):
+    def reset(self, messages=None):
+        """A new conversation: `messages` (/load), else the system prompt's alone; the KV cache empty."""
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self.messages = system if messages is None else messages
+        self._empty_cache()
+
+    def _empty_cache(self):
         from mlx_lm.models.cache import make_prompt_cache
 
-        self.prompt_cache, self.first = make_prompt_cache(self.model, self.kv.get("max_kv_size")), True
+        self.prompt_cache, self.sent = make_prompt_cache(self.model, self.kv.get("max_kv_size")), 0
 
     def command(self, command, force_profile=False):
         """Run `command` if it is one (a line starting with one /): True where it was."""
-        if command == "/reset":
-            self.reset()
-            click.echo("[conversation cleared; the expert cache and the live profile are kept]")
-        elif command == "/stats":
-            click.echo(stats_table(_stats(self.model)))
-        elif command == "/help":
-            click.echo(CHAT_HELP)
-        elif command.split()[0] == "/profile":
-            path = command[len("/profile"):].strip()
-            try:
-                if not path:
-                    raise MlxmoeError("/profile FILE: name a profile file")
-                prior = self.model.expert_runtime.use_profile(path, force_profile)
-                click.echo(f"[profile {prior.workload!r} is the expert cache's prior now]")
-            except MlxmoeError as e:
-                click.echo(f"[{e}]")
-        elif command.startswith("/") and not command.startswith("//"):
-            click.echo(f"unknown command {command.split()[0]}; /help lists the commands "
-                       "(start a message with // to send one that begins with /)")
-        else:
-            return False
+        name, _, arg = command.partition(" ")
+        try:
+            if command == "/reset":
+                self.reset()
+                click.echo("[conversation cleared; the expert cache and the live profile are kept]")
+            elif command == "/stats":
+                click.echo(stats_table(_stats(self.model)))
+            elif command == "/help":
+                click.echo(CHAT_HELP)
+            elif name in ("/profile", "/save", "/load"):
+                if not arg.strip():
+                    raise MlxmoeError(f"{name} FILE: name a file")
+                if name == "/profile":
+                    prior = self.model.expert_runtime.use_profile(arg.strip(), force_profile)
+                    click.echo(f"[profile {prior.workload!r} is the expert cache's prior now]")
+                else:
+                    (self.save if name == "/save" else self.load)(arg.strip())
+            elif command.startswith("/") and not command.startswith("//"):
+                click.echo(f"unknown command {name}; /help lists the commands "
+                           "(start a message with // to send one that begins with /)")
+            else:
+                return False
+        except MlxmoeError as e:
+            click.echo(f"[{e}]")
         return True
 
+    def save(self, path):
+        """/save: the conversation as JSON messages, written atomically (no input, no other output, overwritten)."""
+        from .storage.files import write_atomic
+
+        inputs, outputs = self.files
+        check_outputs({"/save": path, **outputs}, inputs, updates={"--save-profile": "--profile"})
+        write_atomic(path, json.dumps(self.messages, indent=1, ensure_ascii=False) + "\n")
+        click.echo(f"[saved {len(self.messages)} messages to {path}]")
+
+    def load(self, path):
+        """/load: continue the conversation in `path` (its KV cache is made at the next reply)."""
+        from .storage.files import read_json
+
+        self.reset(conversation(read_json(path, "conversation", 64 << 20), path))
+        click.echo(f"[loaded {len(self.messages)} messages from {path}; the next reply continues them]")
+
     def reply(self, query):
-        """Send the user's message `query` and print the reply as it comes, then a line of figures."""
+        """Send the user's message `query` and print the reply as it comes, then a line of figures.
+        Ctrl-C (not SIGTERM) stops it: the conversation is as it was before `query`."""
         from .api import _within_context, prompt_tokens
 
         model, tokenizer = self.model, self.tokenizer
-        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt and self.first else []
-        messages.append({"role": "user", "content": query})
+        question = {"role": "user", "content": query}
         try:
-            prompt = prompt_tokens(model, tokenizer, _chat_prompt(tokenizer, messages, self.template_config))
+            if self.sent and not self.messages[self.sent:]:  # the cache holds all: only the new message
+                prompt = _chat_prompt(tokenizer, [question], self.template_config)
+            else:  # after /load or an interrupt the cache could not undo: the whole conversation
+                self._empty_cache()
+                prompt = _chat_prompt(tokenizer, self.messages + [question], self.template_config)
+            prompt = prompt_tokens(model, tokenizer, prompt)
             _within_context(model.expert_runtime.plan, len(prompt), self.prompt_cache, self.max_tokens)
         except MlxmoeError as e:  # this message refused (not UTF-8, the template's checks, the context full)
             click.echo(f"[{e}]" + ("; /reset starts a new conversation" if "context" in str(e) else ""))
             return
-        before = _stats(model)
-        response = self._stream(prompt)
-        if response is False:
+        before, lengths = _stats(model), [getattr(c, "offset", 0) for c in self.prompt_cache]
+        kept = len(self.messages), self.sent
+        try:
+            response, text = self._stream(prompt)
+            self.messages += [question, {"role": "assistant", "content": text}]
+            self.sent = len(self.messages)
+        except Terminated:
+            raise
+        except KeyboardInterrupt:
+            click.echo("\n[interrupted: this message and its partial reply are dropped, the conversation before "
+                       "them is kept]")
+            del self.messages[kept[0]:]
+            self.sent = kept[1]
+            self._rewind(lengths)
             return
-        self.first = False
         click.echo()
         if response is not None and self.verbose:
             click.echo(summary(_stats(model), before, response.generation_tokens, response.generation_tps), err=True)
 
+    def _rewind(self, lengths):
+        """The KV cache back to the conversation before an interrupted turn: each layer's cache
+        trimmed to its length `lengths` then, or, where mlx-lm cannot trim it (a rotating cache
+        that wrapped), made again from the messages at the next turn."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        cache = self.prompt_cache
+        if self.sent and can_trim_prompt_cache(cache) and all(c.offset >= n for c, n in zip(cache, lengths)):
+            for c, n in zip(cache, lengths):
+                c.trim(c.offset - n)
+        else:
+            self._empty_cache()
+
     def _stream(self, prompt):
-        """Generate the reply, printing its text as it comes: the last response, None if it
-        had no token, False if Ctrl-C stopped it (the conversation is cleared then)."""
+        """Generate the reply, printing its text as it comes: (the last response, None if it
+        had no token; the reply's text)."""
         from .api import stream_generate
 
         waiting, stops = Waiting(2.0 if self.verbose else None), Stops(self.stops)
@@ -827,16 +952,24 @@ class ChatSession:
                                 logits_processors=self.logits_processors, prompt_cache=self.prompt_cache,
                                 prompt_progress_callback=waiting.progress, **kv)
         try:
-            response = print_reply(steps, waiting, stops)
-        except Terminated:
-            raise
-        except KeyboardInterrupt:
-            click.echo("\n[interrupted]")
-            self.reset()
-            return False
+            return print_reply(steps, waiting, stops), stops.text
         finally:
             waiting.stop()
-        return response
+
+
+def conversation(messages, path):
+    """`messages` (the JSON /load read from `path`) if it is a conversation: a list of
+    {"role": "system", "user" or "assistant", "content": text}; else an MlxmoeError naming
+    the file and what is wrong."""
+    if not isinstance(messages, list):
+        raise MlxmoeError(f"{path}: not a conversation: a JSON list of messages "
+                          '[{"role": "user", "content": "..."}, ...] (as /save writes) was expected')
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str)):
+            raise MlxmoeError(f"{path}: message {i} is not {{\"role\": \"system\", \"user\" or \"assistant\", "
+                              f"\"content\": text}}: {json.dumps(m)[:80]}")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 @main.command()
@@ -1499,7 +1632,7 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
     except BaseException:
         model.expert_cache.close()
         raise
-    _finish(model, None)  # under several ranks: the trace merged on rank 0
+    _finish(model, None, trace_out=opts["trace_out"])  # under several ranks: the trace merged on rank 0
     global _exit_at_once
     _exit_at_once = True
 

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -162,6 +163,30 @@ def test_rank_lines_use_the_summary_units():
     assert line.startswith("rank 1: hit rate 50.0%")
     assert f"{format_size(3 * 61440)} read (1 loads on demand + 2 prefetched)" in line
     assert line.endswith("process peak RSS 100.0 MB")
+
+
+def test_output_for_a_log_saved_lines_and_counts(tmp_path, capsys):
+    """Issue 44, item 6: prefill progress off a terminal is plain lines (no \\r), and an
+    interrupted prefill's last line says where it stopped; --trace-out and --stats-json
+    say where they were saved; one expert is "1 expert"."""
+    from mlxmoe.cli import Waiting, lossy_figures
+
+    waiting = Waiting(0.0)
+    waiting.progress(3, 10)
+    for _ in range(50):  # (at most 5 s)
+        time.sleep(0.1)
+        if waiting.shown:
+            break
+    waiting.stop()  # not finished: stopped (Ctrl-C) at 3 of 10
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.count("prefill: 3/10 prompt tokens") == 2 and "10/10" not in err, err
+    trace, stats = tmp_path / "t.jsonl", tmp_path / "s.json"
+    r = CliRunner().invoke(main, ["generate", "-p", PROMPT, "--max-tokens", "4", "--trace-out", str(trace),
+                                  "--stats-json", str(stats)])
+    assert r.exit_code == 0, r.output
+    assert f"saved trace {trace}\n" in r.stderr and f"saved stats {stats}\n" in r.stderr
+    assert trace.exists() and json.loads(stats.read_text())["tokens"] > 0
+    assert lossy_figures({"skipped": 1, "biased": 2, "substituted": 0}) == ", 1 expert skipped, 2 experts biased in"
 
 
 def test_chat_reuses_the_prompt_cache(checkpoint):

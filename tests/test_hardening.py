@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -251,17 +252,55 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["p.json", "p.txt"]
 
 
-# 12
-def test_a_shard_changed_since_load_is_named(demo):
+# 12 (issue 44, item 5: only size and header count, not the mtime)
+def test_a_touched_or_identically_replaced_shard_is_read_on(demo):
+    """rsync and backup tools touch a shard or put an identical copy in its place: the
+    generation goes on, token for token, and the reads after it go on too."""
+    shard = demo / "model.safetensors"
     model, tokenizer = mlxmoe.load(str(demo), cache_experts=8, prefetch=0)
     try:
-        mlxmoe.generate(model, tokenizer, "hello", max_tokens=3)
-        shard = demo / "model.safetensors"
-        st = shard.stat()
-        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))
+        want = [r.token for r in mlxmoe.stream_generate(model, tokenizer, "Il gatto e la volpe sono", max_tokens=20)]
+        got, store = [], model.expert_cache.store
+        for i, r in enumerate(mlxmoe.stream_generate(model, tokenizer, "Il gatto e la volpe sono", max_tokens=20)):
+            got.append(r.token)
+            if i in (2, 8):  # touched mid-generation
+                os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10 ** 9))
+                read = store.useful_bytes
+            if i == 14:  # an identical copy renamed over it (rsync's way)
+                shutil.copy2(shard, demo / "copy")
+                os.utime(demo / "copy", ns=(0, 10 ** 9))
+                os.replace(demo / "copy", shard)
+                read = store.useful_bytes
+        assert got == want
+        assert store.useful_bytes > read  # experts were read after the last change
+        assert {Path(f): s for f, s in store.stamps.items()}[shard] == (shard.stat().st_size, 10 ** 9)  # the new one
+    finally:
+        model.expert_cache.close()
+
+
+def test_a_shard_whose_header_changed_is_named_and_can_be_put_back(demo):
+    """A shard whose safetensors header changed (same size) fails the generation, naming it and
+    how to recover; once the original is back, generation goes on, token for token."""
+    shard = demo / "model.safetensors"
+    model, tokenizer = mlxmoe.load(str(demo), cache_experts=8, prefetch=0)
+    try:
+        want = mlxmoe.generate(model, tokenizer, "Il gatto e la volpe sono", max_tokens=20)
+        data = shard.read_bytes()
+        at = data.index(b'"dtype"')
+        with open(shard, "r+b") as f:  # in place, the size kept
+            f.seek(at + 1)
+            f.write(b"D")
         with pytest.raises(MlxmoeError, match="changed on disk") as e:
-            mlxmoe.generate(model, tokenizer, "Il gatto e la volpe sono", max_tokens=20)
-        assert str(shard) in str(e.value)
+            mlxmoe.generate(model, tokenizer, "Le chat et le chien", max_tokens=20)
+        assert str(shard) in str(e.value) and "header differs" in str(e.value)
+        assert "put the original back, or load the model again" in str(e.value)
+        with open(shard, "r+b") as f:
+            f.seek(at + 1)
+            f.write(b"d")
+        assert mlxmoe.generate(model, tokenizer, "Il gatto e la volpe sono", max_tokens=20) == want
+        shard.write_bytes(data[:-4096])  # a size change is a change too
+        with pytest.raises(MlxmoeError, match=rf"since the model was loaded \(size {len(data)} -> {len(data) - 4096} "):
+            mlxmoe.generate(model, tokenizer, "Der Hund und die Katze", max_tokens=20)
     finally:
         model.expert_cache.close()
 

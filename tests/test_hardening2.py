@@ -459,10 +459,13 @@ def test_chat_beyond_the_context_refuses_the_message_and_goes_on():
     assert err.count(", expert hit rate") == 1, err
 
 
-def test_a_long_prefill_shows_a_progress_line(capsys):
+def test_a_long_prefill_shows_a_progress_line(capsys, monkeypatch):
     """A wait for the first token that passes 2 s shows the prefill's progress in prompt
-    tokens, redrawn each second, also within one long step (a slow disk), ended when done."""
+    tokens, redrawn each second on a terminal, also within one long step (a slow disk), ended
+    when done (off a terminal: tests/test_api_cli.py, test_output_for_a_log...)."""
     from mlxmoe.cli import Waiting
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
 
     quick = Waiting()
     quick.progress(0, 1000), quick.progress(1000, 1000), quick.stop()

@@ -5,6 +5,7 @@ Servers bind 127.0.0.1 on a free port (--port 0); every wait is bounded."""
 
 import http.client
 import json
+import os
 import shutil
 import signal
 import socket
@@ -120,6 +121,31 @@ def test_openai_client_text_equals_generate(server, local):
                           "--max-tokens", "24"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.rstrip("\n") == chat(server, PROMPTS[1])
+
+
+def test_a_shard_changed_under_the_server_fails_that_request_only(tmp_path):
+    """A touched shard is served on; one whose header changed fails the request that reads it,
+    saying how to recover; once the original is back, requests are answered again (issue 44)."""
+    model = shutil.copytree(DEMO, tmp_path / "demo")
+    shard = model / "model.safetensors"
+    s = Server("--model", model, "--cache-experts", "8", "--prefetch", "0")
+    try:
+        want = chat(s, PROMPTS[0], max_tokens=12)
+        os.utime(shard, ns=(0, shard.stat().st_mtime_ns + 10 ** 9))
+        assert chat(s, PROMPTS[1], max_tokens=12) and chat(s, PROMPTS[0], max_tokens=12) == want
+        data = shard.read_bytes()
+        at = data.index(b'"dtype"') + 1
+        with open(shard, "r+b") as f:
+            f.write(data[:at] + b"D")
+        status, _, body = s.json("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content":
+                                                                   PROMPTS[2]}], "max_tokens": 12})
+        message = body["error"]["message"]
+        assert status == 500 and "changed on disk" in message and "restart it" in message, body
+        with open(shard, "r+b") as f:
+            f.write(data[:at + 1])
+        assert chat(s, PROMPTS[2], max_tokens=12) and chat(s, PROMPTS[0], max_tokens=12) == want
+    finally:
+        assert s.stop() == 0
 
 
 def test_usage_stats_models_health(server):

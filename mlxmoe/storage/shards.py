@@ -40,6 +40,7 @@ DTYPES = {
 
 PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 BUNDLE_FORMAT = "mlxmoe.bundle/1"
+MAX_HEADER = 100 << 20  # a longer safetensors header is refused as corrupt
 ALIGN = 4096  # a bundle row's start and stride, in bytes (also O_DIRECT's alignment, store.py)
 
 
@@ -92,9 +93,17 @@ def row_part(shape, start, nbytes, how, parts, index):
 
 
 def stamp(path):
-    """What says a shard is the one that was indexed: (size, mtime in ns)."""
+    """The cheap check that a shard is the one that was indexed: (size, mtime in ns)."""
     st = os.stat(path)
     return st.st_size, st.st_mtime_ns
+
+
+def header_bytes(path):
+    """A shard's safetensors header as stored (its 8-byte length, then the JSON that says where
+    each tensor lies): with the size, what a shard whose mtime changed is checked against."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        return head + f.read(min(int.from_bytes(head, "little"), MAX_HEADER) if len(head) == 8 else 0)
 
 
 def read_header(path):
@@ -109,7 +118,7 @@ def read_header(path):
             if len(head) < 8:
                 raise MlxmoeError(f"{path}: not a safetensors file (only {size} bytes)")
             n = int.from_bytes(head, "little")
-            if n <= 0 or n > min(size - 8, 100 << 20):
+            if n <= 0 or n > min(size - 8, MAX_HEADER):
                 raise MlxmoeError(f"{path}: corrupt safetensors header (declared length {n}, file size {size})")
             header = json.loads(f.read(n))
     except FileNotFoundError:

@@ -26,7 +26,8 @@ import numpy as np
 
 from ..errors import MlxmoeError
 from .reader import ShardReader, align_down, align_up, default_io, resolve_io, runs  # noqa: F401  (store's names)
-from .shards import ALIGN, DTYPES, Range, read_header, row_part, shard_files, shard_slice, stamp, to_float32
+from .shards import (ALIGN, DTYPES, Range, header_bytes, read_header, row_part, shard_files, shard_slice, stamp,
+                     to_float32)
 
 # The ranges of one expert in a stacked checkpoint (weight, scales, biases of gate, up,
 # down: 9 far apart) are read by this many threads at once: with O_DIRECT one request in
@@ -73,13 +74,14 @@ class ExpertStore:
         self.path = Path(model_path)
         self.files = shard_files(self.path)
         self.index = {}
-        self.stamps = {}  # file -> stamp() when its header was read: a shard changed since is refused
+        self.stamps = {}  # file -> stamp() when last checked (check_unchanged)
+        self.headers = {}  # file -> header_bytes() when indexed: a shard whose header changed since is refused
         for f in self.files:
+            self.index.update(read_header(f))  # (first: it refuses a FIFO, which a read would wait on)
             try:
-                self.stamps[f] = stamp(f)
+                self.stamps[f], self.headers[f] = stamp(f), header_bytes(f)
             except OSError as e:
                 raise MlxmoeError(f"cannot read shard {f}: {e.strerror or e}") from None
-            self.index.update(read_header(f))
         self.tensors = []  # names of one expert's tensors, in read order
         self.tensor_dtypes = []  # safetensors dtype of each
         self.tensor_shapes = []  # per-expert shape of each
@@ -253,16 +255,31 @@ class ExpertStore:
         return disk
 
     def check_unchanged(self, file):
-        """Refuse a shard whose size or modification time changed since it was indexed:
-        its bytes may no longer be the tensors the header described."""
+        """Refuse a shard whose size or safetensors header changed since it was indexed: its
+        tensors may no longer lie where the header said. Its mtime alone may change (rsync,
+        backup tools touch files): the header is read again then, and if it is the one
+        indexed, the new stamp is kept. A shard put back as it was is read on (the reads go to
+        the file opened at load, which keeps its bytes where a copy was renamed over it)."""
         try:
             now = stamp(file)
+            if file not in self.stamps:  # a file not indexed: as at its first read
+                self.stamps[file], self.headers[file] = now, header_bytes(file)
+            if self.stamps[file] == now:
+                return
+            header = header_bytes(file)
         except OSError as e:
-            raise MlxmoeError(f"shard {file} changed on disk since the model was loaded ({e.strerror or e}); "
-                              "load it again") from None
-        if self.stamps.setdefault(file, now) != now:  # (a file not indexed: as at its first read)
-            raise MlxmoeError(f"shard {file} changed on disk since the model was loaded (size, modification "
-                              f"time {self.stamps[file]} -> {now}); load it again")
+            raise self._changed(file, e.strerror or e) from None
+        if now[0] != self.stamps[file][0]:
+            raise self._changed(file, f"size {self.stamps[file][0]} -> {now[0]} bytes")
+        if header != self.headers[file]:
+            raise self._changed(file, "its safetensors header differs")
+        self.stamps[file] = now
+
+    @staticmethod
+    def _changed(file, why):
+        # (the advice first: mlxmoe serve's 500 cuts a long message)
+        return MlxmoeError(f"a shard changed on disk since the model was loaded ({why}): put the original back, "
+                           f"or load the model again (mlxmoe serve: restart it); shard {file}")
 
     def _read_slices(self, sliced, pace=None):
         """Slices [(Range with runs `step` bytes apart, dest)]: a tensor-parallel slice along
