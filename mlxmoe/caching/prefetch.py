@@ -440,22 +440,6 @@ class Prefetcher:
             keys = [k for k in keys if k[1] not in skip]
         self.queue(keys, when, target, beats_victim)
 
-    def speculated(self, target, experts, token, steps=1):
-        """Running ahead (speculate.py) found that `target`'s call at token count `token`, `steps`
-        layer calls ahead, routes to `experts`: load those not resident, while such guesses'
-        precision so far (from a prior of one in two) clears the bar, each in place of a victim the policy values less."""
-        routed = self.cache.loader.routed_ahead  # scored and dropped when the call comes (observe)
-        if len(routed) > 4 * len(self.routers):  # calls that never came
-            now = self.cache.counters.tokens
-            for call in [c for c in list(routed) if c[0] < now]:  # (list: one copy, as the host thread pops)
-                routed.pop(call, None)
-        routed[(token, target)] = set(experts)  # the other guesses for that call: no longer read
-        correct, predicted, _ = self.counts["speculative"]
-        chance = (correct + 1.0) / (predicted + 2.0)
-        if chance >= self.bar(steps):
-            likely = {(target, e): chance for e in experts}
-            self.queue(list(likely), token, target, outranks(self.cache.policy, likely))
-
     def queue(self, keys, when, target, beats_victim=None):
         """Load those of `keys` not resident in a prefetch worker (see cache.BackgroundLoader.prefetch)."""
         keys = [k for k in keys if k not in self.cache.slot_of]

@@ -31,7 +31,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .experts import nest
-from .prefetch import decayed
+from .prefetch import decayed, outranks
 
 # decoder layers run ahead of the layer waiting for its reads (beside that layer's own rerun)
 LAYERS_AHEAD = 3
@@ -133,8 +133,8 @@ def model_head(model):
 class Speculator:
     """Runs ahead on `model.layers` (decoder layers; `decoder_of[l]`: the decoder layer of
     MoE layer l, `blocks[l]`: the MoE block holding its experts) for a cache's decode
-    steps, and hands what each MoE layer would route to, beyond the one waiting, to
-    `prefetcher.speculated`.
+    steps, and has `prefetcher` read what each MoE layer would route to, beyond the one
+    waiting (guessed).
 
     The waiting layer's output is its residual plus its MoE block's with the experts at
     hand: the residual is the input of the norm whose output the block took (the norms
@@ -224,6 +224,23 @@ class Speculator:
 
     def close(self) -> None:
         self.demand_io.shutdown(wait=True)
+
+    def guessed(self, target, experts, token, steps=1):
+        """Running ahead found that `target`'s call at token count `token`, `steps`
+        layer calls ahead, routes to `experts`: load those not resident, while such guesses'
+        precision so far (from a prior of one in two) clears the bar, each in place of a victim the policy values less."""
+        prefetcher = self.prefetcher
+        routed = self.cache.loader.routed_ahead  # scored and dropped when the call comes (observe)
+        if len(routed) > 4 * len(prefetcher.routers):  # calls that never came
+            now = self.cache.counters.tokens
+            for call in [c for c in list(routed) if c[0] < now]:  # (list: one copy, as the host thread pops)
+                routed.pop(call, None)
+        routed[(token, target)] = set(experts)  # the other guesses for that call: no longer read
+        correct, predicted, _ = prefetcher.counts["speculative"]
+        chance = (correct + 1.0) / (predicted + 2.0)
+        if chance >= prefetcher.bar(steps):
+            likely = {(target, e): chance for e in experts}
+            prefetcher.queue(list(likely), token, target, outranks(self.cache.policy, likely))
 
     def run_ahead(self, layer: int, until: float, reading, unread=()) -> None:
         """While `reading()` and until about `until` (perf_counter), with MoE layer `layer`
@@ -328,7 +345,7 @@ class Speculator:
                      and (layer, e) in cache.slot_of and (layer, e) not in cache.in_flight
                      and (layer, e) not in cache.loader.failed}
         if layer != self.running:
-            self.prefetcher.speculated(layer, sorted(set(row)), cache.counters.tokens + self.token_ahead, self.steps)
+            self.guessed(layer, sorted(set(row)), cache.counters.tokens + self.token_ahead, self.steps)
             self.routed = time.perf_counter()
             if self.started is not None:
                 self.route_seconds = decayed(self.route_seconds, self.routed - self.started)
