@@ -833,6 +833,8 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
         raise MlxmoeError(f"num_draft_tokens {num_draft!r}: tokens drafted a step, an integer from 0 to 1024")
     if num_draft == 0:  # (no drafts: one token a step)
         draft = None
+    if draft is not None:
+        kwargs.pop("input_embeddings", None)  # (None: _draft refuses others)
     if kwargs.get("input_embeddings") is None:
         prompt = prompt_tokens(model, tokenizer, prompt)
         if runtime is not None:

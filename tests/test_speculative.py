@@ -197,3 +197,26 @@ def test_cli_generate_and_chat_with_drafts(paths, tmp_path):
     assert code == 0 and out == plain and "drafted tokens accepted" in err
     code, _, err = run_cli(*args, "--draft-model", small, "--draft", "ngram")
     assert code == 2 and "--draft-model and --draft exclude each other" in err
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_serve_with_drafts_answers_as_without(draft):
+    """`serve --draft ngram` or `--draft-model` (the demo drafting for itself): each answer
+    equals mlxmoe.generate's greedy one; a request naming another draft model is refused."""
+    pytest.importorskip("openai")
+    from test_server import DEMO, Server
+
+    args = ["--draft", "ngram"] if draft == "ngram" else ["--draft-model", DEMO, "--num-draft-tokens", 2]
+    server = Server("--memory-budget", "80MB", *args)
+    try:
+        model, tokenizer = mlxmoe.load(str(DEMO), memory_budget="80MB")
+        for prompt in (f"Repeat: {TEXT}. Repeat: {TEXT}. Repeat:", "Il gatto"):
+            want = mlxmoe.generate(model, tokenizer, prompt, max_tokens=24)
+            r = server.client.completions.create(model="demo", prompt=prompt, max_tokens=24, temperature=0)
+            assert r.choices[0].text == want
+        status, _, stats = server.json("GET", "/v1/mlxmoe/stats")
+        assert status == 200 and stats["drafted"] > 0 and stats["accepted"] > 0, stats
+        status, _, body = server.json("POST", "/v1/completions", {"prompt": "x", "draft_model": "other"})
+        assert status == 400 and "draft_model" in json.dumps(body)
+    finally:
+        assert server.stop() == 0
