@@ -43,7 +43,7 @@ from .caching.policies import ONLINE, make_policy
 from .caching.prefetch import Prefetcher
 from .caching.speculate import NextToken, Speculator
 from .caching.verify import Verifier
-from .drafting import NGRAM_DRAFT_TOKENS, DraftCount, Lookup, NGram, load_draft, ngram_steps, respond
+from .drafting import NGRAM_DRAFT_TOKENS, DraftCount, Lookup, NGram, after, load_draft, ngram_steps, respond
 from .workload.profile import ActivationProfile, fingerprint, prewarm_order
 from .workload.trace import TraceWriter, read_trace
 
@@ -941,12 +941,15 @@ def _steps(model, tokenizer, prompt, max_tokens, draft, num_draft, cache, kwargs
             return _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs), None
         num_draft = num_draft or 2  # (mlx-lm's default)
         count = None if cache is None else DraftCount(cache.counters, num_draft, max_tokens)
+        if kwargs.get("logits_processors") and len(prompt) > 1:  # mlx-lm's loop gives them the last prompt token on
+            kwargs = dict(kwargs, logits_processors=after(kwargs["logits_processors"], mx.array(prompt[:-1])))
         return _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft,
                                     num_draft_tokens=num_draft, **kwargs), count
     if cache is None:
         raise MlxmoeError("draft_model \"ngram\": a model loaded with mlxmoe.load (its stats count the drafts)")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
+    kwargs = dict(kwargs)
     stream = kwargs.pop("stream")
     lookup = Lookup(prompt, num_draft or NGRAM_DRAFT_TOKENS)
     steps = ngram_steps(mx.array(prompt, mx.uint32), model, stream, lookup, vocab_size(model) or tokenizer.vocab_size,

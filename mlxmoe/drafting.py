@@ -133,7 +133,7 @@ class Proposal:
         return mx.where(mx.arange(max(self.vocab, token + 1)) == token, 0.0, -1e9)[None, None]
 
 
-def _after(processors, before):
+def after(processors, before):
     """`processors` given the tokens `before` a step ahead of those the step gives them
     (mlx-lm's step functions give theirs only), so that they see the whole sequence."""
     if not processors or before is None:
@@ -154,7 +154,7 @@ def ngram_steps(prompt, model, stream, lookup, vocab, counters, max_tokens=256, 
     while done < max_tokens:
         left = max_tokens - done
         draft = lookup.propose()[:left - 1] if done and can_trim_prompt_cache(cache) else []
-        processors = _after(logits_processors, before)
+        processors = after(logits_processors, before)
         if draft:
             accepted = 0
             steps = speculative_generate_step(y, model, Proposal(draft, vocab), stream, num_draft_tokens=len(draft),

@@ -220,3 +220,21 @@ def test_serve_with_drafts_answers_as_without(draft):
         assert status == 400 and "draft_model" in json.dumps(body)
     finally:
         assert server.stop() == 0
+
+
+def test_cli_chat_with_drafts_answers_as_without(paths):
+    """Two turns (the KV cache carried, with the draft model's beside it): the same replies
+    with a draft model, with n-gram drafts and without; the reply's line counts the drafts."""
+    from click.testing import CliRunner
+
+    from mlxmoe.cli import main as cli_main
+
+    main, small = paths
+    chat = f"{REPEAT}\nsay it again: {TEXT}\n/quit\n"
+    args = ["chat", "--model", str(main), "--max-tokens", "24", "--cache-experts", "8"]
+    runs = [CliRunner().invoke(cli_main, args + extra, input=chat)
+            for extra in ([], ["--draft", "ngram"], ["--draft-model", str(small), "--num-draft", "2"])]
+    assert all(r.exit_code == 0 for r in runs), [r.output for r in runs]
+    assert runs[0].stdout == runs[1].stdout == runs[2].stdout
+    lines = [l for l in runs[2].stderr.splitlines() if "expert hit rate" in l]
+    assert len(lines) == 2 and all(re.search(r"\d+ of \d+ drafted tokens accepted", l) for l in lines), lines
