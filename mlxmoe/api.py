@@ -184,6 +184,8 @@ class LoadOptions:
         if self.cache_experts is not None and not _int_in(self.cache_experts, 1, 1 << 62):
             raise MlxmoeError(f"cache_experts {self.cache_experts!r}: a number of experts, an integer of at least 1")
         check_lossy(self.trim, self.cache_bias, self.trim_mass)
+        if self.draft_model is not None and self.group is not None and self.group.size() > 1:
+            raise MlxmoeError("draft_model: speculative decoding runs in one process, not across ranks")
         if not _int_in(self.max_context, 16, 1 << 24):
             raise MlxmoeError(f"max_context {self.max_context!r}: tokens a sequence may hold, an integer from 16 "
                               f"to {1 << 24}")
@@ -912,6 +914,8 @@ def _draft(runtime, draft, embeddings):
         return None
     if embeddings is not None:
         raise MlxmoeError("draft_model: speculative decoding takes token ids, not input_embeddings (mlx-lm's rule)")
+    if runtime is not None and runtime.group is not None:
+        raise MlxmoeError("draft_model: speculative decoding runs in one process, not across ranks")
     if isinstance(draft, str) and draft == "ngram" or isinstance(draft, NGram):
         return NGram()
     if runtime is not None and draft is not runtime.draft_model:

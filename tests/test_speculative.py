@@ -238,3 +238,12 @@ def test_cli_chat_with_drafts_answers_as_without(paths):
     assert runs[0].stdout == runs[1].stdout == runs[2].stdout
     lines = [l for l in runs[2].stderr.splitlines() if "expert hit rate" in l]
     assert len(lines) == 2 and all(re.search(r"\d+ of \d+ drafted tokens accepted", l) for l in lines), lines
+
+
+def test_drafts_are_refused_across_ranks():
+    class Ranks:  # an mx.distributed group's size() is all the check reads
+        def size(self):
+            return 2
+
+    with pytest.raises(mlxmoe.MlxmoeError, match="draft_model: .* not across ranks"):
+        mlxmoe.LoadOptions(draft_model="draft", group=Ranks()).check()
