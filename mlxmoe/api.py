@@ -18,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationResponse
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.generate import generation_stream as _mlx_generation_stream
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.sample_utils import greedy_sampler
@@ -325,6 +326,7 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
     extra = 0 if opts.fallback is None else fallback_bytes(opts.fallback)  # resident beside the cache, within the budget
     draft = None
     if opts.draft_model is not None:
+        check_rotating(make_prompt_cache(ckpt.model))
         draft, draft_bytes = load_draft(opts.draft_model, tokenizer, be, opts.max_context)
         extra += draft_bytes
     try:
@@ -937,6 +939,14 @@ def _run_last(model, prompt_cache, want, token, stream):
             mx.eval([c.state for c in kv])
 
 
+def check_rotating(kv_caches):
+    """Refuse a draft model where a KV cache rotates (a sliding window, or max_kv_size)."""
+    if any(hasattr(c, "max_size") for c in kv_caches):
+        raise MlxmoeError("draft_model: mlx-lm's speculative steps cannot take back rejected drafts from a rotating "
+                          "(sliding-window) KV cache once it wraps; use draft_model=\"ngram\", which stops drafting "
+                          "there")
+
+
 def _steps(model, tokenizer, prompt, max_tokens, draft, num_draft, cache, kwargs):
     """(the responses of a generation, a function each response is given or None):
     mlx_lm.stream_generate's, speculative with a draft model; n-gram drafting's (drafting.py)."""
@@ -944,6 +954,7 @@ def _steps(model, tokenizer, prompt, max_tokens, draft, num_draft, cache, kwargs
         if draft is None:
             return _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs), None
         num_draft = num_draft or 2  # (mlx-lm's default)
+        check_rotating(kwargs.get("prompt_cache") or make_prompt_cache(model, kwargs.get("max_kv_size")))
         count = None if cache is None else DraftCount(cache.counters, num_draft, max_tokens)
         if kwargs.get("logits_processors") and len(prompt) > 1:  # mlx-lm's loop gives them the last prompt token on
             kwargs = dict(kwargs, logits_processors=after(kwargs["logits_processors"], mx.array(prompt[:-1])))

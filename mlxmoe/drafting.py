@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationResponse, generate_step, speculative_generate_step, wired_limit
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .budget import kv_bytes_per_token
 from .errors import MlxmoeError
@@ -133,6 +133,12 @@ class Proposal:
         return mx.where(mx.arange(max(self.vocab, token + 1)) == token, 0.0, -1e9)[None, None]
 
 
+def trimmable(cache, n):
+    """Whether every KV cache of `cache` can be trimmed after `n` more tokens (a rotating one
+    only until it wraps: trimmed after, it would keep the rejected drafts)."""
+    return all(c.is_trimmable() and c.offset + n < (getattr(c, "max_size", None) or 1 << 62) for c in cache)
+
+
 def after(processors, before):
     """`processors` given the tokens `before` a step ahead of those the step gives them
     (mlx-lm's step functions give theirs only), so that they see the whole sequence."""
@@ -153,7 +159,8 @@ def ngram_steps(prompt, model, stream, lookup, vocab, counters, max_tokens=256, 
     y, done, before = prompt, 0, None
     while done < max_tokens:
         left = max_tokens - done
-        draft = lookup.propose()[:left - 1] if done and can_trim_prompt_cache(cache) else []
+        draft = lookup.propose()[:left - 1] if done else []
+        draft = draft if trimmable(cache, len(draft) + 1) else []
         processors = after(logits_processors, before)
         if draft:
             accepted = 0
@@ -178,7 +185,7 @@ def ngram_steps(prompt, model, stream, lookup, vocab, counters, max_tokens=256, 
                     done += 1
                     lookup.add(token)
                     yield token, logprobs, False
-                    if lookup.propose() and can_trim_prompt_cache(cache):
+                    if lookup.propose() and trimmable(cache, 0):
                         trim_prompt_cache(cache, 1)  # generate_step has run `token` already
                         break
         before = mx.array(lookup.seq[:lookup.n - 1]) if logits_processors else None

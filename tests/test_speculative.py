@@ -247,3 +247,24 @@ def test_drafts_are_refused_across_ranks():
 
     with pytest.raises(mlxmoe.MlxmoeError, match="draft_model: .* not across ranks"):
         mlxmoe.LoadOptions(draft_model="draft", group=Ranks()).check()
+
+
+def test_sliding_window_model_drafts_until_its_cache_wraps(checkpoint):
+    """gpt_oss's rotating KV caches: n-gram drafts stop before a cache would wrap (a wrapped
+    cache cannot take rejected drafts back), so 100 tokens past a 64-token window stay
+    greedy's; a draft model, whose mlx-lm loop would keep rejected drafts there, is refused."""
+    path = checkpoint("gpt_oss", config_overrides={"sliding_window": 64})
+    prompt = "the cat sat on the mat the cat sat"
+    stock, tokenizer = mlx_lm.load(str(path))
+    detect().apply_dtype_policy(stock)
+    want = [r.token for r in mlx_lm.stream_generate(stock, tokenizer, prompt, max_tokens=100)]
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=4)
+    got = [r.token for r in mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=100, draft_model="ngram")]
+    assert got == want and model.expert_cache.stats()["drafted"] > 0
+    model.expert_runtime.close()
+    with pytest.raises(mlxmoe.MlxmoeError, match="rotating .* KV cache"):
+        mlxmoe.load(str(path), draft_model=str(path))
+    model, tokenizer = mlxmoe.load(str(checkpoint("qwen3_moe")), draft_model=str(checkpoint("qwen3_moe")))
+    with pytest.raises(mlxmoe.MlxmoeError, match="rotating .* KV cache"):  # --max-kv-size: a rotating cache
+        tokens(model, tokenizer, prompt, draft_model=model.expert_runtime.draft_model, max_kv_size=64)
+    model.expert_runtime.close()
