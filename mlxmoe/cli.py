@@ -230,9 +230,16 @@ def draft_options(f):
     return f
 
 
+def check_drafts(opts):
+    """Refuse draft options that exclude each other, before the model loads."""
+    exclusive(draft_model=opts["draft_model"], draft=opts["draft"])
+    if opts["draft_model"] and opts.get("max_kv_size"):
+        raise click.UsageError("--draft-model cannot take back rejected drafts from --max-kv-size's rotating KV "
+                               "cache; give one of them (--draft ngram works with it)")
+
+
 def draft_arguments(model, opts):
     """stream_generate's draft_model and num_draft_tokens from the draft options ({} without)."""
-    exclusive(draft_model=opts["draft_model"], draft=opts["draft"])
     if opts["draft"]:
         return {"draft_model": "ngram", "num_draft_tokens": opts["num_draft_tokens"]}
     if opts["draft_model"]:
@@ -585,7 +592,7 @@ def generate(prompt, system_prompt, chat_template, repetition_penalty, repetitio
     from .api import stream_generate
 
     kv = kv_options(opts)
-    exclusive(draft_model=opts["draft_model"], draft=opts["draft"])
+    check_drafts(opts)
     if prompt_cache_file and opts["draft_model"]:
         raise click.UsageError("--prompt-cache-file holds no KV cache of a --draft-model; give one of them")
     prompt_cache = _prompt_cache_file(prompt_cache_file, opts, kv) if prompt_cache_file else None
@@ -760,7 +767,7 @@ def chat(system_prompt, repetition_penalty, repetition_context_size, save_profil
     from mlx_lm.sample_utils import make_logits_processors
 
     kv = kv_options(opts)
-    exclusive(draft_model=opts["draft_model"], draft=opts["draft"])
+    check_drafts(opts)
     check_outputs({"--save-profile": save_profile, "--trace-out": opts["trace_out"]}, model_inputs(opts),
                   updates={"--save-profile": "--profile"})
     model, tokenizer = _load(opts)
@@ -1531,7 +1538,7 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
 
     if profiles_dir and opts["profile_path"]:
         raise click.UsageError("--profile and --profiles exclude each other")
-    exclusive(draft_model=opts["draft_model"], draft=opts["draft"])
+    check_drafts(opts)
     stored = sorted(Path(profiles_dir).glob("*.json")) if profiles_dir else []  # (--profiles' are written back)
     kept = (stored or opts["profile_path"]) if save_profiles else None
     check_outputs({"--save-profiles": kept, "--trace-out": opts["trace_out"]},

@@ -197,6 +197,8 @@ def test_cli_generate_and_chat_with_drafts(paths, tmp_path):
     assert code == 0 and out == plain and "drafted tokens accepted" in err
     code, _, err = run_cli(*args, "--draft-model", small, "--draft", "ngram")
     assert code == 2 and "--draft-model and --draft exclude each other" in err
+    code, _, err = run_cli(*args, "--draft-model", small, "--max-kv-size", 64)
+    assert code == 2 and "--max-kv-size" in err
 
 
 @pytest.mark.parametrize("draft", ["ngram", "model"])
