@@ -44,7 +44,7 @@ from .caching.policies import ONLINE, make_policy
 from .caching.prefetch import Prefetcher
 from .caching.speculate import NextToken, Speculator
 from .caching.verify import Verifier
-from .drafting import NGRAM_DRAFT_TOKENS, DraftCount, Lookup, NGram, after, load_draft, ngram_steps, respond
+from .drafting import NGRAM_DRAFT_TOKENS, OFF_TOKENS, DraftCount, Lookup, NGram, after, load_draft, ngram_steps, respond
 from .workload.profile import ActivationProfile, fingerprint, prewarm_order
 from .workload.trace import TraceWriter, read_trace
 
@@ -410,6 +410,7 @@ class Runtime:
         self.prefetcher = prefetcher  # built on `cache`, attached to it
         self.lossy = None  # lossy.Lossy where a lossy mode is on
         self.draft_model: nn.Module | None = None  # load's draft_model, within the budget
+        self.ngram_pause = [OFF_TOKENS]  # the next pause of n-gram drafting (drafting.Lookup), kept between generations
         self.trace: TraceWriter | None = None  # the trace being recorded (record_trace), one of the cache's observers
         # under pipeline stages: the file rank 0 merges the stages' traces into (close)
         self.trace_target: str | os.PathLike | None = None
@@ -966,7 +967,7 @@ def _steps(model, tokenizer, prompt, max_tokens, draft, num_draft, cache, kwargs
         tokenizer = TokenizerWrapper(tokenizer)
     kwargs = dict(kwargs)
     stream = kwargs.pop("stream")
-    lookup = Lookup(prompt, num_draft or NGRAM_DRAFT_TOKENS)
+    lookup = Lookup(prompt, num_draft or NGRAM_DRAFT_TOKENS, model.expert_runtime.ngram_pause)
     steps = ngram_steps(mx.array(prompt, mx.uint32), model, stream, lookup, vocab_size(model) or tokenizer.vocab_size,
                         cache.counters, max_tokens, **kwargs)
     return respond(model, tokenizer, prompt, steps, max_tokens, stream), None

@@ -221,7 +221,7 @@ def draft_options(f):
                      "loaded whole, within --memory-budget."),
         click.option("--draft", type=click.Choice(["ngram"]), help="ngram: draft from the prompt and the text so "
                      "far (the tokens that followed the latest match of the last 3, 2 or 1 tokens), no second "
-                     "model; off for a while where its drafts are rarely right."),
+                     "model; paused for a while where its drafts are rarely right."),
         click.option("--num-draft-tokens", "--num-draft", "num_draft_tokens", type=Number(int, 1, 1024),
                      help="Tokens drafted a step. Default: 3 with --draft-model (mlx-lm's), 5 with --draft ngram."),
     ]

@@ -25,10 +25,12 @@ from .budget import kv_bytes_per_token
 from .errors import MlxmoeError
 
 NGRAM_SIZES = (3, 2, 1)
-# n-gram drafting weighs its acceptance every WEIGH_STEPS drafted steps (after FIRST_WEIGH
-# where none was accepted) and turns off for OFF_TOKENS tokens where it is below
-# MIN_ACCEPTANCE, the pause doubled at each turn off in a row up to MOST_OFF_TOKENS
-WEIGH_STEPS, FIRST_WEIGH, MIN_ACCEPTANCE = 8, 2, 0.3
+# n-gram drafting weighs its acceptance over its first FIRST_WEIGH drafted steps (at the
+# start of a generation, and after a pause), then every WEIGH_STEPS, and pauses for
+# OFF_TOKENS tokens where it is below MIN_ACCEPTANCE, the pause doubled at each pause in a
+# row up to MOST_OFF_TOKENS; the pause's length carries over to the model's next generation
+# (a chat of free text tries two steps a reply)
+WEIGH_STEPS, FIRST_WEIGH, MIN_ACCEPTANCE = 4, 2, 0.3
 OFF_TOKENS, MOST_OFF_TOKENS = 16, 512
 NGRAM_DRAFT_TOKENS = 5  # tokens an n-gram step proposes at most, by default
 
@@ -82,13 +84,15 @@ def ngram_draft(seq, n, most):
 
 class Lookup:
     """One generation's n-gram drafting: the sequence so far, and whether drafting is on
-    (off for a while where its acceptance was low)."""
+    (off for a while where its acceptance was low). `pause`: [the next pause's length in
+    tokens], shared by a model's generations (Runtime.ngram_pause)."""
 
-    def __init__(self, tokens, most):
+    def __init__(self, tokens, most, pause=None):
         self.seq = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)
         self.n, self.most = 0, most
-        self.made, self.off_until, self.off_tokens = 0, 0, OFF_TOKENS
+        self.made, self.off_until, self.pause = 0, 0, pause if pause is not None else [OFF_TOKENS]
         self.window = [0, 0, 0]  # drafted, accepted, steps since the last weighing
+        self.first = True  # the first window since drafting (re)started: FIRST_WEIGH steps
         self.extend(tokens)
 
     def extend(self, tokens):
@@ -108,13 +112,14 @@ class Lookup:
         """A drafted step's outcome; off for a while where acceptance is low."""
         w = self.window
         w[0], w[1], w[2] = w[0] + drafted, w[1] + accepted, w[2] + 1
-        if w[2] < FIRST_WEIGH or (w[2] < WEIGH_STEPS and w[1] > 0):
+        if w[2] < (FIRST_WEIGH if self.first else WEIGH_STEPS):
             return
-        if w[1] < MIN_ACCEPTANCE * w[0]:
-            self.off_until = self.made + self.off_tokens
-            self.off_tokens = min(2 * self.off_tokens, MOST_OFF_TOKENS)
+        self.first = w[1] < MIN_ACCEPTANCE * w[0]
+        if self.first:
+            self.off_until = self.made + self.pause[0]
+            self.pause[0] = min(2 * self.pause[0], MOST_OFF_TOKENS)
         else:
-            self.off_tokens = OFF_TOKENS
+            self.pause[0] = OFF_TOKENS
         self.window = [0, 0, 0]
 
 

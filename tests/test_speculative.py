@@ -163,12 +163,16 @@ def test_ngram_lookup_and_its_switch():
         lookup.add(3)
     lookup.extend([1, 2, 3])
     assert lookup.propose() != []  # on again
-    assert lookup.off_tokens == 2 * OFF_TOKENS  # a longer pause at the next turn off
+    assert lookup.pause == [2 * OFF_TOKENS]  # a longer pause at the next turn off
+    lookup.weigh(4, 4)
+    lookup.weigh(4, 3)  # a good window: the pause back to its shortest
+    assert lookup.pause == [OFF_TOKENS] and lookup.propose() != []
 
 
 def test_ngram_switches_itself_off_where_drafts_fail(paths, monkeypatch):
     """Drafts that are always wrong: the output is still greedy's, and after the first
-    weighing drafting pauses, ever longer, so few steps carry drafts."""
+    weighing drafting pauses, ever longer (also into the model's next generation), so few
+    steps carry drafts."""
     main, _ = paths
     model, tokenizer = mlxmoe.load(str(main), cache_experts=12)
     want = [r.token for r in mlxmoe.stream_generate(model, tokenizer, FREE, max_tokens=120)]
@@ -179,6 +183,10 @@ def test_ngram_switches_itself_off_where_drafts_fail(paths, monkeypatch):
     stats = model.expert_cache.stats()
     steps = stats["drafted"] // drafting.NGRAM_DRAFT_TOKENS
     assert stats["accepted"] == 0 and 0 < steps <= 4 * FIRST_WEIGH, stats  # off 16, 32, 64 tokens between tries
+    # the next generation on the model tries FIRST_WEIGH steps, then pauses longer than its 120 tokens
+    model.expert_cache.reset_stats()
+    assert [r.token for r in mlxmoe.stream_generate(model, tokenizer, FREE, max_tokens=120, draft_model="ngram")] == want
+    assert model.expert_cache.stats()["drafted"] == FIRST_WEIGH * drafting.NGRAM_DRAFT_TOKENS
     model.expert_runtime.close()
 
 
