@@ -889,7 +889,8 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
             holder.idle_since = time.monotonic()
             yield response
         if held is not None and last is not None:
-            _run_last(model, carried, held + len(prompt) + last.generation_tokens, last.token, kwargs["stream"])
+            _run_last(model, carried, held + len(prompt) + last.generation_tokens, last.token,
+                      kwargs.get("stream", _mlx_generation_stream))
         if cache is not None:  # the host work the resident path left for later (see experts.ResidentCalls)
             cache.flush()
         if group is not None:
