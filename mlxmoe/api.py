@@ -4,6 +4,7 @@ load builds around a model, and memory_plan (what a budget buys, nothing loaded)
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -17,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationResponse
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.generate import generation_stream as _mlx_generation_stream
 from mlx_lm.generate import stream_generate as _mlx_stream_generate
 from mlx_lm.sample_utils import greedy_sampler
@@ -24,8 +26,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import backend as backends
 from . import distributed
-from .budget import (DEFAULT_CONTEXT, Plan, attention_bytes, kv_bytes_per_token, parse_size, plan, text_config,
-                     working_bytes)
+from .budget import (DEFAULT_CONTEXT, Plan, attention_bytes, format_size, kv_bytes_per_token, parse_size, plan,
+                     text_config, working_bytes)
 from .caching.cache import ExpertCache
 from .workload.curves import predicted_curve
 from .errors import MlxmoeError
@@ -42,6 +44,7 @@ from .caching.policies import ONLINE, make_policy
 from .caching.prefetch import Prefetcher
 from .caching.speculate import NextToken, Speculator
 from .caching.verify import Verifier
+from .drafting import NGRAM_DRAFT_TOKENS, OFF_TOKENS, DraftCount, Lookup, NGram, after, load_draft, ngram_steps, respond
 from .workload.profile import ActivationProfile, fingerprint, prewarm_order
 from .workload.trace import TraceWriter, read_trace
 
@@ -166,6 +169,7 @@ class LoadOptions:
     trim_mass: float = 0.0
     fallback: str | os.PathLike | None = None
     verify: bool = True
+    draft_model: str | os.PathLike | None = None
 
     def check(self) -> None:
         """Refuse a value out of its range, naming it (the CLI's ranges: one rule for both entrances)."""
@@ -181,6 +185,8 @@ class LoadOptions:
         if self.cache_experts is not None and not _int_in(self.cache_experts, 1, 1 << 62):
             raise MlxmoeError(f"cache_experts {self.cache_experts!r}: a number of experts, an integer of at least 1")
         check_lossy(self.trim, self.cache_bias, self.trim_mass)
+        if self.draft_model is not None and self.group is not None and self.group.size() > 1:
+            raise MlxmoeError("draft_model: speculative decoding runs in one process, not across ranks")
         if not _int_in(self.max_context, 16, 1 << 24):
             raise MlxmoeError(f"max_context {self.max_context!r}: tokens a sequence may hold, an integer from 16 "
                               f"to {1 << 24}")
@@ -234,6 +240,10 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     resident within the budget: at a decode step an expert not in the cache computes with
     its copy at once and is read in the background, so no step waits on a read (stats():
     substituted, fallback_bytes).
+    `draft_model`: a small model sharing the tokenizer (a folder mlx_lm.load reads), loaded
+    whole within the budget (its weights and a KV cache of `max_context` tokens beside the
+    model's) as `model.expert_runtime.draft_model`, for speculative decoding: pass it to
+    generate / stream_generate as `draft_model=` (see stream_generate).
     `verify` (on by default): where some experts are not resident, a decode step looks its
     slots up on the device and waits for the device once, at its end, instead of at every
     MoE layer; a layer that missed is read and the token computed again from it (see
@@ -314,11 +324,24 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
     if opts.fallback is not None and Path(opts.fallback).is_dir():
         raise MlxmoeError(f"fallback copies {opts.fallback} is a folder, not a file")
     extra = 0 if opts.fallback is None else fallback_bytes(opts.fallback)  # resident beside the cache, within the budget
-    p = checkpoint_plan(ckpt, be, opts.memory_budget, opts.cache_size, opts.cache_experts, opts.max_context, extra)
+    draft = None
+    if opts.draft_model is not None:
+        check_rotating(make_prompt_cache(ckpt.model))
+        draft, draft_bytes = load_draft(opts.draft_model, tokenizer, be, opts.max_context)
+        extra += draft_bytes
+    try:
+        p = checkpoint_plan(ckpt, be, opts.memory_budget, opts.cache_size, opts.cache_experts, opts.max_context, extra)
+    except MlxmoeError as e:
+        if draft is None:
+            raise
+        raise MlxmoeError(f"{e}; the draft model {opts.draft_model} needs {format_size(draft_bytes, math.ceil)} of "
+                          f"it (its weights and a KV cache of {opts.max_context} tokens)") from None
     prior = None if opts.profile is None else stage_profile(ckpt, fp, opts.profile, opts.force_profile)
     rates = None if prior is None else prior.rates()
     if not lazy:
         mx.eval(ckpt.model.parameters())
+    if draft is not None:
+        mx.eval(draft.parameters())
     pool_dtypes = [be.pool_dtype(MX_DTYPES[d]) for d in ckpt.store.tensor_dtypes]
     if prior is not None:  # keep learning from where the profile left off
         live = ActivationProfile.merge([prior], workload=prior.workload)
@@ -340,6 +363,7 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
         prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_ks, depth=opts.prefetch, prior=rates,
                                 confidence=opts.prefetch_confidence)
     runtime = Runtime(ckpt, p, be, cache, fp, prefetcher)
+    runtime.draft_model = draft
     attach_cache(ckpt, runtime)
     runtime.lossy = attach_lossy(ckpt, cache, opts.trim, opts.cache_bias, opts.trim_mass, prior)
     if opts.fallback is not None:
@@ -385,6 +409,8 @@ class Runtime:
         self.error: BaseException | None = None  # a read that failed on this rank of a group (see experts.py)
         self.prefetcher = prefetcher  # built on `cache`, attached to it
         self.lossy = None  # lossy.Lossy where a lossy mode is on
+        self.draft_model: nn.Module | None = None  # load's draft_model, within the budget
+        self.ngram_pause = [OFF_TOKENS]  # the next pause of n-gram drafting (drafting.Lookup), kept between generations
         self.trace: TraceWriter | None = None  # the trace being recorded (record_trace), one of the cache's observers
         # under pipeline stages: the file rank 0 merges the stages' traces into (close)
         self.trace_target: str | os.PathLike | None = None
@@ -792,11 +818,28 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
     """mlx_lm.stream_generate, recording decode speed in the expert cache's stats. Holds
     the model's generation lock from the first response to the last (or close()); a thread
     whose previous generation on the model is still open (half consumed) gets an
-    MlxmoeError, not a wait on itself. The prompt is checked first (prompt_tokens)."""
+    MlxmoeError, not a wait on itself. The prompt is checked first (prompt_tokens).
+
+    Speculative decoding, as mlx-lm's: `draft_model` the draft model load gave
+    (`model.expert_runtime.draft_model`: within the budget), drafting `num_draft_tokens` a
+    step (default 2, mlx-lm's); or "ngram" (or a drafting.NGram): drafts of up to
+    `num_draft_tokens` (default 5) looked up in the prompt and the text so far, no second
+    model, off for a while where few are accepted (see drafting.py). Greedy output is that
+    of decoding without drafts; stats() counts `drafted` and `accepted` tokens. A prompt
+    cache (`prompt_cache`) holds the model's layers, then a draft model's
+    (make_prompt_cache of each, as mlx-lm's)."""
     runtime = getattr(model, "expert_runtime", None)
     cache = None if runtime is None else runtime.cache
     if runtime is not None:
         runtime.check_open("stream_generate")
+    draft = _draft(runtime, kwargs.pop("draft_model", None), kwargs.get("input_embeddings"))
+    num_draft = kwargs.pop("num_draft_tokens", None)
+    if draft is not None and not _int_in(num_draft if num_draft is not None else 1, 0, 1 << 10):
+        raise MlxmoeError(f"num_draft_tokens {num_draft!r}: tokens drafted a step, an integer from 0 to 1024")
+    if num_draft == 0:  # (no drafts: one token a step)
+        draft = None
+    if draft is not None:
+        kwargs.pop("input_embeddings", None)  # (None: _draft refuses others)
     if kwargs.get("input_embeddings") is None:
         prompt = prompt_tokens(model, tokenizer, prompt)
         if runtime is not None:
@@ -808,7 +851,7 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
                                                    kwargs.get("prompt_cache"))
     speculator = None if cache is None else cache.speculator
     next_token = None
-    if speculator is not None and speculator.head is not None:  # running ahead crosses into the next token
+    if speculator is not None and speculator.head is not None and draft is None:  # running ahead crosses tokens
         next_token = NextToken(kwargs.get("logits_processors"))
         next_token.wrap(kwargs, greedy_sampler)
     lock = generation_lock(model)
@@ -824,7 +867,9 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
         if next_token is not None:
             speculator.next_token = next_token
         group = None if runtime is None else runtime.group
-        steps = _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+        steps, count = _steps(model, tokenizer, prompt, max_tokens, draft, num_draft, cache, kwargs)
+        carried = kwargs.get("prompt_cache") if draft is not None else None
+        held, response = None if not carried else getattr(carried[0], "offset", None), None
         while True:
             with _lock_guard:
                 if holder.revoked:
@@ -832,15 +877,20 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
                                       "thread waited for the model, which went to it: start a new generation")
                 holder.idle_since = None
             with distributed.waiting(group, "generating a token"):  # a step waits on the other stages
-                response = next(steps, None)
+                last, response = response, next(steps, None)
                 if response is None:
                     break
                 if cache is not None:
                     cache.counters.decode_tps = response.generation_tps
+                if count is not None:
+                    count(response)
                 if group is not None and distributed.failed_any(group, runtime.error):
                     distributed.check(group, runtime.error, bound=False)
             holder.idle_since = time.monotonic()
             yield response
+        if held is not None and last is not None:
+            _run_last(model, carried, held + len(prompt) + last.generation_tokens, last.token,
+                      kwargs.get("stream", _mlx_generation_stream))
         if cache is not None:  # the host work the resident path left for later (see experts.ResidentCalls)
             cache.flush()
         if group is not None:
@@ -859,6 +909,69 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
                 model._mlxmoe_generation_owner = None
                 model._mlxmoe_generation = None
                 lock.release()
+
+
+def _draft(runtime, draft, embeddings):
+    """stream_generate's `draft_model`: None, an NGram, or the runtime's draft model
+    (any model where there is no runtime), else an MlxmoeError saying what it takes."""
+    if draft is None:
+        return None
+    if embeddings is not None:
+        raise MlxmoeError("draft_model: speculative decoding takes token ids, not input_embeddings (mlx-lm's rule)")
+    if runtime is not None and runtime.group is not None:
+        raise MlxmoeError("draft_model: speculative decoding runs in one process, not across ranks")
+    if isinstance(draft, str) and draft == "ngram" or isinstance(draft, NGram):
+        return NGram()
+    if runtime is not None and draft is not runtime.draft_model:
+        raise MlxmoeError("draft_model: \"ngram\", or the draft model loaded within the memory budget: load with "
+                          "mlxmoe.load(..., draft_model=PATH) and pass model.expert_runtime.draft_model")
+    if not isinstance(draft, nn.Module):
+        raise MlxmoeError(f"draft_model: \"ngram\" or a model, not {type(draft).__name__}")
+    return draft
+
+
+def _run_last(model, prompt_cache, want, token, stream):
+    """A speculative generation's last step leaves its own token out of the KV cache (not run
+    yet); plain decoding has run it: run it, so that a carried `prompt_cache` (a chat's next
+    turn) holds the `want` tokens it would hold without drafts."""
+    kv = prompt_cache[:len(model.layers)]
+    if all(getattr(c, "offset", None) == want - 1 for c in kv):
+        with mx.stream(stream):
+            model(mx.array([[token]], mx.uint32), cache=kv)
+            mx.eval([c.state for c in kv])
+
+
+def check_rotating(kv_caches):
+    """Refuse a draft model where a KV cache rotates (a sliding window, or max_kv_size)."""
+    if any(hasattr(c, "max_size") for c in kv_caches):
+        raise MlxmoeError("draft_model: mlx-lm's speculative steps cannot take back rejected drafts from a rotating "
+                          "(sliding-window) KV cache once it wraps; use draft_model=\"ngram\", which stops drafting "
+                          "there")
+
+
+def _steps(model, tokenizer, prompt, max_tokens, draft, num_draft, cache, kwargs):
+    """(the responses of a generation, a function each response is given or None):
+    mlx_lm.stream_generate's, speculative with a draft model; n-gram drafting's (drafting.py)."""
+    if not isinstance(draft, NGram):
+        if draft is None:
+            return _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs), None
+        num_draft = num_draft or 2  # (mlx-lm's default)
+        check_rotating(kwargs.get("prompt_cache") or make_prompt_cache(model, kwargs.get("max_kv_size")))
+        count = None if cache is None else DraftCount(cache.counters, num_draft, max_tokens)
+        if kwargs.get("logits_processors") and len(prompt) > 1:  # mlx-lm's loop gives them the last prompt token on
+            kwargs = dict(kwargs, logits_processors=after(kwargs["logits_processors"], mx.array(prompt[:-1])))
+        return _mlx_stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, draft_model=draft,
+                                    num_draft_tokens=num_draft, **kwargs), count
+    if cache is None:
+        raise MlxmoeError("draft_model \"ngram\": a model loaded with mlxmoe.load (its stats count the drafts)")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    kwargs = dict(kwargs)
+    stream = kwargs.pop("stream")
+    lookup = Lookup(prompt, num_draft or NGRAM_DRAFT_TOKENS, model.expert_runtime.ngram_pause)
+    steps = ngram_steps(mx.array(prompt, mx.uint32), model, stream, lookup, vocab_size(model) or tokenizer.vocab_size,
+                        cache.counters, max_tokens, **kwargs)
+    return respond(model, tokenizer, prompt, steps, max_tokens, stream), None
 
 
 def generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str | list[int], verbose: bool = False,

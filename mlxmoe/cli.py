@@ -213,6 +213,46 @@ def sampling_options(f):
     return f
 
 
+def draft_options(f):
+    """generate's, chat's and serve's speculative decoding options (mlx-lm's names, and --draft ngram)."""
+    options = [
+        click.option("--draft-model", type=click.Path(file_okay=False), help="A small model with the same tokenizer "
+                     "that drafts tokens for the model to verify several at a step (speculative decoding, exact); "
+                     "loaded whole, within --memory-budget."),
+        click.option("--draft", type=click.Choice(["ngram"]), help="ngram: draft from the prompt and the text so "
+                     "far (the tokens that followed the latest match of the last 3, 2 or 1 tokens), no second "
+                     "model; paused for a while where its drafts are rarely right."),
+        click.option("--num-draft-tokens", "--num-draft", "num_draft_tokens", type=Number(int, 1, 1024),
+                     help="Tokens drafted a step. Default: 3 with --draft-model (mlx-lm's), 5 with --draft ngram."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def check_drafts(opts):
+    """Refuse draft options that exclude each other, before the model loads."""
+    exclusive(draft_model=opts["draft_model"], draft=opts["draft"])
+    if opts["draft_model"] and opts.get("max_kv_size"):
+        raise click.UsageError("--draft-model cannot take back rejected drafts from --max-kv-size's rotating KV "
+                               "cache; give one of them (--draft ngram works with it)")
+
+
+def draft_arguments(model, opts):
+    """stream_generate's draft_model and num_draft_tokens from the draft options ({} without)."""
+    if opts["draft"]:
+        return {"draft_model": "ngram", "num_draft_tokens": opts["num_draft_tokens"]}
+    if opts["draft_model"]:
+        return {"draft_model": model.expert_runtime.draft_model, "num_draft_tokens": opts["num_draft_tokens"] or 3}
+    return {}
+
+
+def draft_figures(stats, before=None):
+    """', A of D drafted tokens accepted' since `before` where drafts were made, else ''."""
+    drafted, accepted = (stats.get(k, 0) - (before or {}).get(k, 0) for k in ("drafted", "accepted"))
+    return f", {accepted} of {drafted} drafted tokens accepted" if drafted else ""
+
+
 def kv_options(opts):
     """stream_generate's KV cache arguments from the sampling options (mlx-lm's names)."""
     exclusive(max_kv_size=opts["max_kv_size"], kv_bits=opts["kv_bits"])  # mlx-lm cannot quantize a rotating cache
@@ -314,7 +354,7 @@ def load_options(opts, group=None):
 def model_inputs(opts):
     """The files a command's model options (model_options) read: no output may be one (files.check_outputs)."""
     return {"--model": model_folder(opts["model_path"]), "--profile": opts["profile_path"],
-            "--fallback": opts["fallback"]}
+            "--fallback": opts["fallback"], "--draft-model": opts.get("draft_model")}
 
 
 def _prior(model, opts):
@@ -442,7 +482,7 @@ def summary(stats, before, elapsed_tokens, tps):
     total = hits + stats["misses"] - before["misses"]
     read = format_size(stats["bytes_read"] - before["bytes_read"])
     rate = f"{100 * hits / total:.1f}%" if total else "n/a"
-    lossy = lossy_figures(stats, before)
+    lossy = lossy_figures(stats, before) + draft_figures(stats, before)
     return f"[{_tokens_at(elapsed_tokens, tps)}, expert hit rate {rate}, {read} read{lossy}]"
 
 
@@ -563,6 +603,7 @@ save_profile_option = click.option("--save-profile", type=click.Path(dir_okay=Fa
 @click.option("--prompt-cache-file", type=click.Path(dir_okay=False), help="A KV cache saved by mlx_lm.cache_prompt: "
               "the prompt continues it (--model defaults to the cache's model).")
 @click.option("--stats-json", type=click.Path(dir_okay=False), help="Write the cache stats to this file.")
+@draft_options
 @save_profile_option
 def generate(prompt, system_prompt, chat_template, repetition_penalty, repetition_context_size, prompt_cache_file,
              stats_json, save_profile, **opts):
@@ -573,6 +614,9 @@ def generate(prompt, system_prompt, chat_template, repetition_penalty, repetitio
     from .api import stream_generate
 
     kv = kv_options(opts)
+    check_drafts(opts)
+    if prompt_cache_file and opts["draft_model"]:
+        raise click.UsageError("--prompt-cache-file holds no KV cache of a --draft-model; give one of them")
     prompt_cache = _prompt_cache_file(prompt_cache_file, opts, kv) if prompt_cache_file else None
     check_outputs({"--stats-json": stats_json, "--save-profile": save_profile, "--trace-out": opts["trace_out"]},
                   {**model_inputs(opts), "--prompt-cache-file": prompt_cache_file},
@@ -601,7 +645,7 @@ def generate(prompt, system_prompt, chat_template, repetition_penalty, repetitio
     interrupted, waiting = False, Waiting(2.0 if opts["verbose"] else None)
     steps = stream_generate(model, tokenizer, ids, max_tokens=opts["max_tokens"], sampler=_sampler(opts, tokenizer),
                             logits_processors=processors, prompt_cache=prompt_cache,
-                            prompt_progress_callback=waiting.progress, **kv)
+                            prompt_progress_callback=waiting.progress, **kv, **draft_arguments(model, opts))
     try:
         print_reply(steps, waiting, stops)
         click.echo()
@@ -673,7 +717,8 @@ def _generate_report(model, response, baseline_rss, stats_json, verbose=True):
         click.echo(rank_line(r, s), err=True)
     if response is not None:
         click.echo(f"prompt: {_tokens_at(response.prompt_tokens, response.prompt_tps)}; "
-                   f"generation: {_tokens_at(response.generation_tokens, response.generation_tps)}", err=True)
+                   f"generation: {_tokens_at(response.generation_tokens, response.generation_tps)}"
+                   f"{draft_figures(stats)}", err=True)
     click.echo(expert_line(stats, baseline_rss), err=True)
 
 
@@ -770,6 +815,7 @@ def _chat_prompt(tokenizer, messages, template_config=None, tokenize=True):
               "loops; 1 turns it off.")
 @click.option("--repetition-context-size", type=Number(int, 1), default=64, show_default=True,
               help="Tokens the repetition penalty looks back on.")
+@draft_options
 @save_profile_option
 def chat(system_prompt, repetition_penalty, repetition_context_size, save_profile, **opts):
     """Chat with the model. The KV cache carries over between turns; after each reply a
@@ -783,6 +829,7 @@ def chat(system_prompt, repetition_penalty, repetition_context_size, save_profil
     from mlx_lm.sample_utils import make_logits_processors
 
     kv = kv_options(opts)
+    check_drafts(opts)
     outputs = {"--save-profile": save_profile, "--trace-out": opts["trace_out"]}
     check_outputs(outputs, model_inputs(opts), updates={"--save-profile": "--profile"})
     model, tokenizer = _load(opts)
@@ -790,7 +837,7 @@ def chat(system_prompt, repetition_penalty, repetition_context_size, save_profil
     penalty = make_logits_processors(repetition_penalty=repetition_penalty,
                                      repetition_context_size=repetition_context_size)
     session = ChatSession(model, tokenizer, system_prompt, opts["max_tokens"], _sampler(opts, tokenizer), penalty,
-                          kv, opts["chat_template_config"], opts["stop"], opts["verbose"])
+                          kv, opts["chat_template_config"], opts["stop"], opts["verbose"], draft_arguments(model, opts))
     session.files = model_inputs(opts), outputs  # what /save may not write
     profile = f", profile {model.expert_cache.profile.workload!r}" if opts["profile_path"] else ""
     click.echo(f"mlxmoe chat: {opts['model_path'] or 'the demo model'} with {model.expert_cache.capacity} experts "
@@ -829,11 +876,12 @@ class ChatSession:
     `sent` of them, kept between turns), its commands and its replies."""
 
     def __init__(self, model, tokenizer, system_prompt, max_tokens, sampler, logits_processors, kv=None,
-                 template_config=None, stops=(), verbose=True):
+                 template_config=None, stops=(), verbose=True, draft=None):
         self.model, self.tokenizer, self.system_prompt, self.max_tokens = model, tokenizer, system_prompt, max_tokens
         self.sampler, self.logits_processors, self.template_config = sampler, logits_processors, template_config
         self.kv, self.stops, self.verbose = dict(kv or {}), stops, verbose  # stops: --stop's strings
         self.files = {}, {}  # the run's inputs and outputs, which /save may not overwrite
+        self.draft = dict(draft or {})  # stream_generate's draft_model and num_draft_tokens (draft_arguments)
         self.reset()
 
     def reset(self, messages=None):
@@ -846,6 +894,9 @@ class ChatSession:
         from mlx_lm.models.cache import make_prompt_cache
 
         self.prompt_cache, self.sent = make_prompt_cache(self.model, self.kv.get("max_kv_size")), 0
+        draft = self.draft.get("draft_model")
+        if draft is not None and not isinstance(draft, str):  # a draft model's layers follow (mlx-lm's rule)
+            self.prompt_cache += make_prompt_cache(draft, self.kv.get("max_kv_size"))
 
     def command(self, command, force_profile=False):
         """Run `command` if it is one (a line starting with one /): True where it was."""
@@ -950,7 +1001,7 @@ class ChatSession:
         kv = {k: v for k, v in self.kv.items() if k != "max_kv_size"}  # (the cache is made: reset)
         steps = stream_generate(self.model, self.tokenizer, prompt, max_tokens=self.max_tokens, sampler=self.sampler,
                                 logits_processors=self.logits_processors, prompt_cache=self.prompt_cache,
-                                prompt_progress_callback=waiting.progress, **kv)
+                                prompt_progress_callback=waiting.progress, **kv, **self.draft)
         try:
             return print_reply(steps, waiting, stops), stops.text
         finally:
@@ -1608,6 +1659,7 @@ def convert(src, dst, bundle, fallback_bits):
               "beside the budget, bounded by its KV reserve).")
 @click.option("--max-queue", type=Number(int, 1, 4096), default=64, show_default=True,
               help="Generation requests waiting or running at once; more are answered 503 with Retry-After.")
+@draft_options
 def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp, top_p, prompt_cache_size, max_queue,
           **opts):
     """Serve the model over HTTP: OpenAI /v1/chat/completions, /v1/completions and
@@ -1619,6 +1671,7 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
 
     if profiles_dir and opts["profile_path"]:
         raise click.UsageError("--profile and --profiles exclude each other")
+    check_drafts(opts)
     stored = sorted(Path(profiles_dir).glob("*.json")) if profiles_dir else []  # (--profiles' are written back)
     kept = (stored or opts["profile_path"]) if save_profiles else None
     check_outputs({"--save-profiles": kept, "--trace-out": opts["trace_out"]},
@@ -1628,13 +1681,20 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
     try:
         name = model_name(model.expert_runtime.checkpoint.path)  # as profiles and traces name it
         run_server(model, tokenizer, name, host, port, profiles_dir, save_profiles, save_every, max_tokens, temp,
-                   top_p, prompt_cache_size, opts["force_profile"], opts["profile_path"], max_queue=max_queue)
+                   top_p, prompt_cache_size, opts["force_profile"], opts["profile_path"], max_queue=max_queue,
+                   **_serve_draft(model, opts))
     except BaseException:
         model.expert_cache.close()
         raise
     _finish(model, None, trace_out=opts["trace_out"])  # under several ranks: the trace merged on rank 0
     global _exit_at_once
     _exit_at_once = True
+
+
+def _serve_draft(model, opts):
+    """serve's draft_model and num_draft_tokens (mlx-lm's default 3 where --num-draft-tokens is not given)."""
+    draft = draft_arguments(model, opts)
+    return {"draft_model": draft.get("draft_model"), "num_draft_tokens": draft.get("num_draft_tokens") or 3}
 
 
 # Set by serve once everything is saved and closed: run() then ends the process without the

@@ -61,6 +61,7 @@ from . import distributed
 from .api import generation_lock, model_fingerprint, stream_generate, vocab_size
 from .budget import DEFAULT_CONTEXT, format_size
 from .errors import MlxmoeError
+from .drafting import NGram
 from .workload.profile import ActivationProfile, js_divergence
 
 PROFILE_HEADER = "X-Mlxmoe-Profile"
@@ -123,9 +124,10 @@ class Profiles:
 class Provider(mlx_server.ModelProvider):
     """mlx-lm's model provider holding the one model mlxmoe.load gave."""
 
-    def __init__(self, cli_args, model, tokenizer):
+    def __init__(self, cli_args, model, tokenizer, draft_model=None):
         super().__init__(cli_args)
         self.model, self.tokenizer = model, tokenizer
+        self.draft_model = draft_model  # serve's, for every request: the runtime's draft model, or an NGram
         self.model_key = (cli_args.model, None, None)
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
@@ -835,10 +837,10 @@ class Server(ThreadingHTTPServer):
             self.admitted -= 1
 
 
-def cli_args(model, max_tokens, temp, top_p, prompt_cache_size):
+def cli_args(model, max_tokens, temp, top_p, prompt_cache_size, num_draft_tokens=3):
     """The namespace mlx-lm's server reads its settings from, with mlx-lm's defaults."""
     return argparse.Namespace(
-        model=model, adapter_path=None, draft_model=None, num_draft_tokens=3, trust_remote_code=False,
+        model=model, adapter_path=None, draft_model=None, num_draft_tokens=num_draft_tokens, trust_remote_code=False,
         chat_template="", use_default_chat_template=False, chat_template_args={}, temp=temp, top_p=top_p, top_k=0,
         min_p=0.0, max_tokens=max_tokens, allowed_origins=["*"], decode_concurrency=1, prompt_concurrency=1,
         prefill_step_size=None, prompt_cache_size=prompt_cache_size, prompt_cache_bytes=None, kv_bits=None,
@@ -870,9 +872,11 @@ def serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save
 
 def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_dir=None, save_profiles=False,
           save_every=16, max_tokens=512, temp=0.0, top_p=1.0, prompt_cache_size=0, force_profile=False,
-          profile_path=None, max_queue=64):
+          profile_path=None, max_queue=64, draft_model=None, num_draft_tokens=3):
     """Serve `model` until SIGINT or SIGTERM; then, with save_profiles, save the profiles
     (--profiles) or the live one to `profile_path` (the --profile it was loaded with).
+    `draft_model` (the runtime's draft model, or "ngram"), drafting `num_draft_tokens` a step
+    where a request does not say: speculative decoding for every request.
     Under several ranks (model loaded with a group) every rank calls this: rank 0 serves
     HTTP, the others follow its requests; a signal to any rank stops them all."""
     if not (isinstance(temp, (int, float)) and math.isfinite(temp) and temp >= 0):
@@ -884,7 +888,8 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
     profiles = None if profiles_dir is None else _open_profiles(profiles_dir, runtime, force_profile)
     if save_profiles and profiles is None and profile_path is None:
         raise MlxmoeError("--save-profiles needs --profiles DIR or --profile FILE (where to write them)")
-    provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size), model, tokenizer)
+    provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size, num_draft_tokens), model,
+                        tokenizer, NGram() if draft_model == "ngram" else draft_model)
     prompt_cache = LRUPromptCache(prompt_cache_size, max(1, runtime.plan.kv_reserve))
     generator = ResponseGenerator(provider, prompt_cache, profiles, save_profiles and save_every, profile_path)
     mlx_server.stream_generate = generator.stream  # what mlx-lm's generation thread calls

@@ -27,6 +27,8 @@ class CacheStats:
     verified_tokens: int = 0  # decode steps with one wait at their end (verify.py)
     replays: int = 0  # ... forwards run again from a layer that missed
     replayed_layers: int = 0  # ... decoder layers those computed again
+    drafted: int = 0  # tokens speculative decoding proposed (a draft model's, or n-gram lookup's: drafting.py)
+    accepted: int = 0  # ... that the model's own step confirmed
     read_seconds: float = 0.0  # the decode thread's reads
     bookkeeping_seconds: float = 0.0  # what StreamingExperts adds beyond mlx-lm's own work
     decode_tps: float = 0.0
@@ -47,4 +49,6 @@ class CacheStats:
                 "read_seconds": self.read_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
                 "evictions": self.evictions, "skipped": self.skipped, "biased": self.biased,
                 "substituted": self.substituted, "verified_tokens": self.verified_tokens,
-                "replays": self.replays, "replayed_layers": self.replayed_layers, "decode_tps": self.decode_tps}
+                "replays": self.replays, "replayed_layers": self.replayed_layers, "drafted": self.drafted,
+                "accepted": self.accepted, "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
+                "decode_tps": self.decode_tps}

@@ -1,0 +1,128 @@
+"""Speculative decoding on the demo model (or --model): decode tokens/s and the drafts'
+acceptance without drafts, with n-gram drafting (--draft ngram) and with a draft model
+(--draft-model; default: the model drafting for itself, which bounds what a draft model can
+give), on two tasks:
+
+- repeat: a held-out paragraph given twice, then its first words: the continuation repeats
+  the prompt (what n-gram drafting is for: editing code, quoting a given text);
+- chat: held-out openings as chat messages, answered freely (n-gram drafting must turn
+  itself off there: never below 0.95x).
+
+Each configuration runs in its own process (one model loaded at a time: no background reads
+of another model share the CPU), configurations alternated over --rounds; greedy, --tokens
+per prompt, the expert cache at --cache-experts (default: half the experts; 0: all resident).
+Prints per task and configuration the median decode tok/s, its ratio to no drafts, the
+acceptance (accepted / drafted tokens) and whether every output equals the one without drafts.
+
+    python bench/bench_speculative.py                      # ~10 min on a shared 2-core CPU
+    python bench/bench_speculative.py --tokens 8 --rounds 1 --prompts 1   # smoke run
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+from heldout import prompts  # noqa: E402
+
+CONFIGS = ("none", "ngram", "draft")
+
+
+def task_prompts(tokenizer, task, n):
+    """The prompts of `task` as token ids."""
+    if task == "repeat":
+        texts = [p for p in prompts("en", 4 * n) if len(p) > 200][:n]
+        return [tokenizer.encode(f"{t}\n\n{t}\n\n{' '.join(t.split()[:6])}") for t in texts]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p[:120]}], add_generation_prompt=True)
+            for lang in ("en", "it") for p in prompts(lang, n)][:n]
+
+
+def worker(args):
+    """One configuration in this process: prints one JSON line per task."""
+    import mlxmoe
+
+    kw = {} if args.cache_experts == 0 else {"cache_experts": args.cache_experts}
+    if args.config == "draft":
+        kw["draft_model"] = args.draft_model or args.model
+    model, tokenizer = mlxmoe.load(args.model, **kw)
+    runtime = model.expert_runtime
+    draft = {"none": {}, "ngram": {"draft_model": "ngram"},
+             "draft": {"draft_model": runtime.draft_model}}[args.config]
+    if args.num_draft:
+        draft["num_draft_tokens"] = args.num_draft
+    for r in mlxmoe.stream_generate(model, tokenizer, "Warm up", max_tokens=4):  # kernels compiled, caches warm
+        pass
+    for task in ("repeat", "chat"):
+        runtime.cache.reset_stats()
+        outputs, tokens, seconds = [], 0, 0.0
+        for ids in task_prompts(tokenizer, task, args.prompts):
+            tic, first, out = time.perf_counter(), None, []
+            for r in mlxmoe.stream_generate(model, tokenizer, ids, max_tokens=args.tokens, **draft):
+                first = first or time.perf_counter()
+                out.append(r.token)
+            outputs.append(out)
+            tokens += len(out) - 1
+            seconds += time.perf_counter() - first
+        stats = runtime.cache.stats()
+        print(json.dumps({"task": task, "tps": tokens / seconds if seconds else 0.0, "outputs": outputs,
+                          "drafted": stats["drafted"], "accepted": stats["accepted"]}), flush=True)
+    runtime.close()
+
+
+def run(args, config):
+    cmd = [sys.executable, __file__, "--worker", config, "--model", args.model, "--tokens", str(args.tokens),
+           "--prompts", str(args.prompts), "--cache-experts", str(args.cache_experts),
+           "--num-draft", str(args.num_draft or 0)] + (["--draft-model", args.draft_model] if args.draft_model else [])
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        sys.exit(f"{config} failed:\n{proc.stderr[-2000:]}")
+    return {r["task"]: r for r in map(json.loads, proc.stdout.splitlines())}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="Default: the bundled demo model.")
+    ap.add_argument("--draft-model", help="Default: the model itself (an upper bound on acceptance).")
+    ap.add_argument("--tokens", type=int, default=128, help="Tokens generated per prompt.")
+    ap.add_argument("--prompts", type=int, default=4, help="Prompts per task.")
+    ap.add_argument("--rounds", type=int, default=3, help="Rounds, the configurations alternated in each.")
+    ap.add_argument("--cache-experts", type=int, help="Expert cache size (0: every expert; default: half).")
+    ap.add_argument("--num-draft", type=int, help="Tokens drafted a step (default: mlxmoe's, 3 / 5).")
+    ap.add_argument("--worker", choices=CONFIGS, dest="config", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.model is None:
+        import mlxmoe
+
+        args.model = str(mlxmoe.DEMO_MODEL)
+    if args.cache_experts is None:
+        from mlxmoe.api import model_info
+
+        info = model_info(args.model)
+        args.cache_experts = info["moe_layers"] * info["experts_per_layer"] // 2
+    if args.config:
+        return worker(args)
+    results = {c: [] for c in CONFIGS}
+    for _ in range(args.rounds):
+        for config in CONFIGS:
+            results[config].append(run(args, config))
+    print(f"{args.model}: cache {args.cache_experts or 'all'} experts, {args.prompts} prompts x {args.tokens} tokens, "
+          f"{args.rounds} rounds (medians)")
+    print(f"{'task':<8}{'config':<8}{'tok/s':>8}{'ratio':>8}{'accepted':>10}{'drafted':>9}{'rate':>7}  same output")
+    for task in ("repeat", "chat"):
+        base = statistics.median(r[task]["tps"] for r in results["none"])
+        for config in CONFIGS:
+            runs = [r[task] for r in results[config]]
+            tps = statistics.median(r["tps"] for r in runs)
+            drafted, accepted = runs[-1]["drafted"], runs[-1]["accepted"]
+            same = all(r["outputs"] == results["none"][0][task]["outputs"] for r in runs)
+            rate = f"{accepted / drafted:.2f}" if drafted else "-"
+            print(f"{task:<8}{config:<8}{tps:>8.1f}{tps / base:>7.2f}x{accepted:>10}{drafted:>9}{rate:>7}  {same}")
+
+
+if __name__ == "__main__":
+    main()
