@@ -273,7 +273,7 @@ def test_a_touched_or_identically_replaced_shard_is_read_on(demo):
                 read = store.useful_bytes
         assert got == want
         assert store.useful_bytes > read  # experts were read after the last change
-        assert {Path(f): s for f, s in store.stamps.items()}[shard] == (shard.stat().st_size, 10 ** 9)  # the new one
+        assert {Path(f): s for f, s in store.shards.stamps.items()}[shard] == (shard.stat().st_size, 10 ** 9)  # the new one
     finally:
         model.expert_cache.close()
 

@@ -39,6 +39,14 @@ def expert_groups(rows, capacity) -> list[list[int]]:
     return [experts[i:i + capacity] for i in range(0, len(experts), capacity)]
 
 
+def low_bit(cache, layer, experts):
+    """Those of `experts` of `layer` not ready in `cache` (absent, on their way, or whose read
+    failed): computed with their low-bit copies."""
+    waiting, failed = cache.in_flight, cache.loader.failed
+    return {e for e in experts
+            if (layer, e) not in cache.slot_of or (layer, e) in waiting or (layer, e) in failed}
+
+
 class Busy(Exception):
     """Not enough slots outside those being filled in the background: wait for them."""
 

@@ -13,7 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..backend import host_probs
-from .cache import expert_groups
+from .cache import expert_groups, low_bit
 from ..errors import MlxmoeError
 from .lossy import host_logits
 from .prefetch import decayed
@@ -388,7 +388,7 @@ class StreamingExperts(nn.Module):
         experts = sorted(set(row if keep is None else [e for e, k in zip(row, keep) if k]))
         if self._fallback is not None:
             with cache.lock:  # (background loads neither evict nor add a key meanwhile)
-                return self._substitute(x, row, depth, keep, scales, self._low_bit(experts), probs, logits)
+                return self._substitute(x, row, depth, keep, scales, low_bit(cache, self._layer, experts), probs, logits)
         routing = StepRouting(self._layer, row, probs, logits, experts, cache.call_position)
         started = []
 
@@ -416,14 +416,6 @@ class StreamingExperts(nn.Module):
         cols, y_ready = started[0]
         rest = [i for i in range(len(row)) if i not in cols]
         return nest([slot_of[row[i]] for i in rest], depth), [row], (cols + rest, y_ready), scales
-
-    def _low_bit(self, experts):
-        """Those of `experts` not ready in the cache (absent, on their way, or whose read
-        failed): computed with their low-bit copies."""
-        cache, layer = self._cache, self._layer
-        waiting, failed = cache.in_flight, cache.loader.failed
-        return {e for e in experts
-                if (layer, e) not in cache.slot_of or (layer, e) in waiting or (layer, e) in failed}
 
     def _substitute(self, x, row, depth, keep, scales, low, probs, logits):
         """_step where some experts (`low`) compute with their low-bit copies at once and are

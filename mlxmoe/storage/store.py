@@ -60,6 +60,47 @@ def split_run(run, chunk=CHUNK):
     return out
 
 
+class ShardStamps:
+    """What each shard was when indexed: its stamp (size, mtime) when last checked and its
+    safetensors header. check() refuses a shard whose size or header changed since: its
+    tensors may no longer lie where the header said. Its mtime alone may change (rsync,
+    backup tools touch files): the header is read again then, and if it is the one indexed,
+    the new stamp is kept. A shard put back as it was is read on (the reads go to the file
+    opened at load, which keeps its bytes where a copy was renamed over it)."""
+
+    def __init__(self) -> None:
+        self.stamps = {}  # file -> stamp() when last checked
+        self.headers = {}  # file -> header_bytes() when indexed
+
+    def indexed(self, file) -> None:
+        try:
+            self.stamps[file], self.headers[file] = stamp(file), header_bytes(file)
+        except OSError as e:
+            raise MlxmoeError(f"cannot read shard {file}: {e.strerror or e}") from None
+
+    def check(self, file) -> None:
+        try:
+            now = stamp(file)
+            if file not in self.stamps:  # a file not indexed: as at its first read
+                self.stamps[file], self.headers[file] = now, header_bytes(file)
+            if self.stamps[file] == now:
+                return
+            header = header_bytes(file)
+        except OSError as e:
+            raise changed(file, e.strerror or e) from None
+        if now[0] != self.stamps[file][0]:
+            raise changed(file, f"size {self.stamps[file][0]} -> {now[0]} bytes")
+        if header != self.headers[file]:
+            raise changed(file, "its safetensors header differs")
+        self.stamps[file] = now
+
+
+def changed(file, why) -> MlxmoeError:
+    # (the advice first: mlxmoe serve's 500 cuts a long message)
+    return MlxmoeError(f"a shard changed on disk since the model was loaded ({why}): put the original back, "
+                       f"or load the model again (mlxmoe serve: restart it); shard {file}")
+
+
 class ExpertStore:
     """Maps (layer, expert) to the byte ranges of its tensors and reads them.
 
@@ -74,14 +115,10 @@ class ExpertStore:
         self.path = Path(model_path)
         self.files = shard_files(self.path)
         self.index = {}
-        self.stamps = {}  # file -> stamp() when last checked (check_unchanged)
-        self.headers = {}  # file -> header_bytes() when indexed: a shard whose header changed since is refused
+        self.shards = ShardStamps()  # a shard read from must be the one indexed
         for f in self.files:
             self.index.update(read_header(f))  # (first: it refuses a FIFO, which a read would wait on)
-            try:
-                self.stamps[f], self.headers[f] = stamp(f), header_bytes(f)
-            except OSError as e:
-                raise MlxmoeError(f"cannot read shard {f}: {e.strerror or e}") from None
+            self.shards.indexed(f)
         self.tensors = []  # names of one expert's tensors, in read order
         self.tensor_dtypes = []  # safetensors dtype of each
         self.tensor_shapes = []  # per-expert shape of each
@@ -223,7 +260,7 @@ class ExpertStore:
             disk = sum(map(self._read_run, todo))
         disk += self._read_slices(sliced, pace)
         for file in {r.file for r in ranges}:
-            self.check_unchanged(file)
+            self.shards.check(file)
         for out, buf, dtype in converts:
             out[...] = to_float32(buf, dtype) if out.dtype == np.float32 else buf.astype(out.dtype)
         useful = sum(r.nbytes for r in ranges)
@@ -253,33 +290,6 @@ class ExpertStore:
             wait(asked)
             raise
         return disk
-
-    def check_unchanged(self, file):
-        """Refuse a shard whose size or safetensors header changed since it was indexed: its
-        tensors may no longer lie where the header said. Its mtime alone may change (rsync,
-        backup tools touch files): the header is read again then, and if it is the one
-        indexed, the new stamp is kept. A shard put back as it was is read on (the reads go to
-        the file opened at load, which keeps its bytes where a copy was renamed over it)."""
-        try:
-            now = stamp(file)
-            if file not in self.stamps:  # a file not indexed: as at its first read
-                self.stamps[file], self.headers[file] = now, header_bytes(file)
-            if self.stamps[file] == now:
-                return
-            header = header_bytes(file)
-        except OSError as e:
-            raise self._changed(file, e.strerror or e) from None
-        if now[0] != self.stamps[file][0]:
-            raise self._changed(file, f"size {self.stamps[file][0]} -> {now[0]} bytes")
-        if header != self.headers[file]:
-            raise self._changed(file, "its safetensors header differs")
-        self.stamps[file] = now
-
-    @staticmethod
-    def _changed(file, why):
-        # (the advice first: mlxmoe serve's 500 cuts a long message)
-        return MlxmoeError(f"a shard changed on disk since the model was loaded ({why}): put the original back, "
-                           f"or load the model again (mlxmoe serve: restart it); shard {file}")
 
     def _read_slices(self, sliced, pace=None):
         """Slices [(Range with runs `step` bytes apart, dest)]: a tensor-parallel slice along
