@@ -251,11 +251,15 @@ def test_server_null_content_gets_400_and_good_fields_200(server):
 @pytest.mark.parametrize("method,path,status,allow", [
     ("GET", "/nope", 404, None), ("POST", "/nope", 404, None), ("DELETE", "/nope", 404, None),
     ("GET", "/v1/chat/completions", 405, "POST"), ("PUT", "/v1/completions", 405, "POST"),
-    ("POST", "/health", 405, "GET"), ("POST", "/v1/models", 405, "GET"), ("DELETE", "/v1/mlxmoe/stats", 405, "GET"),
-    ("GET", "/v1/models/anything", 200, None)])
+    ("POST", "/health", 405, "GET, HEAD"), ("POST", "/v1/models", 405, "GET, HEAD"),
+    ("DELETE", "/v1/mlxmoe/stats", 405, "GET, HEAD"), ("GET", "/v1/models/anything", 404, None),
+    ("GET", "/v1/models/mlxmoe-demo", 200, None), ("HEAD", "/v1/completions", 405, "POST")])
 def test_server_routes_and_methods(server, method, path, status, allow):
     got, headers, data = server.request(method, path)
     assert got == status and headers.get("Allow") == allow, (got, headers, data)
+    if method == "HEAD":  # (the headers GET would have, no body)
+        assert data == b"" and int(headers["Content-Length"]) > 0
+        return
     body = json.loads(data)
     assert ("error" in body) == (status != 200)
 
