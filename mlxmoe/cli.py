@@ -1660,8 +1660,12 @@ def convert(src, dst, bundle, fallback_bits):
 @click.option("--max-queue", type=Number(int, 1, 4096), default=64, show_default=True,
               help="Generation requests waiting or running at once; more are answered 503 with Retry-After.")
 @draft_options
+@click.option("--idle-timeout", type=Number(float, 0, 86400, low_open=True), default=30, show_default=True,
+              help="Seconds a connection waits for its client: a kept-alive connection idle this long, or a request "
+              "whose line and headers take longer in all, is closed; so is one where any read or write stalls this "
+              "long.")
 def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp, top_p, prompt_cache_size, max_queue,
-          **opts):
+          idle_timeout, **opts):
     """Serve the model over HTTP: OpenAI /v1/chat/completions, /v1/completions and
     /v1/models, Anthropic /v1/messages, /health and the expert cache's /v1/mlxmoe/stats
     (mlx-lm's server on mlxmoe's model). Requests queue: one generation at a time."""
@@ -1682,7 +1686,7 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
         name = model_name(model.expert_runtime.checkpoint.path)  # as profiles and traces name it
         run_server(model, tokenizer, name, host, port, profiles_dir, save_profiles, save_every, max_tokens, temp,
                    top_p, prompt_cache_size, opts["force_profile"], opts["profile_path"], max_queue=max_queue,
-                   **_serve_draft(model, opts))
+                   idle_timeout=idle_timeout, **_serve_draft(model, opts))
     except BaseException:
         model.expert_cache.close()
         raise

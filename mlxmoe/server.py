@@ -38,6 +38,7 @@ generation thread are used as they are; the subclasses below change only what ha
 import argparse
 import copy
 import io
+import itertools
 import json
 import logging
 import math
@@ -52,6 +53,7 @@ import uuid
 from collections import Counter
 from http.server import ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import unquote
 
 import numpy as np
 from mlx_lm import server as mlx_server
@@ -62,6 +64,7 @@ from .api import generation_lock, model_fingerprint, stream_generate, vocab_size
 from .budget import DEFAULT_CONTEXT, format_size
 from .errors import MlxmoeError
 from .drafting import NGram
+from .http11 import KeepAlive, TooLarge, read_chunked
 from .workload.profile import ActivationProfile, js_divergence
 
 PROFILE_HEADER = "X-Mlxmoe-Profile"
@@ -69,6 +72,7 @@ POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions", "/
 GET_PATHS = ("/health", "/v1/models", "/v1/mlxmoe/stats")  # (and /v1/models/NAME)
 MAX_BODY = 64 << 20  # bytes of a request body, at most
 BODY_BYTES_PER_TOKEN = 256  # a body may hold this many bytes per token of the context (at least 1 MiB)
+IDLE_TIMEOUT = 30.0  # seconds a connection may wait for its client (idle, sending its headers, any read or write)
 DISCARD_SECONDS = 2.0  # how long the body of a refused request is read and dropped (its client then reads the answer)
 MAX_DEPTH = 64  # nesting of a request body's JSON
 # body fields that are numbers: true/false (Python's bools are ints) refused for them
@@ -153,6 +157,31 @@ class SharedEvent(threading.Event):
         return SharedEvent, ()
 
 
+class Client:
+    """A request's client connection as the generation thread sees it: `gone()` at every token
+    (a streaming client's failed write would tell only once the handler thread, behind the
+    generation, writes; a non-streaming one writes nothing until the end). It pickles as no
+    connection: the other ranks learn of a client gone through rank 0's vote."""
+
+    def __init__(self, sock=None):
+        self.sock, self.left, self.readable = sock, False, None
+        if sock is not None:  # (poll, not select: select takes no descriptor above 1023)
+            self.readable = select.poll()
+            self.readable.register(sock, select.POLLIN)
+
+    def __reduce__(self):
+        return Client, ()
+
+    def gone(self):
+        """Whether the client closed or reset its connection (then `left` is set)."""
+        try:
+            if not self.left and self.readable is not None and self.readable.poll(0):
+                self.left = self.sock.recv(1, socket.MSG_PEEK) == b""
+        except OSError:  # reset, or closed here
+            self.left = True
+        return self.left  # (readable with bytes: the client sent more, a next request: not gone)
+
+
 class Replies:
     """A request's reply queue under several ranks. mlx-lm's handler stops a generation
     whose client went away through GenerationContext.stop(), which would end it on rank 0
@@ -228,6 +257,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
 
     def _tokenize(self, tokenizer, request, args):
         tokenized = super()._tokenize(tokenizer, request, args)
+        self.active.prompt_tokens = len(tokenized[0])  # (Anthropic's message_start tells it)
         args.max_tokens = max(1, min(args.max_tokens, self.context - len(tokenized[0])))
         return tokenized
 
@@ -256,7 +286,8 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                     request.profile = name
                     request.decided.set()
                 yield response
-                stop = self._stop or self.stopping or request.cancelled  # shutting down, or the client went away
+                # shutting down, or the client went away (told by the handler, or seen now: within one token)
+                stop = self._stop or self.stopping or request.cancelled or request.client.gone()
                 if self.group is not None:
                     with distributed.waiting(self.group, "voting to stop"):
                         stop = distributed.any_rank(self.group, stop)
@@ -347,10 +378,11 @@ class OpenAIErrors:
 
 class AnthropicStream:
     """The OpenAI chunks mlx-lm's handler writes, rewritten as Anthropic's message events
-    (anything that is not a `data:` line, such as headers, passes as it is)."""
+    (anything that is not a `data:` line, such as headers, passes as it is); `start()`: the
+    message that message_start tells (its usage: the prompt's tokens, known once tokenized)."""
 
-    def __init__(self, out, message):
-        self.out, self.message, self.started, self.stop_reason = out, message, False, "end_turn"
+    def __init__(self, out, start):
+        self.out, self.start, self.started, self.stop_reason = out, start, False, "end_turn"
 
     def write(self, data):
         if not data.startswith(b"data: "):
@@ -361,7 +393,7 @@ class AnthropicStream:
             chunk = json.loads(payload)
             if not self.started:
                 self.started = True
-                events += [("message_start", {"type": "message_start", "message": self.message}),
+                events += [("message_start", {"type": "message_start", "message": self.start()}),
                            ("content_block_start", {"type": "content_block_start", "index": 0,
                                                     "content_block": {"type": "text", "text": ""}})]
             if chunk["choices"]:
@@ -412,15 +444,18 @@ def anthropic_to_chat(body):
         body["stop"] = body.pop("stop_sequences")
 
 
-class Handler(mlx_server.APIHandler):
-    """mlx-lm's handler with /v1/messages, /v1/mlxmoe/stats and the mlxmoe request checks."""
+class Requests(KeepAlive, mlx_server.APIHandler):
+    """The HTTP side of the handler, over HTTP/1.1 (http11.KeepAlive: one handler serves a
+    connection's requests in turn): routes and methods (404, 405), error answers, request
+    bodies read and checked before mlx-lm reads them (by Content-Length or chunked, within
+    the limit, UTF-8, JSON of a bounded depth)."""
 
-    anthropic = False
-    request = None
+    headers_sent = False
 
     def parse_request(self):
         """The stdlib's, then the path without a trailing slash: every route answers with
         or without one (/v1/models/ as /v1/models)."""
+        self.headers_sent = False
         ok = super().parse_request()
         if ok and len(self.path) > 1:
             self.path = self.path.rstrip("/") or "/"
@@ -432,12 +467,12 @@ class Handler(mlx_server.APIHandler):
         if self.path in POST_PATHS:
             allow = "POST"
         elif self.path in GET_PATHS or self.path.startswith("/v1/models/"):
-            allow = "GET"
+            allow = "GET, HEAD"
         else:
             self._send_json(404, {"error": {"message": f"{self.path[:200]}: no such route", "type": "invalid_request_error",
                                             "param": None, "code": None}})
             return True
-        if self.command == allow:
+        if self.command in allow.split(", "):
             return False
         self._send_json(405, {"error": {"message": f"{self.path}: {self.command} is not served here; use {allow}",
                                         "type": "invalid_request_error", "param": None, "code": None}},
@@ -447,26 +482,7 @@ class Handler(mlx_server.APIHandler):
     def do_PUT(self):
         self._no_route()
 
-    do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_PUT
-
-    def do_GET(self):
-        if self._no_route():
-            return
-        if self.path == "/v1/mlxmoe/stats":
-            return self._send_json(200, self.response_generator.stats())
-        model = {"id": self.response_generator.cli_args.model, "object": "model", "created": self.created,
-                 "owned_by": "mlxmoe"}
-        if self.path == "/v1/models":
-            return self._send_json(200, {"object": "list", "data": [model]})
-        if self.path.startswith("/v1/models/"):  # every name is the served model (ModelProvider)
-            return self._send_json(200, model)
-        super().do_GET()
-
-    headers_sent = False
-    too_long = False  # the request's prompt is beyond the context: its 400 from mlx-lm becomes a 413
-
-    def _set_completion_headers(self, status_code=200):
-        super()._set_completion_headers(413 if status_code == 400 and self.too_long else status_code)
+    do_DELETE = do_PATCH = do_OPTIONS = do_PUT
 
     def end_headers(self):
         self.headers_sent = True
@@ -487,55 +503,27 @@ class Handler(mlx_server.APIHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def do_POST(self):
-        wfile, rfile, self.wfile = self.wfile, self.rfile, OpenAIErrors(self.wfile)
-        try:
-            if self._no_route():
-                return
-            if not self._read_body():
-                return
-            if self.path == "/v1/messages":
-                self.anthropic, self.path = True, "/v1/chat/completions"
-            if not self.server.admit():
-                return self._error(503, f"server busy: {self.server.max_queue} requests are queued or running "
-                                   "(mlxmoe serve --max-queue); retry later", [("Retry-After", "1")])
-            try:
-                super().do_POST()
-            finally:
-                self.server.leave()
-        except (BrokenPipeError, ConnectionResetError):  # the client went away: nobody to answer
-            logging.info("mlxmoe serve: a client went away before its answer")
-        except Exception as e:  # a bug, or a body mlx-lm's code could not take: an answer all the same
-            logging.exception("mlxmoe serve: a request failed")
-            if not self.headers_sent:  # (a status line and headers only buffered: replaced by the 500)
-                self._headers_buffer = []
-                try:
-                    self._error(500, f"internal error ({type(e).__name__}: {str(e)[:200]})")
-                except OSError:
-                    pass
-        finally:
-            self.wfile, self.rfile = wfile, rfile
-
     def _read_body(self):
-        """Read and check the body before mlx-lm does (it then reads the same bytes): UTF-8,
-        JSON nested at most MAX_DEPTH deep, no NaN or Infinity anywhere (named by where they
-        are). False once it has answered 400 or 413."""
-        length = self.headers.get("Content-Length")
-        try:
-            length = int(length)
-        except (TypeError, ValueError):
-            return True  # mlx-lm answers 411 or 400
-        if length < 0:
-            self._error(400, "Invalid Content-Length header")
-            return False
+        """Read and check the body before mlx-lm does (it then reads the same bytes): by its
+        Content-Length or chunked, UTF-8, JSON nested at most MAX_DEPTH deep, no NaN or Infinity
+        anywhere (named by where they are). False once it has answered 400 or 413."""
         context = self.response_generator.context
         most = min(MAX_BODY, max(1 << 20, context * BODY_BYTES_PER_TOKEN))
-        if length > most:  # answered at once, before any of it is read
-            self._error(413, f"request body: {length} bytes, more than the {most} a request may hold (a prompt "
-                        f"within the {context}-token context takes far fewer)")
-            self._discard(length)
+        try:
+            raw = self._body(most)
+        except TooLarge as e:  # answered at once, before the rest is read
+            self.close_connection = True
+            self._error(413, f"{e} (a prompt within the {context}-token context takes far fewer)",
+                        [("Connection", "close")])
+            self._discard(e.size if "Content-Length" in self.headers else e.most)
             return False
-        raw = self.rfile.read(length)
+        except ValueError as e:
+            self.close_connection = True  # (where the next request would start is unknown)
+            self._error(400, str(e), [("Connection", "close")])
+            return False
+        if raw is None:
+            return True  # mlx-lm answers 411
+        self.body_read = True
         self.rfile = io.BytesIO(raw)
         try:
             text = raw.decode("utf-8")
@@ -554,6 +542,26 @@ class Handler(mlx_server.APIHandler):
             self._error(400, problem)
             return False
         return True
+
+    def _body(self, most):
+        """The request's body (bytes), of its Content-Length or chunked; None without either;
+        TooLarge beyond `most` bytes, ValueError for framing that cannot be read."""
+        chunked = self.headers.get("Transfer-Encoding")
+        length = self.headers.get("Content-Length")
+        if chunked is not None:
+            if chunked.strip().lower() != "chunked" or length is not None:
+                raise ValueError(f"Transfer-Encoding {chunked[:40]!r}: only chunked is taken, without Content-Length")
+            raw = read_chunked(self.rfile, most)
+            del self.headers["Transfer-Encoding"]
+            self.headers["Content-Length"] = str(len(raw))  # (as mlx-lm reads it)
+            return raw
+        if length is None:
+            return None
+        if not re.fullmatch(r"[0-9]+", length.strip()):
+            raise ValueError("Invalid Content-Length header")
+        if int(length) > most:
+            raise TooLarge(int(length), most)
+        return self.rfile.read(int(length))
 
     def _discard(self, length):
         """Read and drop up to `length` bytes of a refused body for DISCARD_SECONDS at most,
@@ -584,11 +592,86 @@ class Handler(mlx_server.APIHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
+
+class Handler(Requests):
+    """mlx-lm's handler with /v1/messages, /v1/mlxmoe/stats and the mlxmoe request checks."""
+
+    too_long = False  # the request's prompt is beyond the context: its 400 from mlx-lm becomes a 413
+
+    def parse_request(self):
+        """(The last request's state dropped first.)"""
+        self.anthropic = self.too_long = False
+        self.request = self.legacy_logprobs = None
+        return super().parse_request()
+
+    def do_GET(self):
+        if self._no_route():
+            return
+        if self.path == "/v1/mlxmoe/stats":
+            return self._send_json(200, self.response_generator.stats())
+        model = {"id": self.response_generator.cli_args.model, "object": "model", "created": self.created,
+                 "owned_by": "mlxmoe"}
+        if self.path == "/v1/models":
+            return self._send_json(200, {"object": "list", "data": [model]})
+        if self.path.startswith("/v1/models/"):  # (openai's models.retrieve)
+            name = unquote(self.path[len("/v1/models/"):])
+            if name == model["id"]:
+                return self._send_json(200, model)
+            return self._send_json(404, {"error": {"message": f"model {name[:200]!r} not found (served: {model['id']})",
+                                                   "type": "invalid_request_error", "param": "model",
+                                                   "code": "model_not_found"}})
+        super().do_GET()
+
+    def _set_completion_headers(self, status_code=200):
+        super()._set_completion_headers(413 if status_code == 400 and self.too_long else status_code)
+
+    def do_POST(self):
+        wfile, rfile, self.wfile = self.wfile, self.rfile, OpenAIErrors(self.wfile)
+        try:
+            if self._no_route():
+                return
+            if not self._read_body():
+                return
+            if self.path == "/v1/messages":
+                self.anthropic, self.path = True, "/v1/chat/completions"
+            if not self.server.admit():
+                return self._error(503, f"server busy: {self.server.max_queue} requests are queued or running "
+                                   "(mlxmoe serve --max-queue); retry later", [("Retry-After", "1")])
+            try:
+                super().do_POST()
+            finally:
+                self.server.leave()
+            if self.request is not None and self.request.client.left:  # (its answer's writes went unnoticed)
+                self.went_away()
+        except TimeoutError:  # the client stopped sending its body (or reading the answer)
+            self.close_connection = True
+            self.framing.mode = None
+            self.log_message('"%s": the client sent or read nothing for %s s', self.requestline, self.timeout)
+            if not self.headers_sent:
+                self._error(408, f"request body: nothing came for {self.timeout} s (serve --idle-timeout)",
+                            [("Connection", "close")])
+        except ConnectionError:  # the client went away: nobody to answer
+            self.went_away()
+        except Exception as e:  # a bug, or a body mlx-lm's code could not take: an answer all the same
+            logging.exception("mlxmoe serve: a request failed")
+            self.close_connection = True
+            self.framing.mode = None  # (a response cut short gets no last chunk)
+            if not self.headers_sent:  # (a status line and headers only buffered: replaced by the 500)
+                self._headers_buffer = []
+                try:
+                    self._error(500, f"internal error ({type(e).__name__}: {str(e)[:200]})")
+                except OSError:
+                    pass
+        finally:
+            self.wfile, self.rfile = wfile, rfile
+
     def validate_model_parameters(self):
         """mlx-lm's checks, then mlxmoe's: where mlx-lm calls this the body is parsed and
         the request not yet built, so a ValueError here is its HTTP 400 naming the field."""
         body = self.body
         _check_numbers(body)
+        if self.path == "/v1/completions" and isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool):
+            self._legacy_logprobs(self.logprobs)
         super().validate_model_parameters()
         self.requested_model = self.response_generator.cli_args.model  # the served model's name, whatever was asked
         self._check_parameters()
@@ -604,6 +687,17 @@ class Handler(mlx_server.APIHandler):
             self.too_long = True  # answered 413 (Payload Too Large), the body naming the field
             raise ValueError(f"{field}: the prompt is {n} tokens, beyond the {context}-token context the "
                              "memory budget reserves")
+
+    def _legacy_logprobs(self, n):
+        """/v1/completions' integer logprobs (OpenAI's legacy API): the top `n` tokens at each
+        position, asked of mlx-lm as logprobs and top_logprobs, answered in the legacy shape."""
+        if not 0 <= n <= 11:  # (mlx-lm's range for top_logprobs)
+            raise ValueError(f"logprobs must be true, false or an integer from 0 to 11 (the top tokens listed at "
+                             f"each position), not {n}")
+        if self.stream is True:
+            raise ValueError("logprobs: a number of top tokens is answered without stream only (mlx-lm's stream "
+                             "carries no logprobs)")
+        self.legacy_logprobs, self.logprobs, self.top_logprobs = n, True, n
 
     def _check_parameters(self):
         """What mlx-lm takes and mlxmoe does not (adapters, a draft model, several choices)
@@ -664,34 +758,17 @@ class Handler(mlx_server.APIHandler):
     def handle_completion(self, request, stop_words):
         request.mlxmoe_profile = (self.body.get("mlxmoe") or {}).get("profile")
         request.decided, request.usage, request.profile, request.cancelled = SharedEvent(), None, None, False
+        request.client, request.prompt_tokens = Client(self.connection), 0
         self.request = request
         wfile = self.wfile
         if self.anthropic:
             self.stream_options = {"include_usage": True}
             if self.stream:
-                self.wfile = AnthropicStream(wfile, self._anthropic_message([], None, 0, 0))
-        done = threading.Event()
-        threading.Thread(target=self._watch_client, args=(request, done), name="mlxmoe-client", daemon=True).start()
+                self.wfile = AnthropicStream(wfile, lambda: self._anthropic_message([], None, request.prompt_tokens, 0))
         try:
             super().handle_completion(request, stop_words)
         finally:
-            done.set()
             self.wfile = wfile
-
-    def _watch_client(self, request, done):
-        """Until `done`: a client that closes its connection cancels its request (the
-        generation stops at its next token, streaming or not: a non-streaming answer
-        writes nothing before its end, so no failed write would tell)."""
-        sock = self.connection
-        try:
-            while not done.is_set():
-                if select.select([sock], [], [], 0.05)[0]:
-                    if sock.recv(1, socket.MSG_PEEK) == b"":  # the client's end is closed
-                        request.cancelled = True
-                    return  # (else it sent more than its request: nothing to tell)
-        except (OSError, ValueError):  # reset, or closed here: gone too
-            if not done.is_set():
-                request.cancelled = True
 
     def _set_stream_headers(self, status_code=200):
         # the header names the request's profile, chosen after its prefill: wait for it
@@ -713,6 +790,10 @@ class Handler(mlx_server.APIHandler):
             return self._anthropic_message([{"type": "text", "text": text or ""}],
                                            ANTHROPIC_STOP.get(finish_reason, "end_turn"),
                                            prompt_token_count, completion_token_count)
+        if self.legacy_logprobs is not None:
+            response["choices"][0]["logprobs"] = legacy_logprobs(
+                self.response_generator.model_provider.tokenizer, kwargs["tokens"], kwargs["token_logprobs"],
+                kwargs["top_tokens"] if self.legacy_logprobs > 0 else None)
         return response
 
     def completion_usage_response(self, *args, **kwargs):
@@ -727,6 +808,25 @@ class Handler(mlx_server.APIHandler):
         return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                 "model": self.requested_model, "content": content, "stop_reason": stop_reason,
                 "stop_sequence": None, "usage": usage}
+
+
+def legacy_logprobs(tokenizer, tokens, token_logprobs, top_tokens):
+    """The logprobs of OpenAI's legacy completions: each token's text (as the streaming
+    detokenizer gave the completion's text: together they are that text) and logprob, the top
+    tokens at each position ({text: logprob}; None where none were asked) and where each
+    token's text starts in the completion (`tokens`, `token_logprobs`, `top_tokens`: mlx-lm's)."""
+    detokenizer, texts = tokenizer.detokenizer, []  # (a fresh one)
+    for token in tokens:
+        detokenizer.add_token(token)
+        texts.append(detokenizer.last_segment)
+    detokenizer.finalize()
+    if texts:
+        texts[-1] += detokenizer.last_segment
+    offsets = list(itertools.accumulate(map(len, texts[:-1]), initial=0))[:len(texts)]
+    top = None if top_tokens is None else [  # (the token taken named by its text above)
+        {text if t["id"] == token else tokenizer.decode([t["id"]]): t["logprob"] for t in position}
+        for text, token, position in zip(texts, tokens, top_tokens)]
+    return {"tokens": texts, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
 def _check_numbers(body):
@@ -816,14 +916,21 @@ def _check_json(body):
 
 class Server(ThreadingHTTPServer):
     """The HTTP server: a listen backlog for many clients at once (the stdlib's 5 resets
-    them), and at most `max_queue` generation requests admitted at once (more get 503)."""
+    them), at most `max_queue` generation requests admitted at once (more get 503), each
+    connection waiting `idle_timeout` seconds at most for its client (http11.KeepAlive);
+    `connections`: how many it accepted."""
 
     request_queue_size = 1024
     daemon_threads = True
 
-    def __init__(self, address, handler, max_queue=64):
+    def __init__(self, address, handler, max_queue=64, idle_timeout=IDLE_TIMEOUT):
         self.max_queue, self.admitted, self.admit_lock = max_queue, 0, threading.Lock()
+        self.idle_timeout, self.connections = idle_timeout, 0
         super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        self.connections += 1  # (on the serving thread, one connection at a time)
+        super().process_request(request, client_address)
 
     def admit(self):
         with self.admit_lock:
@@ -870,9 +977,30 @@ def serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save
     return line
 
 
+def response_generator(model, tokenizer, model_name, max_tokens=512, temp=0.0, top_p=1.0, prompt_cache_size=0,
+                       profiles=None, save_every=0, profile_path=None, draft_model=None, num_draft_tokens=3):
+    """mlx-lm's generation thread on `model`, started, with the prompt cache bounded by the
+    KV reserve; mlx-lm's server generates through it from now on. `draft_model`: the
+    runtime's draft model, or "ngram" (see serve)."""
+    provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size, num_draft_tokens), model,
+                        tokenizer, NGram() if draft_model == "ngram" else draft_model)
+    prompt_cache = LRUPromptCache(prompt_cache_size, max(1, model.expert_runtime.plan.kv_reserve))
+    generator = ResponseGenerator(provider, prompt_cache, profiles, save_every, profile_path)
+    mlx_server.stream_generate = generator.stream  # what mlx-lm's generation thread calls
+    return generator
+
+
+def http_server(generator, host="127.0.0.1", port=0, max_queue=64, idle_timeout=IDLE_TIMEOUT):
+    """The HTTP server of `generator`'s requests, serving on a thread of its own until its shutdown()."""
+    httpd = Server((host, port), lambda *a, **k: Handler(
+        generator, *a, system_fingerprint=mlx_server.get_system_fingerprint(), **k), max_queue, idle_timeout)
+    threading.Thread(target=httpd.serve_forever, name="mlxmoe-http", daemon=True).start()
+    return httpd
+
+
 def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_dir=None, save_profiles=False,
           save_every=16, max_tokens=512, temp=0.0, top_p=1.0, prompt_cache_size=0, force_profile=False,
-          profile_path=None, max_queue=64, draft_model=None, num_draft_tokens=3):
+          profile_path=None, max_queue=64, idle_timeout=IDLE_TIMEOUT, draft_model=None, num_draft_tokens=3):
     """Serve `model` until SIGINT or SIGTERM; then, with save_profiles, save the profiles
     (--profiles) or the live one to `profile_path` (the --profile it was loaded with).
     `draft_model` (the runtime's draft model, or "ngram"), drafting `num_draft_tokens` a step
@@ -888,23 +1016,17 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
     profiles = None if profiles_dir is None else _open_profiles(profiles_dir, runtime, force_profile)
     if save_profiles and profiles is None and profile_path is None:
         raise MlxmoeError("--save-profiles needs --profiles DIR or --profile FILE (where to write them)")
-    provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size, num_draft_tokens), model,
-                        tokenizer, NGram() if draft_model == "ngram" else draft_model)
-    prompt_cache = LRUPromptCache(prompt_cache_size, max(1, runtime.plan.kv_reserve))
-    generator = ResponseGenerator(provider, prompt_cache, profiles, save_profiles and save_every, profile_path)
-    mlx_server.stream_generate = generator.stream  # what mlx-lm's generation thread calls
+    generator = response_generator(model, tokenizer, model_name, max_tokens, temp, top_p, prompt_cache_size, profiles,
+                                   save_profiles and save_every, profile_path, draft_model, num_draft_tokens)
 
     def stop(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop)
-    httpd = serving = None
+    httpd = None
     try:
         if group is None or group.rank() == 0:
-            httpd = Server((host, port), lambda *a, **k: Handler(
-                generator, *a, system_fingerprint=mlx_server.get_system_fingerprint(), **k), max_queue)
-            serving = threading.Thread(target=httpd.serve_forever, daemon=True)
-            serving.start()
+            httpd = http_server(generator, host, port, max_queue, idle_timeout)
             say(serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save_profiles, save_every))
             say(f"mlxmoe serve: {model_name} at http://{host}:{httpd.server_port}")
         # until a signal (on any rank) stops the generation, or it fails; not Thread.join(): a
@@ -916,9 +1038,8 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
         raise MlxmoeError(f"cannot serve on {host}:{port}: {e.strerror}") from None
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the save short
-        if serving is not None:
-            httpd.shutdown()
         if httpd is not None:
+            httpd.shutdown()
             httpd.server_close()
         generator.stop_and_join()
         # what was learnt is kept on any exit caught here; after a failure under several ranks

@@ -381,6 +381,7 @@ OPTIONS = {
     "--cache-bias": (["generate", "-m", MISSING, "-p", "hi", "--cache-bias", "{}"], in_range(float, 0)),
     "--trim-mass": (["generate", "-m", MISSING, "-p", "hi", "--trim-mass", "{}"], in_range(float, 0, 1)),
     "--max-queue": (["serve", "-m", MISSING, "--max-queue", "{}"], in_range(int, 1, 4096)),
+    "--idle-timeout": (["serve", "-m", MISSING, "--idle-timeout", "{}"], in_range(float, 0, 86400, low_open=True)),
     "--half-life": (["profile", "record", "-m", MISSING, "--prompts", __file__, "-w", "w", "-o", "{out}",
                      "--half-life", "{}"], in_range(float, 1)),  # (a profile's half-life: at least 1 token)
     "--top": (["profile", "show", "{missing}", "--top", "{}"], in_range(int, 0, 2 ** 31)),
@@ -539,3 +540,70 @@ def test_fuzz_server_requests():
     assert code == 0 and "Traceback" not in log, log[-3000:]
     print(f"\nfuzz server requests: {CASES} cases, " + ", ".join(f"{n} answered {s}" for s, n in sorted(
         statuses.items())) + ", 0 dropped, 0 tracebacks")
+
+
+# The server's HTTP/1.1 framing (issue 44): bodies chunked in random pieces (extensions,
+# trailers, either hex case) or by a Content-Length, half of them broken (bytes mutated, cut, a
+# length off by a few): each an HTTP answer (200, a JSON 400/413, 408 for a body that stops
+# coming), never a dropped connection; a well framed one leaves its connection in step (the
+# next request on it answered).
+FRAMING_CASES = max(20, CASES // 5)
+
+
+def chunked_wire(body, rng):
+    """`body` as chunks in 1-5 random pieces, then the last chunk and the trailers' end."""
+    cuts = sorted(rng.sample(range(1, len(body)), min(len(body) - 1, rng.randint(0, 4))))
+    pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+    return b"".join(rng.choice([b"%x", b"%X", b"00%x"]) % len(piece) + rng.choice([b"", b";ext=1"]) + b"\r\n"
+                    + piece + b"\r\n" for piece in pieces) + b"0\r\n" + rng.choice([b"", b"X-T: 1\r\n"]) + b"\r\n"
+
+
+def framed_request(path, body, rng):
+    """(the request's bytes, whether its framing is intact)."""
+    if rng.random() < 0.5:
+        wire, framing = chunked_wire(body, rng), "Transfer-Encoding: chunked"
+        intact = rng.random() < 0.5
+        wire = wire if intact else mutate_bytes(wire, rng)
+    else:
+        off = rng.choice([0, 0, 0, -1, 1, -7, 7])
+        wire, framing, intact = body, f"Content-Length: {max(0, len(body) + off)}", off == 0
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\n{framing}\r\n\r\n".encode() + wire, intact
+
+
+def test_fuzz_server_framing():
+    import http.client
+    import socket
+
+    from test_server import Server
+
+    rng = random.Random("framing")
+    server = Server("--memory-budget", "42MB", "--max-tokens", "4", "--idle-timeout", "1")
+    statuses, kept = {}, 0
+    try:
+        for i in range(FRAMING_CASES):
+            path = rng.choice(list(SERVER_BODIES))
+            body = short(mutated(SERVER_BODIES[path], rng)) if rng.random() < 0.3 else dumps(SERVER_BODIES[path])
+            request, intact = framed_request(path, body, rng)
+            with deadline(CASE_SECONDS * 3, f"framing case {i}"), socket.create_connection(
+                    ("127.0.0.1", server.port), timeout=CASE_SECONDS) as sock:
+                sock.sendall(request)
+                answer = http.client.HTTPResponse(sock)
+                answer.begin()  # (a dropped connection raises)
+                data = answer.read()
+                statuses[answer.status] = statuses.get(answer.status, 0) + 1
+                assert answer.status in (200, 400, 408, 413), (answer.status, request[:300], data[:200])
+                if answer.status != 200:
+                    assert json.loads(data)["error"]["message"], data
+                if intact and not answer.will_close:  # the connection is in step: the next request answered
+                    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+                    following = http.client.HTTPResponse(sock)
+                    following.begin()
+                    assert following.status == 200 and json.loads(following.read())["data"], request[:300]
+                    kept += 1
+        assert kept > 0
+    finally:
+        code = server.stop()
+    log = "".join(server.lines)
+    assert code == 0 and "Traceback" not in log, log[-3000:]
+    print(f"\nfuzz server framing: {FRAMING_CASES} cases, " + ", ".join(f"{n} answered {s}" for s, n in sorted(
+        statuses.items())) + f", {kept} connections kept in step, 0 dropped, 0 tracebacks")

@@ -251,11 +251,15 @@ def test_server_null_content_gets_400_and_good_fields_200(server):
 @pytest.mark.parametrize("method,path,status,allow", [
     ("GET", "/nope", 404, None), ("POST", "/nope", 404, None), ("DELETE", "/nope", 404, None),
     ("GET", "/v1/chat/completions", 405, "POST"), ("PUT", "/v1/completions", 405, "POST"),
-    ("POST", "/health", 405, "GET"), ("POST", "/v1/models", 405, "GET"), ("DELETE", "/v1/mlxmoe/stats", 405, "GET"),
-    ("GET", "/v1/models/anything", 200, None)])
+    ("POST", "/health", 405, "GET, HEAD"), ("POST", "/v1/models", 405, "GET, HEAD"),
+    ("DELETE", "/v1/mlxmoe/stats", 405, "GET, HEAD"), ("GET", "/v1/models/anything", 404, None),
+    ("GET", "/v1/models/mlxmoe-demo", 200, None), ("HEAD", "/v1/completions", 405, "POST")])
 def test_server_routes_and_methods(server, method, path, status, allow):
     got, headers, data = server.request(method, path)
     assert got == status and headers.get("Allow") == allow, (got, headers, data)
+    if method == "HEAD":  # (the headers GET would have, no body)
+        assert data == b"" and int(headers["Content-Length"]) > 0
+        return
     body = json.loads(data)
     assert ("error" in body) == (status != 200)
 
@@ -279,8 +283,30 @@ def wait_idle(server, before, seconds=10):
     raise AssertionError(f"the generation still runs {seconds} s after its client went away")
 
 
+def test_a_body_over_the_limit_is_refused_before_it_is_sent(server):
+    """As soon as its Content-Length says so: the 50 MB are never sent."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (50 << 20))
+        tic, data = time.monotonic(), b""
+        while not data.endswith(b"}") and time.monotonic() - tic < 5:
+            data += sock.recv(4096) or b"}"
+        assert time.monotonic() - tic < 1
+    assert data.startswith(b"HTTP/1.1 413") and b"Connection: close" in data and b"request body of 52428800" in data
+
+
+def log_lines(server, start, needle, seconds=5):
+    """The server's log lines from `start` on once one holds `needle` (and a moment more for any other)."""
+    tic = time.monotonic()
+    while not any(needle in line for line in server.lines[start:]) and time.monotonic() - tic < seconds:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    return server.lines[start:]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_gone_stops_its_generation(server, stream):
+    """(Within one token: tests/test_http11.py counts them.) It is logged in one line."""
+    start = len(server.lines)
     before = server.json("GET", "/v1/mlxmoe/stats")[2]["server"]["requests"]
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     data = json.dumps({"prompt": "The cat sat on", "max_tokens": 3000, "stream": stream}).encode()
@@ -290,3 +316,5 @@ def test_a_client_gone_stops_its_generation(server, stream):
     assert wait_idle(server, before) < 5
     status, _, data = server.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 200, data
+    lines = log_lines(server, start, "went away")
+    assert sum("the client went away" in line for line in lines) == 1 and "Traceback" not in "".join(lines), lines

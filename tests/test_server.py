@@ -255,7 +255,7 @@ def open_stream(port, path, body, events=3, timeout=30):
     while got.count(b"data: ") < events:
         assert time.monotonic() - tic < timeout
         got += sock.recv(4096)
-    assert got.startswith(b"HTTP/1.0 200")
+    assert got.startswith(b"HTTP/1.1 200")
     return sock
 
 
