@@ -48,9 +48,11 @@ from .drafting import NGRAM_DRAFT_TOKENS, OFF_TOKENS, DraftCount, Lookup, NGram,
 from .workload.profile import ActivationProfile, fingerprint, prewarm_order
 from .workload.trace import TraceWriter, read_trace
 
-# Prompt tokens per prefill step; smaller than mlx-lm's 2048 so the logits and
-# activations of one step stay a small share of the budget.
+# Prompt tokens per prefill step the budget's working memory is planned for (a small
+# share of the budget); steps take as many tokens as that memory holds (prefill_step), up
+# to mlx-lm's 2048: where the cache holds few experts, each step reads most of them again.
 PREFILL_STEP = 512
+MAX_PREFILL_STEP = 2048
 
 
 def memory_plan(path_or_hf_repo: str | os.PathLike, memory_budget: str | int | None = None, *,
@@ -101,6 +103,8 @@ def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_ex
              parse_size(cache_size, "cache size"), cache_experts, memory=backend.memory(), all_experts=total)
     p.attention = attention
     p.attention_per_key = attention_bytes(ckpt.config, act_bytes, 1, 1)  # per query token and key
+    # a prefill step's activations per token: no logits (mlx-lm computes none for a prompt's steps)
+    p.step_bytes = working_bytes({**ckpt.config, "vocab_size": 0}, act_bytes, 1, ckpt.top_k)
     p.context = context
     return p
 
@@ -131,6 +135,9 @@ def model_info(path_or_hf_repo: str | os.PathLike | None = None, memory_budget: 
             "kv_reserve_bytes": minimal.kv_reserve, "working_bytes": minimal.working,
             "minimum_budget": minimal.minimum,
             "all_resident_budget": minimal.minimum + (total - ckpt.top_k) * minimal.slot_bytes,
+            # tokens a prefill step takes: a short prompt's, and a prompt as long as the context's
+            "prefill_step": prefill_step(minimal, None, []),
+            "prefill_step_at_context": prefill_step(minimal, None, [0] * minimal.context), "context": minimal.context,
         }
         if fallback:
             out["fallback_bytes"] = extra
@@ -659,18 +666,20 @@ def model_fingerprint(ckpt):
 
 
 def prefill_step(plan, tokenizer, prompt, prompt_cache=None):
-    """Prompt tokens per prefill step: PREFILL_STEP, or fewer where attention is
-    materialised and the prompt is long, so that the last step's attention scores (step x
-    all keys so far x heads) stay within the budget's reserve for them (the memory plan's
-    `attention`: a full step against as many keys). At least 16."""
-    if plan is None or not getattr(plan, "attention", 0):
+    """Prompt tokens per prefill step: as many as the budget's working memory (planned for
+    PREFILL_STEP tokens with their logits, and where attention is materialised their scores
+    against as many keys) holds of a step's activations (no logits) and, where attention is
+    materialised, its scores against every key of the prompt and the cache; at least 16,
+    at most MAX_PREFILL_STEP. Fewer, longer steps read the experts of a small cache fewer
+    times: each step reads each of its distinct experts once."""
+    if plan is None or not getattr(plan, "step_bytes", 0):
         return PREFILL_STEP
-    if isinstance(prompt, str):
-        keys = len(tokenizer.encode(prompt))
-    else:
-        keys = len(prompt)
-    keys += max((getattr(c, "offset", 0) for c in prompt_cache or []), default=0)
-    return int(min(PREFILL_STEP, max(16, plan.attention // max(1, keys * plan.attention_per_key))))
+    per_key = plan.attention_per_key if plan.attention else 0
+    keys = 0
+    if per_key:
+        keys = len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+        keys += max((getattr(c, "offset", 0) for c in prompt_cache or []), default=0)
+    return int(min(MAX_PREFILL_STEP, max(16, plan.working // (plan.step_bytes + keys * per_key))))
 
 
 _lock_guard = threading.Lock()

@@ -106,6 +106,7 @@ class Plan:
     slot_bytes: int
     attention: int = 0  # of `working`: a prefill step's attention scores, where the backend materialises them
     attention_per_key: int = 0  # those bytes per query token and key
+    step_bytes: int = 0  # a prefill step's activations per token, logits left out (api.prefill_step)
     context: int = DEFAULT_CONTEXT  # tokens (prompt + generated) the KV reserve is sized for
 
 

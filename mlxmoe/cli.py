@@ -1051,6 +1051,8 @@ def info(model_path, memory_budget, backend, fallback, as_json):
                f"working memory {format_size(out['working_bytes'])}")
     click.echo(f"  smallest budget that works: {format_size(out['minimum_budget'], math.ceil)}; "
                f"everything resident: {format_size(out['all_resident_budget'], math.ceil)}")
+    click.echo(f"  prefill: {out['prefill_step']} prompt tokens a step, {out['prefill_step_at_context']} at a "
+               f"{out['context']}-token prompt (what the working memory holds; each step reads its experts once)")
     if fallback:
         click.echo(f"  low-bit fallback copies: {format_size(out['fallback_bytes'])} in memory, within the budget")
     if memory_budget:
