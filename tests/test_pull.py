@@ -197,6 +197,15 @@ def test_pull_shows_progress_and_the_model_runs_by_name(checkpoint, hub, tmp_pat
     assert code == 0 and re.search(rf"^{REPO}  .*  3 x 8 experts, top-2  qwen3_moe  every expert resident$", out,
                                    re.M), out
     assert len(server.requests) == asked
+    # a machine that holds the minimum but not every expert, then not even the minimum
+    from mlxmoe.backend import Backend
+
+    for memory, fits, said in ((row["minimum_budget"] + 1, "streaming", "streams experts (min "),
+                               (row["minimum_budget"] - 1, "no", "over this machine's memory")):
+        monkeypatch.setattr(Backend, "memory", lambda self, m=memory: m)
+        code, out, err = run_cli("list", "--backend", "cpu", "--json")
+        assert code == 0 and {r["name"]: r for r in json.loads(out)}[REPO]["fits"] == fits, err
+        assert said in run_cli("list", "--backend", "cpu")[1]
 
 
 def test_a_missing_repo_is_a_clear_error(hub, tmp_path, checkpoint, cli):

@@ -136,7 +136,7 @@ def resumable_blobs(repo_id, revision, allow_patterns, bar):
 def progress_class():
     """The progress bar class for the hub client: tqdm's on a terminal; elsewhere (a log, a
     pipe) the same text as plain lines, at most one each 5 s per bar and one at its end (no
-    \\r, no cursor moves, no blank lines); the client's dry runs say nothing."""
+    \\r, no cursor moves, no blank lines); the client's dry runs and empty bars say nothing."""
     from tqdm import tqdm
 
     if sys.stderr.isatty():
@@ -150,6 +150,8 @@ def progress_class():
 
         def display(self, msg=None, pos=None):
             text = str(self) if msg is None else msg
+            if not self.n and not self.total:  # a bar of nothing yet (the client's byte bars at the start)
+                return True
             if text != getattr(self, "_said", None):  # the end's refresh repeats the last one
                 self._said = text
                 self.fp.write(text)
