@@ -32,7 +32,7 @@ from .caching.cache import ExpertCache
 from .workload.curves import predicted_curve
 from .errors import MlxmoeError
 from .caching.experts import all_resident
-from .storage.files import check_outputs, read_lines
+from .storage.files import check_outputs, folder_bytes, read_lines
 from .caching.fallback import attach_fallback
 from .caching.fallback import build as write_fallback
 from .caching.fallback import file_bytes as fallback_bytes
@@ -148,6 +148,41 @@ def model_info(path_or_hf_repo: str | os.PathLike | None = None, memory_budget: 
         return out
     finally:
         ckpt.store.close()
+
+
+def list_models(backend: str | None = None) -> list[dict]:
+    """The models on this machine (`mlxmoe list`): pulled ones (the Hugging Face cache), the
+    model folders in ./models, and the bundled demo. Each: `name`, `path`, `disk_bytes` and,
+    from model_info (headers only), its MoE shape, `minimum_budget`, `all_resident_budget`,
+    this machine's `memory` and `fits`: "all_resident" (that memory holds every expert),
+    "streaming" (it holds the minimum; experts stream) or "no"; or `error` where it cannot
+    be opened (an interrupted pull says to run `mlxmoe pull` again)."""
+    from .storage.remote import cached_models, missing_files
+
+    found = cached_models()
+    if Path("models").is_dir():
+        found += [(str(f), f, folder_bytes(f)) for f in sorted(Path("models").iterdir())
+                  if (f / "config.json").is_file()]
+    found.append(("demo", DEMO_MODEL, folder_bytes(DEMO_MODEL)))
+    memory = backends.detect(backend).memory()
+    rows = []
+    for name, folder, size in found:
+        row = {"name": name, "path": str(folder), "disk_bytes": size}
+        rows.append(row)
+        try:
+            missing = missing_files(folder)
+            if missing:
+                raise MlxmoeError(f"incomplete: {len(missing)} weight file(s) missing; run `mlxmoe pull {name}` again")
+            info = model_info(folder, backend=backend)
+        except (MlxmoeError, OSError, ValueError) as e:  # one model that does not open does not end the list
+            row["error"] = str(e)
+            continue
+        row.update({k: info[k] for k in ("model_type", "moe_layers", "experts_per_layer", "top_k", "minimum_budget",
+                                         "all_resident_budget")})
+        row["memory"] = memory
+        row["fits"] = ("all_resident" if info["all_resident_budget"] <= memory else
+                       "streaming" if info["minimum_budget"] <= memory else "no")
+    return rows
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The `mlxmoe` command: generate, chat, info, profile, trace, convert."""
+"""The `mlxmoe` command: generate, chat, info, fit, pull, list, profile, trace, convert, serve."""
 
 import contextlib
 import json
@@ -96,8 +96,8 @@ DEMO_HELP = ("`demo` (the default) is the small demo model that ships with mlxmo
 def model_options(f):
     """Options shared by every command that loads a model."""
     options = [
-        click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). "
-                     + DEMO_HELP),
+        click.option("--model", "-m", "model_path", help="Model folder, or Hugging Face repo id (OWNER/NAME) "
+                     "pulled with `mlxmoe pull`. " + DEMO_HELP),
         click.option("--memory-budget", type=Size(), help="Memory for the whole model: resident weights + KV cache "
                      "+ expert cache, e.g. 12GB. Default: 60% of this machine's memory."),
         click.option("--cache-size", type=Size(), help="Expert cache size in bytes (e.g. 2GB); overrides the budget's "
@@ -1024,7 +1024,8 @@ def conversation(messages, path):
 
 
 @main.command()
-@click.option("--model", "-m", "model_path", help="Model folder (or Hugging Face repo id). " + DEMO_HELP)
+@click.option("--model", "-m", "model_path", help="Model folder, or Hugging Face repo id (OWNER/NAME) pulled with "
+              "`mlxmoe pull`. " + DEMO_HELP)
 @click.option("--memory-budget", type=Size(), help="Show what this budget buys, e.g. 12GB.")
 @click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available.")
 @click.option("--fallback", type=click.Path(dir_okay=False), help="Low-bit expert copies (convert --fallback-bits): "
@@ -1062,9 +1063,77 @@ def info(model_path, memory_budget, backend, fallback, as_json):
 
 
 @main.command()
+@click.argument("repo")
+def pull(repo):
+    """Download the Hugging Face repo REPO (OWNER/NAME) into the hub's cache, the files
+    mlx-lm loads (weights, config, tokenizer), with a progress bar on stderr. Run it
+    again after an interruption: it resumes where the files stopped. Then `--model
+    OWNER/NAME` anywhere uses this copy (never the network)."""
+    from .budget import format_size
+    from .storage.remote import REPO_ID, pull as pull_repo
+
+    if not REPO_ID.fullmatch(repo) or repo.startswith("."):
+        raise MlxmoeError(f"{repo!r} is not a Hugging Face repo id; give OWNER/NAME")
+    with signals_deferred():  # MLX (under mlx-lm's patterns) started in this thread: in another, exit aborts
+        import mlx_lm.utils  # noqa: F401
+    # the download runs in a daemon thread: Ctrl-C (or SIGTERM) then ends the process at once,
+    # where the hub client's download threads would hold it until their reads time out
+    result = {}
+    worker = threading.Thread(target=_pull_into, args=(pull_repo, repo, result), daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.2)
+    except KeyboardInterrupt:
+        click.echo(f"interrupted; run `mlxmoe pull {repo}` again to resume", err=True)
+        _exit_now(130)
+    if "error" in result:
+        raise result["error"]
+    folder = result["folder"]
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    click.echo(f"pulled {repo}: {format_size(size)} in {folder}")
+
+
+def _pull_into(pull_repo, repo, result):
+    try:
+        result["folder"] = pull_repo(repo)
+    except BaseException as e:  # handed to the main thread, which raises it
+        result["error"] = e
+
+
+@main.command("list")
+@click.option("--backend", type=click.Choice(["cpu", "metal", "cuda"]), help="Default: the best available.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def list_models(backend, as_json):
+    """The models on this machine: pulled (the Hugging Face cache), the folders in ./models
+    and the bundled demo, each with its size on disk, MoE shape (layers x experts, top-k)
+    and what fits this machine: the smallest budget that works and whether its memory
+    holds every expert resident (from `info`; headers only)."""
+    import_mlx()
+    from .api import list_models as local_models
+    from .budget import format_size
+
+    rows = local_models(backend)
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        if "error" in r:
+            click.echo(f"{r['name']}  {format_size(r['disk_bytes'])}  {r['error']}")
+            continue
+        shape = f"{r['moe_layers']} x {r['experts_per_layer']} experts, top-{r['top_k']}"
+        fits = ("every expert resident" if r["fits"] == "all_resident" else
+                f"streams experts (min {format_size(r['minimum_budget'], math.ceil)})" if r["fits"] == "streaming"
+                else f"needs {format_size(r['minimum_budget'], math.ceil)}, over this machine's memory")
+        click.echo(f"{r['name']}  {format_size(r['disk_bytes'])}  {shape}  {r['model_type']}  {fits}")
+    if not rows:
+        click.echo("no models; `mlxmoe pull OWNER/NAME` downloads one")
+
+
+@main.command()
 @click.option("--model", "-m", "model_path",
-              help="Model folder, or Hugging Face repo id: then only its config.json and safetensors headers are "
-                   "fetched (a few hundred KB, never a weight). " + DEMO_HELP)
+              help="Model folder, or Hugging Face repo id: its copy if pulled (mlxmoe pull), else only its "
+                   "config.json and safetensors headers are fetched (a few hundred KB, never a weight). " + DEMO_HELP)
 @click.option("--memory-budget", "budgets", multiple=True, type=Size(),
               help="A budget to forecast, e.g. 12GB; repeat for several. Default: the budgets that hold "
                    "10, 25, 50 and 100 % of the experts.")
@@ -1122,9 +1191,9 @@ def _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_t
     from .api import model_fingerprint
     from .forecast import forecast, share_budgets
     from .loader import open_checkpoint
-    from .storage.remote import header_checkpoint, is_repo_id
+    from .storage.remote import header_checkpoint, is_repo_id, snapshot
 
-    remote = is_repo_id(model_path)
+    remote = is_repo_id(model_path) and snapshot(model_path) is None  # (a pulled repo: its local copy)
     with tempfile.TemporaryDirectory(prefix="mlxmoe-headers-") as headers:
         fetching = notice(2.0, lambda: f"reading {model_path}'s config and safetensors headers from the hub...")
         try:

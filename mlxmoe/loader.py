@@ -24,7 +24,7 @@ from .errors import MlxmoeError
 from .storage.files import DEMO_MODEL, named_model, read_bytes, read_json
 from .caching.experts import StreamingExperts, find_router
 from .storage.shards import PER_EXPERT, tensor_bytes
-from .storage.remote import is_repo_id
+from .storage.remote import is_repo_id, pulled
 from .storage.store import ExpertStore
 
 # safetensors dtype -> MLX dtype (of a slot pool before the backend's dtype policy, of a stand-in)
@@ -76,7 +76,8 @@ class Checkpoint:
 
 
 def resolve(path_or_repo, revision=None):
-    """A local folder, or a Hugging Face repo id downloaded by mlx-lm (needs network);
+    """A local folder, or a Hugging Face repo id pulled into the hub's cache (`mlxmoe pull`;
+    never the network: one not pulled, or pulled in part, says to run it);
     None and "demo" are the bundled demo model (a folder named demo in the current
     directory wins: files.named_model)."""
     path_or_repo = named_model(path_or_repo)
@@ -90,12 +91,7 @@ def resolve(path_or_repo, revision=None):
             raise MlxmoeError(f"{path}: no config.json; is this a model folder?")
         return path
     if is_repo_id(path_or_repo):
-        from mlx_lm.utils import _download
-
-        try:
-            return _download(str(path_or_repo), revision=revision)
-        except Exception as e:  # the hub client raises many types; all mean "could not get it"
-            raise MlxmoeError(f"{path_or_repo}: not a local folder and could not be downloaded ({e})") from None
+        return pulled(str(path_or_repo), revision)
     raise MlxmoeError(f"model folder not found: {path}")
 
 

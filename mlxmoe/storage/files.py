@@ -124,13 +124,9 @@ def model_folder(path_or_repo):
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
         return path if (path / "config.json").exists() else None  # (else not a model: load says so)
-    try:
-        from huggingface_hub import try_to_load_from_cache
+    from .remote import snapshot
 
-        config = try_to_load_from_cache(str(path_or_repo), "config.json")
-    except Exception:  # not a repo id the hub client takes: nothing of it in the cache
-        return None
-    return Path(config).parent if isinstance(config, str) else None
+    return snapshot(str(path_or_repo))
 
 
 def _paths(value):
@@ -159,6 +155,11 @@ def _folder_files(folder):
             if key is not None:
                 files.setdefault(key, f)
     return files
+
+
+def folder_bytes(folder) -> int:
+    """Bytes of the files in `folder` and below (links followed, each file once)."""
+    return sum(os.stat(f).st_size for f in _folder_files(folder).values())
 
 
 def check_outputs(outputs, inputs=None, updates=None):
