@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import mlxmoe  # noqa: E402
 from mlxmoe.api import memory_plan, prefill_step  # noqa: E402
-from mlxmoe.budget import format_size  # noqa: E402
+from mlxmoe.budget import DEFAULT_CONTEXT, format_size  # noqa: E402
 from mlxmoe.storage.files import check_outputs, write_atomic  # noqa: E402
 
 
@@ -46,7 +46,7 @@ def prompt_ids(tokenizer, tokens: int) -> list:
 
 def run(checkpoint: str, budget: int, ids: list, step) -> dict:
     """One prefill of `ids` at `budget` with prefill step `step` ("auto" or tokens)."""
-    model, tokenizer = mlxmoe.load(checkpoint, memory_budget=budget)
+    model, tokenizer = mlxmoe.load(checkpoint, memory_budget=budget, max_context=context(ids))
     cache, store = model.expert_cache, model.expert_cache.store
     calls = []  # (tokens, distinct experts) of each layer call
     cache.watch(lambda call: calls.append((call.tokens, len(call.experts))))
@@ -70,6 +70,11 @@ def run(checkpoint: str, budget: int, ids: list, step) -> dict:
             "peak_memory": stats["peak_memory"], "budget": budget, "cache_experts": cache.capacity}
 
 
+def context(ids: list) -> int:
+    """The context the budget reserves KV for: the prompt and the token generated."""
+    return max(DEFAULT_CONTEXT, len(ids) + 8)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", default=str(ROOT / "mlxmoe" / "demo"))
@@ -83,10 +88,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.output:
         check_outputs({"--output": args.output}, {"--checkpoint": args.checkpoint})
-    minimal = memory_plan(args.checkpoint, cache_experts=None, memory_budget="64GB")
-    budget = minimal.minimum + args.cache_over_minimum * minimal.slot_bytes
-    _, tokenizer = mlxmoe.load(args.checkpoint, memory_budget=budget)
+    _, tokenizer = mlxmoe.load(args.checkpoint, memory_budget="64GB")
     ids = prompt_ids(tokenizer, args.tokens)
+    minimal = memory_plan(args.checkpoint, memory_budget="64GB", max_context=context(ids))
+    budget = minimal.minimum + args.cache_over_minimum * minimal.slot_bytes
     print(f"checkpoint {args.checkpoint}; budget {format_size(budget)} (minimum {format_size(minimal.minimum)} "
           f"+ {args.cache_over_minimum} experts); load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
           flush=True)

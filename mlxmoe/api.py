@@ -57,7 +57,7 @@ MAX_PREFILL_STEP = 2048
 
 def memory_plan(path_or_hf_repo: str | os.PathLike, memory_budget: str | int | None = None, *,
                 cache_size: str | int | None = None, cache_experts: int | None = None,
-                backend: str | None = None) -> Plan:
+                backend: str | None = None, max_context: int = DEFAULT_CONTEXT) -> Plan:
     """What `load` with these options would give, reading headers only: the budget's split
     (a budget.Plan: `cache_experts`, the expert cache's size in experts, and its bytes
     `expert_cache`; `resident`, `kv_reserve` and `working` bytes; `minimum`, the smallest
@@ -67,7 +67,7 @@ def memory_plan(path_or_hf_repo: str | os.PathLike, memory_budget: str | int | N
     ckpt = open_checkpoint(path_or_hf_repo)
     try:
         be.apply_dtype_policy(ckpt.model)
-        return checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts)
+        return checkpoint_plan(ckpt, be, memory_budget, cache_size, cache_experts, context=max_context)
     finally:
         ckpt.store.close()
 
