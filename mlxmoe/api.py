@@ -214,6 +214,9 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     are keyword-only (the fields of LoadOptions; or `options=LoadOptions(...)`):
     `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
     working memory + expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
+    `memory_budget="auto"` follows the memory available, keeping `memory_margin` free (default
+    15 % of memory or 2 GB, the smaller): the expert cache shrinks and grows within a second
+    (governor.py); `model.expert_runtime.resize("8GB")` resizes it at any time. Output is unchanged.
     `policy` names the eviction policy (default activation-floor); `backend` cpu, metal or
     cuda (default: the best available); `io` how experts are read (auto, mmap, pread,
     direct; store.py) by `io_threads` threads.
