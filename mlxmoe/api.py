@@ -44,6 +44,7 @@ from .caching.policies import ONLINE, make_policy
 from .caching.prefetch import Prefetcher
 from .caching.speculate import NextToken, Speculator
 from .caching.verify import Verifier
+from .governor import Governor, Resizer, auto_budget
 from .drafting import NGRAM_DRAFT_TOKENS, OFF_TOKENS, DraftCount, Lookup, NGram, after, load_draft, ngram_steps, respond
 from .workload.profile import ActivationProfile, fingerprint, prewarm_order
 from .workload.trace import TraceWriter, read_trace
@@ -190,7 +191,8 @@ class LoadOptions:
     """mlxmoe's own options of `load` (keywords there), defined once: the CLI and the server
     build one and pass it whole (`load(path, options=LoadOptions(...))`). Their meaning is
     load's docstring."""
-    memory_budget: str | int | None = None
+    memory_budget: str | int | None = None  # or "auto" (governor.py)
+    memory_margin: str | int | None = None
     cache_size: str | int | None = None
     cache_experts: int | None = None
     policy: str | None = None
@@ -227,6 +229,10 @@ class LoadOptions:
         if self.cache_experts is not None and not _int_in(self.cache_experts, 1, 1 << 62):
             raise MlxmoeError(f"cache_experts {self.cache_experts!r}: a number of experts, an integer of at least 1")
         check_lossy(self.trim, self.cache_bias, self.trim_mass)
+        if self.memory_margin is not None:
+            if self.memory_budget != "auto":
+                raise MlxmoeError("memory_margin: the memory left free by memory_budget \"auto\"; give both")
+            parse_size(self.memory_margin, "memory margin")
         if self.draft_model is not None and self.group is not None and self.group.size() > 1:
             raise MlxmoeError("draft_model: speculative decoding runs in one process, not across ranks")
         if not _int_in(self.max_context, 16, 1 << 24):
@@ -250,6 +256,9 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
     are keyword-only (the fields of LoadOptions; or `options=LoadOptions(...)`):
     `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
     working memory + expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
+    `memory_budget="auto"` follows the memory available, keeping `memory_margin` free (default
+    15 % of memory or 2 GB, the smaller): the expert cache shrinks and grows within a second
+    (governor.py); `model.expert_runtime.resize("8GB")` resizes it at any time. Output is unchanged.
     `policy` names the eviction policy (default activation-floor); `backend` cpu, metal or
     cuda (default: the best available); `io` how experts are read (auto, mmap, pread,
     direct; store.py) by `io_threads` threads.
@@ -371,8 +380,10 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
         check_rotating(make_prompt_cache(ckpt.model))
         draft, draft_bytes = load_draft(opts.draft_model, tokenizer, be, opts.max_context)
         extra += draft_bytes
+    budget, allowed, margin = _auto(ckpt, be, opts, extra) if opts.memory_budget == "auto" else \
+        (opts.memory_budget, None, None)
     try:
-        p = checkpoint_plan(ckpt, be, opts.memory_budget, opts.cache_size, opts.cache_experts, opts.max_context, extra)
+        p = checkpoint_plan(ckpt, be, budget, opts.cache_size, opts.cache_experts, opts.max_context, extra)
     except MlxmoeError as e:
         if draft is None:
             raise
@@ -421,7 +432,22 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
         order = prewarm_order(prior, ckpt.num_layers, ckpt.num_experts, p.cache_experts)
         if order:
             cache.prewarm(order)
+    if margin is not None:
+        if allowed < budget:  # (says so, once)
+            runtime.resize(allowed, f"memory available at load less the margin {format_size(margin)}")
+        runtime.govern(margin)
     return tokenizer
+
+
+def _auto(ckpt, be, opts, extra):
+    """memory_budget "auto": (the budget to start with, at least the minimum; the budget the
+    memory available allows, less the margin; the margin in bytes)."""
+    if opts.cache_size is not None or opts.cache_experts is not None or ckpt.group is not None:
+        raise MlxmoeError("memory_budget \"auto\" sizes the expert cache itself, in one process: give no "
+                          "cache_size or cache_experts, and no group")
+    allowed, margin = auto_budget(opts.memory_margin)
+    least = checkpoint_plan(ckpt, be, cache_experts=ckpt.top_k, context=opts.max_context, extra=extra).minimum
+    return max(allowed, least), allowed, margin
 
 
 def stage_profile(ckpt, fingerprint, profile, force=False):
@@ -458,6 +484,8 @@ class Runtime:
         self.trace_target: str | os.PathLike | None = None
         self.trace_file: str | os.PathLike | None = None  # where the whole trace is once closed (rank 0's)
         cache.prefetcher = prefetcher  # the cache closes it
+        self.resizer = Resizer(self)
+        self.governor: Governor | None = None  # following the memory available (govern)
 
     @property
     def profile(self) -> ActivationProfile:
@@ -509,6 +537,31 @@ class Runtime:
         cache = self.cache
         if cache.hold_resident:
             cache.hold_resident = distributed.any_rank(self.group, all_resident(cache) is None)
+
+    def resize(self, memory_budget: str | int, reason: str | None = None) -> dict:
+        """Give the expert cache what `memory_budget` ("8GB", bytes) holds beside the rest of
+        the plan, never less than its minimum (said once, on stderr) nor more than every
+        expert: at once where no generation holds the model, else between two of its tokens
+        (governor.py). Output is unchanged. Returns {"from", "to" (experts), "memory_budget",
+        "applied" (now), "message" (None, or why it kept the minimum)}; stats()["resizes"]
+        lists those applied, with `reason`."""
+        self.check_open("resize")
+        done = self.resizer.request(memory_budget, reason)
+        lock = generation_lock(self.checkpoint.model)
+        done["applied"] = lock.acquire(blocking=False)
+        if done["applied"]:
+            try:
+                self.resizer.apply_pending()
+            finally:
+                lock.release()
+        return done
+
+    def govern(self, margin: int, source: Callable[[], tuple[int, int]] | None = None) -> None:
+        """Follow the memory available from now on, `margin` bytes kept free (memory_budget
+        "auto"): `source()` gives (available, total) bytes (governor.available_memory)."""
+        if self.governor is not None:
+            self.governor.stop()
+        self.governor = Governor(self, margin, **({} if source is None else {"source": source}))
 
     def main_rank(self) -> bool:
         """Whether this process speaks for the model: one process, or rank 0 of a group."""
@@ -627,6 +680,8 @@ class Runtime:
     def close_local(self) -> None:
         """This process's part of close(): the cache's close(), which closes the prefetcher and
         the trace (completed, renamed into place) in the one order that loses nothing."""
+        if self.governor is not None:  # (first: it resizes the cache)
+            self.governor.stop()
         self.cache.close()
 
     def abort(self) -> None:
@@ -926,6 +981,7 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
                     break
                 if cache is not None:
                     cache.counters.decode_tps = response.generation_tps
+                    runtime.resizer.apply_pending()  # between two tokens (governor.py)
                 if count is not None:
                     count(response)
                 if group is not None and distributed.failed_any(group, runtime.error):

@@ -24,11 +24,17 @@ class Terminated(KeyboardInterrupt):
 
 
 class Size(click.ParamType):
-    """A memory size such as 12GB (budget.parse_size), checked when the option is read."""
+    """A memory size such as 12GB (budget.parse_size), or one of `words`, checked when the option is read."""
     name = "size"
+
+    def __init__(self, words=()):
+        self.words = words
 
     def convert(self, value, param, ctx):
         from .budget import parse_size
+
+        if value in self.words:
+            return value
 
         try:
             parse_size(value, "size")
@@ -98,8 +104,12 @@ def model_options(f):
     options = [
         click.option("--model", "-m", "model_path", help="Model folder, or Hugging Face repo id (OWNER/NAME) "
                      "pulled with `mlxmoe pull`. " + DEMO_HELP),
-        click.option("--memory-budget", type=Size(), help="Memory for the whole model: resident weights + KV cache "
-                     "+ expert cache, e.g. 12GB. Default: 60% of this machine's memory."),
+        click.option("--memory-budget", type=Size(words=("auto",)), help="Memory for the whole model: resident "
+                     "weights + KV cache + expert cache, e.g. 12GB. Default: 60% of this machine's memory. auto: "
+                     "follow the memory available (Linux: MemAvailable and the cgroup's limit; macOS: the memory "
+                     "status), the expert cache growing and shrinking within a second (output unchanged)."),
+        click.option("--memory-margin", type=Size(), help="With --memory-budget auto: memory left free for the "
+                     "rest of the machine. Default: 15% of its memory or 2GB, whichever is smaller."),
         click.option("--cache-size", type=Size(), help="Expert cache size in bytes (e.g. 2GB); overrides the budget's "
                      "share."),
         click.option("--cache-experts", type=Number(int, 1), help="Expert cache size as a number of experts (all "
@@ -500,6 +510,7 @@ CHAT_HELP = """/help          this list
 /load FILE     continue the conversation saved in FILE (/save's format, or any such JSON list)
 /stats         the expert cache's figures so far
 /profile FILE  take this profile as the cache's prior from now on (pre-warms its hottest experts)
+/budget SIZE   resize the expert cache to fit this memory budget (e.g. 8GB), now; output unchanged
 /quit          leave (also /exit, /bye or Ctrl-D)
 Ctrl-C stops a reply: that message and its partial reply are dropped, the turns before them kept
 (Up recalls the message). Several lines make one message: end each but the last with a
@@ -909,6 +920,8 @@ class ChatSession:
                 click.echo(stats_table(_stats(self.model)))
             elif command == "/help":
                 click.echo(CHAT_HELP)
+            elif name == "/budget":
+                self.budget(arg.strip())
             elif name in ("/profile", "/save", "/load"):
                 if not arg.strip():
                     raise MlxmoeError(f"{name} FILE: name a file")
@@ -925,6 +938,17 @@ class ChatSession:
         except MlxmoeError as e:
             click.echo(f"[{e}]")
         return True
+
+    def budget(self, size):
+        """/budget SIZE: the expert cache resized to fit a memory budget of SIZE (Runtime.resize)."""
+        from .budget import format_size
+
+        if not size:
+            raise MlxmoeError("/budget SIZE: give a memory budget, e.g. /budget 8GB")
+        done = self.model.expert_runtime.resize(size)
+        click.echo(f"[expert cache: {done['from']} -> {done['to']} experts, memory budget "
+                   f"{format_size(self.model.expert_runtime.plan.budget)}"
+                   + (f"; {done['message']}]" if done["message"] else "]"))
 
     def save(self, path):
         """/save: the conversation as JSON messages, written atomically (no input, no other output, overwritten)."""

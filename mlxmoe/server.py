@@ -68,7 +68,7 @@ from .http11 import KeepAlive, TooLarge, read_chunked
 from .workload.profile import ActivationProfile, js_divergence
 
 PROFILE_HEADER = "X-Mlxmoe-Profile"
-POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions", "/v1/messages")
+POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/mlxmoe/cache")
 GET_PATHS = ("/health", "/v1/models", "/v1/mlxmoe/stats")  # (and /v1/models/NAME)
 MAX_BODY = 64 << 20  # bytes of a request body, at most
 BODY_BYTES_PER_TOKEN = 256  # a body may hold this many bytes per token of the context (at least 1 MiB)
@@ -632,6 +632,8 @@ class Handler(Requests):
                 return
             if not self._read_body():
                 return
+            if self.path == "/v1/mlxmoe/cache":
+                return self._resize()
             if self.path == "/v1/messages":
                 self.anthropic, self.path = True, "/v1/chat/completions"
             if not self.server.admit():
@@ -664,6 +666,19 @@ class Handler(Requests):
                     pass
         finally:
             self.wfile, self.rfile = wfile, rfile
+
+    def _resize(self):
+        """POST /v1/mlxmoe/cache {"memory_budget": "8GB"}: the expert cache resized to fit it
+        (Runtime.resize: now, or between two tokens of the generation under way)."""
+        try:
+            body = json.loads(self.rfile.read() or b"null")  # (_read_body checked it)
+            if not isinstance(body, dict) or "memory_budget" not in body:
+                raise MlxmoeError('give a JSON object such as {"memory_budget": "8GB"}')
+            done = self.response_generator.runtime.resize(body["memory_budget"], "asked by POST /v1/mlxmoe/cache")
+        except (ValueError, MlxmoeError) as e:
+            return self._send_json(400, {"error": {"message": f"/v1/mlxmoe/cache: {e}", "type": "invalid_request_error",
+                                                   "param": "memory_budget", "code": None}})
+        self._send_json(200, done)
 
     def validate_model_parameters(self):
         """mlx-lm's checks, then mlxmoe's: where mlx-lm calls this the body is parsed and

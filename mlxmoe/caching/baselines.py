@@ -71,6 +71,10 @@ class Policy:
         profile); False where the policy keeps the one it was built with."""
         return False
 
+    def resized(self, capacity):
+        """The cache now has `capacity` slots (the memory governor; its victims already left)."""
+        self.capacity = capacity
+
 
 def policy_options(cls):
     """The keyword options a policy class takes: those of its __init__ and its bases'."""
@@ -246,11 +250,16 @@ class SLRU(Policy):
                  half_life=HALF_LIFE_LFU, prior=None, pinned=None, pin_share=0.25, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         self.probation, self.protected = OrderedDict(), OrderedDict()
+        self.protected_share = protected_share
         self.protected_capacity = max(1, int(capacity * protected_share))
         self.window = window
         self.counts = DecayedCounts(half_life, prior_counts(prior, half_life))
         # by default a profile's hottest, at most pin_share of the protected segment
         self.pinned = set(pins(prior, int(self.protected_capacity * pin_share)) if pinned is None else pinned)
+
+    def resized(self, capacity):
+        super().resized(capacity)
+        self.protected_capacity = max(1, int(capacity * self.protected_share))
 
     def tick(self, tokens=1):
         self.counts.tick(tokens)
@@ -303,9 +312,14 @@ class S3FIFO(Policy):
     def __init__(self, capacity, num_layers, num_experts, small_share=0.1, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
         self.small, self.main, self.ghost = OrderedDict(), OrderedDict(), OrderedDict()
-        self.small_capacity = max(1, int(capacity * small_share))
-        self.ghost_capacity = capacity
+        self.small_share = small_share
+        self.resized(capacity)
         self.freq = {}
+
+    def resized(self, capacity):
+        super().resized(capacity)
+        self.small_capacity = max(1, int(capacity * self.small_share))
+        self.ghost_capacity = capacity
 
     def access(self, key, hit, score=None):
         if hit:
@@ -406,12 +420,16 @@ class LayerSplit(Policy):
 
     def __init__(self, capacity, num_layers, num_experts, **kw):
         super().__init__(capacity, num_layers, num_experts, **kw)
-        base, extra = divmod(capacity, num_layers)
-        self.share = [base + (layer < extra) for layer in range(num_layers)]
+        self.resized(capacity)
         self.resident = [set() for _ in range(num_layers)]
         self.current = 0  # the layer whose call is being served
         self.clock = 0
         self.last_use = {}
+
+    def resized(self, capacity):
+        super().resized(capacity)
+        base, extra = divmod(capacity, self.num_layers)
+        self.share = [base + (layer < extra) for layer in range(self.num_layers)]
 
     def visit(self, layer, experts, scores=None, probs=None):
         self.current = layer

@@ -215,6 +215,22 @@ class Residency:
             self.policy.insert(key)
         return taken
 
+    def resize(self, capacity: int) -> list:
+        """Hold `capacity` slots from now on (nothing in flight): the policy's victims leave
+        until the rest fits, and the rest move to slots 0, 1... in the order of their old
+        slots. Returns their old slots in that order (SlotPools.resize moves the bytes)."""
+        if capacity < 1:
+            raise MlxmoeError(f"the expert cache needs at least one slot, got {capacity}")
+        while len(self.slot_of) > capacity:
+            self._evict(set())
+        kept = sorted(self.slot_of.items(), key=lambda item: item[1])
+        self.slot_of = {key: new for new, (key, _) in enumerate(kept)}
+        self.capacity = capacity
+        self.free = list(range(capacity - 1, len(kept) - 1, -1))
+        self.version += 1
+        self.policy.resized(capacity)
+        return [old for _, old in kept]
+
     def forget(self, keys: list) -> None:
         """Take `keys` out of the cache: their slots are free again, holding nothing."""
         with self.lock:
@@ -234,24 +250,33 @@ class SlotPools:
     the cache's, holding zeros: the placeholder of verified decode steps (verify.py)."""
 
     def __init__(self, store, capacity: int, pool_dtypes: list, io_threads: int = 4, spare: bool = False) -> None:
-        self.store = store
-        self.pools, self.views, self.compute = [], [], []
-        for shape, dtype in zip(store.tensor_shapes, pool_dtypes):
+        self.store, self.dtypes, self.spare = store, pool_dtypes, spare
+        self.resize(capacity)
+        self.names = list(store.tensors)
+        self.slot_bytes = sum(v[0].nbytes for v in self.views)
+        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="mlxmoe-io") if io_threads > 1 else None
+
+    def resize(self, capacity: int, kept: list = ()) -> None:
+        """New pools of `capacity` slots (and the spare), slot i holding what old slot
+        kept[i] held. The old arrays are left as they are: a computation queued with them
+        (the token in flight) still reads them, and they are freed after it."""
+        pools, views, compute = [], [], []
+        for i, (shape, dtype) in enumerate(zip(self.store.tensor_shapes, self.dtypes)):
             storage = mx.uint16 if dtype == mx.bfloat16 else dtype
             # made on the CPU stream: on CUDA that is managed memory, host-writable with no
             # copy (a GPU-made array is moved to managed memory when numpy first views it)
-            pool = mx.zeros((capacity + spare, *shape), dtype=storage, stream=mx.cpu)
+            pool = mx.zeros((capacity + self.spare, *shape), dtype=storage, stream=mx.cpu)
             mx.eval(pool)
             view = np.array(pool, copy=False)
             if not view.flags.writeable:
                 raise MlxmoeError("this MLX build does not expose writable array memory; cannot stream experts")
-            self.pools.append(pool)
-            self.views.append(view)
-            self.compute.append(pool.view(mx.bfloat16) if dtype == mx.bfloat16 else pool)
-        mx.eval(self.compute)
-        self.names = list(store.tensors)
-        self.slot_bytes = sum(v[0].nbytes for v in self.views)
-        self.io = ThreadPoolExecutor(io_threads, thread_name_prefix="mlxmoe-io") if io_threads > 1 else None
+            if len(kept):  # (straight into the new pool: no third copy)
+                np.take(self.views[i], list(kept), axis=0, out=view[:len(kept)])
+            pools.append(pool)
+            views.append(view)
+            compute.append(pool.view(mx.bfloat16) if dtype == mx.bfloat16 else pool)
+        mx.eval(compute)
+        self.pools, self.views, self.compute = pools, views, compute
 
     def read_into(self, key: tuple, slot: int, pace: Callable | None = None, chunk: int = CHUNK) -> int:
         """Read expert `key` into `slot`; return the bytes read. `pace`: a background read's
@@ -321,6 +346,7 @@ class ExpertCache(Residency):
         self.step_tokens = 1
         self.fallback = None  # fallback.FallbackLoader where low-bit copies stand in for missing experts
         self.fallback_bytes = 0  # their memory
+        self.resizes = deque(maxlen=32)  # the latest resizes, {"from", "to", "reason", "at"} (governor.py)
 
     def watch(self, observer: Callable, close: Callable | None = None) -> None:
         """Give each layer call to `observer` from now on; close() calls `close` after the
@@ -486,7 +512,7 @@ class ExpertCache(Residency):
         return dict(counts, cache_experts=self.capacity, cache_bytes=self.capacity * self.pools.slot_bytes,
                     resident_per_layer=resident, policy=self.policy.name,
                     peak_memory=mx.get_peak_memory(), peak_rss=peak_rss(), decode_tps=decode_tps,
-                    fallback_bytes=self.fallback_bytes,
+                    fallback_bytes=self.fallback_bytes, resizes=list(self.resizes),
                     disk_busy_seconds=self.loader.gate.busy_seconds(),
                     demand_delay_seconds=self.loader.gate.delayed_seconds(),
                     predictors=self.prefetcher.stats() if self.prefetcher is not None else {},

@@ -469,6 +469,11 @@ class Activation(Policy):
         self.estimate.set_prior(prior)
         return True
 
+    def resized(self, capacity):
+        super().resized(capacity)
+        if self.floor is not None:  # the floor moves to the new even share at the next tick
+            self.floor.even, self.floor.due = capacity // self.num_layers, 0
+
     def tick(self, tokens=1):
         self.estimate.tick(tokens)  # every layer call until the next tick has this many tokens
         if self.floor is not None and self.estimate.visits >= self.floor.due:
