@@ -596,7 +596,8 @@ class Handler(mlx_server.APIHandler):
         self.send_header("Content-Type", "text/html; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
     def validate_model_parameters(self):
         """mlx-lm's checks, then mlxmoe's: where mlx-lm calls this the body is parsed and

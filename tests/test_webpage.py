@@ -141,8 +141,9 @@ class Browser:
         assert "error" not in answer, (method, answer["error"])
         return answer["result"]
 
-    def evaluate(self, expression):
-        result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True}, session=True)
+    def evaluate(self, expression, await_promise=False):
+        result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True,
+                                                "awaitPromise": await_promise}, session=True)
         assert "exceptionDetails" not in result, result["exceptionDetails"]
         return result["result"].get("value")
 
@@ -212,6 +213,7 @@ def test_page_chats_and_shows_the_cache_live(server, tmp_path, capsys):
         # shows what the route says now
         browser.wait_for("document.body.dataset.state === 'done'", 120)
         answered = browser.screenshot(tmp_path / "webpage-answer.png")
+        browser.evaluate("refreshNow()", await_promise=True)  # (a background read may have landed since)
         after = residency(server)
         assert after["resident"] != before["resident"] and after["counters"]["tokens"] > before["counters"]["tokens"]
         assert int(browser.evaluate("document.body.dataset.mapChanges")) >= 1
@@ -236,6 +238,10 @@ def test_page_chats_and_shows_the_cache_live(server, tmp_path, capsys):
         assert browser.evaluate("conversation") == messages + [{"role": "assistant", "content": reply}]
         assert int(browser.evaluate("document.body.dataset.refreshes")) > refreshes
         talked = browser.screenshot(tmp_path / "webpage-conversation.png")
+
+        # another client's generation (the reference answer just asked) shows at the next idle poll
+        latest = residency(server)
+        browser.wait_for(f"last.res.version === {latest['version']}", 10)
 
         assert browser.errors() == []
         assert browser.evaluate("document.body.dataset.errors") == "0", browser.evaluate("document.getElementById('errors').textContent")
