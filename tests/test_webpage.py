@@ -42,6 +42,16 @@ def residency(server):
     return body
 
 
+def quiet(server):
+    """The residency once no background read is under way or has just landed (bounded)."""
+    for _ in range(50):
+        now = residency(server)
+        time.sleep(0.1)
+        if not now["reading"] and residency(server) == now:
+            return now
+    raise AssertionError("background reads still under way after 10 s")
+
+
 def test_page_is_served_whole_and_self_contained(server):
     for path in ("/", "/?q=hello", "/?q=a%20b&x=1"):
         status, headers, body = server.request("GET", path)
@@ -58,7 +68,7 @@ def test_residency_route_tells_the_cache(server):
     before = residency(server)
     assert (before["layers"], before["experts"], before["capacity"]) == (4, 32, CACHE_EXPERTS)
     server.client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "The cat sat on"}])
-    after = residency(server)
+    after = quiet(server)
     stats = server.json("GET", "/v1/mlxmoe/stats")[2]
     # the resident experts are the stats' per layer, distinct, within the model and the cache
     assert [len(r) for r in after["resident"]] == stats["resident_per_layer"]
@@ -179,6 +189,18 @@ class Browser:
             os.close(self.replies)
 
 
+def drawn(browser, server):
+    """The route's residency once the page, refreshed, has drawn the same (background reads
+    may land between the page's refresh and the route's answer: then again, bounded)."""
+    for _ in range(20):
+        browser.evaluate("refreshNow()", await_promise=True)
+        now = residency(server)
+        if browser.evaluate("last.res.version") == now["version"]:
+            return now
+        time.sleep(0.1)
+    raise AssertionError("the page's map never caught up with the route's residency")
+
+
 # Whether each resident key's cell of the map is painted resident (its corner: hot marks are
 # inset), and each empty key's blank: the number of cells that are not.
 MAP_MISMATCHES = """(() => {
@@ -213,8 +235,7 @@ def test_page_chats_and_shows_the_cache_live(server, tmp_path, capsys):
         # shows what the route says now
         browser.wait_for("document.body.dataset.state === 'done'", 120)
         answered = browser.screenshot(tmp_path / "webpage-answer.png")
-        browser.evaluate("refreshNow()", await_promise=True)  # (a background read may have landed since)
-        after = residency(server)
+        after = drawn(browser, server)
         assert after["resident"] != before["resident"] and after["counters"]["tokens"] > before["counters"]["tokens"]
         assert int(browser.evaluate("document.body.dataset.mapChanges")) >= 1
         assert browser.evaluate("JSON.parse(last.signature)") == after["resident"]
@@ -239,9 +260,24 @@ def test_page_chats_and_shows_the_cache_live(server, tmp_path, capsys):
         assert int(browser.evaluate("document.body.dataset.refreshes")) > refreshes
         talked = browser.screenshot(tmp_path / "webpage-conversation.png")
 
+        # Stop (the button, while an answer streams) keeps the answer so far; the server ends
+        # that generation and serves on
+        browser.evaluate("send('Der Hund ist'); document.getElementById('send').click()")
+        browser.wait_for("document.body.dataset.sent === '5' && document.body.dataset.state === 'done'", 60)
+        stopped = browser.evaluate("conversation")
+        assert stopped[:5] == messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Der Hund ist"}]
+        # (stopped in the task that sent it: before any token came, where a whole answer has some)
+        assert stopped[5:] == [{"role": "assistant", "content": ""}]
+        assert browser.evaluate("document.getElementById('send').textContent") == "Send"
+        deadline = time.monotonic() + 60
+        while residency(server)["busy"]:
+            assert time.monotonic() < deadline, "the stopped generation still runs after 60 s"
+            time.sleep(0.1)
+        assert server.client.chat.completions.create(model="demo", messages=stopped[:5]).choices[0].message.content
+
         # another client's generation (the reference answer just asked) shows at the next idle poll
         latest = residency(server)
-        browser.wait_for(f"last.res.version === {latest['version']}", 10)
+        browser.wait_for(f"last.res.version >= {latest['version']}", 10)  # (later: a read landed since)
 
         assert browser.errors() == []
         assert browser.evaluate("document.body.dataset.errors") == "0", browser.evaluate("document.getElementById('errors').textContent")
