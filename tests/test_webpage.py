@@ -265,7 +265,8 @@ def test_page_chats_and_shows_the_cache_live(server, tmp_path, capsys):
         browser.evaluate("send('Der Hund ist'); document.getElementById('send').click()")
         browser.wait_for("document.body.dataset.sent === '5' && document.body.dataset.state === 'done'", 60)
         stopped = browser.evaluate("conversation")
-        assert stopped[:5] == messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Der Hund ist"}]
+        asked = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Der Hund ist"}]
+        assert stopped[:5] == asked
         # (stopped in the task that sent it: before any token came, where a whole answer has some)
         assert stopped[5:] == [{"role": "assistant", "content": ""}]
         assert browser.evaluate("document.getElementById('send').textContent") == "Send"
@@ -280,7 +281,8 @@ def test_page_chats_and_shows_the_cache_live(server, tmp_path, capsys):
         browser.wait_for(f"last.res.version >= {latest['version']}", 10)  # (later: a read landed since)
 
         assert browser.errors() == []
-        assert browser.evaluate("document.body.dataset.errors") == "0", browser.evaluate("document.getElementById('errors').textContent")
+        shown = browser.evaluate("document.getElementById('errors').textContent")
+        assert browser.evaluate("document.body.dataset.errors") == "0", shown
     finally:
         browser.close()
     for shot in (loaded, answered, talked):
