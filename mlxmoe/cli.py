@@ -1762,8 +1762,10 @@ def convert(src, dst, bundle, fallback_bits):
 def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp, top_p, prompt_cache_size, max_queue,
           idle_timeout, **opts):
     """Serve the model over HTTP: OpenAI /v1/chat/completions, /v1/completions and
-    /v1/models, Anthropic /v1/messages, /health and the expert cache's /v1/mlxmoe/stats
-    (mlx-lm's server on mlxmoe's model). Requests queue: one generation at a time."""
+    /v1/models, Anthropic /v1/messages, /health and the expert cache's /v1/mlxmoe/stats and
+    /v1/mlxmoe/residency (mlx-lm's server on mlxmoe's model). Requests queue: one generation
+    at a time. Open the address in a browser for a page: a chat with the model beside the
+    expert cache live (what is resident, hot and being read; hit rate and MB read per token)."""
     import_mlx()
     from .api import model_name
     from .server import serve as run_server

@@ -59,7 +59,7 @@ import numpy as np
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache
 
-from . import distributed
+from . import distributed, webpage
 from .api import generation_lock, model_fingerprint, stream_generate, vocab_size
 from .budget import DEFAULT_CONTEXT, format_size
 from .errors import MlxmoeError
@@ -69,7 +69,7 @@ from .workload.profile import ActivationProfile, js_divergence
 
 PROFILE_HEADER = "X-Mlxmoe-Profile"
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions", "/v1/messages", "/v1/mlxmoe/cache")
-GET_PATHS = ("/health", "/v1/models", "/v1/mlxmoe/stats")  # (and /v1/models/NAME)
+GET_PATHS = ("/health", "/v1/models", "/v1/mlxmoe/stats", "/v1/mlxmoe/residency", "/")  # (and /v1/models/NAME)
 MAX_BODY = 64 << 20  # bytes of a request body, at most
 BODY_BYTES_PER_TOKEN = 256  # a body may hold this many bytes per token of the context (at least 1 MiB)
 IDLE_TIMEOUT = 30.0  # seconds a connection may wait for its client (idle, sending its headers, any read or write)
@@ -459,6 +459,8 @@ class Requests(KeepAlive, mlx_server.APIHandler):
         ok = super().parse_request()
         if ok and len(self.path) > 1:
             self.path = self.path.rstrip("/") or "/"
+        if ok and self.path.startswith("/?"):  # the page's query (?q=...) is read by the page
+            self.path = "/"
         return ok
 
     def _no_route(self):
@@ -592,9 +594,18 @@ class Requests(KeepAlive, mlx_server.APIHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
+    def _send_page(self, data):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
 
 class Handler(Requests):
-    """mlx-lm's handler with /v1/messages, /v1/mlxmoe/stats and the mlxmoe request checks."""
+    """mlx-lm's handler with /v1/messages, /v1/mlxmoe/stats, the page (webpage.py) and the
+    mlxmoe request checks."""
 
     too_long = False  # the request's prompt is beyond the context: its 400 from mlx-lm becomes a 413
 
@@ -609,6 +620,10 @@ class Handler(Requests):
             return
         if self.path == "/v1/mlxmoe/stats":
             return self._send_json(200, self.response_generator.stats())
+        if self.path == "/v1/mlxmoe/residency":
+            return self._send_json(200, webpage.residency(self.response_generator))
+        if self.path == "/":
+            return self._send_page(webpage.page())
         model = {"id": self.response_generator.cli_args.model, "object": "model", "created": self.created,
                  "owned_by": "mlxmoe"}
         if self.path == "/v1/models":

@@ -219,6 +219,8 @@ def test_wheel_ships_the_demo_model(tmp_path):
         sizes = {i.filename: i.file_size for i in z.infolist()}
     for name in FILES:
         assert sizes.get(f"mlxmoe/demo/{name}") == (DEMO / name).stat().st_size, name
+    page = repo / "mlxmoe" / "web" / "index.html"  # serve's page (GET /)
+    assert sizes.get("mlxmoe/web/index.html") == page.stat().st_size
 
     # installed (into a folder of its own), the package finds and loads its model
     site = tmp_path / "site"
