@@ -4,13 +4,16 @@ driven by mlx-lm's own server loop (mlx_lm/server.py ResponseGenerator._generate
 A decode step of B requests calls the model with inputs [B, 1]: the expert cache takes it
 as it takes a prefill (experts.StreamingExperts._call: the union of the rows' experts is
 fetched once, in groups where it exceeds the cache; the verified step and running ahead act
-on one-token calls on a KVCache or RotatingKVCache only: never on a batch's BatchKVCache). Prompts are prefilled one request at a time (prefill batch 1: the
-budget's working reserve is sized for one prefill, and each prompt's routing is its own).
+on one-token calls on a KVCache or RotatingKVCache only: never on a batch's BatchKVCache).
+Prompts are prefilled one request at a time (prefill batch 1: the budget's working reserve is
+sized for one prefill, and each prompt's routing is its own).
 
 - Admission by the KV reserve: a request needs its prompt and max_tokens of KV; the batch's
   BatchKVCache holds every row as long as its longest (a row that joins is padded to the
-  batch's length), so a request joins while rows x (the batch's length + the largest need)
-  stays within the tokens the reserve holds (the plan's context); else it waits, in order.
+  batch's length), in steps of 256 tokens, so a request joins while rows x (the batch's
+  length + the largest need, rounded up to the step) stays within the tokens the reserve
+  holds (the plan's context); else it waits, in order. (A request alone always fits: its
+  max_tokens is cut to the context.)
 - Stats per request: the cache's counters are read after every model call; what changed
   since the last reading (background reads included) is shared by the call's rows, the
   requests in it, evenly (the remainder to the first rows). On the resident path a step's
@@ -27,6 +30,7 @@ budget's working reserve is sized for one prefill, and each prompt's routing is 
 
 from mlx_lm import server as mlx_server
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import BatchKVCache
 
 from . import distributed
 from .api import generation_lock
@@ -171,13 +175,14 @@ class Batches(BatchGenerator):
         needs = [self.requests[u].share.need for u in active if u in self.requests]
         kv = self._generation_batch.prompt_cache
         length = getattr(kv[0], "_idx", 0) if kv else 0  # (BatchKVCache: the batch's length)
-        context = self.owner.context
+        context, step = self.owner.context, BatchKVCache.step  # (it grows by steps of `step` tokens)
         admitted = 0
         for sequence in self._unprocessed_sequences:
             request = self.requests.get(sequence[0])
             need = request.share.need if request is not None else context
-            if len(active) + admitted >= self.max_batch or (
-                    active or admitted) and (len(needs) + 1) * (length + max(needs + [need])) > context:
+            longest = -(-(length + max(needs + [need])) // step) * step
+            full = len(active) + admitted >= self.max_batch
+            if full or (active or admitted) and (len(needs) + 1) * longest > context:
                 break
             needs.append(need)
             admitted += 1
