@@ -1754,18 +1754,23 @@ def convert(src, dst, bundle, fallback_bits):
               "beside the budget, bounded by its KV reserve).")
 @click.option("--max-queue", type=Number(int, 1, 4096), default=64, show_default=True,
               help="Generation requests waiting or running at once; more are answered 503 with Retry-After.")
+@click.option("--max-batch", type=Number(int, 1, 256), default=8, show_default=True,
+              help="Concurrent requests decoded together, one forward pass a step through the expert cache (the "
+              "experts they share read once); a request joins while the KV reserve holds the batch's contexts, else "
+              "it waits. Each request's greedy output is its answer alone. 1: one request at a time. Off (one at a "
+              "time) with a draft model, --draft ngram or --profiles.")
 @draft_options
 @click.option("--idle-timeout", type=Number(float, 0, 86400, low_open=True), default=30, show_default=True,
               help="Seconds a connection waits for its client: a kept-alive connection idle this long, or a request "
               "whose line and headers take longer in all, is closed; so is one where any read or write stalls this "
               "long.")
 def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp, top_p, prompt_cache_size, max_queue,
-          idle_timeout, **opts):
+          max_batch, idle_timeout, **opts):
     """Serve the model over HTTP: OpenAI /v1/chat/completions, /v1/completions and
     /v1/models, Anthropic /v1/messages, /health and the expert cache's /v1/mlxmoe/stats and
-    /v1/mlxmoe/residency (mlx-lm's server on mlxmoe's model). Requests queue: one generation
-    at a time. Open the address in a browser for a page: a chat with the model beside the
-    expert cache live (what is resident, hot and being read; hit rate and MB read per token)."""
+    /v1/mlxmoe/residency (mlx-lm's server on mlxmoe's model). Concurrent requests decode in
+    batches (--max-batch). Open the address in a browser for a page: a chat with the model
+    beside the expert cache live (what is resident, hot and being read; hit rate and MB read per token)."""
     import_mlx()
     from .api import model_name
     from .server import serve as run_server
@@ -1783,7 +1788,7 @@ def serve(profiles_dir, save_profiles, save_every, host, port, max_tokens, temp,
         name = model_name(model.expert_runtime.checkpoint.path)  # as profiles and traces name it
         run_server(model, tokenizer, name, host, port, profiles_dir, save_profiles, save_every, max_tokens, temp,
                    top_p, prompt_cache_size, opts["force_profile"], opts["profile_path"], max_queue=max_queue,
-                   idle_timeout=idle_timeout, **_serve_draft(model, opts))
+                   idle_timeout=idle_timeout, max_batch=max_batch, **_serve_draft(model, opts))
     except BaseException:
         model.expert_cache.close()
         raise

@@ -6,9 +6,12 @@ generation thread are used as they are; the subclasses below change only what ha
 - ModelProvider: the model is the one mlxmoe.load gave (expert cache, memory budget), loaded
   before serving so that a bad checkpoint exits 2 instead of leaving a server whose generation
   thread died; every requested model name is served by it (one model per process, as clients
-  send names of their own); never batchable, as mlx-lm's BatchGenerator decodes several
-  sequences in one forward pass and the expert cache (its policy, prefetcher, stats and live
-  profile) follows one sequence: requests queue and each gets its solo answer.
+  send names of their own); batchable with --max-batch N above 1 (batching.py: mlx-lm's
+  BatchGenerator, a decode step of several requests in one forward pass through the expert
+  cache, each request's greedy output its solo answer), except with a draft model (mlx-lm's
+  rule), under several ranks, or with --profiles (the profile matched to a request's prefill
+  steers the cache through its decode, which requests with different profiles cannot share):
+  then requests queue and each runs alone.
 - mlx_lm.server's stream_generate is mlxmoe's (its generation lock, the prefill step the
   budget plans for, the deferred host work) inside the per-request stats and profile matching
   (ResponseGenerator.stream); mlx-lm's prefill_step_size is dropped for the planned one.
@@ -37,6 +40,7 @@ generation thread are used as they are; the subclasses below change only what ha
 
 import argparse
 import copy
+import functools
 import io
 import itertools
 import json
@@ -60,7 +64,8 @@ from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import LRUPromptCache
 
 from . import distributed, webpage
-from .api import generation_lock, model_fingerprint, stream_generate, vocab_size
+from .api import generation_lock, model_fingerprint, prefill_step, stream_generate, vocab_size
+from .batching import Batches, Replies as BatchReplies, counters, usage
 from .budget import DEFAULT_CONTEXT, format_size
 from .errors import MlxmoeError
 from .drafting import NGram
@@ -133,6 +138,10 @@ class Provider(mlx_server.ModelProvider):
         self.model, self.tokenizer = model, tokenizer
         self.draft_model = draft_model  # serve's, for every request: the runtime's draft model, or an NGram
         self.model_key = (cli_args.model, None, None)
+        # mlx-lm's rule (no draft model, KV caches that merge), on one rank, batches above 1
+        self.is_batchable = (cli_args.decode_concurrency > 1 and draft_model is None
+                             and model.expert_runtime.group is None
+                             and all(hasattr(c, "merge") for c in mlx_server.make_prompt_cache(model)))
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         if adapter_path is not None or draft_model_path not in (None, "default_model"):
@@ -141,12 +150,6 @@ class Provider(mlx_server.ModelProvider):
 
     def load_default(self):
         pass
-
-
-def _counters(cache):
-    with cache.lock:
-        c = cache.counters
-        return c.hits, c.misses, c.demand_bytes + c.prefetch_bytes, c.skipped, c.biased, c.substituted
 
 
 class SharedEvent(threading.Event):
@@ -200,7 +203,8 @@ class Replies:
 
 
 class ResponseGenerator(mlx_server.ResponseGenerator):
-    """mlx-lm's generation thread, one request at a time, each with its profile and stats."""
+    """mlx-lm's generation thread: one request at a time, each with its profile and stats, or
+    concurrent ones in batches (batching.Batches: --max-batch)."""
 
     def __init__(self, provider, prompt_cache, profiles=None, save_every=0, profile_path=None):
         """`save_every`: requests between profile saves (0: none); `profile_path`: where the
@@ -215,6 +219,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         # the tokens the budget's KV reserve is sized for (load's max_context, api.checkpoint_plan)
         self.context = getattr(runtime.plan, "context", DEFAULT_CONTEXT)
         self.live = runtime.profile  # the load's live profile, learning from every request
+        self.pending = None  # the request tokenized last (batching.Batches inserts it)
         super().__init__(provider, prompt_cache)  # starts the generation thread
 
     def _run_generate(self):
@@ -233,7 +238,20 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
             request = super()._next_request(timeout)
             if self.group is not None and distributed.any_rank(self.group, self.stopping):
                 self._stop = True
+        if request is not None and self.group is None:  # (a batched request's reply ends with its usage)
+            rqueue, req, args = request
+            request = BatchReplies(rqueue, req, self.finish), req, args
         return request
+
+    def _is_batchable(self, args):
+        return super()._is_batchable(args) and self.profiles is None
+
+    def finish(self, request):
+        """A batched request ends (batching.Replies): its usage, counted as served."""
+        request.usage, request.share = request.share.usage(), None
+        self.served += 1
+        if self.save_every and self.served % self.save_every == 0:
+            self.save()
 
     def stop_and_join(self):
         if self.group is None:
@@ -257,7 +275,8 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
 
     def _tokenize(self, tokenizer, request, args):
         tokenized = super()._tokenize(tokenizer, request, args)
-        self.active.prompt_tokens = len(tokenized[0])  # (Anthropic's message_start tells it)
+        request.prompt_tokens = len(tokenized[0])  # (Anthropic's message_start tells it)
+        self.pending = request  # (a batch inserts it next: Batches.insert_segments)
         args.max_tokens = max(1, min(args.max_tokens, self.context - len(tokenized[0])))
         return tokenized
 
@@ -272,7 +291,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         name = request.mlxmoe_profile
         if name is not None:
             self._use_profile(name)
-        before = _counters(cache)
+        before = counters(cache)
         runtime.swap_live(observed)  # this request's routing, apart until its profile is known
         generation = stream_generate(model, tokenizer, prompt, **kwargs)
         try:
@@ -302,15 +321,10 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                 if name is not None and self.profiles is not None:
                     self.profiles.learn(name, distributed.whole_usage(ckpt, observed))
                     self.profiles.matched[name] += 1
-                counts = [a - b for a, b in zip(_counters(cache), before)]
+                counts = [a - b for a, b in zip(counters(cache), before)]
                 if self.group is not None:
                     counts = distributed.sum_ranks(self.group, counts)
-                hits, misses, read, skipped, biased, substituted = counts
-                request.usage = {"expert_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-                                 "expert_hits": hits, "expert_misses": misses,
-                                 "mb_read": read / (1 << 20),  # MB as budgets count them
-                                 "profile": name, "experts_skipped": skipped, "experts_biased": biased,
-                                 "experts_low_bit": substituted}
+                request.usage = usage(counts, name)
                 self.last_stats = distributed.merged_stats(model)
 
     def _use_profile(self, name):
@@ -974,13 +988,15 @@ class Server(ThreadingHTTPServer):
             self.admitted -= 1
 
 
-def cli_args(model, max_tokens, temp, top_p, prompt_cache_size, num_draft_tokens=3):
-    """The namespace mlx-lm's server reads its settings from, with mlx-lm's defaults."""
+def cli_args(model, max_tokens, temp, top_p, prompt_cache_size, num_draft_tokens=3, max_batch=1,
+             prefill_step_size=None):
+    """The namespace mlx-lm's server reads its settings from, with mlx-lm's defaults; batches of
+    `max_batch` requests decoding, each prompt prefilled alone in steps of `prefill_step_size`."""
     return argparse.Namespace(
         model=model, adapter_path=None, draft_model=None, num_draft_tokens=num_draft_tokens, trust_remote_code=False,
         chat_template="", use_default_chat_template=False, chat_template_args={}, temp=temp, top_p=top_p, top_k=0,
-        min_p=0.0, max_tokens=max_tokens, allowed_origins=["*"], decode_concurrency=1, prompt_concurrency=1,
-        prefill_step_size=None, prompt_cache_size=prompt_cache_size, prompt_cache_bytes=None, kv_bits=None,
+        min_p=0.0, max_tokens=max_tokens, allowed_origins=["*"], decode_concurrency=max_batch, prompt_concurrency=1,
+        prefill_step_size=prefill_step_size, prompt_cache_size=prompt_cache_size, prompt_cache_bytes=None, kv_bits=None,
         kv_group_size=64, quantized_kv_start=0, pipeline=False)
 
 
@@ -988,9 +1004,9 @@ def say(line):
     print(line, file=sys.stderr, flush=True)
 
 
-def serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save_profiles, save_every):
+def serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save_profiles, save_every, batch=""):
     """What `serve` says it serves: the model, the budget and what the expert cache holds,
-    the profiles and whether they are written back."""
+    the profiles and whether they are written back; `batch`: how requests are batched."""
     cache, ckpt = runtime.cache, runtime.checkpoint
     total = ckpt.num_layers * ckpt.num_experts  # (under several ranks, this rank's stage)
     line = (f"serving {model_name}: memory budget {format_size(runtime.plan.budget)}, expert cache "
@@ -1004,19 +1020,37 @@ def serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save
         line += "; no profile"
     if save_profiles:
         line += f" (learning: written back {f'every {save_every} requests and ' if save_every else ''}at exit)"
-    return line
+    return line + batch
+
+
+def batch_line(generator, max_batch):
+    """How serve batches requests, for its serving line."""
+    provider = generator.model_provider
+    if provider.is_batchable and generator.profiles is None:
+        return f"; batches of up to {max_batch} requests (within the KV reserve)"
+    if max_batch == 1:
+        return "; one request at a time (--max-batch 1)"
+    why = ("speculative decoding" if provider.draft_model is not None else
+           "--profiles" if generator.profiles is not None else "several ranks" if generator.group is not None else
+           "this model's KV caches")
+    return f"; one request at a time ({why} does not batch)"
 
 
 def response_generator(model, tokenizer, model_name, max_tokens=512, temp=0.0, top_p=1.0, prompt_cache_size=0,
-                       profiles=None, save_every=0, profile_path=None, draft_model=None, num_draft_tokens=3):
+                       profiles=None, save_every=0, profile_path=None, draft_model=None, num_draft_tokens=3,
+                       max_batch=1):
     """mlx-lm's generation thread on `model`, started, with the prompt cache bounded by the
     KV reserve; mlx-lm's server generates through it from now on. `draft_model`: the
-    runtime's draft model, or "ngram" (see serve)."""
-    provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size, num_draft_tokens), model,
-                        tokenizer, NGram() if draft_model == "ngram" else draft_model)
-    prompt_cache = LRUPromptCache(prompt_cache_size, max(1, model.expert_runtime.plan.kv_reserve))
+    runtime's draft model, or "ngram" (see serve); `max_batch`: requests decoded together."""
+    plan = model.expert_runtime.plan
+    step = prefill_step(plan, tokenizer, [0] * getattr(plan, "context", DEFAULT_CONTEXT))  # (the longest prompt's)
+    provider = Provider(cli_args(model_name, max_tokens, temp, top_p, prompt_cache_size, num_draft_tokens, max_batch,
+                                 step), model, tokenizer, NGram() if draft_model == "ngram" else draft_model)
+    prompt_cache = LRUPromptCache(prompt_cache_size, max(1, plan.kv_reserve))
     generator = ResponseGenerator(provider, prompt_cache, profiles, save_every, profile_path)
     mlx_server.stream_generate = generator.stream  # what mlx-lm's generation thread calls
+    if provider.is_batchable:  # what it batches with
+        mlx_server.BatchGenerator = functools.partial(Batches, owner=generator)
     return generator
 
 
@@ -1030,11 +1064,13 @@ def http_server(generator, host="127.0.0.1", port=0, max_queue=64, idle_timeout=
 
 def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_dir=None, save_profiles=False,
           save_every=16, max_tokens=512, temp=0.0, top_p=1.0, prompt_cache_size=0, force_profile=False,
-          profile_path=None, max_queue=64, idle_timeout=IDLE_TIMEOUT, draft_model=None, num_draft_tokens=3):
+          profile_path=None, max_queue=64, idle_timeout=IDLE_TIMEOUT, draft_model=None, num_draft_tokens=3,
+          max_batch=1):
     """Serve `model` until SIGINT or SIGTERM; then, with save_profiles, save the profiles
     (--profiles) or the live one to `profile_path` (the --profile it was loaded with).
     `draft_model` (the runtime's draft model, or "ngram"), drafting `num_draft_tokens` a step
-    where a request does not say: speculative decoding for every request.
+    where a request does not say: speculative decoding for every request (then no batches).
+    `max_batch`: concurrent requests decoded in one step (batching.py; 1: one at a time).
     Under several ranks (model loaded with a group) every rank calls this: rank 0 serves
     HTTP, the others follow its requests; a signal to any rank stops them all."""
     if not (isinstance(temp, (int, float)) and math.isfinite(temp) and temp >= 0):
@@ -1047,7 +1083,7 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
     if save_profiles and profiles is None and profile_path is None:
         raise MlxmoeError("--save-profiles needs --profiles DIR or --profile FILE (where to write them)")
     generator = response_generator(model, tokenizer, model_name, max_tokens, temp, top_p, prompt_cache_size, profiles,
-                                   save_profiles and save_every, profile_path, draft_model, num_draft_tokens)
+                                   save_profiles and save_every, profile_path, draft_model, num_draft_tokens, max_batch)
 
     def stop(signum, frame):
         raise KeyboardInterrupt
@@ -1057,7 +1093,8 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
     try:
         if group is None or group.rank() == 0:
             httpd = http_server(generator, host, port, max_queue, idle_timeout)
-            say(serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save_profiles, save_every))
+            say(serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save_profiles, save_every,
+                             batch_line(generator, max_batch)))
             say(f"mlxmoe serve: {model_name} at http://{host}:{httpd.server_port}")
         # until a signal (on any rank) stops the generation, or it fails; not Thread.join(): a
         # Ctrl-C that interrupts it leaves the thread taken for ended (Python 3.11, bpo-45274)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .api import generation_lock
+
 PAGE = Path(__file__).parent / "web" / "index.html"
 HOT_PER_TOP_K = 2  # hot experts shown per layer: this many times top-k
 
@@ -44,5 +46,5 @@ def residency(generator) -> dict:
     profile = getattr(active, "profile", None) or getattr(live_profile, "source", None)
     return {"layers": layers, "experts": experts, "capacity": cache.capacity, "version": version,
             "resident": resident, "hot": hot, "reading": [list(key) for key in reading], "layer": layer,
-            "busy": active is not None, "counters": counts, "plan": dataclasses.asdict(generator.runtime.plan),
+            "busy": generation_lock(generator.model_provider.model).locked(), "counters": counts, "plan": dataclasses.asdict(generator.runtime.plan),
             "profile": profile and str(profile)}

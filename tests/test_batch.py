@@ -1,0 +1,188 @@
+"""`serve --max-batch N`: concurrent requests decoded in batches through the expert cache
+(mlxmoe/batching.py). Each request's greedy output equals its solo answer at every cache
+size (every expert resident, a partial cache, a cache smaller than the union of a batch's
+experts, fetched in groups); per-request stats add up to the cache's; requests wait for the
+KV reserve; a client leaving frees its slot; the budget holds with 16 clients. Servers bind
+127.0.0.1 on a free port; every wait is bounded."""
+
+import json
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+from mlx_lm import server as mlx_server
+
+import mlxmoe
+from mlxmoe import server as mlxmoe_server
+from mlxmoe.caching.experts import StreamingExperts
+from mlxmoe.drafting import NGram
+from test_server import PROMPTS, Server
+from test_threads import in_threads
+
+openai = pytest.importorskip("openai")
+
+# (prompt, max_tokens): different lengths, so that requests join and leave a running batch
+ASKED = [(p, 6 + 5 * i) for i, p in enumerate(PROMPTS[:6])]
+CACHES = {"resident": {"cache_experts": 128}, "partial": {"memory_budget": "42MB"},
+          "below-union": {"cache_experts": 4}}  # 4 slots: a batch's experts at a layer are more
+
+
+@pytest.fixture(scope="module")
+def solo():
+    """Each request's answer alone: mlxmoe.generate (greedy, one sequence)."""
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL)
+    try:
+        return [mlxmoe.generate(model, tokenizer, p, max_tokens=n) for p, n in ASKED]
+    finally:
+        model.expert_cache.close()
+
+
+def start(max_batch, **load):
+    """An in-process server of the demo model loaded with `load` (no prefetcher: every read
+    is one a request's step made), batching up to `max_batch` requests."""
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, prefetch=0, **load)
+    assert model.expert_cache.prewarm_done(60)  # (its reads are no request's)
+    stock = mlx_server.stream_generate, mlx_server.BatchGenerator
+    generator = mlxmoe_server.response_generator(model, tokenizer, "demo", max_batch=max_batch)
+    httpd = mlxmoe_server.http_server(generator, "127.0.0.1", 0)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_port}/v1", api_key="none", timeout=60,
+                           max_retries=0)
+
+    def stop():
+        httpd.shutdown()
+        httpd.server_close()
+        generator.stop_and_join()
+        mlx_server.stream_generate, mlx_server.BatchGenerator = stock
+        model.expert_cache.close()
+    return SimpleNamespace(model=model, generator=generator, port=httpd.server_port, client=client, stop=stop)
+
+
+def complete(served, prompt, max_tokens):
+    r = served.client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    return r.choices[0].text, r.usage.model_extra["mlxmoe"]
+
+
+def idle(served, seconds=30):
+    """Wait until the batch has emptied (the model's generation lock is free again)."""
+    lock, tic = mlxmoe.api.generation_lock(served.model), time.monotonic()
+    while not lock.acquire(timeout=0.05):
+        assert time.monotonic() - tic < seconds
+    lock.release()
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_batched_output_equals_solo_and_stats_add_up(solo, cache, monkeypatch):
+    served = start(8, **CACHES[cache])
+    grouped = []  # batched decode steps whose experts did not fit the cache at once
+    real = StreamingExperts._grouped
+
+    def spy(self, x, *args):
+        if x.ndim == 3 and x.shape[0] > 1 and x.shape[1] == 1:
+            grouped.append(x.shape[0])
+        return real(self, x, *args)
+    monkeypatch.setattr(StreamingExperts, "_grouped", spy)
+    try:
+        before = served.model.expert_cache.stats()
+        got = in_threads(lambda p, n: complete(served, p, n), ASKED)
+        idle(served)
+        after = served.model.expert_cache.stats()
+    finally:
+        served.stop()
+    assert [text for text, _ in got] == solo
+    usages = [u for _, u in got]
+    assert max(u["batch_largest"] for u in usages) > 1  # they were batched
+    for key, total in (("expert_hits", "hits"), ("expert_misses", "misses")):
+        assert sum(u[key] for u in usages) == after[total] - before[total]
+    assert after["hits"] > before["hits"]
+    assert sum(u["mb_read"] for u in usages) * (1 << 20) == pytest.approx(after["bytes_read"] - before["bytes_read"])
+    if cache == "resident":
+        assert after["misses"] == before["misses"]
+    else:
+        assert after["bytes_read"] > before["bytes_read"]
+    if cache == "below-union":
+        assert grouped, "no batched decode step was fetched in groups"
+
+
+def test_requests_wait_for_the_kv_reserve(solo):
+    """A 600-token context holds two of these requests' KV, not three (rows x their longest
+    need, in BatchKVCache's steps of 256 tokens)."""
+    asked = [(p, 100) for p, _ in ASKED[:4]]
+    served = start(8, memory_budget="42MB", max_context=600)
+    try:
+        got = in_threads(lambda p, n: complete(served, p, n), asked)
+    finally:
+        served.stop()
+    alone = mlxmoe.load(mlxmoe.DEMO_MODEL)
+    try:
+        assert [text for text, _ in got] == [mlxmoe.generate(*alone, p, max_tokens=n) for p, n in asked]
+    finally:
+        alone[0].expert_cache.close()
+    assert max(u["batch_largest"] for _, u in got) == 2
+
+
+def open_request(served, body):
+    """A raw client's request, once it is in the batch (a stream: its first token came)."""
+    sock = socket.create_connection(("127.0.0.1", served.port), timeout=30)
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    got, tic = b"", time.monotonic()
+    while b"data: " not in got if body["stream"] else not mlxmoe.api.generation_lock(served.model).locked():
+        assert time.monotonic() - tic < 30
+        got += sock.recv(4096) if body["stream"] else b""
+        time.sleep(0 if body["stream"] else 0.05)
+    time.sleep(0 if body["stream"] else 0.5)  # (a non-streaming client sees nothing: its prefill done by now)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_frees_its_batch_slot(stream):
+    """Two long requests fill a batch of 2; the first's client leaves; a third request then
+    completes while the second still runs: it took the slot the first left."""
+    served = start(2, memory_budget="42MB")
+    try:
+        long = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "stream": stream}
+        first, second = open_request(served, long), open_request(served, long)
+        first.close()
+        tic = time.monotonic()
+        text, usage = complete(served, PROMPTS[2], 4)
+        assert time.monotonic() - tic < 15
+        assert served.generator.served == 2  # the first (stopped) and this one; the second still runs
+        assert usage["batch_largest"] == 2
+        second.close()
+        tic = time.monotonic()
+        while served.generator.served < 3:
+            assert time.monotonic() - tic < 15, "the second request still runs after its client left"
+            time.sleep(0.05)
+    finally:
+        served.stop()
+
+
+def test_the_budget_holds_with_16_clients():
+    s = Server("--memory-budget", "42MB", "--max-batch", "16")
+    try:
+        got = in_threads(lambda i: s.client.completions.create(
+            model="demo", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=8 + i % 5, temperature=0),
+            [(i,) for i in range(16)])
+        assert all(not isinstance(r, str) for r in got), got
+        assert max(r.usage.model_extra["mlxmoe"]["batch_largest"] for r in got) > 4
+        stats = s.json("GET", "/v1/mlxmoe/stats")[2]
+    finally:
+        s.stop()
+    assert stats["peak_memory"] <= 1.05 * stats["server"]["memory_budget"]
+
+
+def test_batching_off_with_drafts_profiles_or_max_batch_1():
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, memory_budget="42MB")
+    try:
+        def line(max_batch, draft=None, profiles=None):
+            args = mlxmoe_server.cli_args("demo", 8, 0.0, 1.0, 0, max_batch=max_batch)
+            provider = mlxmoe_server.Provider(args, model, tokenizer, draft)
+            generator = SimpleNamespace(model_provider=provider, profiles=profiles, group=None)
+            return provider.is_batchable, mlxmoe_server.batch_line(generator, max_batch)
+        assert line(8) == (True, "; batches of up to 8 requests (within the KV reserve)")
+        assert line(1) == (False, "; one request at a time (--max-batch 1)")
+        assert line(8, NGram()) == (False, "; one request at a time (speculative decoding does not batch)")
+        assert line(8, profiles=object())[1] == "; one request at a time (--profiles does not batch)"
+    finally:
+        model.expert_cache.close()
