@@ -358,7 +358,9 @@ def test_serve_learns_one_profile_of_the_whole_model_and_stops_from_a_follower(c
     assert r.returncode == 0, r.stderr
     for ranks in (1, 2):
         shutil.copy(tmp_path / "p.json", tmp_path / f"p{ranks}.json")
-        with serving(ranks, "-m", path, "--profile", tmp_path / f"p{ranks}.json", "--save-profiles") as s:
+        # (one request at a time as under ranks: a batch's decode steps learn the live profile as one call)
+        with serving(ranks, "-m", path, "--profile", tmp_path / f"p{ranks}.json", "--save-profiles",
+                     "--max-batch", "1") as s:
             for prompt in ("Il gatto", "The cat sat"):
                 assert s.client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0).choices
             terminate(s, ranks, rank=1)

@@ -539,7 +539,8 @@ def test_the_server_saves_what_it_learnt_when_its_generation_fails(tmp_path):
     shutil.copy(os.path.join(os.path.dirname(__file__), "..", "profiles", "italian.json"), profile)
     before = ActivationProfile.load(profile).tokens_total
     proc = subprocess.Popen([sys.executable, "-c", FAILING_SERVER, "serve", "--port", "0", "--profile", str(profile),
-                             "--save-profiles", "--memory-budget", "42MB"], stderr=subprocess.PIPE, text=True)
+                             "--save-profiles", "--memory-budget", "42MB", "--max-batch", "1"],  # (one request at a time)
+                            stderr=subprocess.PIPE, text=True)
     try:
         port = None
         for line in proc.stderr:

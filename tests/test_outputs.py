@@ -86,9 +86,9 @@ WRITERS = {
 # the files commands read, and options that name no file: the rest of the path options
 # (and of the options whose help says they write or save) are writers
 READS = {"profile_path", "fallback", "prompts_file", "chats", "traces", "file", "files", "a", "b", "trace_file", "src",
-         "prompt_cache_file",
+         "prompt_cache_file", "draft_model",
          "profiles_dir"}
-NOT_FILES = {"disk_gbps", "fallback_bits", "save_every"}
+NOT_FILES = {"disk_gbps", "fallback_bits", "save_every", "idle_timeout"}
 
 
 def commands(group=main, prefix=()):

@@ -216,11 +216,11 @@ def pulled(repo_id: str, revision: str | None = None) -> Path:
 def cached_models() -> list[tuple[str, Path, int]]:
     """(repo id, snapshot folder, bytes on disk) of each model in the hub's cache holding a
     config.json (the newest snapshot of each repo); none where there is no cache."""
-    from huggingface_hub import scan_cache_dir
+    from huggingface_hub import constants, scan_cache_dir
     from huggingface_hub.errors import CacheNotFound
 
-    try:
-        repos = scan_cache_dir().repos
+    try:  # (the cache named now: scan_cache_dir's default is the one when it was first imported)
+        repos = scan_cache_dir(constants.HF_HUB_CACHE).repos
     except CacheNotFound:
         return []
     out = []
