@@ -105,7 +105,8 @@ def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_ex
     p.attention = attention
     p.attention_per_key = attention_bytes(ckpt.config, act_bytes, 1, 1)  # per query token and key
     # a prefill step's activations per token: no logits (mlx-lm computes none for a prompt's steps)
-    p.step_bytes = working_bytes({**ckpt.config, "vocab_size": 0}, act_bytes, 1, ckpt.top_k)
+    p.step_bytes = (working_bytes(ckpt.config, act_bytes, 1, ckpt.top_k)
+                    - text_config(ckpt.config).get("vocab_size", 0) * act_bytes)
     p.context = context
     return p
 
