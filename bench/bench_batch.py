@@ -31,6 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import bench_server  # noqa: E402
 from bench_server import Server  # noqa: E402
 from heldout import prompts  # noqa: E402
+from system import check_outputs, model_folder, write_json  # noqa: E402
 
 
 def complete(port, prompt, max_tokens):
@@ -143,15 +144,13 @@ def main():
     ap.add_argument("--partial-budget", default="42MB", help="the partial cache's --memory-budget (reads per token)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "batch.json"))
     args = ap.parse_args()
+    check_outputs({"--out": args.out}, {"--model": model_folder(args.model)})
     clients = [int(c) for c in args.clients.split(",")]
     pool = [p for lang in ("en", "it", "de", "fr", "es") for p in prompts(lang, 8, max_chars=200)]
     results = {"args": vars(args), "throughput": throughput(args, pool, clients),
                "reads": reads_per_token(args, pool, clients)}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from mlxmoe.storage.files import write_atomic
-    write_atomic(out, json.dumps(results, indent=1).encode())
-    print(f"wrote {out}")
+    write_json(args.out, results)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import bench_runtime as br  # noqa: E402  (its helpers: generate_timed, window_stats, optimal_loads, table...)
+from system import check_outputs, write_atomic, write_json  # noqa: E402
 
 DEFAULT_MODEL = Path("/tmp/mlxmoe-bench/qwen3-30b-shapes-8L")  # bench_runtime.py's 8-layer checkpoint
 # The synthetic checkpoint's tokenizer is nearly one token per character: this is 8 tokens
@@ -387,7 +388,7 @@ def run_rate(args, rate_text, rate, caches, configs, tree, mp=None):
 def mount(src, rate_text, args):
     """Start slowdisk over `src` at a new temp mountpoint; returns (mountpoint, process, log)."""
     mp = Path(tempfile.mkdtemp(prefix="mlxmoe-slowdisk-"))
-    log = open(mp.with_name(mp.name + ".log"), "w+")
+    log = open(mp.with_name(mp.name + ".log"), "w+")  # beside our temp mountpoint: internal
     cmd = [sys.executable, str(args.slowdisk), str(src), str(mp), "--rate", rate_text, "--latency", args.latency,
            "--cold"]
     # its own session: Ctrl-C reaches this process and the child, never the disk under them
@@ -789,6 +790,7 @@ def main():
 
     if args.one:  # child: one configuration
         result = run_one(args)
+        # --result: a temp file run_child (bench_runtime.py) made for this child alone, not a user's path
         Path(args.result).write_text(json.dumps(result))
         return
 
@@ -818,6 +820,9 @@ def main():
         raise SystemExit("--runs: at least 1 (the compute bound is their median)")
     if args.output is None:
         args.output = HERE / "out" / ("disk" + ("-demo" if demo else "") + ("-quick" if args.quick else "") + ".json")
+    check_outputs({"--output": args.output, "the routing trace": args.output.with_suffix(".trace.jsonl")},
+                  {"--model": ROOT / "mlxmoe" / "demo" if demo else args.model, "--slowdisk": args.slowdisk,
+                   "--baseline-path": args.baseline_path, "--lossy fallback": lossy_kwargs(args.lossy).get("fallback")})
     rates = parse_rates(args, args.only_rates or args.rates)  # slowdisk and FUSE only for an emulated rate
     shares = [float(s) for s in args.cache.split(",")]
     if not demo and (Path(args.model).resolve() == DEFAULT_MODEL.resolve() or not Path(args.model).exists()):
@@ -850,8 +855,8 @@ def main():
         compute = spawn("resident", args, label="compute bound (every expert resident, not on the slow disk)")
         routing = spawn("routing", args, label="routing trace (every expert resident)")
         if "trace" in routing:
-            trace_file.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(routing["trace"], trace_file)
+            write_atomic(trace_file, Path(routing["trace"]).read_bytes())
+            os.unlink(routing["trace"])
             routing["trace"] = str(trace_file)
     runs = [r for r in (prev or {}).get("runs", []) if r["rate_text"] not in {t for t, _ in rates}]
     belady = {"error": "no routing trace"}
@@ -900,8 +905,7 @@ def main():
            if tree else None,
            "checkpoint": info, "compute": compute, "routing": routing, "belady": belady, "runs": runs,
            "summary": summary, "wall_seconds": wall}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(out, indent=1))
+    write_json(args.output, out)
     print(f"wrote {args.output}")
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))  # mlxmoe, and synthetic.py (the checkpoints' builder tests and bench share)
 
 from bench_runtime import DEFAULT_PROMPT, checkpoint_bytes, checkpoint_matches, generate_timed  # noqa: E402
-from system import drop_page_cache  # noqa: E402
+from system import check_outputs, drop_page_cache, write_json  # noqa: E402
 
 from mlxmoe.distributed import free_port_base  # noqa: E402
 
@@ -77,6 +77,7 @@ def rank_run(args):
         result.update(cache_experts=cache.capacity, decode_bytes=after["bytes_read"] - before["bytes_read"],
                       bytes_read=after["bytes_read"], peak_rss=after["peak_rss"],
                       decode_hits=after["hits"] - before["hits"], decode_misses=after["misses"] - before["misses"])
+    # --out: the temp folder launch() made for this run's ranks, not a user's path
     Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
 
 
@@ -106,7 +107,7 @@ def ring(ranks):
     if ranks == 1:
         return [], None
     base = free_port_base(ranks)
-    hosts = Path(tempfile.mkdtemp(prefix="mlxmoe-ring-"), "hosts.json")
+    hosts = Path(tempfile.mkdtemp(prefix="mlxmoe-ring-"), "hosts.json")  # in a temp folder of our own
     hosts.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(ranks)]))
     envs = [dict(os.environ, MLX_HOSTFILE=str(hosts), MLX_RANK=str(r)) for r in range(ranks)]
     return envs[1:], envs[0]
@@ -187,6 +188,7 @@ def main():
         runs = {(m, int(k)): rs for (m, k), rs in saved.items()}
         args.rounds = len(next(iter(runs.values())))
         return report(args, runs, counts, modes)
+    check_outputs({"the results": out}, {"--checkpoint": args.checkpoint})
     args.top_k, args.residual_scale = 8, 0.1  # bench_runtime.py's checkpoint
     if not checkpoint_matches(args.checkpoint, args):
         from synthetic import build_large_checkpoint
@@ -205,8 +207,7 @@ def main():
                 runs[m, k].append(launch(args, m, k))
                 print(f"[bench] round {round_ + 1}: {m}, {k} rank(s): {time.perf_counter() - tic:.0f} s, "
                       f"{runs[m, k][-1][0]['decode_tps']:.2f} tok/s", file=sys.stderr, flush=True)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps({f"{m}-{k}": rs for (m, k), rs in runs.items()}, indent=1))
+    write_json(out, {f"{m}-{k}": rs for (m, k), rs in runs.items()})
     report(args, runs, counts, modes)
 
 

@@ -42,6 +42,7 @@ sys.path.insert(0, str(HERE))
 
 import bench_disk as bd  # noqa: E402  (mount, unmount, fuse_check, the default checkpoint)
 import bench_runtime as br  # noqa: E402  (run_child, generate_timed)
+from system import check_outputs, write_json  # noqa: E402
 
 WARMUP_PROMPT = "Hi there"  # a warm-up generation before the timed one: one-time costs are not the forecast's
 PROFILE_PROMPTS = ["The quick brown fox", "Once upon a time", "In the beginning was", "Numbers: 1, 2, 3,"]
@@ -99,7 +100,7 @@ def budgets_for(path, shares, backend=None):
 
 
 def record_profile(args, out):
-    prompts = Path(out).with_suffix(".txt")
+    prompts = Path(out).with_suffix(".txt")  # beside the profile, in main's temp folder: internal files
     prompts.write_text("\n".join(PROFILE_PROMPTS) + "\n")
     cmd = [sys.executable, "-m", "mlxmoe", "profile", "record", "-m", str(args.checkpoint), "--prompts", str(prompts),
            "--max-tokens", str(args.tokens), "-o", str(out), "--workload", "forecast-check"]
@@ -156,13 +157,14 @@ def main():
     parser.add_argument("--profile", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.one:
+    if args.one:  # --result: a temp file run_child made for this child alone, not a user's path
         sys.path.append(str(ROOT))
         Path(args.result).write_text(json.dumps(run_measured(args)))
         return
 
     sys.path.append(str(ROOT))
     args.checkpoint = Path(args.checkpoint)
+    check_outputs({"--output": args.output}, {"--checkpoint": args.checkpoint, "--slowdisk": args.slowdisk})
     if args.checkpoint == bd.DEFAULT_MODEL:
         bd.wait_for_checkpoint(args.checkpoint, 1800)
     shares = [float(s) for s in args.shares.split(",")]
@@ -211,9 +213,8 @@ def main():
             finally:
                 if mounted:
                     bd.unmount(*mounted)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"checkpoint": str(args.checkpoint), "backend": args.backend, "prompt": args.prompt, "tokens": args.tokens,
-                                       "rows": rows}, indent=1))
+    write_json(args.output, {"checkpoint": str(args.checkpoint), "backend": args.backend, "prompt": args.prompt,
+                             "tokens": args.tokens, "rows": rows})
     for disk, measured in {r["disk"]: r["fit"]["measured"] for r in rows}.items():  # what fit measured, per disk
         print(f"[{disk}] " + "; ".join(measured), file=sys.stderr)
     report(rows, OVERLAP_LEFT)

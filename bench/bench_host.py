@@ -8,7 +8,7 @@ save functions) on first use. Configurations, each in its own process, alternate
 (the order reversed every other round): `stock` (mlx_lm.load + mlx_lm.stream_generate),
 `resident` (mlxmoe.load holding every expert, all read before the timing), `hit99`, `hit95`,
 `hit90` (mlxmoe with the cache whose warm decode hit rate is about 99, 95, 90 %: sizes found by
-a calibration run, kept in the checkpoint's folder), `cacheN` (N experts). Each process warms
+a calibration run, kept beside --output), `cacheN` (N experts). Each process warms
 with one generation of the same workload (its cache then holds what the workload uses), then
 times one generation per emulated round trip: greedy, the same prompt, the decode window from
 the first token to the last; the hit rate is that window's (expert_cache.stats() deltas).
@@ -63,6 +63,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_runtime import DEFAULT_PROMPT, fmt, no_repeat, run_child, table  # noqa: E402
+from system import check_outputs, write_json  # noqa: E402
 
 ROOT = HERE.parent
 DEFAULT_CHECKPOINT = Path("/tmp/mlxmoe-bench/host-bound-qwen3-48L")
@@ -71,7 +72,6 @@ SHAPES = {"num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
           "moe_intermediate_size": 32, "intermediate_size": 128, "num_attention_heads": 2,
           "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 4096}
 HIT_TARGETS = {"hit99": 0.99, "hit95": 0.95, "hit90": 0.90}
-CALIBRATION_FILE = "bench_host-calibration.json"
 
 
 # ---------------------------------------------------------------- the emulated round trip (child)
@@ -319,9 +319,14 @@ def spawn(args, one, load_kwargs="{}", slots=None, rtts=None):
     return run_child(cmd, one if slots is None else f"{one} ({slots} experts)", args.timeout)
 
 
+def calibration_file(args):
+    """Where the calibration of the `hit` sizes is kept, per checkpoint and workload: beside --output."""
+    return args.output.with_name(args.output.stem + "-calibration.json")
+
+
 def cache_sizes(args, configs):
     """Experts of each partially cached configuration: --cache-experts, else the calibration
-    kept in the checkpoint's folder for this workload, else a calibration run now."""
+    kept beside --output for this checkpoint and workload, else a calibration run now."""
     given = dict(item.split("=") for item in args.cache_experts.split(",")) if args.cache_experts else {}
     sizes = {name: int(n) for name, n in given.items()}
     for c in configs:
@@ -330,15 +335,16 @@ def cache_sizes(args, configs):
     wanted = [c for c in configs if c in HIT_TARGETS and c not in sizes]
     if not wanted:
         return sizes, None
-    file = Path(args.checkpoint) / CALIBRATION_FILE
-    key = json.dumps([args.tokens, args.prompt, args.no_repeat, json.loads(args.load_kwargs)], sort_keys=True)
+    file = calibration_file(args)
+    key = json.dumps([str(Path(args.checkpoint).resolve()), args.tokens, args.prompt, args.no_repeat,
+                      json.loads(args.load_kwargs)], sort_keys=True)
     kept = json.loads(file.read_text()) if file.exists() else {}
     if key not in kept or args.recalibrate:
         result = spawn(args, "calibrate", args.load_kwargs)
         if "error" in result:
             raise SystemExit(f"calibration failed: {result['error']}")
         kept[key] = {"sizes": result["sizes"], "points": result["points"]}
-        file.write_text(json.dumps(kept, indent=1))
+        write_json(file, kept)
     sizes.update({c: kept[key]["sizes"][c] for c in wanted})
     return sizes, kept[key]
 
@@ -465,10 +471,13 @@ def main():
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    if args.one:  # child
+    if args.one:  # child; --result: a temp file run_child made for it alone, not a user's path
         Path(args.result).write_text(json.dumps(run_one(args)))
         return
 
+    # the calibration is written beside --output, never into the checkpoint (an input)
+    check_outputs({"--output": args.output, "the calibration": calibration_file(args)},
+                  {"--checkpoint": args.checkpoint})
     t_start, load_start = time.perf_counter(), os.getloadavg()
     configs = parse_configs(args)
     rtts = [float(x) for x in args.rtt.split(",")]
@@ -495,8 +504,7 @@ def main():
                                          "loadavg_start": load_start, "loadavg_end": load_end},
            "shapes": SHAPES, "sizes": sizes, "calibration": calibration, "rows": lines, "results": results,
            "wall_seconds": time.perf_counter() - t_start}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(out, indent=1))
+    write_json(args.output, out)
     if not args.json:
         print(f"wrote {args.output} ({out['wall_seconds']:.0f} s)")
 

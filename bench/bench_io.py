@@ -57,7 +57,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # mlxmoe, and synthetic.py (the checkpoints' builder tests and bench share)
 sys.path.insert(0, str(HERE))
 
-from system import disk_read_bytes, drop_page_cache, meminfo_cached  # noqa: E402
+from system import check_outputs, disk_read_bytes, drop_page_cache, meminfo_cached, write_json  # noqa: E402
 
 # (io, bypass, workers): workers are the store's threads reading one expert's ranges at once
 MODES = [("mmap", None, 4), ("pread", None, 4), ("direct", "o_direct", 4), ("direct", "o_direct", 1),
@@ -228,7 +228,7 @@ def generate_all(args, bundled):
     out = []
     for io, checkpoint, layout in [("mmap", args.checkpoint, "stacked"), ("pread", args.checkpoint, "stacked"),
                                    ("direct", args.checkpoint, "stacked"), ("direct", bundled, "bundled")]:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as t:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as t:  # the child's --result: ours alone
             result = t.name
         cmd = [sys.executable, __file__, "--generate-one", io, "--checkpoint", str(checkpoint),
                "--tokens", str(args.tokens), "--result", result]
@@ -595,13 +595,15 @@ def main():
     ap.add_argument("--generate-one", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.generate_one:
+    if args.generate_one:  # --result: a temp file run_child made for this child alone, not a user's path
         Path(args.result).write_text(json.dumps(run_generate(args)))
         return
     if args.quick:
         args.checkpoint = args.checkpoint.replace("-8L", "-2L")
         args.layers, args.sample, args.repeat, args.tokens = 2, 100, 1, 8
     args.out = args.out or str(HERE / "out" / ("io-sizes.json" if args.only_sizes else "io.json"))
+    check_outputs({"--out": args.out},
+                  {"--checkpoint": args.checkpoint, "its bundled copy": args.checkpoint + "-bundled"})
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from mlxmoe.loader import open_checkpoint
@@ -619,8 +621,7 @@ def main():
                "checkpoint": str(args.checkpoint), "expert_bytes": store.expert_file_bytes(),
                "ranges_per_expert": len(store.tensors), "request_sizes": sizes}
         print_sizes(sizes)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(out, indent=1))
+        write_json(args.out, out)
         print(f"\nwrote {args.out}")
         return
     shards = sorted(files, key=lambda f: -f.stat().st_size)[:args.dd_shards]
@@ -677,8 +678,7 @@ def main():
     print_sizes(sizes)
     if gen:
         print_generate(gen)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_json(args.out, out)
     print(f"\nwrote {args.out}")
 
 

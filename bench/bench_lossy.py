@@ -31,7 +31,6 @@ Writes JSON (--output, default bench/out/lossy.json) and prints the tables.
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -44,12 +43,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from heldout import LANGUAGES, prompts  # noqa: E402
+from system import check_outputs, write_json  # noqa: E402
 
 import mlxmoe  # noqa: E402
 import mlxmoe.api  # noqa: E402
 from mlxmoe.caching.cache import Residency  # noqa: E402
 from mlxmoe.caching.lossy import Lossy  # noqa: E402
 from mlxmoe.caching.policies import DEFAULT_POLICY, make_policy  # noqa: E402
+from mlxmoe.storage.files import model_folder  # noqa: E402
 from mlxmoe.workload.trace import import_trace, layer_calls, read_trace  # noqa: E402
 
 REAL_FILES = [("bigmoeonedge", "bigmoeonedge/qwen.route.csv"), ("bigmoeonedge", "bigmoeonedge/gemma.route.csv"),
@@ -310,6 +311,9 @@ def main(argv=None):
                         help="The real-routing folder (default $MLXMOE_ROUTING); without it the real part is skipped.")
     parser.add_argument("--output", default=str(Path(__file__).resolve().parent / "out" / "lossy.json"))
     args = parser.parse_args(argv)
+    # the profiles of --recommend-into are read and written back: outputs, each its own
+    check_outputs({"--output": args.output, "--recommend-into": args.recommend_into},
+                  {"--model": model_folder(args.model), "--routing": args.routing})
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if not args.skip_demo:
         result["demo"] = run_demo(args)
@@ -324,8 +328,7 @@ def main(argv=None):
     elif not args.skip_real:
         result["real"] = run_real(args)
         print_real(result["real"])
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=1))
+    write_json(args.output, result)
     print(f"\nwrote {args.output}", file=sys.stderr)
 
 

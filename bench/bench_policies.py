@@ -33,7 +33,6 @@ tokens of them meet Belady's ceiling by 50 %).
 """
 
 import argparse
-import json
 import math
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from heldout import LANGUAGES, write_prompts  # noqa: E402
+from system import check_outputs, write_json  # noqa: E402
 from policy_ceiling import next_visit_hit_rate  # noqa: E402
 from traces import describe, load_heat, synthetic_records  # noqa: E402
 
@@ -223,14 +223,15 @@ def main():
     ap.add_argument("--lofo", action="store_true",
                     help="Leave-one-family-out evaluation of the default (see above) instead of the tables.")
     args = ap.parse_args()
-    OUT.mkdir(exist_ok=True)
+    result = OUT / ("policies-lofo.json" if args.lofo else "policies.json")
+    check_outputs({"the results": result}, {"--traces": args.traces})  # (the demo traces: mlxmoe trace record's)
     if args.demo:
         args.traces += record_demo_traces()
     if args.lofo:
-        (OUT / "policies-lofo.json").write_text(json.dumps(lofo(args), indent=1))
+        write_json(result, lofo(args))
         return
-    out = {"synthetic": synthetic(args) if args.synthetic else [], "recorded": recorded(args) if args.traces else {}}
-    (OUT / "policies.json").write_text(json.dumps(out, indent=1))
+    write_json(result, {"synthetic": synthetic(args) if args.synthetic else [],
+                        "recorded": recorded(args) if args.traces else {}})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ needed): text the model's tokenizer was not trained to fit.
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -30,11 +29,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "bench"))
 
 import mlxmoe  # noqa: E402
 from mlxmoe.api import memory_plan, prefill_step  # noqa: E402
 from mlxmoe.budget import DEFAULT_CONTEXT, format_size  # noqa: E402
-from mlxmoe.storage.files import check_outputs, write_atomic  # noqa: E402
+from system import check_outputs, model_folder, write_json  # noqa: E402
 
 
 def prompt_ids(tokenizer, tokens: int) -> list:
@@ -86,8 +86,7 @@ def main() -> None:
     ap.add_argument("--disk-mbps", type=float, default=None, help="Also the bound's seconds at this rate (MB/s).")
     ap.add_argument("--output", default=None, help="All rows as JSON.")
     args = ap.parse_args()
-    if args.output:
-        check_outputs({"--output": args.output}, {"--checkpoint": args.checkpoint})
+    check_outputs({"--output": args.output}, {"--checkpoint": model_folder(args.checkpoint)})
     _, tokenizer = mlxmoe.load(args.checkpoint, memory_budget="64GB")
     ids = prompt_ids(tokenizer, args.tokens)
     minimal = memory_plan(args.checkpoint, memory_budget="64GB", max_context=context(ids))
@@ -108,7 +107,7 @@ def main() -> None:
             cells.append(f"{r['bound_bytes'] / (args.disk_mbps * 1e6):.1f}")
         print("  ".join(str(c).rjust(len(h)) for c, h in zip(cells, head)))
     if args.output:
-        write_atomic(args.output, json.dumps(rows, indent=1).encode())
+        write_json(args.output, rows)
         print(f"saved {args.output}")
 
 

@@ -24,7 +24,6 @@ Results go to bench/out/profiles.json.
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlxmoe
 from heldout import prompts
+from system import check_outputs, write_json
 from mlxmoe.caching.cache import Residency
 from mlxmoe.loader import DEMO_MODEL
+from mlxmoe.storage.files import model_folder
 from mlxmoe.caching.policies import DEFAULT_POLICY, make_policy
 from mlxmoe.workload.profile import ActivationProfile
 from mlxmoe.workload.trace import layer_calls, read_trace, replay, steps
@@ -329,7 +330,11 @@ def main():
     ap.add_argument("--only-prior", action="store_true", help="Run section 1's replays with profiles as prior alone.")
     args = ap.parse_args()
     profiles = Path(args.profiles)
-    OUT.mkdir(exist_ok=True)
+    full = not (args.only_prefetch or args.only_prior or args.only_bookkeeping)
+    check_outputs({"the results": None if args.only_prior else OUT / ("bookkeeping.json" if args.only_bookkeeping
+                                                                     else "profiles.json"),
+                   "the traces": [OUT / "switch-it.trace.jsonl", OUT / "switch-en.trace.jsonl"] if full else None},
+                  {"--model": model_folder(args.model), "--profiles": profiles})
     # cut mid-text, so that the model continues in the prompt's language
     it, en = prompts("it", args.prompts, max_chars=200), prompts("en", args.prompts, max_chars=200)
     out = {}
@@ -340,7 +345,7 @@ def main():
         return
     if args.only_bookkeeping:
         bookkeeping_section(args.model, it[0], out, args.runs)
-        (OUT / "bookkeeping.json").write_text(json.dumps(out, indent=1))
+        write_json(OUT / "bookkeeping.json", out)
         return
     print("1. pre-warm at 50 % cache (Italian prompts)")
     out["prewarm"] = prewarm(args.model, profiles, it)
@@ -363,7 +368,7 @@ def main():
 def prefetch_section(model_path, out):
     print("4. prefetch, decode only (Italian and English prompts, 64 generated tokens each)")
     out["prefetch"] = prefetch(model_path, prompts("it", 4, max_chars=200) + prompts("en", 4, max_chars=200))
-    (OUT / "profiles.json").write_text(json.dumps(out, indent=1))
+    write_json(OUT / "profiles.json", out)
 
 
 if __name__ == "__main__":

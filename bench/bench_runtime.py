@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(HERE.parent))  # synthetic.py (shared with tests); last: a baseline's mlxmoe on PYTHONPATH comes first
 
-from system import disk_read_bytes, drop_page_cache, proc_status  # noqa: E402
+from system import check_outputs, disk_read_bytes, drop_page_cache, proc_status, write_json  # noqa: E402
 ROOT = HERE.parent
 # Short: on a 2-core CPU a prefill token costs about as much as a decoded one.
 DEFAULT_PROMPT = "Once upon a time there was a little fox who lived in the forest."
@@ -342,6 +342,7 @@ def spawn(config, args):
 def run_child(cmd, label, timeout, env=None):
     """Run `cmd` + ["--result", FILE] (a benchmark's `--one CONFIG` child, its output on
     stderr); returns the dict it wrote to FILE, or {"error": ...}, with its wall time."""
+    # the child's result: a temp file made here for it alone (not a user's path), read and removed
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_file = f.name
     print(f"[bench] {label} ...", file=sys.stderr, flush=True)
@@ -672,9 +673,11 @@ def main():
     if args.one:  # child: one configuration
         sys.path.insert(0, str(ROOT))
         result = run_one(args)
+        # --result: a temp file run_child made for this child alone, not a user's path
         Path(args.result).write_text(json.dumps(result))
         return
 
+    check_outputs({"--output": args.output}, {"--checkpoint": args.checkpoint})
     t_start = time.perf_counter()
     reused = checkpoint_matches(args.checkpoint, args)
     results = {}
@@ -729,8 +732,7 @@ def main():
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
                        "python": sys.version.split()[0]},
            "checkpoint": ckpt, "results": results, "dd": dd, "summary": summary, "wall_seconds": wall}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(out, indent=1))
+    write_json(args.output, out)
     print(f"wrote {args.output}")
 
 

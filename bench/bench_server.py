@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from heldout import prompts  # noqa: E402
+from system import check_outputs, model_folder, write_json  # noqa: E402
 
 
 def free_port():
@@ -147,7 +148,7 @@ def throughput(args):
 
 
 def profile_matching(args):
-    folder = Path(tempfile.mkdtemp(prefix="mlxmoe-profiles-"))
+    folder = Path(tempfile.mkdtemp(prefix="mlxmoe-profiles-"))  # copies in a temp folder of our own
     for name in ("italian", "english"):
         shutil.copy(ROOT / "profiles" / f"{name}.json", folder)
     truth = {"it": "italian", "en": "english"}
@@ -196,13 +197,13 @@ def main():
     ap.add_argument("--only", choices=["throughput", "profiles"])
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "server.json"))
     args = ap.parse_args()
+    check_outputs({"--out": args.out}, {"--model": model_folder(args.model)})
     results = {}
     if args.only != "profiles":
         results["throughput"] = throughput(args)
     if args.only != "throughput":
         results["profiles"] = profile_matching(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

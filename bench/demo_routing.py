@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "demo"))  # train_demo.py, the demo model's builder
 
 import train_demo as td  # noqa: E402
+from system import check_outputs, model_folder, write_json  # noqa: E402
 from traces import HEAT  # noqa: E402
 
 NAMES = {"en": "English", "it": "Italian", "fr": "French", "de": "German", "es": "Spanish"}
@@ -146,6 +147,8 @@ def main(argv=None):
     parser.add_argument("--quantized", action="store_true", help="Run the 4-bit kernels as shipped (slow on CPU).")
     parser.add_argument("--out", default=str(REPO / "bench" / "out" / "demo_routing.json"))
     args = parser.parse_args(argv)
+    check_outputs({"--out": args.out}, {"--model": model_folder(args.model), "--heldout-dir": args.heldout_dir,
+                                        "--work": args.work if args.full else None})
     td.ensure_fast_blas(install=False)  # Debian's OpenBLAS when installed (see train_demo.py)
 
     from mlx_lm import load
@@ -285,11 +288,8 @@ def main(argv=None):
               + ", ".join(f"{k} {a:.1f} / {b:.1f}" for k, (a, b) in kinds.items()))
     res["perplexity"] = ppl
     res["seconds"] = round(time.time() - t0, 1)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"\nwrote {out} ({res['seconds']:.0f}s)")
+    write_json(args.out, res)
+    print(f"\nwrote {args.out} ({res['seconds']:.0f}s)")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ one-line prompts per language."""
 import re
 from pathlib import Path
 
+from system import write_atomic
+
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout"
 LANGUAGES = ("it", "en", "de", "fr", "es")
 
@@ -32,5 +34,5 @@ def prompts(lang, n=None, max_chars=400):
 
 
 def write_prompts(lang, path, n=None):
-    Path(path).write_text("\n".join(prompts(lang, n)) + "\n", encoding="utf-8")
+    write_atomic(path, ("\n".join(prompts(lang, n)) + "\n").encode("utf-8"))
     return path

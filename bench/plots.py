@@ -13,7 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from traces import load_heat, synthetic_records  # noqa: E402
+from system import check_outputs, write_atomic  # noqa: E402
+from traces import HEAT, load_heat, synthetic_records  # noqa: E402
 
 from mlxmoe.caching.policies import ONLINE  # noqa: E402
 from mlxmoe.workload.heatmap import write_heatmap_png  # noqa: E402
@@ -21,6 +22,7 @@ from mlxmoe.workload.profile import ActivationProfile  # noqa: E402
 from mlxmoe.workload.trace import read_trace, replay  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+PLOTS = ("policies-synthetic.svg", "policies-demo-it.svg", "policies-demo-en.svg", "italian-profile-heatmap.png")
 SHARES = (0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9)
 COLORS = {"lru": "#7f7f7f", "lfu": "#bcbd22", "slru": "#1f77b4", "s3fifo": "#9467bd", "activation": "#d62728",
           "belady": "#000000"}
@@ -72,29 +74,32 @@ def line_chart(path, title, series, xlabel="share of all experts cached", ylabel
                    f'stroke="{color}" stroke-width="{wide}"{dash}/>')
         out.append(f'<text x="{left + w + 38}" y="{ly}">{name}</text>')
     out.append("</svg>")
-    Path(path).write_text("\n".join(out) + "\n")
+    write_atomic(path, "\n".join(out) + "\n")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=HERE / "plots")
     args = ap.parse_args()
-    args.out.mkdir(exist_ok=True)
+    traces = {lang: HERE / "out" / f"demo-{lang}.trace.jsonl" for lang in ("it", "en")}
+    profile_file = HERE.parent / "profiles" / "italian.json"
+    check_outputs({"--out": [args.out / name for name in PLOTS]},
+                  {"the heat": HEAT, "the demo traces": list(traces.values()), "the profile": profile_file})
     heat, k = load_heat()
     print("synthetic Qwen3-30B-A3B heat, 16 layers x 128 experts, 800 tokens, seed 0")
     header = {"num_layers": 16, "num_experts": heat.shape[1], "top_k": k}
-    line_chart(args.out / "policies-synthetic.svg", "Hit rate by cache size: synthetic Qwen3-30B-A3B routing",
+    line_chart(args.out / PLOTS[0], "Hit rate by cache size: synthetic Qwen3-30B-A3B routing",
                curves(header, synthetic_records(heat, k, 800, layers=16, seed=0)))
     for lang, name in (("it", "Italian"), ("en", "English")):
-        path = HERE / "out" / f"demo-{lang}.trace.jsonl"
+        path = traces[lang]
         if not path.exists():
             print(f"{path} missing: run python bench/bench_policies.py --demo first")
             continue
         print(f"demo model, {name} held-out text")
         line_chart(args.out / f"policies-demo-{lang}.svg", f"Hit rate by cache size: demo model, {name} held-out text",
                    curves(*read_trace(path)))
-    profile = ActivationProfile.load(HERE.parent / "profiles" / "italian.json")
-    write_heatmap_png(args.out / "italian-profile-heatmap.png", profile.rates(),
+    profile = ActivationProfile.load(profile_file)
+    write_heatmap_png(args.out / PLOTS[3], profile.rates(),
                       f"{profile.workload!r} on {profile.model}: activations per token")
     print(f"wrote {args.out}")
 

@@ -13,7 +13,6 @@ figures are written, with their sources, not the routing itself.
 """
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -24,10 +23,10 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from mlxmoe.storage.files import write_atomic  # noqa: E402
 from mlxmoe.caching.policies import DEFAULT_POLICY  # noqa: E402
 from mlxmoe.workload.trace import import_trace, read_trace, replay  # noqa: E402
 from real_traces import SOURCES  # noqa: E402  (the real-routing files, their formats and names)
+from system import check_outputs, write_json  # noqa: E402
 
 SHARES = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0)
 # the mlx-lm model type of each of real_traces.py's traces (the family fit matches on)
@@ -59,6 +58,7 @@ def main():
     if routing is None or not routing.is_dir():
         raise SystemExit(f"no real-routing folder{f' at {routing}' if routing else ''}: pass --routing DIR "
                          "(or set $MLXMOE_ROUTING)")
+    check_outputs({"--out": args.out}, {"--routing": routing})
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for fmt, rel, name in SOURCES:
@@ -73,8 +73,7 @@ def main():
     doc = {"what": "decode hit rate of mlxmoe's default cache (cold, no profile) against the share of a model's "
                    "experts it holds, replayed on routing recorded from real models; made by bench/routing_curves.py",
            "policy": DEFAULT_POLICY, "curves": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out, (json.dumps(doc, indent=1) + "\n").encode())
+    write_json(args.out, doc)
     print(f"wrote {args.out}")
 
 

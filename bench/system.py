@@ -1,7 +1,10 @@
-"""What the benchmarks read off the machine: the page cache, memory, block-layer reads."""
+"""What the benchmarks read off the machine (the page cache, memory, block-layer reads) and
+how they write their results (mlxmoe's output rule and atomic writer)."""
 
+import json
 import os
 import sys
+from pathlib import Path
 
 
 def drop_page_cache():
@@ -38,3 +41,57 @@ def disk_read_bytes():
 def proc_status():
     """VmRSS and VmHWM of this process in bytes."""
     return _field("/proc/self/status", "VmRSS:", 1024), _field("/proc/self/status", "VmHWM:", 1024)
+
+
+# ---------------------------------------------------------------- what a benchmark writes
+
+
+def _files():
+    """mlxmoe.storage.files, from this repository when no mlxmoe is installed (appended last to
+    sys.path, as the benchmarks do: a baseline's mlxmoe on PYTHONPATH stays first)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.append(root)
+    from mlxmoe.storage import files
+
+    return files
+
+
+def model_folder(model):
+    """The folder of a model argument (a path, "demo", None: the demo model; a Hugging Face
+    repo: its snapshot in the hub's cache), as an input of check_outputs; or None."""
+    return _files().model_folder(model)
+
+
+def check_outputs(outputs, inputs=None, updates=None):
+    """mlxmoe's rule for the files a run writes (mlxmoe.storage.files.check_outputs: no output
+    is an input, lies in the model folder or is another output), for a benchmark before its
+    work: a refusal ends the script with the error, which names both paths. Folders missing on
+    the way to an output are made first, as the benchmarks always did (bench/out/), and
+    removed again on a refusal."""
+    files = _files()
+    made = []
+    try:
+        for value in outputs.values():
+            for path in value if isinstance(value, (list, tuple)) else [value]:
+                if path:
+                    missing = [d for d in Path(path).absolute().parents if not d.exists()]
+                    for folder in reversed(missing):
+                        folder.mkdir()
+                        made.append(folder)
+        files.check_outputs(outputs, inputs, updates)
+    except (files.MlxmoeError, OSError) as e:
+        for folder in reversed(made):
+            folder.rmdir()
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {e}") from None
+
+
+def write_atomic(path, data):
+    """`data` (str or bytes) at `path`, whole or not at all: mlxmoe's write_atomic (a temp file
+    beside it, fsync'd and renamed; a symlink's target is written and the link kept)."""
+    _files().write_atomic(path, data)
+
+
+def write_json(path, value):
+    """`value` as indented JSON at `path`, whole or not at all (write_atomic)."""
+    write_atomic(path, json.dumps(value, indent=1) + "\n")

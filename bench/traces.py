@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from system import check_outputs, write_atomic
+
 HEAT = Path(__file__).resolve().parent / "data" / "qwen3-30b-a3b-expert-heat.json"
 
 
@@ -63,12 +65,11 @@ def describe(records, L, E):
 
 
 def write_trace(path, records, L, E, k, model="synthetic"):
-    with open(path, "w") as f:
-        f.write(json.dumps({"format": "mlxmoe.trace/1", "num_layers": L, "num_experts": E, "top_k": k,
-                            "model": model}) + "\n")
-        for s, t, l, e, p, dist in records:
-            line = {"s": s, "t": t, "l": l, "e": e, "p": p, "r": [float(f"{x:.3g}") for x in dist]}
-            f.write(json.dumps(line, separators=(",", ":")) + "\n")
+    lines = [json.dumps({"format": "mlxmoe.trace/1", "num_layers": L, "num_experts": E, "top_k": k, "model": model})]
+    for s, t, l, e, p, dist in records:
+        line = {"s": s, "t": t, "l": l, "e": e, "p": p, "r": [float(f"{x:.3g}") for x in dist]}
+        lines.append(json.dumps(line, separators=(",", ":")))
+    write_atomic(path, "\n".join(lines) + "\n")
 
 
 def main():
@@ -79,6 +80,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--even", action="store_true", help="Even popularity in Mixtral-8x7B's shape (32 x 8, top-2).")
     args = ap.parse_args()
+    check_outputs({"--out": args.out}, {"the heat": None if args.even else HEAT})
     heat, k = (np.ones((32, 8)), 2) if args.even else load_heat()
     records = synthetic_records(heat, k, args.tokens, layers=args.layers, seed=args.seed)
     L = args.layers or heat.shape[0]
