@@ -9,7 +9,7 @@
      demo model: the budget holds them all),
    - `one`: mlxmoe serve --max-batch 1,
    rounds alternated between the servers, medians, and the ratios batched/mlx_lm and batched/one;
-2. as the batch grows, at a partial cache (--memory-budget, the demo's 42MB: 57 of 128
+2. as the batch grows, at a partial cache (--memory-budget, the demo's 46MB: 57 of 128
    experts): the distinct experts a step fetched (hits + misses: each layer call counts the
    union of its rows' experts once) and the bytes read, per generated token, from
    /v1/mlxmoe/stats around each round.
@@ -141,7 +141,7 @@ def main():
     ap.add_argument("--requests", type=int, default=4, help="requests per client per round")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--clients", default="1,4,8,16")
-    ap.add_argument("--partial-budget", default="42MB", help="the partial cache's --memory-budget (reads per token)")
+    ap.add_argument("--partial-budget", default="46MB", help="the partial cache's --memory-budget (reads per token)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "batch.json"))
     args = ap.parse_args()
     check_outputs({"--out": args.out}, {"--model": model_folder(args.model)})

@@ -26,7 +26,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import backend as backends
 from . import distributed
-from .budget import (DEFAULT_CONTEXT, Plan, attention_bytes, format_size, kv_bytes_per_token, parse_size, plan,
+from .budget import (DEFAULT_CONTEXT, Plan, attention_bytes, format_size, kv_reserve_bytes, parse_size, plan,
                      text_config, working_bytes)
 from .caching.cache import ExpertCache
 from .workload.curves import predicted_curve
@@ -99,7 +99,7 @@ def checkpoint_plan(ckpt, backend, memory_budget=None, cache_size=None, cache_ex
     # against as many keys; longer prompts take shorter steps to stay within it (prefill_step)
     attention = attention_bytes(ckpt.config, act_bytes, PREFILL_STEP, PREFILL_STEP) if backend.materialises_attention else 0
     p = plan(parse_size(memory_budget, "memory budget"), resident, slot_bytes, ckpt.top_k,
-             int(kv_bytes_per_token(ckpt.config, act_bytes) * context * ckpt.stage_share),
+             kv_reserve_bytes(ckpt.config, act_bytes, context, ckpt.stage_share),
              working_bytes(ckpt.config, act_bytes, PREFILL_STEP, ckpt.top_k) + attention,
              parse_size(cache_size, "cache size"), cache_experts, memory=backend.memory(), all_experts=total)
     p.attention = attention

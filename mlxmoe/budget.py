@@ -77,6 +77,15 @@ def kv_bytes_per_token(config, dtype_bytes):
     return layers * per_layer * dtype_bytes
 
 
+def kv_reserve_bytes(config, dtype_bytes, context, share=1.0):
+    """The KV cache of `context` tokens (`share`: of the layers this process runs), and one
+    layer's keys and values again: mlx-lm grows a layer's cache by concatenation, so while
+    it grows the old and the new arrays both exist."""
+    per_token = kv_bytes_per_token(config, dtype_bytes)
+    layers = max(1, text_config(config).get("num_hidden_layers", 1))
+    return int(per_token * context * share + per_token * context / layers)
+
+
 def working_bytes(config, dtype_bytes, prefill_tokens, top_k):
     """Activations of one prefill step: hidden states, the experts' intermediates (of the
     `top_k` experts each token is routed to, as the model routes) and logits."""

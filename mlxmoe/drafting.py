@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationResponse, generate_step, speculative_generate_step, wired_limit
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .budget import kv_bytes_per_token
+from .budget import kv_reserve_bytes
 from .errors import MlxmoeError
 
 NGRAM_SIZES = (3, 2, 1)
@@ -64,7 +64,7 @@ def load_draft(path, tokenizer, backend, context):
                           "must share the model's vocabulary")
     backend.apply_dtype_policy(draft)
     weights = sum(v.nbytes for _, v in tree_flatten(draft.parameters()))
-    return draft, weights + int(kv_bytes_per_token(config, backend.activation_bytes(draft)) * context)
+    return draft, weights + kv_reserve_bytes(config, backend.activation_bytes(draft), context)
 
 
 def ngram_draft(seq, n, most):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .api import PREFILL_STEP, checkpoint_plan
-from .budget import attention_bytes, kv_bytes_per_token, parse_size, text_config, working_bytes
+from .api import checkpoint_plan, prefill_step
+from .budget import attention_bytes, kv_reserve_bytes, parse_size, text_config, working_bytes
 from .caching.policies import DEFAULT_POLICY
 from .errors import MlxmoeError
 from .workload.curves import curve_at
@@ -311,7 +311,7 @@ def _run_memory(ckpt, backend, step, context):
     after it) in prefill steps of `step` takes: the budget reserves KV cache and working
     memory for the longest context instead."""
     act = backend.activation_bytes(ckpt.model)
-    return int(kv_bytes_per_token(ckpt.config, act) * context * ckpt.stage_share
+    return int(kv_reserve_bytes(ckpt.config, act, context, ckpt.stage_share)
                + working_bytes(ckpt.config, act, step, ckpt.top_k)
                + (attention_bytes(ckpt.config, act, step, context) if backend.materialises_attention else 0))
 
@@ -330,8 +330,10 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
     fixed = fixed_seconds(ckpt, backend)
     compute, rate = measure_compute(ckpt, backend, dense)
     compute += fixed
-    step = min(prompt_tokens, PREFILL_STEP)
-    prefill_step = measure_compute(ckpt, backend, dense, tokens=step)[0] + fixed
+    # the prompt's step as the run takes it (the same at every budget: the working memory is)
+    step = min(prompt_tokens, prefill_step(checkpoint_plan(ckpt, backend, cache_experts=ckpt.top_k), None,
+                                           [0] * (prompt_tokens + new_tokens)))
+    step_seconds = measure_compute(ckpt, backend, dense, tokens=step)[0] + fixed
     measured.append(f"compute {1000 * compute:.1f} ms a token every expert resident (matmuls of the model's shapes "
                     f"on {backend.name}, {rate / 1e9:.1f} GB/s of weights)")
     assumed.append(f"overlap of reads and compute: none (low) to full (high), likely {1 - OVERLAP_LEFT:.0%} of the "
@@ -342,7 +344,9 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
     routed = sum(ckpt.top_ks)
     # the prompt's experts, read from a cold cache or from one its profile pre-warmed
     pairs = min(distinct_pairs(ckpt.num_layers, ckpt.num_experts, max(ckpt.top_ks), prompt_tokens), total)
-    prefill_compute = prefill_step * math.ceil(prompt_tokens / step)
+    step_pairs = min(distinct_pairs(ckpt.num_layers, ckpt.num_experts, max(ckpt.top_ks), step), total)
+    steps = math.ceil(prompt_tokens / step)
+    prefill_compute = step_seconds * steps
     rows = []
     for budget in budgets:
         try:
@@ -355,7 +359,9 @@ def forecast(ckpt, backend, budgets, profile=None, disk_rate=None, prompt_tokens
         token_bytes = [(1 - h) * routed * expert_disk for h in (hi, likely, lo)]  # fewest, likely, most
         decode = _seconds([b / disk_rate for b in token_bytes], compute)
         warm = (hi, likely, lo) if profile is not None else (0, 0, 0)
-        prefill = _seconds([pairs * (1 - h) * expert_disk / disk_rate for h in warm], prefill_compute)
+        # each step reads its distinct experts once; after the first, those the cache lost
+        reread = (steps - 1) * step_pairs * max(0.0, 1 - p.cache_experts / pairs)
+        prefill = _seconds([(pairs * (1 - h) + reread) * expert_disk / disk_rate for h in warm], prefill_compute)
         rows.append({
             "budget": p.budget, "memory_bytes": p.resident + p.expert_cache + in_use,
             "cache_experts": p.cache_experts, "share_of_experts": share,

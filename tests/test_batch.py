@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 
 # (prompt, max_tokens): different lengths, so that requests join and leave a running batch
 ASKED = [(p, 6 + 5 * i) for i, p in enumerate(PROMPTS[:6])]
-CACHES = {"resident": {"cache_experts": 128}, "partial": {"memory_budget": "42MB"},
+CACHES = {"resident": {"cache_experts": 128}, "partial": {"memory_budget": "46MB"},
           "below-union": {"cache_experts": 4}}  # 4 slots: a batch's experts at a layer are more
 
 
@@ -108,7 +108,7 @@ def test_requests_wait_for_the_kv_reserve(solo):
     """A 600-token context holds two of these requests' KV, not three (rows x their longest
     need, in BatchKVCache's steps of 256 tokens)."""
     asked = [(p, 100) for p, _ in ASKED[:4]]
-    served = start(8, memory_budget="42MB", max_context=600)
+    served = start(8, memory_budget="46MB", max_context=600)
     try:
         got = in_threads(lambda p, n: complete(served, p, n), asked)
     finally:
@@ -139,7 +139,7 @@ def open_request(served, body):
 def test_a_client_leaving_frees_its_batch_slot(stream):
     """Two long requests fill a batch of 2; the first's client leaves; a third request then
     completes while the second still runs: it took the slot the first left."""
-    served = start(2, memory_budget="42MB")
+    served = start(2, memory_budget="46MB")
     try:
         long = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "stream": stream}
         first, second = open_request(served, long), open_request(served, long)
@@ -159,7 +159,7 @@ def test_a_client_leaving_frees_its_batch_slot(stream):
 
 
 def test_the_budget_holds_with_16_clients():
-    s = Server("--memory-budget", "42MB", "--max-batch", "16")
+    s = Server("--memory-budget", "46MB", "--max-batch", "16")
     try:
         got = in_threads(lambda i: s.client.completions.create(
             model="demo", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=8 + i % 5, temperature=0),
@@ -173,7 +173,7 @@ def test_the_budget_holds_with_16_clients():
 
 
 def test_batching_off_with_drafts_profiles_or_max_batch_1():
-    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, memory_budget="42MB")
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, memory_budget="46MB")
     try:
         def line(max_batch, draft=None, profiles=None):
             args = mlxmoe_server.cli_args("demo", 8, 0.0, 1.0, 0, max_batch=max_batch)

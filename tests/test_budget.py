@@ -118,7 +118,7 @@ print(json.dumps({"mlx_peak": mx.get_peak_memory(), "budget": parse_size(sys.arg
 def test_budget_honoured_for_a_long_prompt():
     """On CPU a prefill step's attention scores are whole arrays: a 3,000-token prompt on the
     demo model peaked at 1.9x its budget with 512-token prefill steps; steps shrink to fit."""
-    r = subprocess.run([sys.executable, "-c", LONG_PROMPT, "40MB"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", LONG_PROMPT, "44MB"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert 2500 < m["tokens"] < 4096  # long, inside the context the KV cache is reserved for

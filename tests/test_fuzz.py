@@ -520,7 +520,7 @@ def test_fuzz_server_requests():
     from test_server import Server
 
     rng = random.Random("server")
-    server = Server("--memory-budget", "42MB", "--max-tokens", "4")
+    server = Server("--memory-budget", "46MB", "--max-tokens", "4")
     statuses = {}
     try:
         for i in range(CASES):
@@ -577,7 +577,7 @@ def test_fuzz_server_framing():
     from test_server import Server
 
     rng = random.Random("framing")
-    server = Server("--memory-budget", "42MB", "--max-tokens", "4", "--idle-timeout", "1")
+    server = Server("--memory-budget", "46MB", "--max-tokens", "4", "--idle-timeout", "1")
     statuses, kept = {}, 0
     try:
         for i in range(FRAMING_CASES):

@@ -65,7 +65,7 @@ def test_generate_inside_an_open_stream_is_refused_not_deadlocked(demo_model):
 def server():
     from test_server import Server
 
-    s = Server("--memory-budget", "42MB", "--max-queue", "8")
+    s = Server("--memory-budget", "46MB", "--max-queue", "8")
     yield s
     assert s.stop() == 0
     assert "Traceback" not in "".join(s.lines), "".join(s.lines)
@@ -539,7 +539,7 @@ def test_the_server_saves_what_it_learnt_when_its_generation_fails(tmp_path):
     shutil.copy(os.path.join(os.path.dirname(__file__), "..", "profiles", "italian.json"), profile)
     before = ActivationProfile.load(profile).tokens_total
     proc = subprocess.Popen([sys.executable, "-c", FAILING_SERVER, "serve", "--port", "0", "--profile", str(profile),
-                             "--save-profiles", "--memory-budget", "42MB", "--max-batch", "1"],  # (one request at a time)
+                             "--save-profiles", "--memory-budget", "46MB", "--max-batch", "1"],  # (one request at a time)
                             stderr=subprocess.PIPE, text=True)
     try:
         port = None
@@ -580,7 +580,7 @@ print(json.dumps({"mlx_peak": mx.get_peak_memory(), "budget": parse_size(sys.arg
 def test_a_prompt_at_the_context_reserve_stays_within_the_budget():
     """4090 prompt tokens of the 4096 the budget reserves: the reply is cut at the context
     (6 tokens), MLX's peak within the budget + 5 %."""
-    r = subprocess.run([sys.executable, "-c", AT_THE_CONTEXT, "42MB"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", AT_THE_CONTEXT, "46MB"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m["made"] == 6 and m["mlx_peak"] <= 1.05 * m["budget"], m

@@ -218,7 +218,7 @@ def test_a_bad_stream_timeout_is_named(demo, monkeypatch):
 def server():
     from test_server import Server
 
-    s = Server("--memory-budget", "42MB")
+    s = Server("--memory-budget", "46MB")
     yield s
     code = s.stop()
     log = "".join(s.lines)

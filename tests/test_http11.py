@@ -27,7 +27,7 @@ PROMPT = "The cat sat on"
 
 @pytest.fixture(scope="module")
 def served():
-    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, memory_budget="42MB")
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, memory_budget="46MB")
     stock = mlx_server.stream_generate
     generator = mlxmoe_server.response_generator(model, tokenizer, "mlxmoe-demo", max_tokens=8)
     httpd = mlxmoe_server.http_server(generator, "127.0.0.1", 0, idle_timeout=IDLE)

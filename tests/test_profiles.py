@@ -433,7 +433,7 @@ def test_profile_pngs_have_axes_labels_and_scales(tmp_path):
     profile = ROOT / "profiles" / "italian.json"
     p = ActivationProfile.load(profile)
     r = CliRunner().invoke(main, ["profile", "show", str(profile), "--png", str(tmp_path / "h.png"), "--curve-png",
-                                  str(tmp_path / "c.png"), "--budget", "42MB", "--json"])
+                                  str(tmp_path / "c.png"), "--budget", "46MB", "--json"])
     assert r.exit_code == 0, r.output
     c = json.loads(r.stdout)["budget"]["cache_experts"]
     img = read_png(tmp_path / "h.png")
