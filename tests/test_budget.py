@@ -122,7 +122,7 @@ def test_budget_honoured_for_a_long_prompt():
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert 2500 < m["tokens"] < 4096  # long, inside the context the KV cache is reserved for
-    assert m["mlx_peak"] <= 1.05 * m["budget"], m
+    assert m["mlx_peak"] <= m["budget"], m
 
 
 def test_budget_honoured_while_streaming_a_larger_checkpoint(checkpoint):
@@ -179,10 +179,10 @@ def test_a_long_prompt_near_the_minimum_budget_takes_steps_as_long_as_its_workin
     long as the working memory holds its activations and attention scores (longer than
     the scores alone would allow), each step's distinct experts read once (the bytes read
     are the bound's, the sum of each layer call's distinct experts), MLX's peak within the
-    budget + 5 %."""
+    budget."""
     r = subprocess.run([sys.executable, "-c", NEAR_MINIMUM], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     m = json.loads(r.stdout.strip().splitlines()[-1])
     assert m["step"] > 2 * m["attention_step"] and m["steps"] == -(-(m["tokens"] - 1) // m["step"]), m
     assert 0.9 * m["bound"] <= m["read"] <= 1.01 * m["bound"], m  # (beyond it: a prefetch guess or two)
-    assert m["mlx_peak"] <= 1.05 * m["budget"], m
+    assert m["mlx_peak"] <= m["budget"], m
