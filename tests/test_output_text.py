@@ -1,0 +1,91 @@
+"""Issue 44, item 6, as a user reads the output: a checkpoint of another model's shape
+says so in a line (the first mismatching tensor, the count), a fallback file loads
+whatever its name, long steps say what they wait on (a bar on a terminal, lines in a
+log), fit's table and chart say what they show, the cache's size before lossy figures."""
+
+import json
+import os
+import pty
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import mlxmoe
+from conftest import run_cli
+from mlxmoe import MlxmoeError
+from mlxmoe.budget import format_size
+
+
+@pytest.fixture
+def edited(checkpoint, tmp_path):
+    """edited(change) -> a copy of a tiny checkpoint whose tensors `change(tensors)` edited
+    (the index's weight map kept in step)."""
+    def make(change):
+        path = tmp_path / f"model{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(checkpoint("qwen3_moe", quant="4bit"), path)
+        f = path / "model.safetensors"
+        tensors = load_file(f)
+        change(tensors)
+        save_file(tensors, f, metadata={"format": "mlx"})
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            data = json.loads(index.read_text())
+            data["weight_map"] = {name: f.name for name in tensors}
+            index.write_text(json.dumps(data))
+        return path
+    return make
+
+
+def load_error(path):
+    with pytest.raises(MlxmoeError) as e:
+        mlxmoe.load(str(path))
+    return str(e.value)
+
+
+def test_a_missing_or_extra_tensor_is_named_in_one_line(edited):
+    import numpy as np
+
+    missing = edited(lambda t: t.pop("model.layers.0.input_layernorm.weight"))
+    message = load_error(missing)
+    assert message == (f"{missing}: 1 parameter does not match the 'qwen3_moe' model of config.json (first: "
+                       "model.layers.0.input_layernorm.weight missing); is this checkpoint for this architecture?")
+    extra = edited(lambda t: t.update({"model.layers.1.extra.weight": np.zeros((4, 4), np.float32)}))
+    message = load_error(extra)
+    assert "\n" not in message and "1 parameter does not match" in message
+    assert "(first: model.layers.1.extra.weight not in the model)" in message
+    # the CLI too: one line on stderr, not a line per parameter
+    code, _, err = run_cli("info", "--model", extra)
+    assert code != 0 and err.strip().splitlines() == [f"error: {message}"]
+
+
+def test_many_mismatches_are_counted_not_listed(edited):
+    """Every norm's weight gone: the count and the first, sorted, in one line."""
+    dropped = []
+
+    def drop(tensors):
+        dropped.extend(n for n in tensors if n.endswith("norm.weight"))
+        for name in dropped:
+            del tensors[name]
+
+    message = load_error(edited(drop))
+    assert len(dropped) > 10  # each layer's 4 (input, post-attention, q and k) and the final one
+    assert "\n" not in message and len(message) < 300, message
+    assert f": {len(dropped)} parameters do not match" in message and f"(first: {min(dropped)} missing)" in message
+
+
+def test_a_checkpoint_of_another_architecture_restacked(checkpoint, tmp_path):
+    """convert (restack) says it as load does."""
+    path = tmp_path / "model"
+    shutil.copytree(checkpoint("qwen3_moe", quant="4bit"), path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="mixtral", num_local_experts=config["num_experts"])
+    (path / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli("convert", path, tmp_path / "out")
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1, err
+    assert "parameters do not match the 'mixtral' model" in lines[0] and "(first: model." in lines[0]
+    assert not (tmp_path / "out").exists()
+
