@@ -89,3 +89,22 @@ def test_a_checkpoint_of_another_architecture_restacked(checkpoint, tmp_path):
     assert "parameters do not match the 'mixtral' model" in lines[0] and "(first: model." in lines[0]
     assert not (tmp_path / "out").exists()
 
+
+def test_fallback_file_of_any_name(cli, checkpoint, tmp_path):
+    """convert --fallback-bits writes a file --fallback reads whatever its name; a name
+    missing its .safetensors, or a file that is not one, is told what is needed."""
+    path, dst, stats = checkpoint("qwen3_moe", quant="4bit"), tmp_path / "demo.fb", tmp_path / "s.json"
+    code, err = cli("convert", "--fallback-bits", "3", path, dst)
+    assert code == 0 and dst.is_file(), err
+    code, err = cli("generate", "-m", path, "--cache-experts", "6", "--fallback", dst, "--prompt", "The cat",
+                    "--max-tokens", "6", "--stats-json", stats)
+    assert code == 0, err
+    assert json.loads(stats.read_text())["substituted"] > 0
+    named = tmp_path / "fb3.safetensors"
+    dst.rename(named)
+    code, err = cli("info", "-m", path, "--fallback", tmp_path / "fb3")
+    assert code != 0 and f"did you mean {named}?" in err
+    (tmp_path / "notes.txt").write_text("not fallback copies")
+    code, err = cli("info", "-m", path, "--fallback", tmp_path / "notes.txt")
+    assert code != 0 and "notes.txt: not a readable safetensors file" in err and "convert --fallback-bits" in err
+
