@@ -405,6 +405,16 @@ def notice(seconds, line):
     return timer
 
 
+@contextlib.contextmanager
+def said_if_slow(line, seconds=2.0):
+    """notice(seconds, line) for a with block: `line` (what it does) said once it takes that long."""
+    timer = notice(seconds, lambda: line)
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 class Waiting:
     """A reply's wait for its first token, said on stderr once it passes `after` seconds: the
     prefill's progress in prompt tokens, redrawn each second on a terminal (a long prompt, a
@@ -1409,9 +1419,10 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     from .workload.trace import build_profile, read_trace
 
     check_outputs({"--out": out}, {"TRACES": traces, "--model": model_path and model_folder(model_path)})
-    loaded = [(path, *read_trace(path)) for path in traces]
-    name = workload or os.path.basename(traces[0]).split(".")[0]
-    p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
+    with said_if_slow(f"reading {plural(len(traces), 'trace')} and counting their routing..."):
+        loaded = [(path, *read_trace(path)) for path in traces]
+        name = workload or os.path.basename(traces[0]).split(".")[0]
+        p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
     if model_path:
         import_mlx()
         from .api import bind_profile
@@ -1619,21 +1630,29 @@ def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force
     from .workload.profile import ActivationProfile
     from .workload.trace import policy_names, read_trace, replay_all, trace_fingerprint
 
-    header, records = read_trace(trace_file)
-    prior = None
-    if profile_path:
-        prior = ActivationProfile.load(profile_path)
-        prior.check_model(trace_fingerprint(header), header["num_layers"], header["num_experts"], force, profile_path)
     names = policy_names(policy)
     width = max(map(len, names))
 
     def show(r):  # each policy as it ends (a long trace takes a while each)
+        waiting.cancel()
         if as_json:
             click.echo(json.dumps(r))
         else:
             click.echo(f"{r['policy']:>{width}}: hit rate {100 * r['hit_rate']:.2f}% ({r['hits']}/{r['accesses']}), "
                        f"belady {100 * r['belady_hit_rate']:.2f}%")
-    replay_all(header, records, names, cache_experts, prior, done=show)
+
+    # until the first policy's line: a long trace takes a while to read, then each policy to replay
+    waiting = notice(2.0, lambda: f"reading {trace_file} and replaying it, a line per policy as each ends...")
+    try:
+        header, records = read_trace(trace_file)
+        prior = None
+        if profile_path:
+            prior = ActivationProfile.load(profile_path)
+            prior.check_model(trace_fingerprint(header), header["num_layers"], header["num_experts"], force,
+                              profile_path)
+        replay_all(header, records, names, cache_experts, prior, done=show)
+    finally:
+        waiting.cancel()
 
 
 @trace.command("import")
@@ -1674,7 +1693,18 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
 
     check_outputs({"--out": out}, {"SRC": src})
     wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None
-    summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name)
+
+    reading = notice(2.0, lambda: f"reading {src}...")
+
+    def writing(sequences):  # the second stage, a bar (a line off a terminal): the source is read
+        reading.cancel()
+        return click.progressbar(sequences, label=f"writing {out}", file=sys.stderr)
+
+    try:
+        summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name,
+                                         progress=writing)
+    finally:
+        reading.cancel()
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
     n = summary["sequences"]
@@ -1728,7 +1758,8 @@ def convert(src, dst, bundle, fallback_bits):
     if bundle:
         bundle_checkpoint(src, dst, progress=lambda line: click.echo(line, err=True))
     else:
-        restack(src, dst)
+        with said_if_slow(f"writing {dst} as mlx-lm loads {src} (every weight read and written once)..."):
+            restack(src, dst)
     click.echo(f"wrote {dst}", err=True)
 
 

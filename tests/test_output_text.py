@@ -108,3 +108,70 @@ def test_fallback_file_of_any_name(cli, checkpoint, tmp_path):
     code, err = cli("info", "-m", path, "--fallback", tmp_path / "notes.txt")
     assert code != 0 and "notes.txt: not a readable safetensors file" in err and "convert --fallback-bits" in err
 
+
+def vllm_routes(path, requests=3, tokens=4, layers=2):
+    with open(path, "w") as f:
+        for req in range(requests):
+            for t in range(tokens):
+                for layer in range(layers):
+                    f.write(json.dumps({"type": "route", "req_id": f"r{req}", "token_idx": t, "layer": layer,
+                                        "topk_ids": [t % 4, 4 + layer], "topk_weights": [0.5, 0.5],
+                                        "phase": "prefill" if t < 2 else "decode"}) + "\n")
+    return path
+
+
+@pytest.fixture
+def said_at_once(monkeypatch):
+    """cli.notice says its line at once (a wait as long as its seconds, without waiting)."""
+    import mlxmoe.cli as cli_module
+
+    class Said:
+        def cancel(self):
+            pass
+
+    def notice(seconds, line):
+        text = line()
+        if text:
+            print(text, file=sys.stderr)
+        return Said()
+
+    monkeypatch.setattr(cli_module, "notice", notice)
+
+
+def test_long_steps_say_what_they_wait_on_a_line_each(tmp_path, said_at_once):
+    """Off a terminal each stage is one plain line, no carriage return: trace import's read
+    and write, trace replay's read and replay, profile from-trace's read."""
+    src, trace = vllm_routes(tmp_path / "routes.jsonl"), tmp_path / "t.jsonl"
+    code, _, err = run_cli("trace", "import", "vllm", src, "-o", trace, "--num-experts", "8")
+    assert code == 0, err
+    lines = err.splitlines()
+    assert lines[:2] == [f"reading {src}...", f"writing {trace}"] and lines[-1].startswith(f"saved {trace}")
+    assert "\r" not in err
+    code, out, err = run_cli("trace", "replay", trace, "--cache-experts", "4", "--policy", "lru")
+    assert code == 0 and out.startswith("lru: hit rate"), err
+    assert err == f"reading {trace} and replaying it, a line per policy as each ends...\n"
+    code, _, err = run_cli("profile", "from-trace", trace, "-o", tmp_path / "p.json", "--no-curve")
+    assert code == 0 and err.startswith("reading 1 trace and counting their routing...\n"), err
+
+
+def test_trace_import_draws_a_bar_on_a_terminal(tmp_path):
+    src, trace = vllm_routes(tmp_path / "routes.jsonl", requests=40), tmp_path / "t.jsonl"
+    master, slave = pty.openpty()
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-m", "mlxmoe", "trace", "import", "vllm", str(src), "-o", str(trace),
+                             "--num-experts", "8"], stderr=slave, stdout=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    said = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # (the terminal closed with the process)
+            break
+        if not chunk:
+            break
+        said += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, said
+    text = said.decode()
+    assert f"\rwriting {trace}" in text.replace("\x1b[?25l", "") and "100%" in text, text
+
