@@ -175,3 +175,66 @@ def test_trace_import_draws_a_bar_on_a_terminal(tmp_path):
     text = said.decode()
     assert f"\rwriting {trace}" in text.replace("\x1b[?25l", "") and "100%" in text, text
 
+
+def test_fit_table_and_chart_say_what_they_show(checkpoint, tmp_path, monkeypatch):
+    """fit's columns name what they hold in the budget's units; its chart's x axis runs
+    from the smallest budget that fits to the largest, each tick label inside the image."""
+    from mlxmoe.workload import heatmap
+
+    drawn = []
+    real_text = heatmap.Canvas.text
+
+    def text(self, x, y, s, color=heatmap.INK, anchor="left", vertical=False):
+        drawn.append((x, y, s, anchor, vertical, self.img.shape[1]))
+        return real_text(self, x, y, s, color, anchor, vertical)
+
+    monkeypatch.setattr(heatmap.Canvas, "text", text)
+    png = tmp_path / "fit.png"
+    code, out, err = run_cli("fit", "-m", checkpoint("qwen3_moe", quant="4bit"), "--disk-gbps", "2", "--backend",
+                             "cpu", "--png", png, "--memory-budget", "100MB", "--memory-budget", "1KB",
+                             "--memory-budget", "20MB")
+    assert code == 0, err
+    header = next(l for l in out.splitlines() if "budget" in l and "hit rate" in l)
+    assert "MiB" not in out and "run takes" in header and "read/token" in header
+    assert "  run takes: the memory the run holds" in out
+    rows = [l.split() for l in out.splitlines() if l.strip().startswith(("20.0 MB", "100.0 MB"))]
+    assert [r[7:9] for r in rows] == [["0", "B"]] * 2  # read/token: a size with its unit
+    ticks = [(x, s, width) for x, y, s, anchor, vertical, width in drawn
+             if anchor == "center" and not vertical and s != "memory budget"]
+    assert len(ticks) == 5
+    assert ticks[0][1] == format_size(20 << 20) and ticks[-1][1] == format_size(100 << 20)  # 1KB does not fit
+    for x, s, width in ticks:
+        assert x + (6 * len(s)) // 2 <= width, (s, x, width)  # inside the image
+
+
+def test_cache_size_before_lossy_figures_and_profile_bias_last(tmp_path):
+    from mlxmoe.cli import expert_line
+    from mlxmoe.workload.profile import ActivationProfile
+
+    stats = {"hit_rate": 0.5, "bytes_read": 1 << 20, "loads_demand": 3, "loads_prefetched": 1, "cache_experts": 6,
+             "cache_bytes": 6 << 10, "fallback_bytes": 2 << 10, "substituted": 4, "skipped": 1, "peak_memory": 1 << 20,
+             "peak_rss": 1 << 30}
+    line = expert_line(stats, 1 << 20)
+    assert "cache 6 experts (6.0 KB, low-bit copies 2.0 KB), 1 expert skipped, 4 experts low-bit;" in line
+    p = ActivationProfile(2, 8, 2, workload="w", tokens_total=10, recommended_cache_bias=1.5,
+                          curve={"lru": [[4, 0.5], [16, 1.0]]})
+    p.save(tmp_path / "p.json")
+    code, out, err = run_cli("profile", "show", tmp_path / "p.json")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[-1] == "recommended cache bias: 1.5 (lossy; --cache-bias profile uses it)"
+    assert lines.index("predicted hit rate by cache size:") < len(lines) - 1
+
+
+def test_a_chart_of_one_point_shows_it(tmp_path, monkeypatch):
+    """fit --png of one budget: its point drawn (no line joins it to another), the axis from 0."""
+    import numpy as np
+
+    from mlxmoe.workload import heatmap
+
+    images = []
+    real_png = heatmap.Canvas.png
+    monkeypatch.setattr(heatmap.Canvas, "png", lambda self: images.append(self.img) or real_png(self))
+    heatmap.write_lines_png(tmp_path / "one.png", {"likely": [[20 << 20, 5.0]]}, 20 << 20, 10.0, "budget", "tok/s",
+                            "one", x_min=20 << 20)
+    assert (images[0] == np.array(heatmap.COLORS[0], np.uint8)).all(axis=-1).sum() >= 9
