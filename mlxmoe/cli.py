@@ -405,6 +405,16 @@ def notice(seconds, line):
     return timer
 
 
+@contextlib.contextmanager
+def said_if_slow(line, seconds=2.0):
+    """notice(seconds, line) for a with block: `line` (what it does) said once it takes that long."""
+    timer = notice(seconds, lambda: line)
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 class Waiting:
     """A reply's wait for its first token, said on stderr once it passes `after` seconds: the
     prefill's progress in prompt tokens, redrawn each second on a terminal (a long prompt, a
@@ -538,7 +548,8 @@ def expert_line(stats, baseline_rss):
     from .budget import format_size as size
 
     low = f", low-bit copies {size(stats['fallback_bytes'])}" if stats.get("fallback_bytes") else ""
-    return (f"experts: {cache_figures(stats)} ({size(stats['cache_bytes'])}{low}); "
+    held = f" ({size(stats['cache_bytes'])}{low})"
+    return (f"experts: {cache_figures(stats, held)}; "
             f"MLX peak memory {size(stats['peak_memory'])}, process peak RSS {size(stats['peak_rss'])} "
             f"(Python and MLX before loading: {size(baseline_rss)})")
 
@@ -550,14 +561,15 @@ def rank_line(rank, stats):
     return f"rank {rank}: {cache_figures(stats)}, process peak RSS {size(stats['peak_rss'])}"
 
 
-def cache_figures(stats):
+def cache_figures(stats, held=""):
     """What the run's summary and each rank's line share: hit rate, bytes read split into
-    the loads that read them, the cache's size in experts."""
+    the loads that read them, the cache's size in experts (then `held`: in bytes), and what
+    lossy modes did."""
     from .budget import format_size as size
 
     return (f"hit rate {100 * stats['hit_rate']:.1f}%, {size(stats['bytes_read'])} read "
             f"({stats['loads_demand']} loads on demand + {stats['loads_prefetched']} prefetched), "
-            f"cache {plural(stats['cache_experts'], 'expert')}{lossy_figures(stats)}")
+            f"cache {plural(stats['cache_experts'], 'expert')}{held}{lossy_figures(stats)}")
 
 
 def current_rss():
@@ -1192,12 +1204,13 @@ def fit(model_path, budgets, profile_path, force, disk_gbps, prompt_tokens, max_
     prof = ActivationProfile.load(profile_path) if profile_path else None
     f, shape = _fit_forecast(model_path, be, budgets, prof, disk_gbps, prompt_tokens, max_tokens, force)
     if png:
-        rows = [r for r in f["budgets"] if "error" not in r]
+        rows = sorted((r for r in f["budgets"] if "error" not in r), key=lambda r: r["budget"])
         lines = {k: [[r["budget"], r["decode_tps"][k]] for r in rows] for k in ("high", "likely", "low")}
         top = max([p[1] for p in lines["high"]], default=1.0) * 1.1
-        write_lines_png(png, lines, max(r["budget"] for r in f["budgets"]), top, "memory budget", "decode tok/s",
+        shown = [r["budget"] for r in rows or f["budgets"]]  # the x axis: the budgets that fit
+        write_lines_png(png, lines, max(shown), top, "memory budget", "decode tok/s",
                         f"forecast decode tok/s: {os.path.basename(f['model'])}", x_tick=format_size,
-                        y_tick=lambda y: f"{y:.3g}")
+                        y_tick=lambda y: f"{y:.3g}", x_min=min(shown))
     if as_json:
         click.echo(json.dumps(f, indent=1))
         return
@@ -1263,8 +1276,9 @@ def _print_fit(f, shape, prompt_tokens):
         click.echo(f"  measured: {line}")
     for line in f["assumed"]:
         click.echo(f"  assumed:  {line}")
-    click.echo(f"  {'budget':>9} {'memory':>9} {'cache':>16} {'hit rate (low-likely-high)':>27} {'MiB read/token':>15} "
-               f"{'decode tok/s (low / likely / high)':>35} {'TTFT s (' + str(prompt_tokens) + ' tokens)':>22}")
+    click.echo(f"  {'budget':>9} {'run takes':>9} {'cache (experts)':>16} {'hit rate (low-likely-high)':>27} "
+               f"{'read/token (likely)':>19} {'decode tok/s (low / likely / high)':>35} "
+               f"{'TTFT s (' + str(prompt_tokens) + ' tokens)':>22}")
     for r in f["budgets"]:
         if "error" in r:
             click.echo(f"  {format_size(r['budget']):>9}  does not fit: {r['error']}")
@@ -1272,11 +1286,14 @@ def _print_fit(f, shape, prompt_tokens):
         h, d, t, b = r["hit_rate"], r["decode_tps"], r["ttft_seconds"], r["read_bytes_per_token"]
         cache = f"{r['cache_experts']} ({100 * r['share_of_experts']:.0f}%)"
         hits = f"{100 * h['low']:.0f}-{100 * h['likely']:.0f}-{100 * h['high']:.0f}%"
-        click.echo(f"  {format_size(r['budget']):>9} {format_size(r['memory_bytes']):>9} {cache:>16} {hits:>27} {b['likely'] / 2**20:15.1f} "
+        click.echo(f"  {format_size(r['budget']):>9} {format_size(r['memory_bytes']):>9} {cache:>16} {hits:>27} "
+                   f"{format_size(b['likely']):>19} "
                    f"{d['low']:11.2f} / {d['likely']:.2f} / {d['high']:.2f}{'':>9} "
                    f"{t['low']:6.1f} - {t['likely']:.1f} - {t['high']:.1f}")
     sources = sorted({r["hit_rate_source"] for r in f["budgets"] if "hit_rate_source" in r})
     click.echo(f"  hit rates: {'; '.join(sources)}")
+    click.echo("  run takes: the memory the run holds (weights, expert cache, KV cache, working memory), at most "
+               "the budget")
 
 
 def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=None):
@@ -1409,9 +1426,10 @@ def profile_from_trace(traces, out, workload, half_life, curve, model_path):
     from .workload.trace import build_profile, read_trace
 
     check_outputs({"--out": out}, {"TRACES": traces, "--model": model_path and model_folder(model_path)})
-    loaded = [(path, *read_trace(path)) for path in traces]
-    name = workload or os.path.basename(traces[0]).split(".")[0]
-    p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
+    with said_if_slow(f"reading {plural(len(traces), 'trace')} and counting their routing..."):
+        loaded = [(path, *read_trace(path)) for path in traces]
+        name = workload or os.path.basename(traces[0]).split(".")[0]
+        p = build_profile(loaded, name, half_life or HALF_LIFE_PROFILE)
     if model_path:
         import_mlx()
         from .api import bind_profile
@@ -1475,14 +1493,14 @@ def profile_show(file, top, png, curve_png, budget, as_json):
         return
     click.echo(f"{p.workload!r} on {_model_of(p)}: {p.tokens_total} tokens, half-life {p.half_life} tokens")
     click.echo(f"hottest 25% of experts carry {100 * share.mean():.1f}% of activations (mean over layers)")
-    if p.recommended_cache_bias is not None:
-        click.echo(f"recommended cache bias: {p.recommended_cache_bias:g} (lossy; --cache-bias profile uses it)")
     for row in layers:
         hot = ", ".join(f"{e}:{r:.2f}" for e, r in row["hot"])
         click.echo(f"  layer {row['layer']:3d}  hot25 {100 * row['hot25_share']:5.1f}%  hottest (expert:rate) {hot}")
     _show_curve(p)
     if "budget" in out:
         _show_budget(p, out["budget"])
+    if p.recommended_cache_bias is not None:  # (lossy: after the cache sizes, which are not)
+        click.echo(f"recommended cache bias: {p.recommended_cache_bias:g} (lossy; --cache-bias profile uses it)")
     for what, path in (("heatmap", png), ("hit-rate curve", curve_png)):
         if path:
             click.echo(f"{what}: {path}")
@@ -1619,21 +1637,29 @@ def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force
     from .workload.profile import ActivationProfile
     from .workload.trace import policy_names, read_trace, replay_all, trace_fingerprint
 
-    header, records = read_trace(trace_file)
-    prior = None
-    if profile_path:
-        prior = ActivationProfile.load(profile_path)
-        prior.check_model(trace_fingerprint(header), header["num_layers"], header["num_experts"], force, profile_path)
     names = policy_names(policy)
     width = max(map(len, names))
 
     def show(r):  # each policy as it ends (a long trace takes a while each)
+        waiting.cancel()
         if as_json:
             click.echo(json.dumps(r))
         else:
             click.echo(f"{r['policy']:>{width}}: hit rate {100 * r['hit_rate']:.2f}% ({r['hits']}/{r['accesses']}), "
                        f"belady {100 * r['belady_hit_rate']:.2f}%")
-    replay_all(header, records, names, cache_experts, prior, done=show)
+
+    # until the first policy's line: a long trace takes a while to read, then each policy to replay
+    waiting = notice(2.0, lambda: f"reading {trace_file} and replaying it, a line per policy as each ends...")
+    try:
+        header, records = read_trace(trace_file)
+        prior = None
+        if profile_path:
+            prior = ActivationProfile.load(profile_path)
+            prior.check_model(trace_fingerprint(header), header["num_layers"], header["num_experts"], force,
+                              profile_path)
+        replay_all(header, records, names, cache_experts, prior, done=show)
+    finally:
+        waiting.cancel()
 
 
 @trace.command("import")
@@ -1674,7 +1700,18 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
 
     check_outputs({"--out": out}, {"SRC": src})
     wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None
-    summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name)
+
+    reading = notice(2.0, lambda: f"reading {src}...")
+
+    def writing(sequences):  # the second stage, a bar (a line off a terminal): the source is read
+        reading.cancel()
+        return click.progressbar(sequences, label=f"writing {out}", file=sys.stderr)
+
+    try:
+        summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name,
+                                         progress=writing)
+    finally:
+        reading.cancel()
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
     n = summary["sequences"]
@@ -1728,7 +1765,8 @@ def convert(src, dst, bundle, fallback_bits):
     if bundle:
         bundle_checkpoint(src, dst, progress=lambda line: click.echo(line, err=True))
     else:
-        restack(src, dst)
+        with said_if_slow(f"writing {dst} as mlx-lm loads {src} (every weight read and written once)..."):
+            restack(src, dst)
     click.echo(f"wrote {dst}", err=True)
 
 

@@ -430,13 +430,27 @@ def _build_model(path, store, model_config, trust_remote_code):
         model, config = load_model(path, lazy=True, strict=True, model_config=model_config,
                                    get_model_classes=classes, trust_remote_code=trust_remote_code)
     except ValueError as e:
-        raise MlxmoeError(f"{path}: the weights do not match config.json: {e}") from None
+        raise MlxmoeError(weights_mismatch(path, e) or f"{path}: the weights do not match config.json: {e}") from None
     except Exception as e:  # mlx-lm's model classes take config.json's fields as they come: any error there
         raise MlxmoeError(f"{path}: mlx-lm cannot build this model from config.json and its weights "
                           f"({type(e).__name__}: {str(e)[:200]})") from None
     if store.bundled:
         model.__class__ = model.__class__.__mro__[1]  # mlx-lm's own class again
     return model, config
+
+
+def weights_mismatch(path, error):
+    """mlx's strict load_weights error, which names every extra or missing parameter a line
+    each (dozens for a checkpoint of another architecture), in one line: how many, the first
+    (sorted), and the model_type; None for another error."""
+    m = re.fullmatch(r"(Received|Missing) (\d+) parameters[^:]*: \n(.*)\.", str(error), re.DOTALL)
+    if m is None:
+        return None
+    first = m[3].split(",\n")[0]
+    model_type, n = load_config(path).get("model_type"), int(m[2])
+    return (f"{path}: {n} parameter{' does' if n == 1 else 's do'} not match the {model_type!r} model of "
+            f"config.json (first: {first} {'not in the model' if m[1] == 'Received' else 'missing'}); is this "
+            "checkpoint for this architecture?")
 
 
 def _layer_tensors(path, config, store, sources, mpath, module, shard_group):

@@ -83,7 +83,9 @@ def file_bytes(path) -> int:
     """The memory fallback file `path`'s copies take (its size: the header is a few KB)."""
     path = Path(path)
     if not path.is_file():
-        raise MlxmoeError(f"fallback copies {path}: no such file (build it with mlxmoe convert --fallback-bits)")
+        named = path.with_name(path.name + ".safetensors")  # (a name given without the suffix)
+        raise MlxmoeError(f"fallback copies {path}: no such file " + (f"(did you mean {named}?)" if named.is_file()
+                          else "(build it with mlxmoe convert --fallback-bits)"))
     return path.stat().st_size
 
 
@@ -91,10 +93,11 @@ def read(path, fingerprint: str, num_layers: int, num_experts: int):
     """(arrays, metadata) of fallback file `path`, checked against the model."""
     path = Path(path)
     file_bytes(path)
-    try:
-        arrays, meta = mx.load(str(path), return_metadata=True)
+    try:  # (safetensors whatever its name: MLX would take the format from the suffix)
+        arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
     except Exception as e:  # MLX raises RuntimeError / ValueError on a bad file
-        raise MlxmoeError(f"{path}: not a readable safetensors file ({e})") from None
+        raise MlxmoeError(f"{path}: not a readable safetensors file ({e}); fallback copies are the file "
+                          "mlxmoe convert --fallback-bits writes") from None
     if meta.get("format") != FORMAT:
         raise MlxmoeError(f"{path}: not a {FORMAT} file (build it with mlxmoe convert --fallback-bits)")
     if meta.get("fingerprint") != fingerprint or meta.get("num_layers") != str(num_layers) \

@@ -79,14 +79,15 @@ def restack(src, dst):
     as mlx-lm's own load_model (lazy) and save_model make it; returns dst."""
     from mlx_lm.utils import load_model, save_config, save_model
 
-    from ..loader import read_config, resolve
+    from ..loader import read_config, resolve, weights_mismatch
 
     dst, path = check_dst(dst), resolve(src)
     read_config(path)
     try:
         model, config = load_model(path, lazy=True, strict=True)
     except Exception as e:  # mlx-lm's own errors, of many types
-        raise MlxmoeError(f"{path}: mlx-lm cannot load this checkpoint ({type(e).__name__}: {str(e)[:200]})") from None
+        raise MlxmoeError(weights_mismatch(path, e) or f"{path}: mlx-lm cannot load this checkpoint "
+                          f"({type(e).__name__}: {str(e)[:200]})") from None
     if {n for f in shard_files(path) for n in read_header(f)} == {k for k, _ in tree_flatten(model.parameters())}:
         raise MlxmoeError(f"{path} is in mlx-lm's stacked layout already: mlxmoe streams it as it is "
                           "(--bundle repacks it so that each expert is one read)")

@@ -143,31 +143,33 @@ def write_curve_png(path, curve, total, title="predicted hit rate by cache size"
 
 
 def write_lines_png(path, lines, x_max, y_max, x_label, y_label, title, marker=None, x_tick=str, y_tick=str,
-                    width=640, height=400):
-    """Lines ({name: [[x, y], ...]}) on axes from 0 to x_max and y_max, with a legend;
-    `marker` (x, label) draws a dashed line at x."""
+                    width=640, height=400, x_min=0):
+    """Lines ({name: [[x, y], ...]}) on axes from x_min to x_max and 0 to y_max, with a
+    legend; `marker` (x, label) draws a dashed line at x."""
     left, top, bottom, right = 48, 28, 40, 16
     pw, ph = width - left - right, height - top - bottom
     c = Canvas(max(width, 6 * len(title) + 16), height)
     c.text(8, 8, title)
+    x_min = x_min if x_min < x_max else 0  # (one size: from 0 to it)
 
     def at(x, y):
-        return left + x / x_max * pw, top + (1 - y / y_max) * ph
+        return left + (x - x_min) / (x_max - x_min) * pw, top + (1 - y / y_max) * ph
 
     for i in range(6):
         y = top + ph - i * ph // 5
         c.rect(left, y, left + pw, y + 1, GRID)
         c.text(left - 5, y - 3, y_tick(y_max * i / 5), anchor="right")
     for i in range(5):
-        x = left + i * pw // 4
+        x, label = left + i * pw // 4, x_tick(x_min + (x_max - x_min) * i / 4)
         c.rect(x, top, x + 1, top + ph, GRID)
-        c.text(x, top + ph + 5, x_tick(x_max * i / 4), anchor="center")
+        # centred under its tick, but inside the image (the last one would pass its right edge)
+        c.text(min(x, c.img.shape[1] - 2 - 3 * len(label)), top + ph + 5, label, anchor="center")
     c.rect(left, top, left + 1, top + ph + 1, INK)
     c.rect(left, top + ph, left + pw + 1, top + ph + 1, INK)
     c.text(left + pw // 2, height - 12, x_label, anchor="center")
     c.text(6, top + ph // 2, y_label, anchor="center", vertical=True)
     if marker is not None:
-        x, _ = at(min(marker[0], x_max), 0)
+        x, _ = at(min(max(marker[0], x_min), x_max), 0)
         c.line(x, top, x, top + ph, INK, width=1, dash=4)
         c.text(int(x) + 4 if x < left + pw / 2 else int(x) - 4, top + 4, marker[1],
                anchor="left" if x < left + pw / 2 else "right")
@@ -175,6 +177,9 @@ def write_lines_png(path, lines, x_max, y_max, x_label, y_label, title, marker=N
         color = COLORS[i % len(COLORS)]
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
             c.line(*at(x0, y0), *at(x1, y1), color)
+        if len(points) == 1:  # (no line to draw: a dot)
+            x, y = map(int, at(*points[0]))
+            c.rect(x - 2, y - 2, x + 3, y + 3, color)
         y = top + ph - 12 - 10 * (len(lines) - 1 - i)  # the legend, bottom right
         c.rect(left + pw - 110, y + 3, left + pw - 98, y + 5, color)
         c.text(left + pw - 94, y, name)

@@ -11,6 +11,7 @@ its last token and each generated token one at a time, through every layer.
 """
 
 import base64
+import contextlib
 import csv
 import json
 import math
@@ -342,11 +343,13 @@ IMPORT_FORMATS = {
 }
 
 
-def import_trace(fmt, src, out, only=None, num_layers=None, num_experts=None, top_k=None, model=None):
+def import_trace(fmt, src, out, only=None, num_layers=None, num_experts=None, top_k=None, model=None,
+                 progress=contextlib.nullcontext):
     """Convert `src` (in IMPORT_FORMATS[fmt]) to an mlxmoe.trace/1 file at `out`, written
     atomically. `only`: the sequence names to keep (problem ids, request ids, turns).
     Shapes the source does not state are taken from the options, else from the largest
-    ids seen. Returns (summary dict, warnings)."""
+    ids seen. `progress(sequences)`: a context giving them back to write, the source read
+    (click.progressbar: a bar as each is written). Returns (summary dict, warnings)."""
     if fmt not in IMPORT_FORMATS:
         raise MlxmoeError(f"unknown routing format {fmt!r}: one of {', '.join(IMPORT_FORMATS)}")
     reader = IMPORT_FORMATS[fmt]
@@ -368,10 +371,11 @@ def import_trace(fmt, src, out, only=None, num_layers=None, num_experts=None, to
                          sequences=[name for name, _ in sequences])
     counts = {"sequences": len(sequences), "tokens": 0, "prefill_tokens": 0, "duplicates": 0}
     try:
-        for _, seq in sequences:
-            writer.new_sequence()
-            for key, n in _write_sequence(writer, seq).items():
-                counts[key] += n
+        with progress(sequences) as written:
+            for _, seq in written:
+                writer.new_sequence()
+                for key, n in _write_sequence(writer, seq).items():
+                    counts[key] += n
         writer.close()
     except BaseException:
         writer.abort()
