@@ -1,6 +1,7 @@
 """Greedy tokens through mlxmoe equal stock mlx-lm's, for every architecture, layout and
 cache size from everything resident down to the minimum."""
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 
@@ -76,6 +77,40 @@ def test_long_prompt_is_chunked_at_minimum_cache(checkpoint):
     model, tokenizer = mlxmoe.load(str(path), cache_experts=2)
     got = [r.token for r in mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=8)]
     assert got == want
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])  # a tapped router's logits; a scoring gate's probs
+def test_resident_decode_steps_learn_at_once_what_they_learn_call_by_call(checkpoint, monkeypatch, arch):
+    """The resident path's decode steps, accounted from their stacked routing (two arrays a
+    token), count the same hits and teach the live profile the same counts and mass as the
+    same run accounted layer call by layer call."""
+    import numpy as np
+
+    from mlxmoe.caching.experts import ResidentCalls
+
+    path = checkpoint(arch, quant="4bit")
+
+    def run():
+        model, tokenizer = mlxmoe.load(str(path))
+        cache = model.expert_cache
+        assert cache.prewarm_done(timeout=60)
+        tokens = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
+        assert cache.slot_table is not None and not cache.deferred
+        out = tokens, cache.stats()["hits"], cache.profile.counts.copy(), cache.profile.mass.copy()
+        cache.close()
+        return out
+
+    stacked = []
+    stack = ResidentCalls.stack
+    monkeypatch.setattr(ResidentCalls, "stack", lambda self: (stack(self), stacked.append(self.stacked)))
+    fast = run()
+    assert sum(s is not None for s in stacked) >= TOKENS - 2  # every decode step but the last
+    monkeypatch.setattr(ResidentCalls, "stack", lambda self: mx.async_eval(*self.side) if self.side else None)
+    slow = run()
+    assert fast[0] == slow[0] == reference_tokens(path)
+    assert fast[1] == slow[1] > 0
+    np.testing.assert_array_equal(fast[2], slow[2])
+    np.testing.assert_allclose(fast[3], slow[3], rtol=1e-5, atol=1e-6)
 
 
 def test_everything_resident_runs_without_host_work_per_layer(checkpoint, tmp_path):

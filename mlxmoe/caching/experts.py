@@ -161,6 +161,7 @@ class ResidentCalls:
         self.cache = cache
         self.calls: list = []
         self.side: list = []
+        self.stacked = None  # (rows [calls, k], router outputs [calls, experts]) of a decode step: see stack
 
     @classmethod
     def defer(cls, cache, layer: int) -> "ResidentCalls":
@@ -172,15 +173,32 @@ class ResidentCalls:
             if layer != 0 and previous is not None:
                 return previous
             work = cls(cache)
-            if previous is not None and previous.side:
-                mx.async_eval(*previous.side)
+            if previous is not None:
+                previous.stack()
             cache.deferred.append((work, ()))
             tic = time.perf_counter()
             cache.catch_up(until=work if previous is None else previous)
             cache.counters.bookkeeping_seconds += time.perf_counter() - tic
             return work
 
+    def stack(self) -> None:
+        """Once the token's calls are all made: where each is one token's with the same k and
+        router shape, its rows and router outputs as two arrays, queued with the side arrays
+        (read later in two conversions, not two a layer)."""
+        calls = self.calls
+        routers = [c[2] if c[2] is not None else c[3] for c in calls]
+        if calls and len({(c[1].size, r.shape[-1], r.dtype, c[2] is None) for c, r in zip(calls, routers)
+                          if r is not None}) == 1 and all(r is not None for r in routers) \
+                and calls[0][1].size == calls[0][1].shape[-1]:
+            self.stacked = (mx.concatenate([c[1].reshape(1, -1) for c in calls]),
+                            mx.concatenate([r.reshape(1, -1) for r in routers]))
+            mx.async_eval(*self.side, *self.stacked)
+        elif self.side:
+            mx.async_eval(*self.side)
+
     def __call__(self) -> None:
+        if self.stacked is not None:
+            return self._decode_step()
         logits = [c[2] for c in self.calls if c[2] is not None]
         from_logits = iter(host_probs(logits) if logits else ())
         steps, rows = [], []  # a decode step's calls: told at once (observe_calls)
@@ -196,6 +214,28 @@ class ResidentCalls:
             self.cache.observe(call)
         if steps:
             observe_calls(self.cache, steps, rows)
+
+    def _decode_step(self) -> None:
+        """A decode step's accounting from its stacked routing: what __call__ does call by
+        call, in one go (the live profile learns the step at once where it is the only observer)."""
+        cache = self.cache
+        rows, routers = self.stacked
+        rows = np.array(rows)
+        tapped = self.calls[0][2] is not None
+        probs = host_probs([routers])[0] if tapped else np.array(routers, dtype=np.float32)
+        layers = [c[0]._layer for c in self.calls]
+        if layers[0] == 0:
+            cache.tick(1)
+        cache.counters.hits += int((np.diff(np.sort(rows, axis=1), axis=1) != 0).sum()) + len(rows)  # distinct
+        profile = cache.profile
+        if cache.observers or profile is None:
+            observe_calls(cache, [step_call(m, r, p) for m, r, p in zip(layers, rows, probs)], list(rows))
+            return
+        with cache.lock:
+            if layers[0] == 0:
+                profile.tick(1)
+            profile.counts[np.array(layers)[:, None], rows] += 1.0
+            profile.mass[layers] += probs
 
 
 class StepRouting:
