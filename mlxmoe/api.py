@@ -425,7 +425,7 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
     if prefetcher is not None and ckpt.group is None and runtime.lossy is None and opts.fallback is None and decoders:
         cache.speculator = Speculator(ckpt.model, decoders, ckpt.blocks, cache, prefetcher)
     if verify and runtime.lossy is None:
-        cache.verifier = Verifier(ckpt.model, decoders, cache, guess=prefetcher is not None)
+        cache.verifier = Verifier(ckpt.model, decoders, cache, guess=prefetcher is not None, top_k=max(ckpt.top_ks))
     be.activate(p.budget)
     if opts.trace_out is not None:
         runtime.record_trace(opts.trace_out)
@@ -964,6 +964,8 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
     try:
         if runtime is not None:
             runtime.new_sequence()
+        if cache is not None and cache.verifier is not None:  # a speculative step's tokens verified at once
+            cache.verifier.drafting = draft is not None
         if next_token is not None:
             speculator.next_token = next_token
         group = None if runtime is None else runtime.group

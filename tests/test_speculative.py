@@ -110,6 +110,48 @@ def test_a_multi_token_verify_step_that_misses_is_exact(paths):
     model.expert_runtime.close()
 
 
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_multi_token_steps_are_verified_in_one_pass(paths, monkeypatch, draft):
+    """Where the cache holds a step's experts at once, a speculative step's tokens go through
+    the verified path together (no wait per layer), misses read and replayed: stock mlx-lm's
+    tokens, also on a second turn over a carried prompt cache; the live profile learns them."""
+    from mlxmoe.caching import verify
+
+    main, small = paths
+    model, tokenizer = mlxmoe.load(str(main), cache_experts=12, draft_model=str(small) if draft == "model" else None)
+    cache = model.expert_cache
+    cache.verifier.switch.weigh = lambda *a: False  # on, whatever replays cost against a wait here
+    checks = []  # (tokens of the step, the layer that missed or None) of each check
+    check = verify.Verifier._check
+
+    def counted(self, until=None):
+        missed = check(self, until)
+        checks.append((self.tokens, missed))
+        return missed
+
+    monkeypatch.setattr(verify.Verifier, "_check", counted)
+    seen = []  # what the observers (a trace) learn: each token's experts and distribution
+    cache.watch(seen.append)
+    kw = {"draft_model": model.expert_runtime.draft_model if draft == "model" else "ngram"}
+    assert tokens(model, tokenizer, REPEAT, **kw) == reference(main, REPEAT)
+    assert any(c.tokens > 1 and c.rows.shape[0] == c.probs.shape[0] == c.tokens for c in seen if c.probs is not None)
+    several = [m for n, m in checks if n > 1]
+    assert several and any(m is not None for m in several), f"no multi-token step verified, or none missed: {checks}"
+    assert cache.stats()["verified_tokens"] > TOKENS
+    assert cache.profile.tokens_total > TOKENS
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def two_turns(**k):
+        carried = make_prompt_cache(model) + (make_prompt_cache(k["draft_model"]) if draft == "model" and k else [])
+        out = [tokens(model, tokenizer, tokenizer.encode(REPEAT), prompt_cache=carried, **k)]
+        out.append(tokens(model, tokenizer, tokenizer.encode(" and again"), prompt_cache=carried, **k))
+        return out
+
+    assert two_turns(**kw) == two_turns()
+    model.expert_runtime.close()
+
+
 def test_draft_model_counted_in_the_budget_or_refused(paths):
     main, small = paths
     budget = model_info(str(main))["all_resident_budget"] + (2 << 20)  # every expert, and 2 MB: less than the draft takes

@@ -41,29 +41,33 @@ class LayerCall(NamedTuple):
     ticked: int  # tokens that start with this call (the first layer's), else 0
 
 
-def step_call(layer, row, probs):
+def step_call(layer, row, probs, tokens=1):
     """(layer, its distinct experts, their router scores, the router's distribution) of a
-    one-token layer call whose experts are `row`: summary() of it, as observe_calls and the
-    policy's hits take it."""
-    experts, scores, probs = summary(np.asarray(row).reshape(1, -1), None if probs is None else probs.reshape(1, -1))
+    decode step's layer call of `tokens` tokens whose experts are `row` (flat, token after
+    token; `probs` likewise): summary() of it, as observe_calls and the policy's hits take it."""
+    experts, scores, probs = summary(np.asarray(row).reshape(tokens, -1),
+                                     None if probs is None else probs.reshape(tokens, -1))
     return layer, experts, scores, probs
 
 
-def observe_calls(cache, calls, rows) -> None:
-    """Tell the cache's observers of a step's one-token layer calls [(layer, experts, scores,
-    probs)] (each token's experts in `rows`), in order; where the live profile is the only
-    observer, it learns them at once (as ActivationProfile.observe would one by one)."""
+def observe_calls(cache, calls, rows, tokens=1, dists=None) -> None:
+    """Tell the cache's observers of a decode step's layer calls of `tokens` tokens [(layer,
+    experts, scores, probs)] (their experts in `rows`, flat; each token's router distribution
+    in `dists`, flat, where given), in order; where the live profile is the only observer,
+    it learns them at once (as ActivationProfile.observe would one by one)."""
     profile = cache.profile
     if cache.observers or profile is None or any(c[3] is None for c in calls):
-        for (layer, experts, scores, probs), row in zip(calls, rows):
-            rows_ = np.asarray(row, dtype=np.uint32).reshape(1, -1)  # as mlx-lm's indices are
-            cache.observe(LayerCall(layer, cache.call_position, rows_, None if probs is None else probs.reshape(1, -1),
-                                    1, experts, scores, probs, 1 if layer == 0 else 0))
+        for i, ((layer, experts, scores, probs), row) in enumerate(zip(calls, rows)):
+            rows_ = np.asarray(row, dtype=np.uint32).reshape(tokens, -1)  # as mlx-lm's indices are
+            each = probs if dists is None else dists[i]
+            each = None if each is None or (tokens > 1 and dists is None) else each.reshape(tokens, -1)
+            cache.observe(LayerCall(layer, cache.call_position, rows_, each, tokens, experts, scores, probs,
+                                    tokens if layer == 0 else 0))
     elif calls:
         layers = [c[0] for c in calls]
         with cache.lock:
             if layers[0] == 0:
-                profile.tick(1)
+                profile.tick(tokens)
             profile.counts[np.repeat(layers, [len(c[1]) for c in calls]), np.concatenate([c[1] for c in calls])] += 1.0
             profile.mass[layers] += np.stack([c[3] for c in calls])
 

@@ -39,6 +39,9 @@ from .prefetch import decayed
 WEIGH_TOKENS, FIRST_WEIGH = 16, 2
 OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 KV_TYPES = (KVCache, RotatingKVCache)
+# the most tokens a verified step takes: a decode step's one, or a speculative step's draft
+# and the token before it; a prompt's longer steps go layer by layer (each reads its union once)
+MAX_TOKENS = 16
 # decoder layers queued past the last one checked within a forward (while steps miss): the
 # device computes them while the host reads that layer's routing, which is then most often
 # ready (no wait), and a miss's replay recomputes LAG + 1 layers, not the rest of the token
@@ -187,8 +190,12 @@ class Verifier:
     `decoder_of[l]` of `model.layers`) over `cache`. The model's and its decoder layers'
     instances get subclasses whose calls go through _model_call() and _decoder_call()."""
 
-    def __init__(self, model, decoder_of: list, cache, guess: bool = True) -> None:
+    def __init__(self, model, decoder_of: list, cache, guess: bool = True, top_k: int = 1) -> None:
         self.cache, self.decoder_of = cache, decoder_of
+        self.top_k = max(1, top_k)
+        # within a speculative generation (stream_generate sets it), a step of several tokens
+        # is verified too, where the cache holds all their experts at once
+        self.drafting = False
         self.guess = guess  # read the later layers' misses with a missed layer's (a prefetch: not with prefetch off)
         self.layers = model.layers
         self.tables = SlotTables(cache)
@@ -199,6 +206,7 @@ class Verifier:
         self.hits = ([], [])  # checked layer calls that hit, not told yet: layers, rows
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
+        self.tokens = 1  # of this step (several where a speculative step verifies a draft)
         self.switch = Switch(len(decoder_of), lambda: cache.layer_wait)
         self.error = None
         _wrap(model, self._model_call)
@@ -217,8 +225,8 @@ class Verifier:
         cache = self.cache
         inputs = args[0] if args else kwargs.get("inputs")
         kv = kwargs.get("cache", args[1] if len(args) > 1 else None)
-        if self.error is not None or self.forward or not isinstance(inputs, mx.array) or inputs.size != 1 \
-                or kv is None or len(kv) != len(self.layers):
+        if self.error is not None or self.forward or not isinstance(inputs, mx.array) or inputs.ndim != 2 \
+                or inputs.shape[0] != 1 or not 0 < inputs.size <= (min(MAX_TOKENS, cache.capacity // self.top_k) if self.drafting else 1) or kv is None or len(kv) != len(self.layers):
             return None
         if not self.switch.step():
             return None
@@ -243,7 +251,8 @@ class Verifier:
             return call(*args, **kwargs)
         if not self.tables.current():
             self.tables.build()
-        cache.tick(1)
+        self.tokens = args[0].size if args else kwargs["inputs"].size
+        cache.tick(self.tokens)
         self.forward, self.replay_from, self.checked = True, None, 0
         self.outputs.clear()
         self.calls.clear()
@@ -260,7 +269,7 @@ class Verifier:
                     break
                 first = self.decoder_of[missed]
                 for c in kv[first:ran]:  # what this pass wrote from that layer on
-                    c.trim(1)
+                    c.trim(self.tokens)
                 replayed += ran - first
                 replays += 1
                 self.replay_from = first
@@ -272,7 +281,7 @@ class Verifier:
             self.calls.clear()
             self.hits = ([], [])
         counters = cache.counters
-        counters.verified_tokens += 1
+        counters.verified_tokens += self.tokens
         counters.replays += replays
         counters.replayed_layers += replayed
         seconds = time.perf_counter() - tic - (counters.read_seconds - read)
@@ -329,13 +338,14 @@ class Verifier:
             self._tell_hits()
         missed = None
         if first is not None:
-            call = step_call(layers[first], rows[first], self._probs(layers[first:first + 1])[0])
+            dist = self._probs(layers[first:first + 1])[0]
+            call = step_call(layers[first], rows[first], dist, self.tokens)
             missed = call[0]
             # the later layers' misses in this pass: computed from a hidden state that a missing expert
             # left wrong, yet mostly what the replay will route to
             guesses = self.tables.absent(layers[first + 1:], rows[first + 1:]) if self.guess else []
             self._read(*call, guesses)
-            observe_calls(cache, [call], [rows[first]])
+            observe_calls(cache, [call], [rows[first]], self.tokens, [dist])
         if layers:
             self.checked = layers[-1] + 1 if missed is None else missed + 1
         cache.counters.bookkeeping_seconds += time.perf_counter() - start - (cache.counters.read_seconds - read)
@@ -361,7 +371,7 @@ class Verifier:
         left for later (Residency.deferred), told to the observers; where the live profile is
         the only one, learnt in one go."""
         cache = self.cache
-        calls = [step_call(m, row, p) for m, row, p in zip(layers, rows, probs)]
+        calls = [step_call(m, row, p, self.tokens) for m, row, p in zip(layers, rows, probs)]
         cache.counters.hits += sum(len(c[1]) for c in calls)
         if calls:
             cache.hit_calls(calls)
@@ -369,7 +379,7 @@ class Verifier:
             used = self.guessed.intersection((m, e) for m, experts, _, _ in calls for e in experts)
             cache.counters.prefetch_useful += len(used)
             self.guessed -= used
-        observe_calls(cache, calls, rows)
+        observe_calls(cache, calls, rows, self.tokens, probs)
 
     def _read(self, layer, experts, scores, probs, guesses) -> None:
         """Make a missed layer call's experts resident (the policy's victims, a demand read),
