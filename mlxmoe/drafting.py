@@ -6,7 +6,7 @@ cache it takes the per-layer path a prefill step takes (the verified one-token p
 one-token steps), so every token it accepts is the one greedy decoding gives; mlx-lm trims
 the KV caches of the drafts it rejects.
 
-N-gram drafting (prompt lookup): the last 3 (else 2, else 1) tokens of the sequence are
+N-gram drafting (prompt lookup): the last 3 (else 2) tokens of the sequence are
 looked up earlier in it, and the tokens that followed the latest match are proposed. Where
 there is no match, or while the drafts' acceptance is low, steps carry one token (mlx-lm's
 generate_step), so free text pays little for it.
@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from .budget import kv_reserve_bytes
 from .errors import MlxmoeError
 
-NGRAM_SIZES = (3, 2, 1)
+NGRAM_SIZES = (3, 2)
 # n-gram drafting weighs its acceptance over its first FIRST_WEIGH drafted steps (at the
 # start of a generation, and after a pause), then every WEIGH_STEPS, and pauses for
 # OFF_TOKENS tokens where it is below MIN_ACCEPTANCE, the pause doubled at each pause in a
@@ -68,8 +68,9 @@ def load_draft(path, tokenizer, backend, context):
 
 
 def ngram_draft(seq, n, most):
-    """Up to `most` tokens that followed the latest earlier occurrence of the last 3 (else 2,
-    else 1) of the first `n` tokens of `seq` (a numpy array); [] where none occurs."""
+    """Up to `most` tokens that followed the latest earlier occurrence of the last 3 (else 2)
+    of the first `n` tokens of `seq` (a numpy array); [] where none occurs (one token alone
+    matches too often in free text: each failed draft costs a step)."""
     for size in NGRAM_SIZES:
         if n <= size:
             continue

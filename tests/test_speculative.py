@@ -194,6 +194,7 @@ def test_ngram_lookup_and_its_switch():
     assert ngram_draft(seq, len(seq), 3) == [9, 2, 6]  # the latest match of the last 2 (no earlier 3-gram)
     assert ngram_draft(np.array([1, 2, 3, 1, 2, 3]), 6, 5) == [1, 2, 3]  # 3-gram first, up to the end
     assert ngram_draft(np.array([1, 2, 3]), 3, 5) == []
+    assert ngram_draft(np.array([5, 1, 7, 2, 5]), 5, 3) == []  # one token alone matching: no draft
     lookup = Lookup([1, 2, 3, 1, 2, 3], most=4)
     assert lookup.propose() == [1, 2, 3]
     for _ in range(FIRST_WEIGH):  # steps whose drafts were all rejected: off for a while
