@@ -300,3 +300,31 @@ def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
         assert n == theirs.offset
         for a, b in zip(ours.state[:2], theirs.state[:2]):
             assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
+
+
+def test_verified_steps_go_on_after_a_rotating_cache_wraps(checkpoint, monkeypatch):
+    """gpt_oss's sliding-window layers keep a RotatingKVCache that, once full, overwrites its
+    oldest entry in place (is_trimmable() says no): one-token verified steps go on past
+    that, a replay writing the same slot again. Every step misses (a layer's experts taken
+    out before it): stock's tokens, every step verified and replayed."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    path = checkpoint("gpt_oss", config_overrides={"sliding_window": 4})
+    want, _ = reference(path)
+    model, tokenizer = all_but(path, 1)
+    cache = model.expert_cache
+    wrapped = []  # per verified step: whether a rotating cache had wrapped before it
+    ready = verify.Verifier._ready
+
+    def seen(self, args, kwargs):
+        kv = ready(self, args, kwargs)
+        if kv is not None:
+            wrapped.append(any(isinstance(c, RotatingKVCache) and not c.is_trimmable() for c in kv))
+        return kv
+
+    monkeypatch.setattr(verify.Verifier, "_ready", seen)
+    assert generate(model, tokenizer, evict=every_expert(cache, 1)) == want
+    stats = cache.stats()
+    assert sum(wrapped) >= TOKENS - 2, wrapped  # (the prompt is longer than the window)
+    assert stats["verified_tokens"] >= TOKENS - 2 and stats["replays"] >= TOKENS - 2
+    model.expert_runtime.close()

@@ -225,8 +225,9 @@ class Verifier:
         cache = self.cache
         inputs = args[0] if args else kwargs.get("inputs")
         kv = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        most = min(MAX_TOKENS, cache.capacity // self.top_k) if self.drafting else 1
         if self.error is not None or self.forward or not isinstance(inputs, mx.array) or inputs.ndim != 2 \
-                or inputs.shape[0] != 1 or not 0 < inputs.size <= (min(MAX_TOKENS, cache.capacity // self.top_k) if self.drafting else 1) or kv is None or len(kv) != len(self.layers):
+                or inputs.shape[0] != 1 or not 0 < inputs.size <= most or kv is None or len(kv) != len(self.layers):
             return None
         if not self.switch.step():
             return None
@@ -234,7 +235,9 @@ class Verifier:
             return None
         if cache.loader.failed or not cache.loader.prewarm_done(0) or cache.fallback is not None:
             return None
-        if any(type(c) not in KV_TYPES or not c.is_trimmable() for c in kv):
+        # (a rotating cache that wrapped overwrites its oldest entry in place: trimmed, a
+        # one-token pass's replay writes the same slot again, a longer pass's could not)
+        if any(type(c) not in KV_TYPES or inputs.size > 1 and not c.is_trimmable() for c in kv):
             return None
         return kv
 
