@@ -1,7 +1,6 @@
 """Greedy tokens through mlxmoe equal stock mlx-lm's, for every architecture, layout and
 cache size from everything resident down to the minimum."""
 
-import mlx.core as mx
 import mlx_lm
 import pytest
 
@@ -81,9 +80,9 @@ def test_long_prompt_is_chunked_at_minimum_cache(checkpoint):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])  # a tapped router's logits; a scoring gate's probs
 def test_resident_decode_steps_learn_at_once_what_they_learn_call_by_call(checkpoint, monkeypatch, arch):
-    """The resident path's decode steps, accounted from their stacked routing (two arrays a
-    token), count the same hits and teach the live profile the same counts and mass as the
-    same run accounted layer call by layer call."""
+    """The resident path's decode steps, accounted in one go from their routing read into two
+    host arrays, count the same hits and teach the live profile the same counts and mass as
+    the same run accounted layer call by layer call."""
     import numpy as np
 
     from mlxmoe.caching.experts import ResidentCalls
@@ -100,12 +99,12 @@ def test_resident_decode_steps_learn_at_once_what_they_learn_call_by_call(checkp
         cache.close()
         return out
 
-    stacked = []
-    stack = ResidentCalls.stack
-    monkeypatch.setattr(ResidentCalls, "stack", lambda self: (stack(self), stacked.append(self.stacked)))
+    steps = []
+    decode_step = ResidentCalls._decode_step
+    monkeypatch.setattr(ResidentCalls, "_decode_step", lambda self, routers: (steps.append(1), decode_step(self, routers)))
     fast = run()
-    assert sum(s is not None for s in stacked) >= TOKENS - 2  # every decode step but the last
-    monkeypatch.setattr(ResidentCalls, "stack", lambda self: mx.async_eval(*self.side) if self.side else None)
+    assert len(steps) >= TOKENS - 2  # every decode step's accounting in one go
+    monkeypatch.setattr(ResidentCalls, "_decode_step", lambda self, routers: self._call_by_call())
     slow = run()
     assert fast[0] == slow[0] == reference_tokens(path)
     assert fast[1] == slow[1] > 0

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..backend import host_probs
+from ..backend import host_floats, host_probs
 from .cache import expert_groups, low_bit
 from ..errors import MlxmoeError
 from .lossy import host_logits
@@ -165,7 +165,6 @@ class ResidentCalls:
         self.cache = cache
         self.calls: list = []
         self.side: list = []
-        self.stacked = None  # (rows [calls, k], router outputs [calls, experts]) of a decode step: see stack
 
     @classmethod
     def defer(cls, cache, layer: int) -> "ResidentCalls":
@@ -177,32 +176,23 @@ class ResidentCalls:
             if layer != 0 and previous is not None:
                 return previous
             work = cls(cache)
-            if previous is not None:
-                previous.stack()
+            if previous is not None and previous.side:
+                mx.async_eval(*previous.side)
             cache.deferred.append((work, ()))
             tic = time.perf_counter()
             cache.catch_up(until=work if previous is None else previous)
             cache.counters.bookkeeping_seconds += time.perf_counter() - tic
             return work
 
-    def stack(self) -> None:
-        """Once the token's calls are all made: where each is one token's with the same k and
-        router shape, its rows and router outputs as two arrays, queued with the side arrays
-        (read later in two conversions, not two a layer)."""
+    def __call__(self) -> None:
         calls = self.calls
         routers = [c[2] if c[2] is not None else c[3] for c in calls]
-        if calls and len({(c[1].size, r.shape[-1], r.dtype, c[2] is None) for c, r in zip(calls, routers)
-                          if r is not None}) == 1 and all(r is not None for r in routers) \
-                and calls[0][1].size == calls[0][1].shape[-1]:
-            self.stacked = (mx.concatenate([c[1].reshape(1, -1) for c in calls]),
-                            mx.concatenate([r.reshape(1, -1) for r in routers]))
-            mx.async_eval(*self.side, *self.stacked)
-        elif self.side:
-            mx.async_eval(*self.side)
+        if calls and all(r is not None for r in routers) and calls[0][1].size == calls[0][1].shape[-1] \
+                and len({(c[1].shape, r.shape, c[2] is None) for c, r in zip(calls, routers)}) == 1:
+            return self._decode_step(routers)
+        self._call_by_call()
 
-    def __call__(self) -> None:
-        if self.stacked is not None:
-            return self._decode_step()
+    def _call_by_call(self) -> None:
         logits = [c[2] for c in self.calls if c[2] is not None]
         from_logits = iter(host_probs(logits) if logits else ())
         steps, rows = [], []  # a decode step's calls: told at once (observe_calls)
@@ -219,14 +209,14 @@ class ResidentCalls:
         if steps:
             observe_calls(self.cache, steps, rows)
 
-    def _decode_step(self) -> None:
-        """A decode step's accounting from its stacked routing: what __call__ does call by
-        call, in one go (the live profile learns the step at once where it is the only observer)."""
+    def _decode_step(self, routers) -> None:
+        """A decode step's accounting (its calls one token each, alike): what __call__ does
+        call by call, in one go from its routing read into two host arrays (the live profile
+        learns the step at once where it is the only observer)."""
         cache = self.cache
-        rows, routers = self.stacked
-        rows = np.array(rows)
-        tapped = self.calls[0][2] is not None
-        probs = host_probs([routers])[0] if tapped else np.array(routers, dtype=np.float32)
+        rows = np.concatenate([np.asarray(c[1]).reshape(1, -1) for c in self.calls])
+        tapped = self.calls[0][2] is not None  # (routers: a tapped router's logits, else its probabilities)
+        probs = np.concatenate(host_probs(routers) if tapped else [host_floats(r) for r in routers])
         layers = [c[0]._layer for c in self.calls]
         if layers[0] == 0:
             cache.tick(1)
