@@ -250,63 +250,54 @@ def load(path_or_hf_repo: str | os.PathLike, tokenizer_config: dict | None = Non
          ) -> tuple[nn.Module, TokenizerWrapper] | tuple[nn.Module, TokenizerWrapper, dict]:
     """Load an mlx-lm MoE checkpoint with its experts streamed from disk.
 
-    Takes mlx_lm.load's arguments (LoRA adapters excepted: fuse them first) and returns
-    what it returns, (model, tokenizer) or with `return_config` (model, tokenizer,
-    config); `model.expert_cache.stats()` gives the cache's stats and `model.expert_runtime`
-    (a Runtime) records, swaps and saves profiles as the CLI does. mlxmoe's own options
-    are keyword-only (the fields of LoadOptions; or `options=LoadOptions(...)`):
-    `memory_budget` ("12GB", bytes) bounds resident weights + KV cache +
-    working memory + expert cache; `cache_size` (bytes) or `cache_experts` (count) set the cache directly.
-    `memory_budget="auto"` follows the memory available, keeping `memory_margin` free (default
-    15 % of memory or 2 GB, the smaller): the expert cache shrinks and grows within a second
-    (governor.py); `model.expert_runtime.resize("8GB")` resizes it at any time. Output is unchanged.
-    `policy` names the eviction policy (default activation-floor); `backend` cpu, metal or
-    cuda (default: the best available); `io` how experts are read (auto, mmap, pread,
-    direct; store.py) by `io_threads` threads.
-    `profile` (a path or an ActivationProfile) gives the policy its prior and pre-warms
-    the cache with its hottest experts in the background (`prewarm`; where the cache holds every
-    expert, all of them are read in the background, after the profile's hottest, and once
-    they are in, layers run without per-layer host work or syncs); `force_profile` takes
-    one recorded on another model whose layer and expert counts agree; the live profile
-    (`model.expert_runtime.profile`) keeps learning either way. `trace_out` records a
-    routing trace (mlxmoe.trace/1) there, completed by `model.expert_runtime.close()`.
-    `prefetch` is how many MoE layer calls ahead (past the last layer: the next token's
-    first layers) experts are predicted and read in the background during decoding (0:
-    only on demand); a router guess is loaded when its probability reaches
-    `prefetch_confidence` or the previous token used it too, and its next guesses (up to
-    the top 2k) where the cache policy ranks them above its victim (see prefetch.py).
+    Takes mlx_lm.load's arguments (LoRA adapters excepted: fuse them first) and returns what it returns, (model,
+    tokenizer) or with `return_config` (model, tokenizer, config); `model.expert_cache.stats()` gives the cache's
+    stats and `model.expert_runtime` (a Runtime) records, swaps and saves profiles as the CLI does. mlxmoe's own
+    options are keyword-only (the fields of LoadOptions; or `options=LoadOptions(...)`): `memory_budget` ("12GB",
+    bytes) bounds resident weights + KV cache + working memory + expert cache; `cache_size` (bytes) or
+    `cache_experts` (count) set the cache directly.
+    `memory_budget="auto"` follows the memory available, keeping `memory_margin` free (default 15 % of memory or 2
+    GB, the smaller): the expert cache shrinks and grows within a second (governor.py);
+    `model.expert_runtime.resize("8GB")` resizes it at any time. Output is unchanged.
+    `policy` names the eviction policy (default activation-floor); `backend` cpu, metal or cuda (default: the best
+    available); `io` how experts are read (auto, mmap, pread, direct; store.py) by `io_threads` threads.
+    `profile` (a path or an ActivationProfile) gives the policy its prior and pre-warms the cache with its hottest
+    experts in the background (`prewarm`; where the cache holds every expert, all of them are read in the
+    background, after the profile's hottest, and once they are in, layers run without per-layer host work or syncs);
+    `force_profile` takes one recorded on another model whose layer and expert counts agree; the live profile
+    (`model.expert_runtime.profile`) keeps learning either way. `trace_out` records a routing trace (mlxmoe.trace/1)
+    there, completed by `model.expert_runtime.close()`.
+    `prefetch` is how many MoE layer calls ahead (past the last layer: the next token's first layers) experts are
+    predicted and read in the background during decoding (0: only on demand); a router guess is loaded when its
+    probability reaches `prefetch_confidence` or the previous token used it too, and its next guesses (up to the top
+    2k) where the cache policy ranks them above its victim (see prefetch.py).
 
-    `max_context` is the tokens (prompt, earlier turns and generated) a sequence may hold:
-    the budget reserves KV cache for that many; a longer prompt is refused (MlxmoeError
-    naming both numbers) and generation stops there (as max_tokens does).
+    `max_context` is the tokens (prompt, earlier turns and generated) a sequence may hold: the budget reserves KV
+    cache for that many; a longer prompt is refused (MlxmoeError naming both numbers) and generation stops there (as
+    max_tokens does).
 
-    Lossy modes, opt-in (exact, the default, gives mlx-lm's tokens): `trim` W skips, at a
-    decode step, a routed expert that is not resident and carries less than W of the
-    token's routing weight (the rest weighted as the model's top-k rule does), `trim_mass` M
-    one beyond the top experts that carry M of it; `cache_bias`
-    B adds B to resident experts' router logits before the top-k (see lossy.py; "profile":
-    the `profile`'s recommended value, from `profile record --recommend-bias`). What they
-    did is in stats() (skipped, biased). mlx-lm's softmax-routed families only (mixtral,
-    qwen2_moe, qwen3_moe, olmoe, gpt_oss); others are refused naming their model type.
-    `fallback`: a file of low-bit copies of every expert (`mlxmoe convert --fallback-bits`),
-    resident within the budget: at a decode step an expert not in the cache computes with
-    its copy at once and is read in the background, so no step waits on a read (stats():
-    substituted, fallback_bytes).
-    `draft_model`: a small model sharing the tokenizer (a folder mlx_lm.load reads), loaded
-    whole within the budget (its weights and a KV cache of `max_context` tokens beside the
-    model's) as `model.expert_runtime.draft_model`, for speculative decoding: pass it to
-    generate / stream_generate as `draft_model=` (see stream_generate).
-    `verify` (on by default): where some experts are not resident, a decode step looks its
-    slots up on the device and waits for the device once, at its end, instead of at every
-    MoE layer; a layer that missed is read and the token computed again from it (see
-    caching/verify.py; stats(): verified_tokens, replays, verify). False: a wait per layer.
+    Lossy modes, opt-in (exact, the default, gives mlx-lm's tokens): `trim` W skips, at a decode step, a routed
+    expert that is not resident and carries less than W of the token's routing weight (the rest weighted as the
+    model's top-k rule does), `trim_mass` M one beyond the top experts that carry M of it; `cache_bias` B adds B to
+    resident experts' router logits before the top-k (see lossy.py; "profile": the `profile`'s recommended value,
+    from `profile record --recommend-bias`). What they did is in stats() (skipped, biased). mlx-lm's softmax-routed
+    families only (mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss); others are refused naming their model type.
+    `fallback`: a file of low-bit copies of every expert (`mlxmoe convert --fallback-bits`), resident within the
+    budget: at a decode step an expert not in the cache computes with its copy at once and is read in the
+    background, so no step waits on a read (stats(): substituted, fallback_bytes).
+    `draft_model`: a small model sharing the tokenizer (a folder mlx_lm.load reads), loaded whole within the budget
+    (its weights and a KV cache of `max_context` tokens beside the model's) as `model.expert_runtime.draft_model`,
+    for speculative decoding: pass it to generate / stream_generate as `draft_model=` (see stream_generate).
+    `verify` (on by default): where some experts are not resident, a decode step looks its slots up on the device
+    and waits for the device once, at its end, instead of at every MoE layer; a layer that missed is read and the
+    token computed again from it (see caching/verify.py; stats(): verified_tokens, replays, verify). False: a wait
+    per layer.
 
-    `group` (an mx.distributed group of several ranks, from `mx.distributed.init()` under
-    `mlx.launch`) splits the model into mlx-lm's pipeline stages: this rank builds and
-    streams only its stage's layers, within its own `memory_budget`; every rank must call
-    load, generate and the stats/profile exchanges of mlxmoe.distributed alike. A rank that
-    fails to load makes every rank raise, naming it. `split="tensor"` shards every layer
-    with mlx-lm's `model.shard(group)` instead: each rank streams its slice of each expert.
+    `group` (an mx.distributed group of several ranks, from `mx.distributed.init()` under `mlx.launch`) splits the
+    model into mlx-lm's pipeline stages: this rank builds and streams only its stage's layers, within its own
+    `memory_budget`; every rank must call load, generate and the stats/profile exchanges of mlxmoe.distributed
+    alike. A rank that fails to load makes every rank raise, naming it. `split="tensor"` shards every layer with
+    mlx-lm's `model.shard(group)` instead: each rank streams its slice of each expert.
     """
     opts = _options(options, kwargs)
     args = (path_or_hf_repo, tokenizer_config, model_config, adapter_path, lazy, return_config, revision,
@@ -373,30 +364,50 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
     ckpt.store.set_io(opts.io)  # "auto", "mmap", "pread" or "direct" (see store.py)
     be.apply_dtype_policy(ckpt.model)
     fp = model_fingerprint(ckpt)
-    if opts.fallback is not None and Path(opts.fallback).is_dir():
-        raise MlxmoeError(f"fallback copies {opts.fallback} is a folder, not a file")
-    extra = 0 if opts.fallback is None else fallback_bytes(opts.fallback)  # resident beside the cache, within the budget
-    draft = None
-    if opts.draft_model is not None:
-        check_rotating(make_prompt_cache(ckpt.model))
-        draft, draft_bytes = load_draft(opts.draft_model, tokenizer, be, opts.max_context)
-        extra += draft_bytes
+    draft, draft_bytes, extra = _beside_cache(ckpt, be, tokenizer, opts)
     budget, allowed, margin = _auto(ckpt, be, opts, extra) if opts.memory_budget == "auto" else \
         (opts.memory_budget, None, None)
-    try:
-        p = checkpoint_plan(ckpt, be, budget, opts.cache_size, opts.cache_experts, opts.max_context, extra)
-    except MlxmoeError as e:
-        if draft is None:
-            raise
-        raise MlxmoeError(f"{e}; the draft model {opts.draft_model} needs {format_size(draft_bytes, math.ceil)} of "
-                          f"it (its weights and a KV cache of {opts.max_context} tokens)") from None
+    p = _plan_with_draft(ckpt, be, budget, opts, extra, draft_bytes)
     prior = None if opts.profile is None else stage_profile(ckpt, fp, opts.profile, opts.force_profile)
-    rates = None if prior is None else prior.rates()
     if not lazy:
         mx.eval(ckpt.model.parameters())
     if draft is not None:
         mx.eval(draft.parameters())
-    pool_dtypes = [be.pool_dtype(MX_DTYPES[d]) for d in ckpt.store.tensor_dtypes]
+    live = _live_profile(ckpt, fp, prior, p)
+    runtime = _attach_runtime(ckpt, p, be, fp, live, prior, opts)
+    runtime.draft_model = draft
+    _start_runtime(runtime, p, prior, budget, allowed, margin, opts)
+    return tokenizer
+
+
+def _beside_cache(ckpt, be, tokenizer, opts):
+    """(the draft model or None, its bytes, all the bytes resident beside the expert cache within the
+    budget: the fallback copies and the draft model), the draft model loaded."""
+    if opts.fallback is not None and Path(opts.fallback).is_dir():
+        raise MlxmoeError(f"fallback copies {opts.fallback} is a folder, not a file")
+    extra = 0 if opts.fallback is None else fallback_bytes(opts.fallback)  # resident beside the cache, within the budget
+    draft, draft_bytes = None, 0
+    if opts.draft_model is not None:
+        check_rotating(make_prompt_cache(ckpt.model))
+        draft, draft_bytes = load_draft(opts.draft_model, tokenizer, be, opts.max_context)
+        extra += draft_bytes
+    return draft, draft_bytes, extra
+
+
+def _plan_with_draft(ckpt, be, budget, opts, extra, draft_bytes):
+    """checkpoint_plan within `budget`; where it does not fit and there is a draft model
+    (of `draft_bytes`), the error says what the draft model takes of it."""
+    try:
+        return checkpoint_plan(ckpt, be, budget, opts.cache_size, opts.cache_experts, opts.max_context, extra)
+    except MlxmoeError as e:
+        if opts.draft_model is None:
+            raise
+        raise MlxmoeError(f"{e}; the draft model {opts.draft_model} needs {format_size(draft_bytes, math.ceil)} of "
+                          f"it (its weights and a KV cache of {opts.max_context} tokens)") from None
+
+
+def _live_profile(ckpt, fp, prior, p):
+    """The profile the cache keeps learning: the `prior` profile's counts carried on, or a new one."""
     if prior is not None:  # keep learning from where the profile left off
         live = ActivationProfile.merge([prior], workload=prior.workload)
         live.curve = prior.curve  # its recording's predicted hit rates, kept when the live profile is saved
@@ -404,6 +415,14 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
         live = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k)
     live.model, live.fingerprint = model_name(ckpt.path), fp
     live.expert_bytes, live.resident_bytes = profile_sizes(p)
+    return live
+
+
+def _attach_runtime(ckpt, p, be, fp, live, prior, opts):
+    """The Runtime of plan `p`: its expert cache, policy, prefetcher, lossy modes, fallback
+    copies, speculator and verifier, attached to the model's MoE layers."""
+    rates = None if prior is None else prior.rates()
+    pool_dtypes = [be.pool_dtype(MX_DTYPES[d]) for d in ckpt.store.tensor_dtypes]
     policy = make_policy(opts.policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
     decoders = decoder_layers(ckpt)
     streamed = p.cache_experts < ckpt.num_layers * ckpt.num_experts
@@ -417,7 +436,6 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
         prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_ks, depth=opts.prefetch, prior=rates,
                                 confidence=opts.prefetch_confidence)
     runtime = Runtime(ckpt, p, be, cache, fp, prefetcher)
-    runtime.draft_model = draft
     attach_cache(ckpt, runtime)
     runtime.lossy = attach_lossy(ckpt, cache, opts.trim, opts.cache_bias, opts.trim_mass, prior)
     if opts.fallback is not None:
@@ -426,6 +444,12 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
         cache.speculator = Speculator(ckpt.model, decoders, ckpt.blocks, cache, prefetcher)
     if verify and runtime.lossy is None:
         cache.verifier = Verifier(ckpt.model, decoders, cache, guess=prefetcher is not None, top_k=max(ckpt.top_ks))
+    return runtime
+
+
+def _start_runtime(runtime, p, prior, budget, allowed, margin, opts):
+    """The backend's memory limits set; the trace, the prewarm and (memory_budget "auto") the governor started."""
+    be, cache, ckpt = runtime.backend, runtime.cache, runtime.checkpoint
     be.activate(p.budget)
     if opts.trace_out is not None:
         runtime.record_trace(opts.trace_out)
@@ -437,7 +461,6 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
         if allowed < budget:  # (says so, once)
             runtime.resize(allowed, f"memory available at load less the margin {format_size(margin)}")
         runtime.govern(margin)
-    return tokenizer
 
 
 def _auto(ckpt, be, opts, extra):
@@ -930,25 +953,7 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
     (make_prompt_cache of each, as mlx-lm's)."""
     runtime = getattr(model, "expert_runtime", None)
     cache = None if runtime is None else runtime.cache
-    if runtime is not None:
-        runtime.check_open("stream_generate")
-    draft = _draft(runtime, kwargs.pop("draft_model", None), kwargs.get("input_embeddings"))
-    num_draft = kwargs.pop("num_draft_tokens", None)
-    if draft is not None and not _int_in(num_draft if num_draft is not None else 1, 0, 1 << 10):
-        raise MlxmoeError(f"num_draft_tokens {num_draft!r}: tokens drafted a step, an integer from 0 to 1024")
-    if num_draft == 0:  # (no drafts: one token a step)
-        draft = None
-    if draft is not None:
-        kwargs.pop("input_embeddings", None)  # (None: _draft refuses others)
-    if kwargs.get("input_embeddings") is None:
-        prompt = prompt_tokens(model, tokenizer, prompt)
-        if runtime is not None:
-            max_tokens = _within_context(runtime.plan, len(prompt), kwargs.get("prompt_cache"), max_tokens)
-    if runtime is not None and "stream" not in kwargs:
-        kwargs["stream"] = generation_stream(runtime.backend)
-    if "prefill_step_size" not in kwargs:
-        kwargs["prefill_step_size"] = prefill_step(None if runtime is None else runtime.plan, tokenizer, prompt,
-                                                   kwargs.get("prompt_cache"))
+    prompt, max_tokens, draft, num_draft = _generation_args(model, tokenizer, prompt, max_tokens, runtime, kwargs)
     speculator = None if cache is None else cache.speculator
     next_token = None
     if speculator is not None and speculator.head is not None and draft is None:  # running ahead crosses tokens
@@ -973,45 +978,95 @@ def stream_generate(model: nn.Module, tokenizer: TokenizerWrapper, prompt: str |
         carried = kwargs.get("prompt_cache") if draft is not None else None
         held, response = None if not carried else getattr(carried[0], "offset", None), None
         while True:
-            with _lock_guard:
-                if holder.revoked:
-                    raise MlxmoeError("this stream was left unread for MLXMOE_STREAM_TIMEOUT seconds while another "
-                                      "thread waited for the model, which went to it: start a new generation")
-                holder.idle_since = None
-            with distributed.waiting(group, "generating a token"):  # a step waits on the other stages
-                last, response = response, next(steps, None)
-                if response is None:
-                    break
-                if cache is not None:
-                    cache.counters.decode_tps = response.generation_tps
-                    runtime.resizer.apply_pending()  # between two tokens (governor.py)
-                if count is not None:
-                    count(response)
-                if group is not None and distributed.failed_any(group, runtime.error):
-                    distributed.check(group, runtime.error, bound=False)
+            last, response = response, _next_response(steps, holder, runtime, cache, count)
+            if response is None:
+                break
             holder.idle_since = time.monotonic()
             yield response
         if held is not None and last is not None:
             _run_last(model, carried, held + len(prompt) + last.generation_tokens, last.token,
                       kwargs.get("stream", _mlx_generation_stream))
-        if cache is not None:  # the host work the resident path left for later (see experts.ResidentCalls)
-            cache.flush()
-        if group is not None:
-            with distributed.waiting(group, "ending a generation"):
-                distributed.barrier(group)
+        _end_generation(cache, group)
     finally:
-        with _lock_guard:
-            holder.idle_since = None  # (not revoked from here on)
-        if not holder.revoked:  # (revoked: the model is another generation's now; nothing of it is ours)
-            try:
-                if cache is not None and cache.deferred:  # closed early: its arrays are this thread's
-                    cache.flush()
-            finally:
-                if next_token is not None:
-                    speculator.next_token = None
-                model._mlxmoe_generation_owner = None
-                model._mlxmoe_generation = None
-                lock.release()
+        _release_model(model, lock, holder, cache, speculator if next_token is not None else None)
+
+
+def _generation_args(model, tokenizer, prompt, max_tokens, runtime, kwargs):
+    """stream_generate's arguments checked and completed before it takes the model: (the
+    prompt's tokens, max_tokens within the context, the draft model or NGram or None, the
+    tokens drafted a step or None); `kwargs` given the stream and the prefill step."""
+    if runtime is not None:
+        runtime.check_open("stream_generate")
+    draft = _draft(runtime, kwargs.pop("draft_model", None), kwargs.get("input_embeddings"))
+    num_draft = kwargs.pop("num_draft_tokens", None)
+    if draft is not None and not _int_in(num_draft if num_draft is not None else 1, 0, 1 << 10):
+        raise MlxmoeError(f"num_draft_tokens {num_draft!r}: tokens drafted a step, an integer from 0 to 1024")
+    if num_draft == 0:  # (no drafts: one token a step)
+        draft = None
+    if draft is not None:
+        kwargs.pop("input_embeddings", None)  # (None: _draft refuses others)
+    if kwargs.get("input_embeddings") is None:
+        prompt = prompt_tokens(model, tokenizer, prompt)
+        if runtime is not None:
+            max_tokens = _within_context(runtime.plan, len(prompt), kwargs.get("prompt_cache"), max_tokens)
+    if runtime is not None and "stream" not in kwargs:
+        kwargs["stream"] = generation_stream(runtime.backend)
+    if "prefill_step_size" not in kwargs:
+        kwargs["prefill_step_size"] = prefill_step(None if runtime is None else runtime.plan, tokenizer, prompt,
+                                                   kwargs.get("prompt_cache"))
+    return prompt, max_tokens, draft, num_draft
+
+
+def _next_response(steps, holder, runtime, cache, count):
+    """The generation's next response from `steps`, None at its end: refused where the stream
+    was revoked (left unread too long), counted, the cache resized between two tokens, a
+    failure on another rank raised here."""
+    with _lock_guard:
+        if holder.revoked:
+            raise MlxmoeError("this stream was left unread for MLXMOE_STREAM_TIMEOUT seconds while another "
+                              "thread waited for the model, which went to it: start a new generation")
+        holder.idle_since = None
+    group = None if runtime is None else runtime.group
+    with distributed.waiting(group, "generating a token"):  # a step waits on the other stages
+        response = next(steps, None)
+        if response is None:
+            return None
+        if cache is not None:
+            cache.counters.decode_tps = response.generation_tps
+            runtime.resizer.apply_pending()  # between two tokens (governor.py)
+        if count is not None:
+            count(response)
+        if group is not None and distributed.failed_any(group, runtime.error):
+            distributed.check(group, runtime.error, bound=False)
+    return response
+
+
+def _end_generation(cache, group):
+    """A generation read to its end: the host work the resident path left for later done
+    (see experts.ResidentCalls), the ranks met."""
+    if cache is not None:
+        cache.flush()
+    if group is not None:
+        with distributed.waiting(group, "ending a generation"):
+            distributed.barrier(group)
+
+
+def _release_model(model, lock, holder, cache, speculator):
+    """stream_generate's end, on every way out: the model given back (its lock, its owner) unless
+    the stream was revoked (the model is another generation's then); a generation closed early
+    has the host work it left done first; `speculator` (where it ran ahead) loses its next token."""
+    with _lock_guard:
+        holder.idle_since = None  # (not revoked from here on)
+    if not holder.revoked:  # (revoked: the model is another generation's now; nothing of it is ours)
+        try:
+            if cache is not None and cache.deferred:  # closed early: its arrays are this thread's
+                cache.flush()
+        finally:
+            if speculator is not None:
+                speculator.next_token = None
+            model._mlxmoe_generation_owner = None
+            model._mlxmoe_generation = None
+            lock.release()
 
 
 def _draft(runtime, draft, embeddings):

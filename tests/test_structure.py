@@ -115,3 +115,16 @@ def test_the_demo_builder_is_not_a_benchmark():
     sources, not among the benchmarks in bench/."""
     root = PACKAGE.parent
     assert (root / "demo" / "train_demo.py").exists() and not (root / "bench" / "train_demo.py").exists()
+
+
+def test_functions_and_classes_a_reader_can_hold():
+    """The size rule (issue 42): no function in the package over 60 lines, no class over 250,
+    from `def`/`class` to the last line, docstring included."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = 250 if isinstance(node, ast.ClassDef) else 60
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+                    node.end_lineno - node.lineno + 1 > limit:
+                too_long.append(f"{path.relative_to(PACKAGE)}: {node.name} {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long, too_long
