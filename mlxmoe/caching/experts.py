@@ -494,18 +494,20 @@ class StreamingExperts(nn.Module):
 
     def _resident(self, x, indices, table):
         """Every expert is resident (they stay put then): slots from the cache's table on
-        the device, and the host work (hits, live profile, trace; no policy: nothing will be
-        evicted) done once this token's routing has been computed anyway (see
-        ResidentCalls), so the layer forces no sync and decoding runs as stock mlx-lm does.
-        A tapped router's probabilities come from its logits on the host (host_probs): no
-        op beside the model's own; another router's are computed beside the model."""
+        the device, the host work (hits, live profile, trace; no policy) done once this
+        token's routing is computed anyway (ResidentCalls): no sync. A decode step's output
+        is queued at once: the device starts on this layer while the host builds the next.
+        A tapped router's probabilities come from its logits on the host (host_probs)."""
         logits = self._logits()
         probs = self._probs(x) if logits is None else None
         work = ResidentCalls.defer(self._cache, self._layer)
         work.calls.append((self, indices, logits, probs))
         if probs is not None:
             work.side.append(probs)
-        return self._inner(x, table[self._layer][indices])
+        out = self._inner(x, table[self._layer][indices])
+        if x.size == x.shape[-1] and self._runtime is not None and self._runtime.group is None:
+            mx.async_eval(out)
+        return out
 
     def _record(self, rows: np.ndarray, probs: np.ndarray | None) -> LayerCall:
         """The LayerCall of a layer call's `rows`."""
