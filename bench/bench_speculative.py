@@ -84,6 +84,32 @@ def run(args, config):
     return {r["task"]: r for r in map(json.loads, proc.stdout.splitlines())}
 
 
+def step_costs(model_path, sizes=(1, 2, 4, 6)):
+    """Stock mlx-lm's forward of T tokens over a 200-token KV cache, each size timed 30 times
+    (medians, ms): what a step verifying T - 1 drafts costs against a one-token step."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxmoe.backend import detect
+
+    model, _ = mlx_lm.load(model_path)
+    detect().apply_dtype_policy(model)
+    kv = make_prompt_cache(model)
+    mx.eval(model(mx.array([list(range(1, 200))]), cache=kv))
+    costs = {}
+    for t in sizes:
+        times = []
+        for _ in range(30):
+            tic = time.perf_counter()
+            mx.eval(model(mx.array([[5] * t]), cache=kv))
+            times.append(time.perf_counter() - tic)
+            for c in kv:
+                c.trim(t)
+        costs[t] = 1000 * statistics.median(times)
+    return costs
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="Default: the bundled demo model.")
@@ -93,6 +119,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="Rounds, the configurations alternated in each.")
     ap.add_argument("--cache-experts", type=int, help="Expert cache size (0: every expert; default: half).")
     ap.add_argument("--num-draft", type=int, help="Tokens drafted a step (default: mlxmoe's, 3 / 5).")
+    ap.add_argument("--step-costs", action="store_true",
+                    help="Only time stock mlx-lm's forward of 1, 2, 4 and 6 tokens (a verify step's cost).")
     ap.add_argument("--worker", choices=CONFIGS, dest="config", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
@@ -106,6 +134,11 @@ def main():
         args.cache_experts = info["moe_layers"] * info["experts_per_layer"] // 2
     if args.config:
         return worker(args)
+    if args.step_costs:
+        costs = step_costs(args.model)
+        print("stock mlx-lm, a forward of T tokens: " + ", ".join(
+            f"T={t} {ms:.1f} ms ({ms / costs[1]:.2f}x T=1)" for t, ms in costs.items()))
+        return
     results = {c: [] for c in CONFIGS}
     for _ in range(args.rounds):
         for config in CONFIGS:
