@@ -75,10 +75,15 @@ def load_round(server, clients, requests, pool, max_tokens):
     return rps, tps, counted.tokens
 
 
-def throughput(args, pool, clients_list):
+def throughput(args, pool, clients_list, budget=None):
+    """req/s and tok/s per request: every expert resident against mlx_lm.server, or at the
+    memory `budget` (no mlx_lm.server: it holds every expert), batched and one at a time."""
     mlxmoe = [sys.executable, "-m", "mlxmoe", "serve", "--model", args.model, "--prompt-cache-size", "0"]
-    servers = {"mlx_lm": Server([sys.executable, "-m", "mlx_lm", "server", "--model", args.model,
-                                 "--prompt-cache-size", "0", "--decode-concurrency", "16"])}
+    if budget is None:
+        servers = {"mlx_lm": Server([sys.executable, "-m", "mlx_lm", "server", "--model", args.model,
+                                     "--prompt-cache-size", "0", "--decode-concurrency", "16"])}
+    else:
+        servers, mlxmoe = {}, mlxmoe + ["--memory-budget", budget]
     servers["batched"] = Server(mlxmoe + ["--max-batch", "16"])
     servers["one"] = Server(mlxmoe + ["--max-batch", "1"])
     rows = []
@@ -95,14 +100,15 @@ def throughput(args, pool, clients_list):
             for name, results in runs.items():
                 row[f"{name}_rps"] = statistics.median(rps for rps, _, _ in results)
                 row[f"{name}_tps"] = statistics.median(t for _, ts, _ in results for t in ts)
-            row["vs_mlx_lm"] = row["batched_rps"] / row["mlx_lm_rps"]
+            row["vs_mlx_lm"] = row["batched_rps"] / row["mlx_lm_rps"] if "mlx_lm_rps" in row else None
             row["vs_one"] = row["batched_rps"] / row["one_rps"]
             rows.append(row)
-            print(f"{clients:>2} clients: req/s batched {row['batched_rps']:.2f}, "
-                  f"mlx_lm.server {row['mlx_lm_rps']:.2f}, "
-                  f"--max-batch 1 {row['one_rps']:.2f} (batched/mlx_lm {row['vs_mlx_lm']:.2f}x, batched/one "
-                  f"{row['vs_one']:.2f}x); tok/s per request {row['batched_tps']:.1f}, {row['mlx_lm_tps']:.1f}, "
-                  f"{row['one_tps']:.1f}", flush=True)
+            at = f" at {budget}" if budget else ""
+            stock = f"mlx_lm.server {row['mlx_lm_rps']:.2f}, " if budget is None else ""
+            versus = f"batched/mlx_lm {row['vs_mlx_lm']:.2f}x, " if budget is None else ""
+            print(f"{clients:>2} clients{at}: req/s batched {row['batched_rps']:.2f}, {stock}--max-batch 1 "
+                  f"{row['one_rps']:.2f} ({versus}batched/one {row['vs_one']:.2f}x); tok/s per request batched "
+                  f"{row['batched_tps']:.1f}, one {row['one_tps']:.1f}", flush=True)
     finally:
         for s in servers.values():
             s.stop()
@@ -142,12 +148,15 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--partial-budget", default="46MB", help="the partial cache's --memory-budget (reads per token)")
+    ap.add_argument("--partial-throughput", action="store_true",
+                    help="Throughput at --partial-budget instead (batched against --max-batch 1), and its reads.")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "batch.json"))
     args = ap.parse_args()
     check_outputs({"--out": args.out}, {"--model": model_folder(args.model)})
     clients = [int(c) for c in args.clients.split(",")]
     pool = [p for lang in ("en", "it", "de", "fr", "es") for p in prompts(lang, 8, max_chars=200)]
-    results = {"args": vars(args), "throughput": throughput(args, pool, clients),
+    budget = args.partial_budget if args.partial_throughput else None
+    results = {"args": vars(args), "throughput": throughput(args, pool, clients, budget),
                "reads": reads_per_token(args, pool, clients)}
     write_json(args.out, results)
     print(f"wrote {args.out}")
