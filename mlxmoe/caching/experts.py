@@ -65,11 +65,20 @@ def observe_calls(cache, calls, rows, tokens=1, dists=None) -> None:
                                     tokens if layer == 0 else 0))
     elif calls:
         layers = [c[0] for c in calls]
-        with cache.lock:
-            if layers[0] == 0:
-                profile.tick(tokens)
-            profile.counts[np.repeat(layers, [len(c[1]) for c in calls]), np.concatenate([c[1] for c in calls])] += 1.0
-            profile.mass[layers] += np.stack([c[3] for c in calls])
+        learn_step(cache, layers, np.repeat(layers, [len(c[1]) for c in calls]), np.concatenate([c[1] for c in calls]),
+                   np.stack([c[3] for c in calls]), tokens)
+
+
+def learn_step(cache, layers, at_layers, experts, mass, tokens=1) -> None:
+    """The live profile (the cache's only observer) learns a decode step's layer calls at
+    once: each distinct expert `experts[i]` of layer `at_layers[i]` counted, the router's
+    distribution of each of `layers` added to its mass, the step's tokens at the first layer."""
+    profile = cache.profile
+    with cache.lock:
+        if layers[0] == 0:
+            profile.tick(tokens)
+        profile.counts[at_layers, experts] += 1.0
+        profile.mass[layers] += mass
 
 
 def _tapped(cls):
@@ -221,15 +230,10 @@ class ResidentCalls:
         if layers[0] == 0:
             cache.tick(1)
         cache.counters.hits += int((np.diff(np.sort(rows, axis=1), axis=1) != 0).sum()) + len(rows)  # distinct
-        profile = cache.profile
-        if cache.observers or profile is None:
+        if cache.observers or cache.profile is None:
             observe_calls(cache, [step_call(m, r, p) for m, r, p in zip(layers, rows, probs)], list(rows))
-            return
-        with cache.lock:
-            if layers[0] == 0:
-                profile.tick(1)
-            profile.counts[np.array(layers)[:, None], rows] += 1.0
-            profile.mass[layers] += probs
+        else:  # (a row's repeated expert, if any, counted once: as its distinct experts)
+            learn_step(cache, layers, np.array(layers)[:, None], rows, probs)
 
 
 class StepRouting:
