@@ -407,10 +407,11 @@ def notice(seconds, line):
 
 @contextlib.contextmanager
 def said_if_slow(line, seconds=2.0):
-    """notice(seconds, line) for a with block: `line` (what it does) said once it takes that long."""
+    """notice(seconds, line) for a with block: `line` (what it does) said once it takes that
+    long; the block gets the timer (cancel() it once the block shows progress of its own)."""
     timer = notice(seconds, lambda: line)
     try:
-        yield
+        yield timer
     finally:
         timer.cancel()
 
@@ -1649,8 +1650,7 @@ def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force
                        f"belady {100 * r['belady_hit_rate']:.2f}%")
 
     # until the first policy's line: a long trace takes a while to read, then each policy to replay
-    waiting = notice(2.0, lambda: f"reading {trace_file} and replaying it, a line per policy as each ends...")
-    try:
+    with said_if_slow(f"reading {trace_file} and replaying it, a line per policy as each ends...") as waiting:
         header, records = read_trace(trace_file)
         prior = None
         if profile_path:
@@ -1658,8 +1658,6 @@ def trace_replay(trace_file, policy, cache_experts, as_json, profile_path, force
             prior.check_model(trace_fingerprint(header), header["num_layers"], header["num_experts"], force,
                               profile_path)
         replay_all(header, records, names, cache_experts, prior, done=show)
-    finally:
-        waiting.cancel()
 
 
 @trace.command("import")
@@ -1701,17 +1699,13 @@ def trace_import(fmt, src, out, only, num_layers, num_experts, top_k, model_name
     check_outputs({"--out": out}, {"SRC": src})
     wanted = [x.strip() for x in only.split(",") if x.strip()] if only else None
 
-    reading = notice(2.0, lambda: f"reading {src}...")
+    with said_if_slow(f"reading {src}...") as reading:
+        def writing(sequences):  # the second stage, a bar (a line off a terminal): the source is read
+            reading.cancel()
+            return click.progressbar(sequences, label=f"writing {out}", file=sys.stderr)
 
-    def writing(sequences):  # the second stage, a bar (a line off a terminal): the source is read
-        reading.cancel()
-        return click.progressbar(sequences, label=f"writing {out}", file=sys.stderr)
-
-    try:
         summary, warnings = import_trace(fmt, src, out, wanted, num_layers, num_experts, top_k, model_name,
                                          progress=writing)
-    finally:
-        reading.cancel()
     for w in warnings:
         click.echo(f"warning: {w}", err=True)
     n = summary["sequences"]
