@@ -33,6 +33,13 @@ class OpenBar(ReadBar):
         return 0.0
 
 
+def read_every_guess(prefetcher):
+    """Every router guess loaded (random weights guess badly), however the machine's load
+    times reads and layers (the bar's pacing is still measured, not obeyed)."""
+    prefetcher.confidence = 0.0
+    prefetcher.bar.__class__ = OpenBar
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_prefetch_keeps_output_and_loads_ahead(checkpoint, arch):
     # (here and in the tests of the per-layer path's prefetcher and running ahead: verify=False,
@@ -42,8 +49,7 @@ def test_prefetch_keeps_output_and_loads_ahead(checkpoint, arch):
     for depth in (1, 2):
         model, tokenizer = mlxmoe.load(str(path), cache_experts=8, prefetch=depth, verify=False)
         pf = model.expert_cache.prefetcher
-        pf.confidence = 0.0  # load every router guess: random weights guess badly
-        pf.bar.__class__ = OpenBar  # (and however the machine's load times reads and layers)
+        read_every_guess(pf)
         assert tokens(model, tokenizer) == want
         pf.drain()
         s = model.expert_cache.stats()
@@ -148,8 +154,7 @@ def test_cross_token_prefetch_loads_the_first_layer(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     cache = model.expert_cache
-    cache.prefetcher.confidence = 0.0
-    cache.prefetcher.bar.__class__ = OpenBar  # however the machine's load times reads and layers
+    read_every_guess(cache.prefetcher)
     read, layers, lock = cache.store.read_expert, [], threading.Lock()
 
     def logged_read(layer, expert, outs, **kw):
@@ -221,8 +226,7 @@ def test_prefetch_with_a_policy_without_estimates_keeps_output(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     want = reference(path)
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8, policy="lru")
-    model.expert_cache.prefetcher.confidence = 0.0
-    model.expert_cache.prefetcher.bar.__class__ = OpenBar
+    read_every_guess(model.expert_cache.prefetcher)
     assert tokens(model, tokenizer) == want
     model.expert_cache.prefetcher.drain()
     assert model.expert_cache.stats()["loads_prefetched"] > 0
@@ -262,8 +266,7 @@ def test_background_reads_are_timed_for_pacing(checkpoint):
     demand_only = cache.stats()["disk_busy_seconds"]
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     cache = model.expert_cache
-    cache.prefetcher.confidence = 0.0
-    cache.prefetcher.bar.__class__ = OpenBar  # the bar's pacing is still measured, not obeyed
+    read_every_guess(cache.prefetcher)
     read = cache.store.read_expert
     busy = []
 
@@ -615,8 +618,7 @@ def test_tokens_identical_where_reads_are_slow(checkpoint):
     want = reference(path, 12)
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8)
     cache = model.expert_cache
-    cache.prefetcher.confidence = 0.0
-    cache.prefetcher.bar.__class__ = OpenBar
+    read_every_guess(cache.prefetcher)
     store = cache.store
     slow_reads(store, 0.003)
     assert tokens(model, tokenizer, 12) == want
