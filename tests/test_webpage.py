@@ -280,6 +280,17 @@ def test_page_chats_and_shows_the_cache_live(server, tmp_path, capsys):
         latest = residency(server)
         browser.wait_for(f"last.res.version >= {latest['version']}", 10)  # (later: a read landed since)
 
+        # a resize (the governor's, or asked as here) shows in the numbers and the map at the next refresh
+        plan = latest["plan"]
+        status, _, done = server.json("POST", "/v1/mlxmoe/cache",
+                                      {"memory_budget": plan["budget"] - plan["expert_cache"] // 2})
+        assert status == 200 and done["applied"] and done["to"] < done["from"], done
+        shrunk = drawn(browser, server)
+        assert sum(map(len, shrunk["resident"])) <= done["to"] and browser.evaluate(MAP_MISMATCHES) == 0
+        numbers = browser.evaluate("document.getElementById('numbers').textContent")
+        assert f"{done['from']} \u2192 {done['to']} experts: asked by POST /v1/mlxmoe/cache" in numbers, numbers
+        browser.screenshot(tmp_path / "webpage-resized.png")
+
         assert browser.errors() == []
         shown = browser.evaluate("document.getElementById('errors').textContent")
         assert browser.evaluate("document.body.dataset.errors") == "0", shown
