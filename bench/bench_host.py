@@ -6,6 +6,8 @@ affine, group 32) and tiny matrices (hidden 64, moe_intermediate 32, 2 heads / 1
 a 400-token vocabulary): 29 MB, built by synthetic.build_checkpoint (mlx-lm's own classes and
 save functions) on first use. Configurations, each in its own process, alternated over rounds
 (the order reversed every other round): `stock` (mlx_lm.load + mlx_lm.stream_generate),
+`stock-layerwait` (stock, each MoE layer reading its routing on the host before its experts
+compute, as any runtime must at a layer that misses: the floor of a wait per layer),
 `resident` (mlxmoe.load holding every expert, all read before the timing), `hit99`, `hit95`,
 `hit90` (mlxmoe with the cache whose warm decode hit rate is about 99, 95, 90 %: sizes found by
 a calibration run, kept beside --output), `cacheN` (N experts). Each process warms
@@ -72,6 +74,7 @@ SHAPES = {"num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
           "moe_intermediate_size": 32, "intermediate_size": 128, "num_attention_heads": 2,
           "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 4096}
 HIT_TARGETS = {"hit99": 0.99, "hit95": 0.95, "hit90": 0.90}
+STOCKS = ("stock", "stock-layerwait")  # stock mlx-lm configurations (no cache)
 
 
 # ---------------------------------------------------------------- the emulated round trip (child)
@@ -210,6 +213,8 @@ def open_model(args):
         import mlx_lm
 
         model, tokenizer = mlx_lm.load(str(args.checkpoint))
+        if args.one == "stock-layerwait":
+            wait_per_layer(model)
         return model, tokenizer, mlx_lm.stream_generate, None
     import mlxmoe
 
@@ -219,6 +224,22 @@ def open_model(args):
     if args.slots >= SHAPES["num_hidden_layers"] * SHAPES["num_experts"] and hasattr(cache, "prewarm_done"):
         cache.prewarm_done(timeout=args.timeout)  # every expert read in the background before the timing
     return model, tokenizer, mlxmoe.stream_generate, cache
+
+
+def wait_per_layer(model):
+    """Stock's experts, each MoE layer's after its routing was evaluated (mx.eval looked up at
+    the call: the emulated round trip applies)."""
+    import mlx.core as mx
+
+    for layer in model.layers:
+        experts = layer.mlp.switch_mlp
+        cls = type(experts)
+
+        def call(self, x, indices, cls=cls):
+            mx.eval(indices)
+            return cls.__call__(self, x, indices)
+
+        experts.__class__ = type(f"Waiting{cls.__name__}", (cls,), {"__call__": call})
 
 
 def run_config(args):
@@ -358,8 +379,8 @@ def parse_configs(args):
         config, _, variant = name.partition(":")
         if variant and variant not in variants:
             raise SystemExit(f"{name}: no --variant {variant}=JSON")
-        ok = config in ("stock", "resident", *HIT_TARGETS) or config.startswith("cache") and config[5:].isdigit()
-        if not ok or config == "stock" and variant:
+        ok = config in (*STOCKS, "resident", *HIT_TARGETS) or config.startswith("cache") and config[5:].isdigit()
+        if not ok or config in STOCKS and variant:
             raise SystemExit(f"unknown configuration {name!r}")
         out.append((name, config, json.dumps({**base, **json.loads(variants.get(variant, "{}"))})))
     return out
@@ -400,10 +421,10 @@ def report(args, configs, sizes, results, rtts):
                 rows.append([name, f"{rtt:g}"] + ["-"] * 8 + ["FAILED"])
                 continue
             s = stock[rtt]
-            slots = None if config == "stock" else total if config == "resident" else sizes[config]
+            slots = None if config in STOCKS else total if config == "resident" else sizes[config]
             same = None if ref is None else all(t == ref for t in p["tokens"])
             line = {"config": name, "rtt_us": rtt, "cache_experts": slots, "cache_share": slots and slots / total,
-                    "load_kwargs": None if config == "stock" else json.loads(kwargs),
+                    "load_kwargs": None if config in STOCKS else json.loads(kwargs),
                     **{k: v for k, v in p.items() if k != "tokens"},
                     "vs_stock": p["tok_s"] / s["tok_s"] if s and p["tok_s"] and s["tok_s"] else None,
                     "host_vs_stock": p["host_ms_per_token"] / s["host_ms_per_token"] if s else None,
@@ -446,7 +467,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="Built here if missing.")
     parser.add_argument("--configs", default="stock,resident," + ",".join(HIT_TARGETS),
-                        help="Comma-separated: stock, resident, hit99, hit95, hit90, cacheN (N experts); "
+                        help="Comma-separated: stock, stock-layerwait, resident, hit99, hit95, hit90, cacheN (N experts); "
                              "NAME:VARIANT adds --variant VARIANT's load arguments.")
     parser.add_argument("--rtt", default="0,150,1000", help="Emulated round trips, us, comma-separated.")
     parser.add_argument("--tokens", type=int, default=64, help="Greedy tokens per generation.")
@@ -490,7 +511,7 @@ def main():
     for i in range(args.rounds):
         order = configs if i % 2 == 0 else configs[::-1]
         for name, config, kwargs in order:
-            slots = None if config == "stock" else total if config == "resident" else sizes[config]
+            slots = None if config in STOCKS else total if config == "resident" else sizes[config]
             results[name].append(spawn(args, name, kwargs, slots, rtts if i % 2 == 0 else rtts[::-1]))
     load_end = os.getloadavg()
     if not args.json:
