@@ -5,8 +5,10 @@ A decode step of B requests calls the model with inputs [B, 1]: the expert cache
 as it takes a prefill (experts.StreamingExperts._call: the union of the rows' experts is
 fetched once, in groups where it exceeds the cache; the verified step and running ahead act
 on one-token calls on a KVCache or RotatingKVCache only: never on a batch's BatchKVCache).
-Prompts are prefilled one request at a time (prefill batch 1: the budget's working reserve is
-sized for one prefill, and each prompt's routing is its own).
+Prompts admitted together are prefilled together: P of them in steps of the planned prefill
+step / P tokens each (a step's tokens stay what the budget's working reserve was planned for),
+and of no more than the shortest has left (none is padded); each layer's experts are read once
+for the P prompts.
 
 - Admission by the KV reserve: a request needs its prompt and max_tokens of KV; the batch's
   BatchKVCache holds every row as long as its longest (a row that joins is padded to the
@@ -27,6 +29,8 @@ sized for one prefill, and each prompt's routing is its own).
   (--profile) learns every step's routing as it comes, all requests' together; with
   --profiles requests are not batched (server.py).
 """
+
+import itertools
 
 from mlx_lm import server as mlx_server
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
@@ -119,6 +123,7 @@ class Batches(BatchGenerator):
     def __init__(self, model, *, owner, **kwargs):
         super().__init__(Rows(model, self), **kwargs)
         self.base, self.owner, self.max_batch = model, owner, self.completion_batch_size
+        self.max_prefill, self.step = self.prefill_batch_size, self.prefill_step_size
         self.cache, self.lock, self.held = model.expert_cache, generation_lock(model), False
         self.requests, self.calls, self.last = {}, [], None  # uid -> request; this step's calls
 
@@ -141,6 +146,7 @@ class Batches(BatchGenerator):
             if request.ctx is not None and (request.cancelled or request.client.gone()):
                 request.ctx.stop()  # (mlx-lm's loop removes it at its next response)
         self._admit()
+        self._prefill_chunk()
         if not self.held and self.requests:
             self.lock.acquire()
             self.held, self.last = True, counters(self.cache)
@@ -187,6 +193,22 @@ class Batches(BatchGenerator):
             needs.append(need)
             admitted += 1
         self.completion_batch_size = max(1, len(active) + admitted)
+        # the admitted join the prompt batch now (mlx-lm's _next takes up to prefill_batch_size
+        # less those prefilling)
+        self.prefill_batch_size = max(1, min(self.max_prefill, len(self._prompt_batch) + admitted))
+
+    def _prefill_chunk(self):
+        """The tokens each prompt prefills at the next step: the planned step shared by the
+        prompts that prefill then, and no more than the shortest has left in its segment, so
+        that none is padded (a pad's tokens would be routed, read and learned as the prompt's)."""
+        joining = min(self.prefill_batch_size - len(self._prompt_batch),
+                      self.completion_batch_size - len(self._generation_batch), len(self._unprocessed_sequences))
+        segments = [seq[0] for seq in self._currently_processing]
+        segments += [seq[1] for seq in itertools.islice(self._unprocessed_sequences, max(0, joining))]
+        left = [len(s[0]) for s in segments if not (len(s) == 1 and len(s[0]) == 1)]  # (those: to generation)
+        if left:
+            self.prefill_step_size = max(1, min(self.step // len(left), *left))
+            self._prompt_batch.prefill_step_size = self.prefill_step_size  # (its own loop splits by it)
 
     def _account(self, gen_kv, gen_uids, joined):
         """Share this step's calls' counts by their rows: the generation batch's (as it was),

@@ -991,11 +991,12 @@ class Server(ThreadingHTTPServer):
 def cli_args(model, max_tokens, temp, top_p, prompt_cache_size, num_draft_tokens=3, max_batch=1,
              prefill_step_size=None):
     """The namespace mlx-lm's server reads its settings from, with mlx-lm's defaults; batches of
-    `max_batch` requests decoding, each prompt prefilled alone in steps of `prefill_step_size`."""
+    `max_batch` requests decoding, up to as many prompts prefilled together in steps of
+    `prefill_step_size` tokens in all (batching.Batches)."""
     return argparse.Namespace(
         model=model, adapter_path=None, draft_model=None, num_draft_tokens=num_draft_tokens, trust_remote_code=False,
         chat_template="", use_default_chat_template=False, chat_template_args={}, temp=temp, top_p=top_p, top_k=0,
-        min_p=0.0, max_tokens=max_tokens, allowed_origins=["*"], decode_concurrency=max_batch, prompt_concurrency=1,
+        min_p=0.0, max_tokens=max_tokens, allowed_origins=["*"], decode_concurrency=max_batch, prompt_concurrency=max_batch,
         prefill_step_size=prefill_step_size, prompt_cache_size=prompt_cache_size, prompt_cache_bytes=None, kv_bits=None,
         kv_group_size=64, quantized_kv_start=0, pipeline=False)
 

@@ -12,9 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 from mlx_lm import server as mlx_server
+from mlx_lm.models.cache import BatchKVCache
 
 import mlxmoe
-from mlxmoe import server as mlxmoe_server
+from mlxmoe import batching, server as mlxmoe_server
 from mlxmoe.caching.experts import StreamingExperts
 from mlxmoe.drafting import NGram
 from test_server import PROMPTS, Server
@@ -82,6 +83,14 @@ def test_batched_output_equals_solo_and_stats_add_up(solo, cache, monkeypatch):
             grouped.append(x.shape[0])
         return real(self, x, *args)
     monkeypatch.setattr(StreamingExperts, "_grouped", spy)
+    shapes = []  # the batch's model calls' inputs
+    call = batching.Rows.__call__
+    monkeypatch.setattr(batching.Rows, "__call__", lambda self, inputs, **kw: shapes.append(inputs.shape) or
+                        call(self, inputs, **kw))
+    padded = []  # prefill steps whose prompts were padded (their pads' routing would count)
+    prepare = BatchKVCache.prepare
+    monkeypatch.setattr(BatchKVCache, "prepare", lambda self, *a, right_padding=None, **kw: padded.append(
+        right_padding) if right_padding and max(right_padding) else prepare(self, *a, right_padding=right_padding, **kw))
     try:
         before = served.model.expert_cache.stats()
         got = in_threads(lambda p, n: complete(served, p, n), ASKED)
@@ -92,6 +101,11 @@ def test_batched_output_equals_solo_and_stats_add_up(solo, cache, monkeypatch):
     assert [text for text, _ in got] == solo
     usages = [u for _, u in got]
     assert max(u["batch_largest"] for u in usages) > 1  # they were batched
+    # prompts prefilled together, each step within the planned prefill step's tokens
+    step = served.generator.model_provider.cli_args.prefill_step_size
+    assert any(rows > 1 and tokens > 1 for rows, tokens in shapes), shapes
+    assert all(rows * tokens <= step for rows, tokens in shapes if tokens > 1), (step, shapes)
+    assert not padded, "a prompt was padded to another's length in a batched prefill"
     for key, total in (("expert_hits", "hits"), ("expert_misses", "misses")):
         assert sum(u[key] for u in usages) == after[total] - before[total]
     assert after["hits"] > before["hits"]
