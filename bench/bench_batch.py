@@ -9,6 +9,9 @@
      demo model: the budget holds them all),
    - `one`: mlxmoe serve --max-batch 1,
    rounds alternated between the servers, medians, and the ratios batched/mlx_lm and batched/one;
+   with --partial-throughput, `batched` and `one` at --partial-budget, and beside them stock
+   mlx_lm.server one request at a time (--decode-concurrency 1): stock's own gain from batching
+   on this workload (the prompts' prefill does not batch away: it bounds what batching gives);
 2. as the batch grows, at a partial cache (--memory-budget, the demo's 46MB: 57 of 128
    experts): the distinct experts a step fetched (hits + misses: each layer call counts the
    union of its rows' experts once) and the bytes read, per generated token, from
@@ -77,13 +80,15 @@ def load_round(server, clients, requests, pool, max_tokens):
 
 def throughput(args, pool, clients_list, budget=None):
     """req/s and tok/s per request: every expert resident against mlx_lm.server, or at the
-    memory `budget` (no mlx_lm.server: it holds every expert), batched and one at a time."""
+    memory `budget` against --max-batch 1, with what batching gives stock mlx_lm.server itself
+    on the same workload (every expert resident, --decode-concurrency 16 against 1): the
+    prompts' prefill is not batched away, so it bounds what batching can give."""
     mlxmoe = [sys.executable, "-m", "mlxmoe", "serve", "--model", args.model, "--prompt-cache-size", "0"]
-    if budget is None:
-        servers = {"mlx_lm": Server([sys.executable, "-m", "mlx_lm", "server", "--model", args.model,
-                                     "--prompt-cache-size", "0", "--decode-concurrency", "16"])}
-    else:
-        servers, mlxmoe = {}, mlxmoe + ["--memory-budget", budget]
+    stock = [sys.executable, "-m", "mlx_lm", "server", "--model", args.model, "--prompt-cache-size", "0"]
+    servers = {"mlx_lm": Server(stock + ["--decode-concurrency", "16"])}
+    if budget is not None:
+        servers["mlx_lm_one"] = Server(stock + ["--decode-concurrency", "1"])
+        mlxmoe += ["--memory-budget", budget]
     servers["batched"] = Server(mlxmoe + ["--max-batch", "16"])
     servers["one"] = Server(mlxmoe + ["--max-batch", "1"])
     rows = []
@@ -100,14 +105,17 @@ def throughput(args, pool, clients_list, budget=None):
             for name, results in runs.items():
                 row[f"{name}_rps"] = statistics.median(rps for rps, _, _ in results)
                 row[f"{name}_tps"] = statistics.median(t for _, ts, _ in results for t in ts)
-            row["vs_mlx_lm"] = row["batched_rps"] / row["mlx_lm_rps"] if "mlx_lm_rps" in row else None
+            row["vs_mlx_lm"] = row["batched_rps"] / row["mlx_lm_rps"]
             row["vs_one"] = row["batched_rps"] / row["one_rps"]
+            row["stock_gain"] = row["mlx_lm_rps"] / row["mlx_lm_one_rps"] if budget is not None else None
             rows.append(row)
             at = f" at {budget}" if budget else ""
-            stock = f"mlx_lm.server {row['mlx_lm_rps']:.2f}, " if budget is None else ""
-            versus = f"batched/mlx_lm {row['vs_mlx_lm']:.2f}x, " if budget is None else ""
-            print(f"{clients:>2} clients{at}: req/s batched {row['batched_rps']:.2f}, {stock}--max-batch 1 "
-                  f"{row['one_rps']:.2f} ({versus}batched/one {row['vs_one']:.2f}x); tok/s per request batched "
+            gain = (f"; stock mlx_lm.server batched / one at a time {row['stock_gain']:.2f}x "
+                    f"({row['mlx_lm_rps']:.2f} / {row['mlx_lm_one_rps']:.2f} req/s, every expert resident)"
+                    if budget is not None else "")
+            print(f"{clients:>2} clients{at}: req/s batched {row['batched_rps']:.2f}, mlx_lm.server "
+                  f"{row['mlx_lm_rps']:.2f}, --max-batch 1 {row['one_rps']:.2f} (batched/mlx_lm "
+                  f"{row['vs_mlx_lm']:.2f}x, batched/one {row['vs_one']:.2f}x){gain}; tok/s per request batched "
                   f"{row['batched_tps']:.1f}, one {row['one_tps']:.1f}", flush=True)
     finally:
         for s in servers.values():
