@@ -3,8 +3,9 @@ driven by mlx-lm's own server loop (mlx_lm/server.py ResponseGenerator._generate
 
 A decode step of B requests calls the model with inputs [B, 1]: the expert cache takes it
 as it takes a prefill (experts.StreamingExperts._call: the union of the rows' experts is
-fetched once, in groups where it exceeds the cache; the verified step and running ahead act
-on one-token calls on a KVCache or RotatingKVCache only: never on a batch's BatchKVCache).
+fetched once, in groups where it exceeds the cache). A batch of one request decodes as a
+request alone does (the verified step takes a BatchKVCache of one row: caching/verify.py);
+running ahead acts on a KVCache or RotatingKVCache only.
 Prompts admitted together are prefilled together: P of them in steps of the planned prefill
 step / P tokens each (a step's tokens stay what the budget's working reserve was planned for),
 and of no more than the shortest has left (none is padded); each layer's experts are read once

@@ -118,6 +118,26 @@ def test_batched_output_equals_solo_and_stats_add_up(solo, cache, monkeypatch):
         assert grouped, "no batched decode step was fetched in groups"
 
 
+def test_a_request_alone_in_the_batch_takes_verified_steps(solo):
+    """One client of a batching server at a partial cache: its decode steps (a batch of one
+    row, on a BatchKVCache) are verified as a request's alone are, misses replayed (the
+    switch that weighs replays against waits kept on), with its solo answer."""
+    served = start(8, memory_budget="46MB")
+    served.model.expert_cache.verifier.switch.weigh = lambda *a: False
+    try:
+        before = served.model.expert_cache.stats()
+        text, usage = complete(served, *ASKED[5])
+        idle(served)
+        after = served.model.expert_cache.stats()
+    finally:
+        served.stop()
+    assert text == solo[5] and usage["batch_largest"] == 1
+    assert after["misses"] > before["misses"]  # (a partial cache: the per-layer path would wait)
+    # every decode step (the model calls but the prompt's one) verified
+    assert after["verified_tokens"] - before["verified_tokens"] == usage["batch_steps"] - 1 >= 4
+    assert after["replays"] > before["replays"]
+
+
 def test_requests_wait_for_the_kv_reserve(solo):
     """A 600-token context holds two of these requests' KV, not three (rows x their longest
     need, in BatchKVCache's steps of 256 tokens)."""

@@ -26,7 +26,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_probs
 from .experts import observe_calls, resident_table, step_call
@@ -38,7 +38,9 @@ from .prefetch import decayed
 # frequent pays for a try ever more rarely)
 WEIGH_TOKENS, FIRST_WEIGH = 16, 2
 OFF_STEPS, MOST_OFF_STEPS = 32, 1024
-KV_TYPES = (KVCache, RotatingKVCache)
+# (a BatchKVCache of one row: a batch of one request in `serve`; trim() takes its token back as
+# KVCache's does)
+KV_TYPES = (KVCache, RotatingKVCache, BatchKVCache)
 # the most tokens a verified step takes: a decode step's one, or a speculative step's draft
 # and the token before it; a prompt's longer steps go layer by layer (each reads its union once)
 MAX_TOKENS = 16
@@ -261,6 +263,9 @@ class Verifier:
         self.calls.clear()
         replayed, replays = 0, 0
         tic, read = time.perf_counter(), cache.counters.read_seconds
+        batched = [c for c in kv if isinstance(c, BatchKVCache)]
+        for c in batched:
+            c.make_mask = _first_mask(c.make_mask)
         try:
             while True:
                 try:
@@ -279,6 +284,8 @@ class Verifier:
                 for layer in [m for m in self.calls if m >= missed]:
                     del self.calls[layer]
         finally:
+            for c in batched:
+                del c.make_mask
             self.forward = False
             self.outputs.clear()
             self.calls.clear()
@@ -409,6 +416,20 @@ class Verifier:
         cache.counters.read_seconds += time.perf_counter() - tic
         if self.tables.version != cache.version:
             self.tables.build()
+
+
+def _first_mask(make_mask):
+    """A BatchKVCache's make_mask that gives a replay the mask the forward's first pass got:
+    a replay finds the caches of the layers before the missed one holding the token already
+    (a KVCache needs no mask for one token)."""
+    made = {}
+
+    def first(*args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in made:
+            made[key] = make_mask(*args, **kwargs)
+        return made[key]
+    return first
 
 
 def _wrap(module, through):
