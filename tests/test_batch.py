@@ -10,12 +10,13 @@ import socket
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from mlx_lm import server as mlx_server
 
 import mlxmoe
 from mlxmoe import server as mlxmoe_server
-from mlxmoe.caching.experts import StreamingExperts
+from mlxmoe.caching.experts import StreamingExperts, row_counts
 from mlxmoe.drafting import NGram
 from test_server import PROMPTS, Server
 from test_threads import in_threads
@@ -102,6 +103,18 @@ def test_batched_output_equals_solo_and_stats_add_up(solo, cache, monkeypatch):
         assert after["bytes_read"] > before["bytes_read"]
     if cache == "below-union":
         assert grouped, "no batched decode step was fetched in groups"
+
+
+def test_row_counts_split_a_layer_call_by_sequence():
+    """Two sequences of two tokens, top-2: each sequence's distinct experts counted once; the
+    600 bytes of the 2 experts read (300 each) shared by the sequences that routed to each."""
+    rows = [[0, 1], [1, 2],  # sequence 0: experts 0, 1, 2
+            [2, 3], [2, 3]]  # sequence 1: experts 2, 3
+    got = row_counts(np.array(rows), 2, missed=[2, 3], nbytes=600)
+    # expert 2 (300 bytes) read for both: 150 each; expert 3 (300) for sequence 1 alone
+    assert got.tolist() == [[2, 1, 150], [0, 2, 450]]
+    odd = row_counts(np.array(rows), 2, missed=[2], nbytes=301)  # the remainder to the first
+    assert odd[:, 2].tolist() == [151, 150] and odd[:, :2].tolist() == [[2, 1], [1, 1]]
 
 
 def test_requests_wait_for_the_kv_reserve(solo):
