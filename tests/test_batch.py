@@ -1,13 +1,16 @@
 """`serve --max-batch N`: concurrent requests decoded in batches through the expert cache
 (mlxmoe/batching.py). Each request's greedy output equals its solo answer at every cache
 size (every expert resident, a partial cache, a cache smaller than the union of a batch's
-experts, fetched in groups); per-request stats add up to the cache's; requests wait for the
+experts, fetched in groups); per-request stats are each request's own and add up to the
+cache's; with --profiles each request's profile learns its own routing; requests wait for the
 KV reserve; a client leaving frees its slot; the budget holds with 16 clients. Servers bind
 127.0.0.1 on a free port; every wait is bounded."""
 
 import json
 import socket
+import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,9 +19,11 @@ from mlx_lm import server as mlx_server
 
 import mlxmoe
 from mlxmoe import server as mlxmoe_server
-from mlxmoe.caching.experts import StreamingExperts, row_counts
+from mlxmoe.batching import CallRows, Share
+from mlxmoe.caching.experts import LayerCall, StreamingExperts, row_counts
 from mlxmoe.drafting import NGram
-from test_server import PROMPTS, Server
+from mlxmoe.workload.profile import ActivationProfile
+from test_server import PROMPTS, Server, copy_profiles
 from test_threads import in_threads
 
 openai = pytest.importorskip("openai")
@@ -39,13 +44,16 @@ def solo():
         model.expert_cache.close()
 
 
-def start(max_batch, **load):
+def start(max_batch, profiles=None, **load):
     """An in-process server of the demo model loaded with `load` (no prefetcher: every read
-    is one a request's step made), batching up to `max_batch` requests."""
+    is one a request's step made), batching up to `max_batch` requests; with the stored
+    `profiles` (a folder) matched per request."""
     model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, prefetch=0, **load)
     assert model.expert_cache.prewarm_done(60)  # (its reads are no request's)
     stock = mlx_server.stream_generate, mlx_server.BatchGenerator
-    generator = mlxmoe_server.response_generator(model, tokenizer, "demo", max_batch=max_batch)
+    if profiles is not None:
+        profiles = mlxmoe_server.Profiles(Path(profiles).glob("*.json"), model.expert_runtime.checkpoint)
+    generator = mlxmoe_server.response_generator(model, tokenizer, "demo", max_batch=max_batch, profiles=profiles)
     httpd = mlxmoe_server.http_server(generator, "127.0.0.1", 0)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_port}/v1", api_key="none", timeout=60,
                            max_retries=0)
@@ -64,6 +72,15 @@ def complete(served, prompt, max_tokens):
     return r.choices[0].text, r.usage.model_extra["mlxmoe"]
 
 
+def together(served, asked):
+    """Complete `asked` [(prompt, max_tokens)] at once, sent while the model's generation lock is
+    held (a second): the first waits for it, and the others are in by the time it starts."""
+    lock = mlxmoe.api.generation_lock(served.model)
+    lock.acquire()
+    threading.Timer(1.0, lock.release).start()
+    return in_threads(lambda p, n: complete(served, p, n), asked)
+
+
 def idle(served, seconds=30):
     """Wait until the batch has emptied (the model's generation lock is free again)."""
     lock, tic = mlxmoe.api.generation_lock(served.model), time.monotonic()
@@ -73,7 +90,15 @@ def idle(served, seconds=30):
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
-def test_batched_output_equals_solo_and_stats_add_up(solo, cache, monkeypatch):
+def test_batched_output_equals_solo_and_stats_are_each_requests_own(solo, cache, monkeypatch):
+    """Each request's hits + misses are those of its own routing: what it counts served alone
+    (the same greedy tokens, so the same experts per token; only which were resident differs);
+    the requests' hits, misses and bytes add up to the cache's."""
+    alone = start(1, **CACHES[cache])
+    try:
+        each = [complete(alone, p, n)[1] for p, n in ASKED]
+    finally:
+        alone.stop()
     served = start(8, **CACHES[cache])
     grouped = []  # batched decode steps whose experts did not fit the cache at once
     real = StreamingExperts._grouped
@@ -92,7 +117,9 @@ def test_batched_output_equals_solo_and_stats_add_up(solo, cache, monkeypatch):
         served.stop()
     assert [text for text, _ in got] == solo
     usages = [u for _, u in got]
-    assert max(u["batch_largest"] for u in usages) > 1  # they were batched
+    assert sum(u["batch_largest"] > 1 for u in usages) > 1  # they were batched
+    assert [u["expert_hits"] + u["expert_misses"] for u in usages] == \
+        [u["expert_hits"] + u["expert_misses"] for u in each]
     for key, total in (("expert_hits", "hits"), ("expert_misses", "misses")):
         assert sum(u[key] for u in usages) == after[total] - before[total]
     assert after["hits"] > before["hits"]
@@ -115,6 +142,58 @@ def test_row_counts_split_a_layer_call_by_sequence():
     assert got.tolist() == [[2, 1, 150], [0, 2, 450]]
     odd = row_counts(np.array(rows), 2, missed=[2], nbytes=301)  # the remainder to the first
     assert odd[:, 2].tolist() == [151, 150] and odd[:, :2].tolist() == [[2, 1], [1, 1]]
+
+
+def test_call_rows_wait_for_their_requests():
+    """A model call whose rows' requests are known only after the step (those joining the
+    generation): what its layer calls counted and learnt waits, then goes to each row's request."""
+    batches = SimpleNamespace(cache=SimpleNamespace(lock=threading.RLock()), counted=np.zeros(3, dtype=np.int64))
+    rows = CallRows(batches, 2)
+    rows.count(np.array([[3, 1, 100], [2, 2, 200]]))
+    call = LayerCall(0, 0, np.array([[0, 1], [2, 3]]), None, 2, [0, 1, 2, 3], None, None, 2)
+    rows.learn(call)
+    first, second = (SimpleNamespace(share=Share(8, ActivationProfile(1, 4, 2, half_life=0))) for _ in range(2))
+    assert batches.counted.tolist() == [5, 3, 300]  # (counted as the cache's counters changed)
+    rows.bind([first, second])
+    assert first.share.counts[:3] == [3, 1, 100] and second.share.counts[:3] == [2, 2, 200]
+    assert first.share.observed.counts.tolist() == [[1, 1, 0, 0]] and first.share.observed.tokens == 1
+    assert second.share.observed.counts.tolist() == [[0, 0, 1, 1]] and second.share.observed.tokens == 1
+    rows.count(np.array([[1, 0, 0], [0, 1, 0]]))  # bound: at once
+    assert first.share.counts[:3] == [4, 1, 100] and second.share.counts[:3] == [2, 3, 200]
+
+
+def test_profiles_per_request_in_a_batch(tmp_path):
+    """With --profiles requests are batched, and each one's profile learns exactly what it
+    learns from that request served alone: its own routing, not the batch's."""
+    asked = [("Il gatto è sul tavolo e la lingua italiana", 24), ("The cat sat on the kernel option", 24)]
+    def fresh(name):  # a fresh copy of the stored profiles
+        (tmp_path / name).mkdir()
+        return copy_profiles(tmp_path / name)
+
+    alone = []
+    for prompt, n in asked:
+        served = start(1, fresh(f"alone{len(alone)}"), memory_budget="46MB")
+        try:
+            text, usage = complete(served, prompt, n)
+            alone.append((text, usage, served.generator.profiles.by_name))
+        finally:
+            served.stop()
+    names = [usage["profile"] for _, usage, _ in alone]
+    assert sorted(names) == ["english", "italian"]  # they take different profiles
+    served = start(8, fresh("batch"), memory_budget="46MB")
+    try:
+        got = together(served, asked)
+        idle(served)
+        learnt = served.generator.profiles.by_name
+    finally:
+        served.stop()
+    assert all(usage["batch_largest"] == 2 for _, usage in got), got  # batched together
+    assert [text for text, _ in got] == [text for text, _, _ in alone]
+    assert [usage["profile"] for _, usage in got] == names
+    for name, (_, usage, profiles) in zip(names, alone):
+        assert learnt[name].tokens_total == profiles[name].tokens_total
+        assert np.array_equal(learnt[name].counts, profiles[name].counts)
+        assert np.allclose(learnt[name].mass, profiles[name].mass, rtol=1e-4, atol=1e-6)
 
 
 def test_requests_wait_for_the_kv_reserve(solo):
@@ -185,7 +264,7 @@ def test_the_budget_holds_with_16_clients():
     assert stats["peak_memory"] <= 1.05 * stats["server"]["memory_budget"]
 
 
-def test_batching_off_with_drafts_profiles_or_max_batch_1():
+def test_batching_off_with_drafts_or_max_batch_1():
     model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, memory_budget="46MB")
     try:
         def line(max_batch, draft=None, profiles=None):
@@ -196,6 +275,7 @@ def test_batching_off_with_drafts_profiles_or_max_batch_1():
         assert line(8) == (True, "; batches of up to 8 requests (within the KV reserve)")
         assert line(1) == (False, "; one request at a time (--max-batch 1)")
         assert line(8, NGram()) == (False, "; one request at a time (speculative decoding does not batch)")
-        assert line(8, profiles=object())[1] == "; one request at a time (--profiles does not batch)"
+        assert line(8, profiles=object()) == (True, "; batches of up to 8 requests (within the KV reserve, each "
+                                                    "with its own profile)")
     finally:
         model.expert_cache.close()
