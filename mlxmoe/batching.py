@@ -18,7 +18,8 @@ sized for one prefill, and each prompt's routing is its own).
   cache's `rows` during the call; experts.count_rows): its distinct experts per layer call,
   hits where resident when the call came, misses the rest, the bytes the call read shared by
   the rows that routed to each expert read; the cache counts them so too (a call counts each
-  row's experts, not their union once). On the resident path a step's host work (its hits)
+  row's experts, not their union once); a prompt batch's rows count their prompts' tokens, not
+  the right padding of the shorter ones (Prompts). On the resident path a step's host work (its hits)
   is done a step or two later (experts.ResidentCalls) and still goes to its own rows; a
   request's is flushed when it ends. What else changed in the counters since the last call
   (background reads) is shared by the call's rows evenly (the remainder to the first rows),
@@ -94,10 +95,11 @@ class CallRows:
     """A model call's rows (sequences) of the batch: what its layer calls count per row
     (experts.count_rows) and their routing (learnt in the live profile's stead: learn) go to
     each row's request, its `share`; before the requests are known (`bind`), they wait.
-    `requests`: one per row (None: a row no request holds any more)."""
+    `requests`: one per row (None: a row no request holds any more); `real`: each row's
+    first tokens that are its own (the rest right padding of a prompt batch), or None: all."""
 
-    def __init__(self, batches, size, requests=None):
-        self.batches, self.size, self.requests, self.waiting = batches, size, requests, []
+    def __init__(self, batches, size, requests=None, real=None):
+        self.batches, self.size, self.requests, self.waiting, self.real = batches, size, requests, [], real
 
     def bind(self, requests):
         with self.batches.cache.lock:
@@ -129,17 +131,29 @@ class CallRows:
     def _learn(self, call):
         tokens = call.tokens // self.size
         for i, request in enumerate(self.requests):
-            if request is None or request.share is None:
+            real = tokens if self.real is None else int(self.real[i])
+            if request is None or request.share is None or not real:
                 continue
-            if self.size == 1:  # (a decode step's call of one row: as it is, the experts a lossy mode kept)
+            if self.size == 1 and real == tokens:  # (as it is: a decode step's, the experts a lossy mode kept)
                 request.share.observed.learn(call)
                 continue
-            part = slice(i * tokens, (i + 1) * tokens)
+            part = slice(i * tokens, i * tokens + real)
             experts, scores, mean = summary(call.rows[part], None if call.probs is None else call.probs[part])
             observed = request.share.observed
             if call.ticked:
-                observed.tick(tokens)
+                observed.tick(real)
             observed.observe(call.layer, experts, scores, mean)
+
+
+class Prompts(PromptProcessingBatch):
+    """mlx-lm's prompt batch, keeping its prefill's prompt lengths and the tokens fed so far:
+    beyond its length a row is right padding (Batches.rows_of)."""
+
+    lengths, fed = np.zeros(0, dtype=np.int64), 0
+
+    def prompt(self, tokens):
+        self.lengths, self.fed = np.array([len(t) for t in tokens]), 0
+        super().prompt(tokens)
 
 
 class Replies:
@@ -170,7 +184,7 @@ class Rows:
         return getattr(self.model, name)
 
     def __call__(self, inputs, cache=None, **kwargs):
-        rows = self.batches.cache.rows = self.batches.rows_of(cache, inputs.shape[0])
+        rows = self.batches.cache.rows = self.batches.rows_of(cache, *inputs.shape[:2])
         try:
             out = self.model(inputs, cache=cache, **kwargs)
         finally:
@@ -191,6 +205,7 @@ class Batches(BatchGenerator):
         self.cache, self.lock, self.held = model.expert_cache, generation_lock(model), False
         self.requests, self.calls, self.last = {}, [], None  # uid -> request; this step's calls
         self.counted = np.zeros(3, dtype=np.int64)  # hits, misses, bytes given to rows since the last record
+        self._prompt_batch = Prompts.empty(self.model, self.sampler, self.prefill_step_size)
 
     def insert_segments(self, segments, max_tokens=None, *args, **kwargs):
         uids = super().insert_segments(segments, max_tokens, *args, **kwargs)
@@ -199,12 +214,18 @@ class Batches(BatchGenerator):
         self.requests[uids[0]] = request
         return uids
 
-    def rows_of(self, kv, size):
-        """The CallRows of a model call of `size` rows on the KV cache `kv`: of the generation
-        batch or the prompt batch (their uids in order), else (those joining) known after the step."""
-        uids = self._generation_batch.uids if kv is self._generation_batch.prompt_cache else \
-            self._prompt_batch.uids if kv is self._prompt_batch.prompt_cache else []
-        return CallRows(self, size, [self.requests.get(u) for u in uids] if len(uids) == size else None)
+    def rows_of(self, kv, size, tokens):
+        """The CallRows of a model call of `size` rows of `tokens` on the KV cache `kv`: of the
+        generation batch, or of the prompt batch (its rows' own tokens: within their prompts'
+        lengths), in uids' order; else (those joining) known after the step."""
+        uids, real, prompts = [], None, self._prompt_batch
+        if kv is self._generation_batch.prompt_cache:
+            uids = self._generation_batch.uids
+        elif kv is prompts.prompt_cache:
+            uids = prompts.uids
+            if len(prompts.lengths) == size:
+                real, prompts.fed = np.clip(prompts.lengths - prompts.fed, 0, tokens), prompts.fed + tokens
+        return CallRows(self, size, [self.requests.get(u) for u in uids] if len(uids) == size else None, real)
 
     def record(self, kv, rows=None):
         """After a model call (`rows`: its CallRows): the counters' change beyond what its rows
@@ -311,7 +332,7 @@ class Batches(BatchGenerator):
                 request.ctx.stop()
         self._unprocessed_sequences.clear()
         self._currently_processing = []
-        self._prompt_batch = PromptProcessingBatch.empty(self.model, self.sampler, self.prefill_step_size)
+        self._prompt_batch = Prompts.empty(self.model, self.sampler, self.prefill_step_size)
         self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
         self._release()
         return [PromptProcessingBatch.Response(uid, (0, 0), False, False) for uid in uids]

@@ -18,7 +18,7 @@ import pytest
 from mlx_lm import server as mlx_server
 
 import mlxmoe
-from mlxmoe import server as mlxmoe_server
+from mlxmoe import batching, server as mlxmoe_server
 from mlxmoe.batching import CallRows, Share
 from mlxmoe.caching.experts import LayerCall, StreamingExperts, row_counts
 from mlxmoe.drafting import NGram
@@ -142,6 +142,51 @@ def test_row_counts_split_a_layer_call_by_sequence():
     assert got.tolist() == [[2, 1, 150], [0, 2, 450]]
     odd = row_counts(np.array(rows), 2, missed=[2], nbytes=301)  # the remainder to the first
     assert odd[:, 2].tolist() == [151, 150] and odd[:, :2].tolist() == [[2, 1], [1, 1]]
+    # sequence 0's second token is right padding (a prompt batch's): expert 2 is sequence 1's alone
+    padded = row_counts(np.array(rows), 2, missed=[2], nbytes=300, real=[1, 2])
+    assert padded.tolist() == [[2, 0, 0], [1, 1, 300]]
+
+
+def test_prompts_prefilled_together_count_their_own_tokens(monkeypatch):
+    """Two prompts of different lengths prefilled in one call (a prompt batch of 2, the shorter
+    right-padded): each request's hits + misses are still what it counts alone (its padding
+    counts to no one), and the requests' add up to the cache's."""
+    asked = [("The cat sat on", 6), ("Il gatto è sul tavolo e la lingua italiana è una storia di Roma", 6)]
+    alone = start(1, memory_budget="46MB")
+    try:
+        each = [complete(alone, p, n) for p, n in asked]
+    finally:
+        alone.stop()
+    prompt_calls, real = [], batching.Batches.rows_of
+
+    def spy(self, kv, size, tokens):
+        rows = real(self, kv, size, tokens)
+        if rows.real is not None:
+            prompt_calls.append(rows.real.tolist())
+        return rows
+    monkeypatch.setattr(batching.Batches, "rows_of", spy)
+    served = start(8, memory_budget="46MB")
+    served.generator.model_provider.cli_args.prompt_concurrency = 2  # (read when the batch is made)
+    cache = served.model.expert_cache
+    try:
+        first = open_request(served, {"prompt": PROMPTS[6], "max_tokens": 400, "temperature": 0, "stream": True})
+        before = cache.stats()
+        hold = threading.Thread(target=lambda: cache.lock.acquire() and time.sleep(1.0) or cache.lock.release())
+        hold.start()  # the running batch waits a second at its next layer call: both requests come meanwhile
+        time.sleep(0.1)
+        got = in_threads(lambda p, n: complete(served, p, n), asked)
+        hold.join(30)
+        first.close()
+        idle(served)
+        after = cache.stats()
+    finally:
+        served.stop()
+    assert [text for text, _ in got] == [text for text, _ in each]
+    assert any(len(r) == 2 and r[0] != r[1] for r in prompt_calls), prompt_calls  # prefilled together, one padded
+    assert [u["expert_hits"] + u["expert_misses"] for _, u in got] == \
+        [u["expert_hits"] + u["expert_misses"] for _, u in each]
+    assert after["hits"] + after["misses"] - before["hits"] - before["misses"] > \
+        sum(u["expert_hits"] + u["expert_misses"] for _, u in got)  # (the first request's too)
 
 
 def test_call_rows_wait_for_their_requests():
@@ -160,6 +205,11 @@ def test_call_rows_wait_for_their_requests():
     assert second.share.observed.counts.tolist() == [[0, 0, 1, 1]] and second.share.observed.tokens == 1
     rows.count(np.array([[1, 0, 0], [0, 1, 0]]))  # bound: at once
     assert first.share.counts[:3] == [4, 1, 100] and second.share.counts[:3] == [2, 3, 200]
+    # a prompt batch's call of 2 tokens a row, the first row's second token right padding
+    CallRows(batches, 2, [first, second], real=np.array([1, 2])).learn(
+        LayerCall(0, 0, np.array([[0, 1], [2, 3], [1, 2], [1, 3]]), None, 4, [0, 1, 2, 3], None, None, 4))
+    assert first.share.observed.counts.tolist() == [[2, 2, 0, 0]] and first.share.observed.tokens == 2
+    assert second.share.observed.counts.tolist() == [[0, 1, 2, 2]] and second.share.observed.tokens == 3
 
 
 def test_profiles_per_request_in_a_batch(tmp_path):

@@ -81,14 +81,18 @@ def learn_step(cache, layers, at_layers, experts, mass, tokens=1) -> None:
         profile.mass[layers] += mass
 
 
-def row_counts(rows, sequences, missed=(), nbytes=0) -> np.ndarray:
+def row_counts(rows, sequences, missed=(), nbytes=0, real=None) -> np.ndarray:
     """Per sequence of a batched layer call whose tokens' experts are `rows` [tokens, k]
-    (sequence after sequence, alike in length): [hits, misses, bytes read], int64 [sequences, 3].
-    Each sequence's distinct experts count once, as its own call's would: a miss where in
-    `missed` (the experts the call read), else a hit. The `nbytes` read, in equal parts per
-    expert read, are shared by the sequences that routed to it (the remainder to the first)."""
-    seq = np.repeat(np.arange(sequences), rows.size // sequences)
-    pairs = np.unique(rows.reshape(-1).astype(np.int64) * sequences + seq)  # (expert, sequence), by expert
+    (sequence after sequence, alike in length; `real`: each one's first tokens that are not
+    padding, where some are): [hits, misses, bytes read], int64 [sequences, 3]. Each
+    sequence's distinct experts count once, as its own call's would: a miss where in `missed`
+    (the experts the call read), else a hit. The `nbytes` read, in equal parts per expert read,
+    are shared by the sequences that routed to it (the remainder to the first)."""
+    seq = np.repeat(np.arange(sequences), len(rows) // sequences)  # each token's
+    if real is not None:  # (an expert only padding routed to: read, given to no sequence)
+        keep = np.arange(len(rows)) % (len(rows) // sequences) < np.asarray(real)[seq]
+        rows, seq = rows[keep], seq[keep]
+    pairs = np.unique(rows.astype(np.int64) * sequences + seq[:, None])  # (expert, sequence), by expert
     expert, row = np.divmod(pairs, sequences)
     miss = np.isin(expert, missed)
     out = np.zeros((sequences, 3), dtype=np.int64)
@@ -107,7 +111,7 @@ def count_rows(cache, batch, rows, experts, missed=(), nbytes=0) -> None:
     """A batched layer call's counts per row (row_counts), given to its rows' requests (`batch`,
     batching.CallRows); the cache's hits and misses count them too, in place of the call's
     distinct `experts` (of which `missed` missed), so that the requests' add up to the cache's."""
-    per_row = row_counts(rows, batch.size, missed, nbytes)
+    per_row = row_counts(rows, batch.size, missed, nbytes, batch.real)
     with cache.lock:
         cache.counters.hits += int(per_row[:, 0].sum()) - len(experts) + len(missed)
         cache.counters.misses += int(per_row[:, 1].sum()) - len(missed)
