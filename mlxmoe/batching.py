@@ -18,12 +18,13 @@ sized for one prefill, and each prompt's routing is its own).
   cache's `rows` during the call; experts.count_rows): its distinct experts per layer call,
   hits where resident when the call came, misses the rest, the bytes the call read shared by
   the rows that routed to each expert read; the cache counts them so too (a call counts each
-  row's experts, not their union once); a prompt batch's rows count their prompts' tokens, not
-  the right padding of the shorter ones (Prompts). On the resident path a step's host work (its hits)
-  is done a step or two later (experts.ResidentCalls) and still goes to its own rows; a
-  request's is flushed when it ends. What else changed in the counters since the last call
-  (background reads) is shared by the call's rows evenly (the remainder to the first rows),
-  the batch's last work by its last rows. So the requests' add up to the cache's totals.
+  row's experts, not their union once). A prompt batch's rows count their prompts' tokens,
+  not the right padding of the shorter ones (Prompts). On the resident path a step's host
+  work (its hits) is done a step or two later (experts.ResidentCalls) and still goes to its
+  own rows; a request's is flushed when it ends. What else changed in the counters since the
+  last call (background reads) is shared by the call's rows evenly (the remainder to the
+  first rows), the batch's last work by its last rows. So the requests' add up to the
+  cache's totals.
 - Profiles per request: each request's routing is learnt apart (its `observed` profile, each
   row's part of a layer call: CallRows.learn), as a request alone: at its first token it is
   matched to a stored profile (--profiles; server.ResponseGenerator.decide), which steers the
