@@ -7,9 +7,8 @@ fetched once, in groups where it exceeds the cache). A batch of one request deco
 request alone does (the verified step takes a BatchKVCache of one row: caching/verify.py);
 running ahead acts on a KVCache or RotatingKVCache only.
 Prompts admitted together are prefilled together: P of them in steps of the planned prefill
-step / P tokens each (a step's tokens stay what the budget's working reserve was planned for),
-and of no more than the shortest has left (none is padded); each layer's experts are read once
-for the P prompts.
+step / P tokens each (a step's tokens stay what the budget's working reserve was planned for);
+each layer's experts are read once for the P prompts.
 
 - Admission by the KV reserve: a request needs its prompt and max_tokens of KV; the batch's
   BatchKVCache holds every row as long as its longest (a row that joins is padded to the
@@ -17,28 +16,39 @@ for the P prompts.
   length + the largest need, rounded up to the step) stays within the tokens the reserve
   holds (the plan's context); else it waits, in order. (A request alone always fits: its
   max_tokens is cut to the context.)
-- Stats per request: the cache's counters are read after every model call; what changed
-  since the last reading (background reads included) is shared by the call's rows, the
-  requests in it, evenly (the remainder to the first rows). On the resident path a step's
-  host work (its hits) is done at the next step (experts.ResidentCalls): it counts to the
-  next call's rows; the batch's last work is flushed when it empties. So the requests' shares
-  add up to the cache's totals over the batch.
+- Stats per request: each row (request) of a model call counts its own (CallRows, the
+  cache's `rows` during the call; experts.count_rows): its distinct experts per layer call,
+  hits where resident when the call came, misses the rest, the bytes the call read shared by
+  the rows that routed to each expert read; the cache counts them so too (a call counts each
+  row's experts, not their union once). A prompt batch's rows count their prompts' tokens,
+  not the right padding of the shorter ones (Prompts). On the resident path a step's host
+  work (its hits) is done a step or two later (experts.ResidentCalls) and still goes to its
+  own rows; a request's is flushed when it ends. What else changed in the counters since the
+  last call (background reads) is shared by the call's rows evenly (the remainder to the
+  first rows), the batch's last work by its last rows. So the requests' add up to the
+  cache's totals.
+- Profiles per request: each request's routing is learnt apart (its `observed` profile, each
+  row's part of a layer call: CallRows.learn), as a request alone: at its first token it is
+  matched to a stored profile (--profiles; server.ResponseGenerator.decide), which steers the
+  cache from then on (the last matched does, for the whole batch); when it ends, the live
+  profile and its stored one learn its routing (server.ResponseGenerator.learn), and at a
+  stop those still in the batch end so (Batches.end).
 - A request whose client left (Client.gone, at every step) is stopped through mlx-lm's own
   cancellation (GenerationContext.stop) and its reply ended: its slot goes to the next.
 - A step that fails (a shard changed under the server...) fails the requests in the batch.
-- The model's generation lock is held while the batch holds requests. The live profile
-  (--profile) learns every step's routing as it comes, all requests' together; with
-  --profiles requests are not batched (server.py).
+- The model's generation lock is held while the batch holds requests.
 """
 
 import itertools
 
+import numpy as np
 from mlx_lm import server as mlx_server
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from . import distributed
 from .api import generation_lock
+from .caching.experts import summary
 
 COUNTS = ("hits", "misses", "read", "skipped", "biased", "substituted")
 
@@ -66,10 +76,12 @@ def shares(counts, rows):
 
 
 class Share:
-    """A batched request's part: its KV need (tokens), counts, model calls and their rows."""
+    """A batched request's part: its KV need (tokens), counts, model calls and their rows, and
+    its routing (`observed`, an ActivationProfile: server.ResponseGenerator.observer)."""
 
-    def __init__(self, need):
+    def __init__(self, need, observed):
         self.need, self.counts, self.steps, self.rows, self.largest = need, [0] * len(COUNTS), 0, 0, 0
+        self.observed = observed
 
     def add(self, counts, rows=0):
         """Counts of a model call of `rows` rows (0: of no call, the host work left at the end)."""
@@ -78,10 +90,75 @@ class Share:
         self.rows += rows
         self.largest = max(self.largest, rows)
 
-    def usage(self):
+    def usage(self, profile):
         """usage.mlxmoe, with the model calls it took part in and their mean and largest rows."""
-        return usage(self.counts, None, batch_steps=self.steps, batch_mean=self.rows / max(1, self.steps),
+        return usage(self.counts, profile, batch_steps=self.steps, batch_mean=self.rows / max(1, self.steps),
                      batch_largest=self.largest)
+
+
+class CallRows:
+    """A model call's rows (sequences) of the batch: what its layer calls count per row
+    (experts.count_rows) and their routing (learnt in the live profile's stead: learn) go to
+    each row's request, its `share`; before the requests are known (`bind`), they wait.
+    `requests`: one per row (None: a row no request holds any more); `real`: each row's
+    first tokens that are its own (the rest right padding of a prompt batch), or None: all."""
+
+    def __init__(self, batches, size, requests=None, real=None):
+        self.batches, self.size, self.requests, self.waiting, self.real = batches, size, requests, [], real
+
+    def bind(self, requests):
+        with self.batches.cache.lock:
+            self.requests = requests
+            for work, arg in self.waiting:
+                work(arg)
+            self.waiting = []
+
+    def count(self, per_row):
+        """[hits, misses, bytes read] per row (under the cache's lock, as the counters change)."""
+        self.batches.counted += per_row.sum(axis=0)
+        self._given(self._count, per_row)
+
+    def learn(self, call):
+        """A layer call (experts.LayerCall), each row's tokens learnt by its request's profile."""
+        self._given(self._learn, call)
+
+    def _given(self, work, arg):
+        if self.requests is None:
+            self.waiting.append((work, arg))
+        else:
+            work(arg)
+
+    def _count(self, per_row):
+        for request, counts in zip(self.requests, per_row.tolist()):
+            if request is not None and request.share is not None:
+                request.share.counts[:3] = [a + b for a, b in zip(request.share.counts, counts)]
+
+    def _learn(self, call):
+        tokens = call.tokens // self.size
+        for i, request in enumerate(self.requests):
+            real = tokens if self.real is None else int(self.real[i])
+            if request is None or request.share is None or not real:
+                continue
+            if self.size == 1 and real == tokens:  # (as it is: a decode step's, the experts a lossy mode kept)
+                request.share.observed.learn(call)
+                continue
+            part = slice(i * tokens, i * tokens + real)
+            experts, scores, mean = summary(call.rows[part], None if call.probs is None else call.probs[part])
+            observed = request.share.observed
+            if call.ticked:
+                observed.tick(real)
+            observed.observe(call.layer, experts, scores, mean)
+
+
+class Prompts(PromptProcessingBatch):
+    """mlx-lm's prompt batch, keeping its prefill's prompt lengths and the tokens fed so far:
+    beyond its length a row is right padding (Batches.rows_of)."""
+
+    lengths, fed = np.zeros(0, dtype=np.int64), 0
+
+    def prompt(self, tokens):
+        self.lengths, self.fed = np.array([len(t) for t in tokens]), 0
+        super().prompt(tokens)
 
 
 class Replies:
@@ -101,8 +178,9 @@ class Replies:
 
 
 class Rows:
-    """The model as the batch calls it: after each call, the counters' change is recorded
-    with the KV cache the call ran on (which tells whose rows they were)."""
+    """The model as the batch calls it: its rows (CallRows, the expert cache's `rows` during the
+    call) count and learn per row; after it, the counters' change is recorded with the KV
+    cache the call ran on (which tells whose rows they were)."""
 
     def __init__(self, model, batches):
         self.model, self.batches = model, batches
@@ -111,8 +189,12 @@ class Rows:
         return getattr(self.model, name)
 
     def __call__(self, inputs, cache=None, **kwargs):
-        out = self.model(inputs, cache=cache, **kwargs)
-        self.batches.record(cache)
+        rows = self.batches.cache.rows = self.batches.rows_of(cache, *inputs.shape[:2])
+        try:
+            out = self.model(inputs, cache=cache, **kwargs)
+        finally:
+            self.batches.cache.rows = None
+        self.batches.record(cache, rows)
         return out
 
 
@@ -125,20 +207,39 @@ class Batches(BatchGenerator):
         super().__init__(Rows(model, self), **kwargs)
         self.base, self.owner, self.max_batch = model, owner, self.completion_batch_size
         self.max_prefill, self.step = self.prefill_batch_size, self.prefill_step_size
+        owner.batches = self
         self.cache, self.lock, self.held = model.expert_cache, generation_lock(model), False
         self.requests, self.calls, self.last = {}, [], None  # uid -> request; this step's calls
+        self.counted = np.zeros(3, dtype=np.int64)  # hits, misses, bytes given to rows since the last record
+        self._prompt_batch = Prompts.empty(self.model, self.sampler, self.prefill_step_size)
 
     def insert_segments(self, segments, max_tokens=None, *args, **kwargs):
         uids = super().insert_segments(segments, max_tokens, *args, **kwargs)
         request = self.owner.pending
-        request.share = Share(request.prompt_tokens + max_tokens[0])
+        request.share = Share(request.prompt_tokens + max_tokens[0], self.owner.observer(request))
         self.requests[uids[0]] = request
-        request.decided.set()  # (no profile is matched in a batch: the headers may go)
         return uids
 
-    def record(self, kv):
-        now = counters(self.cache)
-        self.calls.append((kv, [a - b for a, b in zip(now, self.last)]))
+    def rows_of(self, kv, size, tokens):
+        """The CallRows of a model call of `size` rows of `tokens` on the KV cache `kv`: of the
+        generation batch, or of the prompt batch (its rows' own tokens: within their prompts'
+        lengths), in uids' order; else (those joining) known after the step."""
+        uids, real, prompts = [], None, self._prompt_batch
+        if kv is self._generation_batch.prompt_cache:
+            uids = self._generation_batch.uids
+        elif kv is prompts.prompt_cache:
+            uids = prompts.uids
+            if len(prompts.lengths) == size:
+                real, prompts.fed = np.clip(prompts.lengths - prompts.fed, 0, tokens), prompts.fed + tokens
+        return CallRows(self, size, [self.requests.get(u) for u in uids] if len(uids) == size else None, real)
+
+    def record(self, kv, rows=None):
+        """After a model call (`rows`: its CallRows): the counters' change beyond what its rows
+        were given, to be shared by them (background reads, work left for later...)."""
+        with self.cache.lock:
+            now, given, self.counted = counters(self.cache), self.counted, np.zeros(3, dtype=np.int64)
+        given = [*given.tolist(), 0, 0, 0]
+        self.calls.append((kv, rows, [a - b - c for a, b, c in zip(now, self.last, given)]))
         self.last = now
 
     def _next(self):
@@ -150,7 +251,8 @@ class Batches(BatchGenerator):
         self._prefill_chunk()
         if not self.held and self.requests:
             self.lock.acquire()
-            self.held, self.last = True, counters(self.cache)
+            with self.cache.lock:
+                self.held, self.last, self.counted = True, counters(self.cache), np.zeros(3, dtype=np.int64)
             self.base.expert_runtime.new_sequence()
         gen_kv, gen_uids = self._generation_batch.prompt_cache, list(self._generation_batch.uids)
         self.calls = []
@@ -159,6 +261,10 @@ class Batches(BatchGenerator):
         except Exception as e:  # noqa: BLE001 - each request in the batch gets the error
             return self._failed(e), []
         last = self._account(gen_kv, gen_uids, [r.uid for r in prompt_responses if r.end_of_prompt])
+        for response in gen_responses:  # a request's first token: its profile, as one alone gets it then
+            request = self.requests.get(response.uid)
+            if request is not None and not request.decided.is_set():
+                self.owner.decide(request, request.share.observed)
         if self._empty():
             self._settle(last)
         return prompt_responses, gen_responses
@@ -172,7 +278,7 @@ class Batches(BatchGenerator):
         if self.held:
             self.cache.flush()
             self.record(None)
-            for request, share in zip(requests, shares(self.calls.pop()[1], max(1, len(requests)))):
+            for request, share in zip(requests, shares(self.calls.pop()[2], max(1, len(requests)))):
                 request.share.add(share)
             self._release()
 
@@ -200,30 +306,30 @@ class Batches(BatchGenerator):
 
     def _prefill_chunk(self):
         """The tokens each prompt prefills at the next step: the planned step shared by the
-        prompts that prefill then, and no more than the shortest has left in its segment, so
-        that none is padded (a pad's tokens would be routed, read and learned as the prompt's)."""
+        prompts that prefill then (a shorter prompt's right padding counts and learns for no
+        one: Prompts)."""
         joining = min(self.prefill_batch_size - len(self._prompt_batch),
                       self.completion_batch_size - len(self._generation_batch), len(self._unprocessed_sequences))
         segments = [seq[0] for seq in self._currently_processing]
         segments += [seq[1] for seq in itertools.islice(self._unprocessed_sequences, max(0, joining))]
-        left = [len(s[0]) for s in segments if not (len(s) == 1 and len(s[0]) == 1)]  # (those: to generation)
-        if left:
-            self.prefill_step_size = max(1, min(self.step // len(left), *left))
+        prompts = sum(not (len(s) == 1 and len(s[0]) == 1) for s in segments)  # (the rest: to generation)
+        if prompts:
+            self.prefill_step_size = max(1, self.step // prompts)
             self._prompt_batch.prefill_step_size = self.prefill_step_size  # (its own loop splits by it)
 
     def _account(self, gen_kv, gen_uids, joined):
-        """Share this step's calls' counts by their rows: the generation batch's (as it was),
-        the prompt batch's, or those that just joined the generation (their first step).
-        Returns the last call's rows (requests)."""
+        """Give this step's calls their rows where not known at the call: the generation batch's
+        (as it was), the prompt batch's, or those that just joined the generation (their first
+        step); then share what the rows were not given by them. Returns the last call's rows
+        (requests)."""
         rows = list(self.requests.values())[-1:]
-        for kv, counts in self.calls:
-            if kv is gen_kv:
-                uids = gen_uids
-            elif kv is self._prompt_batch.prompt_cache:
-                uids = self._prompt_batch.uids
-            else:
-                uids = joined or gen_uids
-            rows = [self.requests[u] for u in uids if u in self.requests] or list(self.requests.values())[:1]
+        for kv, call_rows, counts in self.calls:
+            if call_rows is not None and call_rows.requests is None:
+                uids = gen_uids if kv is gen_kv else \
+                    self._prompt_batch.uids if kv is self._prompt_batch.prompt_cache else joined or gen_uids
+                call_rows.bind([self.requests.get(u) for u in uids])
+            held = call_rows.requests if call_rows is not None else []
+            rows = [r for r in held if r is not None] or list(self.requests.values())[:1]
             for request, share in zip(rows, shares(counts, max(1, len(rows)))):
                 request.share.add(share, len(rows))
         return rows
@@ -249,7 +355,7 @@ class Batches(BatchGenerator):
                 request.ctx.stop()
         self._unprocessed_sequences.clear()
         self._currently_processing = []
-        self._prompt_batch = PromptProcessingBatch.empty(self.model, self.sampler, self.prefill_step_size)
+        self._prompt_batch = Prompts.empty(self.model, self.sampler, self.prefill_step_size)
         self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
         self._release()
         return [PromptProcessingBatch.Response(uid, (0, 0), False, False) for uid in uids]
@@ -259,6 +365,14 @@ class Batches(BatchGenerator):
             self.owner.last_stats = distributed.merged_stats(self.base)  # (what stats() tells while busy)
             self.held = False
             self.lock.release()
+
+    def end(self):
+        """The server stops: the requests still in the batch end (their routing learnt, their
+        replies ended), as a request alone does then."""
+        for request in list(self.requests.values()):
+            if request.share is not None:
+                request.replies.put(None)
+        self._release()
 
     def close(self):
         self._release()

@@ -1789,8 +1789,8 @@ def convert(src, dst, bundle, fallback_bits):
 @click.option("--max-batch", type=Number(int, 1, 256), default=8, show_default=True,
               help="Concurrent requests decoded together, one forward pass a step through the expert cache (the "
               "experts they share read once); a request joins while the KV reserve holds the batch's contexts, else "
-              "it waits. Each request's greedy output is its answer alone. 1: one request at a time. Off (one at a "
-              "time) with a draft model, --draft ngram or --profiles.")
+              "it waits. Each request's greedy output is its answer alone, its usage and profile its own. 1: one "
+              "request at a time. Off (one at a time) with a draft model or --draft ngram.")
 @draft_options
 @click.option("--idle-timeout", type=Number(float, 0, 86400, low_open=True), default=30, show_default=True,
               help="Seconds a connection waits for its client: a kept-alive connection idle this long, or a request "

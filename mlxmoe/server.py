@@ -8,10 +8,8 @@ generation thread are used as they are; the subclasses below change only what ha
   thread died; every requested model name is served by it (one model per process, as clients
   send names of their own); batchable with --max-batch N above 1 (batching.py: mlx-lm's
   BatchGenerator, a decode step of several requests in one forward pass through the expert
-  cache, each request's greedy output its solo answer), except with a draft model (mlx-lm's
-  rule), under several ranks, or with --profiles (the profile matched to a request's prefill
-  steers the cache through its decode, which requests with different profiles cannot share):
-  then requests queue and each runs alone.
+  cache, each request's greedy output its solo answer, usage and profile its own), except with
+  a draft model (mlx-lm's rule) or under several ranks: then requests queue and each runs alone.
 - mlx_lm.server's stream_generate is mlxmoe's (its generation lock, the prefill step the
   budget plans for, the deferred host work) inside the per-request stats and profile matching
   (ResponseGenerator.stream); mlx-lm's prefill_step_size is dropped for the planned one.
@@ -220,11 +218,14 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         self.context = getattr(runtime.plan, "context", DEFAULT_CONTEXT)
         self.live = runtime.profile  # the load's live profile, learning from every request
         self.pending = None  # the request tokenized last (batching.Batches inserts it)
+        self.batches = None  # the batching.Batches mlx-lm's loop generates with, once it made one
         super().__init__(provider, prompt_cache)  # starts the generation thread
 
     def _run_generate(self):
         try:
             self._generate()
+            if self.batches is not None:  # stopping: those still in the batch end as one alone does
+                self.batches.end()
         except Exception as e:  # a rank that failed or left (the collectives raise), or a bug
             self.failure = e
             self._generation_failed = True
@@ -243,12 +244,45 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
             request = BatchReplies(rqueue, req, self.finish), req, args
         return request
 
-    def _is_batchable(self, args):
-        return super()._is_batchable(args) and self.profiles is None
+    def observer(self, request):
+        """A request's own routing, learnt apart until it ends (an ActivationProfile of this
+        rank's layers); the profile it names, if any, steers the cache from now on."""
+        ckpt = self.runtime.checkpoint
+        if request.mlxmoe_profile is not None:
+            self._use_profile(request.mlxmoe_profile)
+        return ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k, half_life=0)
+
+    def decide(self, request, observed):
+        """A request's first token came: its profile is the one it names, else (with --profiles)
+        the stored one nearest its routing so far (`observed`), which steers the cache from now on.
+        Returns its name (None: no profile); the request's headers may go."""
+        name = request.mlxmoe_profile
+        if name is None and self.profiles is not None:
+            self.runtime.cache.flush()  # the host work left for later (resident path) observes its routing
+            with distributed.waiting(self.group, "merging a prefill's routing"):
+                name = self.profiles.nearest(distributed.whole_usage(self.runtime.checkpoint, observed))
+            self._use_profile(name)
+        request.profile = name
+        request.decided.set()
+        return name
+
+    def learn(self, name, observed):
+        """A request ended: the live profile and its profile `name` (if any) learn its routing."""
+        if self.live is not None:
+            self.live.absorb(observed)
+        if name is not None and self.profiles is not None:
+            self.profiles.learn(name, distributed.whole_usage(self.runtime.checkpoint, observed))
+            self.profiles.matched[name] += 1
 
     def finish(self, request):
-        """A batched request ends (batching.Replies): its usage, counted as served."""
-        request.usage, request.share = request.share.usage(), None
+        """A batched request ends (batching.Replies): its routing learnt as a request's alone
+        is, its usage; counted as served."""
+        self.runtime.cache.flush()  # (its last steps' host work left for later: counted and learnt)
+        share, request.share = request.share, None
+        name = request.profile if request.decided.is_set() else request.mlxmoe_profile  # (ended before its first token)
+        self.learn(name, share.observed)
+        request.usage = share.usage(name)
+        request.decided.set()
         self.served += 1
         if self.save_every and self.served % self.save_every == 0:
             self.save()
@@ -285,25 +319,16 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         profile (or the one it names) whose rates become the policy's prior; the request's
         hits and bytes read in request.usage once it ends (before mlx-lm ends its response)."""
         request, runtime = self.active, model.expert_runtime
-        cache, ckpt = runtime.cache, runtime.checkpoint
+        cache, name = runtime.cache, request.mlxmoe_profile
         kwargs.pop("prefill_step_size", None)
-        observed = ActivationProfile(ckpt.num_layers, ckpt.num_experts, ckpt.top_k, half_life=0)  # this rank's layers
-        name = request.mlxmoe_profile
-        if name is not None:
-            self._use_profile(name)
+        observed = self.observer(request)
         before = counters(cache)
         runtime.swap_live(observed)  # this request's routing, apart until its profile is known
         generation = stream_generate(model, tokenizer, prompt, **kwargs)
         try:
             for i, response in enumerate(generation):
                 if i == 0:
-                    if name is None and self.profiles is not None:
-                        cache.flush()  # the prefill's deferred host work (resident path) observes it
-                        with distributed.waiting(self.group, "merging a prefill's routing"):
-                            name = self.profiles.nearest(distributed.whole_usage(ckpt, observed))
-                        self._use_profile(name)
-                    request.profile = name
-                    request.decided.set()
+                    name = self.decide(request, observed)
                 yield response
                 # shutting down, or the client went away (told by the handler, or seen now: within one token)
                 stop = self._stop or self.stopping or request.cancelled or request.client.gone()
@@ -315,12 +340,8 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         finally:
             generation.close()
             runtime.swap_live(self.live)
-            if self.live is not None:
-                self.live.absorb(observed)
             with distributed.waiting(self.group, "gathering a request's routing and stats"):
-                if name is not None and self.profiles is not None:
-                    self.profiles.learn(name, distributed.whole_usage(ckpt, observed))
-                    self.profiles.matched[name] += 1
+                self.learn(name, observed)
                 counts = [a - b for a, b in zip(counters(cache), before)]
                 if self.group is not None:
                     counts = distributed.sum_ranks(self.group, counts)
@@ -1027,13 +1048,13 @@ def serving_line(model_name, runtime, profiles_dir, profiles, profile_path, save
 def batch_line(generator, max_batch):
     """How serve batches requests, for its serving line."""
     provider = generator.model_provider
-    if provider.is_batchable and generator.profiles is None:
-        return f"; batches of up to {max_batch} requests (within the KV reserve)"
+    if provider.is_batchable:
+        own = ", each with its own profile" if generator.profiles is not None else ""
+        return f"; batches of up to {max_batch} requests (within the KV reserve{own})"
     if max_batch == 1:
         return "; one request at a time (--max-batch 1)"
     why = ("speculative decoding" if provider.draft_model is not None else
-           "--profiles" if generator.profiles is not None else "several ranks" if generator.group is not None else
-           "this model's KV caches")
+           "several ranks" if generator.group is not None else "this model's KV caches")
     return f"; one request at a time ({why} does not batch)"
 
 

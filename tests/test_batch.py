@@ -1,24 +1,29 @@
 """`serve --max-batch N`: concurrent requests decoded in batches through the expert cache
 (mlxmoe/batching.py). Each request's greedy output equals its solo answer at every cache
 size (every expert resident, a partial cache, a cache smaller than the union of a batch's
-experts, fetched in groups); per-request stats add up to the cache's; requests wait for the
+experts, fetched in groups); per-request stats are each request's own and add up to the
+cache's; with --profiles each request's profile learns its own routing; requests wait for the
 KV reserve; a client leaving frees its slot; the budget holds with 16 clients. Servers bind
 127.0.0.1 on a free port; every wait is bounded."""
 
 import json
 import socket
+import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from mlx_lm import server as mlx_server
-from mlx_lm.models.cache import BatchKVCache
 
 import mlxmoe
 from mlxmoe import batching, server as mlxmoe_server
-from mlxmoe.caching.experts import StreamingExperts
+from mlxmoe.batching import CallRows, Share
+from mlxmoe.caching.experts import LayerCall, StreamingExperts, row_counts
 from mlxmoe.drafting import NGram
-from test_server import PROMPTS, Server
+from mlxmoe.workload.profile import ActivationProfile
+from test_server import PROMPTS, Server, copy_profiles
 from test_threads import in_threads
 
 openai = pytest.importorskip("openai")
@@ -39,13 +44,16 @@ def solo():
         model.expert_cache.close()
 
 
-def start(max_batch, **load):
+def start(max_batch, profiles=None, **load):
     """An in-process server of the demo model loaded with `load` (no prefetcher: every read
-    is one a request's step made), batching up to `max_batch` requests."""
+    is one a request's step made), batching up to `max_batch` requests; with the stored
+    `profiles` (a folder) matched per request."""
     model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, prefetch=0, **load)
     assert model.expert_cache.prewarm_done(60)  # (its reads are no request's)
     stock = mlx_server.stream_generate, mlx_server.BatchGenerator
-    generator = mlxmoe_server.response_generator(model, tokenizer, "demo", max_batch=max_batch)
+    if profiles is not None:
+        profiles = mlxmoe_server.Profiles(Path(profiles).glob("*.json"), model.expert_runtime.checkpoint)
+    generator = mlxmoe_server.response_generator(model, tokenizer, "demo", max_batch=max_batch, profiles=profiles)
     httpd = mlxmoe_server.http_server(generator, "127.0.0.1", 0)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_port}/v1", api_key="none", timeout=60,
                            max_retries=0)
@@ -64,6 +72,15 @@ def complete(served, prompt, max_tokens):
     return r.choices[0].text, r.usage.model_extra["mlxmoe"]
 
 
+def together(served, asked):
+    """Complete `asked` [(prompt, max_tokens)] at once, sent while the model's generation lock is
+    held (a second): the first waits for it, and the others are in by the time it starts."""
+    lock = mlxmoe.api.generation_lock(served.model)
+    lock.acquire()
+    threading.Timer(1.0, lock.release).start()
+    return in_threads(lambda p, n: complete(served, p, n), asked)
+
+
 def idle(served, seconds=30):
     """Wait until the batch has emptied (the model's generation lock is free again)."""
     lock, tic = mlxmoe.api.generation_lock(served.model), time.monotonic()
@@ -73,7 +90,15 @@ def idle(served, seconds=30):
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
-def test_batched_output_equals_solo_and_stats_add_up(solo, cache, monkeypatch):
+def test_batched_output_equals_solo_and_stats_are_each_requests_own(solo, cache, monkeypatch):
+    """Each request's hits + misses are those of its own routing: what it counts served alone
+    (the same greedy tokens, so the same experts per token; only which were resident differs);
+    the requests' hits, misses and bytes add up to the cache's."""
+    alone = start(1, **CACHES[cache])
+    try:
+        each = [complete(alone, p, n)[1] for p, n in ASKED]
+    finally:
+        alone.stop()
     served = start(8, **CACHES[cache])
     grouped = []  # batched decode steps whose experts did not fit the cache at once
     real = StreamingExperts._grouped
@@ -87,10 +112,6 @@ def test_batched_output_equals_solo_and_stats_add_up(solo, cache, monkeypatch):
     call = batching.Rows.__call__
     monkeypatch.setattr(batching.Rows, "__call__", lambda self, inputs, **kw: shapes.append(inputs.shape) or
                         call(self, inputs, **kw))
-    padded = []  # prefill steps whose prompts were padded (their pads' routing would count)
-    prepare = BatchKVCache.prepare
-    monkeypatch.setattr(BatchKVCache, "prepare", lambda self, *a, right_padding=None, **kw: padded.append(
-        right_padding) if right_padding and max(right_padding) else prepare(self, *a, right_padding=right_padding, **kw))
     try:
         before = served.model.expert_cache.stats()
         got = in_threads(lambda p, n: complete(served, p, n), ASKED)
@@ -100,12 +121,13 @@ def test_batched_output_equals_solo_and_stats_add_up(solo, cache, monkeypatch):
         served.stop()
     assert [text for text, _ in got] == solo
     usages = [u for _, u in got]
-    assert max(u["batch_largest"] for u in usages) > 1  # they were batched
+    assert sum(u["batch_largest"] > 1 for u in usages) > 1  # they were batched
+    assert [u["expert_hits"] + u["expert_misses"] for u in usages] == \
+        [u["expert_hits"] + u["expert_misses"] for u in each]
     # prompts prefilled together, each step within the planned prefill step's tokens
     step = served.generator.model_provider.cli_args.prefill_step_size
     assert any(rows > 1 and tokens > 1 for rows, tokens in shapes), shapes
     assert all(rows * tokens <= step for rows, tokens in shapes if tokens > 1), (step, shapes)
-    assert not padded, "a prompt was padded to another's length in a batched prefill"
     for key, total in (("expert_hits", "hits"), ("expert_misses", "misses")):
         assert sum(u[key] for u in usages) == after[total] - before[total]
     assert after["hits"] > before["hits"]
@@ -136,6 +158,120 @@ def test_a_request_alone_in_the_batch_takes_verified_steps(solo):
     # every decode step (the model calls but the prompt's one) verified
     assert after["verified_tokens"] - before["verified_tokens"] == usage["batch_steps"] - 1 >= 4
     assert after["replays"] > before["replays"]
+
+
+def test_row_counts_split_a_layer_call_by_sequence():
+    """Two sequences of two tokens, top-2: each sequence's distinct experts counted once; the
+    600 bytes of the 2 experts read (300 each) shared by the sequences that routed to each."""
+    rows = [[0, 1], [1, 2],  # sequence 0: experts 0, 1, 2
+            [2, 3], [2, 3]]  # sequence 1: experts 2, 3
+    got = row_counts(np.array(rows), 2, missed=[2, 3], nbytes=600)
+    # expert 2 (300 bytes) read for both: 150 each; expert 3 (300) for sequence 1 alone
+    assert got.tolist() == [[2, 1, 150], [0, 2, 450]]
+    odd = row_counts(np.array(rows), 2, missed=[2], nbytes=301)  # the remainder to the first
+    assert odd[:, 2].tolist() == [151, 150] and odd[:, :2].tolist() == [[2, 1], [1, 1]]
+    # sequence 0's second token is right padding (a prompt batch's): expert 2 is sequence 1's alone
+    padded = row_counts(np.array(rows), 2, missed=[2], nbytes=300, real=[1, 2])
+    assert padded.tolist() == [[2, 0, 0], [1, 1, 300]]
+
+
+def test_prompts_prefilled_together_count_their_own_tokens(monkeypatch):
+    """Two prompts of different lengths prefilled in one call (a prompt batch of 2, the shorter
+    right-padded): each request's hits + misses are still what it counts alone (its padding
+    counts to no one), and the requests' add up to the cache's."""
+    asked = [("The cat sat on", 6), ("Il gatto è sul tavolo e la lingua italiana è una storia di Roma", 6)]
+    alone = start(1, memory_budget="46MB")
+    try:
+        each = [complete(alone, p, n) for p, n in asked]
+    finally:
+        alone.stop()
+    prompt_calls, real = [], batching.Batches.rows_of
+
+    def spy(self, kv, size, tokens):
+        rows = real(self, kv, size, tokens)
+        if rows.real is not None:
+            prompt_calls.append(rows.real.tolist())
+        return rows
+    monkeypatch.setattr(batching.Batches, "rows_of", spy)
+    served = start(8, memory_budget="46MB")
+    served.generator.model_provider.cli_args.prompt_concurrency = 2  # (read when the batch is made)
+    cache = served.model.expert_cache
+    try:
+        first = open_request(served, {"prompt": PROMPTS[6], "max_tokens": 400, "temperature": 0, "stream": True})
+        before = cache.stats()
+        hold = threading.Thread(target=lambda: cache.lock.acquire() and time.sleep(1.0) or cache.lock.release())
+        hold.start()  # the running batch waits a second at its next layer call: both requests come meanwhile
+        time.sleep(0.1)
+        got = in_threads(lambda p, n: complete(served, p, n), asked)
+        hold.join(30)
+        first.close()
+        idle(served)
+        after = cache.stats()
+    finally:
+        served.stop()
+    assert [text for text, _ in got] == [text for text, _ in each]
+    assert any(len(r) == 2 and r[0] != r[1] for r in prompt_calls), prompt_calls  # prefilled together, one padded
+    assert [u["expert_hits"] + u["expert_misses"] for _, u in got] == \
+        [u["expert_hits"] + u["expert_misses"] for _, u in each]
+    assert after["hits"] + after["misses"] - before["hits"] - before["misses"] > \
+        sum(u["expert_hits"] + u["expert_misses"] for _, u in got)  # (the first request's too)
+
+
+def test_call_rows_wait_for_their_requests():
+    """A model call whose rows' requests are known only after the step (those joining the
+    generation): what its layer calls counted and learnt waits, then goes to each row's request."""
+    batches = SimpleNamespace(cache=SimpleNamespace(lock=threading.RLock()), counted=np.zeros(3, dtype=np.int64))
+    rows = CallRows(batches, 2)
+    rows.count(np.array([[3, 1, 100], [2, 2, 200]]))
+    call = LayerCall(0, 0, np.array([[0, 1], [2, 3]]), None, 2, [0, 1, 2, 3], None, None, 2)
+    rows.learn(call)
+    first, second = (SimpleNamespace(share=Share(8, ActivationProfile(1, 4, 2, half_life=0))) for _ in range(2))
+    assert batches.counted.tolist() == [5, 3, 300]  # (counted as the cache's counters changed)
+    rows.bind([first, second])
+    assert first.share.counts[:3] == [3, 1, 100] and second.share.counts[:3] == [2, 2, 200]
+    assert first.share.observed.counts.tolist() == [[1, 1, 0, 0]] and first.share.observed.tokens == 1
+    assert second.share.observed.counts.tolist() == [[0, 0, 1, 1]] and second.share.observed.tokens == 1
+    rows.count(np.array([[1, 0, 0], [0, 1, 0]]))  # bound: at once
+    assert first.share.counts[:3] == [4, 1, 100] and second.share.counts[:3] == [2, 3, 200]
+    # a prompt batch's call of 2 tokens a row, the first row's second token right padding
+    CallRows(batches, 2, [first, second], real=np.array([1, 2])).learn(
+        LayerCall(0, 0, np.array([[0, 1], [2, 3], [1, 2], [1, 3]]), None, 4, [0, 1, 2, 3], None, None, 4))
+    assert first.share.observed.counts.tolist() == [[2, 2, 0, 0]] and first.share.observed.tokens == 2
+    assert second.share.observed.counts.tolist() == [[0, 1, 2, 2]] and second.share.observed.tokens == 3
+
+
+def test_profiles_per_request_in_a_batch(tmp_path):
+    """With --profiles requests are batched, and each one's profile learns exactly what it
+    learns from that request served alone: its own routing, not the batch's."""
+    asked = [("Il gatto è sul tavolo e la lingua italiana", 24), ("The cat sat on the kernel option", 24)]
+    def fresh(name):  # a fresh copy of the stored profiles
+        (tmp_path / name).mkdir()
+        return copy_profiles(tmp_path / name)
+
+    alone = []
+    for prompt, n in asked:
+        served = start(1, fresh(f"alone{len(alone)}"), memory_budget="46MB")
+        try:
+            text, usage = complete(served, prompt, n)
+            alone.append((text, usage, served.generator.profiles.by_name))
+        finally:
+            served.stop()
+    names = [usage["profile"] for _, usage, _ in alone]
+    assert sorted(names) == ["english", "italian"]  # they take different profiles
+    served = start(8, fresh("batch"), memory_budget="46MB")
+    try:
+        got = together(served, asked)
+        idle(served)
+        learnt = served.generator.profiles.by_name
+    finally:
+        served.stop()
+    assert all(usage["batch_largest"] == 2 for _, usage in got), got  # batched together
+    assert [text for text, _ in got] == [text for text, _, _ in alone]
+    assert [usage["profile"] for _, usage in got] == names
+    for name, (_, usage, profiles) in zip(names, alone):
+        assert learnt[name].tokens_total == profiles[name].tokens_total
+        assert np.array_equal(learnt[name].counts, profiles[name].counts)
+        assert np.allclose(learnt[name].mass, profiles[name].mass, rtol=1e-4, atol=1e-6)
 
 
 def test_requests_wait_for_the_kv_reserve(solo):
@@ -206,7 +342,7 @@ def test_the_budget_holds_with_16_clients():
     assert stats["peak_memory"] <= 1.05 * stats["server"]["memory_budget"]
 
 
-def test_batching_off_with_drafts_profiles_or_max_batch_1():
+def test_batching_off_with_drafts_or_max_batch_1():
     model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, memory_budget="46MB")
     try:
         def line(max_batch, draft=None, profiles=None):
@@ -217,6 +353,7 @@ def test_batching_off_with_drafts_profiles_or_max_batch_1():
         assert line(8) == (True, "; batches of up to 8 requests (within the KV reserve)")
         assert line(1) == (False, "; one request at a time (--max-batch 1)")
         assert line(8, NGram()) == (False, "; one request at a time (speculative decoding does not batch)")
-        assert line(8, profiles=object())[1] == "; one request at a time (--profiles does not batch)"
+        assert line(8, profiles=object()) == (True, "; batches of up to 8 requests (within the KV reserve, each "
+                                                    "with its own profile)")
     finally:
         model.expert_cache.close()

@@ -347,6 +347,7 @@ class ExpertCache(Residency):
         self.fallback = None  # fallback.FallbackLoader where low-bit copies stand in for missing experts
         self.fallback_bytes = 0  # their memory
         self.resizes = deque(maxlen=32)  # the latest resizes, {"from", "to", "reason", "at"} (governor.py)
+        self.rows = None  # batching.CallRows of a batched model call under way: its layer calls count and learn per row
 
     def watch(self, observer: Callable, close: Callable | None = None) -> None:
         """Give each layer call to `observer` from now on; close() calls `close` after the
@@ -358,7 +359,7 @@ class ExpertCache(Residency):
 
     def wants_probs(self) -> bool:
         """Whether a layer call's router distribution is used (policy, live profile, observers)."""
-        return self.policy.wants_router or self.profile is not None or bool(self.observers)
+        return self.policy.wants_router or self.profile is not None or bool(self.observers) or self.rows is not None
 
     def tick(self, tokens: int) -> None:
         """New tokens start (called by the first MoE layer)."""
@@ -370,22 +371,23 @@ class ExpertCache(Residency):
         self.call_position = self.position
         self.position += tokens
 
-    def observe(self, call) -> None:
-        """Give `call` (an experts.LayerCall, or a function making it) to the observers: left
-        in `deferred` where the prefetcher's host thread does it (see Residency.catch_up), else now."""
+    def observe(self, call, profile=None) -> None:
+        """Give `call` (an experts.LayerCall, or a function making it) to the observers, learnt
+        by `profile`, else by the rows of the batched model call under way, else the live profile:
+        left in `deferred` where the prefetcher's host thread does it (see Residency.catch_up), else now."""
+        if profile is None:
+            profile = self.profile if self.rows is None else self.rows
         if self.prefetcher is not None and self.prefetcher.off_thread:
-            self.deferred.append((self.notify, (call,)))
+            self.deferred.append((self.notify, (call, profile)))
         else:
             with self.lock:
-                self.notify(call)
+                self.notify(call, profile)
 
-    def notify(self, call) -> None:
-        """The live profile learns `call` (and its tokens at the first layer), then the observers get it."""
+    def notify(self, call, profile) -> None:
+        """`profile` learns `call` (and its tokens at the first layer), then the observers get it."""
         call = call() if callable(call) else call
-        if self.profile is not None:
-            if call.ticked:
-                self.profile.tick(call.ticked)
-            self.profile.observe(call.layer, call.experts, call.scores, call.mean)
+        if profile is not None:
+            profile.learn(call)
         for observer in self.observers:
             observer(call)
 
@@ -416,10 +418,11 @@ class ExpertCache(Residency):
             self.prefetcher.bar.paced = None  # the pause between sequences is no decode step
 
     def fetch(self, layer: int, experts: list, scores: list | None = None, probs: np.ndarray | None = None,
-              routing: Callable | None = None, early: Callable | None = None) -> list:
+              routing: Callable | None = None, early: Callable | None = None, misses: list | None = None) -> list:
         """Make the distinct `experts` of `layer` resident; return their slots. Where some
         must be read on the decode thread, `early({expert: slot})` is first given those
         already resident, so that it can start computing with them while the rest are read.
+        `misses`, where given, gets the experts that missed (those counted as misses).
         Interrupted (Ctrl-C in `chat`, which carries on) or failed anywhere, the keys of the
         call that no background read is filling leave the cache: a key given a slot but not
         yet read would otherwise pass for resident with another expert's bytes."""
@@ -427,7 +430,7 @@ class ExpertCache(Residency):
         if self.step_tokens == 1 and layer == self.fetched[1] + 1:
             self.layer_seconds = decayed(self.layer_seconds, time.perf_counter() - self.fetched[0])
         try:
-            return self._fetch(layer, experts, scores, probs, routing, early)
+            return self._fetch(layer, experts, scores, probs, routing, early, misses)
         except BaseException:
             with self.lock:
                 unsure = [(layer, e) for e in experts if (layer, e) not in self.in_flight]
@@ -441,7 +444,7 @@ class ExpertCache(Residency):
             raise MlxmoeError("this model's expert cache is closed; load the model again")
 
     def _fetch(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None,
-               routing: Callable | None, early: Callable | None) -> list:
+               routing: Callable | None, early: Callable | None, misses: list | None = None) -> list:
         keys = [(layer, e) for e in experts]
         with self.lock:
             while True:
@@ -450,6 +453,8 @@ class ExpertCache(Residency):
                     break
                 except Busy:
                     self.loader.wait_unlocked()
+            if misses is not None:
+                misses.extend(e for e, _ in missed)
             # from here on background loads never evict what this layer computes with
             self.active = set(keys)
             self.current_layer = layer

@@ -54,9 +54,10 @@ def observe_calls(cache, calls, rows, tokens=1, dists=None) -> None:
     """Tell the cache's observers of a decode step's layer calls of `tokens` tokens [(layer,
     experts, scores, probs)] (their experts in `rows`, flat; each token's router distribution
     in `dists`, flat, where given), in order; where the live profile is the only observer,
-    it learns them at once (as ActivationProfile.observe would one by one)."""
+    it learns them at once (as ActivationProfile.observe would one by one); within a batched
+    model call (a batch of one: `cache.rows`), its row's request learns them."""
     profile = cache.profile
-    if cache.observers or profile is None or any(c[3] is None for c in calls):
+    if cache.observers or profile is None or cache.rows is not None or any(c[3] is None for c in calls):
         for i, ((layer, experts, scores, probs), row) in enumerate(zip(calls, rows)):
             rows_ = np.asarray(row, dtype=np.uint32).reshape(tokens, -1)  # as mlx-lm's indices are
             each = probs if dists is None else dists[i]
@@ -79,6 +80,43 @@ def learn_step(cache, layers, at_layers, experts, mass, tokens=1) -> None:
             profile.tick(tokens)
         profile.counts[at_layers, experts] += 1.0
         profile.mass[layers] += mass
+
+
+def row_counts(rows, sequences, missed=(), nbytes=0, real=None) -> np.ndarray:
+    """Per sequence of a batched layer call whose tokens' experts are `rows` [tokens, k]
+    (sequence after sequence, alike in length; `real`: each one's first tokens that are not
+    padding, where some are): [hits, misses, bytes read], int64 [sequences, 3]. Each
+    sequence's distinct experts count once, as its own call's would: a miss where in `missed`
+    (the experts the call read), else a hit. The `nbytes` read, in equal parts per expert read,
+    are shared by the sequences that routed to it (the remainder to the first)."""
+    seq = np.repeat(np.arange(sequences), len(rows) // sequences)  # each token's
+    if real is not None:  # (an expert only padding routed to: read, given to no sequence)
+        keep = np.arange(len(rows)) % (len(rows) // sequences) < np.asarray(real)[seq]
+        rows, seq = rows[keep], seq[keep]
+    pairs = np.unique(rows.astype(np.int64) * sequences + seq[:, None])  # (expert, sequence), by expert
+    expert, row = np.divmod(pairs, sequences)
+    miss = np.isin(expert, missed)
+    out = np.zeros((sequences, 3), dtype=np.int64)
+    out[:, 0] = np.bincount(row[~miss], minlength=sequences)
+    out[:, 1] = np.bincount(row[miss], minlength=sequences)
+    if nbytes and miss.any():
+        _, first, readers = np.unique(expert[miss], return_index=True, return_counts=True)
+        part = nbytes // len(readers) + (np.arange(len(readers)) < nbytes % len(readers))  # each expert's bytes
+        part, n = np.repeat(part, readers), np.repeat(readers, readers)  # of each (expert, sequence) pair read
+        rank = np.arange(len(n)) - np.repeat(first, readers)  # the pair's place among its expert's readers
+        np.add.at(out[:, 2], row[miss], part // n + (rank < part % n))
+    return out
+
+
+def count_rows(cache, batch, rows, experts, missed=(), nbytes=0) -> None:
+    """A batched layer call's counts per row (row_counts), given to its rows' requests (`batch`,
+    batching.CallRows); the cache's hits and misses count them too, in place of the call's
+    distinct `experts` (of which `missed` missed), so that the requests' add up to the cache's."""
+    per_row = row_counts(rows, batch.size, missed, nbytes, batch.real)
+    with cache.lock:
+        cache.counters.hits += int(per_row[:, 0].sum()) - len(experts) + len(missed)
+        cache.counters.misses += int(per_row[:, 1].sum()) - len(missed)
+        batch.count(per_row)
 
 
 def _tapped(cls):
@@ -174,6 +212,8 @@ class ResidentCalls:
         self.cache = cache
         self.calls: list = []
         self.side: list = []
+        # a batched model call's rows: its calls counted and learnt per row (batching.CallRows)
+        self.rows, self.profile = cache.rows, cache.profile if cache.rows is None else cache.rows
 
     @classmethod
     def defer(cls, cache, layer: int) -> "ResidentCalls":
@@ -196,7 +236,8 @@ class ResidentCalls:
     def __call__(self) -> None:
         calls = self.calls
         routers = [c[2] if c[2] is not None else c[3] for c in calls]
-        if calls and all(r is not None for r in routers) and calls[0][1].size == calls[0][1].shape[-1] \
+        one_token = bool(calls) and calls[0][1].size == calls[0][1].shape[-1]  # (of one sequence: not a batch's)
+        if self.rows is None and one_token and all(r is not None for r in routers) \
                 and len({(c[1].shape, r.shape, c[2] is None) for c, r in zip(calls, routers)}) == 1:
             return self._decode_step(routers)
         self._call_by_call()
@@ -207,14 +248,16 @@ class ResidentCalls:
         steps, rows = [], []  # a decode step's calls: told at once (observe_calls)
         for module, indices, tapped, probs in self.calls:
             _, flat, p = module._routing(indices, probs if tapped is None else next(from_logits))
-            if len(flat) == 1:
+            if len(flat) == 1 and self.rows is None:
                 steps.append(step_call(module._layer, flat[0], p))
                 rows.append(flat[0])
                 self.cache.counters.hits += len(steps[-1][1])  # no policy: nothing will be evicted
                 continue
             call = module._record(flat, p)
             self.cache.counters.hits += len(call.experts)
-            self.cache.observe(call)
+            if self.rows is not None:
+                count_rows(self.cache, self.rows, flat, call.experts)
+            self.cache.observe(call, self.profile)
         if steps:
             observe_calls(self.cache, steps, rows)
 
@@ -363,13 +406,14 @@ class StreamingExperts(nn.Module):
         experts in `groups` that fit, each read once, and compute each group's (token,
         expert) pairs, evaluated before the next group may reuse its slots; the pairs'
         outputs are then put back in the order of `idx`. The observers see one layer call."""
-        call = self._record(rows, probs)
+        cache = self._cache
+        call, batch, missed, read = self._record(rows, probs), cache.rows, [], cache.counters.demand_bytes
         score = None if call.scores is None else dict(zip(call.experts, call.scores))
         xs = x.reshape(-1, x.shape[-1])
         outs, places = [], []
         for group in groups:
-            slots = self._cache.fetch(self._layer, group, None if score is None else [score[e] for e in group],
-                                      call.mean)
+            slots = cache.fetch(self._layer, group, None if score is None else [score[e] for e in group],
+                                call.mean, misses=missed)
             lut = np.zeros(group[-1] + 1, dtype=np.uint32)
             lut[group] = slots
             t, j = np.nonzero(np.isin(rows, group))
@@ -377,7 +421,9 @@ class StreamingExperts(nn.Module):
             mx.eval(y)
             outs.append(y.reshape(len(t), *y.shape[2:]))
             places.append(t * rows.shape[1] + j)
-        self._cache.observe(call)
+        if batch is not None:
+            count_rows(cache, batch, rows, call.experts, missed, cache.counters.demand_bytes - read)
+        cache.observe(call)
         y = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(places)))]
         return y.reshape(*idx.shape, *y.shape[1:])
 
@@ -522,10 +568,13 @@ class StreamingExperts(nn.Module):
     def _slots(self, rows: np.ndarray, idx: np.ndarray, probs: np.ndarray | None) -> mx.array:
         """Fetch the distinct experts of a layer call's `rows` and tell the cache's observers;
         return `idx` with expert ids replaced by slots."""
-        call = self._record(rows, probs)
+        cache = self._cache
+        call, batch, missed, read = self._record(rows, probs), cache.rows, [], cache.counters.demand_bytes
         experts = call.experts
-        slots = self._cache.fetch(self._layer, experts, call.scores, call.mean)
-        self._cache.observe(call)
+        slots = cache.fetch(self._layer, experts, call.scores, call.mean, misses=missed)
+        if batch is not None:
+            count_rows(cache, batch, rows, experts, missed, cache.counters.demand_bytes - read)
+        cache.observe(call)
         lut = np.zeros(max(experts) + 1, dtype=np.uint32)
         lut[experts] = slots
         return mx.array(lut[idx])

@@ -110,6 +110,12 @@ class ActivationProfile:
         elif scores is not None:
             self.mass[layer, experts] += scores
 
+    def learn(self, call):
+        """One layer call (an experts.LayerCall): its tokens at the first layer, then observe."""
+        if call.ticked:
+            self.tick(call.ticked)
+        self.observe(call.layer, call.experts, call.scores, call.mean)
+
     def absorb(self, other):
         """Learn `other`'s observations as if they came after this profile's (a server's
         request, recorded apart until its profile was chosen): this one decays by its
