@@ -13,8 +13,8 @@
    mlx_lm.server one request at a time (--decode-concurrency 1): stock's own gain from batching
    on this workload (the prompts' prefill does not batch away: it bounds what batching gives);
 2. as the batch grows, at a partial cache (--memory-budget, the demo's 46MB: 57 of 128
-   experts): the distinct experts a step fetched (hits + misses: each layer call counts the
-   union of its rows' experts once) and the bytes read, per generated token, from
+   experts): the experts the requests used (hits + misses: each row's distinct experts per
+   layer call, as a request alone counts them) and the bytes read, per generated token, from
    /v1/mlxmoe/stats around each round.
 
     python bench/bench_batch.py [--model DIR] [--rounds 3] [--clients 1,4,8,16]
@@ -141,7 +141,7 @@ def reads_per_token(args, pool, clients_list):
             experts = after["hits"] + after["misses"] - before["hits"] - before["misses"]
             read = after["bytes_read"] - before["bytes_read"]
             rows.append({"clients": clients, "experts_per_token": experts / tokens, "bytes_per_token": read / tokens})
-            print(f"{clients:>2} clients at {args.partial_budget}: {experts / tokens:.1f} distinct experts and "
+            print(f"{clients:>2} clients at {args.partial_budget}: {experts / tokens:.1f} experts used and "
                   f"{read / tokens / (1 << 20):.3f} MiB read per generated token", flush=True)
     finally:
         server.stop()
