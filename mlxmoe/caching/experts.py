@@ -119,6 +119,18 @@ def count_rows(cache, batch, rows, experts, missed=(), nbytes=0) -> None:
         batch.count(per_row)
 
 
+def told(cache, call, fetch):
+    """`fetch(missed)` (the cache's fetches of layer call `call`, given a list to put their
+    misses in), then the call counted per row (a batched model call's: count_rows) and told
+    to the observers. Returns what fetch returned."""
+    batch, missed, read = cache.rows, [], cache.counters.demand_bytes
+    out = fetch(missed)
+    if batch is not None:
+        count_rows(cache, batch, call.rows, call.experts, missed, cache.counters.demand_bytes - read)
+    cache.observe(call)
+    return out
+
+
 def _tapped(cls):
     """A subclass of a router's Linear class whose call also keeps its output."""
 
@@ -406,39 +418,35 @@ class StreamingExperts(nn.Module):
         experts in `groups` that fit, each read once, and compute each group's (token,
         expert) pairs, evaluated before the next group may reuse its slots; the pairs'
         outputs are then put back in the order of `idx`. The observers see one layer call."""
-        cache = self._cache
-        call, batch, missed, read = self._record(rows, probs), cache.rows, [], cache.counters.demand_bytes
+        cache, call = self._cache, self._record(rows, probs)
         score = None if call.scores is None else dict(zip(call.experts, call.scores))
         xs = x.reshape(-1, x.shape[-1])
         outs, places = [], []
-        for group in groups:
-            slots = cache.fetch(self._layer, group, None if score is None else [score[e] for e in group],
-                                call.mean, misses=missed)
-            lut = np.zeros(group[-1] + 1, dtype=np.uint32)
-            lut[group] = slots
-            t, j = np.nonzero(np.isin(rows, group))
-            y = self._inner(xs[mx.array(t)], mx.array(lut[rows[t, j]].reshape(-1, 1)))
-            mx.eval(y)
-            outs.append(y.reshape(len(t), *y.shape[2:]))
-            places.append(t * rows.shape[1] + j)
-        if batch is not None:
-            count_rows(cache, batch, rows, call.experts, missed, cache.counters.demand_bytes - read)
-        cache.observe(call)
+
+        def compute(missed):
+            for group in groups:
+                slots = cache.fetch(self._layer, group, None if score is None else [score[e] for e in group],
+                                    call.mean, misses=missed)
+                lut = np.zeros(group[-1] + 1, dtype=np.uint32)
+                lut[group] = slots
+                t, j = np.nonzero(np.isin(rows, group))
+                y = self._inner(xs[mx.array(t)], mx.array(lut[rows[t, j]].reshape(-1, 1)))
+                mx.eval(y)
+                outs.append(y.reshape(len(t), *y.shape[2:]))
+                places.append(t * rows.shape[1] + j)
+        told(cache, call, compute)
         y = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(places)))]
         return y.reshape(*idx.shape, *y.shape[1:])
 
     def _probs(self, x):
         """The router's distribution for x (unevaluated), where the cache uses it."""
-        return self._router(x) if self._wants_probs() else None
+        return self._router(x) if self._router is not None and self._cache.wants_probs() else None
 
     def _logits(self):
         """The tapped router's logits of this call (the model's own array), where the cache
         uses the router's distribution; else None."""
         logits = getattr(self._router, "logits", None)
-        return logits() if logits is not None and (self._lossy is not None or self._wants_probs()) else None
-
-    def _wants_probs(self):
-        return self._router is not None and self._cache.wants_probs()
+        return logits() if logits is not None and (self._lossy is not None or self._cache.wants_probs()) else None
 
     def _routing(self, indices, probs):
         """The evaluated routing on the host: (indices, indices [tokens, k], probs [tokens,
@@ -568,13 +576,9 @@ class StreamingExperts(nn.Module):
     def _slots(self, rows: np.ndarray, idx: np.ndarray, probs: np.ndarray | None) -> mx.array:
         """Fetch the distinct experts of a layer call's `rows` and tell the cache's observers;
         return `idx` with expert ids replaced by slots."""
-        cache = self._cache
-        call, batch, missed, read = self._record(rows, probs), cache.rows, [], cache.counters.demand_bytes
+        cache, call = self._cache, self._record(rows, probs)
         experts = call.experts
-        slots = cache.fetch(self._layer, experts, call.scores, call.mean, misses=missed)
-        if batch is not None:
-            count_rows(cache, batch, rows, experts, missed, cache.counters.demand_bytes - read)
-        cache.observe(call)
+        slots = told(cache, call, lambda missed: cache.fetch(self._layer, experts, call.scores, call.mean, misses=missed))
         lut = np.zeros(max(experts) + 1, dtype=np.uint32)
         lut[experts] = slots
         return mx.array(lut[idx])
