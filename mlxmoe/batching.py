@@ -305,21 +305,23 @@ class Batches(BatchGenerator):
         self.prefill_batch_size = max(1, min(self.max_prefill, len(self._prompt_batch) + admitted))
 
     def _prefill_chunk(self):
-        """The tokens each prompt prefills at the next step: the step a prompt alone as long as
-        the longest of them (with its cached prefix) takes (api.prefill_step), shared by the
-        prompts that prefill then (a shorter prompt's right padding counts and learns for no
-        one: Prompts)."""
+        """The tokens each prompt prefills at the next step: a prompt alone, the step it would
+        take alone (api.prefill_step: its tokens and cached prefix); several, the planned step for
+        the whole context (their masks and padding are arrays a prompt alone does without) shared
+        by them (a shorter prompt's right padding counts and learns for no one: Prompts)."""
         joining = list(itertools.islice(self._unprocessed_sequences, max(0, min(
             self.prefill_batch_size - len(self._prompt_batch),
             self.completion_batch_size - len(self._generation_batch), len(self._unprocessed_sequences)))))
         segments = [seq[0] for seq in self._currently_processing] + [seq[1] for seq in joining]
         prompts = sum(not (len(s) == 1 and len(s[0]) == 1) for s in segments)  # (the rest: to generation)
-        if prompts:
+        if prompts == 1:
             keys = [seq[2] for seq in self._currently_processing]  # (a prompt's tokens, done and left)
             keys += [sum(map(len, seq[1])) + max((getattr(c, "offset", 0) for c in seq[3] or []), default=0)
                      for seq in joining]
-            step = max(self.step, prefill_step(self.base.expert_runtime.plan, None, range(max(keys))))
-            self.prefill_step_size = max(1, step // prompts)
+            self.prefill_step_size = max(self.step, prefill_step(self.base.expert_runtime.plan, None, range(max(keys))))
+        elif prompts:
+            self.prefill_step_size = max(1, self.step // prompts)
+        if prompts:
             self._prompt_batch.prefill_step_size = self.prefill_step_size  # (its own loop splits by it)
 
     def _account(self, gen_kv, gen_uids, joined):
