@@ -185,7 +185,7 @@ class WaitCounter:
 
         def reader(fn):
             def read(obj, *args, **kw):
-                if mine() and counter.steps:
+                if mine() and counter.steps and id(obj) not in counter.covered:
                     counter.steps[-1] += 1
                 return fn(obj, *args, **kw)
             return read

@@ -132,14 +132,16 @@ class Switch:
 
 class SlotTables:
     """Where each expert of the cache is, for lookups on the device: a [layers, experts] table
-    of slots (`host`), the placeholder where not resident, and the same as an mx array per
-    layer (`rows`); `version`: the cache's residency version they show (None: none built)."""
+    of slots (`host`), the placeholder where not resident, the same as an mx array per layer
+    (`rows`) and as a list per layer (`lists`: a check's few lookups cost less in plain
+    Python than in numpy); `version`: the cache's residency version they show (None: none built)."""
 
     def __init__(self, cache) -> None:
         self.cache = cache
         self.placeholder = cache.capacity  # the spare slot (SlotPools' last): never an expert's
         self.host = None
         self.rows = None
+        self.lists = None
         self.version = None
 
     def current(self) -> bool:
@@ -154,6 +156,7 @@ class SlotTables:
                 table[layer, e] = slot
             self.version = cache.version
         old, self.host = self.host, table
+        self.lists = table.tolist()
         rows = self.rows or [None] * len(table)
         self.rows = [t if old is not None and t is not None and np.array_equal(old[i], table[i])
                      else mx.array(table[i]) for i, t in enumerate(rows)]
@@ -171,20 +174,22 @@ class SlotTables:
                 changed.add(layer)
             for layer in changed:
                 self.rows[layer] = mx.array(table[layer])
+                self.lists[layer] = table[layer].tolist()
         self.version = self.cache.version
 
     def first_miss(self, layers, rows):
-        """The index of the first layer call whose experts (`rows`) are not all resident, or None."""
-        if len({len(r) for r in rows}) == 1:  # (every layer routes as many: one lookup)
-            absent = (self.host[np.array(layers)[:, None], np.stack(rows)] == self.placeholder).any(axis=1)
-        else:
-            absent = np.array([(self.host[m][r] == self.placeholder).any() for m, r in zip(layers, rows)])
-        return int(absent.argmax()) if absent.any() else None
+        """The index of the first layer call whose experts (`rows`, lists) are not all resident, or None."""
+        lists, placeholder = self.lists, self.placeholder
+        for i, (m, row) in enumerate(zip(layers, rows)):
+            slots = lists[m]
+            if any(slots[e] == placeholder for e in row):
+                return i
+        return None
 
     def absent(self, layers, rows) -> list:
-        """The keys of these layer calls' experts that are not resident."""
-        table, placeholder = self.host, self.placeholder
-        return [(m, int(e)) for m, row in zip(layers, rows) for e in np.unique(row) if table[m][e] == placeholder]
+        """The keys of these layer calls' experts (`rows`, lists) that are not resident."""
+        lists, placeholder = self.lists, self.placeholder
+        return [(m, e) for m, row in zip(layers, rows) for e in sorted(set(row)) if lists[m][e] == placeholder]
 
 
 class Verifier:
@@ -340,7 +345,7 @@ class Verifier:
             # (the arrays the queued layers compute, no new op: one would wait behind the whole queue)
             mx.eval(*[self.calls[m][0] for m in layers], *routers)
         start, read = time.perf_counter(), cache.counters.read_seconds
-        rows = [np.array(self.calls[m][0]).reshape(-1) for m in layers]
+        rows = [_flat(self.calls[m][0].tolist()) for m in layers]
         first = self.tables.first_miss(layers, rows) if layers else None
         self.hits[0].extend(layers[:first])
         self.hits[1].extend(rows[:first])
@@ -416,6 +421,13 @@ class Verifier:
         cache.counters.read_seconds += time.perf_counter() - tic
         if self.tables.version != cache.version:
             self.tables.build()
+
+
+def _flat(nested: list) -> list:
+    """The items of a nested list (an array's tolist()), in order."""
+    while nested and isinstance(nested[0], list):
+        nested = [item for inner in nested for item in inner]
+    return nested
 
 
 def _first_mask(make_mask):
