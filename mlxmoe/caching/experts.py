@@ -50,6 +50,18 @@ def step_call(layer, row, probs, tokens=1):
     return layer, experts, scores, probs
 
 
+def step_calls(layers, rows, probs, tokens=1) -> list:
+    """step_call() of each of these layer calls; where each is one token's distinct experts
+    with its router's distribution, in a few numpy calls for them all (the same values)."""
+    if tokens == 1 and len({len(r) for r in rows}) == 1 and all(p is not None for p in probs):
+        experts = np.sort(np.asarray(rows).reshape(len(rows), -1), axis=1)
+        if not (experts[:, 1:] == experts[:, :-1]).any():
+            dists = [p.reshape(-1) for p in probs]
+            scores = np.take_along_axis(np.stack(dists), experts, axis=1)
+            return list(zip(layers, experts.tolist(), scores.tolist(), dists))
+    return [step_call(m, r, p, tokens) for m, r, p in zip(layers, rows, probs)]
+
+
 def observe_calls(cache, calls, rows, tokens=1, dists=None) -> None:
     """Tell the cache's observers of a decode step's layer calls of `tokens` tokens [(layer,
     experts, scores, probs)] (their experts in `rows`, flat; each token's router distribution
@@ -286,7 +298,7 @@ class ResidentCalls:
             cache.tick(1)
         cache.counters.hits += int((np.diff(np.sort(rows, axis=1), axis=1) != 0).sum()) + len(rows)  # distinct
         if cache.observers or cache.profile is None:
-            observe_calls(cache, [step_call(m, r, p) for m, r, p in zip(layers, rows, probs)], list(rows))
+            observe_calls(cache, step_calls(layers, rows, probs), list(rows))
         else:  # (a row's repeated expert, if any, counted once: as its distinct experts)
             learn_step(cache, layers, np.array(layers)[:, None], rows, probs)
 

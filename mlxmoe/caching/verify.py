@@ -29,7 +29,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_probs
-from .experts import observe_calls, resident_table, step_call
+from .experts import observe_calls, resident_table, step_call, step_calls
 from .prefetch import decayed
 
 # verified tokens weighed at a time (off after fewer where their replays already cost more);
@@ -386,7 +386,7 @@ class Verifier:
         left for later (Residency.deferred), told to the observers; where the live profile is
         the only one, learnt in one go."""
         cache = self.cache
-        calls = [step_call(m, row, p, self.tokens) for m, row, p in zip(layers, rows, probs)]
+        calls = step_calls(layers, rows, probs, self.tokens)
         cache.counters.hits += sum(len(c[1]) for c in calls)
         if calls:
             cache.hit_calls(calls)
