@@ -328,7 +328,8 @@ def checkpoint_ready(path):
 
 
 def spawn(args, one, load_kwargs="{}", slots=None, rtts=None):
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", one, "--checkpoint", str(args.checkpoint),
+    checkpoint = args.stock_checkpoint if slots is None and args.stock_checkpoint else args.checkpoint
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", one, "--checkpoint", str(checkpoint),
            "--tokens", str(args.tokens), "--prompt", args.prompt, "--no-repeat", str(args.no_repeat),
            "--load-kwargs", load_kwargs, "--timeout", str(args.timeout),
            "--calibration-probes", str(args.calibration_probes)]
@@ -466,6 +467,9 @@ def report(args, configs, sizes, results, rtts):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="Built here if missing.")
+    parser.add_argument("--stock-checkpoint", type=Path, default=None,
+                        help="Where stock mlx-lm loads the same weights from (default: --checkpoint), for a "
+                             "--checkpoint stock cannot load: one `mlxmoe convert --bundle` made.")
     parser.add_argument("--configs", default="stock,resident," + ",".join(HIT_TARGETS),
                         help="Comma-separated: stock, stock-layerwait, resident, hit99, hit95, hit90, cacheN (N experts); "
                              "NAME:VARIANT adds --variant VARIANT's load arguments.")
@@ -498,7 +502,7 @@ def main():
 
     # the calibration is written beside --output, never into the checkpoint (an input)
     check_outputs({"--output": args.output, "the calibration": calibration_file(args)},
-                  {"--checkpoint": args.checkpoint})
+                  {"--checkpoint": args.checkpoint, "--stock-checkpoint": args.stock_checkpoint})
     t_start, load_start = time.perf_counter(), os.getloadavg()
     configs = parse_configs(args)
     rtts = [float(x) for x in args.rtt.split(",")]
@@ -515,7 +519,8 @@ def main():
             results[name].append(spawn(args, name, kwargs, slots, rtts if i % 2 == 0 else rtts[::-1]))
     load_end = os.getloadavg()
     if not args.json:
-        print(f"checkpoint {args.checkpoint}; load average {' '.join(f'{x:.2f}' for x in load_start)} at the start, "
+        stock_from = f" (stock mlx-lm: {args.stock_checkpoint})" if args.stock_checkpoint else ""
+        print(f"checkpoint {args.checkpoint}{stock_from}; load average {' '.join(f'{x:.2f}' for x in load_start)} at the start, "
               f"{' '.join(f'{x:.2f}' for x in load_end)} at the end ({os.cpu_count()} CPUs)")
         if calibration:
             print("calibration (experts: warm decode hit rate): "
