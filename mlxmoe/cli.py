@@ -1313,7 +1313,8 @@ def _record(opts, prompts_file, chats, chat_template, max_tokens, what, on_load=
         try:  # (the bar too: an interrupt while it draws stops the run like any other)
             with click.progressbar(length=len(prompts), file=sys.stderr,
                                    label=f"{what} {len(prompts)} prompt{'s' if len(prompts) != 1 else ''}") as bar:
-                run_prompts(model, tokenizer, prompts, max_tokens, on_prompt=lambda i, text: bar.update(1))
+                run_prompts(model, tokenizer, prompts, max_tokens,
+                            on_prompt=lambda i, text: (bar.update(1), _still_running()))
         except KeyboardInterrupt:
             interrupted = True
     except BaseException:
@@ -1849,8 +1850,20 @@ def _exit_now(code):
     os._exit(code)
 
 
+_terminated = []  # SIGTERMs received
+
+
 def _terminate(signum, frame):
+    _terminated.append(signum)
     raise Terminated()
+
+
+def _still_running():
+    """Raise Terminated where a SIGTERM came: its handler's exception is lost where it lands
+    in a finaliser (a generator closed by the garbage collector, a __del__), which Python
+    reports and ignores."""
+    if _terminated:
+        raise Terminated()
 
 
 def run(args=None):

@@ -252,6 +252,42 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["p.json", "p.txt"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (the ignored Terminated)
+def test_a_sigterm_lost_in_a_finaliser_still_ends_the_recording(tmp_path, monkeypatch, capsys):
+    """SIGTERM's handler raises in whatever Python code runs; where that is a finaliser (a
+    generator the garbage collector closes, a __del__), Python prints the exception and goes
+    on: the recording must still stop at the next prompt, save, and exit 130."""
+    from mlxmoe import api, cli
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(["Il gatto e la volpe"] * 6) + "\n")
+    out, ran = tmp_path / "p.json", []
+
+    class Finaliser:
+        def __del__(self):  # the signal lands here: the handler's Terminated is ignored
+            cli._terminate(signal.SIGTERM, None)
+
+    def on_prompt_two(model, tokenizer, prompts, max_tokens, on_prompt):
+        def each(i, text):
+            ran.append(i)
+            if i == 1:
+                Finaliser()
+            on_prompt(i, text)
+        return run_prompts(model, tokenizer, prompts, max_tokens, on_prompt=each)
+
+    run_prompts = api.run_prompts
+    monkeypatch.setattr(api, "run_prompts", on_prompt_two)
+    monkeypatch.setattr(cli, "_terminated", [], raising=False)
+    monkeypatch.setattr(signal, "signal", lambda *a: signal.SIG_DFL)  # (this test process keeps its handlers)
+    with pytest.raises(SystemExit) as exit_:
+        cli.run(["profile", "record", "--prompts", str(prompts), "-w", "x", "-o", str(out), "--max-tokens", "4",
+                 "--cache-experts", "16"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 130, err
+    assert ran == [0, 1] and "keeping what was recorded" in err
+    assert ActivationProfile.load(out).tokens_total > 0
+
+
 # 12 (issue 44, item 5: only size and header count, not the mtime)
 def test_a_touched_or_identically_replaced_shard_is_read_on(demo):
     """rsync and backup tools touch a shard or put an identical copy in its place: the
