@@ -41,6 +41,7 @@ each layer's experts are read once for the P prompts.
 
 import itertools
 
+import mlx.core as mx
 import numpy as np
 from mlx_lm import server as mlx_server
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
@@ -260,6 +261,12 @@ class Batches(BatchGenerator):
             prompt_responses, gen_responses = super()._next()
         except Exception as e:  # noqa: BLE001 - each request in the batch gets the error
             return self._failed(e), []
+        # a finished row's cache (its response's, for mlx-lm's prompt cache) is a lazy slice of the
+        # batch's KV before the rows left, and mlx-lm's loop holds the responses through the next
+        # step, which copies the rows kept: made now (before that step, in the stream's order), the
+        # slices let the old KV go as the copy is made (left lazy, the old KV lived beside its copy:
+        # 1.08x the budget with 16 clients)
+        mx.async_eval([c.state for r in gen_responses if r.prompt_cache for c in r.prompt_cache])
         last = self._account(gen_kv, gen_uids, [r.uid for r in prompt_responses if r.end_of_prompt])
         for response in gen_responses:  # a request's first token: its profile, as one alone gets it then
             request = self.requests.get(response.uid)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import server as mlx_server
@@ -340,6 +341,35 @@ def test_the_budget_holds_with_16_clients():
     finally:
         s.stop()
     assert stats["peak_memory"] <= 1.05 * stats["server"]["memory_budget"]
+
+
+def test_the_budget_holds_as_rows_leave_a_batch_of_16(monkeypatch):
+    """16 requests admitted together (held back until all are in: the KV reserve's 16 rows of
+    256 tokens), leaving at 5 different steps: a finished row's cache (for mlx-lm's prompt
+    cache) is a slice of the batch's KV before the rows left, and the next step copies the rows
+    kept; the old KV must go as the copy is made, not live beside it (1.08x the budget when it
+    did)."""
+    admit, waiting = batching.Batches._admit, [True]
+
+    def all_at_once(self):
+        waiting[0] = waiting[0] and len(self._unprocessed_sequences) < 16
+        if waiting[0]:
+            self.completion_batch_size = 0  # (mlx-lm's step does nothing: they wait)
+        else:
+            admit(self)
+    monkeypatch.setattr(batching.Batches, "_admit", all_at_once)
+    asked = [(PROMPTS[i % len(PROMPTS)], 8 + i % 5) for i in range(16)]
+    before = mx.get_active_memory()  # (what earlier tests left: not this server's)
+    mx.reset_peak_memory()
+    served = start(16, memory_budget="46MB")
+    try:
+        got = in_threads(lambda p, n: complete(served, p, n), asked)
+        budget = served.model.expert_runtime.plan.budget
+    finally:
+        served.stop()
+    assert sorted({u["batch_steps"] for _, u in got}) == [10, 11, 12, 13, 14]  # (and their prompts' two)
+    assert [u["batch_largest"] for _, u in got] == [16] * 16
+    assert mx.get_peak_memory() - before <= 1.05 * budget, (mx.get_peak_memory() - before) / budget
 
 
 def test_batching_off_with_drafts_or_max_batch_1():
