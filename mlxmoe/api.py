@@ -502,7 +502,7 @@ class Runtime:
         self.prefetcher = prefetcher  # built on `cache`, attached to it
         self.lossy = None  # lossy.Lossy where a lossy mode is on
         self.draft_model: nn.Module | None = None  # load's draft_model, within the budget
-        self.ngram_pause = [OFF_TOKENS]  # the next pause of n-gram drafting (drafting.Lookup), kept between generations
+        self.ngram_pause = [OFF_TOKENS, 0]  # n-gram drafting's next pause, and the tokens left of one (drafting.Lookup)
         self.trace: TraceWriter | None = None  # the trace being recorded (record_trace), one of the cache's observers
         # under pipeline stages: the file rank 0 merges the stages' traces into (close)
         self.trace_target: str | os.PathLike | None = None

@@ -26,12 +26,13 @@ from .errors import MlxmoeError
 
 NGRAM_SIZES = (3, 2)
 # n-gram drafting weighs its acceptance over its first FIRST_WEIGH drafted steps (at the
-# start of a generation, and after a pause), then every WEIGH_STEPS, and pauses for
-# OFF_TOKENS tokens where it is below MIN_ACCEPTANCE, the pause doubled at each pause in a
-# row up to MOST_OFF_TOKENS; the pause's length carries over to the model's next generation
-# (a chat of free text tries two steps a reply)
-WEIGH_STEPS, FIRST_WEIGH, MIN_ACCEPTANCE = 4, 2, 0.3
-OFF_TOKENS, MOST_OFF_TOKENS = 16, 512
+# start of drafting, and after a pause), drafting PROBE_TOKENS at most in them (a failed
+# probe costs a short step), then every WEIGH_STEPS, and pauses for OFF_TOKENS tokens where
+# it is below MIN_ACCEPTANCE, the pause doubled at each pause in a row up to MOST_OFF_TOKENS;
+# the pause, and what is left of it, carry over to the model's next generation (a chat's
+# short replies of free text do not each try again)
+WEIGH_STEPS, FIRST_WEIGH, MIN_ACCEPTANCE = 4, 1, 0.3
+OFF_TOKENS, MOST_OFF_TOKENS, PROBE_TOKENS = 16, 512, 2
 NGRAM_DRAFT_TOKENS = 5  # tokens an n-gram step proposes at most, by default
 
 
@@ -86,12 +87,14 @@ def ngram_draft(seq, n, most):
 class Lookup:
     """One generation's n-gram drafting: the sequence so far, and whether drafting is on
     (off for a while where its acceptance was low). `pause`: [the next pause's length in
-    tokens], shared by a model's generations (Runtime.ngram_pause)."""
+    tokens, the tokens left of the pause under way], shared by a model's generations
+    (Runtime.ngram_pause)."""
 
     def __init__(self, tokens, most, pause=None):
         self.seq = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)
         self.n, self.most = 0, most
-        self.made, self.off_until, self.pause = 0, 0, pause if pause is not None else [OFF_TOKENS]
+        self.pause = pause if pause is not None else [OFF_TOKENS, 0]
+        self.made, self.off_until = 0, self.pause[1]
         self.window = [0, 0, 0]  # drafted, accepted, steps since the last weighing
         self.first = True  # the first window since drafting (re)started: FIRST_WEIGH steps
         self.extend(tokens)
@@ -105,9 +108,12 @@ class Lookup:
     def add(self, token):
         self.extend([token])
         self.made += 1
+        self.pause[1] = max(self.off_until - self.made, 0)
 
     def propose(self):
-        return [] if self.made < self.off_until else ngram_draft(self.seq, self.n, self.most)
+        if self.made < self.off_until:
+            return []
+        return ngram_draft(self.seq, self.n, min(self.most, PROBE_TOKENS) if self.first else self.most)
 
     def weigh(self, drafted, accepted):
         """A drafted step's outcome; off for a while where acceptance is low."""
@@ -118,7 +124,7 @@ class Lookup:
         self.first = w[1] < MIN_ACCEPTANCE * w[0]
         if self.first:
             self.off_until = self.made + self.pause[0]
-            self.pause[0] = min(2 * self.pause[0], MOST_OFF_TOKENS)
+            self.pause[:] = [min(2 * self.pause[0], MOST_OFF_TOKENS), self.pause[0]]
         else:
             self.pause[0] = OFF_TOKENS
         self.window = [0, 0, 0]

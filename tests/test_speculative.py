@@ -18,7 +18,7 @@ from conftest import run_cli
 from mlxmoe.api import model_info
 from mlxmoe.backend import detect
 from mlxmoe import drafting
-from mlxmoe.drafting import FIRST_WEIGH, OFF_TOKENS, Lookup, ngram_draft
+from mlxmoe.drafting import FIRST_WEIGH, OFF_TOKENS, PROBE_TOKENS, Lookup, ngram_draft
 
 TEXT = "the cat sat on the mat and then the dog came to see the cat"
 REPEAT = f"Repeat this text: {TEXT}. Again: {TEXT}. Again:"  # a prompt the output repeats (n-gram drafts)
@@ -196,20 +196,24 @@ def test_ngram_lookup_and_its_switch():
     assert ngram_draft(np.array([1, 2, 3]), 3, 5) == []
     assert ngram_draft(np.array([5, 1, 7, 2, 5]), 5, 3) == []  # one token alone matching: no draft
     lookup = Lookup([1, 2, 3, 1, 2, 3], most=4)
-    assert lookup.propose() == [1, 2, 3]
+    assert lookup.propose() == [1, 2, 3][:PROBE_TOKENS]  # the first window probes with short drafts
     for _ in range(FIRST_WEIGH):  # steps whose drafts were all rejected: off for a while
         lookup.add(4)
-        lookup.weigh(4, 0)
+        lookup.weigh(PROBE_TOKENS, 0)
     lookup.extend([1, 2, 3])
     assert lookup.propose() == []
-    for _ in range(OFF_TOKENS):
+    for _ in range(OFF_TOKENS - 3):
         lookup.add(3)
-    lookup.extend([1, 2, 3])
-    assert lookup.propose() != []  # on again
-    assert lookup.pause == [2 * OFF_TOKENS]  # a longer pause at the next turn off
-    lookup.weigh(4, 4)
-    lookup.weigh(4, 3)  # a good window: the pause back to its shortest
-    assert lookup.pause == [OFF_TOKENS] and lookup.propose() != []
+    assert lookup.pause == [2 * OFF_TOKENS, 3]  # a longer pause at the next turn off; 3 tokens left of this one
+    after = Lookup([1, 2, 3, 1, 2, 3], most=4, pause=lookup.pause)  # the model's next generation: still off
+    assert after.propose() == []
+    for _ in range(3):
+        after.add(3)
+    after.extend([1, 2, 3])
+    assert len(after.propose()) == PROBE_TOKENS and lookup.pause == [2 * OFF_TOKENS, 0]  # on again
+    after.weigh(2, 2)
+    after.weigh(2, 1)  # a good window: the pause back to its shortest, drafts at their longest
+    assert after.pause == [OFF_TOKENS, 0] and len(after.propose()) == 4
 
 
 def test_ngram_switches_itself_off_where_drafts_fail(paths, monkeypatch):
@@ -224,12 +228,14 @@ def test_ngram_switches_itself_off_where_drafts_fail(paths, monkeypatch):
     got = [r.token for r in mlxmoe.stream_generate(model, tokenizer, FREE, max_tokens=120, draft_model="ngram")]
     assert got == want
     stats = model.expert_cache.stats()
-    steps = stats["drafted"] // drafting.NGRAM_DRAFT_TOKENS
+    steps = stats["drafted"] // PROBE_TOKENS  # (every window a probe: none is good)
     assert stats["accepted"] == 0 and 0 < steps <= 4 * FIRST_WEIGH, stats  # off 16, 32, 64 tokens between tries
-    # the next generation on the model tries FIRST_WEIGH steps, then pauses longer than its 120 tokens
+    # the next generation on the model goes on with what is left of the pause, then tries
+    # FIRST_WEIGH steps at most before a pause longer than its 120 tokens
+    left = model.expert_runtime.ngram_pause[1]
     model.expert_cache.reset_stats()
     assert [r.token for r in mlxmoe.stream_generate(model, tokenizer, FREE, max_tokens=120, draft_model="ngram")] == want
-    assert model.expert_cache.stats()["drafted"] == FIRST_WEIGH * drafting.NGRAM_DRAFT_TOKENS
+    assert model.expert_cache.stats()["drafted"] == (0 if left >= 119 else FIRST_WEIGH * PROBE_TOKENS), left
     model.expert_runtime.close()
 
 
