@@ -297,9 +297,11 @@ class Stops:
 
 def print_reply(steps, waiting, stops):
     """Print a reply as stream_generate's `steps` give it, up to the first of `stops` (the
-    generation is closed there); the last response (also stops.last, after Ctrl-C), or None."""
+    generation is closed there); the last response (also stops.last, after Ctrl-C), or None.
+    A SIGTERM whose handler's exception was lost ends it at the next token."""
     with contextlib.closing(steps):
         for response in steps:
+            _still_running()
             stops.last = response
             waiting.stop(finished=True)
             text = stops.feed(response.text)

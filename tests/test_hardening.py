@@ -288,6 +288,34 @@ def test_a_sigterm_lost_in_a_finaliser_still_ends_the_recording(tmp_path, monkey
     assert ActivationProfile.load(out).tokens_total > 0
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (the ignored Terminated)
+def test_a_sigterm_lost_in_a_finaliser_still_ends_a_generation(monkeypatch, capsys):
+    """As for a recording: a SIGTERM whose Terminated a finaliser swallowed ends `generate` at
+    the next token, which exits 130 with its figures (of what ran), not at the reply's end."""
+    from mlxmoe import api, cli
+
+    class Finaliser:
+        def __del__(self):  # the signal lands here: the handler's Terminated is ignored
+            cli._terminate(signal.SIGTERM, None)
+
+    def lost_at_token_two(*args, **kwargs):
+        for i, response in enumerate(stream_generate(*args, **kwargs)):
+            if i == 1:
+                Finaliser()
+            yield response
+
+    stream_generate = api.stream_generate
+    monkeypatch.setattr(api, "stream_generate", lost_at_token_two)
+    monkeypatch.setattr(cli, "_terminated", [], raising=False)
+    monkeypatch.setattr(signal, "signal", lambda *a: signal.SIG_DFL)  # (this test process keeps its handlers)
+    with pytest.raises(SystemExit) as exit_:
+        cli.run(["generate", "--prompt", "Il gatto e la volpe", "--max-tokens", "40", "--cache-experts", "16"])
+    captured = capsys.readouterr()
+    assert exit_.value.code == 130, captured.err
+    assert "interrupted" in captured.err
+    assert "generation: 1 token" in captured.err, captured.err  # (the token after the signal not printed; alone, 13)
+
+
 # 12 (issue 44, item 5: only size and header count, not the mtime)
 def test_a_touched_or_identically_replaced_shard_is_read_on(demo):
     """rsync and backup tools touch a shard or put an identical copy in its place: the
