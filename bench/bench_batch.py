@@ -17,8 +17,16 @@
    layer call, as a request alone counts them) and the bytes read, per generated token, from
    /v1/mlxmoe/stats around each round.
 
+--rtt S[,S...] runs 1. under an emulated round trip to the device of S us (bench/roundtrip.py,
+on each server's generation thread, stock and mlxmoe alike): a step's waits are paid once for
+all its rows, so batching gains what the waits cost (waits per generated token printed).
+Each server's greedy answers to a prompt must be one and the same; batched against
+--max-batch 1 is checked and printed.
+
     python bench/bench_batch.py [--model DIR] [--rounds 3] [--clients 1,4,8,16]
     python bench/bench_batch.py --rounds 1 --requests 1 --max-tokens 4 --clients 1,2   # smoke run
+    python bench/bench_batch.py --model BUNDLED --stock-model STACKED --partial-throughput \
+        --partial-budget 71MB --clients 1,8 --rtt 0,150,1000             # issue 45's 50 % row
 """
 
 import argparse
@@ -38,89 +46,141 @@ from system import check_outputs, model_folder, write_json  # noqa: E402
 
 
 def complete(port, prompt, max_tokens):
-    """(completion tokens, seconds) of one streaming completion request."""
+    """(completion tokens, seconds, text) of one streaming completion request."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     tic = time.perf_counter()
     conn.request("POST", "/v1/completions", body=json.dumps({
         "model": "default_model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True}}))
     r = conn.getresponse()
-    tokens = None
+    tokens, text = None, []
     for line in r:
-        if line.startswith(b"data: {") and b'"usage"' in line:
-            usage = json.loads(line[6:]).get("usage")
-            tokens = usage["completion_tokens"] if usage else tokens
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            text += [c.get("text") or "" for c in chunk.get("choices") or []]
+            tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
         if line.startswith(b"data: [DONE]"):
             break
     conn.close()
     if tokens is None:
         raise RuntimeError(f"no usage in the answer to {prompt[:40]!r} (HTTP {r.status})")
-    return tokens, time.perf_counter() - tic
+    return tokens, time.perf_counter() - tic, "".join(text)
 
 
 class Completions:
     """A server as bench_server.load_round asks it: each request's (tok/s, seconds), streaming
-    completions; `tokens`: the completion tokens it was answered."""
+    completions; `tokens`: the completion tokens it was answered; `texts`: prompt -> answer."""
 
-    def __init__(self, server):
-        self.port, self.tokens = server.port, 0
+    def __init__(self, server, texts):
+        self.port, self.tokens, self.texts = server.port, 0, texts
 
     def stream(self, prompt, max_tokens):
-        tokens, seconds = complete(self.port, prompt, max_tokens)
+        tokens, seconds, text = complete(self.port, prompt, max_tokens)
         self.tokens += tokens
+        self.texts.setdefault(prompt, set()).add(text)
         return tokens / seconds, seconds
 
 
-def load_round(server, clients, requests, pool, max_tokens):
+def load_round(server, clients, requests, pool, max_tokens, texts=None):
     """`clients` clients, each `requests` requests in turn: (requests/s, [tok/s per request], tokens)."""
-    counted = Completions(server)
+    counted = Completions(server, {} if texts is None else texts)
     rps, tps = bench_server.load_round(counted, clients, requests, pool, max_tokens)
     return rps, tps, counted.tokens
 
 
-def throughput(args, pool, clients_list, budget=None):
+def launch(argv, rtt, report):
+    """A server (`python -m` argv) with the emulated round trip `rtt` us on its generation
+    thread (bench/roundtrip.py, its counts in `report`), or as it is (rtt None)."""
+    if rtt is None:
+        return Server([sys.executable, "-m", *argv])
+    Path(report).unlink(missing_ok=True)
+    server = Server([sys.executable, str(ROOT / "bench" / "roundtrip.py"), "--rtt", str(rtt), "--report", report,
+                     "-m", *argv])
+    server.report = report
+    return server
+
+
+def device_waits(server):
+    """The waits on the device its generation thread made so far (None without a round trip)."""
+    report = getattr(server, "report", None)
+    if report is None:
+        return None
+    time.sleep(0.6)  # (written twice a second)
+    return json.loads(Path(report).read_text())["waits"]
+
+
+def throughput(args, pool, clients_list, budget=None, rtt=None):
     """req/s and tok/s per request: every expert resident against mlx_lm.server, or at the
     memory `budget` against --max-batch 1, with what batching gives stock mlx_lm.server itself
     on the same workload (every expert resident, --decode-concurrency 16 against 1): the
-    prompts' prefill is not batched away, so it bounds what batching can give."""
-    mlxmoe = [sys.executable, "-m", "mlxmoe", "serve", "--model", args.model, "--prompt-cache-size", "0"]
-    stock = [sys.executable, "-m", "mlx_lm", "server", "--model", args.model, "--prompt-cache-size", "0"]
-    servers = {"mlx_lm": Server(stock + ["--decode-concurrency", "16"])}
+    prompts' prefill is not batched away, so it bounds what batching can give. With `rtt`
+    (us), every server under the emulated round trip, and its waits per generated token."""
+    mlxmoe = ["mlxmoe", "serve", "--model", args.model, "--prompt-cache-size", "0"]
+    stock = ["mlx_lm", "server", "--model", args.stock_model or args.model, "--prompt-cache-size", "0"]
+    out = Path(args.out)
+    report = lambda name: str(out.with_name(f"{out.stem}.{name}.waits.json"))  # noqa: E731
+    servers = {"mlx_lm": launch(stock + ["--decode-concurrency", "16"], rtt, report("mlx_lm"))}
     if budget is not None:
-        servers["mlx_lm_one"] = Server(stock + ["--decode-concurrency", "1"])
+        servers["mlx_lm_one"] = launch(stock + ["--decode-concurrency", "1"], rtt, report("mlx_lm_one"))
         mlxmoe += ["--memory-budget", budget]
-    servers["batched"] = Server(mlxmoe + ["--max-batch", "16"])
-    servers["one"] = Server(mlxmoe + ["--max-batch", "1"])
+    servers["batched"] = launch(mlxmoe + ["--max-batch", "16"], rtt, report("batched"))
+    servers["one"] = launch(mlxmoe + ["--max-batch", "1"], rtt, report("one"))
+    texts = {name: {} for name in servers}
     rows = []
     try:
         for s in servers.values():  # warm-up: compile, caches
             load_round(s, 2, 1, pool, args.max_tokens)
         for clients in clients_list:
             runs = {name: [] for name in servers}
+            waits = {name: 0 for name in servers}
             for r in range(args.rounds):
                 names = list(servers)
                 for name in names[r % len(names):] + names[:r % len(names)]:  # rotated each round
-                    runs[name].append(load_round(servers[name], clients, args.requests, pool, args.max_tokens))
-            row = {"clients": clients}
+                    before = device_waits(servers[name])
+                    runs[name].append(load_round(servers[name], clients, args.requests, pool, args.max_tokens,
+                                                 texts[name]))
+                    waits[name] = None if before is None else waits[name] + device_waits(servers[name]) - before
+            row = {"clients": clients, "rtt_us": rtt}
             for name, results in runs.items():
                 row[f"{name}_rps"] = statistics.median(rps for rps, _, _ in results)
                 row[f"{name}_tps"] = statistics.median(t for _, ts, _ in results for t in ts)
+                tokens = sum(n for _, _, n in results)
+                row[f"{name}_waits_per_token"] = None if waits[name] is None else waits[name] / tokens
             row["vs_mlx_lm"] = row["batched_rps"] / row["mlx_lm_rps"]
             row["vs_one"] = row["batched_rps"] / row["one_rps"]
             row["stock_gain"] = row["mlx_lm_rps"] / row["mlx_lm_one_rps"] if budget is not None else None
             rows.append(row)
-            at = f" at {budget}" if budget else ""
-            gain = (f"; stock mlx_lm.server batched / one at a time {row['stock_gain']:.2f}x "
-                    f"({row['mlx_lm_rps']:.2f} / {row['mlx_lm_one_rps']:.2f} req/s, every expert resident)"
-                    if budget is not None else "")
-            print(f"{clients:>2} clients{at}: req/s batched {row['batched_rps']:.2f}, mlx_lm.server "
-                  f"{row['mlx_lm_rps']:.2f}, --max-batch 1 {row['one_rps']:.2f} (batched/mlx_lm "
-                  f"{row['vs_mlx_lm']:.2f}x, batched/one {row['vs_one']:.2f}x){gain}; tok/s per request batched "
-                  f"{row['batched_tps']:.1f}, one {row['one_tps']:.1f}", flush=True)
+            print_row(row, budget)
     finally:
         for s in servers.values():
             s.stop()
+    same = same_answers(texts["batched"], texts["one"])
+    print(f"greedy answers: batched the same as --max-batch 1 for {same[0]} of {same[1]} prompts"
+          f"{'' if same[0] == same[1] else ' (DIFFERENT)'}", flush=True)
+    for row in rows:
+        row["same_answers"] = same
     return rows
+
+
+def print_row(row, budget):
+    at = f" at {budget}" if budget else ""
+    at += f", round trip {row['rtt_us']:g} us" if row["rtt_us"] is not None else ""
+    gain = (f"; stock mlx_lm.server batched / one at a time {row['stock_gain']:.2f}x "
+            f"({row['mlx_lm_rps']:.2f} / {row['mlx_lm_one_rps']:.2f} req/s, every expert resident)"
+            if budget is not None else "")
+    waited = (f"; waits per generated token batched {row['batched_waits_per_token']:.1f}, "
+              f"one {row['one_waits_per_token']:.1f}" if row["rtt_us"] is not None else "")
+    print(f"{row['clients']:>2} clients{at}: req/s batched {row['batched_rps']:.2f}, mlx_lm.server "
+          f"{row['mlx_lm_rps']:.2f}, --max-batch 1 {row['one_rps']:.2f} (batched/mlx_lm "
+          f"{row['vs_mlx_lm']:.2f}x, batched/one {row['vs_one']:.2f}x){gain}; tok/s per request batched "
+          f"{row['batched_tps']:.1f}, one {row['one_tps']:.1f}{waited}", flush=True)
+
+
+def same_answers(batched, one):
+    """(prompts answered alike, prompts both answered): each server's answers to a prompt
+    (greedy, a set over rounds) must be one and the same."""
+    both = [p for p in batched if p in one]
+    return sum(len(batched[p]) == 1 and batched[p] == one[p] for p in both), len(both)
 
 
 def reads_per_token(args, pool, clients_list):
@@ -158,13 +218,22 @@ def main():
     ap.add_argument("--partial-budget", default="46MB", help="the partial cache's --memory-budget (reads per token)")
     ap.add_argument("--partial-throughput", action="store_true",
                     help="Throughput at --partial-budget instead (batched against --max-batch 1), and its reads.")
+    ap.add_argument("--stock-model", help="the checkpoint stock mlx_lm.server loads (default --model; for a "
+                    "bundled --model, the folder it was converted from)")
+    ap.add_argument("--rtt", help="emulated round trips to the device, us, comma-separated (bench/roundtrip.py "
+                    "on every server's generation thread): throughput at each")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "batch.json"))
     args = ap.parse_args()
-    check_outputs({"--out": args.out}, {"--model": model_folder(args.model)})
+    inputs = {"--model": model_folder(args.model)}
+    if args.stock_model:
+        inputs["--stock-model"] = model_folder(args.stock_model)
+    check_outputs({"--out": args.out}, inputs)
     clients = [int(c) for c in args.clients.split(",")]
     pool = [p for lang in ("en", "it", "de", "fr", "es") for p in prompts(lang, 8, max_chars=200)]
     budget = args.partial_budget if args.partial_throughput else None
-    results = {"args": vars(args), "throughput": throughput(args, pool, clients, budget),
+    rtts = [None] if args.rtt is None else [float(r) for r in args.rtt.split(",")]
+    results = {"args": vars(args), "throughput": [row for rtt in rtts for row in throughput(args, pool, clients,
+                                                                                          budget, rtt)],
                "reads": reads_per_token(args, pool, clients)}
     write_json(args.out, results)
     print(f"wrote {args.out}")

@@ -15,7 +15,8 @@ with one generation of the same workload (its cache then holds what the workload
 times one generation per emulated round trip: greedy, the same prompt, the decode window from
 the first token to the last; the hit rate is that window's (expert_cache.stats() deltas).
 
-Emulated round trip (--rtt S, microseconds; a list runs each in the same process): on the
+Emulated round trip (--rtt S, microseconds; a list runs each in the same process; bench/roundtrip.py,
+which bench_batch.py also runs servers under): on the
 decode thread only (the child's main thread, which runs the generator) the bench patches
 mx.eval, mx.synchronize, np.array and np.asarray (given an mx.array), and mx.array's item,
 tolist, __bool__, __int__ and __float__; stock and mlxmoe alike, from outside the runtime. A
@@ -49,21 +50,19 @@ on the device take none; it includes the counting's own cost, ~1-2 us a patched 
 """
 
 import argparse
-import ctypes
 import json
 import math
 import os
 import platform
-import resource
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from roundtrip import DeviceWaits  # noqa: E402
 from bench_runtime import DEFAULT_PROMPT, fmt, no_repeat, run_child, table  # noqa: E402
 from system import check_outputs, write_json  # noqa: E402
 
@@ -75,94 +74,6 @@ SHAPES = {"num_hidden_layers": 48, "num_experts": 128, "num_experts_per_tok": 8,
           "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 4096}
 HIT_TARGETS = {"hit99": 0.99, "hit95": 0.95, "hit90": 0.90}
 STOCKS = ("stock", "stock-layerwait")  # stock mlx-lm configurations (no cache)
-
-
-# ---------------------------------------------------------------- the emulated round trip (child)
-
-
-class DeviceWaits:
-    """Counts the decode thread's host calls that read the device (`calls`), the waits among
-    them (`waits`: the thread slept in the call) and adds `rtt_us` to each wait (see the
-    module's docstring)."""
-
-    def __init__(self, spin=False, every_call=False):
-        self.thread = threading.get_ident()
-        self.spin, self.every_call = spin, every_call
-        self.calls = self.waits = 0
-        self.added = self.emulation_cpu = 0.0  # wall seconds added; decode-thread CPU seconds spent adding them
-        self.sites = {}  # "file:line" of the caller -> waits
-        self.rtt = self.sleep_for = self.overshoot = 0.0
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns: this thread's sleeps end on time
-
-    def set_rtt(self, rtt_us):
-        self.rtt = rtt_us * 1e-6
-        self.sleep_for = max(0.0, self.rtt - self.overshoot)
-
-    def mark(self):
-        return {"calls": self.calls, "waits": self.waits, "added": self.added, "emulation_cpu": self.emulation_cpu,
-                "sites": dict(self.sites)}
-
-    def _wait(self):
-        self.waits += 1
-        frame = sys._getframe(2)  # _wait <- call <- the caller
-        site = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
-        self.sites[site] = self.sites.get(site, 0) + 1
-        if not self.rtt:
-            return
-        tic, cpu = time.perf_counter(), time.thread_time()
-        if self.spin:
-            while time.perf_counter() - tic < self.rtt:
-                pass
-        else:  # shortened by the sleeps' mean overshoot so far, so that they add S on average
-            time.sleep(self.sleep_for)
-            self.overshoot += 0.1 * (time.perf_counter() - tic - self.sleep_for - self.overshoot)
-            self.sleep_for = max(0.0, self.rtt - self.overshoot)
-        self.added += time.perf_counter() - tic
-        self.emulation_cpu += time.thread_time() - cpu
-
-    def wrap(self, fn, reads):
-        """`fn` counted on the decode thread (`reads`: only where its first argument is an mx.array)."""
-        import mlx.core as mx
-
-        def call(*args, **kwargs):
-            if threading.get_ident() != self.thread or reads and not (args and isinstance(args[0], mx.array)):
-                return fn(*args, **kwargs)
-            slept = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.calls += 1
-                if self.every_call or resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw > slept:
-                    self._wait()
-
-        return call
-
-    def install(self):
-        """Patch mlx and numpy (this process, for good); returns the counting's cost per call, us."""
-        import mlx.core as mx
-        import numpy as np
-
-        a = mx.array(1)
-        mx.eval(a)
-        n = 2000
-        tic = time.perf_counter()
-        for _ in range(n):
-            a.item()
-        plain = time.perf_counter() - tic
-        mx.eval = self.wrap(mx.eval, False)
-        mx.synchronize = self.wrap(mx.synchronize, False)
-        np.array = self.wrap(np.array, True)
-        np.asarray = self.wrap(np.asarray, True)
-        for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
-            setattr(mx.array, name, self.wrap(getattr(mx.array, name), True))
-        tic = time.perf_counter()
-        for _ in range(n):
-            a.item()
-        cost = (time.perf_counter() - tic - plain) / n * 1e6
-        self.calls = self.waits = 0
-        self.sites.clear()
-        return cost
 
 
 # ---------------------------------------------------------------- one configuration (child process)

@@ -1,11 +1,12 @@
 """Batched serving (`serve --max-batch N`): mlx-lm's BatchGenerator on the mlxmoe model,
 driven by mlx-lm's own server loop (mlx_lm/server.py ResponseGenerator._generate).
 
-A decode step of B requests calls the model with inputs [B, 1]: the expert cache takes it
-as it takes a prefill (experts.StreamingExperts._call: the union of the rows' experts is
-fetched once, in groups where it exceeds the cache). A batch of one request decodes as a
-request alone does (the verified step takes a BatchKVCache of one row: caching/verify.py);
-running ahead acts on a KVCache or RotatingKVCache only.
+A decode step of B requests calls the model with inputs [B, 1]: where the verified mode is on
+(caching/verify.py) it is verified as one step of B tokens (no wait at a layer whose rows'
+experts are all resident; a replay trims each row's token), else the expert cache takes it as
+it takes a prefill (experts.StreamingExperts._call: the union of the rows' experts is fetched
+once, in groups where it exceeds the cache). Running ahead acts on a KVCache or
+RotatingKVCache only.
 Prompts admitted together are prefilled together: P of them in steps of the planned prefill
 step / P tokens each (a step's tokens stay what the budget's working reserve was planned for);
 each layer's experts are read once for the P prompts.

@@ -161,6 +161,66 @@ def test_a_request_alone_in_the_batch_takes_verified_steps(solo):
     assert after["replays"] > before["replays"]
 
 
+def test_a_batch_takes_verified_steps(solo):
+    """Requests decoded together at a partial cache: a batch's decode steps (inputs [B, 1] on
+    BatchKVCaches) are verified as one step of B tokens, misses replayed (each row's token
+    trimmed), with each request's solo answer and its own counts (those it makes alone), and
+    the requests' counts add up to the cache's."""
+    alone = start(1, memory_budget="46MB")
+    try:
+        each = [complete(alone, p, n)[1] for p, n in ASKED]
+    finally:
+        alone.stop()
+    served = start(8, memory_budget="46MB")
+    verifier = served.model.expert_cache.verifier
+    verifier.batch_switch.weigh = lambda *a: False  # (kept on: the replays' cost is not weighed)
+    steps = []  # the rows of each verified model call
+    ready = verifier._ready
+    verifier._ready = lambda args, kwargs: (lambda kv: kv is not None and steps.append(args[0].shape[0]) or kv)(
+        ready(args, kwargs))
+    try:
+        before = served.model.expert_cache.stats()
+        got = together(served, ASKED)
+        idle(served)
+        after = served.model.expert_cache.stats()
+    finally:
+        served.stop()
+    assert [text for text, _ in got] == solo
+    assert max(steps) > 1 and sum(r > 1 for r in steps) >= 5, steps
+    assert after["verified_tokens"] - before["verified_tokens"] == sum(steps)
+    assert after["replays"] > before["replays"]
+    usages = [u for _, u in got]
+    assert [u["expert_hits"] + u["expert_misses"] for u in usages] == \
+        [u["expert_hits"] + u["expert_misses"] for u in each]
+    for key, total in (("expert_hits", "hits"), ("expert_misses", "misses")):
+        assert sum(u[key] for u in usages) == after[total] - before[total]
+    assert sum(u["mb_read"] for u in usages) * (1 << 20) == pytest.approx(after["bytes_read"] - before["bytes_read"])
+
+
+def test_a_batch_turning_its_mode_off_leaves_a_request_alone_verified(solo):
+    """A batch's steps have a switch of their own: where its replays cost more than the waits
+    they save (here waits that cost nothing), the mode turns off for batches, and a request
+    alone afterwards is still verified."""
+    served = start(8, memory_budget="46MB")
+    verifier = served.model.expert_cache.verifier
+    verifier.batch_switch.layer_wait = lambda: 1e-9  # waits that cost nothing: no replay pays
+    verifier.switch.weigh = lambda *a: False
+    try:
+        got = together(served, ASKED)
+        idle(served)
+        stats = served.model.expert_cache.stats()["verify"]
+        before = served.model.expert_cache.stats()
+        text, usage = complete(served, *ASKED[5])
+        idle(served)
+        after = served.model.expert_cache.stats()
+    finally:
+        served.stop()
+    assert [t for t, _ in got] == solo and text == solo[5]
+    assert stats["batch"]["on"] is False and "replays cost" in stats["batch"]["reason"], stats
+    assert stats["on"] is True
+    assert after["verified_tokens"] - before["verified_tokens"] == usage["batch_steps"] - 1 >= 4
+
+
 def test_row_counts_split_a_layer_call_by_sequence():
     """Two sequences of two tokens, top-2: each sequence's distinct experts counted once; the
     600 bytes of the 2 experts read (300 each) shared by the sequences that routed to each."""

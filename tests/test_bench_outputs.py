@@ -35,6 +35,8 @@ CASES = {
     "bench_prefill.py": [(["--checkpoint", "{M}", "--output", "{M}/config.json"], "{M}/config.json", "{M}")],
     "bench_server.py": [(["--model", "{M}", "--out", "{M}/config.json"], "{M}/config.json", "{M}")],
     "bench_batch.py": [(["--model", "{M}", "--out", "{M}/config.json"], "{M}/config.json", "{M}")],
+    "roundtrip.py": [(["--rtt", "150", "--report", "{M}/config.json", "-m", "mlxmoe", "serve", "--model", "{M}"],
+                      "{M}/config.json", "{M}")],
     "demo_routing.py": [(["--model", "{M}", "--out", "{M}/config.json"], "{M}/config.json", "{M}")],
     "routing_curves.py": [(["--routing", "{R}", "--out", "{R}/qwen.route.csv"], "{R}/qwen.route.csv", "{R}")],
     "traces.py": [(["-o", "{B}/" + HEAT], "{B}/" + HEAT, "{B}/" + HEAT)],

@@ -20,6 +20,13 @@ off for OFF_STEPS steps (doubled at each turn off in a row), then tried again
 (`stats()["verify"]` says which and why). A step takes the per-layer path where a
 background read is under way, a cache cannot be trimmed (a rotating cache that wrapped),
 or every expert is resident (the resident path needs no check at all).
+
+A batch's decode step (`serve --max-batch`: inputs [B, 1] on BatchKVCaches) is verified as one
+step of B tokens: each layer call's experts are the union of its rows', a replay trims each
+row's token (BatchKVCache.trim takes the same count from every row), and each layer call is
+counted per row (experts.count_rows) as the per-layer path counts it. A batch's steps have a
+switch of their own (`batch_switch`): its rows' union misses more often than a row alone does,
+and its replays turning the mode off must not turn it off for a request alone.
 """
 
 import time
@@ -29,7 +36,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_probs
-from .experts import observe_calls, resident_table, step_call, step_calls
+from .experts import count_rows, observe_calls, resident_table, step_call, step_calls
 from .prefetch import decayed
 
 # verified tokens weighed at a time (off after fewer where their replays already cost more);
@@ -38,11 +45,11 @@ from .prefetch import decayed
 # frequent pays for a try ever more rarely)
 WEIGH_TOKENS, FIRST_WEIGH = 16, 2
 OFF_STEPS, MOST_OFF_STEPS = 32, 1024
-# (a BatchKVCache of one row: a batch of one request in `serve`; trim() takes its token back as
-# KVCache's does)
+# (BatchKVCache: a batch's decode step in `serve`; trim() takes each row's token back)
 KV_TYPES = (KVCache, RotatingKVCache, BatchKVCache)
-# the most tokens a verified step takes: a decode step's one, or a speculative step's draft
-# and the token before it; a prompt's longer steps go layer by layer (each reads its union once)
+# the most tokens a verified step takes: a decode step's one (a batch's: one a row), or a
+# speculative step's draft and the token before it; a prompt's longer steps go layer by layer
+# (each reads its union once)
 MAX_TOKENS = 16
 # decoder layers queued past the last one checked within a forward (while steps miss): the
 # device computes them while the host reads that layer's routing, which is then most often
@@ -213,17 +220,21 @@ class Verifier:
         self.hits = ([], [])  # checked layer calls that hit, not told yet: layers, rows
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
-        self.tokens = 1  # of this step (several where a speculative step verifies a draft)
-        self.switch = Switch(len(decoder_of), lambda: cache.layer_wait)
+        self.tokens = 1  # of this step (several where a speculative step verifies a draft, or a batch's rows)
+        self.width = 1  # of this step's tokens, those of each row (a KV cache trims them)
+        self.switch = Switch(len(decoder_of), lambda: cache.layer_wait)  # a sequence's steps
+        self.batch_switch = Switch(len(decoder_of), lambda: cache.layer_wait)  # a batch's decode steps
+        self.current = self.switch  # the one of the step under way
         self.error = None
         _wrap(model, self._model_call)
         for d, layer in enumerate(self.layers):
             _wrap(layer, lambda call, args, kwargs, d=d: self._decoder_call(d, call, args, kwargs))
 
     def stats(self) -> dict:
-        switch = self.switch
+        switch, batch = self.switch, self.batch_switch
         return {"on": self.error is None and switch.on(), "reason": self.error or switch.reason,
-                "wait_us": round((self.cache.layer_wait or switch.wait) * 1e6, 1)}
+                "wait_us": round((self.cache.layer_wait or switch.wait) * 1e6, 1),
+                "batch": {"on": self.error is None and batch.on(), "reason": self.error or batch.reason}}
 
     # -- the model's call ---------------------------------------------------------------
 
@@ -232,11 +243,16 @@ class Verifier:
         cache = self.cache
         inputs = args[0] if args else kwargs.get("inputs")
         kv = kwargs.get("cache", args[1] if len(args) > 1 else None)
-        most = min(MAX_TOKENS, cache.capacity // self.top_k) if self.drafting else 1
         if self.error is not None or self.forward or not isinstance(inputs, mx.array) or inputs.ndim != 2 \
-                or inputs.shape[0] != 1 or not 0 < inputs.size <= most or kv is None or len(kv) != len(self.layers):
+                or kv is None or len(kv) != len(self.layers):
             return None
-        if not self.switch.step():
+        rows, width = inputs.shape
+        batch = rows > 1 and width == 1 and all(type(c) is BatchKVCache for c in kv)  # a batch's decode step
+        most = min(MAX_TOKENS, cache.capacity // self.top_k) if self.drafting or batch else 1
+        if not (rows == 1 or batch) or not 0 < inputs.size <= most:
+            return None
+        self.current = self.batch_switch if batch else self.switch
+        if not self.current.step():
             return None
         if resident_table(cache) is not None:  # the resident path: no check at all
             return None
@@ -261,7 +277,8 @@ class Verifier:
             return call(*args, **kwargs)
         if not self.tables.current():
             self.tables.build()
-        self.tokens = args[0].size if args else kwargs["inputs"].size
+        inputs = args[0] if args else kwargs["inputs"]
+        self.tokens, self.width = inputs.size, inputs.shape[1]
         cache.tick(self.tokens)
         self.forward, self.replay_from, self.checked = True, None, 0
         self.outputs.clear()
@@ -282,7 +299,7 @@ class Verifier:
                     break
                 first = self.decoder_of[missed]
                 for c in kv[first:ran]:  # what this pass wrote from that layer on
-                    c.trim(self.tokens)
+                    c.trim(self.width)
                 replayed += ran - first
                 replays += 1
                 self.replay_from = first
@@ -300,7 +317,7 @@ class Verifier:
         counters.replays += replays
         counters.replayed_layers += replayed
         seconds = time.perf_counter() - tic - (counters.read_seconds - read)
-        if self.switch.verified(seconds, replays, replayed, len(self.layers)):
+        if self.current.verified(seconds, replays, replayed, len(self.layers)):
             self.tables.rows = None
         return out
 
@@ -315,7 +332,7 @@ class Verifier:
         self.outputs[d] = out
         mx.async_eval(out)  # the device starts on this layer while the host builds the next
         ran = d + 1
-        if self.switch.windowed and LAG < ran < len(self.layers):
+        if self.current.windowed and LAG < ran < len(self.layers):
             missed = self._check(until=ran - LAG)
             if missed is not None:
                 raise Replay(missed, ran)
@@ -359,7 +376,7 @@ class Verifier:
             # the later layers' misses in this pass: computed from a hidden state that a missing expert
             # left wrong, yet mostly what the replay will route to
             guesses = self.tables.absent(layers[first + 1:], rows[first + 1:]) if self.guess else []
-            self._read(*call, guesses)
+            self._read(*call, guesses, rows[first])
             observe_calls(cache, [call], [rows[first]], self.tokens, [dist])
         if layers:
             self.checked = layers[-1] + 1 if missed is None else missed + 1
@@ -388,6 +405,8 @@ class Verifier:
         cache = self.cache
         calls = step_calls(layers, rows, probs, self.tokens)
         cache.counters.hits += sum(len(c[1]) for c in calls)
+        for call, row in zip(calls, rows) if _per_row(cache) else ():
+            count_rows(cache, cache.rows, _as_rows(row, self.tokens), call[1])
         if calls:
             cache.hit_calls(calls)
         if self.guessed:
@@ -396,12 +415,12 @@ class Verifier:
             self.guessed -= used
         observe_calls(cache, calls, rows, self.tokens, probs)
 
-    def _read(self, layer, experts, scores, probs, guesses) -> None:
-        """Make a missed layer call's experts resident (the policy's victims, a demand read),
-        then as many of the `guesses` as the policy gives slots to (read together: the
-        replay would miss them one layer at a time), and the tables say so."""
+    def _read(self, layer, experts, scores, probs, guesses, row) -> None:
+        """Make a missed layer call's experts (`row`, flat) resident (the policy's victims, a
+        demand read), then as many of the `guesses` as the policy gives slots to (read
+        together: the replay would miss them one layer at a time), and the tables say so."""
         cache = self.cache
-        tic = time.perf_counter()
+        tic, demand = time.perf_counter(), cache.counters.demand_bytes
         try:
             with cache.lock:
                 current = cache.version == self.tables.version
@@ -410,6 +429,9 @@ class Verifier:
                 if current:
                     self.tables.update([((layer, e), slot) for e, slot in missed] + taken)
             cache.read_demand(layer, missed)
+            if _per_row(cache):
+                count_rows(cache, cache.rows, _as_rows(row, self.tokens), experts, [e for e, _ in missed],
+                           cache.counters.demand_bytes - demand)
             n = cache.pools.read_keys(taken) if taken else 0
         except BaseException:  # (Ctrl-C included) a key given a slot but not read must not pass for resident
             cache.forget([(layer, e) for e in experts] + guesses)
@@ -421,6 +443,17 @@ class Verifier:
         cache.counters.read_seconds += time.perf_counter() - tic
         if self.tables.version != cache.version:
             self.tables.build()
+
+
+def _per_row(cache) -> bool:
+    """Whether a verified step's layer calls count per row: a batch's of several rows (a batch
+    of one gets the counters' change after its call: batching.Batches.record)."""
+    return cache.rows is not None and cache.rows.size > 1
+
+
+def _as_rows(row: list, tokens: int) -> np.ndarray:
+    """A layer call's experts (flat) as mlx-lm's indices hold them: [tokens, k]."""
+    return np.asarray(row, dtype=np.uint32).reshape(tokens, -1)
 
 
 def _flat(nested: list) -> list:

@@ -1,0 +1,161 @@
+"""An emulated round trip to the device: S us added to every host wait on the device, from
+outside the runtime (stock mlx-lm and mlxmoe alike). bench_host.py installs it on its decode
+thread; run as a script, it runs a module (`python -m` style) with it installed on the threads
+named by --thread (mlx_lm.server's generation thread by default, which mlxmoe serve reuses):
+
+    python bench/roundtrip.py --rtt 150 -m mlxmoe serve --model DIR --port 8080
+    python bench/roundtrip.py --rtt 150 -m mlx_lm server --model DIR --port 8081
+    (--report FILE: the calls and waits counted so far, written to FILE as JSON twice a second)
+
+A patched call (mx.eval, mx.synchronize, np.array and np.asarray given an mx.array, and
+mx.array's item, tolist, __bool__, __int__, __float__) is a *wait* when the thread slept in it
+(its voluntary context switches, getrusage(RUSAGE_THREAD).ru_nvcsw, went up): the device had
+not finished what it reads. Each wait then costs S more, added when it returns, by time.sleep
+with the thread's timer slack at 1 ns (inherited by the threads started after the install),
+shortened by the sleeps' mean overshoot so far so that they add S on average.
+"""
+
+import argparse
+import ctypes
+import json
+import resource
+import runpy
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from system import check_outputs, model_folder, write_atomic  # noqa: E402
+
+GENERATION_THREAD = "_run_generate"  # (in mlx_lm.server's generation thread's default name)
+
+
+class DeviceWaits:
+    """Counts the decode thread's host calls that read the device (`calls`), the waits among
+    them (`waits`: the thread slept in the call) and adds `rtt_us` to each wait (see the
+    module's docstring). The decode thread: the one that made this, or with `thread_name`,
+    every thread whose name holds it."""
+
+    def __init__(self, spin=False, every_call=False, thread_name=None):
+        self.thread = threading.get_ident()
+        self.thread_name = thread_name
+        self.spin, self.every_call = spin, every_call
+        self.calls = self.waits = 0
+        self.added = self.emulation_cpu = 0.0  # wall seconds added; decode-thread CPU seconds spent adding them
+        self.sites = {}  # "file:line" of the caller -> waits
+        self.rtt = self.sleep_for = self.overshoot = 0.0
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns: this thread's sleeps end on time
+
+    def set_rtt(self, rtt_us):
+        self.rtt = rtt_us * 1e-6
+        self.sleep_for = max(0.0, self.rtt - self.overshoot)
+
+    def mark(self):
+        return {"calls": self.calls, "waits": self.waits, "added": self.added, "emulation_cpu": self.emulation_cpu,
+                "sites": dict(self.sites)}
+
+    def _decode_thread(self):
+        if self.thread_name is None:
+            return threading.get_ident() == self.thread
+        return self.thread_name in threading.current_thread().name
+
+    def _wait(self):
+        self.waits += 1
+        frame = sys._getframe(2)  # _wait <- call <- the caller
+        site = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+        self.sites[site] = self.sites.get(site, 0) + 1
+        if not self.rtt:
+            return
+        tic, cpu = time.perf_counter(), time.thread_time()
+        if self.spin:
+            while time.perf_counter() - tic < self.rtt:
+                pass
+        else:  # shortened by the sleeps' mean overshoot so far, so that they add S on average
+            time.sleep(self.sleep_for)
+            self.overshoot += 0.1 * (time.perf_counter() - tic - self.sleep_for - self.overshoot)
+            self.sleep_for = max(0.0, self.rtt - self.overshoot)
+        self.added += time.perf_counter() - tic
+        self.emulation_cpu += time.thread_time() - cpu
+
+    def wrap(self, fn, reads):
+        """`fn` counted on the decode thread (`reads`: only where its first argument is an mx.array)."""
+        import mlx.core as mx
+
+        def call(*args, **kwargs):
+            if not self._decode_thread() or reads and not (args and isinstance(args[0], mx.array)):
+                return fn(*args, **kwargs)
+            slept = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls += 1
+                if self.every_call or resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw > slept:
+                    self._wait()
+
+        return call
+
+    def install(self):
+        """Patch mlx and numpy (this process, for good); returns the counting's cost per call, us."""
+        import mlx.core as mx
+        import numpy as np
+
+        a = mx.array(1)
+        mx.eval(a)
+        n = 2000
+        tic = time.perf_counter()
+        for _ in range(n):
+            a.item()
+        plain = time.perf_counter() - tic
+        mx.eval = self.wrap(mx.eval, False)
+        mx.synchronize = self.wrap(mx.synchronize, False)
+        np.array = self.wrap(np.array, True)
+        np.asarray = self.wrap(np.asarray, True)
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+            setattr(mx.array, name, self.wrap(getattr(mx.array, name), True))
+        tic = time.perf_counter()
+        for _ in range(n):
+            a.item()
+        cost = (time.perf_counter() - tic - plain) / n * 1e6
+        self.calls = self.waits = 0
+        self.sites.clear()
+        return cost
+
+
+def report_every(waits, path, seconds=0.5):
+    """Write waits.mark() to `path` (JSON, whole or not at all) every `seconds`, on a daemon thread."""
+    def run():
+        while True:
+            time.sleep(seconds)
+            write_atomic(path, json.dumps(waits.mark()))
+    threading.Thread(target=run, name="roundtrip-report", daemon=True).start()
+
+
+def main(argv):
+    i = argv.index("-m") if "-m" in argv else len(argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 usage="python bench/roundtrip.py --rtt US [--thread NAME] [--report FILE] -m MODULE [ARGS...]")
+    ap.add_argument("--rtt", type=float, required=True, help="the round trip added to each wait, us")
+    ap.add_argument("--thread", default=GENERATION_THREAD, help="the threads it applies to: those whose name holds this")
+    ap.add_argument("--report", help="write the calls and waits counted so far here (JSON, twice a second)")
+    args = ap.parse_args(argv[:i])
+    if i + 1 >= len(argv):
+        ap.error("-m MODULE [ARGS...]: the module to run")
+    module, module_args = argv[i + 1], argv[i + 2:]
+    if args.report:  # (not into the model folder the module is given, if any)
+        model = module_args[module_args.index("--model") + 1] if "--model" in module_args[:-1] else None
+        check_outputs({"--report": args.report}, {"--model": model_folder(model)} if model else None)
+    waits = DeviceWaits(thread_name=args.thread)
+    waits.install()
+    waits.set_rtt(args.rtt)
+    if args.report:
+        report_every(waits, args.report)
+    sys.argv = [module, *module_args]
+    sys.path.insert(0, str(ROOT))  # (mlxmoe from this checkout)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
