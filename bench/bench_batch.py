@@ -19,7 +19,8 @@
 
 --rtt S[,S...] runs 1. under an emulated round trip to the device of S us (bench/roundtrip.py,
 on each server's generation thread, stock and mlxmoe alike): a step's waits are paid once for
-all its rows, so batching gains what the waits cost (waits per generated token printed).
+all its rows, so batching gains what the waits cost (waits per generated token printed; each
+server's counts in OUT.NAME.waits.json beside --out).
 Each server's greedy answers to a prompt must be one and the same; batched against
 --max-batch 1 is checked and printed.
 
