@@ -129,7 +129,11 @@ def report_every(waits, path, seconds=0.5):
     def run():
         while True:
             time.sleep(seconds)
-            write_atomic(path, json.dumps(waits.mark()))
+            try:
+                marked = waits.mark()
+            except RuntimeError:  # (its sites grew while copied: the next time)
+                continue
+            write_atomic(path, json.dumps(marked))
     threading.Thread(target=run, name="roundtrip-report", daemon=True).start()
 
 
