@@ -62,6 +62,11 @@ def step_calls(layers, rows, probs, tokens=1) -> list:
     return [step_call(m, r, p, tokens) for m, r, p in zip(layers, rows, probs)]
 
 
+def as_rows(row, tokens: int) -> np.ndarray:
+    """A layer call's experts (flat) as mlx-lm's indices hold them: [tokens, k]."""
+    return np.asarray(row, dtype=np.uint32).reshape(tokens, -1)
+
+
 def observe_calls(cache, calls, rows, tokens=1, dists=None) -> None:
     """Tell the cache's observers of a decode step's layer calls of `tokens` tokens [(layer,
     experts, scores, probs)] (their experts in `rows`, flat; each token's router distribution
@@ -71,7 +76,7 @@ def observe_calls(cache, calls, rows, tokens=1, dists=None) -> None:
     profile = cache.profile
     if cache.observers or profile is None or cache.rows is not None or any(c[3] is None for c in calls):
         for i, ((layer, experts, scores, probs), row) in enumerate(zip(calls, rows)):
-            rows_ = np.asarray(row, dtype=np.uint32).reshape(tokens, -1)  # as mlx-lm's indices are
+            rows_ = as_rows(row, tokens)
             each = probs if dists is None else dists[i]
             each = None if each is None or (tokens > 1 and dists is None) else each.reshape(tokens, -1)
             cache.observe(LayerCall(layer, cache.call_position, rows_, each, tokens, experts, scores, probs,

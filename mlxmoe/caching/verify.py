@@ -36,7 +36,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_probs
-from .experts import count_rows, observe_calls, resident_table, step_call, step_calls
+from .experts import as_rows, count_rows, observe_calls, resident_table, step_call, step_calls
 from .prefetch import decayed
 
 # verified tokens weighed at a time (off after fewer where their replays already cost more);
@@ -406,7 +406,7 @@ class Verifier:
         calls = step_calls(layers, rows, probs, self.tokens)
         cache.counters.hits += sum(len(c[1]) for c in calls)
         for call, row in zip(calls, rows) if _per_row(cache) else ():
-            count_rows(cache, cache.rows, _as_rows(row, self.tokens), call[1])
+            count_rows(cache, cache.rows, as_rows(row, self.tokens), call[1])
         if calls:
             cache.hit_calls(calls)
         if self.guessed:
@@ -430,7 +430,7 @@ class Verifier:
                     self.tables.update([((layer, e), slot) for e, slot in missed] + taken)
             cache.read_demand(layer, missed)
             if _per_row(cache):
-                count_rows(cache, cache.rows, _as_rows(row, self.tokens), experts, [e for e, _ in missed],
+                count_rows(cache, cache.rows, as_rows(row, self.tokens), experts, [e for e, _ in missed],
                            cache.counters.demand_bytes - demand)
             n = cache.pools.read_keys(taken) if taken else 0
         except BaseException:  # (Ctrl-C included) a key given a slot but not read must not pass for resident
@@ -449,11 +449,6 @@ def _per_row(cache) -> bool:
     """Whether a verified step's layer calls count per row: a batch's of several rows (a batch
     of one gets the counters' change after its call: batching.Batches.record)."""
     return cache.rows is not None and cache.rows.size > 1
-
-
-def _as_rows(row: list, tokens: int) -> np.ndarray:
-    """A layer call's experts (flat) as mlx-lm's indices hold them: [tokens, k]."""
-    return np.asarray(row, dtype=np.uint32).reshape(tokens, -1)
 
 
 def _flat(nested: list) -> list:
