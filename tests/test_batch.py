@@ -187,8 +187,13 @@ def test_a_batch_takes_verified_steps(solo):
     verifier.batch_switch.weigh = lambda *a: False  # (kept on: the replays' cost is not weighed)
     steps = []  # the rows of each verified model call
     ready = verifier._ready
-    verifier._ready = lambda args, kwargs: (lambda kv: kv is not None and steps.append(args[0].shape[0]) or kv)(
-        ready(args, kwargs))
+
+    def counted(args, kwargs):
+        kv = ready(args, kwargs)
+        if kv is not None:
+            steps.append(args[0].shape[0])
+        return kv
+    verifier._ready = counted
     try:
         before = served.model.expert_cache.stats()
         got = together(served, ASKED)
