@@ -3,6 +3,7 @@ a layer that missed read and the token computed again from it; tokens and KV cac
 stock mlx-lm's, the placeholder slot never in the output, waits per token counted."""
 
 import threading
+import time
 
 import mlx.core as mx
 import mlx_lm
@@ -13,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlxmoe
 import synthetic
 from mlxmoe.backend import detect
-from mlxmoe.caching import verify
+from mlxmoe.caching import experts, verify
 
 PROMPT = "The quick brown fox"  # short: gpt_oss's 32-token windows do not wrap
 TOKENS = 20
@@ -232,6 +233,33 @@ def test_off_where_replays_cost_more_than_waits(checkpoint):
     stats = cache.stats()
     assert stats["verify"]["on"] is False and "replays cost" in stats["verify"]["reason"]
     assert stats["verified_tokens"] < TOKENS - 2
+
+
+def test_on_again_where_the_per_layer_path_is_measured_slower(checkpoint, monkeypatch):
+    """A first weighing that prices the per-layer path by an empty round trip turns the mode
+    off; the steps then taken on that path, each of its layer calls' waits 5 ms longer (an
+    emulated round trip), are timed: slower than the verified steps, the mode is on again after
+    MEASURED_OFF of them, and stays on, its replays weighed against the measured time."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want, _ = reference(path)
+    model, tokenizer = all_but(path, 1)
+    cache = model.expert_cache
+    cache.verifier.switch.wait = 1e-9
+
+    class RoundTrip:  # the per-layer path's mx: each wait on the device 5 ms longer
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        @staticmethod
+        def eval(*arrays):
+            mx.eval(*arrays)
+            time.sleep(0.005)
+    monkeypatch.setattr(experts, "mx", RoundTrip())
+    L = cache.store.num_layers
+    assert generate(model, tokenizer, evict=every_expert(cache, 0, L - 1), weigh=True) == want
+    stats = cache.stats()
+    assert stats["verify"]["on"] is True and stats["verify"]["reason"].startswith("on again"), stats["verify"]
+    assert stats["verified_tokens"] >= TOKENS - 1 - verify.FIRST_WEIGH - verify.MEASURED_OFF, stats["verified_tokens"]
 
 
 def test_verify_off_waits_per_layer(checkpoint):

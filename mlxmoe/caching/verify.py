@@ -45,6 +45,8 @@ from .prefetch import decayed
 # frequent pays for a try ever more rarely)
 WEIGH_TOKENS, FIRST_WEIGH = 16, 2
 OFF_STEPS, MOST_OFF_STEPS = 32, 1024
+# steps on the per-layer path timed before they are set against the verified steps
+MEASURED_OFF = 4
 # (BatchKVCache: a batch's decode step in `serve`; trim() takes each row's token back)
 KV_TYPES = (KVCache, RotatingKVCache, BatchKVCache)
 # the most tokens a verified step takes: a decode step's one (a batch's: one a row), or a
@@ -79,10 +81,14 @@ def wait_seconds(samples: int = 7) -> float:
 
 class Switch:
     """Whether decode steps are verified: the replays' time (beyond a step without one, its
-    reads left out) weighed every WEIGH_TOKENS tokens against the waits the per-layer path
-    would have made beyond these steps' (one each, and one a replay), each as long as a layer
-    call of that path waited last (`layer_wait()`, or an empty round trip before any). Off
-    for `off_steps` steps where the replays cost more, doubled at each turn off in a row."""
+    reads left out) weighed every WEIGH_TOKENS tokens against what the per-layer path costs
+    beyond such a step: as measured on the steps the mode was off for (`layerwise`), else
+    the waits it would have made beyond these steps' (one each, and one a replay), each as
+    long as a layer call of that path waited last (`layer_wait()`, or an empty round trip
+    before any). Off for `off_steps` steps where the replays cost more, doubled at each turn
+    off in a row; on again after MEASURED_OFF steps off where those took longer than the
+    verified steps had (their replays included): a first guess from the waits alone leaves
+    out the per-layer path's own host work."""
 
     def __init__(self, moe_layers: int, layer_wait) -> None:
         self.moe_layers, self.layer_wait = moe_layers, layer_wait
@@ -93,6 +99,9 @@ class Switch:
         self.reason = None  # why it is off (or was last)
         self.weighed = [0.0, 0.0, 0]  # seconds the replays cost, seconds of waits saved, tokens
         self.clean = None  # decayed seconds of a verified step without a replay
+        self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
+        self.layerwise = None  # decayed seconds of a step on the per-layer path while off
+        self.timed_off = 0  # such steps timed since the mode turned off
         self.missing = None  # decayed share of verified steps with a replay
         self.windowed = True  # checks within the forward (while steps miss)
 
@@ -110,6 +119,7 @@ class Switch:
         # checks within the forward only while steps miss: a clean step needs one wait
         self.missing = decayed(self.missing, float(replays > 0))
         self.windowed = self.missing > 0.05
+        self.steady = decayed(self.steady, seconds, keep=0.9)
         if not replays:
             self.clean = decayed(self.clean, seconds)
             replay_seconds = 0.0
@@ -122,7 +132,10 @@ class Switch:
     def weigh(self, replay_seconds: float, replays: int) -> bool:
         w = self.weighed
         w[0] += replay_seconds
-        w[1] += max(self.moe_layers - 1 - replays, 0) * (self.layer_wait() or self.wait)
+        if self.layerwise is not None and self.clean is not None:
+            w[1] += max(self.layerwise - self.clean, 0.0)
+        else:
+            w[1] += max(self.moe_layers - 1 - replays, 0) * (self.layer_wait() or self.wait)
         w[2] += 1
         if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1]:
             return False
@@ -132,9 +145,23 @@ class Switch:
             return False
         self.off_until = self.steps + self.off_steps
         self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
+        self.timed_off = 0
         self.reason = (f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, more than the "
-                       f"{w[1] / w[2] * 1e3:.2f} ms of waits they save")
+                       f"{w[1] / w[2] * 1e3:.2f} ms the per-layer path would "
+                       + ("(measured)" if self.layerwise is not None else "wait"))
         return True
+
+    def layer_step(self, seconds: float) -> None:
+        """A step the mode was off for took `seconds` on the per-layer path (its reads left
+        out): where MEASURED_OFF such steps took longer than verified steps, the mode is on
+        again from the next step."""
+        self.layerwise = decayed(self.layerwise, seconds)
+        self.timed_off += 1
+        if self.timed_off == MEASURED_OFF and self.steady is not None and self.layerwise > self.steady:
+            self.off_until = self.steps
+            self.off_steps = OFF_STEPS
+            self.reason = (f"on again: a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
+                           f"{self.steady * 1e3:.2f} ms verified")
 
 
 class SlotTables:
@@ -225,6 +252,7 @@ class Verifier:
         self.switch = Switch(len(decoder_of), lambda: cache.layer_wait)  # a sequence's steps
         self.batch_switch = Switch(len(decoder_of), lambda: cache.layer_wait)  # a batch's decode steps
         self.current = self.switch  # the one of the step under way
+        self.declined = False  # the step under way is on the per-layer path because its switch is off
         self.error = None
         _wrap(model, self._model_call)
         for d, layer in enumerate(self.layers):
@@ -241,6 +269,7 @@ class Verifier:
     def _ready(self, args, kwargs):
         """The prompt cache of a call that can be verified, else None."""
         cache = self.cache
+        self.declined = False
         inputs = args[0] if args else kwargs.get("inputs")
         kv = kwargs.get("cache", args[1] if len(args) > 1 else None)
         if self.error is not None or self.forward or not isinstance(inputs, mx.array) or inputs.ndim != 2 \
@@ -253,6 +282,7 @@ class Verifier:
             return None
         self.current = self.batch_switch if batch else self.switch
         if not self.current.step():
+            self.declined = True
             return None
         if resident_table(cache) is not None:  # the resident path: no check at all
             return None
@@ -266,10 +296,15 @@ class Verifier:
 
     def _model_call(self, call, args, kwargs):
         kv = self._ready(args, kwargs)
+        cache = self.cache
         if kv is None:
             self.tables.rows = None  # the per-layer path may change what is resident
-            return call(*args, **kwargs)
-        cache = self.cache
+            if not self.declined:
+                return call(*args, **kwargs)
+            tic, read = time.perf_counter(), cache.counters.read_seconds  # (a step the mode is off for)
+            out = call(*args, **kwargs)
+            self.current.layer_step(time.perf_counter() - tic - (cache.counters.read_seconds - read))
+            return out
         if self.tables.rows is None and cache.prefetcher is not None:
             cache.prefetcher.drain()  # what the per-layer path asked for: read before going quiet
         if cache.in_flight:  # (a read under way all the same: this step waits per layer)
