@@ -231,7 +231,8 @@ def test_off_where_replays_cost_more_than_waits(checkpoint):
     L = cache.store.num_layers
     assert generate(model, tokenizer, evict=every_expert(cache, 0, L - 1), weigh=True) == want
     stats = cache.stats()
-    assert stats["verify"]["on"] is False and "replays cost" in stats["verify"]["reason"]
+    # (turned off by the waits' estimate, or by the per-layer steps then timed)
+    assert stats["verify"]["on"] is False and "more than" in stats["verify"]["reason"], stats["verify"]
     assert stats["verified_tokens"] < TOKENS - 2
 
 

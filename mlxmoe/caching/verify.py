@@ -15,8 +15,8 @@ are trimmed by the token, and the forward runs again: the decoder layers before 
 the outputs they gave (their caches as they were), the rest compute with the new slots.
 
 A replay costs the decoder layers it recomputes; the per-layer path costs a wait per layer
-call. Where the replays cost more than the waits they save (both timed here), the mode is
-off for OFF_STEPS steps (doubled at each turn off in a row), then tried again
+call and its own host work. Where the verified steps cost more (Switch: both timed here), the
+mode is off for OFF_STEPS steps (doubled at each turn off in a row), then tried again
 (`stats()["verify"]` says which and why). A step takes the per-layer path where a
 background read is under way, a cache cannot be trimmed (a rotating cache that wrapped),
 or every expert is resident (the resident path needs no check at all).
@@ -80,15 +80,15 @@ def wait_seconds(samples: int = 7) -> float:
 
 
 class Switch:
-    """Whether decode steps are verified: the replays' time (beyond a step without one, its
-    reads left out) weighed every WEIGH_TOKENS tokens against what the per-layer path costs
-    beyond such a step: as measured on the steps the mode was off for (`layerwise`), else
-    the waits it would have made beyond these steps' (one each, and one a replay), each as
-    long as a layer call of that path waited last (`layer_wait()`, or an empty round trip
-    before any). Off for `off_steps` steps where the replays cost more, doubled at each turn
-    off in a row; on again after MEASURED_OFF steps off where those took longer than the
-    verified steps had (their replays included): a first guess from the waits alone leaves
-    out the per-layer path's own host work."""
+    """Whether decode steps are verified, weighed every WEIGH_TOKENS tokens: the verified
+    steps' time against that of steps on the per-layer path, as measured on the steps the
+    mode was off for (`layerwise`); before any, the replays' time (beyond a step without
+    one, its reads left out) against the waits the per-layer path would have made beyond
+    these steps' (one each, and one a replay), each as long as a layer call of that path
+    waited last (`layer_wait()`, or an empty round trip before any). Off for `off_steps`
+    steps where the verified steps cost more, doubled at each turn off in a row; on again
+    after MEASURED_OFF steps off where those took longer than the verified steps had (the
+    first guess, from the waits alone, leaves out the per-layer path's own host work)."""
 
     def __init__(self, moe_layers: int, layer_wait) -> None:
         self.moe_layers, self.layer_wait = moe_layers, layer_wait
@@ -97,7 +97,7 @@ class Switch:
         self.off_until = 0  # step count before which the mode is off
         self.off_steps = OFF_STEPS  # for how long it turns off next
         self.reason = None  # why it is off (or was last)
-        self.weighed = [0.0, 0.0, 0]  # seconds the replays cost, seconds of waits saved, tokens
+        self.weighed = [0.0, 0.0, 0]  # seconds the verified steps cost, seconds the per-layer path would, tokens
         self.clean = None  # decayed seconds of a verified step without a replay
         self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
         self.layerwise = None  # decayed seconds of a step on the per-layer path while off
@@ -122,20 +122,22 @@ class Switch:
         self.steady = decayed(self.steady, seconds, keep=0.9)
         if not replays:
             self.clean = decayed(self.clean, seconds)
+        if self.layerwise is not None:  # both paths timed: the step against the per-layer path's
+            return self.weigh(seconds, self.layerwise)
+        if not replays:
             replay_seconds = 0.0
         elif self.clean is not None:
             replay_seconds = max(seconds - self.clean, 0.0)
         else:  # (no step without a replay timed yet: the replayed layers' share of this one)
             replay_seconds = seconds * replayed / (decoder_layers + replayed)
-        return self.weigh(replay_seconds, replays)
+        return self.weigh(replay_seconds, max(self.moe_layers - 1 - replays, 0) * (self.layer_wait() or self.wait))
 
-    def weigh(self, replay_seconds: float, replays: int) -> bool:
+    def weigh(self, cost: float, instead: float) -> bool:
+        """A verified step's `cost` against what the per-layer path would have cost `instead`:
+        both the step's time, or its replays' and the waits they saved."""
         w = self.weighed
-        w[0] += replay_seconds
-        if self.layerwise is not None and self.clean is not None:
-            w[1] += max(self.layerwise - self.clean, 0.0)
-        else:
-            w[1] += max(self.moe_layers - 1 - replays, 0) * (self.layer_wait() or self.wait)
+        w[0] += cost
+        w[1] += instead
         w[2] += 1
         if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1]:
             return False
@@ -146,9 +148,10 @@ class Switch:
         self.off_until = self.steps + self.off_steps
         self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
         self.timed_off = 0
-        self.reason = (f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, more than the "
-                       f"{w[1] / w[2] * 1e3:.2f} ms the per-layer path would "
-                       + ("(measured)" if self.layerwise is not None else "wait"))
+        self.reason = (f"a verified step took {w[0] / w[2] * 1e3:.2f} ms, more than the {w[1] / w[2] * 1e3:.2f} ms "
+                       "of one on the per-layer path" if self.layerwise is not None else
+                       f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, more than the "
+                       f"{w[1] / w[2] * 1e3:.2f} ms of waits they save")
         return True
 
     def layer_step(self, seconds: float) -> None:
