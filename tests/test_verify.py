@@ -218,7 +218,7 @@ def test_waits_per_step_at_most_one_plus_missed_layer_calls(checkpoint, monkeypa
     assert len(verified) >= len(tokens) - 1
     for waits, missed in verified:
         assert waits <= 1 + missed, verified
-    assert all(q >= verify.LAG for q in counter.queued_after)
+    assert all(q >= verify.MIN_LAG for q in counter.queued_after)
     assert [w for w, m in verified if m == 0] and all(w == 1 for w, m in verified if m == 0)
 
 
@@ -263,6 +263,40 @@ def test_on_again_where_the_per_layer_path_is_measured_slower(checkpoint, monkey
     assert stats["verified_tokens"] >= TOKENS - 1 - verify.FIRST_WEIGH - verify.MEASURED_OFF, stats["verified_tokens"]
 
 
+def test_the_lag_rises_where_checks_wait_for_the_device(checkpoint, monkeypatch):
+    """Checks one decoder layer behind that wait for the device (each eval within the forward
+    5 ms longer here, as where the device is the slower side) raise the lag to LAG: the checks
+    after it leave LAG layers queued; tokens as stock's."""
+    path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 12})
+    want, _ = reference(path)
+    model, tokenizer = all_but(path, 1)
+    cache = model.expert_cache
+    verifier = cache.verifier
+    assert verifier.lag == verify.MIN_LAG
+    queued = []  # per check within the forward: the decoder layers queued past it
+    check = verify.Verifier._check
+
+    def counted(self, until=None):
+        if until is not None:
+            queued.append(max(self.outputs) + 1 - until)
+        return check(self, until)
+
+    class Slow:  # the verifier's mx: a wait within the forward 5 ms longer
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        @staticmethod
+        def eval(*arrays):
+            mx.eval(*arrays)
+            if verifier.forward:
+                time.sleep(0.005)
+    monkeypatch.setattr(verify.Verifier, "_check", counted)
+    monkeypatch.setattr(verify, "mx", Slow())
+    assert generate(model, tokenizer, evict=every_expert(cache, 0)) == want
+    assert verifier.lag == verify.LAG
+    assert queued[0] == verify.MIN_LAG and queued[-1] == verify.LAG, queued
+
+
 def test_verify_off_waits_per_layer(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     want, _ = reference(path)
@@ -296,7 +330,7 @@ def test_live_profile_learnt_at_once_equals_call_by_call(checkpoint, tmp_path, l
 
 @pytest.mark.parametrize("layers", [[3], [9], [0, 17], [8, 15, 16], [23]])
 def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
-    """On a 24-decoder-layer model, checks within the forward read the layers LAG behind
+    """On a 24-decoder-layer model, checks within the forward read the layers `lag` behind
     the one just queued; a miss found there or
     at the end is read and the forward run again from it: tokens and KV caches as stock's.
     Waits with nothing queued after them (the check at the forward's end): at most 1 + the

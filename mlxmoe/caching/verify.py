@@ -5,7 +5,7 @@ slots up on the device (`tables[layer][indices]`; an expert that is not resident
 the placeholder, the pools' spare last slot, which no expert ever holds) and computes at
 once, and each decoder layer's output is queued (`mx.async_eval`) as soon as it is built:
 the device computes while the host builds the next layers. While steps miss, a check after
-each decoder layer reads the routing of the layer LAG behind (the device has LAG layers
+each decoder layer reads the routing of the layer `lag` behind (the device has lag layers
 queued meanwhile); one wait after the forward reads the rest. Where no routed expert was missing
 the token is exact: its slots are those the per-layer path would have used, since nothing
 is read, evicted or prefetched while a verified token computes. Otherwise the first layer
@@ -54,9 +54,13 @@ KV_TYPES = (KVCache, RotatingKVCache, BatchKVCache)
 # (each reads its union once)
 MAX_TOKENS = 16
 # decoder layers queued past the last one checked within a forward (while steps miss): the
-# device computes them while the host reads that layer's routing, which is then most often
-# ready (no wait), and a miss's replay recomputes LAG + 1 layers, not the rest of the token
-LAG = 2
+# device computes them while the host reads that layer's routing, and a miss's replay
+# recomputes lag + 1 layers, not the rest of the token. MIN_LAG where checks so far behind find
+# their routing computed (the host is the slower side: no wait), else LAG (the device is
+# behind: one more layer queued keeps it busy while the host waits); MIN_LAG tried again
+# after LAG_RETRY checks at LAG
+MIN_LAG, LAG = 1, 2
+LAG_RETRY = 1024
 
 
 class Replay(Exception):
@@ -250,6 +254,9 @@ class Verifier:
         self.hits = ([], [])  # checked layer calls that hit, not told yet: layers, rows
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
+        self.lag = MIN_LAG  # decoder layers queued past the last one checked (see LAG)
+        self.lag_waits = None  # decayed share of the checks at MIN_LAG that waited for the device
+        self.lag_checks = 0  # checks at LAG since the lag rose
         self.tokens = 1  # of this step (several where a speculative step verifies a draft, or a batch's rows)
         self.width = 1  # of this step's tokens, those of each row (a KV cache trims them)
         self.switch = Switch(len(decoder_of), lambda: cache.layer_wait)  # a sequence's steps
@@ -370,8 +377,8 @@ class Verifier:
         self.outputs[d] = out
         mx.async_eval(out)  # the device starts on this layer while the host builds the next
         ran = d + 1
-        if self.current.windowed and LAG < ran < len(self.layers):
-            missed = self._check(until=ran - LAG)
+        if self.current.windowed and self.lag < ran < len(self.layers):
+            missed = self._check(until=ran - self.lag)
             if missed is not None:
                 raise Replay(missed, ran)
         return out
@@ -398,7 +405,10 @@ class Verifier:
         if layers:
             routers = [self.calls[m][1] for m in layers if self.calls[m][1] is not None]
             # (the arrays the queued layers compute, no new op: one would wait behind the whole queue)
+            tic = time.perf_counter()
             mx.eval(*[self.calls[m][0] for m in layers], *routers)
+            if until is not None:
+                self._adapt_lag(time.perf_counter() - tic)
         start, read = time.perf_counter(), cache.counters.read_seconds
         rows = [_flat(self.calls[m][0].tolist()) for m in layers]
         first = self.tables.first_miss(layers, rows) if layers else None
@@ -420,6 +430,19 @@ class Verifier:
             self.checked = layers[-1] + 1 if missed is None else missed + 1
         cache.counters.bookkeeping_seconds += time.perf_counter() - start - (cache.counters.read_seconds - read)
         return missed
+
+    def _adapt_lag(self, seconds: float) -> None:
+        """A check within the forward waited `seconds` for its routing: at MIN_LAG, where such
+        checks wait for the device (longer than an empty round trip) one time in five, LAG
+        from then on; at LAG, MIN_LAG again after LAG_RETRY checks."""
+        if self.lag == MIN_LAG:
+            self.lag_waits = decayed(self.lag_waits, float(seconds > self.switch.wait), keep=0.9)
+            if self.lag_waits > 0.2:
+                self.lag, self.lag_checks = LAG, 0
+        else:
+            self.lag_checks += 1
+            if self.lag_checks >= LAG_RETRY:
+                self.lag, self.lag_waits = MIN_LAG, None
 
     def _probs(self, layers) -> list:
         """The router's distribution over the experts (flat, on the host) of each of these
