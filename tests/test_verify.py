@@ -272,7 +272,7 @@ def test_the_lag_rises_where_checks_wait_for_the_device(checkpoint, monkeypatch)
     model, tokenizer = all_but(path, 1)
     cache = model.expert_cache
     verifier = cache.verifier
-    assert verifier.lag == verify.MIN_LAG
+    assert verifier.lag.layers == verify.MIN_LAG
     queued = []  # per check within the forward: the decoder layers queued past it
     check = verify.Verifier._check
 
@@ -293,7 +293,7 @@ def test_the_lag_rises_where_checks_wait_for_the_device(checkpoint, monkeypatch)
     monkeypatch.setattr(verify.Verifier, "_check", counted)
     monkeypatch.setattr(verify, "mx", Slow())
     assert generate(model, tokenizer, evict=every_expert(cache, 0)) == want
-    assert verifier.lag == verify.LAG
+    assert verifier.lag.layers == verify.LAG
     assert queued[0] == verify.MIN_LAG and queued[-1] == verify.LAG, queued
 
 

@@ -158,17 +158,52 @@ class Switch:
                        f"{w[1] / w[2] * 1e3:.2f} ms of waits they save")
         return True
 
-    def layer_step(self, seconds: float) -> None:
-        """A step the mode was off for took `seconds` on the per-layer path (its reads left
-        out): where MEASURED_OFF such steps took longer than verified steps, the mode is on
-        again from the next step."""
-        self.layerwise = decayed(self.layerwise, seconds)
+    def timed(self, cache, call, args, kwargs):
+        """`call(*args, **kwargs)`, a step the mode is off for, on the per-layer path, timed
+        (its reads left out): where MEASURED_OFF such steps took longer than verified steps,
+        the mode is on again from the next step."""
+        tic, read = time.perf_counter(), cache.counters.read_seconds
+        out = call(*args, **kwargs)
+        self.layerwise = decayed(self.layerwise, time.perf_counter() - tic - (cache.counters.read_seconds - read))
         self.timed_off += 1
         if self.timed_off == MEASURED_OFF and self.steady is not None and self.layerwise > self.steady:
             self.off_until = self.steps
             self.off_steps = OFF_STEPS
             self.reason = (f"on again: a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
                            f"{self.steady * 1e3:.2f} ms verified")
+        return out
+
+
+class Lag:
+    """Decoder layers queued past the last one checked within a forward (`layers`): MIN_LAG
+    until one check in five at it (decayed) waits for the device, longer than an empty round
+    trip (`wait`), then LAG; MIN_LAG again after LAG_RETRY checks at LAG."""
+
+    def __init__(self, wait: float) -> None:
+        self.wait = wait
+        self.layers = MIN_LAG
+        self.waits = None  # decayed share of the checks at MIN_LAG that waited for the device
+        self.checks = 0  # checks at LAG since it rose
+
+    def checked(self, seconds: float) -> None:
+        """A check within a forward waited `seconds` for its routing."""
+        if self.layers == MIN_LAG:
+            self.waits = decayed(self.waits, float(seconds > self.wait), keep=0.9)
+            if self.waits > 0.2:
+                self.layers, self.checks = LAG, 0
+        else:
+            self.checks += 1
+            if self.checks >= LAG_RETRY:
+                self.layers, self.waits = MIN_LAG, None
+
+
+def routing_probs(calls) -> list:
+    """The router's distribution over the experts (flat, on the host) of each of a pass's
+    layer calls [(indices, router logits or probs, tapped)], None where the model gives none;
+    softmax in one go."""
+    tapped = [c[1] for c in calls if c[2]]
+    from_logits = iter(host_probs(tapped) if tapped else ())
+    return [None if c[1] is None else (next(from_logits) if c[2] else np.array(c[1])).reshape(-1) for c in calls]
 
 
 class SlotTables:
@@ -254,14 +289,12 @@ class Verifier:
         self.hits = ([], [])  # checked layer calls that hit, not told yet: layers, rows
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
-        self.lag = MIN_LAG  # decoder layers queued past the last one checked (see LAG)
-        self.lag_waits = None  # decayed share of the checks at MIN_LAG that waited for the device
-        self.lag_checks = 0  # checks at LAG since the lag rose
         self.tokens = 1  # of this step (several where a speculative step verifies a draft, or a batch's rows)
         self.width = 1  # of this step's tokens, those of each row (a KV cache trims them)
         self.switch = Switch(len(decoder_of), lambda: cache.layer_wait)  # a sequence's steps
         self.batch_switch = Switch(len(decoder_of), lambda: cache.layer_wait)  # a batch's decode steps
         self.current = self.switch  # the one of the step under way
+        self.lag = Lag(self.switch.wait)
         self.declined = False  # the step under way is on the per-layer path because its switch is off
         self.error = None
         _wrap(model, self._model_call)
@@ -309,12 +342,7 @@ class Verifier:
         cache = self.cache
         if kv is None:
             self.tables.rows = None  # the per-layer path may change what is resident
-            if not self.declined:
-                return call(*args, **kwargs)
-            tic, read = time.perf_counter(), cache.counters.read_seconds  # (a step the mode is off for)
-            out = call(*args, **kwargs)
-            self.current.layer_step(time.perf_counter() - tic - (cache.counters.read_seconds - read))
-            return out
+            return self.current.timed(cache, call, args, kwargs) if self.declined else call(*args, **kwargs)
         if self.tables.rows is None and cache.prefetcher is not None:
             cache.prefetcher.drain()  # what the per-layer path asked for: read before going quiet
         if cache.in_flight:  # (a read under way all the same: this step waits per layer)
@@ -377,8 +405,8 @@ class Verifier:
         self.outputs[d] = out
         mx.async_eval(out)  # the device starts on this layer while the host builds the next
         ran = d + 1
-        if self.current.windowed and self.lag < ran < len(self.layers):
-            missed = self._check(until=ran - self.lag)
+        if self.current.windowed and self.lag.layers < ran < len(self.layers):
+            missed = self._check(until=ran - self.lag.layers)
             if missed is not None:
                 raise Replay(missed, ran)
         return out
@@ -408,7 +436,7 @@ class Verifier:
             tic = time.perf_counter()
             mx.eval(*[self.calls[m][0] for m in layers], *routers)
             if until is not None:
-                self._adapt_lag(time.perf_counter() - tic)
+                self.lag.checked(time.perf_counter() - tic)
         start, read = time.perf_counter(), cache.counters.read_seconds
         rows = [_flat(self.calls[m][0].tolist()) for m in layers]
         first = self.tables.first_miss(layers, rows) if layers else None
@@ -418,7 +446,7 @@ class Verifier:
             self._tell_hits()
         missed = None
         if first is not None:
-            dist = self._probs(layers[first:first + 1])[0]
+            dist = routing_probs([self.calls[layers[first]]])[0]
             call = step_call(layers[first], rows[first], dist, self.tokens)
             missed = call[0]
             # the later layers' misses in this pass: computed from a hidden state that a missing expert
@@ -431,33 +459,12 @@ class Verifier:
         cache.counters.bookkeeping_seconds += time.perf_counter() - start - (cache.counters.read_seconds - read)
         return missed
 
-    def _adapt_lag(self, seconds: float) -> None:
-        """A check within the forward waited `seconds` for its routing: at MIN_LAG, where such
-        checks wait for the device (longer than an empty round trip) one time in five, LAG
-        from then on; at LAG, MIN_LAG again after LAG_RETRY checks."""
-        if self.lag == MIN_LAG:
-            self.lag_waits = decayed(self.lag_waits, float(seconds > self.switch.wait), keep=0.9)
-            if self.lag_waits > 0.2:
-                self.lag, self.lag_checks = LAG, 0
-        else:
-            self.lag_checks += 1
-            if self.lag_checks >= LAG_RETRY:
-                self.lag, self.lag_waits = MIN_LAG, None
-
-    def _probs(self, layers) -> list:
-        """The router's distribution over the experts (flat, on the host) of each of these
-        layer calls of this pass, None where the model gives none; softmax in one go."""
-        calls = [self.calls[m] for m in layers]
-        tapped = [c[1] for c in calls if c[2]]
-        from_logits = iter(host_probs(tapped) if tapped else ())
-        return [None if c[1] is None else (next(from_logits) if c[2] else np.array(c[1])).reshape(-1) for c in calls]
-
     def _tell_hits(self) -> None:
         """The hits checked and not told yet, told in one go."""
         layers, rows = self.hits
         self.hits = ([], [])
         if layers:
-            self._hits(layers, rows, self._probs(layers))
+            self._hits(layers, rows, routing_probs([self.calls[m] for m in layers]))
 
     def _hits(self, layers, rows, probs) -> None:
         """Layer calls whose experts were all resident, in order: counted, their policy updates
