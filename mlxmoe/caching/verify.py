@@ -176,8 +176,9 @@ class Switch:
 
 class Lag:
     """Decoder layers queued past the last one checked within a forward (`layers`): MIN_LAG
-    until one check in five at it (decayed) waits for the device, longer than an empty round
-    trip (`wait`), then LAG; MIN_LAG again after LAG_RETRY checks at LAG."""
+    until one check in five at it (decayed) waits for the device, longer than half an empty
+    round trip (`wait`: a wait for a kernel in flight pays its completion's signal), then
+    LAG; MIN_LAG again after LAG_RETRY checks at LAG."""
 
     def __init__(self, wait: float) -> None:
         self.wait = wait
@@ -188,7 +189,7 @@ class Lag:
     def checked(self, seconds: float) -> None:
         """A check within a forward waited `seconds` for its routing."""
         if self.layers == MIN_LAG:
-            self.waits = decayed(self.waits, float(seconds > self.wait), keep=0.9)
+            self.waits = decayed(self.waits, float(seconds > self.wait / 2), keep=0.9)
             if self.waits > 0.2:
                 self.layers, self.checks = LAG, 0
         else:
