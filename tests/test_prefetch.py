@@ -26,6 +26,15 @@ def tokens(model, tokenizer, n=32):
     return [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=n)]
 
 
+@pytest.fixture
+def always_predicting(monkeypatch):
+    """Decode steps predict whatever it costs (prefetch.Worth never pauses them): for tests
+    of what the predictions count, which a pause timed on this machine would cut short."""
+    from mlxmoe.caching.prefetch import Worth
+
+    monkeypatch.setattr(Worth, "WARMUP", 10**9)
+
+
 class OpenBar(ReadBar):
     """A bar every guess clears (the bar itself: test_guesses_are_read_only_where_they_can_pay)."""
 
@@ -287,7 +296,7 @@ def test_background_reads_are_timed_for_pacing(checkpoint):
     assert bar.chance_floor <= bar.min_chance <= bar.max_chance
 
 
-def test_coactivation_counts_what_consecutive_layer_calls_used(checkpoint, tmp_path):
+def test_coactivation_counts_what_consecutive_layer_calls_used(checkpoint, tmp_path, always_predicting):
     """The co-activation matrix holds, for every decode step, the experts of each layer
     call against those of the next one (past the last layer: the next token's first),
     as the trace of the same run shows them; and the predictor is scored."""
@@ -424,14 +433,16 @@ def test_interrupted_demand_read_leaves_no_key_with_wrong_bytes(checkpoint):
     assert tokens(model, tokenizer) == want
 
 
-def test_predictions_off_the_decode_thread_score_the_same():
+def test_predictions_off_the_decode_thread_score_the_same(always_predicting):
     """The prefetcher's scoring and predicting in their own thread (the default) see the
     same layer calls in the same order as on the decode thread: the same tokens and the
     same predictor counts (which depend on the routing alone, not on the timing); the live
     profile's updates, made there too, the same numbers."""
     results = []
     for off_thread in (False, True):
-        model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL), cache_experts=16)
+        # (verify=False: how many steps take the per-layer path, where predictions are
+        # made, would otherwise follow the verified path's switch, which times them)
+        model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL), cache_experts=16, verify=False)
         cache = model.expert_cache
         assert cache.capacity < cache.store.num_layers * cache.store.num_experts / 2
         cache.prefetcher.off_thread = off_thread
@@ -875,3 +886,89 @@ def test_running_ahead_keeps_no_prompt_activations(checkpoint):
     arrays = [a for a in kept if isinstance(a, mx.array)]
     assert len(speculator.calls) == len(model.layers)
     assert all(a.ndim < 2 or a.shape[-2] == 1 for a in arrays), [a.shape for a in arrays if a.shape[-2] != 1]
+
+
+class Counts:
+    """The counters Worth reads, set by hand."""
+
+    prefetch_useful, demand_seconds, loads_demand = 0, 0.0, 0
+
+
+def test_predicting_pauses_where_it_costs_more_than_it_spares_and_resumes_where_reads_grow():
+    from mlxmoe.caching.prefetch import Worth
+
+    worth, c = Worth(), Counts()
+    worth.step(c)
+    for _ in range(Worth.WARMUP + 2):  # 3 ms of host work a step; 2 useful guesses of 0.1 ms reads
+        worth.work += 0.003
+        c.prefetch_useful += 2
+        c.loads_demand += 4
+        c.demand_seconds += 4 * 1e-4
+        assert not worth.step(c)
+    assert worth.paused and not worth.stats()["on"]
+    assert "more than" in worth.stats()["reason"]
+    # paused: the demand reads grow (a slower disk) past RESUME x the 3 ms it cost
+    on_again = []
+    for _ in range(20):
+        c.loads_demand += 4
+        c.demand_seconds += 4 * 0.003
+        on_again.append(worth.step(c))
+        if on_again[-1]:
+            break
+    assert on_again[-1] and not worth.paused and worth.stats()["on"]
+    # where each useful guess spares a read longer than the host work, it stays on
+    worth, c = Worth(), Counts()
+    worth.step(c)
+    for _ in range(5 * Worth.WARMUP):
+        worth.work += 0.003
+        c.prefetch_useful += 2
+        c.loads_demand += 1
+        c.demand_seconds += 0.004
+        worth.step(c)
+    assert not worth.paused and "spares" in worth.stats()["reason"]
+
+
+def test_paused_predicting_computes_no_lookahead_and_keeps_tokens(checkpoint, monkeypatch):
+    """Predicting that costs more host time than it spares (made so: each prediction
+    spins 3 ms of CPU while reads are quick) pauses: stats say why, no lookahead is
+    computed and no guess asked for a decode step after that, and tokens stay stock mlx-lm's. Reads made
+    slow (20 ms a piece) put it on again."""
+    import time
+
+    from mlxmoe.caching.prefetch import Prefetcher
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want = reference(path, 24)
+    after_layer = Prefetcher.after_layer
+
+    def costly(self, *args):
+        end = time.thread_time() + 0.003
+        while time.thread_time() < end:
+            pass
+        return after_layer(self, *args)
+
+    monkeypatch.setattr(Prefetcher, "after_layer", costly)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
+    cache = model.expert_cache
+    pf = cache.prefetcher
+    assert tokens(model, tokenizer, 24) == want
+    pf.drain()
+    s = cache.stats()
+    assert s["prefetch"]["on"] is False and "more than" in s["prefetch"]["reason"], s["prefetch"]
+    lookaheads = []
+    lookahead = pf.lookahead
+    monkeypatch.setattr(pf, "lookahead", lambda *a, **k: lookaheads.append(lookahead(*a, **k)) or lookaheads[-1])
+    queued = []  # (keys, from a decode step)
+    queue = pf.queue
+    monkeypatch.setattr(pf, "queue", lambda keys, *a, decode=True, **k: queued.append((keys, decode)) or queue(
+        keys, *a, decode=decode, **k))
+    assert s["loads_prefetched"] > 0
+    assert tokens(model, tokenizer, 24) == want
+    pf.drain()
+    assert cache.stats()["misses"] > 0 and not [keys for keys, decode in queued if decode]
+    decode = [a for a in lookaheads if a is not None]
+    assert decode and not any(decode[len(decode) // 2:])  # the prompt's layer calls look ahead, decode's not
+    slow_reads(cache.store, 0.02)
+    tokens(model, tokenizer, 24)
+    assert cache.stats()["prefetch"]["on"] is True, cache.stats()["prefetch"]
+    cache.close()

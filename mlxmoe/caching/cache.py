@@ -28,6 +28,11 @@ PIECE_SECONDS = 0.002
 MIN_CHUNK, MAX_CHUNK = 64 << 10, 1 << 20
 
 
+def no_prefetch() -> dict:
+    """ExpertCache.stats()'s prefetch entries where no prefetcher is attached."""
+    return {"predictors": {}, "prefetch": {"on": False, "reason": "not used"}}
+
+
 def expert_groups(rows, capacity) -> list[list[int]]:
     """The distinct experts of `rows` (each token's expert ids, a list of lists or an array
     [tokens, k]), sorted, in groups of at most `capacity`: one fetch each. A layer call with
@@ -470,7 +475,7 @@ class ExpertCache(Residency):
         tic = time.perf_counter()
         if missed and early is not None and ready:
             early(ready)
-        if self.speculator is not None and self.step_tokens == 1 and (missed or waits):
+        if self.speculator is not None and self.step_tokens == 1 and (missed or waits) and not self.speculator.paused():
             self.speculator.read_meanwhile(layer, missed, waits)
         elif missed:
             self.read_demand(layer, missed)
@@ -488,7 +493,8 @@ class ExpertCache(Residency):
             tic = time.perf_counter()
             with self.loader.gate.demand():
                 n = self.pools.read(layer, missed)
-            self.loader.gate.timed(n, time.perf_counter() - tic)
+            self.counters.demand_seconds += (seconds := time.perf_counter() - tic)
+            self.loader.gate.timed(n, seconds)
             self.counters.demand_bytes += n
         except BaseException:
             self.forget([(layer, e) for e, _ in missed])
@@ -520,7 +526,7 @@ class ExpertCache(Residency):
                     fallback_bytes=self.fallback_bytes, resizes=list(self.resizes),
                     disk_busy_seconds=self.loader.gate.busy_seconds(),
                     demand_delay_seconds=self.loader.gate.delayed_seconds(),
-                    predictors=self.prefetcher.stats() if self.prefetcher is not None else {},
+                    **(self.prefetcher.stats() if self.prefetcher is not None else no_prefetch()),
                     verify=self.verifier.stats() if self.verifier is not None else {"on": False, "reason": "not used"},
                     io=self.store.io_stats())
 

@@ -30,6 +30,7 @@ class CacheStats:
     drafted: int = 0  # tokens speculative decoding proposed (a draft model's, or n-gram lookup's: drafting.py)
     accepted: int = 0  # ... that the model's own step confirmed
     read_seconds: float = 0.0  # the decode thread's reads
+    demand_seconds: float = 0.0  # ... of which the demand reads themselves (not running ahead meanwhile)
     bookkeeping_seconds: float = 0.0  # what StreamingExperts adds beyond mlx-lm's own work
     decode_tps: float = 0.0
 
@@ -46,7 +47,8 @@ class CacheStats:
                 "loads_prefetched": self.loads_prefetched, "prefetch_useful": self.prefetch_useful,
                 "prefetch_late": self.prefetch_late, "prefetch_stale": self.prefetch_stale,
                 "prefetch_cancelled": self.prefetch_cancelled, "cancelled_bytes": self.cancelled_bytes,
-                "read_seconds": self.read_seconds, "bookkeeping_seconds": self.bookkeeping_seconds,
+                "read_seconds": self.read_seconds, "demand_read_seconds": self.demand_seconds,
+                "bookkeeping_seconds": self.bookkeeping_seconds,
                 "evictions": self.evictions, "skipped": self.skipped, "biased": self.biased,
                 "substituted": self.substituted, "verified_tokens": self.verified_tokens,
                 "replays": self.replays, "replayed_layers": self.replayed_layers, "drafted": self.drafted,

@@ -25,6 +25,7 @@ The cache's `BackgroundLoader` does the loads (the pre-warm's and the prediction
 slots, behind the decode thread's own reads.
 """
 
+import functools
 import queue
 import threading
 import time
@@ -56,6 +57,14 @@ def precision_recall(counts):
     """{predictor: {precision, recall}} for the predictors that predicted anything."""
     return {name: {"precision": c[0] / c[1], "recall": c[0] / c[2] if c[2] else 0.0}
             for name, c in counts.items() if c[1]}
+
+
+@functools.cache
+def calls_ahead(layer, depth, cross_token, L):
+    """(step, target layer, tokens ahead) of the layer calls predicted after `layer` of `L`:
+    the next `depth`, past the last layer the next token's first ones (`cross_token`)."""
+    return [(step, (layer + step) % L, (layer + step) // L)
+            for step in range(1, min(depth, L - 1) + 1) if layer + step < L or cross_token]
 
 
 def visit_steps(estimate, key, p):
@@ -213,6 +222,97 @@ class ReadBar:
         return max(self.min_chance, cost / (gain + cost))
 
 
+class Worth:
+    """Whether predicting pays for its host work, weighed once per decode step (step()).
+    Its cost: the host seconds of predicting, of loading guesses and of running ahead past
+    the reads it ran beside (speculate.py): `work`, added by the threads that do it. In the
+    host-bound regime the decode thread pays for it (the GIL, the cores the device's
+    compute wants). Its gain: the demand reads the useful
+    guesses spared, each at the decode thread's mean demand read. Paused where the gain is
+    the smaller over decayed steps (reads from the page cache: a few us an expert against
+    hundreds of us of predicting a layer call), after WARMUP steps; on again where a paused
+    step's demand reads (all it reads, so the most predicting could spare) exceed RESUME x
+    the cost last measured."""
+
+    WARMUP, RESUME, KEEP = 8, 2.0, 0.9
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.work = 0.0  # host seconds so far (a lost += between threads only lowers an estimate)
+        self.cost = self.gain = None  # decayed seconds a decode step, measured while predicting
+        self.reads = None  # decayed demand-read seconds a step, measured while paused
+        self.per_read = None  # decayed seconds of one demand read of an expert
+        self.steps = 0  # steps weighed since predicting (re)started
+        self.last = None  # (work, useful loads, demand-read seconds, demand loads) at the last step's start
+
+    def step(self, counters) -> bool:
+        """A decode step starts: weigh the last one; True where predicting is on again."""
+        now = (self.work, counters.prefetch_useful, counters.demand_seconds, counters.loads_demand)
+        last, self.last = self.last, now
+        if last is None or any(a < b for a, b in zip(now, last)):  # (stats reset meanwhile)
+            return False
+        work, useful, read, loads = (a - b for a, b in zip(now, last))
+        if loads:
+            self.per_read = decayed(self.per_read, read / loads, self.KEEP)
+        if self.paused:
+            self.reads = decayed(self.reads, read, self.KEEP)
+            if self.reads > self.RESUME * self.cost:
+                self.paused, self.steps, self.gain = False, 0, None
+                return True
+            return False
+        self.cost = decayed(self.cost, work, self.KEEP)
+        self.gain = decayed(self.gain, useful * (self.per_read or 0.0), self.KEEP)
+        self.steps += 1
+        if self.steps >= self.WARMUP and self.gain < self.cost:
+            self.paused, self.reads = True, None
+        return False
+
+    def stats(self) -> dict:
+        ms = lambda v: round(1e3 * (v or 0.0), 3)  # noqa: E731
+        if self.paused:
+            reason = (f"predicting cost {ms(self.cost)} ms of host work a token, more than the "
+                      f"{ms(self.gain)} ms of demand reads it spared")
+        else:
+            reason = f"predicting spares {ms(self.gain)} ms of demand reads a token for {ms(self.cost)} ms of host work"
+        return {"on": not self.paused, "reason": reason}
+
+
+class Workers:
+    """The prefetch workers: loads handed to the cache's BackgroundLoader (see its prefetch),
+    a decode step's counted in the host work `worth` weighs."""
+
+    def __init__(self, cache, worth, workers) -> None:
+        self.cache, self.worth = cache, worth
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
+        self.jobs = []  # futures of queued and running loads
+        self.lock = threading.Lock()  # queue() is called from the host thread and the decode thread
+
+    def queue(self, keys, when, target, beats_victim=None, decode=True):
+        """Load those of `keys` not resident, for `target`'s call at token count `when`."""
+        keys = [k for k in keys if k not in self.cache.slot_of]
+        if keys:
+            with self.lock:
+                self.jobs = [j for j in self.jobs if not j.done()]
+                self.jobs.append(self.pool.submit(self._load, keys, when, target, beats_victim, decode))
+
+    def _load(self, keys, when, target, beats_victim, decode):
+        tic = time.thread_time()
+        try:
+            self.cache.loader.prefetch(keys, when, target, beats_victim)
+        finally:
+            if decode:
+                self.worth.work += time.thread_time() - tic
+
+    def drain(self):
+        """Wait until every queued load has ended."""
+        with self.lock:
+            jobs, self.jobs = self.jobs, []
+        wait(jobs)
+
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 class Prefetcher:
     def __init__(self, cache, routers, top_k, depth=1, workers=2, prior=None, confidence=0.1, cross_token=True,
                  candidates=2, min_chance=0.1, chance_floor=0.05, busy_target=(0.5, 0.8), max_chance=0.25,
@@ -241,15 +341,11 @@ class Prefetcher:
         self.confidence = confidence  # router probability above which a lookahead guess is loaded alone
         self.cross_token, self.candidates = cross_token, candidates
         self.bar = ReadBar(cache, min_chance, chance_floor, max_chance, busy_target)
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mlxmoe-prefetch")
         # scoring and predicting run in this one thread, in the layer calls' order, while
         # the decode thread goes on (False: on the decode thread, after each layer call);
         # so do the cache's updates left for later (ExpertCache.host_work)
         self.off_thread = True
-        self.host = HostThread(lambda job: self._layer_work(*job))
-        self.jobs = []  # futures of queued and running loads
-        self.jobs_lock = threading.Lock()  # queue() is called from the host thread and the decode thread
-        self.calls_ahead_of = {}  # (layer, depth, cross_token) -> calls_ahead()
+        self.host = HostThread(self._layer_work)
         self.previous = {}  # layer -> experts it used at its last call
         self.pending = {}  # layer -> {predictor: set of experts predicted for its next visit}
         # how often the router's i-th guess for a layer `step` layer calls ahead was used:
@@ -268,6 +364,8 @@ class Prefetcher:
         self.hottest: list[set] | None = None  # the profile predictor's guesses per layer (set_prior)
         self.lossy = None  # lossy.Lossy where a lossy mode is on: the guesses follow its rule (lossy.attach_lossy)
         self.set_prior(prior)
+        self.worth = Worth()  # decode steps predict only where it pays for its host work
+        self.workers = Workers(cache, self.worth, workers)
         # predictor -> [correct, predicted, actually used]
         self.counts = {name: [0, 0, 0] for name in PREDICTORS}
 
@@ -278,21 +376,28 @@ class Prefetcher:
 
     def layer_done(self, layer, rows, ahead_scores=None, token=0, decode=True):
         """A layer call has its experts (`rows`: each token's, [tokens, top_k], a list of one
-        list at a decode step): observe()
-        what it used, and after_layer() (a decode step) or prefill() predicts the next
-        calls (see off_thread)."""
+        list at a decode step): observe() what it used, and after_layer() (a decode step) or
+        prefill() predicts the next calls (see off_thread). While `worth` holds predicting
+        paused, a decode step's job is only the cache's host work."""
+        if decode and layer == 0 and self.worth.step(self.cache.counters):
+            # on again: what was predicted before the pause is for calls long gone
+            self.pending.clear(), self.ranked.clear(), self.previous.clear()
+            self.bar.paced = None
+        job = () if decode and self.worth.paused else (layer, rows, ahead_scores, token, decode)
         if not self.off_thread:
-            return self._layer_work(layer, rows, ahead_scores, token, decode)
-        self.host.put((layer, rows, ahead_scores, token, decode))
+            return self._layer_work(job)
+        self.host.put(job)
 
-    def _layer_work(self, layer, rows, ahead_scores, token, decode):
-        last = rows[-1]  # a decode step's experts as a list, a prefill step's rows as an array
-        self.observe(layer, last if isinstance(last, list) else last.tolist(), decode=decode,
-                     rows=None if decode else rows, token=token)
-        if decode:
-            self.after_layer(layer, ahead_scores, token)
-        else:
-            self.prefill(layer, ahead_scores, token)
+    def _layer_work(self, job):
+        if job:
+            tic = time.thread_time()
+            layer, rows, ahead_scores, token, decode = job
+            last = rows[-1]  # a decode step's experts as a list, a prefill step's rows as an array
+            self.observe(layer, last if isinstance(last, list) else last.tolist(), decode=decode,
+                         rows=None if decode else rows, token=token)
+            (self.after_layer if decode else self.prefill)(layer, ahead_scores, token)
+            if decode:  # (a prompt's predictions are no decode step's cost)
+                self.worth.work += time.thread_time() - tic
         if self.off_thread and self.cache is not None:
             self.cache.host_work()
 
@@ -333,13 +438,7 @@ class Prefetcher:
         self.previous[layer] = used
 
     def calls_ahead(self, layer):
-        """(step, target layer, tokens ahead) of the layer calls predicted after `layer`:
-        the next `depth`, past the last layer the next token's first ones (`cross_token`)."""
-        key, L = (layer, self.depth, self.cross_token), len(self.routers)
-        if key not in self.calls_ahead_of:
-            self.calls_ahead_of[key] = [(step, (layer + step) % L, (layer + step) // L)
-                                  for step in range(1, min(self.depth, L - 1) + 1) if layer + step < L or self.cross_token]
-        return self.calls_ahead_of[key]
+        return calls_ahead(layer, self.depth, self.cross_token, len(self.routers))
 
     def lookahead(self, layer, x, decode=True):
         """{step: the target layer's router scores for hidden states x}, unevaluated (a row
@@ -347,6 +446,8 @@ class Prefetcher:
         them together with `layer`'s own routing, in one sync. Only the router is an op: its
         distribution is taken on the host, off the decode thread (prefill(), after_layer())."""
         out = {}
+        if decode and self.worth.paused:
+            return out
         for step, target, ahead in self.calls_ahead(layer):
             if self.routers[target] is not None:
                 # the next step's first layers: from the last token's hidden state
@@ -373,7 +474,8 @@ class Prefetcher:
                 used, guessed = self.rank_counts[step - 1, target, 0]
                 if ahead and used / guessed < self.bar(step):
                     continue  # the next step's guesses: read where the router's first was right often enough
-                self.queue([(target, e) for e in most_picked(probs, order, self.top_ks[target])], token + ahead, target)
+                self.queue([(target, e) for e in most_picked(probs, order, self.top_ks[target])], token + ahead, target,
+                           decode=False)
 
     def after_layer(self, layer, ahead_scores, token):
         """Called once `layer` has its experts (decode only), with `ahead_scores` = lookahead()
@@ -440,25 +542,20 @@ class Prefetcher:
             keys = [k for k in keys if k[1] not in skip]
         self.queue(keys, when, target, beats_victim)
 
-    def queue(self, keys, when, target, beats_victim=None):
-        """Load those of `keys` not resident in a prefetch worker (see cache.BackgroundLoader.prefetch)."""
-        keys = [k for k in keys if k not in self.cache.slot_of]
-        if keys:
-            with self.jobs_lock:
-                self.jobs = [j for j in self.jobs if not j.done()]
-                self.jobs.append(self.pool.submit(self.cache.loader.prefetch, keys, when, target, beats_victim))
+    def queue(self, keys, when, target, beats_victim=None, decode=True):
+        """Load those of `keys` not resident (see Workers.queue)."""
+        self.workers.queue(keys, when, target, beats_victim, decode)
 
     def stats(self):
+        """The cache's stats of prefetch: each predictor's precision and recall, and `worth`'s."""
         self.settle()
-        return precision_recall(self.counts)
+        return {"predictors": precision_recall(self.counts), "prefetch": self.worth.stats()}
 
     def drain(self):
         """Wait until every queued prediction and load has ended."""
         self.settle()
-        with self.jobs_lock:
-            jobs, self.jobs = self.jobs, []
-        wait(jobs)
+        self.workers.drain()
 
     def close(self):
         self.host.close()  # what is queued is dropped, not waited for
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.workers.close()

@@ -210,10 +210,12 @@ class Speculator:
         def reading():
             return (reads is not None and not reads.done()) or any(not done.is_set() for done in coming)
 
+        ran = start
         try:
             if self.read_each is not None and (missed or coming):
                 until = start + self.read_each * (len(missed) + len(coming))
                 self.run_ahead(layer, until, reading, [e for e, _ in missed])
+                ran = time.perf_counter()
         finally:
             self.early = None
             if reads is not None:
@@ -221,6 +223,12 @@ class Speculator:
         if reads is not None:
             reads.result()
             self.read_each = decayed(self.read_each, (ended[0] - start) / len(missed))
+            # predicting's host work (prefetch.Worth): running ahead past the end of the reads
+            self.prefetcher.worth.work += max(0.0, ran - ended[0])
+
+    def paused(self) -> bool:
+        """Whether the prefetcher holds predicting paused (prefetch.Worth): no running ahead then."""
+        return self.prefetcher.worth.paused
 
     def close(self) -> None:
         self.demand_io.shutdown(wait=True)
