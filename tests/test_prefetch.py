@@ -948,7 +948,8 @@ def test_paused_predicting_computes_no_lookahead_and_keeps_tokens(checkpoint, mo
         return after_layer(self, *args)
 
     monkeypatch.setattr(Prefetcher, "after_layer", costly)
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
+    # (io="pread": reads from the page cache, quick on any machine's disk)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False, io="pread")
     cache = model.expert_cache
     pf = cache.prefetcher
     assert tokens(model, tokenizer, 24) == want
