@@ -926,6 +926,14 @@ def test_predicting_pauses_where_it_costs_more_than_it_spares_and_resumes_where_
         c.demand_seconds += 0.004
         worth.step(c)
     assert not worth.paused and "spares" in worth.stats()["reason"]
+    # guesses that hide every miss leave no demand read to time: the disk's rate prices them
+    worth, c = Worth(), Counts()
+    worth.step(c, read_guess=0.004)
+    for _ in range(5 * Worth.WARMUP):
+        worth.work += 0.003
+        c.prefetch_useful += 2
+        worth.step(c, read_guess=0.004)
+    assert not worth.paused
 
 
 def test_paused_predicting_computes_no_lookahead_and_keeps_tokens(checkpoint, monkeypatch):

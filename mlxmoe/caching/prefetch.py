@@ -245,8 +245,10 @@ class Worth:
         self.steps = 0  # steps weighed since predicting (re)started
         self.last = None  # (work, useful loads, demand-read seconds, demand loads) at the last step's start
 
-    def step(self, counters) -> bool:
-        """A decode step starts: weigh the last one; True where predicting is on again."""
+    def step(self, counters, read_guess=None) -> bool:
+        """A decode step starts: weigh the last one; True where predicting is on again.
+        `read_guess`: an expert's read in seconds by the disk's rate, until a demand read
+        is timed (where the guesses hide every miss, none is)."""
         now = (self.work, counters.prefetch_useful, counters.demand_seconds, counters.loads_demand)
         last, self.last = self.last, now
         if last is None or any(a < b for a, b in zip(now, last)):  # (stats reset meanwhile)
@@ -261,7 +263,8 @@ class Worth:
                 return True
             return False
         self.cost = decayed(self.cost, work, self.KEEP)
-        self.gain = decayed(self.gain, useful * (self.per_read or 0.0), self.KEEP)
+        per_read = self.per_read if self.per_read is not None else read_guess
+        self.gain = decayed(self.gain, useful * (per_read or 0.0), self.KEEP)
         self.steps += 1
         if self.steps >= self.WARMUP and self.gain < self.cost:
             self.paused, self.reads = True, None
@@ -269,6 +272,8 @@ class Worth:
 
     def stats(self) -> dict:
         ms = lambda v: round(1e3 * (v or 0.0), 3)  # noqa: E731
+        if self.cost is None:
+            return {"on": True, "reason": "not weighed yet (no decode step on the per-layer path)"}
         if self.paused:
             reason = (f"predicting cost {ms(self.cost)} ms of host work a token, more than the "
                       f"{ms(self.gain)} ms of demand reads it spared")
@@ -379,7 +384,9 @@ class Prefetcher:
         list at a decode step): observe() what it used, and after_layer() (a decode step) or
         prefill() predicts the next calls (see off_thread). While `worth` holds predicting
         paused, a decode step's job is only the cache's host work."""
-        if decode and layer == 0 and self.worth.step(self.cache.counters):
+        gate = self.cache.loader.gate
+        if decode and layer == 0 and self.worth.step(
+                self.cache.counters, gate.rate and self.cache.store.expert_file_bytes() / gate.rate):
             # on again: what was predicted before the pause is for calls long gone
             self.pending.clear(), self.ranked.clear(), self.previous.clear()
             self.bar.paced = None
