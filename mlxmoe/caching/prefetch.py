@@ -199,6 +199,11 @@ class ReadBar:
             self.busy = [busy, seconds] if self.busy is None else [0.7 * self.busy[0] + busy, 0.7 * self.busy[1] + seconds]
         self.paced = (now, busy_seconds)
 
+    def expert_read(self):
+        """Seconds to read one expert at the disk's measured rate (None before one is measured)."""
+        rate = self.cache.loader.gate.rate
+        return None if rate is None else self.cache.store.expert_file_bytes() / rate
+
     def __call__(self, steps):
         """The chance a guess for the layer call `steps` calls ahead needs to be read: at least
         `min_chance`, and what makes its read pay. A right guess hides at most the compute
@@ -212,11 +217,9 @@ class ReadBar:
         So where a layer computes in far less than a read of one piece (the demo model: 0.5
         against 29 ms at 2 MB/s) no guess is worth its read; none is read before a read and a
         decode layer were timed."""
-        cache = self.cache
-        gate, layer = cache.loader.gate, cache.layer_seconds
-        if gate.rate is None or layer is None:
+        gate, layer, read = self.cache.loader.gate, self.cache.layer_seconds, self.expert_read()
+        if read is None or layer is None:
             return float("inf")
-        read = cache.store.expert_file_bytes() / gate.rate
         busy = 1.0 if self.busy is None else min(1.0, self.busy[0] / self.busy[1])
         gain, cost = min(steps * layer, read), min(read, gate.chunk() / gate.rate) * busy
         return max(self.min_chance, cost / (gain + cost))
@@ -227,8 +230,8 @@ class Worth:
     Its cost: the host seconds of predicting, of loading guesses and of running ahead past
     the reads it ran beside (speculate.py): `work`, added by the threads that do it. In the
     host-bound regime the decode thread pays for it (the GIL, the cores the device's
-    compute wants). Its gain: the demand reads the useful
-    guesses spared, each at the decode thread's mean demand read. Paused where the gain is
+    compute wants). Its gain: the demand reads the useful guesses spared, each at the
+    decode thread's mean demand read. Paused where the gain is
     the smaller over decayed steps (reads from the page cache: a few us an expert against
     hundreds of us of predicting a layer call), after WARMUP steps; on again where a paused
     step's demand reads (all it reads, so the most predicting could spare) exceed RESUME x
@@ -384,9 +387,7 @@ class Prefetcher:
         list at a decode step): observe() what it used, and after_layer() (a decode step) or
         prefill() predicts the next calls (see off_thread). While `worth` holds predicting
         paused, a decode step's job is only the cache's host work."""
-        gate = self.cache.loader.gate
-        if decode and layer == 0 and self.worth.step(
-                self.cache.counters, gate.rate and self.cache.store.expert_file_bytes() / gate.rate):
+        if decode and layer == 0 and self.worth.step(self.cache.counters, self.bar.expert_read()):
             # on again: what was predicted before the pause is for calls long gone
             self.pending.clear(), self.ranked.clear(), self.previous.clear()
             self.bar.paced = None
