@@ -90,6 +90,29 @@ def test_a_miss_anywhere_is_read_and_recomputed(checkpoint, where):
     assert stats["verified_tokens"] >= 2
 
 
+def test_slot_tables_follow_the_reads_of_a_miss(checkpoint, monkeypatch):
+    """After each miss's reads (the policy's victims and the guesses), the tables updated in
+    place show what a fresh build from the cache's residency shows."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = all_but(path, 6)
+    cache = model.expert_cache
+    checked = []
+    read = verify.Verifier._read
+
+    def read_and_compare(self, *args):
+        read(self, *args)
+        fresh = verify.SlotTables(cache)
+        fresh.build()
+        assert np.array_equal(self.tables.host, fresh.host)
+        assert self.tables.lists == fresh.lists and self.tables.key_of == fresh.key_of
+        assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(self.tables.rows, fresh.rows))
+        checked.append(1)
+
+    monkeypatch.setattr(verify.Verifier, "_read", read_and_compare)
+    generate(model, tokenizer, evict=every_expert(cache, 1))
+    assert len(checked) >= 5
+
+
 def test_placeholder_never_reaches_the_output(checkpoint):
     path = checkpoint("qwen3_moe")  # float weights: NaN in the placeholder would spread
     want, _ = reference(path)

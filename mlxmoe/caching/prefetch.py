@@ -409,6 +409,11 @@ class Prefetcher:
         if self.off_thread and self.cache is not None:
             self.cache.host_work()
 
+    def hand_off(self):
+        """The cache's host work left for later, done on the host thread (where there is one)."""
+        if self.off_thread:
+            self.host.put(())
+
     def settle(self):
         """Wait for the queued scoring and predicting (raising its error, if any)."""
         self.host.settle()

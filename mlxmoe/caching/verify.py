@@ -219,6 +219,7 @@ class SlotTables:
         self.host = None
         self.rows = None
         self.lists = None
+        self.key_of = {}  # slot -> the key the table shows in it
         self.version = None
 
     def current(self) -> bool:
@@ -231,6 +232,7 @@ class SlotTables:
         with cache.lock:
             for (layer, e), slot in cache.slot_of.items():
                 table[layer, e] = slot
+            self.key_of = {slot: key for key, slot in cache.slot_of.items()}
             self.version = cache.version
         old, self.host = self.host, table
         self.lists = table.tolist()
@@ -241,14 +243,18 @@ class SlotTables:
     def update(self, given: list) -> None:
         """After the slots of `given` [(key, slot)] went to those keys (from the keys that
         held them, now placeholders) and nothing else changed (under the cache's lock)."""
-        table = self.host
+        table, key_of = self.host, self.key_of
         if given:
-            victims = np.isin(table, [slot for _, slot in given])
-            changed = set(np.flatnonzero(victims.any(axis=1)).tolist())
-            table[victims] = self.placeholder
-            for (layer, e), slot in given:
-                table[layer, e] = slot
-                changed.add(layer)
+            changed = set()
+            for key, slot in given:
+                old = key_of.pop(slot, None)
+                if old is not None:
+                    table[old] = self.placeholder
+                    changed.add(old[0])
+            for key, slot in given:
+                table[key] = slot
+                key_of[slot] = key
+                changed.add(key[0])
             for layer in changed:
                 self.rows[layer] = mx.array(table[layer])
                 self.lists[layer] = table[layer].tolist()
@@ -393,6 +399,8 @@ class Verifier:
         seconds = time.perf_counter() - tic - (counters.read_seconds - read)
         if self.current.verified(seconds, replays, replayed, len(self.layers)):
             self.tables.rows = None
+        if cache.prefetcher is not None:  # the policy's updates of the hits, while the step computes
+            cache.prefetcher.hand_off()
         return out
 
     # -- inside the forward -------------------------------------------------------------
