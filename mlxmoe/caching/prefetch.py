@@ -410,9 +410,8 @@ class Prefetcher:
             self.cache.host_work()
 
     def hand_off(self):
-        """The cache's host work left for later, done on the host thread (where there is one)."""
-        if self.off_thread:
-            self.host.put(())
+        """The cache's host work left for later, done on the host thread (off_thread: else none)."""
+        self.host.put(())
 
     def settle(self):
         """Wait for the queued scoring and predicting (raising its error, if any)."""
