@@ -410,7 +410,7 @@ class Prefetcher:
             self.cache.host_work()
 
     def hand_off(self):
-        """The cache's host work left for later, done on the host thread (off_thread: else none)."""
+        """The host thread does the cache's deferred host work (the job `()`, as while paused)."""
         self.host.put(())
 
     def settle(self):

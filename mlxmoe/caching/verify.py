@@ -230,9 +230,10 @@ class SlotTables:
         cache = self.cache
         table = np.full((cache.store.num_layers, cache.store.num_experts), self.placeholder, dtype=np.uint32)
         with cache.lock:
-            for (layer, e), slot in cache.slot_of.items():
-                table[layer, e] = slot
-            self.key_of = {slot: key for key, slot in cache.slot_of.items()}
+            self.key_of = {}
+            for key, slot in cache.slot_of.items():
+                table[key] = slot
+                self.key_of[slot] = key
             self.version = cache.version
         old, self.host = self.host, table
         self.lists = table.tolist()
@@ -246,12 +247,11 @@ class SlotTables:
         table, key_of = self.host, self.key_of
         if given:
             changed = set()
-            for key, slot in given:
-                old = key_of.pop(slot, None)
+            for key, slot in given:  # (distinct slots, each from its old key if any)
+                old = key_of.get(slot)
                 if old is not None:
                     table[old] = self.placeholder
                     changed.add(old[0])
-            for key, slot in given:
                 table[key] = slot
                 key_of[slot] = key
                 changed.add(key[0])
