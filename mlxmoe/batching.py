@@ -152,15 +152,70 @@ class CallRows:
             observed.observe(call.layer, experts, scores, mean)
 
 
+def settle(*caches) -> None:
+    """Evaluate these KV caches (lists of one cache a layer) a layer at a time. Where mlx-lm
+    made each layer's new arrays from the old (prompts joining or leaving a batch, rows
+    leaving: copies, gathers and concatenations, left lazy), the old then go layer by layer,
+    instead of living beside their copies until a later step evaluates them all."""
+    for layer in zip(*[c for c in caches if c]):
+        mx.eval([c.state for c in layer])
+
+
+def made(batch, idx: int, extract) -> list:
+    """Row `idx`'s cache extracted from `batch` (extract(idx): lazy slices of the whole batch's
+    KV), evaluated: mlx-lm's server holds it a while (the last one it saved, in a loop
+    variable; a finished row's response, through the next step), and lazy it would keep the
+    batch's KV as it was alive beside the batch's next (1.6x the budget with 16 clients).
+    Nothing ([]) where the server's prompt cache keeps nothing (`batch.keep` false): it would
+    drop the copy at once."""
+    if not batch.keep:
+        return []
+    cache = extract(idx)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
 class Prompts(PromptProcessingBatch):
     """mlx-lm's prompt batch, keeping its prefill's prompt lengths and the tokens fed so far:
-    beyond its length a row is right padding (Batches.rows_of)."""
+    beyond its length a row is right padding (Batches.rows_of); its KV is settled where
+    prompts join it or leave it (settle), a row's cache made where extracted (made)."""
 
     lengths, fed = np.zeros(0, dtype=np.int64), 0
+    keep = True  # whether the server's prompt cache keeps a row's cache (made)
 
     def prompt(self, tokens):
         self.lengths, self.fed = np.array([len(t) for t in tokens]), 0
         super().prompt(tokens)
+
+    def extend(self, batch):
+        super().extend(batch)
+        settle(self.prompt_cache)
+
+    def split(self, indices):
+        taken = super().split(indices)  # (its own KV: a copy of the whole batch's, filtered)
+        settle(self.prompt_cache, taken.prompt_cache)
+        return taken
+
+    def extract_cache(self, idx):
+        return made(self, idx, super().extract_cache)
+
+
+class Decoding(GenerationBatch):
+    """mlx-lm's generation batch whose KV is settled where rows join or leave it (settle), a
+    finished row's cache made where extracted (made)."""
+
+    keep = True  # as Prompts.keep
+
+    def extract_cache(self, idx):
+        return made(self, idx, super().extract_cache)
+
+    def extend(self, batch):
+        super().extend(batch)
+        settle(self.prompt_cache)
+
+    def filter(self, keep):
+        super().filter(keep)
+        settle(self.prompt_cache)
 
 
 class Replies:
@@ -213,7 +268,13 @@ class Batches(BatchGenerator):
         self.cache, self.lock, self.held = model.expert_cache, generation_lock(model), False
         self.requests, self.calls, self.last = {}, [], None  # uid -> request; this step's calls
         self.counted = np.zeros(3, dtype=np.int64)  # hits, misses, bytes given to rows since the last record
+        self._empty_batches()
+
+    def _empty_batches(self):
         self._prompt_batch = Prompts.empty(self.model, self.sampler, self.prefill_step_size)
+        self._generation_batch = Decoding.empty(self.model, self.sampler)
+        keep = getattr(getattr(self.owner, "prompt_cache", None), "max_size", 1) > 0
+        self._prompt_batch.keep = self._generation_batch.keep = keep
 
     def insert_segments(self, segments, max_tokens=None, *args, **kwargs):
         uids = super().insert_segments(segments, max_tokens, *args, **kwargs)
@@ -262,12 +323,6 @@ class Batches(BatchGenerator):
             prompt_responses, gen_responses = super()._next()
         except Exception as e:  # noqa: BLE001 - each request in the batch gets the error
             return self._failed(e), []
-        # a finished row's cache (its response's, for mlx-lm's prompt cache) is a lazy slice of the
-        # batch's KV before the rows left, and mlx-lm's loop holds the responses through the next
-        # step, which copies the rows kept: made now (before that step, in the stream's order), the
-        # slices let the old KV go as the copy is made (left lazy, the old KV lived beside its copy:
-        # 1.08x the budget with 16 clients)
-        mx.async_eval([c.state for r in gen_responses if r.prompt_cache for c in r.prompt_cache])
         last = self._account(gen_kv, gen_uids, [r.uid for r in prompt_responses if r.end_of_prompt])
         for response in gen_responses:  # a request's first token: its profile, as one alone gets it then
             request = self.requests.get(response.uid)
@@ -294,8 +349,10 @@ class Batches(BatchGenerator):
         """Let the waiting requests in, in order, while the batch's KV stays within the reserve."""
         active = [*self._generation_batch.uids, *self._prompt_batch.uids]
         needs = [self.requests[u].share.need for u in active if u in self.requests]
-        kv = self._generation_batch.prompt_cache
-        length = getattr(kv[0], "_idx", 0) if kv else 0  # (BatchKVCache: the batch's length)
+        # the batches' length (BatchKVCache: rows right-justified to it): the prompt batch's
+        # rows join the generation batch at theirs, which rows joining at other steps pad
+        length = max((getattr(b.prompt_cache[0], "_idx", 0) for b in (self._generation_batch, self._prompt_batch)
+                      if b.prompt_cache), default=0)
         context, step = self.owner.context, BatchKVCache.step  # (it grows by steps of `step` tokens)
         admitted = 0
         for sequence in self._unprocessed_sequences:
@@ -370,8 +427,7 @@ class Batches(BatchGenerator):
                 request.ctx.stop()
         self._unprocessed_sequences.clear()
         self._currently_processing = []
-        self._prompt_batch = Prompts.empty(self.model, self.sampler, self.prefill_step_size)
-        self._generation_batch = GenerationBatch.empty(self.model, self.sampler)
+        self._empty_batches()
         self._release()
         return [PromptProcessingBatch.Response(uid, (0, 0), False, False) for uid in uids]
 

@@ -8,6 +8,7 @@ KV reserve; a client leaving frees its slot; the budget holds with 16 clients. S
 
 import json
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from mlxmoe.batching import CallRows, Share
 from mlxmoe.caching.experts import LayerCall, StreamingExperts, row_counts
 from mlxmoe.drafting import NGram
 from mlxmoe.workload.profile import ActivationProfile
-from test_server import PROMPTS, Server, copy_profiles
+from test_server import PROMPTS, ROOT, Server, copy_profiles
 from test_threads import in_threads
 
 openai = pytest.importorskip("openai")
@@ -45,16 +46,17 @@ def solo():
         model.expert_cache.close()
 
 
-def start(max_batch, profiles=None, **load):
+def start(max_batch, profiles=None, prompt_cache_size=0, **load):
     """An in-process server of the demo model loaded with `load` (no prefetcher: every read
     is one a request's step made), batching up to `max_batch` requests; with the stored
-    `profiles` (a folder) matched per request."""
+    `profiles` (a folder) matched per request; keeping `prompt_cache_size` prompt caches."""
     model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL, prefetch=0, **load)
     assert model.expert_cache.prewarm_done(60)  # (its reads are no request's)
     stock = mlx_server.stream_generate, mlx_server.BatchGenerator
     if profiles is not None:
         profiles = mlxmoe_server.Profiles(Path(profiles).glob("*.json"), model.expert_runtime.checkpoint)
-    generator = mlxmoe_server.response_generator(model, tokenizer, "demo", max_batch=max_batch, profiles=profiles)
+    generator = mlxmoe_server.response_generator(model, tokenizer, "demo", max_batch=max_batch, profiles=profiles,
+                                                 prompt_cache_size=prompt_cache_size)
     httpd = mlxmoe_server.http_server(generator, "127.0.0.1", 0)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_port}/v1", api_key="none", timeout=60,
                            max_retries=0)
@@ -443,6 +445,68 @@ def test_the_budget_holds_as_rows_leave_a_batch_of_16(monkeypatch):
     assert sorted({u["batch_steps"] for _, u in got}) == [10, 11, 12, 13, 14]  # (and their prompts' two)
     assert [u["batch_largest"] for _, u in got] == [16] * 16
     assert mx.get_peak_memory() - before <= 1.05 * budget, (mx.get_peak_memory() - before) / budget
+
+
+def test_the_budget_holds_with_16_prompts_of_every_length():
+    """16 clients, twice, with held-out prompts of up to 200 characters, a budget near the model's
+    minimum (the KV reserve a large share of it): rows join the prompt batch and leave it for
+    the generation batch at different steps, and mlx-lm makes each move's KV as lazy copies of
+    the batch's (a row's extracted cache too), held until a later step evaluates them. The old
+    KV must go as the copies are made, and admission must count the padding that rows joining
+    at other steps get: the peak stays under the budget with room (0.78x here; 1.00-1.11x
+    when the copies were left lazy)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from heldout import prompts
+    finally:
+        sys.path.pop(0)
+    asked = [(p, 16) for lang in ("en", "it", "de", "fr", "es") for p in prompts(lang, 8, max_chars=200)][:16]
+    s = Server("--memory-budget", "43MB", "--max-batch", "16")
+    try:
+        for _ in range(2):
+            got = in_threads(lambda p, n: s.client.completions.create(model="demo", prompt=p, max_tokens=n,
+                                                                      temperature=0), asked)
+            assert all(not isinstance(r, str) for r in got), got
+        stats = s.json("GET", "/v1/mlxmoe/stats")[2]
+    finally:
+        s.stop()
+    assert max(r.usage.model_extra["mlxmoe"]["batch_largest"] for r in got) > 4
+    assert stats["peak_memory"] <= 0.95 * stats["server"]["memory_budget"], \
+        stats["peak_memory"] / stats["server"]["memory_budget"]
+
+
+def test_a_kept_prompt_cache_holds_each_rows_own_kv():
+    """With a prompt cache (--prompt-cache-size), a batch's finished rows leave their caches
+    in it: each row's own KV, made (one row, not slices of the batch's whole KV), and a
+    request sent again is answered the same from it. Without one, none is extracted."""
+    asked = [(PROMPTS[i], 6 + i) for i in range(4)]
+    served = start(4, prompt_cache_size=8)
+    try:
+        first = together(served, asked)
+        kept = served.generator.prompt_cache
+        assert len(kept) >= 4
+        entries = [e for _, e in _entries(kept._trie._trie)]
+        assert entries and all(c.keys.shape[0] == 1 and c.keys.shape[2] == c.offset
+                               for e in entries for c in e.prompt_cache)
+        again = together(served, asked)
+    finally:
+        served.stop()
+    assert [t for t, _ in again] == [t for t, _ in first]
+    served = start(4)
+    try:
+        together(served, asked)
+        assert served.model is not None and not served.generator.batches._generation_batch.keep
+    finally:
+        served.stop()
+
+
+def _entries(node, depth=0):
+    """(depth, entry) of every cache entry in a PromptTrie's nested dicts."""
+    for key, child in node.items():
+        if key == "__value__" or not isinstance(child, dict):
+            yield depth, child
+        else:
+            yield from _entries(child, depth + 1)
 
 
 def test_batching_off_with_drafts_or_max_batch_1():
