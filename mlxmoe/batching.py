@@ -161,6 +161,20 @@ def settle(*caches) -> None:
         mx.eval([c.state for c in layer])
 
 
+def absorb(batch, other, extend) -> None:
+    """extend(other): `other`'s rows join `batch` (mlx-lm pads and concatenates each layer's KV,
+    lazily); then `batch`'s KV is evaluated a layer at a time and `other`'s let go with it
+    (mlx-lm holds `other` until its step's end: its KV would live beside the copy till then)."""
+    joining = other.prompt_cache
+    extend(other)
+    if joining is batch.prompt_cache:  # (`batch` was empty: it took `other`'s KV as it is)
+        settle(joining)
+        return
+    for ours, theirs in zip(batch.prompt_cache, joining):
+        mx.eval(ours.state)
+        theirs.keys = theirs.values = None
+
+
 def made(batch, idx: int, extract) -> list:
     """Row `idx`'s cache extracted from `batch` (extract(idx): lazy slices of the whole batch's
     KV), evaluated: mlx-lm's server holds it a while (the last one it saved, in a loop
@@ -188,8 +202,7 @@ class Prompts(PromptProcessingBatch):
         super().prompt(tokens)
 
     def extend(self, batch):
-        super().extend(batch)
-        settle(self.prompt_cache)
+        absorb(self, batch, super().extend)
 
     def split(self, indices):
         taken = super().split(indices)  # (its own KV: a copy of the whole batch's, filtered)
@@ -210,8 +223,9 @@ class Decoding(GenerationBatch):
         return made(self, idx, super().extract_cache)
 
     def extend(self, batch):
-        super().extend(batch)
-        settle(self.prompt_cache)
+        # (the joining rows' first step, queued on their own KV, is computed before that KV goes)
+        mx.eval([a for a in (batch._next_tokens, batch._next_logprobs) if a is not None])
+        absorb(self, batch, super().extend)
 
     def filter(self, keep):
         super().filter(keep)
@@ -302,7 +316,10 @@ class Batches(BatchGenerator):
         with self.cache.lock:
             now, given, self.counted = counters(self.cache), self.counted, np.zeros(3, dtype=np.int64)
         given = [*given.tolist(), 0, 0, 0]
-        self.calls.append((kv, rows, [a - b - c for a, b, c in zip(now, self.last, given)]))
+        # whose KV it ran on, named rather than held (a joining batch's KV would outlive the step)
+        whose = "generation" if kv is self._generation_batch.prompt_cache else \
+            "prompts" if kv is self._prompt_batch.prompt_cache else None
+        self.calls.append((whose, rows, [a - b - c for a, b, c in zip(now, self.last, given)]))
         self.last = now
 
     def _next(self):
@@ -317,13 +334,13 @@ class Batches(BatchGenerator):
             with self.cache.lock:
                 self.held, self.last, self.counted = True, counters(self.cache), np.zeros(3, dtype=np.int64)
             self.base.expert_runtime.new_sequence()
-        gen_kv, gen_uids = self._generation_batch.prompt_cache, list(self._generation_batch.uids)
+        gen_uids = list(self._generation_batch.uids)
         self.calls = []
         try:
             prompt_responses, gen_responses = super()._next()
         except Exception as e:  # noqa: BLE001 - each request in the batch gets the error
             return self._failed(e), []
-        last = self._account(gen_kv, gen_uids, [r.uid for r in prompt_responses if r.end_of_prompt])
+        last = self._account(gen_uids, [r.uid for r in prompt_responses if r.end_of_prompt])
         for response in gen_responses:  # a request's first token: its profile, as one alone gets it then
             request = self.requests.get(response.uid)
             if request is not None and not request.decided.is_set():
@@ -389,16 +406,16 @@ class Batches(BatchGenerator):
         if prompts:
             self._prompt_batch.prefill_step_size = self.prefill_step_size  # (its own loop splits by it)
 
-    def _account(self, gen_kv, gen_uids, joined):
+    def _account(self, gen_uids, joined):
         """Give this step's calls their rows where not known at the call: the generation batch's
         (as it was), the prompt batch's, or those that just joined the generation (their first
         step); then share what the rows were not given by them. Returns the last call's rows
         (requests)."""
         rows = list(self.requests.values())[-1:]
-        for kv, call_rows, counts in self.calls:
+        for whose, call_rows, counts in self.calls:
             if call_rows is not None and call_rows.requests is None:
-                uids = gen_uids if kv is gen_kv else \
-                    self._prompt_batch.uids if kv is self._prompt_batch.prompt_cache else joined or gen_uids
+                uids = gen_uids if whose == "generation" else \
+                    self._prompt_batch.uids if whose == "prompts" else joined or gen_uids
                 call_rows.bind([self.requests.get(u) for u in uids])
             held = call_rows.requests if call_rows is not None else []
             rows = [r for r in held if r is not None] or list(self.requests.values())[:1]
