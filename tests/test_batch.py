@@ -8,7 +8,6 @@ KV reserve; a client leaving frees its slot; the budget holds with 16 clients. S
 
 import json
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from mlxmoe.batching import CallRows, Share
 from mlxmoe.caching.experts import LayerCall, StreamingExperts, row_counts
 from mlxmoe.drafting import NGram
 from mlxmoe.workload.profile import ActivationProfile
-from test_server import PROMPTS, ROOT, Server, copy_profiles
+from test_server import PROMPTS, Server, copy_profiles, heldout_prompts
 from test_threads import in_threads
 
 openai = pytest.importorskip("openai")
@@ -455,12 +454,7 @@ def test_the_budget_holds_with_16_prompts_of_every_length():
     KV must go as the copies are made, and admission must count the padding that rows joining
     at other steps get: the peak stays under the budget with room (0.78x here; 1.00-1.11x
     when the copies were left lazy)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        from heldout import prompts
-    finally:
-        sys.path.pop(0)
-    asked = [(p, 16) for lang in ("en", "it", "de", "fr", "es") for p in prompts(lang, 8, max_chars=200)][:16]
+    asked = [(p, 16) for lang in ("en", "it", "de", "fr", "es") for p in heldout_prompts(lang, 8, 200)][:16]
     s = Server("--memory-budget", "43MB", "--max-batch", "16")
     try:
         for _ in range(2):
@@ -478,14 +472,14 @@ def test_the_budget_holds_with_16_prompts_of_every_length():
 def test_a_kept_prompt_cache_holds_each_rows_own_kv():
     """With a prompt cache (--prompt-cache-size), a batch's finished rows leave their caches
     in it: each row's own KV, made (one row, not slices of the batch's whole KV), and a
-    request sent again is answered the same from it. Without one, none is extracted."""
+    request sent again is answered the same from it. Without one, the batches keep (extract) none."""
     asked = [(PROMPTS[i], 6 + i) for i in range(4)]
     served = start(4, prompt_cache_size=8)
     try:
         first = together(served, asked)
         kept = served.generator.prompt_cache
         assert len(kept) >= 4
-        entries = [e for _, e in _entries(kept._trie._trie)]
+        entries = list(_entries(kept._trie._trie))
         assert entries and all(c.keys.shape[0] == 1 and c.keys.shape[2] == c.offset
                                for e in entries for c in e.prompt_cache)
         again = together(served, asked)
@@ -495,18 +489,18 @@ def test_a_kept_prompt_cache_holds_each_rows_own_kv():
     served = start(4)
     try:
         together(served, asked)
-        assert served.model is not None and not served.generator.batches._generation_batch.keep
+        assert not served.generator.batches._generation_batch.keep
     finally:
         served.stop()
 
 
-def _entries(node, depth=0):
-    """(depth, entry) of every cache entry in a PromptTrie's nested dicts."""
+def _entries(node):
+    """Every cache entry in a PromptTrie's nested dicts."""
     for key, child in node.items():
         if key == "__value__" or not isinstance(child, dict):
-            yield depth, child
+            yield child
         else:
-            yield from _entries(child, depth + 1)
+            yield from _entries(child)
 
 
 def test_batching_off_with_drafts_or_max_batch_1():

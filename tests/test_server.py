@@ -282,18 +282,23 @@ def copy_profiles(tmp_path):
     return folder
 
 
-def test_profiles_matched_per_request_and_named(tmp_path):
+def heldout_prompts(lang, n=None, max_chars=400):
+    """bench/heldout.py's prompts(): held-out text of `lang` cut into prompts."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         from heldout import prompts
     finally:
         sys.path.pop(0)
+    return prompts(lang, n, max_chars=max_chars)
+
+
+def test_profiles_matched_per_request_and_named(tmp_path):
     folder = copy_profiles(tmp_path)
     s = Server("--profiles", folder, "--cache-experts", 64)
     try:
         right = 0
         for lang, want in (("it", "italian"), ("en", "english")):
-            for p in prompts(lang, 4):
+            for p in heldout_prompts(lang, 4):
                 status, headers, body = s.json("POST", "/v1/chat/completions", {
                     "messages": [{"role": "user", "content": p}], "max_tokens": 2})
                 assert status == 200 and body["usage"]["mlxmoe"]["profile"] == headers["X-Mlxmoe-Profile"]
