@@ -5,6 +5,7 @@ short replies; every wait is bounded."""
 
 import json
 import os
+import platform
 import readline
 import select
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 LEFT, UP = "\x1b[D", "\x1b[A"
 CHAT = ["chat", "--model", "demo", "--max-tokens", "24"]
+SELECT_CALLS = {"x86_64": {"23", "270"}, "aarch64": {"72"}}  # select, pselect6 in /proc/PID/syscall
 
 # The chat, its standard input the pty (its controlling terminal, so that Ctrl-C is SIGINT),
 # each token `delay` seconds apart (a slow model: Ctrl-C lands mid-reply).
@@ -65,6 +67,21 @@ class Terminal:
                 self.seen += data.decode("utf-8", "replace")
         before, _, self.seen = self.seen.partition(text)
         return before
+
+    def waits_for_a_key(self, timeout=60):
+        """Until the command sleeps in select() on the terminal (Linux; elsewhere half a second).
+        CPython's readline looks at signals only when that select() is interrupted: a Ctrl-C that
+        lands between the prompt's write and the select() (no hand is that fast, a loaded CI
+        machine is) is acted on at the next key."""
+        path = Path(f"/proc/{self.proc.pid}/syscall")
+        calls = SELECT_CALLS.get(platform.machine())
+        if calls is None or not path.exists():
+            time.sleep(0.5)
+            return
+        end = time.monotonic() + timeout
+        while path.read_text().split()[0] not in calls:
+            assert time.monotonic() < end, f"the command did not wait for a key within {timeout} s"
+            time.sleep(0.01)
 
     def exit_code(self, timeout=60):
         try:
@@ -116,6 +133,7 @@ def test_arrow_keys_edit_the_line_up_recalls_it_ctrl_c_says_how_to_leave_ctrl_d_
     messages = saved(t, tmp_path / "c.json")
     assert [m["content"] for m in messages if m["role"] == "user"] == ["Il gatto dorme"] * 2
     assert all(m["content"] for m in messages if m["role"] == "assistant")
+    t.waits_for_a_key()
     t.send("\x03")  # Ctrl-C at the prompt: the chat goes on
     t.expect("use /quit, /bye or Ctrl-D to leave")
     t.expect(">> ")
