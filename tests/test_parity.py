@@ -112,6 +112,32 @@ def test_resident_decode_steps_learn_at_once_what_they_learn_call_by_call(checkp
     np.testing.assert_allclose(fast[3], slow[3], rtol=1e-5, atol=1e-6)
 
 
+def test_streamed_decode_steps_read_in_batches_teach_what_resident_ones_do(checkpoint, monkeypatch):
+    """The per-layer path's decode steps (a small cache, no prefetcher, no verified steps) leave
+    their routers' distributions unread until one is asked for, then read all those waiting in
+    one softmax (experts.StepRouting): each call keeps its own, so the live profile learns the
+    same counts and mass as with every expert resident."""
+    import numpy as np
+
+    from mlxmoe.caching import experts
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    batches = []
+    host_probs = experts.host_probs
+    monkeypatch.setattr(experts, "host_probs", lambda logits: (batches.append(len(logits)), host_probs(logits))[1])
+    learnt = []
+    for kw in ({}, {"cache_experts": 8, "prefetch": 0, "verify": False, "policy": "lru"}):
+        batches.clear()
+        tokens, runtime = run(path, **kw)
+        assert tokens == reference_tokens(path)
+        learnt.append((runtime.profile.counts.copy(), runtime.profile.mass.copy(), runtime.cache.stats()["misses"]))
+        runtime.close()
+    (resident_counts, resident_mass, _), (counts, mass, misses) = learnt
+    assert misses > TOKENS and max(batches) > 1  # streamed, and a read took several calls at once
+    np.testing.assert_array_equal(counts, resident_counts)
+    np.testing.assert_allclose(mass, resident_mass, rtol=1e-5, atol=1e-6)
+
+
 def test_everything_resident_runs_without_host_work_per_layer(checkpoint, tmp_path):
     """With room for every expert, all are read once in the background; then layers remap
     on the device and their host work (hits, policy, live profile, trace) is done a token

@@ -76,6 +76,7 @@ class Residency:
         self.counters = CacheStats()
         self.defer_hits = defer_hits
         self.deferred = deque()  # host work left for later, (function, args), in order: see catch_up
+        self.unread = deque(maxlen=4096)  # experts.StepRouting not yet read: read together when one is
         self.catching_up = False
 
     def catch_up(self, until: Callable | None = None) -> None:
@@ -376,17 +377,17 @@ class ExpertCache(Residency):
         self.call_position = self.position
         self.position += tokens
 
-    def observe(self, call, profile=None) -> None:
-        """Give `call` (an experts.LayerCall, or a function making it) to the observers, learnt
-        by `profile`, else by the rows of the batched model call under way, else the live profile:
-        left in `deferred` where the prefetcher's host thread does it (see Residency.catch_up), else now."""
+    def observe(self, call, profile=None, later: bool = False) -> None:
+        """Give `call` (an experts.LayerCall, or a function making it) to the observers, learnt by
+        `profile`, else the batched call's rows, else the live profile: left in `deferred` where the
+        prefetcher's host thread does it (Residency.catch_up) or `later` (a decode step's: done with
+        the next tick's or miss's, warm, not alone after its wait on the device), else now."""
         if profile is None:
             profile = self.profile if self.rows is None else self.rows
-        if self.prefetcher is not None and self.prefetcher.off_thread:
-            self.deferred.append((self.notify, (call, profile)))
-        else:
-            with self.lock:
-                self.notify(call, profile)
+        if later or (self.prefetcher is not None and self.prefetcher.off_thread):
+            return self.deferred.append((self.notify, (call, profile)))
+        with self.lock:
+            self.notify(call, profile)
 
     def notify(self, call, profile) -> None:
         """`profile` learns `call` (and its tokens at the first layer), then the observers get it."""
