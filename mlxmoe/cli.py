@@ -1868,7 +1868,9 @@ def _interrupting(raise_it):
 
     def handler(signum, frame):
         if frame is not None and _torn(frame):
-            threading.Timer(0.005, os.kill, (os.getpid(), signum)).start()
+            again = threading.Timer(0.005, os.kill, (os.getpid(), signum))
+            again.daemon = True  # (an exit meanwhile does not wait for it)
+            again.start()
             return
         raise_it(signum, frame)
 
