@@ -152,7 +152,7 @@ class CallRows:
             observed.observe(call.layer, experts, scores, mean)
 
 
-def settle(*caches) -> None:
+def settle_kv(*caches) -> None:
     """Evaluate these KV caches (lists of one cache a layer) a layer at a time. Where mlx-lm
     made each layer's new arrays from the old (prompts joining or leaving a batch, rows
     leaving: copies, gathers and concatenations, left lazy), the old then go layer by layer,
@@ -168,7 +168,7 @@ def absorb(batch, other, extend) -> None:
     joining = other.prompt_cache
     extend(other)
     if joining is batch.prompt_cache:  # (`batch` was empty: it took `other`'s KV as it is)
-        settle(joining)
+        settle_kv(joining)
         return
     for ours, theirs in zip(batch.prompt_cache, joining):
         mx.eval(ours.state)
@@ -192,7 +192,7 @@ def made(batch, idx: int, extract) -> list:
 class Prompts(PromptProcessingBatch):
     """mlx-lm's prompt batch, keeping its prefill's prompt lengths and the tokens fed so far:
     beyond its length a row is right padding (Batches.rows_of); its KV is settled where
-    prompts join it or leave it (settle), a row's cache made where extracted (made)."""
+    prompts join it or leave it (settle_kv), a row's cache made where extracted (made)."""
 
     lengths, fed = np.zeros(0, dtype=np.int64), 0
     keep = True  # whether the server's prompt cache keeps a row's cache (made)
@@ -206,7 +206,7 @@ class Prompts(PromptProcessingBatch):
 
     def split(self, indices):
         taken = super().split(indices)  # (its own KV: a copy of the whole batch's, filtered)
-        settle(self.prompt_cache, taken.prompt_cache)
+        settle_kv(self.prompt_cache, taken.prompt_cache)
         return taken
 
     def extract_cache(self, idx):
@@ -214,7 +214,7 @@ class Prompts(PromptProcessingBatch):
 
 
 class Decoding(GenerationBatch):
-    """mlx-lm's generation batch whose KV is settled where rows join or leave it (settle), a
+    """mlx-lm's generation batch whose KV is settled where rows join or leave it (settle_kv), a
     finished row's cache made where extracted (made)."""
 
     keep = True  # as Prompts.keep
@@ -229,7 +229,7 @@ class Decoding(GenerationBatch):
 
     def filter(self, keep):
         super().filter(keep)
-        settle(self.prompt_cache)
+        settle_kv(self.prompt_cache)
 
 
 class Replies:
