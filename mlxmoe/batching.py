@@ -192,7 +192,7 @@ def made(batch, idx: int, extract) -> list:
 class Prompts(PromptProcessingBatch):
     """mlx-lm's prompt batch, keeping its prefill's prompt lengths and the tokens fed so far:
     beyond its length a row is right padding (Batches.rows_of); its KV is settled where
-    prompts join it or leave it (settle_kv), a row's cache made where extracted (made)."""
+    prompts join it or leave it (absorb, filter), a row's cache made where extracted (made)."""
 
     lengths, fed = np.zeros(0, dtype=np.int64), 0
     keep = True  # whether the server's prompt cache keeps a row's cache (made)
@@ -204,10 +204,9 @@ class Prompts(PromptProcessingBatch):
     def extend(self, batch):
         absorb(self, batch, super().extend)
 
-    def split(self, indices):
-        taken = super().split(indices)  # (its own KV: a copy of the whole batch's, filtered)
-        settle_kv(self.prompt_cache, taken.prompt_cache)
-        return taken
+    def filter(self, keep):  # (split: both parts; remove: a prompt whose client left)
+        super().filter(keep)
+        settle_kv(self.prompt_cache)
 
     def extract_cache(self, idx):
         return made(self, idx, super().extract_cache)

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from .errors import MlxmoeError
+from .signals import interrupting
 from .caching.policies import DEFAULT_POLICY, ONLINE
 from .storage.files import check_outputs, model_folder
 from .workload.tracefile import MAX_EXPERTS
@@ -1860,36 +1861,6 @@ def _terminate(signum, frame):
     raise Terminated()
 
 
-def _interrupting(raise_it):
-    """A SIGINT or SIGTERM handler that raises as `raise_it` does, except where it landed
-    between a lock's taking and the code that gives it back (_torn): raised there, the lock
-    would stay held (a thread pool's worker then waits on it for ever, and so does the exit) or
-    be given back twice; the signal is sent again a few ms later, when it lands elsewhere."""
-
-    def handler(signum, frame):
-        if frame is not None and _torn(frame):
-            again = threading.Timer(0.005, os.kill, (os.getpid(), signum))
-            again.daemon = True  # (an exit meanwhile does not wait for it)
-            again.start()
-            return
-        raise_it(signum, frame)
-
-    return handler
-
-
-_WAIT = threading.Condition.wait.__code__
-
-
-def _torn(frame) -> bool:
-    """Whether `frame` stands where an exception would tear a lock's state: a context manager's
-    __enter__ (its lock taken, its with-block not begun), or Condition.wait from giving its lock
-    up to the try that takes it back (marked by its local `gotit`, set just before that try)."""
-    code = frame.f_code
-    if code.co_name in ("__enter__", "_release_save"):
-        return True
-    return code is _WAIT and "gotit" in code.co_varnames and "gotit" not in frame.f_locals
-
-
 def _still_running():
     """Raise Terminated where a SIGTERM came: its handler's exception is lost where it lands
     in a finaliser (a generator closed by the garbage collector, a __del__), which Python
@@ -1901,9 +1872,9 @@ def _still_running():
 def run(args=None):
     """Entry point: bad input prints one clear line, not a traceback; SIGTERM is handled
     like Ctrl-C (what was recorded is saved, temp files removed), and either exits 130."""
-    signal.signal(signal.SIGTERM, _interrupting(_terminate))
+    signal.signal(signal.SIGTERM, interrupting(_terminate))
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not where SIGINT is ignored)
-        signal.signal(signal.SIGINT, _interrupting(signal.default_int_handler))
+        signal.signal(signal.SIGINT, interrupting(signal.default_int_handler))
     try:
         main(args, standalone_mode=False)
         if _exit_at_once:

@@ -67,6 +67,7 @@ from .batching import Batches, Replies as BatchReplies, counters, usage
 from .budget import DEFAULT_CONTEXT, format_size
 from .errors import MlxmoeError
 from .drafting import NGram
+from .signals import interrupting
 from .http11 import KeepAlive, TooLarge, read_chunked
 from .workload.profile import ActivationProfile, js_divergence
 
@@ -1110,7 +1111,7 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
     def stop(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, interrupting(stop))
     httpd = None
     try:
         if group is None or group.rank() == 0:

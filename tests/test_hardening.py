@@ -260,7 +260,7 @@ def test_a_signal_landing_in_a_locks_enter_leaves_the_lock_free(signum):
     lock held for ever: a pool's worker waiting on it then hangs the exit (`chat` in the kill test;
     1 in 100 runs of a pool fed in a loop with Python's own handler). mlxmoe's handlers act a
     few ms later instead, once the signal lands elsewhere."""
-    from mlxmoe import cli
+    from mlxmoe import cli, signals
 
     lock = threading.Lock()
 
@@ -274,7 +274,7 @@ def test_a_signal_landing_in_a_locks_enter_leaves_the_lock_free(signum):
             lock.release()
 
     raise_it = signal.default_int_handler if signum == signal.SIGINT else cli._terminate
-    previous = signal.signal(signum, cli._interrupting(raise_it))
+    previous = signal.signal(signum, signals.interrupting(raise_it))
     try:
         with pytest.raises(KeyboardInterrupt):
             with Taking():
@@ -290,7 +290,7 @@ def test_a_signal_landing_as_a_condition_gives_up_its_lock_is_raised_in_its_wait
     """Condition.wait gives its lock up before the try that takes it back: Ctrl-C raised in
     between leaves the with-block giving back a lock it no longer holds (RuntimeError, a
     traceback, 1 in 200 runs of a pool fed in a loop). mlxmoe's handler raises it in the wait."""
-    from mlxmoe import cli
+    from mlxmoe import signals
 
     class Releasing(threading.Condition):
         def _release_save(self):  # (Condition's own for a plain Lock, then the signal)
@@ -298,7 +298,7 @@ def test_a_signal_landing_as_a_condition_gives_up_its_lock_is_raised_in_its_wait
             os.kill(os.getpid(), signal.SIGINT)
 
     cond = Releasing(threading.Lock())
-    previous = signal.signal(signal.SIGINT, cli._interrupting(signal.default_int_handler))
+    previous = signal.signal(signal.SIGINT, signals.interrupting(signal.default_int_handler))
     try:
         with pytest.raises(KeyboardInterrupt):
             with cond:
