@@ -33,7 +33,8 @@ each layer's experts are read once for the P prompts.
   matched to a stored profile (--profiles; server.ResponseGenerator.decide), which steers the
   cache from then on (the last matched does, for the whole batch); when it ends, the live
   profile and its stored one learn its routing (server.ResponseGenerator.learn), and at a
-  stop those still in the batch end so (Batches.end).
+  stop those still in the batch end so (Batches.end), their replies told ShuttingDown (a
+  503, or a stream cut short: not an answer that looks whole).
 - A request whose client left (Client.gone, at every step) is stopped through mlx-lm's own
   cancellation (GenerationContext.stop) and its reply ended: its slot goes to the next.
 - A step that fails (a shard changed under the server...) fails the requests in the batch.
@@ -231,9 +232,18 @@ class Decoding(GenerationBatch):
         settle_kv(self.prompt_cache)
 
 
+class ShuttingDown(Exception):
+    """The server stops before a request's answer is whole: its handler answers 503 (or cuts a
+    stream short), so that the client knows to send it again."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down before this request's answer was complete; send it again")
+
+
 class Replies:
     """A request's reply queue as the batch loop fills it: it keeps the request's
-    GenerationContext (to stop it) and ends its share before the reply's end (None)."""
+    GenerationContext (to stop it) and ends its share before the reply's end (None, or
+    ShuttingDown)."""
 
     def __init__(self, queue, request, finish):
         self.queue, self.request, self.finish = queue, request, finish
@@ -242,7 +252,8 @@ class Replies:
     def put(self, item):
         if isinstance(item, mlx_server.GenerationContext):
             self.request.ctx = item
-        elif item is None and self.request.share is not None:
+        elif (item is None or isinstance(item, ShuttingDown)) and self.request.share is not None:
+            self.request.shut_out = isinstance(item, ShuttingDown)  # (before its stream's headers: a 503)
             self.finish(self.request)
         self.queue.put(item)
 
@@ -455,10 +466,10 @@ class Batches(BatchGenerator):
 
     def end(self):
         """The server stops: the requests still in the batch end (their routing learnt, their
-        replies ended), as a request alone does then."""
+        replies told ShuttingDown), as a request alone does then."""
         for request in list(self.requests.values()):
             if request.share is not None:
-                request.replies.put(None)
+                request.replies.put(ShuttingDown())
         self._release()
 
     def close(self):

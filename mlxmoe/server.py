@@ -22,6 +22,9 @@ generation thread are used as they are; the subclasses below change only what ha
   seed, n, stop, logit_bias ids within the vocabulary, stream_options, mlxmoe.profile): 400
   naming the field; more than --max-queue requests at once: 503 with Retry-After; anything
   else that fails: 500. The listen backlog holds many clients (the stdlib's 5 resets them).
+  A stop (SIGTERM, Ctrl-C) answers the requests it cuts short or never began 503 with
+  Retry-After (a stream under way ends without its last chunk), never a 200 that looks whole
+  (mlx-lm's handler finishes any answer with "stop"); it waits up to 5 s for those answers.
 - /v1/messages (Anthropic) is mapped onto the chat path and its responses rewritten from
   OpenAI's; /v1/models lists the served model (mlx-lm lists the Hugging Face cache).
 - Under mlx.launch rank 0 serves HTTP and mlx-lm's generation thread shares each request
@@ -53,6 +56,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from queue import Empty
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote
@@ -63,7 +67,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from . import distributed, webpage
 from .api import generation_lock, model_fingerprint, prefill_step, stream_generate, vocab_size
-from .batching import Batches, Replies as BatchReplies, counters, usage
+from .batching import Batches, Replies as BatchReplies, ShuttingDown, counters, usage
 from .budget import DEFAULT_CONTEXT, format_size
 from .errors import MlxmoeError
 from .drafting import NGram
@@ -201,6 +205,11 @@ class Replies:
         self.request.cancelled = True
 
 
+class Refused(BaseException):
+    """ShuttingDown raised before a request's answer began, carried past mlx-lm's handler
+    (which answers any Exception there with a 404) to Handler.do_POST's 503."""
+
+
 class ResponseGenerator(mlx_server.ResponseGenerator):
     """mlx-lm's generation thread: one request at a time, each with its profile and stats, or
     concurrent ones in batches (batching.Batches: --max-batch)."""
@@ -227,11 +236,26 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
             self._generate()
             if self.batches is not None:  # stopping: those still in the batch end as one alone does
                 self.batches.end()
+            self._refuse_queued()
         except Exception as e:  # a rank that failed or left (the collectives raise), or a bug
             self.failure = e
             self._generation_failed = True
         finally:
             self.ended.set()
+
+    def _refuse_queued(self):
+        """The server stops: the requests still queued for the generation thread are told so."""
+        while True:
+            try:
+                self.requests.get_nowait()[0].put(ShuttingDown())
+            except Empty:
+                return
+
+    def generate(self, request, generation_args, progress_callback=None):
+        try:
+            return super().generate(request, generation_args, progress_callback)
+        except ShuttingDown as e:  # (refused before its answer began: mlx-lm's handler would make it a 404)
+            raise Refused() from e
 
     def _next_request(self, timeout=None):
         """mlx-lm's (under several ranks rank 0 takes it and shares it with the others);
@@ -332,10 +356,13 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                     name = self.decide(request, observed)
                 yield response
                 # shutting down, or the client went away (told by the handler, or seen now: within one token)
-                stop = self._stop or self.stopping or request.cancelled or request.client.gone()
+                left = request.cancelled or request.client.gone()
+                stop = self._stop or self.stopping or left
                 if self.group is not None:
                     with distributed.waiting(self.group, "voting to stop"):
                         stop = distributed.any_rank(self.group, stop)
+                if stop and not (left or response.finish_reason is not None):
+                    raise ShuttingDown()  # (an answer cut short must not pass for a whole one)
                 if stop:
                     break
         finally:
@@ -705,6 +732,15 @@ class Handler(Requests):
                             [("Connection", "close")])
         except ConnectionError:  # the client went away: nobody to answer
             self.went_away()
+        except (ShuttingDown, Refused) as e:  # 503 (send it again), or a stream cut short (no last chunk)
+            self.close_connection = True
+            self.framing.mode = None
+            if not self.headers_sent:
+                self._headers_buffer = []
+                try:
+                    self._error(503, str(ShuttingDown()), [("Retry-After", "1")])
+                except OSError:
+                    pass
         except Exception as e:  # a bug, or a body mlx-lm's code could not take: an answer all the same
             logging.exception("mlxmoe serve: a request failed")
             self.close_connection = True
@@ -840,6 +876,8 @@ class Handler(Requests):
         # the header names the request's profile, chosen after its prefill: wait for it
         while not self.request.decided.wait(1.0) and self.response_generator.generation_available():
             pass
+        if getattr(self.request, "shut_out", False):  # (a batch's request the server stopped before it began)
+            raise Refused()
         super()._set_stream_headers(status_code)
         self.send_header(PROFILE_HEADER, str(self.request.profile or "none"))
 
@@ -1009,6 +1047,13 @@ class Server(ThreadingHTTPServer):
         with self.admit_lock:
             self.admitted -= 1
 
+    def answered(self, timeout):
+        """Wait up to `timeout` seconds for the admitted requests' answers to be written (the
+        generation stopped: each is whole, a 503, or cut short)."""
+        end = time.monotonic() + timeout
+        while self.admitted and time.monotonic() < end:
+            time.sleep(0.02)
+
 
 def cli_args(model, max_tokens, temp, top_p, prompt_cache_size, num_draft_tokens=3, max_batch=1,
              prefill_step_size=None):
@@ -1132,6 +1177,8 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
             httpd.shutdown()
             httpd.server_close()
         generator.stop_and_join()
+        if httpd is not None:
+            httpd.answered(5.0)
         # what was learnt is kept on any exit caught here; after a failure under several ranks
         # the save's exchanges could not complete (a rank is gone), in one process they need none
         if save_profiles and (generator.failure is None or group is None):

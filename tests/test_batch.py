@@ -69,7 +69,8 @@ def start(max_batch, profiles=None, prompt_cache_size=0, **load):
         generator.stop_and_join()
         mlx_server.stream_generate, mlx_server.BatchGenerator = stock
         model.expert_cache.close()
-    return SimpleNamespace(model=model, generator=generator, port=httpd.server_port, client=client, stop=stop)
+    return SimpleNamespace(model=model, generator=generator, httpd=httpd, port=httpd.server_port, client=client,
+                           stop=stop)
 
 
 def complete(served, prompt, max_tokens):
@@ -547,3 +548,44 @@ def test_rows_leaving_a_batch_free_their_kv_at_once(kind):
     freed = before - mx.get_active_memory()
     whole = layers * 2 * rows * np.prod(shape) * 4
     assert freed >= 0.7 * whole, (freed, whole)
+
+
+@pytest.mark.parametrize("max_batch", [8, 1])
+def test_a_stop_answers_503_to_requests_it_cuts_short_or_never_began(max_batch):
+    """The server stops (SIGTERM's path) while one long request generates and three wait (one
+    streaming): none gets a 200 that looks whole (mlx-lm's handler ends any answer so, finish
+    "stop"); each gets a 503 with Retry-After, batched or one at a time."""
+    served = start(max_batch, memory_budget="46MB")
+    no_eos = {"0": -100, "2": -100}  # (the demo's end tokens: the long one runs till stopped)
+    got = {}
+
+    def ask(i):
+        try:
+            kw = dict(model="demo", prompt=PROMPTS[i], temperature=0, max_tokens=3000 if i == 0 else 8,
+                      logit_bias=no_eos)
+            if i == 3:
+                got[i] = "".join(c.choices[0].text for c in served.client.completions.create(stream=True, **kw))
+            else:
+                got[i] = served.client.completions.create(**kw).choices[0].finish_reason
+        except openai.APIStatusError as e:
+            got[i] = (e.status_code, e.response.headers.get("retry-after"), e.message)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    threads[0].start()
+    lock, tic = mlxmoe.api.generation_lock(served.model), time.monotonic()
+    while not lock.locked():  # the long one generates
+        assert time.monotonic() - tic < 30
+        time.sleep(0.02)
+    for t in threads[1:]:
+        t.start()
+    while served.httpd.admitted < 4:
+        assert time.monotonic() - tic < 30
+        time.sleep(0.02)
+    time.sleep(0.5)  # (the three queued behind it)
+    served.stop()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(got) == [0, 1, 2, 3]
+    for i, answer in got.items():
+        assert answer[:2] == (503, "1") and "shutting down" in answer[2], (i, answer)
