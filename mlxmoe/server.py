@@ -222,8 +222,8 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         self.stopping = False  # this rank wants to stop (under several ranks `_stop` is what they agreed)
         runtime = provider.model.expert_runtime
         self.runtime, self.group = runtime, runtime.group  # (mlx-lm drops the model when it stops)
-        with distributed.waiting(self.group, "starting the server"):
-            self.last_stats = distributed.merged_stats(provider.model) if self.group is not None else {}
+        with distributed.waiting(self.group, "starting the server"):  # (what stats() tells while the first runs)
+            self.last_stats = distributed.merged_stats(provider.model)
         # the tokens the budget's KV reserve is sized for (load's max_context, api.checkpoint_plan)
         self.context = getattr(runtime.plan, "context", DEFAULT_CONTEXT)
         self.live = runtime.profile  # the load's live profile, learning from every request
@@ -390,7 +390,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         lock = generation_lock(model)
         if self.group is None and lock.acquire(blocking=False):
             try:
-                stats = model.expert_cache.stats()
+                stats = dict(model.expert_cache.stats(), busy=False)
             finally:
                 lock.release()
         else:

@@ -7,6 +7,7 @@ KV reserve; a client leaving frees its slot; the budget holds with 16 clients. S
 127.0.0.1 on a free port; every wait is bounded."""
 
 import gc
+import http.client
 import json
 import socket
 import threading
@@ -554,7 +555,8 @@ def test_rows_leaving_a_batch_free_their_kv_at_once(kind):
 def test_a_stop_answers_503_to_requests_it_cuts_short_or_never_began(max_batch):
     """The server stops (SIGTERM's path) while one long request generates and three wait (one
     streaming): none gets a 200 that looks whole (mlx-lm's handler ends any answer so, finish
-    "stop"); each gets a 503 with Retry-After, batched or one at a time."""
+    "stop"); each gets a 503 with Retry-After, batched or one at a time. (The stats route
+    during the server's first generation: the idle cache's, said to be busy.)"""
     served = start(max_batch, memory_budget="46MB")
     no_eos = {"0": -100, "2": -100}  # (the demo's end tokens: the long one runs till stopped)
     got = {}
@@ -570,12 +572,21 @@ def test_a_stop_answers_503_to_requests_it_cuts_short_or_never_began(max_batch):
         except openai.APIStatusError as e:
             got[i] = (e.status_code, e.response.headers.get("retry-after"), e.message)
 
+    def stats():
+        connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+        connection.request("GET", "/v1/mlxmoe/stats")
+        return json.loads(connection.getresponse().read())
+
+    idle = stats()
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     threads[0].start()
     lock, tic = mlxmoe.api.generation_lock(served.model), time.monotonic()
     while not lock.locked():  # the long one generates
         assert time.monotonic() - tic < 30
         time.sleep(0.02)
+    busy = stats()  # (the server's first generation: the stats of the idle cache, said to be busy)
+    assert idle["busy"] is False and busy["busy"] is True
+    assert busy["tokens"] == idle["tokens"] and busy["server"]["requests"] == 0
     for t in threads[1:]:
         t.start()
     while served.httpd.admitted < 4:
