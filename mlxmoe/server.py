@@ -941,6 +941,9 @@ def _check_numbers(body):
             raise ValueError(f"{key} must be a number, not {json.dumps(v)}")
         if isinstance(v, int) and not -(1 << 63) <= v < 1 << 63:  # MLX takes 64-bit numbers (else bad_cast)
             raise ValueError(f"{key} must be at most {(1 << 63) - 1} in magnitude")
+    most = body.get("max_completion_tokens")  # (mlx-lm reads it as max_tokens, and names that field)
+    if most is not None and not (isinstance(most, int) and not isinstance(most, bool) and most >= 1):
+        raise ValueError(f"max_completion_tokens must be an integer of at least 1, not {json.dumps(most)[:40]}")
     bias = body.get("logit_bias")
     if isinstance(bias, dict) and not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                           and abs(v) < 1e300 for v in bias.values()):

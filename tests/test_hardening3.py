@@ -230,7 +230,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 @pytest.mark.parametrize("field,value", [("top_p", 0), ("top_p", 1.5), ("repetition_penalty", 0),
                                          ("repetition_penalty", -1), ("top_logprobs", -1), ("role_mapping", "x"),
-                                         ("response_format", "x"), ("response_format", {"type": "json_object"})])
+                                         ("response_format", "x"), ("response_format", {"type": "json_object"}),
+                                         ("max_completion_tokens", 0), ("max_completion_tokens", 1.5)])
 def test_server_fields_out_of_range_get_400_naming_them(server, field, value):
     for path, body in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "hi"})):
         status, _, data = server.request("POST", path, {**body, "max_tokens": 2, field: value})
