@@ -808,6 +808,8 @@ class Handler(Requests):
         for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
             if getattr(self, key) > 1 << 24:
                 raise ValueError(f"{key} must be at most {1 << 24}")
+        if self.stream is True and body.get("logprobs") is True:
+            raise ValueError("logprobs: answered without stream only (mlx-lm's stream carries no logprobs)")
         if self.adapter is not None:
             raise ValueError("adapters: mlxmoe serve takes no adapters (fuse them into the model first)")
         if self.requested_draft_model not in (None, "default_model"):
@@ -918,7 +920,11 @@ def legacy_logprobs(tokenizer, tokens, token_logprobs, top_tokens):
     """The logprobs of OpenAI's legacy completions: each token's text (as the streaming
     detokenizer gave the completion's text: together they are that text) and logprob, the top
     tokens at each position ({text: logprob}; None where none were asked) and where each
-    token's text starts in the completion (`tokens`, `token_logprobs`, `top_tokens`: mlx-lm's)."""
+    token's text starts in the completion (`tokens`, `token_logprobs`, `top_tokens`: mlx-lm's).
+    An end-of-sequence token that ended it is left out, as its text is."""
+    if tokens and tokens[-1] in set(getattr(tokenizer, "eos_token_ids", None) or ()):
+        tokens, token_logprobs = tokens[:-1], token_logprobs[:-1]
+        top_tokens = None if top_tokens is None else top_tokens[:-1]
     detokenizer, texts = tokenizer.detokenizer, []  # (a fresh one)
     for token in tokens:
         detokenizer.add_token(token)

@@ -180,11 +180,19 @@ def test_integer_logprobs_in_the_legacy_shape(served):
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 3 and logprob <= 0
         assert top[token] == pytest.approx(logprob) == pytest.approx(max(top.values()))  # greedy: the top one
+    eos = served.tokenizer.eos_token_ids
+    r = served.client.completions.create(model="demo", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
+                                         logit_bias={str(t): 100 for t in eos})  # (it ends at once)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == "" and lp.tokens == lp.token_logprobs == []
     r = served.client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, temperature=0, logprobs=0)
     assert r.choices[0].logprobs.top_logprobs is None and len(r.choices[0].logprobs.token_logprobs) == 2
     for bad, stream in ((12, False), (-1, False), (2, True)):
         with pytest.raises(openai.BadRequestError, match="logprobs"):
             served.client.completions.create(model="demo", prompt=PROMPT, max_tokens=2, logprobs=bad, stream=stream)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):  # (the stream would carry none)
+        served.client.chat.completions.create(model="demo", messages=[{"role": "user", "content": PROMPT}],
+                                              max_tokens=2, logprobs=True, stream=True)
 
 
 def test_anthropic_stream_reports_the_prompt_and_output_tokens(served):
