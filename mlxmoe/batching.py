@@ -270,11 +270,15 @@ class Rows:
         return getattr(self.model, name)
 
     def __call__(self, inputs, cache=None, **kwargs):
-        rows = self.batches.cache.rows = self.batches.rows_of(cache, *inputs.shape[:2])
+        expert_cache = self.batches.cache
+        rows = expert_cache.rows = self.batches.rows_of(cache, *inputs.shape[:2])
         try:
             out = self.model(inputs, cache=cache, **kwargs)
         finally:
-            self.batches.cache.rows = None
+            expert_cache.rows = None
+        if rows.real is not None:  # (the tokens counted are the rows' own, not a prompt batch's right padding)
+            with expert_cache.lock:
+                expert_cache.counters.tokens -= inputs.size - int(rows.real.sum())
         self.batches.record(cache, rows)
         return out
 

@@ -75,8 +75,9 @@ def start(max_batch, profiles=None, prompt_cache_size=0, **load):
 
 
 def complete(served, prompt, max_tokens):
+    """(text, usage.mlxmoe with the request's total_tokens) of a greedy completion."""
     r = served.client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0)
-    return r.choices[0].text, r.usage.model_extra["mlxmoe"]
+    return r.choices[0].text, dict(r.usage.model_extra["mlxmoe"], total_tokens=r.usage.total_tokens)
 
 
 def together(served, asked):
@@ -100,7 +101,7 @@ def idle(served, seconds=30):
 def test_batched_output_equals_solo_and_stats_are_each_requests_own(solo, cache, monkeypatch):
     """Each request's hits + misses are those of its own routing: what it counts served alone
     (the same greedy tokens, so the same experts per token; only which were resident differs);
-    the requests' hits, misses and bytes add up to the cache's."""
+    the requests' hits, misses, bytes and tokens add up to the cache's."""
     alone = start(1, **CACHES[cache])
     try:
         each = [complete(alone, p, n)[1] for p, n in ASKED]
@@ -135,8 +136,8 @@ def test_batched_output_equals_solo_and_stats_are_each_requests_own(solo, cache,
     step = served.generator.model_provider.cli_args.prefill_step_size
     assert any(rows > 1 and tokens > 1 for rows, tokens in shapes), shapes
     assert all(rows * tokens <= step for rows, tokens in shapes if tokens > 1), (step, shapes)
-    for key, total in (("expert_hits", "hits"), ("expert_misses", "misses")):
-        assert sum(u[key] for u in usages) == after[total] - before[total]
+    for key, total in (("expert_hits", "hits"), ("expert_misses", "misses"), ("total_tokens", "tokens")):
+        assert sum(u[key] for u in usages) == after[total] - before[total], key  # (tokens: no prompt's padding)
     assert after["hits"] > before["hits"]
     assert sum(u["mb_read"] for u in usages) * (1 << 20) == pytest.approx(after["bytes_read"] - before["bytes_read"])
     if cache == "resident":
