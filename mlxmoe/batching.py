@@ -197,6 +197,7 @@ class Prompts(PromptProcessingBatch):
 
     lengths, fed = np.zeros(0, dtype=np.int64), 0
     keep = True  # whether the server's prompt cache keeps a row's cache (made)
+    splitting = False  # (within split: both parts are settled together, a layer at a time)
 
     def prompt(self, tokens):
         self.lengths, self.fed = np.array([len(t) for t in tokens]), 0
@@ -205,9 +206,27 @@ class Prompts(PromptProcessingBatch):
     def extend(self, batch):
         absorb(self, batch, super().extend)
 
-    def filter(self, keep):  # (split: both parts; remove: a prompt whose client left)
+    def filter(self, keep):  # (remove: a prompt whose client left)
         super().filter(keep)
-        settle_kv(self.prompt_cache)
+        if not self.splitting:
+            settle_kv(self.prompt_cache)
+
+    def split(self, indices):
+        # (mlx-lm's copy shares the KV's buffers: each part settled alone would hold the whole
+        # old KV beside the first part's new one)
+        self.splitting = True
+        try:
+            taken = super().split(indices)
+        finally:
+            self.splitting = False
+        taken.splitting = False
+        settle_kv(self.prompt_cache, taken.prompt_cache)
+        return taken
+
+    def _copy(self):
+        copy = super()._copy()
+        copy.splitting = self.splitting
+        return copy
 
     def extract_cache(self, idx):
         return made(self, idx, super().extract_cache)

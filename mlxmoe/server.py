@@ -253,9 +253,22 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
 
     def generate(self, request, generation_args, progress_callback=None):
         try:
+            if self._stop or self.stopping:
+                raise ShuttingDown()
             return super().generate(request, generation_args, progress_callback)
         except ShuttingDown as e:  # (refused before its answer began: mlx-lm's handler would make it a 404)
             raise Refused() from e
+
+    def _await_response(self, response_queue):
+        """mlx-lm's; where the generation thread ended as the server stops (not in a failure),
+        a request it never took (queued after the last were told, or held aside by mlx-lm's
+        loop) is told ShuttingDown."""
+        try:
+            return super()._await_response(response_queue)
+        except RuntimeError:
+            if self.failure is None and (self._stop or self.stopping):
+                raise ShuttingDown() from None
+            raise
 
     def _next_request(self, timeout=None):
         """mlx-lm's (under several ranks rank 0 takes it and shares it with the others);
@@ -356,14 +369,13 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                     name = self.decide(request, observed)
                 yield response
                 # shutting down, or the client went away (told by the handler, or seen now: within one token)
-                left = request.cancelled or request.client.gone()
-                stop = self._stop or self.stopping or left
-                if self.group is not None:
+                shutting, left = self._stop or self.stopping, request.cancelled or request.client.gone()
+                if self.group is not None:  # (one vote on both: every rank takes the same way out)
                     with distributed.waiting(self.group, "voting to stop"):
-                        stop = distributed.any_rank(self.group, stop)
-                if stop and not (left or response.finish_reason is not None):
+                        shutting, left = (n > 0 for n in distributed.sum_ranks(self.group, [int(shutting), int(left)]))
+                if shutting and not (left or response.finish_reason is not None):
                     raise ShuttingDown()  # (an answer cut short must not pass for a whole one)
-                if stop:
+                if shutting or left:
                     break
         finally:
             generation.close()
@@ -704,7 +716,7 @@ class Handler(Requests):
         super()._set_completion_headers(413 if status_code == 400 and self.too_long else status_code)
 
     def do_POST(self):
-        wfile, rfile, self.wfile = self.wfile, self.rfile, OpenAIErrors(self.wfile)
+        admitted, wfile, rfile, self.wfile = False, self.wfile, self.rfile, OpenAIErrors(self.wfile)
         try:
             if self._no_route():
                 return
@@ -714,13 +726,13 @@ class Handler(Requests):
                 return self._resize()
             if self.path == "/v1/messages":
                 self.anthropic, self.path = True, "/v1/chat/completions"
-            if not self.server.admit():
+            if self.response_generator._stop or self.response_generator.stopping:
+                raise Refused()  # (a kept-alive connection's request while the server stops)
+            admitted = self.server.admit()
+            if not admitted:
                 return self._error(503, f"server busy: {self.server.max_queue} requests are queued or running "
                                    "(mlxmoe serve --max-queue); retry later", [("Retry-After", "1")])
-            try:
-                super().do_POST()
-            finally:
-                self.server.leave()
+            super().do_POST()
             if self.request is not None and self.request.client.left:  # (its answer's writes went unnoticed)
                 self.went_away()
         except TimeoutError:  # the client stopped sending its body (or reading the answer)
@@ -738,7 +750,7 @@ class Handler(Requests):
             if not self.headers_sent:
                 self._headers_buffer = []
                 try:
-                    self._error(503, str(ShuttingDown()), [("Retry-After", "1")])
+                    self._error(503, str(ShuttingDown()), [("Retry-After", "1"), ("Connection", "close")])
                 except OSError:
                     pass
         except Exception as e:  # a bug, or a body mlx-lm's code could not take: an answer all the same
@@ -753,6 +765,8 @@ class Handler(Requests):
                     pass
         finally:
             self.wfile, self.rfile = wfile, rfile
+            if admitted:  # (once its answer is written: a stopping server waits for that, Server.answered)
+                self.server.leave()
 
     def _resize(self):
         """POST /v1/mlxmoe/cache {"memory_budget": "8GB"}: the expert cache resized to fit it
@@ -899,7 +913,7 @@ class Handler(Requests):
         if self.legacy_logprobs is not None:
             response["choices"][0]["logprobs"] = legacy_logprobs(
                 self.response_generator.model_provider.tokenizer, kwargs["tokens"], kwargs["token_logprobs"],
-                kwargs["top_tokens"] if self.legacy_logprobs > 0 else None)
+                kwargs["top_tokens"] if self.legacy_logprobs > 0 else None, text or "")
         return response
 
     def completion_usage_response(self, *args, **kwargs):
@@ -916,15 +930,13 @@ class Handler(Requests):
                 "stop_sequence": None, "usage": usage}
 
 
-def legacy_logprobs(tokenizer, tokens, token_logprobs, top_tokens):
+def legacy_logprobs(tokenizer, tokens, token_logprobs, top_tokens, text):
     """The logprobs of OpenAI's legacy completions: each token's text (as the streaming
-    detokenizer gave the completion's text: together they are that text) and logprob, the top
+    detokenizer gave the completion's `text`: together they are that text) and logprob, the top
     tokens at each position ({text: logprob}; None where none were asked) and where each
     token's text starts in the completion (`tokens`, `token_logprobs`, `top_tokens`: mlx-lm's).
-    An end-of-sequence token that ended it is left out, as its text is."""
-    if tokens and tokens[-1] in set(getattr(tokenizer, "eos_token_ids", None) or ()):
-        tokens, token_logprobs = tokens[:-1], token_logprobs[:-1]
-        top_tokens = None if top_tokens is None else top_tokens[:-1]
+    The tokens past the text (an end-of-sequence token, a stop sequence: mlx-lm leaves their
+    text out) are left out, a token cut by the text's end cut with it."""
     detokenizer, texts = tokenizer.detokenizer, []  # (a fresh one)
     for token in tokens:
         detokenizer.add_token(token)
@@ -932,6 +944,14 @@ def legacy_logprobs(tokenizer, tokens, token_logprobs, top_tokens):
     detokenizer.finalize()
     if texts:
         texts[-1] += detokenizer.last_segment
+    kept, length = [], 0
+    for piece in texts:
+        if length >= len(text):
+            break
+        kept.append(piece[:len(text) - length])
+        length += len(kept[-1])
+    texts, n = kept, len(kept)
+    tokens, token_logprobs, top_tokens = tokens[:n], token_logprobs[:n], top_tokens and top_tokens[:n]
     offsets = list(itertools.accumulate(map(len, texts[:-1]), initial=0))[:len(texts)]
     top = None if top_tokens is None else [  # (the token taken named by its text above)
         {text if t["id"] == token else tokenizer.decode([t["id"]]): t["logprob"] for t in position}
@@ -1186,12 +1206,12 @@ def serve(model, tokenizer, model_name, host="127.0.0.1", port=8080, profiles_di
             httpd.shutdown()
             httpd.server_close()
         generator.stop_and_join()
-        if httpd is not None:
-            httpd.answered(5.0)
         # what was learnt is kept on any exit caught here; after a failure under several ranks
         # the save's exchanges could not complete (a rank is gone), in one process they need none
         if save_profiles and (generator.failure is None or group is None):
             _save_profiles(generator, group)
+        if httpd is not None:
+            httpd.answered(5.0)
         signal.signal(signal.SIGTERM, previous)
     if generator.failure is not None:
         e = generator.failure

@@ -590,10 +590,13 @@ def test_a_stop_answers_503_to_requests_it_cuts_short_or_never_began(max_batch):
     assert busy["tokens"] == idle["tokens"] and busy["server"]["requests"] == 0
     for t in threads[1:]:
         t.start()
-    while served.httpd.admitted < 4:
+    def queued():  # the three behind it: in the batch (waiting for admission), or in mlx-lm's queue
+        batches = served.generator.batches
+        return len(batches.requests) == 4 if max_batch > 1 and batches is not None else \
+            served.generator.requests.qsize() == 3
+    while not queued():
         assert time.monotonic() - tic < 30
         time.sleep(0.02)
-    time.sleep(0.5)  # (the three queued behind it)
     served.stop()
     for t in threads:
         t.join(timeout=30)
@@ -601,3 +604,17 @@ def test_a_stop_answers_503_to_requests_it_cuts_short_or_never_began(max_batch):
     assert sorted(got) == [0, 1, 2, 3]
     for i, answer in got.items():
         assert answer[:2] == (503, "1") and "shutting down" in answer[2], (i, answer)
+
+
+def test_a_request_after_the_generation_stopped_gets_503():
+    """A kept-alive connection's request after the server's generation stopped (its HTTP side
+    still up, as it is while serve waits for the answers in flight): 503, not mlx-lm's 404
+    'generation thread died'."""
+    served = start(1, memory_budget="46MB")
+    try:
+        served.generator.stop_and_join()
+        with pytest.raises(openai.APIStatusError) as e:
+            complete(served, PROMPTS[0], 4)
+    finally:
+        served.stop()
+    assert e.value.status_code == 503 and "shutting down" in e.value.message, e.value

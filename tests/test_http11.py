@@ -180,6 +180,10 @@ def test_integer_logprobs_in_the_legacy_shape(served):
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 3 and logprob <= 0
         assert top[token] == pytest.approx(logprob) == pytest.approx(max(top.values()))  # greedy: the top one
+    stop = next(t for t in lp.tokens[1:] if t.strip())  # (a stop sequence: a later token's text)
+    r = served.client.completions.create(model="demo", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=1,
+                                         stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and "".join(r.choices[0].logprobs.tokens) == r.choices[0].text
     eos = served.tokenizer.eos_token_ids
     r = served.client.completions.create(model="demo", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2,
                                          logit_bias={str(t): 100 for t in eos})  # (it ends at once)
