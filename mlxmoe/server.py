@@ -251,10 +251,13 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
             except Empty:
                 return
 
+    def shutting_down(self):
+        return self._stop or self.stopping
+
     def generate(self, request, generation_args, progress_callback=None):
+        if self.shutting_down():  # (mlx-lm's would raise 'generation thread died', a 404)
+            raise Refused()
         try:
-            if self._stop or self.stopping:
-                raise ShuttingDown()
             return super().generate(request, generation_args, progress_callback)
         except ShuttingDown as e:  # (refused before its answer began: mlx-lm's handler would make it a 404)
             raise Refused() from e
@@ -266,7 +269,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
         try:
             return super()._await_response(response_queue)
         except RuntimeError:
-            if self.failure is None and (self._stop or self.stopping):
+            if self.failure is None and self.shutting_down():
                 raise ShuttingDown() from None
             raise
 
@@ -369,7 +372,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
                     name = self.decide(request, observed)
                 yield response
                 # shutting down, or the client went away (told by the handler, or seen now: within one token)
-                shutting, left = self._stop or self.stopping, request.cancelled or request.client.gone()
+                shutting, left = self.shutting_down(), request.cancelled or request.client.gone()
                 if self.group is not None:  # (one vote on both: every rank takes the same way out)
                     with distributed.waiting(self.group, "voting to stop"):
                         shutting, left = (n > 0 for n in distributed.sum_ranks(self.group, [int(shutting), int(left)]))
@@ -726,7 +729,7 @@ class Handler(Requests):
                 return self._resize()
             if self.path == "/v1/messages":
                 self.anthropic, self.path = True, "/v1/chat/completions"
-            if self.response_generator._stop or self.response_generator.stopping:
+            if self.response_generator.shutting_down():
                 raise Refused()  # (a kept-alive connection's request while the server stops)
             admitted = self.server.admit()
             if not admitted:
