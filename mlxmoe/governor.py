@@ -111,11 +111,16 @@ def available_memory() -> tuple[int, int]:
     return available, total
 
 
+def held_memory() -> int:
+    """What MLX holds now: the budget's part in use."""
+    return mx.get_active_memory() + mx.get_cache_memory()
+
+
 def allowed_budget(source, margin: int) -> tuple[int, int]:
-    """(the budget `auto` allows now, the memory available): what MLX holds now (the
-    budget's part in use) and what is available beyond it, less the margin."""
+    """(the budget `auto` allows now, the memory available): what MLX holds now and what is
+    available beyond it, less the margin."""
     available, _ = source()
-    return mx.get_active_memory() + mx.get_cache_memory() + available - margin, available
+    return held_memory() + available - margin, available
 
 
 def resize_cache(runtime, capacity: int) -> None:
