@@ -66,6 +66,34 @@ def test_decay_halves_counts_per_half_life():
     assert p.rates()[0, 1] > 0.9 and p.rates()[0, 2] < 0.02
 
 
+def test_learning_a_steps_calls_at_once_equals_one_by_one():
+    """learn_calls (a decode step's deferred calls, Residency catch_up) leaves the profile
+    exactly as learn() of each in turn: a first call that ticks, float32 and float64
+    distributions; a layer twice or a distribution unknown goes one by one."""
+    from mlxmoe.caching.experts import LayerCall
+
+    rng = np.random.default_rng(3)
+    L, E = 4, 8
+
+    def call(layer, ticked=0, dtype=np.float64, known=True):
+        experts = sorted(rng.choice(E, 2, replace=False).tolist())
+        mean = rng.dirichlet(np.ones(E)).astype(dtype)
+        return LayerCall(layer, 0, np.array([experts]), None, 1, experts, mean[experts].tolist(),
+                         mean if known else None, ticked)
+
+    steps = [[call(0, 1), call(1, 0, np.float32), call(2), call(3)],
+             [call(2), call(3, 0, np.float32)],
+             [call(0, 1), call(1), call(1)],  # a layer twice
+             [call(0, 1), call(1, known=False), call(2)]]
+    one, together = make_profile(L, E, half_life=5), make_profile(L, E, half_life=5)
+    for calls in steps:
+        for c in calls:
+            one.learn(c)
+        together.learn_calls(calls)
+        assert one.tokens == together.tokens
+        assert np.array_equal(one.counts, together.counts) and np.array_equal(one.mass, together.mass)
+
+
 def test_merge_is_weighted():
     a = ActivationProfile(1, 4, 1, model_fingerprint="fp", workload="a")
     b = ActivationProfile(1, 4, 1, model_fingerprint="fp", workload="b")

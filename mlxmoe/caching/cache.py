@@ -95,9 +95,42 @@ class Residency:
         try:
             while self.deferred and self.deferred[0][0] is not until:
                 work, args = self.deferred.popleft()
-                work(*args)
+                if getattr(work, "__func__", None) is Residency._hit:
+                    self._hits_together(args, until)
+                else:
+                    work(*args)
         finally:
             self.catching_up = False
+
+    def _hits_together(self, first: tuple, until: Callable | None) -> None:
+        """`first` (a deferred _hit's args) and the _hit and notify entries after it, in one
+        go: the hits' routings read together, the policy's updates as one policy.hits (the
+        same decisions as one _hit after the other), then the observers' calls in order (no
+        observer reads the policy, nor the policy an observer; the live profile alone learns
+        them at once)."""
+        hits, notes = [first], []
+        while self.deferred and self.deferred[0][0] is not until:
+            func = getattr(self.deferred[0][0], "__func__", None)
+            if func is Residency._hit:
+                hits.append(self.deferred.popleft()[1])
+            elif func is ExpertCache.notify:
+                notes.append(self.deferred.popleft()[1])
+            else:
+                break
+        calls = []
+        for layer, experts, scores, probs, routing in hits:
+            if routing is not None:
+                scores, probs = routing()
+            calls.append((layer, experts, scores, probs))
+        self.policy.hits(calls)
+        if not notes:
+            return
+        profile = notes[0][1]
+        if self.observers or not hasattr(profile, "learn_calls") or any(p is not profile for _, p in notes):
+            for args in notes:
+                self.notify(*args)
+        else:  # the live profile the only one to learn them
+            profile.learn_calls([call() if callable(call) else call for call, _ in notes])
 
     def _hit(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None,
              routing: Callable | None = None) -> None:

@@ -116,6 +116,21 @@ class ActivationProfile:
             self.tick(call.ticked)
         self.observe(call.layer, call.experts, call.scores, call.mean)
 
+    def learn_calls(self, calls):
+        """learn() of each of `calls` in order: in three numpy calls where they are of
+        distinct layers, each with its router distribution, only the first one ticking
+        (a decode step's); one by one otherwise. Each element gets the same additions."""
+        layers = [c.layer for c in calls]
+        if len(set(layers)) < len(layers) or any(c.mean is None for c in calls) or any(c.ticked for c in calls[1:]):
+            for call in calls:
+                self.learn(call)
+            return
+        if calls[0].ticked:
+            self.tick(calls[0].ticked)
+        at = np.repeat(layers, [len(c.experts) for c in calls])
+        self.counts[at, np.concatenate([np.asarray(c.experts, dtype=np.intp) for c in calls])] += 1.0
+        self.mass[layers] += np.stack([c.mean for c in calls])
+
     def absorb(self, other):
         """Learn `other`'s observations as if they came after this profile's (a server's
         request, recorded apart until its profile was chosen): this one decays by its
