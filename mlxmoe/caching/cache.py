@@ -94,21 +94,20 @@ class Residency:
         self.catching_up = True
         try:
             while self.deferred and self.deferred[0][0] is not until:
-                work, args = self.deferred.popleft()
-                if getattr(work, "__func__", None) is Residency._hit:
-                    self._hits_together(args, until)
+                if getattr(self.deferred[0][0], "__func__", None) in (Residency._hit, ExpertCache.notify):
+                    self._together(until)
                 else:
+                    work, args = self.deferred.popleft()
                     work(*args)
         finally:
             self.catching_up = False
 
-    def _hits_together(self, first: tuple, until: Callable | None) -> None:
-        """`first` (a deferred _hit's args) and the _hit and notify entries after it, in one
-        go: the hits' routings read together, the policy's updates as one policy.hits (the
-        same decisions as one _hit after the other), then the observers' calls in order (no
-        observer reads the policy, nor the policy an observer; the live profile alone learns
-        them at once)."""
-        hits, notes = [first], []
+    def _together(self, until: Callable | None) -> None:
+        """The deferred _hit and notify entries first in `deferred`, in one go: the hits'
+        routings read together, the policy's updates as one policy.hits (the same decisions
+        as one _hit after the other), then the observers' calls in order (no observer reads
+        the policy, nor the policy an observer; the live profile alone learns them at once)."""
+        hits, notes = [], []
         while self.deferred and self.deferred[0][0] is not until:
             func = getattr(self.deferred[0][0], "__func__", None)
             if func is Residency._hit:
@@ -122,7 +121,8 @@ class Residency:
             if routing is not None:
                 scores, probs = routing()
             calls.append((layer, experts, scores, probs))
-        self.policy.hits(calls)
+        if calls:
+            self.policy.hits(calls)
         if not notes:
             return
         profile = notes[0][1]
