@@ -72,7 +72,7 @@ def test_greedy_tokens_match_mlx_lm_on_the_original(bundled, arch, quant, layout
 
 
 @pytest.mark.parametrize("io", ["pread", "direct"])
-def test_one_read_per_bundled_expert_nine_per_stacked(bundled, on_disk, io):
+def test_one_read_per_bundled_expert_nine_per_stacked(bundled, on_disk, io, monkeypatch):
     src, dst = bundled("qwen3_moe", "4bit")
     stacked, packed = open_checkpoint(on_disk(src)).store, open_checkpoint(on_disk(dst)).store
     assert packed.bundled and not stacked.bundled
@@ -82,6 +82,8 @@ def test_one_read_per_bundled_expert_nine_per_stacked(bundled, on_disk, io):
     assert packed.expert_file_bytes() == size
     stacked.set_io("pread")  # no alignment: the 9 ranges of a tiny model would share pages
     packed.set_io(io)
+    checked, check = [], packed.shards.check
+    monkeypatch.setattr(packed.shards, "check", lambda file: (checked.append(file), check(file)))
     for layer in range(stacked.num_layers):
         for e in range(stacked.num_experts):
             want = [np.empty(s, DTYPES[d]) for s, d in zip(stacked.tensor_shapes, stacked.tensor_dtypes)]
@@ -98,6 +100,14 @@ def test_one_read_per_bundled_expert_nine_per_stacked(bundled, on_disk, io):
             assert size <= s["disk_bytes"] <= align_up(size, ALIGN)  # bytes read: the expert, within padding
             if io == "direct":
                 assert packed.method == "o_direct", packed.fallback
+            # read again: by its plan (its one run), the same bytes and counts, its shard checked
+            again = [np.zeros_like(w) for w in want]
+            packed.reset_io_stats()
+            checked.clear()
+            assert (layer, e) in packed._plans and packed.read_expert(layer, e, again) == size
+            assert packed.io_stats() == s and checked == [packed.ranges[layer][e][0].file]
+            for t, w, g in zip(stacked.tensors, want, again):
+                np.testing.assert_array_equal(g, w, err_msg=f"{t} of expert {e} in layer {layer}, read again")
     stacked.close()
     packed.close()
 

@@ -127,6 +127,7 @@ class ExpertStore:
         self.expert_names = set()  # the file tensors that hold experts
         self.reader = ShardReader(io, bypass)
         self._lock = threading.Lock()  # the byte counters
+        self._plans = {}  # (layer, expert) -> (its one run, the slots' dtypes) once read plainly (_read_planned)
         self._pool_lock = threading.Lock()
         self.useful_bytes = self.disk_bytes = self.reads = 0
         self.workers = workers  # threads reading the separate ranges of one expert at once
@@ -142,6 +143,7 @@ class ExpertStore:
     def set_io(self, io="auto", bypass=None):
         """Switch the IO mode; the shards are reopened."""
         self.reader.set_io(io, bypass)
+        self._plans.clear()  # (their runs: widened to the alignment of the mode)
 
     def _read_run(self, run):
         return self.reader.read_run(run)
@@ -156,6 +158,7 @@ class ExpertStore:
         (gate's or up's of a fused gate_up tensor, shards.row_part).
         """
         self.tensors = list(layers[0])
+        self._plans.clear()
         for l, layer in enumerate(layers):
             if list(layer) != self.tensors:
                 raise MlxmoeError(f"MoE layer {l} has expert tensors {list(layer)}, layer 0 has {self.tensors}")
@@ -227,6 +230,9 @@ class ExpertStore:
         (a demand read goes first) or raise (the read is no longer wanted), and the slot is
         then left half-written.
         """
+        plan = self._plans.get((layer, expert)) if pace is None else None
+        if plan is not None and all(o.dtype == d and o.flags.c_contiguous for o, d in zip(outs, plan[1])):
+            return self._read_planned(plan[0], outs)
         ranges, plain = self.ranges[layer][expert], []
         dests, converts, sliced = [], [], []
         for r, out, dtype in zip(ranges, outs, self.tensor_dtypes):
@@ -258,17 +264,33 @@ class ExpertStore:
                 raise
         else:
             disk = sum(map(self._read_run, todo))
-        disk += self._read_slices(sliced, pace)
+        disk += read_slices(self._read_run, sliced, pace)
         for file in {r.file for r in ranges}:
             self.shards.check(file)
         for out, buf, dtype in converts:
             out[...] = to_float32(buf, dtype) if out.dtype == np.float32 else buf.astype(out.dtype)
         useful = sum(r.nbytes for r in ranges)
+        self._count(useful, disk, len(todo))
+        if pace is None and len(todo) == 1 and not sliced and not converts:  # the next read of it, planned
+            run = runs(ranges, list(range(len(ranges))), ALIGN if self.io == "direct" else 1)[0]
+            self._plans[(layer, expert)] = run, [out.dtype for out in outs]
+        return useful
+
+    def _read_planned(self, plan, outs):
+        """read_expert of an expert whose ranges are one run and whose slots take the file's
+        bytes as they are: `plan` is that run, (file, start, end, [(offset, tensor)])."""
+        file, start, end, pieces = plan
+        disk = self._read_run((file, start, end, [(off, outs[i].reshape(-1).view(np.uint8)) for off, i in pieces]))
+        self.shards.check(file)
+        useful = sum(outs[i].nbytes for _, i in pieces)
+        self._count(useful, disk, 1)
+        return useful
+
+    def _count(self, useful, disk, reads):
         with self._lock:
             self.useful_bytes += useful
             self.disk_bytes += disk
-            self.reads += len(todo)
-        return useful
+            self.reads += reads
 
     def _read_paced(self, pieces, pace):
         """A paced read's pieces, pace(nbytes) before each, PIECES_AHEAD of them asked of the
@@ -289,31 +311,6 @@ class ExpertStore:
         except BaseException:  # cancelled (pace) or an error: no piece may write into the slot once it is given back
             wait(asked)
             raise
-        return disk
-
-    def _read_slices(self, sliced, pace=None):
-        """Slices [(Range with runs `step` bytes apart, dest)]: a tensor-parallel slice along
-        the last axis, or one of a fused tensor's interleaved row sets (gpt-oss's gate and up
-        rows). The span that holds a slice's runs is read and its runs kept (the span's bytes
-        count as read); slices whose spans overlap (gate's and up's rows of one expert) are
-        read as one span."""
-        groups = []  # [file, start, end, [(range, dest)]]
-        for r, dest in sorted(sliced, key=lambda rd: (str(rd[0].file), rd[0].offset)):
-            end = r.offset + slice_span(r)
-            if groups and groups[-1][0] == r.file and r.offset < groups[-1][2]:
-                groups[-1][2] = max(groups[-1][2], end)
-                groups[-1][3].append((r, dest))
-            else:
-                groups.append([r.file, r.offset, end, [(r, dest)]])
-        disk = 0
-        for file, start, end, members in groups:
-            if pace is not None:
-                pace(end - start)
-            buf = np.empty(end - start, np.uint8)
-            disk += self._read_run((file, start, end, [(start, buf)]))
-            for r, dest in members:
-                runs = np.lib.stride_tricks.as_strided(buf[r.offset - start:], (r.runs, r.nbytes // r.runs), (r.step, 1))
-                dest.reshape(runs.shape)[...] = runs
         return disk
 
     def _pool(self):
@@ -340,3 +337,29 @@ class ExpertStore:
             self._workers.shutdown()
             self._workers = None
         self.reader.close()
+
+
+def read_slices(read_run, sliced, pace=None):
+    """Read slices [(Range with runs `step` bytes apart, dest)] with `read_run`: a
+    tensor-parallel slice along the last axis, or one of a fused tensor's interleaved row
+    sets (gpt-oss's gate and up rows). The span that holds a slice's runs is read and its
+    runs kept (the span's bytes count as read); slices whose spans overlap (gate's and up's
+    rows of one expert) are read as one span."""
+    groups = []  # [file, start, end, [(range, dest)]]
+    for r, dest in sorted(sliced, key=lambda rd: (str(rd[0].file), rd[0].offset)):
+        end = r.offset + slice_span(r)
+        if groups and groups[-1][0] == r.file and r.offset < groups[-1][2]:
+            groups[-1][2] = max(groups[-1][2], end)
+            groups[-1][3].append((r, dest))
+        else:
+            groups.append([r.file, r.offset, end, [(r, dest)]])
+    disk = 0
+    for file, start, end, members in groups:
+        if pace is not None:
+            pace(end - start)
+        buf = np.empty(end - start, np.uint8)
+        disk += read_run((file, start, end, [(start, buf)]))
+        for r, dest in members:
+            runs = np.lib.stride_tricks.as_strided(buf[r.offset - start:], (r.runs, r.nbytes // r.runs), (r.step, 1))
+            dest.reshape(runs.shape)[...] = runs
+    return disk
