@@ -436,3 +436,28 @@ def test_a_trace_closed_before_any_routing_leaves_nothing(tmp_path):
     whole.close()
     assert [p.name for p in tmp_path.iterdir()] == ["t.trace.jsonl"]
     assert read_trace(tmp_path / "t.trace.jsonl") is not None
+
+
+def test_a_ctrl_c_while_a_calls_lines_are_made_leaves_none_of_them(tmp_path, monkeypatch):
+    """A prompt's layer call is one line per token, written as one: a Ctrl-C (`mlxmoe profile
+    record`) while they are made leaves the trace readable, the call whole or absent."""
+    from mlxmoe.caching.experts import LayerCall
+    from mlxmoe.workload.trace import TraceWriter, read_trace
+
+    writer = TraceWriter(tmp_path / "t.trace.jsonl", 2, 4, 1)
+    rows = np.array([[0], [1], [2], [3], [1]])
+    writer.observe(LayerCall(0, 0, rows, None, 5, [0, 1, 2, 3], None, None, 5))
+    line, made = TraceWriter.line, []
+
+    def interrupted(self, *args, **kwargs):
+        made.append(args)
+        if len(made) == 3:
+            raise KeyboardInterrupt
+        return line(self, *args, **kwargs)
+
+    monkeypatch.setattr(TraceWriter, "line", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        writer.observe(LayerCall(1, 0, rows, None, 5, [0, 1, 2, 3], None, None, 0))
+    writer.close()
+    _, records = read_trace(tmp_path / "t.trace.jsonl")
+    assert [(r[2], r[6]) for r in records] == [(0, 5)] * 5  # the first call, not a part of the second

@@ -498,13 +498,13 @@ def test_trace_written_off_the_decode_thread_is_the_same_file(tmp_path, cache_ex
     lines are still one per token, in order, each with its whole call's token count."""
     from mlxmoe.workload.trace import TraceWriter, layer_calls, read_trace
 
-    write, writers = TraceWriter.write, set()
+    line, writers = TraceWriter.line, set()
 
     def counted(self, *a, **kw):
         writers.add(threading.current_thread().name)
-        return write(self, *a, **kw)
+        return line(self, *a, **kw)
 
-    TraceWriter.write = counted
+    TraceWriter.line = counted
     files = []
     try:
         for off_thread in (True, False):
@@ -518,7 +518,7 @@ def test_trace_written_off_the_decode_thread_is_the_same_file(tmp_path, cache_ex
             if off_thread:
                 assert "mlxmoe-predict" in writers
     finally:
-        TraceWriter.write = write
+        TraceWriter.line = line
     assert files[0].read_bytes() == files[1].read_bytes()
     header, records = read_trace(files[0])
     calls = list(layer_calls(records, header["num_layers"]))

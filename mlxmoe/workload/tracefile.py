@@ -50,7 +50,7 @@ class TraceWriter:
     def new_sequence(self):
         self.seq += 1
 
-    def write(self, token, layer, experts, probs=None, router=None, tokens=1, prefill=False):
+    def line(self, token, layer, experts, probs=None, router=None, tokens=1, prefill=False) -> str:
         line = {"s": max(self.seq, 0), "t": token, "l": layer, "e": experts}
         if tokens > 1:
             line["n"] = tokens
@@ -60,17 +60,23 @@ class TraceWriter:
             line["p"] = [round(p, 5) for p in probs]
         if router is not None:
             line["r"] = [float(f"{p:.3g}") for p in router]
-        self.file.write(json.dumps(line, separators=(",", ":")) + "\n")
+        return json.dumps(line, separators=(",", ":")) + "\n"
+
+    def write(self, *args, **kwargs):
+        self.file.write(self.line(*args, **kwargs))
         self.lines += 1
 
     def observe(self, call) -> None:
-        """An expert cache's observer: write a layer call (experts.LayerCall), one line per token."""
-        for i, row in enumerate(call.rows.tolist()):
-            if call.probs is None:
-                self.write(call.position + i, call.layer, row, tokens=call.tokens)
-            else:
-                self.write(call.position + i, call.layer, row, call.probs[i][row].tolist(), call.probs[i].tolist(),
-                           call.tokens)
+        """An expert cache's observer: write a layer call (experts.LayerCall), one line per token,
+        all in one write (a Ctrl-C while they are made leaves no call in part: read_trace refuses that)."""
+        rows = call.rows.tolist()
+        if call.probs is None:
+            lines = [self.line(call.position + i, call.layer, row, tokens=call.tokens) for i, row in enumerate(rows)]
+        else:
+            lines = [self.line(call.position + i, call.layer, row, call.probs[i][row].tolist(), call.probs[i].tolist(),
+                               call.tokens) for i, row in enumerate(rows)]
+        self.file.write("".join(lines))
+        self.lines += len(lines)
 
     def close(self):
         """Rename the trace into place; one stopped before any routing is dropped (read_trace refuses it)."""
