@@ -108,6 +108,8 @@ def test_one_read_per_bundled_expert_nine_per_stacked(bundled, on_disk, io, monk
             assert packed.io_stats() == s and checked == [packed.ranges[layer][e][0].file]
             for t, w, g in zip(stacked.tensors, want, again):
                 np.testing.assert_array_equal(g, w, err_msg=f"{t} of expert {e} in layer {layer}, read again")
+    with pytest.raises(MlxmoeError, match="a slot of"):  # (planned, yet a slot of another size is named)
+        packed.read_expert(layer, e, [np.zeros(1, w.dtype) for w in want])
     stacked.close()
     packed.close()
 

@@ -127,7 +127,7 @@ class ExpertStore:
         self.expert_names = set()  # the file tensors that hold experts
         self.reader = ShardReader(io, bypass)
         self._lock = threading.Lock()  # the byte counters
-        self._plans = {}  # (layer, expert) -> (its one run, the slots' dtypes) once read plainly (_read_planned)
+        self._plans = {}  # (layer, expert) -> (its one run, its slots' dtypes and sizes): _read_planned
         self._pool_lock = threading.Lock()
         self.useful_bytes = self.disk_bytes = self.reads = 0
         self.workers = workers  # threads reading the separate ranges of one expert at once
@@ -231,7 +231,8 @@ class ExpertStore:
         then left half-written.
         """
         plan = self._plans.get((layer, expert)) if pace is None else None
-        if plan is not None and all(o.dtype == d and o.flags.c_contiguous for o, d in zip(outs, plan[1])):
+        if plan is not None and all(o.dtype == d and o.nbytes == n and o.flags.c_contiguous
+                                    for o, (d, n) in zip(outs, plan[1])):
             return self._read_planned(plan[0], outs)
         ranges, plain = self.ranges[layer][expert], []
         dests, converts, sliced = [], [], []
@@ -273,12 +274,13 @@ class ExpertStore:
         self._count(useful, disk, len(todo))
         if pace is None and len(todo) == 1 and not sliced and not converts:  # the next read of it, planned
             run = runs(ranges, list(range(len(ranges))), ALIGN if self.io == "direct" else 1)[0]
-            self._plans[(layer, expert)] = run, [out.dtype for out in outs]
+            self._plans[(layer, expert)] = run, [(out.dtype, out.nbytes) for out in outs]
         return useful
 
     def _read_planned(self, plan, outs):
         """read_expert of an expert whose ranges are one run and whose slots take the file's
-        bytes as they are: `plan` is that run, (file, start, end, [(offset, tensor)])."""
+        bytes as they are (of the dtypes and sizes it was planned with: a slot of another size
+        goes the long way, which names it): `plan` is that run, (file, start, end, [(offset, tensor)])."""
         file, start, end, pieces = plan
         disk = self._read_run((file, start, end, [(off, outs[i].reshape(-1).view(np.uint8)) for off, i in pieces]))
         self.shards.check(file)
