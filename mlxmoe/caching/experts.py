@@ -92,12 +92,8 @@ def learn_step(cache, layers, at_layers, experts, mass, tokens=1) -> None:
     """The live profile (the cache's only observer) learns a decode step's layer calls at
     once: each distinct expert `experts[i]` of layer `at_layers[i]` counted, the router's
     distribution of each of `layers` added to its mass, the step's tokens at the first layer."""
-    profile = cache.profile
     with cache.lock:
-        if layers[0] == 0:
-            profile.tick(tokens)
-        profile.counts[at_layers, experts] += 1.0
-        profile.mass[layers] += mass
+        cache.profile.observe_step(layers, at_layers, experts, mass, tokens if layers[0] == 0 else 0)
 
 
 def row_counts(rows, sequences, missed=(), nbytes=0, real=None) -> np.ndarray:

@@ -125,11 +125,18 @@ class ActivationProfile:
             for call in calls:
                 self.learn(call)
             return
-        if calls[0].ticked:
-            self.tick(calls[0].ticked)
-        at = np.repeat(layers, [len(c.experts) for c in calls])
-        self.counts[at, np.concatenate([np.asarray(c.experts, dtype=np.intp) for c in calls])] += 1.0
-        self.mass[layers] += np.stack([c.mean for c in calls])
+        self.observe_step(layers, np.repeat(layers, [len(c.experts) for c in calls]),
+                          np.concatenate([np.asarray(c.experts, dtype=np.intp) for c in calls]),
+                          np.stack([c.mean for c in calls]), calls[0].ticked)
+
+    def observe_step(self, layers, at_layers, experts, mass, ticked=0):
+        """A decode step's layer calls at once, of distinct `layers`: `ticked` tokens start
+        with the first, each distinct expert `experts[i]` of layer `at_layers[i]` counted, the
+        router's distribution of each of `layers` (`mass`) added."""
+        if ticked:
+            self.tick(ticked)
+        self.counts[at_layers, experts] += 1.0
+        self.mass[layers] += mass
 
     def absorb(self, other):
         """Learn `other`'s observations as if they came after this profile's (a server's
