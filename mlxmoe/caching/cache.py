@@ -331,9 +331,9 @@ class SlotPools:
         read. On an error, once no thread writes into those slots any more."""
         futures = []
         try:
-            if self.io is not None and len(keyed) > 1:
-                futures = [self.io.submit(self.read_into, key, slot) for key, slot in keyed]
-                return sum(f.result() for f in futures)
+            if self.io is not None and len(keyed) > 1:  # the first read here, the rest meanwhile
+                futures = [self.io.submit(self.read_into, key, slot) for key, slot in keyed[1:]]
+                return self.read_into(*keyed[0]) + sum(f.result() for f in futures)
             return sum(self.read_into(key, slot) for key, slot in keyed)
         except BaseException:
             wait(futures)
