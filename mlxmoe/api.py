@@ -431,6 +431,9 @@ def _attach_runtime(ckpt, p, be, fp, live, prior, opts):
     # under the tensor split the ranks take the resident path together (Runtime.agree_resident)
     cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, opts.io_threads, profile=live,
                         hold_resident=ckpt.group is not None and ckpt.split == "tensor", spare=verify)
+    if be.name == "metal":  # (an idle Apple GPU lowers its clock: see KeepBusy)
+        cache.keep_busy = backends.KeepBusy()
+        cache.closers.append(cache.keep_busy.close)
     prefetcher = None
     if opts.prefetch and streamed:
         prefetcher = Prefetcher(cache, ckpt.routers, ckpt.top_ks, depth=opts.prefetch, prior=rates,

@@ -1,6 +1,8 @@
 """What differs between cpu, metal and cuda: the device, the dtype policy, memory limits;
 and device arrays of any float dtype read on the host."""
 
+import threading
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -68,6 +70,52 @@ def detect(name=None):
     device = mx.cpu if name == "cpu" else mx.gpu
     mx.set_default_device(device)
     return Backend(name, mx.float32 if name == "cpu" else None, materialises_attention=name == "cpu")
+
+
+class KeepBusy:
+    """`with keep_busy:` around a wait for reads keeps the GPU from idling meanwhile: an Apple
+    GPU left idle lowers its clock after a few ms, and the layer computed after the read then
+    runs slower (oMLX submits a trivial kernel every 50 us while it reads). A thread of its
+    own queues a one-element op on a stream of its own (MLX streams belong to the thread that
+    made them) every `interval` seconds while a block runs; leaving the block waits for an
+    op being queued, never for the device. `kernels` counts the ops queued."""
+
+    def __init__(self, device=mx.gpu, interval: float = 50e-6) -> None:
+        self.device, self.interval = device, interval
+        self.kernels = 0
+        self._on, self._idle, self._stop = threading.Event(), threading.Event(), False
+        self._idle.set()
+        self._thread = None
+
+    def __enter__(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="mlxmoe-keep-busy", daemon=True)
+            self._thread.start()
+        self._on.set()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._on.clear()
+        self._idle.wait()  # (set by the thread once it saw the block end: no op of it is being queued)
+
+    def _loop(self) -> None:
+        stream = mx.new_stream(self.device)
+        x = mx.zeros((1,), stream=stream)
+        while self._on.wait() and not self._stop:
+            self._idle.clear()
+            while self._on.is_set():
+                x = mx.add(x, 1, stream=stream)
+                mx.async_eval(x)
+                self.kernels += 1
+                time.sleep(self.interval)
+            self._idle.set()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop = True
+            self._on.set()
+            self._thread.join()
+            self._on.clear()
 
 
 def host_floats(a):

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlxmoe
 import synthetic
+from mlxmoe import backend as backends
 from mlxmoe.backend import detect
 from mlxmoe.caching import experts, verify
 
@@ -331,6 +332,47 @@ def test_verify_off_waits_per_layer(checkpoint):
     assert generate(model, tokenizer) == want
     stats = model.expert_cache.stats()
     assert stats["verified_tokens"] == 0 and stats["verify"]["on"] is False
+
+
+@pytest.mark.parametrize("verify_on", [True, False], ids=["verified", "per-layer"])
+def test_keep_busy_queues_ops_during_demand_reads_only(checkpoint, monkeypatch, verify_on):
+    """What keeps an Apple GPU's clock up while the decode thread reads (backend.KeepBusy),
+    run here on the CPU: tokens as stock's, ops queued while demand reads run and none
+    between them, its thread ended by close(); a CPU or CUDA model gets none."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want, _ = reference(path)
+    model, tokenizer = all_but(path, 1, verify=verify_on)
+    cache = model.expert_cache
+    assert not isinstance(cache.keep_busy, backends.KeepBusy)  # (this backend is the CPU)
+    busy = backends.KeepBusy(mx.cpu, interval=1e-4)
+    cache.closers.append(busy.close)
+    blocks, read_experts, read = [], [], cache.pools.read
+
+    class Recorded:  # the kernels queued before each block and when it has ended
+        def __enter__(self):
+            blocks.append([busy.kernels, None])
+            busy.__enter__()
+
+        def __exit__(self, *exc):
+            busy.__exit__(*exc)
+            blocks[-1][1] = busy.kernels
+
+    def slow_read(layer, missed):
+        time.sleep(0.003)  # a read long enough for the thread to queue ops meanwhile
+        read_experts.append(len(missed))
+        return read(layer, missed)
+
+    cache.keep_busy = Recorded()
+    monkeypatch.setattr(cache.pools, "read", slow_read)
+    assert generate(model, tokenizer, evict=every_expert(cache, 0)) == want
+    stats = cache.stats()
+    assert (stats["verified_tokens"] > 0) == verify_on, stats["verify"]
+    assert len(blocks) == len(read_experts) > 0 and sum(read_experts) == stats["loads_demand"]
+    assert sum(end - start for start, end in blocks) >= len(blocks), blocks  # (3 ms a read: ~30 ops)
+    time.sleep(0.05)
+    assert [b[0] - a[1] for a, b in zip(blocks, blocks[1:] + [[busy.kernels]])] == [0] * len(blocks)
+    model.expert_runtime.close()
+    assert not busy._thread.is_alive()
 
 
 @pytest.mark.parametrize("less", [0, 1], ids=["resident", "verified"])

@@ -10,7 +10,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import mlx.core as mx
@@ -375,11 +375,11 @@ class ExpertCache(Residency):
         self.prefetcher: Prefetcher | None = None  # when prefetching: built on this cache, close() closes it
         self.speculator = None  # speculate.Speculator: runs ahead while decode steps wait for reads (close() closes it)
         self.verifier = None  # verify.Verifier where decode steps wait once, at their end
+        self.keep_busy = nullcontext()  # around demand reads: backend.KeepBusy on Metal
         self.layer_wait = None  # decayed seconds a decode step's layer call waited for the device
-        # decayed seconds of a decode step's compute from one layer call's fetch to the next's
-        # (the prefetcher weighs what a right guess can save by it); (when, layer) of the last fetch
+        # decayed seconds from a decode layer call's fetch to the next's (what a right guess can save)
         self.layer_seconds = None
-        self.fetched = (0.0, -1)
+        self.fetched = (0.0, -1)  # (when, layer) of the last fetch
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident (experts.py)
         self.hold_resident = hold_resident
         self.step_tokens = 1
@@ -525,7 +525,7 @@ class ExpertCache(Residency):
         pass for resident with another expert's bytes."""
         try:
             tic = time.perf_counter()
-            with self.loader.gate.demand():
+            with self.loader.gate.demand(), self.keep_busy:
                 n = self.pools.read(layer, missed)
             self.counters.demand_seconds += (seconds := time.perf_counter() - tic)
             self.loader.gate.timed(n, seconds)
