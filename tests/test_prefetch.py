@@ -939,8 +939,9 @@ def test_predicting_pauses_where_it_costs_more_than_it_spares_and_resumes_where_
 def test_paused_predicting_computes_no_lookahead_and_keeps_tokens(checkpoint, monkeypatch):
     """Predicting that costs more host time than it spares (made so: each prediction
     spins 3 ms of CPU while reads are quick) pauses: stats say why, no lookahead is
-    computed and no guess asked for a decode step after that, and tokens stay stock mlx-lm's. Reads made
-    slow (20 ms a piece) put it on again."""
+    computed, no guess asked and no job given to the host thread for a decode step after
+    that, nothing kept for running ahead, and tokens stay stock mlx-lm's. Reads made slow
+    (20 ms a piece) put it on again."""
     import time
 
     from mlxmoe.caching.prefetch import Prefetcher
@@ -971,13 +972,20 @@ def test_paused_predicting_computes_no_lookahead_and_keeps_tokens(checkpoint, mo
     queue = pf.queue
     monkeypatch.setattr(pf, "queue", lambda keys, *a, decode=True, **k: queued.append((keys, decode)) or queue(
         keys, *a, decode=decode, **k))
+    jobs = []
+    put = pf.host.put
+    monkeypatch.setattr(pf.host, "put", lambda job: jobs.append(job) or put(job))
+    cache.speculator.calls.clear()
     assert s["loads_prefetched"] > 0
     assert tokens(model, tokenizer, 24) == want
     pf.drain()
     assert cache.stats()["misses"] > 0 and not [keys for keys, decode in queued if decode]
+    assert jobs and not [job for job in jobs if job == () or job[-1]]  # the prompt's alone
+    assert not cache.speculator.calls and not cache.deferred
     decode = [a for a in lookaheads if a is not None]
     assert decode and not any(decode[len(decode) // 2:])  # the prompt's layer calls look ahead, decode's not
     slow_reads(cache.store, 0.02)
     tokens(model, tokenizer, 24)
     assert cache.stats()["prefetch"]["on"] is True, cache.stats()["prefetch"]
+    assert cache.speculator.calls and [job for job in jobs if job and job[-1]]
     cache.close()

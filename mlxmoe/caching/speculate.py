@@ -384,12 +384,16 @@ def one_token(args):
 
 def _tap(module, speculator, before=None, after=None):
     """Give the module instance a subclass whose call also gives its arguments to `before`
-    and its output to `after`, except while running ahead."""
+    and its output to `after`, except while running ahead, and while paused (nothing is
+    kept then, and no layer call counts as the one under way: none runs ahead of it)."""
     cls = type(module)
 
     def __call__(self, *args, **kwargs):
         verifier = speculator.cache.verifier
         if speculator.running is not None or verifier is not None and verifier.forward:  # (no reads to wait for)
+            return cls.__call__(self, *args, **kwargs)
+        if speculator.paused():
+            speculator.inside = None
             return cls.__call__(self, *args, **kwargs)
         if before is not None:
             before(args, kwargs)
