@@ -78,16 +78,20 @@ class KeepBusy:
     runs slower (oMLX submits a trivial kernel every 50 us while it reads). A thread of its
     own queues a one-element op on a stream of its own (MLX streams belong to the thread that
     made them) every `interval` seconds while a block runs; leaving the block waits for an
-    op being queued, never for the device. `kernels` counts the ops queued."""
+    op being queued, never for the device. `kernels` counts the ops queued; `error` is why
+    the thread ended early (the reads go on without it)."""
 
     def __init__(self, device=mx.gpu, interval: float = 50e-6) -> None:
         self.device, self.interval = device, interval
         self.kernels = 0
+        self.error = None
         self._on, self._idle, self._stop = threading.Event(), threading.Event(), False
         self._idle.set()
         self._thread = None
 
     def __enter__(self):
+        if self._stop:
+            return self
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="mlxmoe-keep-busy", daemon=True)
             self._thread.start()
@@ -99,15 +103,21 @@ class KeepBusy:
         self._idle.wait()  # (set by the thread once it saw the block end: no op of it is being queued)
 
     def _loop(self) -> None:
-        stream = mx.new_stream(self.device)
-        x = mx.zeros((1,), stream=stream)
-        while self._on.wait() and not self._stop:
-            self._idle.clear()
-            while self._on.is_set():
-                x = mx.add(x, 1, stream=stream)
-                mx.async_eval(x)
-                self.kernels += 1
-                time.sleep(self.interval)
+        try:
+            stream = mx.new_stream(self.device)
+            x = mx.zeros((1,), stream=stream)
+            while self._on.wait() and not self._stop:
+                self._idle.clear()
+                while self._on.is_set():
+                    x = mx.add(x, 1, stream=stream)
+                    mx.async_eval(x)
+                    self.kernels += 1
+                    time.sleep(self.interval)
+                self._idle.set()
+        except Exception as e:  # noqa: BLE001 - keeping busy is optional: never a read's error
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self._stop = True
             self._idle.set()
 
     def close(self) -> None:

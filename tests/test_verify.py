@@ -375,6 +375,25 @@ def test_keep_busy_queues_ops_during_demand_reads_only(checkpoint, monkeypatch, 
     assert not busy._thread.is_alive()
 
 
+def test_keep_busy_that_fails_never_holds_a_read_up(monkeypatch):
+    """Keeping the GPU busy is optional: a thread whose MLX calls fail ends, says why, and
+    the blocks around reads go on at once, then and after."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no queue here")
+
+    monkeypatch.setattr(backends.mx, "async_eval", refuse)  # (the first op, with the block begun)
+    busy = backends.KeepBusy(mx.cpu)
+    with busy:
+        time.sleep(0.01)
+    busy._thread.join(timeout=10)
+    tic = time.perf_counter()
+    for _ in range(3):
+        with busy:
+            pass
+    assert time.perf_counter() - tic < 1 and busy.kernels == 0 and "no queue here" in busy.error
+    busy.close()
+
+
 @pytest.mark.parametrize("less", [0, 1], ids=["resident", "verified"])
 def test_live_profile_learnt_at_once_equals_call_by_call(checkpoint, tmp_path, less):
     """A decode step's hits teach the live profile in one go where it is the only observer
