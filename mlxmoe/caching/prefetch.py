@@ -386,9 +386,7 @@ class Prefetcher:
         """A layer call has its experts (`rows`: each token's, [tokens, top_k], a list of one
         list at a decode step): observe() what it used, and after_layer() (a decode step) or
         prefill() predicts the next calls (see off_thread). While `worth` holds predicting
-        paused, a decode step gives the host thread nothing: the cache's host work is then
-        done on the decode thread at the next tick or miss, in one go (handing it over a call
-        at a time cost the host-bound regime ~10 % of its time)."""
+        paused, a decode step does nothing more (its host work waits for the next tick or miss)."""
         if decode and layer == 0 and self.worth.step(self.cache.counters, self.bar.expert_read()):
             # on again: what was predicted before the pause is for calls long gone
             self.pending.clear(), self.ranked.clear(), self.previous.clear()
@@ -396,9 +394,7 @@ class Prefetcher:
         if decode and self.worth.paused:
             return
         job = (layer, rows, ahead_scores, token, decode)
-        if not self.off_thread:
-            return self._layer_work(job)
-        self.host.put(job)
+        self.host.put(job) if self.off_thread else self._layer_work(job)
 
     def _layer_work(self, job):
         if job:
