@@ -223,16 +223,6 @@ class ShardReader:
     def _read_direct(self, file, start, end, pieces):
         fd, align = self._fds[file], self._align[file]
         a, b = align_down(start, align), align_up(end, align)
-        if b - a <= BOUNCE and any(d.nbytes % align for _, d in pieces):  # an expert's run, unaligned: one read
-            buf = self._bounce(b - a)
-            try:
-                n = os.preadv(fd, [buf], a)
-            except OSError as e:
-                raise MlxmoeError(f"reading {file} at offset {a}: {e}") from None
-            if a + n >= end:
-                for off, d in pieces:
-                    d[:] = buf[off - a:off - a + d.nbytes]
-                return n
         if all(off % align == 0 and d.nbytes % align == 0 and d.ctypes.data % align == 0 for off, d in pieces) \
                 and sum(d.nbytes for _, d in pieces) == end - start:
             # Aligned and back to back (a bundled checkpoint, aligned slots): straight into the slots.
