@@ -13,6 +13,8 @@ from .budget import machine_memory
 from .errors import MlxmoeError
 
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+# CUDA's gather_qmm (MLX 0.32): gather_qmv for fewer rows (tokens x experts) than this, a GEMM from it
+GATHER_GEMM_ROWS = 8
 
 
 @dataclass
@@ -24,6 +26,12 @@ class Backend:
     # On CPU a prefill step's attention scores and probabilities are whole arrays (queries
     # x keys x heads), so they count in the working memory; Metal runs it in a fused kernel
     materialises_attention: bool = False
+    # Whether a layer's experts computed in several calls get the numbers one call gives:
+    # on CUDA MLX's quantized gather takes another kernel below GATHER_GEMM_ROWS rows (a
+    # GEMV, from there a tensor-core GEMM: other sums, other bfloat16 roundings), so a split
+    # call would not match stock mlx-lm's; Metal's kernel choice also follows the shape
+    # (unmeasured: kept whole). The CPU's computes each row alone.
+    split_exact: bool = True
 
     def pool_dtype(self, file_dtype):
         return self.compute_dtype if self.compute_dtype is not None and file_dtype in FLOATS else file_dtype
@@ -69,7 +77,8 @@ def detect(name=None):
         raise MlxmoeError(f"backend {name!r} is not available in this MLX build")
     device = mx.cpu if name == "cpu" else mx.gpu
     mx.set_default_device(device)
-    return Backend(name, mx.float32 if name == "cpu" else None, materialises_attention=name == "cpu")
+    return Backend(name, mx.float32 if name == "cpu" else None, materialises_attention=name == "cpu",
+                   split_exact=name == "cpu")
 
 
 class KeepBusy:

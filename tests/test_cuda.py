@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX's 
 def test_detect_picks_cuda_with_the_gpu_memory():
     be = detect()
     assert be.name == "cuda" and mx.default_device() == mx.gpu and be.compute_dtype is None
+    assert not be.split_exact  # gather_qmm: a GEMV below GATHER_GEMM_ROWS rows, a GEMM from there
     assert be.memory() == mx.device_info()["total_memory"]
     model = nn.Linear(4, 4)
     model.set_dtype(mx.bfloat16)
@@ -44,3 +45,24 @@ def test_bfloat16_pool_view_on_gpu():
     view = np.array(storage, copy=False)
     view[1] = np.frombuffer(np.full(16, 1.5, dtype=np.float32).tobytes(), dtype=np.uint16)[1::2]
     assert np.array((compute[1] * 2).astype(mx.float32)).tolist() == [3.0] * 16
+
+
+def test_a_partly_cached_top8_model_gives_stock_tokens_every_time(checkpoint):
+    """bfloat16 activations, top 8 (stock's decode calls take the GEMM kernel): with prefetch
+    timing what is resident when, every generation's tokens are stock mlx-lm's (an H200 run
+    before split_exact differed at a near tie in about half the runs)."""
+    import mlx_lm
+
+    import mlxmoe
+
+    path = checkpoint("qwen3_moe", quant="4bit", dtype="bfloat16",
+                      config_overrides={"num_experts": 16, "num_experts_per_tok": 8, "hidden_size": 128,
+                                        "moe_intermediate_size": 128})
+    prompt = "The quick brown fox jumps over the lazy dog. Il gatto"
+    model, tokenizer = mlx_lm.load(str(path))
+    want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=24)]
+    for cache_experts in (24, 32):
+        for _ in range(3):
+            model, tokenizer = mlxmoe.load(str(path), cache_experts=cache_experts)
+            assert [r.token for r in mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=24)] == want
+            model.expert_cache.close()

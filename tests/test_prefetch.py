@@ -1,8 +1,10 @@
 """Prefetch never changes output, never reads an expert twice, survives IO errors in
 its workers, and its predictors are scored."""
 
+import dataclasses
 import threading
 
+import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
@@ -696,6 +698,49 @@ def test_resident_experts_compute_while_the_missing_are_read(checkpoint):
     assert all(0 < len(ready) < len(experts) and set(ready) <= set(experts) for experts, ready in early)
 
 
+@pytest.fixture
+def kernels_by_rows(monkeypatch):
+    """mx.gather_qmm as MLX's CUDA build picks its kernel: another below GATHER_GEMM_ROWS rows
+    (emulated: such calls' outputs x 1.25, far beyond its other roundings); the backend's
+    split_exact set by the test (True: the CPU's, False: CUDA's)."""
+    from mlxmoe import backend as backends
+
+    gather = mx.gather_qmm
+
+    def by_rows(*args, rhs_indices=None, **kwargs):
+        y = gather(*args, rhs_indices=rhs_indices, **kwargs)
+        return y * 1.25 if rhs_indices is not None and rhs_indices.size < backends.GATHER_GEMM_ROWS else y
+
+    monkeypatch.setattr(mx, "gather_qmm", by_rows)
+    detect = backends.detect
+
+    def split(exact):
+        monkeypatch.setattr(backends, "detect", lambda name=None: dataclasses.replace(detect(name), split_exact=exact))
+    return split
+
+
+@pytest.mark.parametrize("split_exact", [True, False])
+def test_a_layer_call_is_one_call_where_the_kernel_follows_the_row_count(checkpoint, kernels_by_rows, split_exact):
+    """Top 8 of 16 experts: a decode step computes its 8 rows in one call (the resident ones
+    are not computed early, apart from those read), and a prompt's group of experts that the
+    cache holds at once (more experts than slots) computes no fewer rows than the whole call,
+    where the backend's kernel follows the row count: the tokens, and the prompt's logits,
+    are stock mlx-lm's under the same kernels. Computed in parts (the CPU's way) they are not."""
+    kernels_by_rows(split_exact)
+    path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_experts": 16, "num_experts_per_tok": 8})
+    model, tokenizer = mlx_lm.load(str(path))
+    detect().apply_dtype_policy(model)
+    want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=12)]
+    prompt = mx.array([tokenizer.encode("the cat")])  # its groups at 9 slots: 19 + 5, 18 + 6, 20 + 4 rows
+    want_logits = model(prompt)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=24, prefetch=0, verify=False)
+    got = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=12)]
+    assert model.expert_cache.stats()["loads_demand"] > 0
+    assert (got == want) != split_exact
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=9, prefetch=0, verify=False)
+    assert mx.array_equal(model(prompt), want_logits).item() != split_exact
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_running_ahead_while_reads_are_slow_keeps_tokens(checkpoint, arch):
     """Reads slower than a layer's compute: the decode thread runs the next layers ahead
@@ -717,6 +762,26 @@ def test_running_ahead_while_reads_are_slow_keeps_tokens(checkpoint, arch):
     assert s["predictors"]["speculative"]["recall"] > 0
     assert s["bytes_read"] == (s["loads_demand"] + s["loads_prefetched"]) * store.expert_file_bytes()
     assert tokens(model, tokenizer, 12) == want  # a second generation: new KV caches, the same tokens
+
+
+def test_running_ahead_on_bfloat16_activations_keeps_tokens(checkpoint, monkeypatch):
+    """As on a GPU, where activations keep a bfloat16 checkpoint's dtype (numpy has no
+    bfloat16: the router's logits are read through their bits): running ahead runs, without
+    an error, and the tokens are stock mlx-lm's."""
+    from mlxmoe import backend as backends
+
+    detect = backends.detect
+    monkeypatch.setattr(backends, "detect", lambda name=None: dataclasses.replace(detect(name), compute_dtype=None))
+    # top 4: a layer run ahead computes the AHEAD_EXPERTS its router weighs most of those resident
+    path = checkpoint("qwen3_moe", quant="4bit", dtype="bfloat16", config_overrides={"num_experts_per_tok": 4})
+    model, tokenizer = mlx_lm.load(str(path))
+    want = [r.token for r in mlx_lm.stream_generate(model, tokenizer, PROMPT, max_tokens=12)]
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=16, verify=False)
+    speculator = model.expert_cache.speculator
+    assert model.model.norm.weight.dtype == mx.bfloat16  # (the dtype policy left it as it is)
+    slow_reads(model.expert_cache.store, 0.02)
+    assert tokens(model, tokenizer, 12) == want
+    assert speculator.error is None and speculator.layers_run > 0
 
 
 def ban_recent(window):

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..backend import host_floats, host_probs
+from ..backend import GATHER_GEMM_ROWS, host_floats, host_probs
 from .cache import expert_groups, low_bit
 from ..errors import MlxmoeError
 from .lossy import host_logits
@@ -365,6 +365,22 @@ def summary(rows, probs):
     return experts, None if probs is None else probs[experts].tolist(), probs
 
 
+def split_exact(runtime) -> bool:
+    """Whether a layer call's experts may be computed in several calls (Backend.split_exact)."""
+    return runtime is None or runtime.backend.split_exact
+
+
+def whole_call_rows(t, j, total, exact):
+    """A group's (token, expert) pairs `t`, `j` of a layer call of `total` pairs, with copies
+    of the last up to GATHER_GEMM_ROWS where the backend's kernel follows the row count (not
+    `exact`) and the whole call reaches that many: the group computes with its kernel."""
+    n = len(t)
+    if exact or not n < GATHER_GEMM_ROWS <= total:
+        return t, j
+    pad = (0, GATHER_GEMM_ROWS - n)
+    return np.pad(t, pad, mode="edge"), np.pad(j, pad, mode="edge")
+
+
 class StreamingExperts(nn.Module):
     def __init__(self, inner, layer, router=None, cache=None):
         super().__init__()
@@ -461,10 +477,12 @@ class StreamingExperts(nn.Module):
                 lut = np.zeros(group[-1] + 1, dtype=np.uint32)
                 lut[group] = slots
                 t, j = np.nonzero(np.isin(rows, group))
+                n = len(t)
+                t, j = whole_call_rows(t, j, rows.size, split_exact(self._runtime))
                 y = self._inner(xs[mx.array(t)], mx.array(lut[rows[t, j]].reshape(-1, 1)))
                 mx.eval(y)
-                outs.append(y.reshape(len(t), *y.shape[2:]))
-                places.append(t * rows.shape[1] + j)
+                outs.append(y[:n].reshape(n, *y.shape[2:]))
+                places.append(t[:n] * rows.shape[1] + j[:n])
         told(cache, call, compute)
         y = mx.concatenate(outs, axis=0)[mx.array(np.argsort(np.concatenate(places)))]
         return y.reshape(*idx.shape, *y.shape[1:])
@@ -494,11 +512,10 @@ class StreamingExperts(nn.Module):
         """A decode step (one token): its experts read as a list, the rest of its routing
         (the router's `probs`, or a tapped router's `logits`) as the policy and the observers
         need it (StepRouting). Where some experts are read on the decode thread, those
-        already resident are computed while they are read (every expert's output is its own
-        row: the same numbers). Returns (slots nested as `indices` of the experts left to
-        compute, [the token's experts], None or (the order of the rows of [computed early,
-        left], the early rows' output), None or the scale of each routed expert's output
-        where a lossy mode reweighted or skipped some: see lossy.py)."""
+        already resident are computed while they are read (where Backend.split_exact). Returns
+        (slots nested as `indices` of the experts left to compute, [the token's experts], None
+        or (the order of the rows of [computed early, left], the early rows' output), None or the
+        scale of each routed expert's output where a lossy mode reweighted or skipped some: see lossy.py)."""
         cache = self._cache
         row, depth = indices.tolist(), 0
         while isinstance(row[0], list):
@@ -523,8 +540,9 @@ class StreamingExperts(nn.Module):
             if cache.speculator is not None:  # the layer's output with these, while running ahead
                 cache.speculator.early = (self._layer, cols, y)
 
-        try:
-            slots = cache.fetch(self._layer, experts, routing=routing, early=early)
+        try:  # (where the backend's kernel follows the row count: one call of all the experts)
+            slots = cache.fetch(self._layer, experts, routing=routing,
+                                early=early if split_exact(self._runtime) else None)
         except BaseException:
             if started:  # nothing may still compute from slots that leave the cache
                 mx.eval(started[0][1])

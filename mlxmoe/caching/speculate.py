@@ -30,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from ..backend import host_floats
 from .experts import nest
 from .prefetch import decayed, outranks
 
@@ -360,7 +361,7 @@ class Speculator:
             self.last = self.routed + (self.finish_seconds or 0.0) + (self.route_seconds or 0.0) > self.until
         logits = getattr(streaming._router, "logits", None)
         if logits is not None and len(slots) > AHEAD_EXPERTS and layer != self.running:
-            weight = np.array(logits()).reshape(-1)
+            weight = host_floats(logits()).reshape(-1)  # (bfloat16 on a GPU: numpy has none)
             slots = {e: slots[e] for e in sorted(slots, key=lambda e: -weight[e])[:AHEAD_EXPERTS]}
         cols = [i for i, e in enumerate(row) if e in slots]
         if not cols or self.last:
