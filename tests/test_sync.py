@@ -22,7 +22,7 @@ import pytest
 
 import mlxmoe
 import synthetic
-from mlxmoe.caching.experts import StreamingExperts, resident_table
+from mlxmoe.caching.experts import ResidentCalls, StreamingExperts, resident_table
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 12
@@ -107,6 +107,14 @@ class SyncCounter:
         monkeypatch.setattr(StreamingExperts, "__call__", call)
         for name in ("_probs", "_logits"):  # the router's arrays the host work reads
             monkeypatch.setattr(StreamingExperts, name, made(getattr(StreamingExperts, name)))
+        pack = ResidentCalls.pack
+
+        def packed(work):  # a decode step's routing packed on the device, at its last layer call
+            arrays = pack(work)
+            for a in arrays:
+                counter.made[id(a)] = (a, counter.token)
+            return arrays
+        monkeypatch.setattr(ResidentCalls, "pack", packed)
 
     def _mine(self):
         return threading.get_ident() == self.thread and _from_mlxmoe(3)

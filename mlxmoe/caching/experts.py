@@ -232,12 +232,15 @@ class ResidentCalls:
     token's graph while the previous one computes and has waited for the one before, so the
     work queued before the previous token's is done then with no sync; the previous token's
     side arrays are queued for evaluation then, all at once (read unqueued, they would wait
-    for everything queued before them)."""
+    for everything queued before them). A decode step's routing is packed into two arrays
+    (`packed`) queued with its last layer call: read in two host copies, not two a layer call
+    (on CUDA each host read of a GPU array is a managed allocation and a synchronous copy)."""
 
     def __init__(self, cache) -> None:
         self.cache = cache
         self.calls: list = []
         self.side: list = []
+        self.packed = None  # a decode step's (indices [calls, k], routers [calls, experts]): pack()
         # a batched model call's rows: its calls counted and learnt per row (batching.CallRows)
         self.rows, self.profile = cache.rows, cache.profile if cache.rows is None else cache.rows
 
@@ -260,13 +263,30 @@ class ResidentCalls:
             return work
 
     def __call__(self) -> None:
+        routers = self._step_routers()
+        if routers is not None:
+            return self._decode_step(routers)
+        self._call_by_call()
+
+    def _step_routers(self) -> list | None:
+        """The routers' arrays of a decode step whose calls (one token each) are alike, else None."""
         calls = self.calls
         routers = [c[2] if c[2] is not None else c[3] for c in calls]
         one_token = bool(calls) and calls[0][1].size == calls[0][1].shape[-1]  # (of one sequence: not a batch's)
         if self.rows is None and one_token and all(r is not None for r in routers) \
-                and len({(c[1].shape, r.shape, c[2] is None) for c, r in zip(calls, routers)}) == 1:
-            return self._decode_step(routers)
-        self._call_by_call()
+                and len({(c[1].shape, r.shape, r.dtype, c[2] is None) for c, r in zip(calls, routers)}) == 1:
+            return routers
+        return None
+
+    def pack(self) -> list:
+        """A decode step's routing as two device arrays (`packed`), once its calls are all
+        built; returns them (to be queued), [] where it is no decode step."""
+        routers = self._step_routers()
+        if routers is None or self.packed is not None:
+            return []
+        self.packed = (mx.concatenate([c[1].reshape(1, -1) for c in self.calls]),
+                       mx.concatenate([r.reshape(1, -1) for r in routers]))
+        return list(self.packed)
 
     def _call_by_call(self) -> None:
         logits = [c[2] for c in self.calls if c[2] is not None]
@@ -292,9 +312,13 @@ class ResidentCalls:
         call by call, in one go from its routing read into two host arrays (the live profile
         learns the step at once where it is the only observer)."""
         cache = self.cache
-        rows = np.concatenate([np.asarray(c[1]).reshape(1, -1) for c in self.calls])
         tapped = self.calls[0][2] is not None  # (routers: a tapped router's logits, else its probabilities)
-        probs = np.concatenate(host_probs(routers) if tapped else [host_floats(r) for r in routers])
+        if self.packed is not None:
+            rows = np.asarray(self.packed[0])
+            probs = host_probs([self.packed[1]])[0] if tapped else host_floats(self.packed[1])
+        else:  # (under several ranks nothing was packed: the calls' own arrays, no new op to wait for)
+            rows = np.concatenate([np.asarray(c[1]).reshape(1, -1) for c in self.calls])
+            probs = np.concatenate(host_probs(routers) if tapped else [host_floats(r) for r in routers])
         layers = [c[0]._layer for c in self.calls]
         if layers[0] == 0:
             cache.tick(1)
@@ -613,7 +637,7 @@ class StreamingExperts(nn.Module):
             work.side.append(probs)
         out = self._inner(x, table[self._layer][indices])
         if x.size == x.shape[-1] and self._runtime is not None and self._runtime.group is None:
-            mx.async_eval(out)
+            mx.async_eval(out, *(work.pack() if self._layer == self._cache.store.num_layers - 1 else ()))
         return out
 
     def _record(self, rows: np.ndarray, probs: np.ndarray | None) -> LayerCall:
