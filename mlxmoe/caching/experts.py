@@ -280,9 +280,9 @@ class ResidentCalls:
 
     def pack(self) -> list:
         """A decode step's routing as two device arrays (`packed`), once its calls are all
-        built; returns them (to be queued), [] where it is no decode step."""
+        built (at its last layer call); returns them (to be queued), [] where it is no decode step."""
         routers = self._step_routers()
-        if routers is None or self.packed is not None:
+        if routers is None:
             return []
         self.packed = (mx.concatenate([c[1].reshape(1, -1) for c in self.calls]),
                        mx.concatenate([r.reshape(1, -1) for r in routers]))
