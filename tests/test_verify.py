@@ -157,11 +157,15 @@ class WaitCounter:
     """mlxmoe's waits on the device per decode step, on the decode thread, that leave it with
     nothing queued: mx.eval, .item(), .tolist(), and np.array of an array no earlier mlxmoe
     mx.eval of the step covered; not an mx.eval within a check of a forward's earlier layers
-    made once later decoder layers were queued (`queued_after`: how many, per such check)."""
+    made once later decoder layers were queued (`queued_after`: how many, per such check).
+    `reads`: count every host read of an array instead (on CUDA each is a managed allocation
+    and a synchronous copy), and no mx.eval."""
 
-    def __init__(self, monkeypatch, model):
+    def __init__(self, monkeypatch, model, reads=False):
         self.thread = threading.get_ident()
+        self.reads = reads
         self.steps = []  # per model call of one token: waits
+        self.windowed = []  # ... and whether its checks were within the forward when it started
         self.missed = []  # ... and its layer calls that missed (one replay each)
         self.covered = set()
         self.queued_after = []
@@ -185,6 +189,7 @@ class WaitCounter:
             if inputs.size != 1:
                 return call(m, inputs, *a, **kw)
             counter.steps.append(0)
+            counter.windowed.append(m.expert_cache.verifier.switch.windowed)
             counter.covered = set()
             c = m.expert_cache.counters
             replays, verified = c.replays, c.verified_tokens
@@ -198,19 +203,19 @@ class WaitCounter:
                 sys._getframe(2).f_globals.get("__name__", "").startswith("mlxmoe")
 
         def counted_eval(*args, **kw):
-            if mine() and counter.steps:
+            if mine() and counter.steps and not counter.reads:
                 counter.steps[-1] += not counter.within
                 counter.covered.update(id(x) for x in args if isinstance(x, mx.array))
             return eval_(*args, **kw)
 
         def counted_array(obj, *args, **kw):
-            if isinstance(obj, mx.array) and mine() and counter.steps and id(obj) not in counter.covered:
+            if isinstance(obj, mx.array) and mine() and counter.steps and (counter.reads or id(obj) not in counter.covered):
                 counter.steps[-1] += 1
             return array(obj, *args, **kw)
 
         def reader(fn):
             def read(obj, *args, **kw):
-                if mine() and counter.steps and id(obj) not in counter.covered:
+                if mine() and counter.steps and (counter.reads or id(obj) not in counter.covered):
                     counter.steps[-1] += 1
                 return fn(obj, *args, **kw)
             return read
@@ -244,6 +249,28 @@ def test_waits_per_step_at_most_one_plus_missed_layer_calls(checkpoint, monkeypa
         assert waits <= 1 + missed, verified
     assert all(q >= verify.MIN_LAG for q in counter.queued_after)
     assert [w for w, m in verified if m == 0] and all(w == 1 for w, m in verified if m == 0)
+
+
+@pytest.mark.parametrize("name", ["demo", "qwen3_moe"])
+def test_a_step_that_missed_nowhere_reads_its_routing_in_two_host_copies(checkpoint, monkeypatch, name):
+    """The layer calls' indices and routers packed on the device at the last MoE layer call:
+    two host reads a step, not two a layer call (on CUDA each is a managed allocation and a
+    synchronous copy)."""
+    path = mlxmoe.DEMO_MODEL if name == "demo" else checkpoint(name)
+    model, tokenizer = all_but(path, 2)
+    cache = model.expert_cache
+    generate(model, tokenizer)  # warm: the same workload before
+    counter, lasts = WaitCounter(monkeypatch, model, reads=True), set()
+    for _ in range(3):  # (checks within the forward stop some clean steps after a miss)
+        # (the prompt's layer calls count into the step before them, the last one's)
+        lasts.add(len(counter.steps) - 1)
+        generate(model, tokenizer)
+    cache.close()
+    steps = [(n, w) for i, (n, m, w) in enumerate(zip(counter.steps, counter.missed, counter.windowed))
+             if m == 0 and i not in lasts]
+    assert len([n for n, w in steps if not w]) >= 5 and {n for n, w in steps if not w} == {2}, steps
+    # while checks run within the forward: one read each, then the pack (the hits' routers in it)
+    assert [n for n, w in steps if w] and max(n for n, w in steps if w) <= cache.store.num_layers + 1, steps
 
 
 def test_off_where_replays_cost_more_than_waits(checkpoint, monkeypatch):

@@ -6,7 +6,8 @@ the placeholder, the pools' spare last slot, which no expert ever holds) and com
 once, and each decoder layer's output is queued (`mx.async_eval`) as soon as it is built:
 the device computes while the host builds the next layers. While steps miss, a check after
 each decoder layer reads the routing of the layer `lag` behind (the device has lag layers
-queued meanwhile); one wait after the forward reads the rest. Where no routed expert was missing
+queued meanwhile); one wait after the forward reads the rest (stacked on the device at the last
+MoE layer call: two host copies, not two a layer call). Where no routed expert was missing
 the token is exact: its slots are those the per-layer path would have used, since nothing
 is read, evicted or prefetched while a verified token computes. Otherwise the first layer
 that missed reads its experts (the policy chooses victims as on the per-layer path, after
@@ -275,6 +276,68 @@ class SlotTables:
         return [(m, e) for m, row in zip(layers, rows) for e in sorted(set(row)) if lists[m][e] == placeholder]
 
 
+class PassRouting:
+    """The routing of a verified pass's layer calls (`calls`: MoE layer -> (indices, router
+    logits or probs, tapped)), on the device until a check reads it; the routers'
+    distributions once on the host (`dists`). At the pass's last MoE layer call the indices of
+    the layer calls not checked yet and the routers not read yet (the hits of checks within
+    the forward too) are stacked on the device and queued (`packed`): the check at the
+    forward's end reads them in two host copies, not one or two a layer call (on CUDA each
+    host read of a GPU array is a managed allocation and a synchronous copy)."""
+
+    def __init__(self) -> None:
+        self.calls, self.dists, self.packed = {}, {}, None
+
+    def clear(self, since: int = 0) -> None:
+        """Forget the layer calls from MoE layer `since` on (a replay computes them again)."""
+        for m in [m for m in self.calls if m >= since]:
+            del self.calls[m]
+            self.dists.pop(m, None)
+        self.packed = None
+
+    def pack(self, checked: int) -> None:
+        """At the pass's last MoE layer call (layer calls before `checked` were checked)."""
+        layers = [m for m in sorted(self.calls) if m >= checked]
+        routed = [m for m in sorted(self.calls) if m not in self.dists]
+        calls = [self.calls[m] for m in routed]
+        alike = {(c[0].shape, c[2], None if c[1] is None else (c[1].shape, c[1].dtype)) for c in calls}
+        if len(layers) < 2 or not calls or len(alike) > 1 or calls[0][1] is None:
+            return
+        self.packed = (layers, mx.stack([self.calls[m][0] for m in layers]), routed, mx.stack([c[1] for c in calls]))
+        mx.async_eval(self.packed[1], self.packed[3])
+
+    def wait(self, layers: list, final: bool):
+        """A wait for these layer calls' routing: the pack where it holds them at the forward's
+        end (`final`; returned), else their arrays (arrays the queued layers compute: a new op
+        now would wait behind the whole queue)."""
+        packed, self.packed = self.packed, None
+        if final and packed is not None and packed[0] == layers:
+            mx.eval(packed[1], packed[3])
+            return packed
+        calls = [self.calls[m] for m in layers]
+        mx.eval(*[c[0] for c in calls], *[c[1] for c in calls if c[1] is not None])
+        return None
+
+    def rows(self, layers: list, packed) -> list:
+        """The experts of each of these layer calls (flat lists), from the pack where given
+        (its routers' distributions kept then)."""
+        if packed is None:
+            return [_flat(self.calls[m][0].tolist()) for m in layers]
+        _, indices, routed, routers = packed
+        flat = host_probs([routers])[0] if self.calls[routed[0]][2] else np.array(routers)
+        for m, dist in zip(routed, flat.reshape(len(routed), -1)):
+            self.dists[m] = dist
+        return [_flat(r) for r in indices.tolist()]
+
+    def dists_of(self, layers: list) -> list:
+        """The router's distribution (flat, on the host) of each of these layer calls, None
+        where the model gives none: those not known yet read in one softmax."""
+        unknown = [m for m in layers if m not in self.dists]
+        for m, dist in zip(unknown, routing_probs([self.calls[m] for m in unknown]) if unknown else ()):
+            self.dists[m] = dist
+        return [self.dists[m] for m in layers]
+
+
 class Verifier:
     """Verified decode steps on `model` (mlx-lm's, its MoE layer l in decoder layer
     `decoder_of[l]` of `model.layers`) over `cache`. The model's and its decoder layers'
@@ -292,7 +355,7 @@ class Verifier:
         self.forward = False  # within a verified forward
         self.replay_from = None  # the decoder layer a replay computes from (None: the first run)
         self.outputs = {}  # decoder layer -> its output in this token
-        self.calls = {}  # MoE layer -> (indices, router logits or probs, tapped) of this token
+        self.routing = PassRouting()  # of this token's layer calls
         self.hits = ([], [])  # checked layer calls that hit, not told yet: layers, rows
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
@@ -361,8 +424,7 @@ class Verifier:
         self.tokens, self.width = inputs.size, inputs.shape[1]
         cache.tick(self.tokens)
         self.forward, self.replay_from, self.checked = True, None, 0
-        self.outputs.clear()
-        self.calls.clear()
+        self._clear()
         replayed, replays = 0, 0
         tic, read = time.perf_counter(), cache.counters.read_seconds
         batched = [c for c in kv if isinstance(c, BatchKVCache)]
@@ -383,14 +445,12 @@ class Verifier:
                 replayed += ran - first
                 replays += 1
                 self.replay_from = first
-                for layer in [m for m in self.calls if m >= missed]:
-                    del self.calls[layer]
+                self.routing.clear(since=missed)
         finally:
             for c in batched:
                 del c.make_mask
             self.forward = False
-            self.outputs.clear()
-            self.calls.clear()
+            self._clear()
             self.hits = ([], [])
         counters = cache.counters
         counters.verified_tokens += self.tokens
@@ -426,8 +486,14 @@ class Verifier:
         layer = streaming._layer
         logits = streaming._logits()
         probs = streaming._probs(x) if logits is None else None
-        self.calls[layer] = (indices, logits if logits is not None else probs, logits is not None)
+        self.routing.calls[layer] = (indices, logits if logits is not None else probs, logits is not None)
+        if layer == len(self.decoder_of) - 1:
+            self.routing.pack(self.checked)
         return streaming._inner(x, self.tables.rows[layer][indices])
+
+    def _clear(self) -> None:
+        self.outputs.clear()
+        self.routing.clear()
 
     # -- the check ----------------------------------------------------------------------
 
@@ -437,17 +503,17 @@ class Verifier:
         are hits, told to the policy and observers before a read or at the forward's end;
         that layer's experts are read (and told). Returns that layer, or None."""
         cache = self.cache
-        layers = [m for m in sorted(self.calls) if m >= self.checked  # (a replay's: from the layer it reran)
+        routing = self.routing
+        layers = [m for m in sorted(routing.calls) if m >= self.checked  # (a replay's: from the layer it reran)
                   and (until is None or self.decoder_of[m] < until)]
+        packed = None
         if layers:
-            routers = [self.calls[m][1] for m in layers if self.calls[m][1] is not None]
-            # (the arrays the queued layers compute, no new op: one would wait behind the whole queue)
             tic = time.perf_counter()
-            mx.eval(*[self.calls[m][0] for m in layers], *routers)
+            packed = routing.wait(layers, final=until is None)
             if until is not None:
                 self.lag.checked(time.perf_counter() - tic)
         start, read = time.perf_counter(), cache.counters.read_seconds
-        rows = [_flat(self.calls[m][0].tolist()) for m in layers]
+        rows = routing.rows(layers, packed)
         first = self.tables.first_miss(layers, rows) if layers else None
         self.hits[0].extend(layers[:first])
         self.hits[1].extend(rows[:first])
@@ -455,7 +521,7 @@ class Verifier:
             self._tell_hits()
         missed = None
         if first is not None:
-            dist = routing_probs([self.calls[layers[first]]])[0]
+            dist = routing.dists_of(layers[first:first + 1])[0]
             call = step_call(layers[first], rows[first], dist, self.tokens)
             missed = call[0]
             # the later layers' misses in this pass: computed from a hidden state that a missing expert
@@ -473,7 +539,7 @@ class Verifier:
         layers, rows = self.hits
         self.hits = ([], [])
         if layers:
-            self._hits(layers, rows, routing_probs([self.calls[m] for m in layers]))
+            self._hits(layers, rows, self.routing.dists_of(layers))
 
     def _hits(self, layers, rows, probs) -> None:
         """Layer calls whose experts were all resident, in order: counted, their policy updates
