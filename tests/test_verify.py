@@ -2,6 +2,7 @@
 a layer that missed read and the token computed again from it; tokens and KV caches as
 stock mlx-lm's, the placeholder slot never in the output, waits per token counted."""
 
+import dataclasses
 import threading
 import time
 
@@ -226,6 +227,8 @@ class WaitCounter:
         monkeypatch.setattr(np, "array", counted_array)
         for name in ("item", "tolist"):
             monkeypatch.setattr(mx.array, name, reader(getattr(mx.array, name)))
+        # (bfloat16 arrays are read through their bits: backend.host_floats)
+        monkeypatch.setattr(backends, "memoryview", reader(memoryview), raising=False)
 
 
 @pytest.mark.parametrize("name", ["demo", "qwen3_moe", "deepseek_v3"])
@@ -251,15 +254,25 @@ def test_waits_per_step_at_most_one_plus_missed_layer_calls(checkpoint, monkeypa
     assert [w for w, m in verified if m == 0] and all(w == 1 for w, m in verified if m == 0)
 
 
-@pytest.mark.parametrize("name", ["demo", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["demo", "qwen3_moe", "qwen3_moe bfloat16"])
 def test_a_step_that_missed_nowhere_reads_its_routing_in_two_host_copies(checkpoint, monkeypatch, name):
     """The layer calls' indices and routers packed on the device at the last MoE layer call:
     two host reads a step, not two a layer call (on CUDA each is a managed allocation and a
-    synchronous copy)."""
-    path = mlxmoe.DEMO_MODEL if name == "demo" else checkpoint(name)
+    synchronous copy). With bfloat16 activations, as on a GPU, the tokens are stock's too."""
+    if name == "demo":
+        path = mlxmoe.DEMO_MODEL
+    elif name.endswith("bfloat16"):
+        base = backends.detect  # (activations keep the checkpoint's dtype, as on a GPU)
+        monkeypatch.setattr(backends, "detect", lambda n=None: dataclasses.replace(base(n), compute_dtype=None))
+        path = checkpoint("qwen3_moe", quant="4bit", dtype="bfloat16")
+    else:
+        path = checkpoint(name)
     model, tokenizer = all_but(path, 2)
     cache = model.expert_cache
-    generate(model, tokenizer)  # warm: the same workload before
+    tokens = generate(model, tokenizer)  # warm: the same workload before
+    if name.endswith("bfloat16"):
+        assert model.model.norm.weight.dtype == mx.bfloat16
+        assert tokens == [r.token for r in mlx_lm.stream_generate(*mlx_lm.load(str(path)), PROMPT, max_tokens=TOKENS)]
     counter, lasts = WaitCounter(monkeypatch, model, reads=True), set()
     for _ in range(3):  # (checks within the forward stop some clean steps after a miss)
         # (the prompt's layer calls count into the step before them, the last one's)
