@@ -146,6 +146,12 @@ def host_floats(a):
     return np.array(a, dtype=np.float32).reshape(-1, a.shape[-1])
 
 
+def host_dists(routers, tapped):
+    """The router distributions of evaluated `routers` (one mx array), float32 [rows, experts]:
+    a tapped router's logits softmaxed on the host, else its probabilities as they are."""
+    return host_probs([routers])[0] if tapped else host_floats(routers)
+
+
 def host_probs(logits):
     """softmax over the last axis of evaluated router logits (a list of mx arrays with the
     same last axis), on the host in float32, all in one go: a [rows, experts] numpy array

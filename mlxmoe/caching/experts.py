@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..backend import GATHER_GEMM_ROWS, host_floats, host_probs
+from ..backend import GATHER_GEMM_ROWS, host_dists, host_floats, host_probs
 from .cache import expert_groups, low_bit
 from ..errors import MlxmoeError
 from .lossy import host_logits
@@ -315,7 +315,7 @@ class ResidentCalls:
         tapped = self.calls[0][2] is not None  # (routers: a tapped router's logits, else its probabilities)
         if self.packed is not None:
             rows = np.asarray(self.packed[0])
-            probs = host_probs([self.packed[1]])[0] if tapped else host_floats(self.packed[1])
+            probs = host_dists(self.packed[1], tapped)
         else:  # (under several ranks nothing was packed: the calls' own arrays, no new op to wait for)
             rows = np.concatenate([np.asarray(c[1]).reshape(1, -1) for c in self.calls])
             probs = np.concatenate(host_probs(routers) if tapped else [host_floats(r) for r in routers])

@@ -36,7 +36,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
-from ..backend import host_probs
+from ..backend import host_dists, host_probs
 from .experts import as_rows, count_rows, observe_calls, resident_table, step_call, step_calls
 from .prefetch import decayed
 
@@ -324,7 +324,7 @@ class PassRouting:
         if packed is None:
             return [_flat(self.calls[m][0].tolist()) for m in layers]
         _, indices, routed, routers = packed
-        flat = host_probs([routers])[0] if self.calls[routed[0]][2] else np.array(routers)
+        flat = host_dists(routers, self.calls[routed[0]][2])
         for m, dist in zip(routed, flat.reshape(len(routed), -1)):
             self.dists[m] = dist
         return [_flat(r) for r in indices.tolist()]
