@@ -8,9 +8,10 @@ is the instructions a decode token costs, per thread: the decode thread's (the h
 and MLX's CPU stream's (the device work here). Counts repeat within ~3 % (the threads
 interleave differently under valgrind); decisions timed by the runtime (verified or
 per-layer steps, predicting) are not those of a real run, so mlxmoe runs with its verified
-mode held on (`verify` in the output). Needs Debian's `valgrind`; ~3 minutes a configuration.
+mode held on (`verify` in the output), or with `N:layer` the per-layer path held on and no
+prefetch. Needs Debian's `valgrind`; ~3 minutes a configuration.
 
-    python bench/host_instructions.py [--configs stock,3000,957] [--checkpoint BUNDLED --stock-checkpoint STACKED]
+    python bench/host_instructions.py [--configs stock,3000,957,465:layer] [--checkpoint BUNDLED --stock-checkpoint STACKED]
 """
 
 import argparse
@@ -45,9 +46,14 @@ def worker(args):
         generate = mlx_lm.stream_generate
     else:
         import mlxmoe
-        model, tokenizer = mlxmoe.load(args.checkpoint, cache_experts=int(args.config))
-        if model.expert_cache.verifier is not None:  # (none where every expert is cached)
-            model.expert_cache.verifier.switch.weigh = lambda *a: False  # verified steps throughout
+        experts, _, path = args.config.partition(":")
+        model, tokenizer = mlxmoe.load(args.checkpoint, cache_experts=int(experts),
+                                       **({"prefetch": 0} if path == "layer" else {}))
+        verifier = model.expert_cache.verifier
+        if verifier is not None and path == "layer":  # the per-layer path throughout
+            verifier.switch.step = lambda: False
+        elif verifier is not None:  # (none where every expert is cached)
+            verifier.switch.weigh = lambda *a: False  # verified steps throughout
         generate = mlxmoe.stream_generate
 
     def run(n):
@@ -97,7 +103,8 @@ def measure(config, args, scratch):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="stock,3000,957",
-                    help="stock (mlx-lm on --stock-checkpoint) and mlxmoe cache sizes in experts, comma-separated")
+                    help="stock (mlx-lm on --stock-checkpoint) and mlxmoe cache sizes in experts, comma-separated; "
+                         "N:layer holds the per-layer path (no verified steps) without prefetch")
     ap.add_argument("--checkpoint", default=f"{BENCH}/host-bound-qwen3-48L-bundled")
     ap.add_argument("--stock-checkpoint", default=f"{BENCH}/host-bound-qwen3-48L")
     ap.add_argument("--short", type=int, default=8, help="tokens of the shorter measured generation")
@@ -122,7 +129,7 @@ def main():
                 f"verify {'on' if long['verify'] else 'off'}, "
                 f"replays {(long['replays'] - infos[args.short]['replays']) / (args.long - args.short):.2f} a token")
             rows.append((config, main_t, device_t, note, long["tokens"]))
-            print(f"{config:>6}: decode thread {main_t / 1e6:7.2f} M instructions a token"
+            print(f"{config:>9}: decode thread {main_t / 1e6:7.2f} M instructions a token"
                   f"{'' if base is None else f' ({main_t / base:.2f}x stock)'}, MLX's stream {device_t / 1e6:6.2f} M; {note}",
                   flush=True)
         same = len({tuple(r[4]) for r in rows}) == 1

@@ -1062,7 +1062,7 @@ def _release_model(model, lock, holder, cache, speculator):
         holder.idle_since = None  # (not revoked from here on)
     if not holder.revoked:  # (revoked: the model is another generation's now; nothing of it is ours)
         try:
-            if cache is not None and cache.deferred:  # closed early: its arrays are this thread's
+            if cache is not None and (cache.deferred or cache.observed):  # closed early: its arrays are this thread's
                 cache.flush()
         finally:
             if speculator is not None:

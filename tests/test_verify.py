@@ -456,6 +456,37 @@ def test_live_profile_learnt_at_once_equals_call_by_call(checkpoint, tmp_path, l
     assert a.tokens == b.tokens and np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
 
 
+def test_per_layer_path_teaches_the_live_profile_once_a_token(checkpoint, tmp_path, monkeypatch):
+    """On the per-layer path, a miss brings the policy up to date with the token's hits so far,
+    while the live profile learns the token's calls in one go at the next token's tick, not
+    once a miss (Residency.catch_up's policy_only): the same counts and mass as learnt call by call
+    (a trace recorded too), the same tokens."""
+    from mlxmoe.caching.cache import ExpertCache
+    from mlxmoe.workload.profile import ActivationProfile
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    batches, missed = [], []
+    learn_calls, read_demand = ActivationProfile.learn_calls, ExpertCache.read_demand
+    monkeypatch.setattr(ActivationProfile, "learn_calls",
+                        lambda self, calls: (batches.append(len(calls)), learn_calls(self, calls))[1])
+    monkeypatch.setattr(ExpertCache, "read_demand",
+                        lambda self, layer, m: (missed.append(layer), read_demand(self, layer, m))[1])
+    runs = []
+    for trace in (None, tmp_path / "run.trace.jsonl"):
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=12, prefetch=0, trace_out=trace)
+        model.expert_cache.verifier.switch.step = lambda: False  # the per-layer path throughout
+        batches.clear(), missed.clear()
+        tokens = generate(model, tokenizer)
+        model.expert_cache.flush()
+        runs.append((tokens, model.expert_runtime.profile, len(batches), len(missed)))
+        model.expert_runtime.close()
+    (tokens, a, learnt, misses), (tokens_b, b, _, _) = runs
+    assert misses > 2 * TOKENS  # several layer calls of a token missed
+    assert learnt <= TOKENS + 2  # once a token (the prompt's and the end's flush besides)
+    assert tokens == tokens_b and a.tokens == b.tokens
+    assert np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
+
+
 @pytest.mark.parametrize("layers", [[3], [9], [0, 17], [8, 15, 16], [23]])
 def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
     """On a 24-decoder-layer model, checks within the forward read the layers `lag` behind

@@ -77,9 +77,12 @@ class Residency:
         self.defer_hits = defer_hits
         self.deferred = deque()  # host work left for later, (function, args), in order: see catch_up
         self.unread = deque(maxlen=4096)  # experts.StepRouting not yet read: read together when one is
+        self.observed = deque()  # the observers' calls a policy-only catch-up left, (call, profile): before `deferred`
+        # called with each LayerCall, in order, after the live profile (a TraceWriter's observe: ExpertCache.watch)
+        self.observers: list[Callable] = []
         self.catching_up = False
 
-    def catch_up(self, until: Callable | None = None) -> None:
+    def catch_up(self, until: Callable | None = None, policy_only: bool = False) -> None:
         """Do the host work left in `deferred`, in order (up to the entry of function `until`).
 
         The one rule for host work a layer call leaves for later: what changes no decision
@@ -88,32 +91,44 @@ class Residency:
         lock, before anything reads the policy's state (a victim, a claim, a key leaving, a
         tick), else by whoever gets to it first: the prefetcher's host thread after each
         layer call's predictions, the resident path two tokens on, flush(). Work done here
-        that calls for it again finds it under way."""
+        that calls for it again finds it under way. `policy_only` (a read of the policy's state
+        within a token): the observers' calls among the policy's updates wait in `observed` for
+        the next catch-up (no observer reads the policy, nor the policy an observer), so that a
+        token's observers learn in one go, not once a miss."""
         if self.catching_up:
             return
         self.catching_up = True
         try:
             while self.deferred and self.deferred[0][0] is not until:
-                if getattr(self.deferred[0][0], "__func__", None) in (Residency._hit, ExpertCache.notify):
-                    self._together(until)
-                else:
-                    work, args = self.deferred.popleft()
-                    work(*args)
+                work, args = self.deferred[0]
+                if getattr(work, "__func__", None) in (Residency._hit, Residency.notify):
+                    self._together(until, self.observed if policy_only else None)
+                    continue
+                policy_only = policy_only and work == self.policy.hits  # other work: all of it, in order
+                if not policy_only:
+                    self._together(until, run=False)  # (what a policy-only catch-up left: older)
+                self.deferred.popleft()
+                work(*args)
+            if not policy_only:
+                self._together(until, run=False)
         finally:
             self.catching_up = False
 
-    def _together(self, until: Callable | None) -> None:
-        """The deferred _hit and notify entries first in `deferred`, in one go: the hits'
-        routings read together, the policy's updates as one policy.hits (the same decisions
-        as one _hit after the other), then the observers' calls in order (no observer reads
-        the policy, nor the policy an observer; the live profile alone learns them at once)."""
+    def _together(self, until: Callable | None, observed: deque | None = None, run: bool = True) -> None:
+        """The deferred _hit and notify entries first in `deferred` (none unless `run`), in one
+        go: the hits' routings read together, the policy's updates as one policy.hits (the same
+        decisions as one _hit after the other), then the observers' calls, those a policy-only
+        catch-up left in `observed` first (_learn), or, given `observed`, those entries put there instead."""
         hits, notes = [], []
-        while self.deferred and self.deferred[0][0] is not until:
+        if observed is None and self.observed:
+            notes.extend(self.observed)
+            self.observed.clear()
+        while run and self.deferred and self.deferred[0][0] is not until:
             func = getattr(self.deferred[0][0], "__func__", None)
             if func is Residency._hit:
                 hits.append(self.deferred.popleft()[1])
-            elif func is ExpertCache.notify:
-                notes.append(self.deferred.popleft()[1])
+            elif func is Residency.notify:
+                (notes if observed is None else observed).append(self.deferred.popleft()[1])
             else:
                 break
         calls = []
@@ -123,14 +138,25 @@ class Residency:
             calls.append((layer, experts, scores, probs))
         if calls:
             self.policy.hits(calls)
-        if not notes:
-            return
+        if notes:
+            self._learn(notes)
+
+    def _learn(self, notes) -> None:
+        """The observers' calls [(call, profile)], in order (the live profile alone: at once)."""
         profile = notes[0][1]
         if self.observers or not hasattr(profile, "learn_calls") or any(p is not profile for _, p in notes):
             for args in notes:
                 self.notify(*args)
-        else:  # the live profile the only one to learn them
+        else:
             profile.learn_calls([call() if callable(call) else call for call, _ in notes])
+
+    def notify(self, call, profile) -> None:
+        """`profile` learns `call` (and its tokens at the first layer), then the observers get it."""
+        call = call() if callable(call) else call
+        if profile is not None:
+            profile.learn(call)
+        for observer in self.observers:
+            observer(call)
 
     def _hit(self, layer: int, experts: list, scores: list | None, probs: np.ndarray | None,
              routing: Callable | None = None) -> None:
@@ -175,7 +201,7 @@ class Residency:
                 self.deferred.append((self._hit, (layer, experts, scores, probs, routing)))
                 self.counters.hits += len(experts)
                 return slots, []
-            self.catch_up()
+            self.catch_up(policy_only=True)
         protected = {(layer, int(e)) for e in experts} | self.in_flight.keys()
         if self.in_flight:  # background reads hold slots: wait for them rather than run out of victims
             missing = sum((layer, int(e)) not in self.slot_of for e in experts)
@@ -210,14 +236,14 @@ class Residency:
 
     def _release(self, key: tuple) -> int:
         """Take resident `key` out of the policy and the residency map; return its slot."""
-        self.catch_up()
+        self.catch_up(policy_only=True)
         self.policy.remove(key)
         self.evicted(key)
         self.version += 1
         return self.slot_of.pop(key)
 
     def victim(self, protected: set) -> tuple:
-        self.catch_up()
+        self.catch_up(policy_only=True)
         if self.awaited:
             try:
                 return self.policy.victim(protected | self.awaited)
@@ -230,7 +256,7 @@ class Residency:
         free slots, and victims outside `protected` when `evict`, as far as they go. A key
         with `beats_victim(key, victim)` false stops the claim there rather than evict that victim.
         The policy sees the most important inserted last. Returns [(key, slot)]."""
-        self.catch_up()
+        self.catch_up(policy_only=True)
         taken = []
         for key in keys:
             if key in self.slot_of:
@@ -366,8 +392,6 @@ class ExpertCache(Residency):
         self.loader = BackgroundLoader(self)
         self.in_flight = self.loader.waiting
         self.profile = profile  # live ActivationProfile: learns from every layer call (learn)
-        # called with each LayerCall, in order, after the live profile (a TraceWriter's observe)
-        self.observers: list[Callable] = []
         self.closers: list[Callable] = []  # closed after the prefetcher, in order (watch)
         self.position = 0  # token position in the current sequence
         self.active = set()  # keys the current layer computes with: never evicted by background loads
@@ -420,19 +444,13 @@ class ExpertCache(Residency):
         if later or (self.prefetcher is not None and self.prefetcher.off_thread):
             return self.deferred.append((self.notify, (call, profile)))
         with self.lock:
+            if self.observed:  # (older calls first)
+                self.catch_up()
             self.notify(call, profile)
-
-    def notify(self, call, profile) -> None:
-        """`profile` learns `call` (and its tokens at the first layer), then the observers get it."""
-        call = call() if callable(call) else call
-        if profile is not None:
-            profile.learn(call)
-        for observer in self.observers:
-            observer(call)
 
     def host_work(self) -> None:
         """Do what the decode thread left for later (the prefetcher's host thread calls it)."""
-        if self.deferred:  # nothing left: spare the caller a wait for the lock
+        if self.deferred or self.observed:  # nothing left: spare the caller a wait for the lock
             with self.lock:
                 self.catch_up()
 

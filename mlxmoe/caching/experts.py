@@ -93,6 +93,8 @@ def learn_step(cache, layers, at_layers, experts, mass, tokens=1) -> None:
     once: each distinct expert `experts[i]` of layer `at_layers[i]` counted, the router's
     distribution of each of `layers` added to its mass, the step's tokens at the first layer."""
     with cache.lock:
+        if cache.observed:  # (older calls first)
+            cache.catch_up()
         cache.profile.observe_step(layers, at_layers, experts, mass, tokens if layers[0] == 0 else 0)
 
 
