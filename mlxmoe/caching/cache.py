@@ -102,33 +102,29 @@ class Residency:
             while self.deferred and self.deferred[0][0] is not until:
                 work, args = self.deferred[0]
                 if getattr(work, "__func__", None) in (Residency._hit, Residency.notify):
-                    self._together(until, self.observed if policy_only else None)
+                    self._together(until, policy_only)
                     continue
                 policy_only = policy_only and work == self.policy.hits  # other work: all of it, in order
                 if not policy_only:
-                    self._together(until, run=False)  # (what a policy-only catch-up left: older)
+                    self._learn()  # (what a policy-only catch-up left: older)
                 self.deferred.popleft()
                 work(*args)
             if not policy_only:
-                self._together(until, run=False)
+                self._learn()
         finally:
             self.catching_up = False
 
-    def _together(self, until: Callable | None, observed: deque | None = None, run: bool = True) -> None:
-        """The deferred _hit and notify entries first in `deferred` (none unless `run`), in one
-        go: the hits' routings read together, the policy's updates as one policy.hits (the same
-        decisions as one _hit after the other), then the observers' calls, those a policy-only
-        catch-up left in `observed` first (_learn), or, given `observed`, those entries put there instead."""
+    def _together(self, until: Callable | None, policy_only: bool = False) -> None:
+        """The deferred _hit and notify entries first in `deferred`, in one go: the hits' routings read
+        together, the policy's updates as one policy.hits (the same decisions as one _hit after the
+        other), then the observers' calls (_learn; `policy_only`: left in `observed` instead)."""
         hits, notes = [], []
-        if observed is None and self.observed:
-            notes.extend(self.observed)
-            self.observed.clear()
-        while run and self.deferred and self.deferred[0][0] is not until:
+        while self.deferred and self.deferred[0][0] is not until:
             func = getattr(self.deferred[0][0], "__func__", None)
             if func is Residency._hit:
                 hits.append(self.deferred.popleft()[1])
             elif func is Residency.notify:
-                (notes if observed is None else observed).append(self.deferred.popleft()[1])
+                (self.observed if policy_only else notes).append(self.deferred.popleft()[1])
             else:
                 break
         calls = []
@@ -138,11 +134,16 @@ class Residency:
             calls.append((layer, experts, scores, probs))
         if calls:
             self.policy.hits(calls)
-        if notes:
+        if not policy_only:
             self._learn(notes)
 
-    def _learn(self, notes) -> None:
-        """The observers' calls [(call, profile)], in order (the live profile alone: at once)."""
+    def _learn(self, notes=()) -> None:
+        """The observers' calls [(call, profile)] in order, after `observed`'s (the live profile alone: at once)."""
+        if self.observed:
+            notes = [*self.observed, *notes]
+            self.observed.clear()
+        if not notes:
+            return
         profile = notes[0][1]
         if self.observers or not hasattr(profile, "learn_calls") or any(p is not profile for _, p in notes):
             for args in notes:
