@@ -124,8 +124,8 @@ def test_multi_token_steps_are_verified_in_one_pass(paths, monkeypatch, draft):
     checks = []  # (tokens of the step, the layer that missed or None) of each check
     check = verify.Verifier._check
 
-    def counted(self, until=None):
-        missed = check(self, until)
+    def counted(self, until=None, **kw):
+        missed = check(self, until, **kw)
         checks.append((self.tokens, missed))
         return missed
 

@@ -30,13 +30,15 @@ def reference(path, prompt_cache=None):
     return tokens, kw.get("prompt_cache")
 
 
-def generate(model, tokenizer, evict=None, weigh=False, **kw):
+def generate(model, tokenizer, evict=None, weigh=False, direct=False, **kw):
     """Greedy tokens; before each decode step i, `evict(i)` gives keys to take out of the cache
     (so that the step misses there). The verified path stays on whatever its replays cost
-    (its switch is not consulted) unless `weigh`."""
+    (its switch is not consulted), every miss replayed (no layer read at once, unless
+    `direct`), unless `weigh`."""
     cache, tokens = model.expert_cache, []
     if cache.verifier is not None and not weigh:
         cache.verifier.switch.weigh = lambda *a: False
+        cache.verifier.switch.direct.on = direct
     for i, r in enumerate(mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS, **kw)):
         tokens.append(r.token)
         if evict is not None:
@@ -176,13 +178,13 @@ class WaitCounter:
         call = cls.__call__
         check = verify.Verifier._check
 
-        def within_check(v, until=None):
+        def within_check(v, until=None, **kw):
             queued = max(v.outputs, default=-1) + 1 - until if until is not None else 0
             counter.within = queued > 0
             if queued > 0:
                 counter.queued_after.append(queued)
             try:
-                return check(v, until)
+                return check(v, until, **kw)
             finally:
                 counter.within = False
 
@@ -344,10 +346,10 @@ def test_the_lag_rises_where_checks_wait_for_the_device(checkpoint, monkeypatch)
     queued = []  # per check within the forward: the decoder layers queued past it
     check = verify.Verifier._check
 
-    def counted(self, until=None):
+    def counted(self, until=None, **kw):
         if until is not None:
             queued.append(max(self.outputs) + 1 - until)
-        return check(self, until)
+        return check(self, until, **kw)
 
     class Slow:  # the verifier's mx: a wait within the forward 5 ms longer
         def __getattr__(self, name):
@@ -503,8 +505,8 @@ def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
     checks = []  # per check: (until: None at the forward's end, the layer that missed or None)
     check = verify.Verifier._check
 
-    def counted(self, until=None):
-        missed = check(self, until)
+    def counted(self, until=None, **kw):
+        missed = check(self, until, **kw)
         checks.append((until, missed))
         return missed
 
@@ -522,6 +524,66 @@ def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
         assert n == theirs.offset
         for a, b in zip(ours.state[:2], theirs.state[:2]):
             assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
+
+
+def replays_from(monkeypatch):
+    """The MoE layers replays start from, as they happen."""
+    layers, clear = [], verify.PassRouting.clear
+
+    def recorded(self, since=None, **kw):
+        if since is not None:  # (a replay's: the forward's own clear() gives none)
+            layers.append(since)
+        return clear(self, **({} if since is None else {"since": since}))
+
+    monkeypatch.setattr(verify.PassRouting, "clear", recorded)
+    return layers
+
+
+@pytest.mark.parametrize("direct,evicted", [([0], [0]), ([5, 11], [3, 11]), ([23], [0, 23])])
+def test_direct_layers_read_at_once(checkpoint, monkeypatch, direct, evicted):
+    """A Direct layer's routing is read as soon as it is built and its misses before its
+    experts are: no replay from it; a miss at an earlier layer found there is replayed from
+    that layer. Tokens and KV caches as stock's (24 decoder layers, `evicted` missing at
+    every step)."""
+    path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 24})
+    want, stock_kv = reference(path, prompt_cache=make_prompt_cache)
+    model, tokenizer = all_but(path, 1)
+    cache = model.expert_cache
+    monkeypatch.setattr(verify.Direct, "at", lambda self, layer: layer in direct)
+    cache.verifier.switch.direct.now = set(direct)
+    replayed = replays_from(monkeypatch)
+    kv = make_prompt_cache(model)
+    assert generate(model, tokenizer, evict=every_expert(cache, *evicted), prompt_cache=kv, direct=True) == want
+    stats = cache.stats()
+    assert stats["verified_tokens"] >= TOKENS - 2 and stats["verify"]["direct"] == direct
+    assert not set(replayed) & set(direct) and set(evicted) - set(direct) <= set(replayed), replayed
+    assert stats["replays"] == len(replayed) and stats["misses"] >= stats["verified_tokens"] * len(evicted)
+    for ours, theirs in zip(kv, stock_kv):
+        n = ours.offset
+        assert n == theirs.offset
+        for a, b in zip(ours.state[:2], theirs.state[:2]):
+            assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
+
+
+def test_a_layer_that_misses_at_every_step_turns_direct(checkpoint, monkeypatch):
+    """A layer whose calls all miss (its experts taken out before each step) is replayed from
+    until Direct has measured a replay and its share of misses outweighs a wait: from then
+    on its routing is read at once, and no step replays from it; tokens as stock's. Layers
+    that never miss are never direct (one missing at one step in five may be, where a replay
+    costs five waits: on this small model it does)."""
+    path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 12})
+    want, _ = reference(path)
+    model, tokenizer = all_but(path, 1)
+    cache = model.expert_cache
+    replayed, steps = replays_from(monkeypatch), []
+    first, rare = every_expert(cache, 0), every_expert(cache, 7)
+    evict = lambda i: (steps.append(len(replayed)), first(i) + (rare(i) if i % 5 == 2 else []))[1]
+    assert generate(model, tokenizer, evict=evict, direct=True) == want
+    stats = cache.stats()
+    assert stats["verified_tokens"] >= TOKENS - 2 and stats["verify"]["direct"][0] == 0, stats["verify"]
+    assert set(stats["verify"]["direct"]) <= {0, 7} | set(replayed), stats["verify"]
+    assert 1 <= replayed.count(0) <= 3 and 7 in replayed, replayed
+    assert 0 not in replayed[steps[4]:], (replayed, steps)
 
 
 def test_verified_steps_go_on_after_a_rotating_cache_wraps(checkpoint, monkeypatch):

@@ -519,6 +519,8 @@ class ExpertCache(Residency):
             waits, useful = self.loader.arrivals(keys)
             if self.prefetcher is not None and self.step_tokens == 1 and self.policy.estimate is not None:
                 self.policy.estimate.count_loads(layer, len(waits) + useful, len(missed))
+            if self.verifier is not None and self.step_tokens == 1:  # (where a verified step would miss)
+                self.verifier.switch.direct.checked([layer], 0 if missed else None)
             if self.awaited:  # awaited until this visit: what this layer did not use was a wrong guess
                 self.awaited.difference_update([k for k in self.awaited if k[0] == layer])
             if missed and early is not None:

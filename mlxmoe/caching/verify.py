@@ -62,6 +62,8 @@ MAX_TOKENS = 16
 # after LAG_RETRY checks at LAG
 MIN_LAG, LAG = 1, 2
 LAG_RETRY = 1024
+# how much a layer's share of missed calls keeps of its past at each check of it (Direct)
+KEEP_MISSING = 0.9
 
 
 class Replay(Exception):
@@ -95,7 +97,7 @@ class Switch:
     after MEASURED_OFF steps off where those took longer than the verified steps had (the
     first guess, from the waits alone, leaves out the per-layer path's own host work)."""
 
-    def __init__(self, moe_layers: int, layer_wait) -> None:
+    def __init__(self, moe_layers: int, layer_wait, first_replay=lambda: None) -> None:
         self.moe_layers, self.layer_wait = moe_layers, layer_wait
         self.wait = wait_seconds()
         self.steps = 0  # decode steps seen (verified or not)
@@ -109,6 +111,7 @@ class Switch:
         self.timed_off = 0  # such steps timed since the mode turned off
         self.missing = None  # decayed share of verified steps with a replay
         self.windowed = True  # checks within the forward (while steps miss)
+        self.direct = Direct(moe_layers, lambda: layer_wait() or self.wait, first_replay)  # layers read at once
 
     def step(self) -> bool:
         """A decode step starts: whether the mode is on for it."""
@@ -120,13 +123,17 @@ class Switch:
 
     def verified(self, seconds: float, replays: int, replayed: int, decoder_layers: int) -> bool:
         """A verified step took `seconds` (its reads left out) with `replays` replays of
-        `replayed` decoder layers in all. Returns whether the mode turned itself off."""
+        `replayed` decoder layers in all (their cost each to `direct`). Returns whether the
+        mode turned itself off."""
         # checks within the forward only while steps miss: a clean step needs one wait
         self.missing = decayed(self.missing, float(replays > 0))
         self.windowed = self.missing > 0.05
         self.steady = decayed(self.steady, seconds, keep=0.9)
         if not replays:
             self.clean = decayed(self.clean, seconds)
+        if replays:  # (a replay's layers at the step's mean time a layer: robust where clean steps are rare)
+            self.direct.replay = decayed(self.direct.replay, seconds * replayed / (decoder_layers + replayed) / replays)
+        direct = self.direct.stepped()
         if self.layerwise is not None:  # both paths timed: the step against the per-layer path's
             return self.weigh(seconds, self.layerwise)
         if not replays:
@@ -135,7 +142,8 @@ class Switch:
             replay_seconds = max(seconds - self.clean, 0.0)
         else:  # (no step without a replay timed yet: the replayed layers' share of this one)
             replay_seconds = seconds * replayed / (decoder_layers + replayed)
-        return self.weigh(replay_seconds, max(self.moe_layers - 1 - replays, 0) * (self.layer_wait() or self.wait))
+        saved = self.moe_layers - 1 - replays - direct  # (a direct check waits as the per-layer path would)
+        return self.weigh(replay_seconds, max(saved, 0) * (self.layer_wait() or self.wait))
 
     def weigh(self, cost: float, instead: float) -> bool:
         """A verified step's `cost` against what the per-layer path would have cost `instead`:
@@ -197,6 +205,54 @@ class Lag:
             self.checks += 1
             if self.checks >= LAG_RETRY:
                 self.layers, self.waits = MIN_LAG, None
+
+
+class Direct:
+    """MoE layers whose routing a verified step reads as soon as it is built, before their
+    experts are (a wait with nothing queued after it, then the misses read: no replay from
+    them), where that costs less than the replays it saves: a layer's decayed share of
+    checked layer calls that missed x a replay's measured time > a direct check's (`wait`;
+    before either is measured, the guesses `first_replay()` and `first_wait()`). A token's
+    first layers, which no guess sees coming, miss far more often than the rest (the
+    host-bound bench, warm: layers 0-2 in a third to a half of the tokens at ~99 % hits,
+    layers 0-5 in nearly every token at ~90 %). `now`: the layers read at once in the next
+    step, chosen at the end of the one before (stepped())."""
+
+    def __init__(self, moe_layers: int, first_wait, first_replay) -> None:
+        self.missing = [0.0] * moe_layers  # decayed share of each layer's checked calls that missed
+        self.replay = None  # decayed seconds of a replay (its reads left out)
+        self.wait = None  # decayed seconds of a direct check (its reads left out)
+        self.first_wait, self.first_replay = first_wait, first_replay
+        self.step_checks = 0  # direct checks in the step under way
+        self.now = set()
+        self.on = True
+
+    def at(self, layer: int) -> bool:
+        replay = self.replay or self.first_replay()
+        return self.on and replay is not None and self.missing[layer] * replay > (self.wait or self.first_wait())
+
+    def waited(self, seconds: float) -> None:
+        self.wait = decayed(self.wait, seconds)
+        self.step_checks += 1
+
+    def stepped(self) -> int:
+        """A verified step ended: its direct checks (where none, the wait's estimate drifts
+        back to first_wait(), so that one slow check cannot rule direct checks out for good);
+        the next step's layers chosen."""
+        n, self.step_checks = self.step_checks, 0
+        if not n and self.wait is not None:
+            self.wait = decayed(self.wait, self.first_wait(), keep=KEEP_MISSING)
+        self.now = {m for m in range(len(self.missing)) if self.at(m)}
+        return n
+
+    def checked(self, layers: list, first: int | None) -> None:
+        """A check read layer calls `layers`: those before index `first` hit, that one missed
+        (the rest, computed after a missing expert, tell nothing)."""
+        missing = self.missing
+        for m in layers if first is None else layers[:first + 1]:
+            missing[m] *= KEEP_MISSING
+        if first is not None:
+            missing[layers[first]] += 1 - KEEP_MISSING
 
 
 def routing_probs(calls) -> list:
@@ -344,11 +400,8 @@ class Verifier:
     instances get subclasses whose calls go through _model_call() and _decoder_call()."""
 
     def __init__(self, model, decoder_of: list, cache, guess: bool = True, top_k: int = 1) -> None:
-        self.cache, self.decoder_of = cache, decoder_of
-        self.top_k = max(1, top_k)
-        # within a speculative generation (stream_generate sets it), a step of several tokens
-        # is verified too, where the cache holds all their experts at once
-        self.drafting = False
+        self.cache, self.decoder_of, self.top_k = cache, decoder_of, max(1, top_k)
+        self.drafting = False  # in a speculative generation: its steps of several tokens verified too (where they fit)
         self.guess = guess  # read the later layers' misses with a missed layer's (a prefetch: not with prefetch off)
         self.layers = model.layers
         self.tables = SlotTables(cache)
@@ -361,9 +414,11 @@ class Verifier:
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
         self.tokens = 1  # of this step (several where a speculative step verifies a draft, or a batch's rows)
         self.width = 1  # of this step's tokens, those of each row (a KV cache trims them)
-        self.switch = Switch(len(decoder_of), lambda: cache.layer_wait)  # a sequence's steps
-        self.batch_switch = Switch(len(decoder_of), lambda: cache.layer_wait)  # a batch's decode steps
-        self.current = self.switch  # the one of the step under way
+        # a sequence's steps, a batch's decode steps (each with its Direct layers: a replay first guessed
+        # at MIN_LAG + 1 of the per-layer path's layer calls), the step's
+        replay = lambda: cache.layer_seconds and (MIN_LAG + 1) * cache.layer_seconds
+        self.switch, self.batch_switch = (Switch(len(decoder_of), lambda: cache.layer_wait, replay) for _ in range(2))
+        self.current = self.switch
         self.lag = Lag(self.switch.wait)
         self.declined = False  # the step under way is on the per-layer path because its switch is off
         self.error = None
@@ -374,7 +429,7 @@ class Verifier:
     def stats(self) -> dict:
         switch, batch = self.switch, self.batch_switch
         return {"on": self.error is None and switch.on(), "reason": self.error or switch.reason,
-                "wait_us": round((self.cache.layer_wait or switch.wait) * 1e6, 1),
+                "wait_us": round((self.cache.layer_wait or switch.wait) * 1e6, 1), "direct": sorted(switch.direct.now),
                 "batch": {"on": self.error is None and batch.on(), "reason": self.error or batch.reason}}
 
     # -- the model's call ---------------------------------------------------------------
@@ -482,11 +537,16 @@ class Verifier:
 
     def experts(self, streaming, x, indices):
         """A MoE layer's experts within a verified forward: slots looked up on the device,
-        routing kept for the check."""
+        routing kept for the check (at once where the layer is Direct's)."""
         layer = streaming._layer
         logits = streaming._logits()
         probs = streaming._probs(x) if logits is None else None
         self.routing.calls[layer] = (indices, logits if logits is not None else probs, logits is not None)
+        d = self.decoder_of[layer]
+        if layer in self.current.direct.now and layer >= self.checked:  # (read now: no replay from it)
+            missed = self._check(until=d + 1, direct=True)
+            if missed is not None and missed != layer:  # (an earlier one, queued: a replay from it)
+                raise Replay(missed, d + 1)
         if layer == len(self.decoder_of) - 1:
             self.routing.pack(self.checked)
         return streaming._inner(x, self.tables.rows[layer][indices])
@@ -497,24 +557,24 @@ class Verifier:
 
     # -- the check ----------------------------------------------------------------------
 
-    def _check(self, until: int | None = None):
-        """A wait for the routing of this pass's layer calls not checked yet (in decoder
-        layers before `until`, or all), on the host. The layers before the first that missed
-        are hits, told to the policy and observers before a read or at the forward's end;
-        that layer's experts are read (and told). Returns that layer, or None."""
+    def _check(self, until: int | None = None, direct: bool = False):
+        """A wait for the routing of this pass's layer calls not checked yet (in decoder layers
+        before `until`, or all; `direct`: up to a Direct layer's), on the host. The layers before
+        the first that missed are hits, told to the policy and observers before a read or at the
+        forward's end; that layer's experts are read (and told). Returns that layer, or None."""
         cache = self.cache
         routing = self.routing
         layers = [m for m in sorted(routing.calls) if m >= self.checked  # (a replay's: from the layer it reran)
                   and (until is None or self.decoder_of[m] < until)]
-        packed = None
+        packed, tic = None, time.perf_counter()
         if layers:
-            tic = time.perf_counter()
             packed = routing.wait(layers, final=until is None)
-            if until is not None:
+            if until is not None and not direct:
                 self.lag.checked(time.perf_counter() - tic)
         start, read = time.perf_counter(), cache.counters.read_seconds
         rows = routing.rows(layers, packed)
         first = self.tables.first_miss(layers, rows) if layers else None
+        self.current.direct.checked(layers, first)
         self.hits[0].extend(layers[:first])
         self.hits[1].extend(rows[:first])
         if first is not None or until is None:
@@ -531,27 +591,25 @@ class Verifier:
             observe_calls(cache, [call], [rows[first]], self.tokens, [dist])
         if layers:
             self.checked = layers[-1] + 1 if missed is None else missed + 1
-        cache.counters.bookkeeping_seconds += time.perf_counter() - start - (cache.counters.read_seconds - read)
+        spent = time.perf_counter() - start - (cache.counters.read_seconds - read)
+        cache.counters.bookkeeping_seconds += spent
+        if direct:  # (its wait and bookkeeping: what it costs instead of a replay)
+            self.current.direct.waited(start - tic + spent)
         return missed
 
     def _tell_hits(self) -> None:
-        """The hits checked and not told yet, told in one go."""
-        layers, rows = self.hits
-        self.hits = ([], [])
-        if layers:
-            self._hits(layers, rows, self.routing.dists_of(layers))
-
-    def _hits(self, layers, rows, probs) -> None:
-        """Layer calls whose experts were all resident, in order: counted, their policy updates
-        left for later (Residency.deferred), told to the observers; where the live profile is
-        the only one, learnt in one go."""
-        cache = self.cache
+        """The layer calls checked since the last time whose experts were all resident, in
+        order, in one go: counted, their policy updates left for later (Residency.deferred),
+        told to the observers (the live profile, where the only one, learns them at once)."""
+        (layers, rows), self.hits, cache = self.hits, ([], []), self.cache
+        if not layers:
+            return
+        probs = self.routing.dists_of(layers)
         calls = step_calls(layers, rows, probs, self.tokens)
         cache.counters.hits += sum(len(c[1]) for c in calls)
         for call, row in zip(calls, rows) if _per_row(cache) else ():
             count_rows(cache, cache.rows, as_rows(row, self.tokens), call[1])
-        if calls:
-            cache.hit_calls(calls)
+        cache.hit_calls(calls)
         if self.guessed:
             used = self.guessed.intersection((m, e) for m, experts, _, _ in calls for e in experts)
             cache.counters.prefetch_useful += len(used)
