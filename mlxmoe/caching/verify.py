@@ -111,7 +111,7 @@ class Switch:
         self.timed_off = 0  # such steps timed since the mode turned off
         self.missing = None  # decayed share of verified steps with a replay
         self.windowed = True  # checks within the forward (while steps miss)
-        self.direct = Direct(moe_layers, lambda: layer_wait() or self.wait, first_replay)  # layers read at once
+        self.direct = Direct(moe_layers, self.per_layer_wait, first_replay)  # layers read at once
 
     def step(self) -> bool:
         """A decode step starts: whether the mode is on for it."""
@@ -131,8 +131,9 @@ class Switch:
         self.steady = decayed(self.steady, seconds, keep=0.9)
         if not replays:
             self.clean = decayed(self.clean, seconds)
+        replayed_share = seconds * replayed / (decoder_layers + replayed)  # the replayed layers' share of the step
         if replays:  # (a replay's layers at the step's mean time a layer: robust where clean steps are rare)
-            self.direct.replay = decayed(self.direct.replay, seconds * replayed / (decoder_layers + replayed) / replays)
+            self.direct.replay = decayed(self.direct.replay, replayed_share / replays)
         direct = self.direct.stepped()
         if self.layerwise is not None:  # both paths timed: the step against the per-layer path's
             return self.weigh(seconds, self.layerwise)
@@ -140,10 +141,14 @@ class Switch:
             replay_seconds = 0.0
         elif self.clean is not None:
             replay_seconds = max(seconds - self.clean, 0.0)
-        else:  # (no step without a replay timed yet: the replayed layers' share of this one)
-            replay_seconds = seconds * replayed / (decoder_layers + replayed)
+        else:  # (no step without a replay timed yet)
+            replay_seconds = replayed_share
         saved = self.moe_layers - 1 - replays - direct  # (a direct check waits as the per-layer path would)
-        return self.weigh(replay_seconds, max(saved, 0) * (self.layer_wait() or self.wait))
+        return self.weigh(replay_seconds, max(saved, 0) * self.per_layer_wait())
+
+    def per_layer_wait(self) -> float:
+        """A wait of the per-layer path: as long as its layer calls waited last, or an empty round trip before any."""
+        return self.layer_wait() or self.wait
 
     def weigh(self, cost: float, instead: float) -> bool:
         """A verified step's `cost` against what the per-layer path would have cost `instead`:
@@ -429,7 +434,7 @@ class Verifier:
     def stats(self) -> dict:
         switch, batch = self.switch, self.batch_switch
         return {"on": self.error is None and switch.on(), "reason": self.error or switch.reason,
-                "wait_us": round((self.cache.layer_wait or switch.wait) * 1e6, 1), "direct": sorted(switch.direct.now),
+                "wait_us": round(switch.per_layer_wait() * 1e6, 1), "direct": sorted(switch.direct.now),
                 "batch": {"on": self.error is None and batch.on(), "reason": self.error or batch.reason}}
 
     # -- the model's call ---------------------------------------------------------------
@@ -542,11 +547,11 @@ class Verifier:
         logits = streaming._logits()
         probs = streaming._probs(x) if logits is None else None
         self.routing.calls[layer] = (indices, logits if logits is not None else probs, logits is not None)
-        d = self.decoder_of[layer]
         if layer in self.current.direct.now and layer >= self.checked:  # (read now: no replay from it)
-            missed = self._check(until=d + 1, direct=True)
+            ran = self.decoder_of[layer] + 1
+            missed = self._check(until=ran, direct=True)
             if missed is not None and missed != layer:  # (an earlier one, queued: a replay from it)
-                raise Replay(missed, d + 1)
+                raise Replay(missed, ran)
         if layer == len(self.decoder_of) - 1:
             self.routing.pack(self.checked)
         return streaming._inner(x, self.tables.rows[layer][indices])
