@@ -489,6 +489,36 @@ def test_per_layer_path_teaches_the_live_profile_once_a_token(checkpoint, tmp_pa
     assert np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
 
 
+def test_verified_steps_teach_the_live_profile_once_a_step(checkpoint, tmp_path, monkeypatch):
+    """A verified step's layer calls (the hits before a miss, the missed call, the rest after
+    its replay) teach the live profile in one go at the step's end, not once a check: once a
+    step where most steps miss, the same counts and mass as learnt call by call (a trace
+    recorded too), the same tokens."""
+    from mlxmoe.workload.profile import ActivationProfile
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    learnt = []
+    observe_step = ActivationProfile.observe_step
+    monkeypatch.setattr(ActivationProfile, "observe_step",
+                        lambda self, *a: (learnt.append(a[0]), observe_step(self, *a))[1])
+    runs = []
+    for trace in (None, tmp_path / "run.trace.jsonl"):
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=12, prefetch=0, trace_out=trace)
+        model.expert_cache.verifier.switch.step = lambda: True  # the verified path throughout
+        learnt.clear()
+        tokens = generate(model, tokenizer)
+        model.expert_cache.flush()
+        stats = model.expert_cache.stats()
+        runs.append((tokens, model.expert_runtime.profile, list(learnt), stats))
+        model.expert_runtime.close()
+    (tokens, a, steps, stats), (tokens_b, b, _, _) = runs
+    assert stats["verified_tokens"] >= TOKENS - 1 and stats["replays"] >= TOKENS // 2
+    assert len(steps) == stats["verified_tokens"]  # once a step, each with all its layer calls
+    assert all(list(layers) == sorted(layers) for layers in steps) and max(len(x) for x in steps) == a.counts.shape[0]
+    assert tokens == tokens_b and a.tokens == b.tokens
+    assert np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
+
+
 @pytest.mark.parametrize("layers", [[3], [9], [0, 17], [8, 15, 16], [23]])
 def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
     """On a 24-decoder-layer model, checks within the forward read the layers `lag` behind

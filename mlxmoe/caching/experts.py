@@ -19,6 +19,8 @@ from ..errors import MlxmoeError
 from .lossy import host_logits
 from .prefetch import decayed
 
+FEW_CALLS = 8  # a decode step's layer calls up to which a plain Python loop summarises them faster than numpy
+
 
 def nest(slots: list, depth: int) -> mx.array:
     """`slots` as a uint32 array nested `depth` deep, as a decode step's indices are: no reshape op."""
@@ -46,6 +48,9 @@ def step_call(layer, row, probs, tokens=1):
     """(layer, its distinct experts, their router scores, the router's distribution) of a
     decode step's layer call of `tokens` tokens whose experts are `row` (flat, token after
     token; `probs` likewise): summary() of it, as observe_calls and the policy's hits take it."""
+    if tokens == 1 and isinstance(row, list):  # (a handful of experts: cheaper without numpy)
+        experts, probs = sorted(set(row)), None if probs is None else probs.reshape(-1)
+        return layer, experts, None if probs is None else [float(probs[e]) for e in experts], probs
     experts, scores, probs = summary(np.asarray(row).reshape(tokens, -1),
                                      None if probs is None else probs.reshape(tokens, -1))
     return layer, experts, scores, probs
@@ -54,11 +59,11 @@ def step_call(layer, row, probs, tokens=1):
 def step_calls(layers, rows, probs, tokens=1) -> list:
     """step_call() of each of these layer calls; where each is one token's distinct experts
     with its router's distribution, in a few numpy calls for them all (the same values)."""
-    if tokens == 1 and len({len(r) for r in rows}) == 1 and all(p is not None for p in probs):
+    if tokens == 1 and len(rows) > FEW_CALLS and len({len(r) for r in rows}) == 1 and all(p is not None for p in probs):
         experts = np.sort(np.asarray(rows).reshape(len(rows), -1), axis=1)
         if not (experts[:, 1:] == experts[:, :-1]).any():
             dists = [p.reshape(-1) for p in probs]
-            scores = np.take_along_axis(np.stack(dists), experts, axis=1)
+            scores = np.stack(dists)[np.arange(len(rows))[:, None], experts]
             return list(zip(layers, experts.tolist(), scores.tolist(), dists))
     return [step_call(m, r, p, tokens) for m, r, p in zip(layers, rows, probs)]
 
@@ -84,7 +89,7 @@ def observe_calls(cache, calls, rows, tokens=1, dists=None) -> None:
                                     tokens if layer == 0 else 0))
     elif calls:
         layers = [c[0] for c in calls]
-        learn_step(cache, layers, np.repeat(layers, [len(c[1]) for c in calls]), np.concatenate([c[1] for c in calls]),
+        learn_step(cache, layers, [c[0] for c in calls for _ in c[1]], [e for c in calls for e in c[1]],
                    np.stack([c[3] for c in calls]), tokens)
 
 

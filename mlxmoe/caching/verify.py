@@ -415,6 +415,7 @@ class Verifier:
         self.outputs = {}  # decoder layer -> its output in this token
         self.routing = PassRouting()  # of this token's layer calls
         self.hits = ([], [])  # checked layer calls that hit, not told yet: layers, rows
+        self.observed = []  # this step's layer calls told, (call, row, distribution): observed at its end
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
         self.tokens = 1  # of this step (several where a speculative step verifies a draft, or a batch's rows)
@@ -511,7 +512,7 @@ class Verifier:
                 del c.make_mask
             self.forward = False
             self._clear()
-            self.hits = ([], [])
+            self.hits, self.observed = ([], []), []
         counters = cache.counters
         counters.verified_tokens += self.tokens
         counters.replays += replays
@@ -582,18 +583,20 @@ class Verifier:
         self.current.direct.checked(layers, first)
         self.hits[0].extend(layers[:first])
         self.hits[1].extend(rows[:first])
-        if first is not None or until is None:
-            self._tell_hits()
         missed = None
-        if first is not None:
-            dist = routing.dists_of(layers[first:first + 1])[0]
+        if first is not None:  # (the missed layer's distribution in the same softmax as the hits')
+            dist = routing.dists_of(self.hits[0] + layers[first:first + 1])[-1]
+            self._tell_hits()
             call = step_call(layers[first], rows[first], dist, self.tokens)
             missed = call[0]
             # the later layers' misses in this pass: computed from a hidden state that a missing expert
             # left wrong, yet mostly what the replay will route to
             guesses = self.tables.absent(layers[first + 1:], rows[first + 1:]) if self.guess else []
             self._read(*call, guesses, rows[first])
-            observe_calls(cache, [call], [rows[first]], self.tokens, [dist])
+            self.observed.append((call, rows[first], dist))
+        elif until is None:  # the step's end: its layer calls observed in one go
+            self._tell_hits()
+            _observe(cache, self.observed, self.tokens)
         if layers:
             self.checked = layers[-1] + 1 if missed is None else missed + 1
         spent = time.perf_counter() - start - (cache.counters.read_seconds - read)
@@ -605,7 +608,7 @@ class Verifier:
     def _tell_hits(self) -> None:
         """The layer calls checked since the last time whose experts were all resident, in
         order, in one go: counted, their policy updates left for later (Residency.deferred),
-        told to the observers (the live profile, where the only one, learns them at once)."""
+        kept for the observers (told the step's calls at once at its end: observe_calls)."""
         (layers, rows), self.hits, cache = self.hits, ([], []), self.cache
         if not layers:
             return
@@ -615,11 +618,8 @@ class Verifier:
         for call, row in zip(calls, rows) if _per_row(cache) else ():
             count_rows(cache, cache.rows, as_rows(row, self.tokens), call[1])
         cache.hit_calls(calls)
-        if self.guessed:
-            used = self.guessed.intersection((m, e) for m, experts, _, _ in calls for e in experts)
-            cache.counters.prefetch_useful += len(used)
-            self.guessed -= used
-        observe_calls(cache, calls, rows, self.tokens, probs)
+        _count_useful(cache, self.guessed, calls)
+        self.observed.extend(zip(calls, rows, probs))
 
     def _read(self, layer, experts, scores, probs, guesses, row) -> None:
         """Make a missed layer call's experts (`row`, flat) resident (the policy's victims, a
@@ -649,6 +649,21 @@ class Verifier:
         cache.counters.read_seconds += time.perf_counter() - tic
         if self.tables.version != cache.version:
             self.tables.build()
+
+
+def _count_useful(cache, guessed: set, calls: list) -> None:
+    """Count the keys read on a guess that these layer calls use, no longer guesses."""
+    if guessed:
+        used = guessed.intersection((m, e) for m, experts, _, _ in calls for e in experts)
+        cache.counters.prefetch_useful += len(used)
+        guessed -= used
+
+
+def _observe(cache, observed: list, tokens: int) -> None:
+    """The observers told a verified step's layer calls [(call, row, distribution)] at once."""
+    if observed:
+        calls, rows, dists = map(list, zip(*observed))
+        observe_calls(cache, calls, rows, tokens, dists)
 
 
 def _per_row(cache) -> bool:
