@@ -82,10 +82,10 @@ class NextUse:
         time): a layer whose experts the lookahead predicts well gives up slots to one whose
         misses the decode thread would wait for (on the demo model, the next token's first
         layers, which no predictor sees coming)."""
-        counts = self.layer_loads[layer]
-        counts *= keep
-        counts += (hidden, demand)
-        self.miss_cost[layer] = 1.0 - (1.0 - hidden_cost) * (counts[0] / (counts.sum() + 1.0))
+        counts = self.layer_loads[layer]  # (in Python floats: the same doubles as in numpy, at a layer call's cost)
+        counts[0] = hidden = float(counts[0]) * keep + hidden
+        counts[1] = demand = float(counts[1]) * keep + demand
+        self.miss_cost[layer] = 1.0 - (1.0 - hidden_cost) * (hidden / (hidden + demand + 1.0))
 
     def set_prior(self, prior):
         """The long-run rates' regulariser follows the new prior; what the live estimates
