@@ -566,8 +566,8 @@ class Verifier:
     def _check(self, until: int | None = None, direct: bool = False):
         """A wait for the routing of this pass's layer calls not checked yet (in decoder layers
         before `until`, or all; `direct`: up to a Direct layer's), on the host. The layers before
-        the first that missed are hits, told to the policy and observers before a read or at the
-        forward's end; that layer's experts are read (and told). Returns that layer, or None."""
+        the first that missed are hits, told to the policy before a read or at the forward's end
+        (the observers: at the step's end); that layer's experts are read. Returns that layer, or None."""
         cache = self.cache
         routing = self.routing
         layers = [m for m in sorted(routing.calls) if m >= self.checked  # (a replay's: from the layer it reran)
