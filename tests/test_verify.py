@@ -491,14 +491,15 @@ def test_per_layer_path_teaches_the_live_profile_once_a_token(checkpoint, tmp_pa
 
 @pytest.mark.parametrize("calls", [3, experts.FEW_CALLS + 8])
 def test_step_calls_in_one_go_equal_call_by_call(calls):
-    """A verified step's layer calls summarised together (plain Python from their lists up to
-    FEW_CALLS, numpy above; a row with a repeated expert too) equal summary() of each call's
-    row as an array: the same experts, router scores and distributions."""
+    """A decode step's layer calls summarised together (plain Python from their lists up to
+    FEW_CALLS, numpy above and from an array, as the resident path's; a row with a repeated
+    expert too) equal summary() of each call's row as an array: the same experts, router
+    scores and distributions."""
     rng = np.random.default_rng(calls)
     rows = [[int(e) for e in rng.choice(32, 4, replace=False)] for _ in range(calls)]
     probs = [rng.random(32).astype(np.float32) for _ in range(calls)]
     layers = list(range(calls))
-    for rows_ in (rows, rows[:1] + [rows[1][:3] + rows[1][:1]] + rows[2:]):
+    for rows_ in (rows, rows[:1] + [rows[1][:3] + rows[1][:1]] + rows[2:], np.array(rows, dtype=np.uint32)):
         got = experts.step_calls(layers, rows_, probs)
         want = [experts.step_call(m, np.array(r), p) for m, r, p in zip(layers, rows_, probs)]
         assert len(got) == calls

@@ -19,7 +19,7 @@ from ..errors import MlxmoeError
 from .lossy import host_logits
 from .prefetch import decayed
 
-FEW_CALLS = 16  # a decode step's layer calls up to which plain Python summarises them faster than numpy (even warm)
+FEW_CALLS = 16  # a decode step's layer calls (rows as lists) up to which plain Python summarises them faster than numpy (even warm)
 
 
 def nest(slots: list, depth: int) -> mx.array:
@@ -58,8 +58,10 @@ def step_call(layer, row, probs, tokens=1):
 
 def step_calls(layers, rows, probs, tokens=1) -> list:
     """step_call() of each of these layer calls; where each is one token's distinct experts
-    with its router's distribution, in a few numpy calls for them all (the same values)."""
-    if tokens == 1 and len(rows) > FEW_CALLS and len({len(r) for r in rows}) == 1 and all(p is not None for p in probs):
+    with its router's distribution, in a few numpy calls for them all (the same values), but
+    for a few calls whose rows are lists (step_call's plain Python)."""
+    few = len(rows) <= FEW_CALLS and isinstance(rows[0], list)
+    if tokens == 1 and not few and len({len(r) for r in rows}) == 1 and all(p is not None for p in probs):
         experts = np.sort(np.asarray(rows).reshape(len(rows), -1), axis=1)
         if not (experts[:, 1:] == experts[:, :-1]).any():
             dists = [p.reshape(-1) for p in probs]

@@ -64,6 +64,8 @@ MIN_LAG, LAG = 1, 2
 LAG_RETRY = 1024
 # how much a layer's share of missed calls keeps of its past at each check of it (Direct)
 KEEP_MISSING = 0.9
+# how much a direct check's measured time keeps at each verified step without one (Direct)
+KEEP_WAIT = 0.9
 
 
 class Replay(Exception):
@@ -246,7 +248,7 @@ class Direct:
         the next step's layers chosen."""
         n, self.step_checks = self.step_checks, 0
         if not n and self.wait is not None:
-            self.wait = decayed(self.wait, self.first_wait(), keep=KEEP_MISSING)
+            self.wait = decayed(self.wait, self.first_wait(), keep=KEEP_WAIT)
         self.now = {m for m in range(len(self.missing)) if self.at(m)}
         return n
 
