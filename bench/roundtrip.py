@@ -12,7 +12,11 @@ mx.array's item, tolist, __bool__, __int__, __float__) is a *wait* when the thre
 (its voluntary context switches, getrusage(RUSAGE_THREAD).ru_nvcsw, went up): the device had
 not finished what it reads. Each wait then costs S more, added when it returns, by time.sleep
 with the thread's timer slack at 1 ns (inherited by the threads started after the install),
-shortened by the sleeps' mean overshoot so far so that they add S on average.
+shortened by the sleeps' mean overshoot so far so that they add S on average. A call that did
+not sleep but reads an array of the thread's last `mx.async_eval`, less than S after it, is a
+wait too, of what is left of S: the round trip runs from the submission (on this CPU,
+`async_eval` of small ops returns once they are computed, so without this an `eval` split into
+`async_eval`, a little host work and `eval` would pass for no wait at all).
 """
 
 import argparse
@@ -46,6 +50,7 @@ class DeviceWaits:
         self.added = self.emulation_cpu = 0.0  # wall seconds added; decode-thread CPU seconds spent adding them
         self.sites = {}  # "file:line" of the caller -> waits
         self.rtt = self.sleep_for = self.overshoot = 0.0
+        self.submitted, self.submitted_at = (), 0.0  # ids of the arrays of the last async_eval, and when
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns: this thread's sleeps end on time
 
@@ -62,7 +67,8 @@ class DeviceWaits:
             return threading.get_ident() == self.thread
         return self.thread_name in threading.current_thread().name
 
-    def _wait(self):
+    def _wait(self, left=None):
+        """Count a wait at the caller's caller and add the round trip (`left`: what is left of it)."""
         self.waits += 1
         frame = sys._getframe(2)  # _wait <- call <- the caller
         site = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
@@ -71,14 +77,30 @@ class DeviceWaits:
             return
         tic, cpu = time.perf_counter(), time.thread_time()
         if self.spin:
-            while time.perf_counter() - tic < self.rtt:
+            while time.perf_counter() - tic < (self.rtt if left is None else left):
                 pass
+        elif left is not None:
+            time.sleep(max(0.0, left - self.overshoot))
         else:  # shortened by the sleeps' mean overshoot so far, so that they add S on average
             time.sleep(self.sleep_for)
             self.overshoot += 0.1 * (time.perf_counter() - tic - self.sleep_for - self.overshoot)
             self.sleep_for = max(0.0, self.rtt - self.overshoot)
         self.added += time.perf_counter() - tic
         self.emulation_cpu += time.thread_time() - cpu
+
+    def _submitted(self, args):
+        """Whether `args` (arrays, or lists of them) hold one of the last async_eval's arrays."""
+        flat = [b for a in args for b in (a if isinstance(a, (list, tuple)) else [a])]
+        return any(id(a) in self.submitted for a in flat)
+
+    def submit(self, fn):
+        """mx.async_eval, noting its arrays and when on the decode thread."""
+        def call(*args):
+            if self._decode_thread():
+                self.submitted, self.submitted_at = {id(a) for a in args}, time.perf_counter()
+            return fn(*args)
+
+        return call
 
     def wrap(self, fn, reads):
         """`fn` counted on the decode thread (`reads`: only where its first argument is an mx.array)."""
@@ -88,12 +110,16 @@ class DeviceWaits:
             if not self._decode_thread() or reads and not (args and isinstance(args[0], mx.array)):
                 return fn(*args, **kwargs)
             slept = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+            submitted = bool(self.submitted) and self._submitted(args)
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.calls += 1
+                left = self.submitted_at + self.rtt - time.perf_counter() if submitted else 0.0
                 if self.every_call or resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw > slept:
                     self._wait()
+                elif left > 0:
+                    self._wait(left)
 
         return call
 
@@ -110,6 +136,7 @@ class DeviceWaits:
             a.item()
         plain = time.perf_counter() - tic
         mx.eval = self.wrap(mx.eval, False)
+        mx.async_eval = self.submit(mx.async_eval)
         mx.synchronize = self.wrap(mx.synchronize, False)
         np.array = self.wrap(np.array, True)
         np.asarray = self.wrap(np.asarray, True)

@@ -22,7 +22,7 @@ import pytest
 
 import mlxmoe
 import synthetic
-from mlxmoe.caching.experts import ResidentCalls, StreamingExperts, resident_table
+from mlxmoe.caching.experts import ResidentCalls, StreamingExperts, resident_table, wait_for
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 12
@@ -192,3 +192,38 @@ def test_counter_sees_a_read_of_this_tokens_routing(monkeypatch):
     counter.run(model, tokenizer)
     model.expert_cache.close()
     assert set(counts(counter.calls, False)) == {2}
+
+
+
+def test_streamed_decode_updates_the_policy_before_its_wait(monkeypatch):
+    """The earlier layers' deferred policy updates (the hits) are done while the device
+    computes up to a layer's router, not after its wait: none is left in `deferred` when a
+    decode layer call waits, while some were there when calls began."""
+    import mlx_lm
+    from mlxmoe.caching.cache import Residency
+
+    model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL), cache_experts=64, verify=False, prefetch=0)
+    cache = model.expert_cache
+    pending = lambda: sum(getattr(w, "__func__", None) is Residency._hit for w, _ in cache.deferred)
+    at_wait, at_call = [], []
+    eval_, call = mx.eval, StreamingExperts._call
+
+    def counted_eval(*args, **kw):
+        if sys._getframe(1).f_code is wait_for.__code__:
+            at_wait.append(pending())
+        return eval_(*args, **kw)
+
+    def counted_call(module, x, indices):
+        at_call.append(pending())
+        return call(module, x, indices)
+
+    monkeypatch.setattr(mx, "eval", counted_eval)
+    monkeypatch.setattr(StreamingExperts, "_call", counted_call)
+    tokens = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
+    cache.close()
+    monkeypatch.undo()
+    stock, stock_tokenizer = mlx_lm.load(str(mlxmoe.DEMO_MODEL))
+    assert tokens == [r.token for r in mlx_lm.stream_generate(stock, stock_tokenizer, PROMPT, max_tokens=TOKENS)]
+    assert len(at_wait) >= (TOKENS - 1) * cache.store.num_layers
+    assert sum(at_call) > 0, "no layer call found hits of earlier layers deferred: the test shows nothing"
+    assert set(at_wait) == {0}, f"deferred hits at a layer's wait: {sorted(set(at_wait))}"

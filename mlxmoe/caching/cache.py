@@ -449,6 +449,11 @@ class ExpertCache(Residency):
                 self.catch_up()
             self.notify(call, profile)
 
+    def catch_up_policy(self) -> None:
+        """The policy's deferred updates now (the observers' calls left for the token's end)."""
+        with self.lock:
+            self.catch_up(policy_only=True)
+
     def host_work(self) -> None:
         """Do what the decode thread left for later (the prefetcher's host thread calls it)."""
         if self.deferred or self.observed:  # nothing left: spare the caller a wait for the lock

@@ -201,6 +201,20 @@ def find_router(block, num_experts=None):
     return None, None
 
 
+def wait_for(cache, arrays, decode: bool) -> float:
+    """mx.eval(arrays): a layer call's routing, and with it every earlier layer (mlx-lm's own
+    work); at a decode step the earlier layers' deferred policy updates first, while the device
+    computes. Returns the seconds waited, the updates left out (they are bookkeeping)."""
+    tic = time.perf_counter()
+    if decode and cache.deferred:
+        mx.async_eval(*arrays)
+        caught_up = time.perf_counter()
+        cache.catch_up_policy()
+        tic += time.perf_counter() - caught_up
+    mx.eval(*arrays)
+    return time.perf_counter() - tic
+
+
 def resident_table(cache) -> list | None:
     """Every expert's slot, per layer an mx array [experts] (kept as cache.slot_table), once
     all are resident and none is on its way (with room for all, nothing is evicted: they
@@ -457,10 +471,7 @@ class StreamingExperts(nn.Module):
         logits = self._logits() if decode else None
         probs = self._probs(x) if logits is None else None
         router = probs if logits is None else logits
-        sync = time.perf_counter()
-        # evaluates the router (and with it every earlier layer): mlx-lm's own work
-        mx.eval(indices, *([] if router is None else [router]), *ahead_scores.values())
-        sync = time.perf_counter() - sync
+        sync = wait_for(cache, (indices, *([] if router is None else [router]), *ahead_scores.values()), decode)
         if decode:  # what a wait per layer costs (the device's work the host could not build beside)
             cache.layer_wait = decayed(cache.layer_wait, sync)
         counters = cache.counters

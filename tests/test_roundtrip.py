@@ -1,0 +1,41 @@
+"""bench/roundtrip.py, the emulated round trip to the device (issue 42): a read of an array
+that the decode thread queued with `mx.async_eval` less than S before pays what is left of S,
+though on this CPU the array is computed by then; a read of an array queued earlier pays
+nothing. Run in a child process: the emulation patches mlx for good."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from roundtrip import DeviceWaits
+waits = DeviceWaits()
+waits.install()
+waits.set_rtt(100000)  # 100 ms: far above the sleeps' overshoot and this machine's jitter
+import mlx.core as mx
+old = mx.array([1.0]) * 2
+mx.eval(old)
+new = mx.array([3.0]) + 1
+mx.async_eval(new)
+time.sleep(0.005)
+tic = time.perf_counter()
+old.item()  # computed long before: no wait
+other = time.perf_counter() - tic
+tic = time.perf_counter()
+mx.eval(new)  # queued ~5 ms ago: ~95 ms of the round trip left
+late = time.perf_counter() - tic
+print(waits.waits, other, late)
+"""
+
+
+def test_a_read_soon_after_async_eval_pays_the_rest_of_the_round_trip():
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT / "bench")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    waits, other, late = out.stdout.split()
+    assert int(waits) >= 1 and float(other) < 0.005
+    assert 0.05 < float(late) < 0.2, late
