@@ -627,6 +627,14 @@ def test_a_layer_that_misses_at_every_step_turns_direct(checkpoint, monkeypatch)
     replayed, steps = replays_from(monkeypatch), []
     first, rare = every_expert(cache, 0), every_expert(cache, 7)
     evict = lambda i: (steps.append(len(replayed)), first(i) + (rare(i) if i % 5 == 2 else []))[1]
+    at = verify.Direct.at
+
+    def five_waits(direct, layer):  # once a replay is measured, it costs five waits (timings on busy cores vary)
+        direct.first_wait, direct.first_replay, direct.wait = (lambda: 1e-3), (lambda: None), 1e-3
+        direct.replay = direct.replay and 5e-3
+        return at(direct, layer)
+
+    monkeypatch.setattr(verify.Direct, "at", five_waits)
     assert generate(model, tokenizer, evict=evict, direct=True) == want
     stats = cache.stats()
     assert stats["verified_tokens"] >= TOKENS - 2 and stats["verify"]["direct"][0] == 0, stats["verify"]
