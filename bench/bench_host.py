@@ -21,13 +21,13 @@ decode thread only (the child's main thread, which runs the generator) the bench
 mx.eval, mx.synchronize, np.array and np.asarray (given an mx.array), and mx.array's item,
 tolist, __bool__, __int__ and __float__; stock and mlxmoe alike, from outside the runtime. A
 patched call is a *wait* when the decode thread slept in it (its voluntary context switches,
-getrusage(RUSAGE_THREAD).ru_nvcsw, went up): the device had not finished what it reads, or when
-it reads an array of the thread's last mx.async_eval less than S after it (then what is left of
-S: the round trip runs from the submission). Each
+getrusage(RUSAGE_THREAD).ru_nvcsw, went up): the device had not finished what it reads. Each
 wait then costs S more, added when it returns (the device is done; the host learns it S
 later), by time.sleep with the thread's timer slack at 1 ns, shortened by the sleeps' mean
 overshoot so far (so they add S on average where S exceeds the machine's wake-up delay; the
-added time is measured and printed). `--spin` busy-waits instead: exact, but it takes a core,
+added time is measured and printed). A call that did not sleep but reads an array of the
+thread's last mx.async_eval less than S after it is a wait of what is left of S (the round trip
+runs from the submission). `--spin` busy-waits instead: exact, but it takes a core,
 which on a 2-core machine the device's compute shares (its CPU time is left out of the host
 time). A
 read of an array already computed returns without sleeping and costs nothing (on a GPU it costs
