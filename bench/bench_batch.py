@@ -2,16 +2,19 @@
 `--max-batch 1` (one request at a time) on the same checkpoint, side by side in one run:
 
 1. for 1, 4, 8 and 16 concurrent streaming completion clients (each its own held-out
-   prompts, greedy, --max-tokens each, no KV caches kept across requests): requests/s and the
-   median per-request tok/s (its completion tokens over its time) of
+   prompts, greedy, --max-tokens each, no KV caches kept across requests): requests/s, the
+   median per-request tok/s (its completion tokens over its time) and the generated tok/s while
+   some request decodes (decode_rate: the time in which only prompts are prefilled left out) of
    - `mlx_lm`: stock mlx_lm.server (it batches concurrent requests),
    - `batched`: mlxmoe serve --max-batch 16 with every expert resident (the default load of the
      demo model: the budget holds them all),
    - `one`: mlxmoe serve --max-batch 1,
    rounds alternated between the servers, medians, and the ratios batched/mlx_lm and batched/one;
    with --partial-throughput, `batched` and `one` at --partial-budget, and beside them stock
-   mlx_lm.server one request at a time (--decode-concurrency 1): stock's own gain from batching
-   on this workload (the prompts' prefill does not batch away: it bounds what batching gives);
+   mlx_lm.server one request at a time (--decode-concurrency 1 --prompt-concurrency 1: mlx-lm's
+   BatchGenerator decodes as many as it prefills together): stock's own gain from batching
+   on this workload (on this CPU the prompts' prefill does not batch away: it bounds what batching
+   gives; --prompt-chars shortens the prompts);
    and the batching server's MLX peak memory over its life against its budget (issue 45: within
    +5 % with 16 clients);
 2. as the batch grows, at a partial cache (--memory-budget, the demo's 46MB: 57 of 128
@@ -49,17 +52,20 @@ from system import check_outputs, model_folder, write_json  # noqa: E402
 
 
 def complete(port, prompt, max_tokens):
-    """(completion tokens, seconds, text) of one streaming completion request."""
+    """(completion tokens, seconds, text, (first token's time, last token's time)) of one streaming
+    completion request (times: time.perf_counter's)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     tic = time.perf_counter()
     conn.request("POST", "/v1/completions", body=json.dumps({
         "model": "default_model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True}}))
     r = conn.getresponse()
-    tokens, text = None, []
+    tokens, text, times = None, [], []
     for line in r:
         if line.startswith(b"data: {"):
             chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                times.append(time.perf_counter())
             text += [c.get("text") or "" for c in chunk.get("choices") or []]
             tokens = chunk["usage"]["completion_tokens"] if chunk.get("usage") else tokens
         if line.startswith(b"data: [DONE]"):
@@ -67,28 +73,45 @@ def complete(port, prompt, max_tokens):
     conn.close()
     if tokens is None:
         raise RuntimeError(f"no usage in the answer to {prompt[:40]!r} (HTTP {r.status})")
-    return tokens, time.perf_counter() - tic, "".join(text)
+    return tokens, time.perf_counter() - tic, "".join(text), (times[0], times[-1]) if times else None
 
 
 class Completions:
     """A server as bench_server.load_round asks it: each request's (tok/s, seconds), streaming
-    completions; `tokens`: the completion tokens it was answered; `texts`: prompt -> answer."""
+    completions; `tokens`: the completion tokens it was answered; `texts`: prompt -> answer;
+    `spans`: each request's (first token's time, last token's, tokens)."""
 
     def __init__(self, server, texts):
-        self.port, self.tokens, self.texts = server.port, 0, texts
+        self.port, self.tokens, self.texts, self.spans = server.port, 0, texts, []
 
     def stream(self, prompt, max_tokens):
-        tokens, seconds, text = complete(self.port, prompt, max_tokens)
+        tokens, seconds, text, span = complete(self.port, prompt, max_tokens)
         self.tokens += tokens
         self.texts.setdefault(prompt, set()).add(text)
+        if span is not None:
+            self.spans.append((*span, tokens))
         return tokens / seconds, seconds
 
 
+def decode_rate(spans):
+    """Generated tok/s while decoding: the tokens after each request's first, over the time in
+    which some request was between its first token and its last (the union of those spans).
+    Unlike req/s it leaves out the time in which only prompts were prefilled."""
+    tokens, seconds, end = sum(n - 1 for _, _, n in spans), 0.0, None
+    for first, last, _ in sorted(spans):
+        if end is None or first > end:
+            seconds, end = seconds + last - first, last
+        elif last > end:
+            seconds, end = seconds + last - end, last
+    return tokens / seconds if seconds > 0 else None
+
+
 def load_round(server, clients, requests, pool, max_tokens, texts=None):
-    """`clients` clients, each `requests` requests in turn: (requests/s, [tok/s per request], tokens)."""
+    """`clients` clients, each `requests` requests in turn: (requests/s, [tok/s per request],
+    tokens, generated tok/s while decoding)."""
     counted = Completions(server, {} if texts is None else texts)
     rps, tps = bench_server.load_round(counted, clients, requests, pool, max_tokens)
-    return rps, tps, counted.tokens
+    return rps, tps, counted.tokens, decode_rate(counted.spans)
 
 
 def launch(argv, rtt, report):
@@ -115,8 +138,9 @@ def device_waits(server):
 def throughput(args, pool, clients_list, budget=None, rtt=None):
     """req/s and tok/s per request: every expert resident against mlx_lm.server, or at the
     memory `budget` against --max-batch 1, with what batching gives stock mlx_lm.server itself
-    on the same workload (every expert resident, --decode-concurrency 16 against 1): the
-    prompts' prefill is not batched away, so it bounds what batching can give. With `rtt`
+    on the same workload (every expert resident, --decode-concurrency 16 against 1 with
+    --prompt-concurrency 1): on this CPU the prompts' prefill is not batched away, so it bounds
+    what batching can give. With `rtt`
     (us), every server under the emulated round trip, and its waits per generated token."""
     mlxmoe = ["mlxmoe", "serve", "--model", args.model, "--prompt-cache-size", "0"]
     stock = ["mlx_lm", "server", "--model", args.stock_model or args.model, "--prompt-cache-size", "0"]
@@ -124,7 +148,9 @@ def throughput(args, pool, clients_list, budget=None, rtt=None):
     report = lambda name: str(out.with_name(f"{out.stem}.{name}.waits.json"))  # noqa: E731
     servers = {"mlx_lm": launch(stock + ["--decode-concurrency", "16"], rtt, report("mlx_lm"))}
     if budget is not None:
-        servers["mlx_lm_one"] = launch(stock + ["--decode-concurrency", "1"], rtt, report("mlx_lm_one"))
+        # (BatchGenerator's batch is the larger of the two: both 1 for one at a time)
+        servers["mlx_lm_one"] = launch(stock + ["--decode-concurrency", "1", "--prompt-concurrency", "1"], rtt,
+                                       report("mlx_lm_one"))
         mlxmoe += ["--memory-budget", budget]
     servers["batched"] = launch(mlxmoe + ["--max-batch", "16"], rtt, report("batched"))
     servers["one"] = launch(mlxmoe + ["--max-batch", "1"], rtt, report("one"))
@@ -145,12 +171,16 @@ def throughput(args, pool, clients_list, budget=None, rtt=None):
                     waits[name] = None if before is None else waits[name] + device_waits(servers[name]) - before
             row = {"clients": clients, "rtt_us": rtt}
             for name, results in runs.items():
-                row[f"{name}_rps"] = statistics.median(rps for rps, _, _ in results)
-                row[f"{name}_tps"] = statistics.median(t for _, ts, _ in results for t in ts)
-                tokens = sum(n for _, _, n in results)
+                row[f"{name}_rps"] = statistics.median(rps for rps, _, _, _ in results)
+                row[f"{name}_tps"] = statistics.median(t for _, ts, _, _ in results for t in ts)
+                rates = [d for _, _, _, d in results if d is not None]
+                row[f"{name}_decode_tps"] = statistics.median(rates) if rates else None
+                tokens = sum(n for _, _, n, _ in results)
                 row[f"{name}_waits_per_token"] = None if waits[name] is None else waits[name] / tokens
             row["vs_mlx_lm"] = row["batched_rps"] / row["mlx_lm_rps"]
             row["vs_one"] = row["batched_rps"] / row["one_rps"]
+            row["decode_vs_one"] = (row["batched_decode_tps"] / row["one_decode_tps"]
+                                    if row["batched_decode_tps"] and row["one_decode_tps"] else None)
             row["stock_gain"] = row["mlx_lm_rps"] / row["mlx_lm_one_rps"] if budget is not None else None
             rows.append(row)
             print_row(row, budget)
@@ -183,7 +213,15 @@ def print_row(row, budget):
     print(f"{row['clients']:>2} clients{at}: req/s batched {row['batched_rps']:.2f}, mlx_lm.server "
           f"{row['mlx_lm_rps']:.2f}, --max-batch 1 {row['one_rps']:.2f} (batched/mlx_lm "
           f"{row['vs_mlx_lm']:.2f}x, batched/one {row['vs_one']:.2f}x){gain}; tok/s per request batched "
-          f"{row['batched_tps']:.1f}, one {row['one_tps']:.1f}{waited}", flush=True)
+          f"{row['batched_tps']:.1f}, one {row['one_tps']:.1f}{decoding(row)}{waited}", flush=True)
+
+
+def decoding(row):
+    """The row's generated tok/s while decoding (decode_rate), batched against one at a time."""
+    if row["decode_vs_one"] is None:
+        return ""
+    return (f"; generated tok/s while decoding batched {row['batched_decode_tps']:.1f}, one "
+            f"{row['one_decode_tps']:.1f} ({row['decode_vs_one']:.2f}x)")
 
 
 def same_answers(batched, one):
@@ -205,7 +243,7 @@ def reads_per_token(args, pool, clients_list):
 
         for clients in clients_list:
             before = stats()
-            _, _, tokens = load_round(server, clients, args.requests, pool, args.max_tokens)
+            _, _, tokens, _ = load_round(server, clients, args.requests, pool, args.max_tokens)
             time.sleep(0.5)  # (the batch has emptied: the stats are the cache's own)
             after = stats()
             experts = after["hits"] + after["misses"] - before["hits"] - before["misses"]
@@ -225,6 +263,11 @@ def main():
     ap.add_argument("--requests", type=int, default=4, help="requests per client per round")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--clients", default="1,4,8,16")
+    ap.add_argument("--prompt-chars", type=int, default=200,
+                    help="the held-out prompts' length at most, characters (>= 40; ~1.2 a token). On this CPU a "
+                         "prompt token of bench_host's checkpoint costs a sixth to a ninth of a decode step, stock "
+                         "mlx-lm's too (MLX's CPU kernels), where on a GPU prompt tokens are processed many at "
+                         "once: shorter prompts give prefill about the share of a request it has there")
     ap.add_argument("--partial-budget", default="46MB", help="the partial cache's --memory-budget (reads per token)")
     ap.add_argument("--partial-throughput", action="store_true",
                     help="Throughput at --partial-budget instead (batched against --max-batch 1), and its reads.")
@@ -239,7 +282,7 @@ def main():
         inputs["--stock-model"] = model_folder(args.stock_model)
     check_outputs({"--out": args.out}, inputs)
     clients = [int(c) for c in args.clients.split(",")]
-    pool = [p for lang in ("en", "it", "de", "fr", "es") for p in prompts(lang, 8, max_chars=200)]
+    pool = [p for lang in ("en", "it", "de", "fr", "es") for p in prompts(lang, 8, max_chars=args.prompt_chars)]
     budget = args.partial_budget if args.partial_throughput else None
     rtts = [None] if args.rtt is None else [float(r) for r in args.rtt.split(",")]
     results = {"args": vars(args), "throughput": [row for rtt in rtts for row in throughput(args, pool, clients,

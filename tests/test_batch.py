@@ -618,3 +618,15 @@ def test_a_request_after_the_generation_stopped_gets_503():
     finally:
         served.stop()
     assert e.value.status_code == 503 and "shutting down" in e.value.message, e.value
+
+
+def test_bench_decode_rate_counts_the_time_some_request_decodes():
+    """bench_batch's generated tok/s while decoding: tokens after each request's first over the
+    union of their first-to-last spans (overlapping spans count once, gaps of prefill not at all)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from bench_batch import decode_rate
+    # two overlapping requests (0-1, 0.5-2: 2 s together), then one alone after a gap (3-4)
+    assert decode_rate([(3, 4, 6), (0, 1, 11), (0.5, 2, 11)]) == pytest.approx(25 / 3)
+    assert decode_rate([(0, 2, 11), (0.5, 1, 11)]) == pytest.approx(20 / 2)  # one inside the other
+    assert decode_rate([(1, 1, 1)]) is None  # one token: nothing decoded after it
