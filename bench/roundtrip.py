@@ -88,16 +88,20 @@ class DeviceWaits:
         self.added += time.perf_counter() - tic
         self.emulation_cpu += time.thread_time() - cpu
 
+    @staticmethod
+    def _ids(args):
+        """The ids of the arrays in `args` (arrays, or lists of them), as mx.eval and mx.async_eval take them."""
+        return {id(b) for a in args for b in (a if isinstance(a, (list, tuple)) else [a])}
+
     def _submitted(self, args):
-        """Whether `args` (arrays, or lists of them) hold one of the last async_eval's arrays."""
-        flat = [b for a in args for b in (a if isinstance(a, (list, tuple)) else [a])]
-        return any(id(a) in self.submitted for a in flat)
+        """Whether `args` hold one of the last async_eval's arrays."""
+        return not self.submitted.isdisjoint(self._ids(args))
 
     def submit(self, fn):
         """mx.async_eval, noting its arrays and when on the decode thread."""
         def call(*args):
             if self._decode_thread():
-                self.submitted, self.submitted_at = {id(a) for a in args}, time.perf_counter()
+                self.submitted, self.submitted_at = self._ids(args), time.perf_counter()
             return fn(*args)
 
         return call

@@ -194,7 +194,6 @@ def test_counter_sees_a_read_of_this_tokens_routing(monkeypatch):
     assert set(counts(counter.calls, False)) == {2}
 
 
-
 def test_streamed_decode_updates_the_policy_before_its_wait(monkeypatch):
     """The earlier layers' deferred policy updates (the hits) are done while the device
     computes up to a layer's router, not after its wait: none is left in `deferred` when a
