@@ -782,16 +782,19 @@ def model_fingerprint(ckpt):
     return fingerprint(ckpt.config, ckpt.store.tensors, ckpt.store.model_shapes, ckpt.all_layers, ckpt.num_experts)
 
 
-def prefill_step(plan, tokenizer, prompt, prompt_cache=None):
+def prefill_step(plan, tokenizer, prompt, prompt_cache=None, rows=1):
     """Prompt tokens per prefill step: as many as the budget's working memory (planned for
     PREFILL_STEP tokens with their logits, and where attention is materialised their scores
     against as many keys) holds of a step's activations (no logits) and, where attention is
     materialised, its scores against every key of the prompt and the cache; at least 16,
     at most MAX_PREFILL_STEP. Fewer, longer steps read the experts of a small cache fewer
-    times: each step reads each of its distinct experts once."""
+    times: each step reads each of its distinct experts once. `rows` > 1: the tokens in all
+    of a step of that many prompts prefilled together (batching.Batches; `prompt` the
+    longest), each key counted twice: a batch's mask is an array, and its masked scores one
+    more array of scores beside them."""
     if plan is None or not getattr(plan, "step_bytes", 0):
         return PREFILL_STEP
-    per_key = plan.attention_per_key if plan.attention else 0
+    per_key = (plan.attention_per_key if plan.attention else 0) * (2 if rows > 1 else 1)
     keys = 0
     if per_key:
         keys = len(tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)

@@ -421,22 +421,26 @@ class Batches(BatchGenerator):
 
     def _prefill_chunk(self):
         """The tokens each prompt prefills at the next step: a prompt alone, the step it would
-        take alone (api.prefill_step: its tokens and cached prefix); several, the planned step for
-        the whole context (their masks and padding are arrays a prompt alone does without) shared
-        by them (a shorter prompt's right padding counts and learns for no one: Prompts)."""
+        take alone (api.prefill_step: its tokens and cached prefix); several, the step the
+        working memory holds of that many rows against the longest's keys (their mask and
+        masked scores are arrays a prompt alone does without), at least the planned step for
+        the whole context, shared by them (a shorter prompt's right padding counts and learns
+        for no one: Prompts)."""
         joining = list(itertools.islice(self._unprocessed_sequences, max(0, min(
             self.prefill_batch_size - len(self._prompt_batch),
             self.completion_batch_size - len(self._generation_batch), len(self._unprocessed_sequences)))))
         segments = [seq[0] for seq in self._currently_processing] + [seq[1] for seq in joining]
         prompts = sum(not (len(s) == 1 and len(s[0]) == 1) for s in segments)  # (the rest: to generation)
-        if prompts == 1:
-            keys = [seq[2] for seq in self._currently_processing]  # (a prompt's tokens, done and left)
-            keys += [sum(map(len, seq[1])) + max((getattr(c, "offset", 0) for c in seq[3] or []), default=0)
-                     for seq in joining]
-            self.prefill_step_size = max(self.step, prefill_step(self.base.expert_runtime.plan, None, range(max(keys))))
-        elif prompts:
-            self.prefill_step_size = max(1, self.step // prompts)
         if prompts:
+            # the keys: the prompt batch's length (rows right-justified to it) and the most tokens
+            # a prompt has left (a joining one's cached prefix among them)
+            kv = self._prompt_batch.prompt_cache
+            left = [sum(map(len, seq[0])) for seq in self._currently_processing]
+            left += [sum(map(len, seq[1])) + max((getattr(c, "offset", 0) for c in seq[3] or []), default=0)
+                     for seq in joining]
+            keys = (getattr(kv[0], "_idx", 0) if kv else 0) + max(left)
+            step = prefill_step(self.base.expert_runtime.plan, None, range(keys), rows=prompts)
+            self.prefill_step_size = max(1, max(self.step, step) // prompts)
             self._prompt_batch.prefill_step_size = self.prefill_step_size  # (its own loop splits by it)
 
     def _account(self, gen_uids, joined):

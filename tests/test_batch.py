@@ -300,6 +300,39 @@ def test_prompts_prefilled_together_count_their_own_tokens(monkeypatch):
         sum(u["expert_hits"] + u["expert_misses"] for _, u in got)  # (the first request's too)
 
 
+def test_prompts_prefilled_together_take_as_many_tokens_as_the_working_memory_holds(monkeypatch):
+    """Eight held-out prompts of up to 75 tokens admitted together near the model's minimum budget:
+    the step of several prompts is sized by their own keys (the longest's), not by the whole
+    context's, so the working memory holds them all in one prefill call (the whole context's
+    step would have cut them into four), the answers are their solo ones and MLX's peak stays
+    within the budget."""
+    asked = [(p, 4) for lang in ("en", "it", "de", "fr", "es") for p in heldout_prompts(lang, 8, 200)][:8]
+    model, tokenizer = mlxmoe.load(mlxmoe.DEMO_MODEL)
+    try:
+        each = [mlxmoe.generate(model, tokenizer, p, max_tokens=n) for p, n in asked]
+    finally:
+        model.expert_cache.close()
+    longest = max(len(tokenizer.encode(p)) for p, _ in asked)
+    shapes, call = [], batching.Rows.__call__
+    monkeypatch.setattr(batching.Rows, "__call__", lambda self, inputs, **kw: shapes.append(inputs.shape) or
+                        call(self, inputs, **kw))
+    before = mx.get_active_memory()  # (what earlier tests left: not this server's)
+    admit_together(monkeypatch, 8)
+    mx.reset_peak_memory()
+    served = start(8, memory_budget="43MB")
+    try:
+        got = in_threads(lambda p, n: complete(served, p, n), asked)
+        budget = served.model.expert_runtime.plan.budget
+        context_step = served.generator.model_provider.cli_args.prefill_step_size
+    finally:
+        served.stop()
+    assert [text for text, _ in got] == each
+    prompt_calls = [(rows, tokens) for rows, tokens in shapes if tokens > 1]
+    assert prompt_calls == [(8, longest - 1)], shapes  # (a prompt's last token: its first decode step's)
+    assert 8 * (longest - 1) > 2 * context_step, (longest, context_step)
+    assert mx.get_peak_memory() - before <= budget, (mx.get_peak_memory() - before) / budget
+
+
 def test_call_rows_wait_for_their_requests():
     """A model call whose rows' requests are known only after the step (those joining the
     generation): what its layer calls counted and learnt waits, then goes to each row's request."""
@@ -425,21 +458,26 @@ def test_the_budget_holds_with_16_clients():
     assert stats["peak_memory"] <= 1.05 * stats["server"]["memory_budget"]
 
 
+def admit_together(monkeypatch, n):
+    """The batch admits no request until `n` wait, then admits them (by the KV reserve)."""
+    admit, waiting = batching.Batches._admit, [True]
+
+    def all_at_once(self):
+        waiting[0] = waiting[0] and len(self._unprocessed_sequences) < n
+        if waiting[0]:
+            self.completion_batch_size = 0  # (mlx-lm's step does nothing: they wait)
+        else:
+            admit(self)
+    monkeypatch.setattr(batching.Batches, "_admit", all_at_once)
+
+
 def test_the_budget_holds_as_rows_leave_a_batch_of_16(monkeypatch):
     """16 requests admitted together (held back until all are in: the KV reserve's 16 rows of
     256 tokens), leaving at 5 different steps: a finished row's cache (for mlx-lm's prompt
     cache) is a slice of the batch's KV before the rows left, and the next step copies the rows
     kept; the old KV must go as the copy is made, not live beside it (1.08x the budget when it
     did)."""
-    admit, waiting = batching.Batches._admit, [True]
-
-    def all_at_once(self):
-        waiting[0] = waiting[0] and len(self._unprocessed_sequences) < 16
-        if waiting[0]:
-            self.completion_batch_size = 0  # (mlx-lm's step does nothing: they wait)
-        else:
-            admit(self)
-    monkeypatch.setattr(batching.Batches, "_admit", all_at_once)
+    admit_together(monkeypatch, 16)
     asked = [(PROMPTS[i % len(PROMPTS)], 8 + i % 5) for i in range(16)]
     before = mx.get_active_memory()  # (what earlier tests left: not this server's)
     mx.reset_peak_memory()
