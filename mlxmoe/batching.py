@@ -125,6 +125,12 @@ class CallRows:
         """A layer call (experts.LayerCall), each row's tokens learnt by its request's profile."""
         self._given(self._learn, call)
 
+    def learn_step(self, layers, experts, mass):
+        """A decode step's layer calls at once (experts.ResidentCalls): each row's distinct
+        experts (`experts` [layers, rows, k]) and router distributions (`mass` [layers, rows,
+        experts]) learnt by its request's profile."""
+        self._given(self._learn_step, (layers, experts, mass))
+
     def _given(self, work, arg):
         if self.requests is None:
             self.waiting.append((work, arg))
@@ -135,6 +141,14 @@ class CallRows:
         for request, counts in zip(self.requests, per_row.tolist()):
             if request is not None and request.share is not None:
                 request.share.counts[:3] = [a + b for a, b in zip(request.share.counts, counts)]
+
+    def _learn_step(self, step):
+        layers, experts, mass = step
+        at_layers = np.repeat(layers, experts.shape[-1])
+        for i, request in enumerate(self.requests):
+            if request is not None and request.share is not None:
+                request.share.observed.observe_step(layers, at_layers, experts[:, i].reshape(-1), mass[:, i],
+                                                    1 if layers[0] == 0 else 0)
 
     def _learn(self, call):
         tokens = call.tokens // self.size

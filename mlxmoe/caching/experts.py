@@ -292,23 +292,28 @@ class ResidentCalls:
         self._call_by_call()
 
     def _step_routers(self) -> list | None:
-        """The routers' arrays of a decode step whose calls (one token each) are alike, else None."""
+        """The routers' arrays of a decode step whose calls (one token a sequence) are alike,
+        else None. A batch's (its rows all its requests' own, one token each) where no observer
+        takes its calls one by one."""
         calls = self.calls
         routers = [c[2] if c[2] is not None else c[3] for c in calls]
-        one_token = bool(calls) and calls[0][1].size == calls[0][1].shape[-1]  # (of one sequence: not a batch's)
-        if self.rows is None and one_token and all(r is not None for r in routers) \
+        if not calls or self.rows is not None and (self.rows.real is not None or self.cache.observers):
+            return None
+        one_token = calls[0][1].size == calls[0][1].shape[-1] * (1 if self.rows is None else self.rows.size)
+        if one_token and all(r is not None for r in routers) \
                 and len({(c[1].shape, r.shape, r.dtype, c[2] is None) for c, r in zip(calls, routers)}) == 1:
             return routers
         return None
 
     def pack(self) -> list:
-        """A decode step's routing as two device arrays (`packed`), once its calls are all
-        built (at its last layer call); returns them (to be queued), [] where it is no decode step."""
+        """A decode step's routing as two device arrays (`packed`: [calls x rows, k] and
+        [calls x rows, experts]), once its calls are all built (at its last layer call);
+        returns them (to be queued), [] where it is no decode step."""
         routers = self._step_routers()
         if routers is None:
             return []
-        self.packed = (mx.concatenate([c[1].reshape(1, -1) for c in self.calls]),
-                       mx.concatenate([r.reshape(1, -1) for r in routers]))
+        self.packed = (mx.concatenate([c[1].reshape(-1, c[1].shape[-1]) for c in self.calls]),
+                       mx.concatenate([r.reshape(-1, r.shape[-1]) for r in routers]))
         return list(self.packed)
 
     def _call_by_call(self) -> None:
@@ -340,12 +345,22 @@ class ResidentCalls:
             rows = np.asarray(self.packed[0])
             probs = host_dists(self.packed[1], tapped)
         else:  # (under several ranks nothing was packed: the calls' own arrays, no new op to wait for)
-            rows = np.concatenate([np.asarray(c[1]).reshape(1, -1) for c in self.calls])
+            rows = np.concatenate([np.asarray(c[1]).reshape(-1, c[1].shape[-1]) for c in self.calls])
             probs = np.concatenate(host_probs(routers) if tapped else [host_floats(r) for r in routers])
         layers = [c[0]._layer for c in self.calls]
+        size = len(rows) // len(layers)  # (sequences: a batch's rows)
         if layers[0] == 0:
-            cache.tick(1)
-        cache.counters.hits += int((np.diff(np.sort(rows, axis=1), axis=1) != 0).sum()) + len(rows)  # distinct
+            cache.tick(size)
+        distinct = (np.diff(np.sort(rows, axis=1), axis=1) != 0).sum(axis=1) + 1  # each row's at each layer
+        if self.rows is not None:  # each row's hits and routing its request's (as count_rows and CallRows.learn)
+            per_row = np.zeros((size, 3), dtype=np.int64)
+            per_row[:, 0] = distinct.reshape(len(layers), size).sum(axis=0)
+            with cache.lock:
+                cache.counters.hits += int(distinct.sum())
+                self.rows.count(per_row)
+            self.rows.learn_step(layers, rows.reshape(len(layers), size, -1), probs.reshape(len(layers), size, -1))
+            return
+        cache.counters.hits += int(distinct.sum())
         if cache.observers or cache.profile is None:
             observe_calls(cache, step_calls(layers, rows, probs), list(rows))
         else:  # (a row's repeated expert, if any, counted once: as its distinct experts)
@@ -656,7 +671,8 @@ class StreamingExperts(nn.Module):
         if probs is not None:
             work.side.append(probs)
         out = self._inner(x, table[self._layer][indices])
-        if x.size == x.shape[-1] and self._runtime is not None and self._runtime.group is None:
+        if x.size == x.shape[-1] * (1 if work.rows is None else work.rows.size) and self._runtime is not None \
+                and self._runtime.group is None:  # (a decode step's, a batch's: one token a row)
             mx.async_eval(out, *(work.pack() if self._layer == self._cache.store.num_layers - 1 else ()))
         return out
 
