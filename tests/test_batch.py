@@ -25,7 +25,7 @@ import mlxmoe
 from mlxmoe import batching, server as mlxmoe_server
 from mlxmoe.batching import CallRows, Share
 from mlxmoe.caching import verify
-from mlxmoe.caching.experts import LayerCall, ResidentCalls, StreamingExperts, row_counts
+from mlxmoe.caching.experts import LayerCall, StreamingExperts, row_counts
 from mlxmoe.drafting import NGram
 from mlxmoe.workload.profile import ActivationProfile
 from test_server import PROMPTS, Server, copy_profiles, heldout_prompts
@@ -359,8 +359,8 @@ def test_call_rows_wait_for_their_requests():
 @pytest.mark.parametrize("cache", ["partial", "resident"])
 def test_profiles_per_request_in_a_batch(tmp_path, cache, monkeypatch):
     """With --profiles requests are batched, and each one's profile learns exactly what it
-    learns from that request served alone: its own routing, not the batch's (every expert
-    resident: a batch's decode steps learnt at once, ResidentCalls._decode_step)."""
+    learns from that request served alone: its own routing, not the batch's (a batch's decode
+    steps learnt at once: verified, or every expert resident)."""
     asked = [("Il gatto è sul tavolo e la lingua italiana", 24), ("The cat sat on the kernel option", 24)]
     def fresh(name):  # a fresh copy of the stored profiles
         (tmp_path / name).mkdir()
@@ -376,8 +376,8 @@ def test_profiles_per_request_in_a_batch(tmp_path, cache, monkeypatch):
             served.stop()
     names = [usage["profile"] for _, usage, _ in alone]
     assert sorted(names) == ["english", "italian"]  # they take different profiles
-    stepped, real = [], ResidentCalls._decode_step
-    monkeypatch.setattr(ResidentCalls, "_decode_step", lambda self, r: stepped.append(self.rows) or real(self, r))
+    stepped, real = [], CallRows.learn_step
+    monkeypatch.setattr(CallRows, "learn_step", lambda self, *a: stepped.append(self.size) or real(self, *a))
     served = start(8, fresh("batch"), **CACHES[cache])
     try:
         got = together(served, asked)
@@ -388,7 +388,7 @@ def test_profiles_per_request_in_a_batch(tmp_path, cache, monkeypatch):
     assert all(usage["batch_largest"] == 2 for _, usage in got), got  # batched together
     assert [text for text, _ in got] == [text for text, _, _ in alone]
     assert [usage["profile"] for _, usage in got] == names
-    assert any(rows is not None and rows.size == 2 for rows in stepped) == (cache == "resident")
+    assert 2 in stepped  # (a batch's decode steps learnt at once)
     for name, (_, usage, profiles) in zip(names, alone):
         assert learnt[name].tokens_total == profiles[name].tokens_total
         assert np.array_equal(learnt[name].counts, profiles[name].counts)

@@ -37,7 +37,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_dists, host_probs
-from .experts import as_rows, count_rows, observe_calls, resident_table, step_call, step_calls
+from .experts import as_rows, count_hit_rows, count_rows, observe_calls, resident_table, step_call, step_calls
 from .prefetch import decayed
 
 # verified tokens weighed at a time (off after fewer where their replays already cost more);
@@ -617,8 +617,8 @@ class Verifier:
         probs = self.routing.dists_of(layers)
         calls = step_calls(layers, rows, probs, self.tokens)
         cache.counters.hits += sum(len(c[1]) for c in calls)
-        for call, row in zip(calls, rows) if _per_row(cache) else ():
-            count_rows(cache, cache.rows, as_rows(row, self.tokens), call[1])
+        if _per_row(cache):
+            _count_hits_per_row(cache, calls, rows, self.tokens)
         cache.hit_calls(calls)
         _count_useful(cache, self.guessed, calls)
         self.observed.extend(zip(calls, rows, probs))
@@ -661,11 +661,31 @@ def _count_useful(cache, guessed: set, calls: list) -> None:
         guessed -= used
 
 
+def _count_hits_per_row(cache, calls: list, rows: list, tokens: int) -> None:
+    """A batch's layer calls that hit, counted per row (each call's distinct experts counted
+    already): at once where no row is padding."""
+    batch = cache.rows
+    if batch.real is None:
+        union = sum(len(c[1]) for c in calls)
+        count_hit_rows(cache, batch, np.asarray(rows).reshape(len(rows), batch.size, -1), union)
+        return
+    for call, row in zip(calls, rows):
+        count_rows(cache, batch, as_rows(row, tokens), call[1])
+
+
 def _observe(cache, observed: list, tokens: int) -> None:
-    """The observers told a verified step's layer calls [(call, row, distribution)] at once."""
+    """The observers told a verified step's layer calls [(call, row, distribution)] at once; a
+    batch's decode step (one token a row, no observer but its rows' requests) learnt by each
+    row's request in one go (CallRows.learn_step)."""
     if observed:
         calls, rows, dists = map(list, zip(*observed))
-        observe_calls(cache, calls, rows, tokens, dists)
+        batch, layers = cache.rows, [c[0] for c in calls]
+        if _per_row(cache) and batch.real is None and not cache.observers and len(set(layers)) == len(layers) \
+                and all(d is not None for d in dists):
+            batch.learn_step(layers, np.asarray(rows).reshape(len(rows), batch.size, -1),
+                             np.stack(dists).reshape(len(rows), batch.size, -1))
+        else:
+            observe_calls(cache, calls, rows, tokens, dists)
 
 
 def _per_row(cache) -> bool:
