@@ -126,7 +126,7 @@ class CallRows:
         self._given(self._learn, call)
 
     def learn_step(self, layers, experts, mass):
-        """A decode step's layer calls at once (experts.ResidentCalls): each row's distinct
+        """A decode step's layer calls at once (ResidentCalls, Verifier): each row's distinct
         experts (`experts` [layers, rows, k]) and router distributions (`mass` [layers, rows,
         experts]) learnt by its request's profile."""
         self._given(self._learn_step, (layers, experts, mass))
