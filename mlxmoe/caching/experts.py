@@ -142,13 +142,17 @@ def count_rows(cache, batch, rows, experts, missed=(), nbytes=0) -> None:
         batch.count(per_row)
 
 
+def distinct_counts(rows: np.ndarray) -> np.ndarray:
+    """The distinct experts of each row of `rows` (along its last axis)."""
+    return (np.diff(np.sort(rows, axis=-1), axis=-1) != 0).sum(axis=-1) + 1
+
+
 def count_hit_rows(cache, batch, rows, union=0) -> None:
     """count_rows of a batched step's layer calls that all hit, in one go: `rows` [calls,
     sequences, k]; the cache's hits count each row's distinct experts in place of the calls'
     `union` (counted already)."""
-    distinct = (np.diff(np.sort(rows, axis=2), axis=2) != 0).sum(axis=2) + 1  # [calls, sequences]
     per_row = np.zeros((batch.size, 3), dtype=np.int64)
-    per_row[:, 0] = distinct.sum(axis=0)
+    per_row[:, 0] = distinct_counts(rows).sum(axis=0)
     with cache.lock:
         cache.counters.hits += int(per_row[:, 0].sum()) - union
         batch.count(per_row)
@@ -364,10 +368,11 @@ class ResidentCalls:
         if layers[0] == 0:
             cache.tick(size)
         if self.rows is not None:  # each row's hits and routing its request's (as count_rows and CallRows.learn)
-            count_hit_rows(cache, self.rows, rows.reshape(len(layers), size, -1))
-            self.rows.learn_step(layers, rows.reshape(len(layers), size, -1), probs.reshape(len(layers), size, -1))
+            each = rows.reshape(len(layers), size, -1)
+            count_hit_rows(cache, self.rows, each)
+            self.rows.learn_step(layers, each, probs.reshape(len(layers), size, -1))
             return
-        cache.counters.hits += int((np.diff(np.sort(rows, axis=1), axis=1) != 0).sum()) + len(rows)  # distinct
+        cache.counters.hits += int(distinct_counts(rows).sum())
         if cache.observers or cache.profile is None:
             observe_calls(cache, step_calls(layers, rows, probs), list(rows))
         else:  # (a row's repeated expert, if any, counted once: as its distinct experts)

@@ -616,9 +616,7 @@ class Verifier:
             return
         probs = self.routing.dists_of(layers)
         calls = step_calls(layers, rows, probs, self.tokens)
-        cache.counters.hits += sum(len(c[1]) for c in calls)
-        if _per_row(cache):
-            _count_hits_per_row(cache, calls, rows, self.tokens)
+        _count_hits(cache, calls, rows, self.tokens)
         cache.hit_calls(calls)
         _count_useful(cache, self.guessed, calls)
         self.observed.extend(zip(calls, rows, probs))
@@ -661,12 +659,15 @@ def _count_useful(cache, guessed: set, calls: list) -> None:
         guessed -= used
 
 
-def _count_hits_per_row(cache, calls: list, rows: list, tokens: int) -> None:
-    """A batch's layer calls that hit, counted per row (each call's distinct experts counted
-    already): at once where no row is padding."""
+def _count_hits(cache, calls: list, rows: list, tokens: int) -> None:
+    """Layer calls that hit counted: each call's distinct experts; a batch's per row (at once
+    where no row is padding), the cache's hits then each row's distinct experts."""
+    union = sum(len(c[1]) for c in calls)
+    cache.counters.hits += union
     batch = cache.rows
+    if not _per_row(cache):
+        return
     if batch.real is None:
-        union = sum(len(c[1]) for c in calls)
         count_hit_rows(cache, batch, np.asarray(rows).reshape(len(rows), batch.size, -1), union)
         return
     for call, row in zip(calls, rows):
