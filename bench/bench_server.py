@@ -41,21 +41,29 @@ def free_port():
 
 
 class Server:
-    """A server process on 127.0.0.1, ready once /health answers (bounded wait)."""
+    """A server process on 127.0.0.1, ready once /health answers (bounded wait). Where it exits
+    or does not answer in time, the error ends with the last lines it wrote to stderr."""
 
     def __init__(self, argv, timeout=120, env=None):
         self.port = free_port()
+        self.errors = tempfile.TemporaryFile()  # (a file, not a pipe: a full pipe would stall the server)
         self.proc = subprocess.Popen([*argv, "--port", str(self.port)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, env=env)
+                                     stderr=self.errors, env=env)
         tic = time.monotonic()
-        while time.monotonic() - tic < timeout:
+        while time.monotonic() - tic < timeout and self.proc.poll() is None:
             try:
                 if self.post("GET", "/health")[0] == 200:
                     return
             except OSError:
                 time.sleep(0.2)
+        exited = self.proc.poll()
         self.stop()
-        raise RuntimeError(f"{argv[:3]} did not start in {timeout} s")
+        why = f"exited with status {exited}" if exited is not None else f"did not start in {timeout} s"
+        raise RuntimeError(f"{argv[:3]} {why}; its stderr ended with:\n{self.stderr_tail()}")
+
+    def stderr_tail(self, lines=20):
+        self.errors.seek(0)
+        return "\n".join(self.errors.read().decode(errors="replace").splitlines()[-lines:])
 
     def post(self, method, path, body=None):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
@@ -88,6 +96,7 @@ class Server:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
 
 
 def load_round(server, clients, requests, pool, max_tokens):

@@ -128,3 +128,20 @@ def test_every_script_explains_itself():
         proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60,
                               env=ENV, cwd=ROOT)
         assert proc.returncode == 0 and "usage:" in proc.stdout, (script.name, proc.stderr[-2000:])
+
+
+def test_a_server_that_fails_to_start_says_why(tmp_path):
+    """The benches' Server: a server that exits before it answers fails at once (not after its
+    start timeout) with the status and the end of what it wrote to stderr (here: the missing
+    checkpoint named)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from bench_server import Server
+    finally:
+        sys.path.remove(str(BENCH))
+    missing = tmp_path / "no-such-model"
+    tic = time.monotonic()
+    with pytest.raises(RuntimeError) as failed:
+        Server([sys.executable, "-m", "mlxmoe", "serve", "--model", str(missing)], timeout=100)
+    assert time.monotonic() - tic < 60
+    assert "exited with status" in str(failed.value) and str(missing) in str(failed.value), failed.value
