@@ -39,6 +39,8 @@ each layer's experts are read once for the P prompts.
   cancellation (GenerationContext.stop) and its reply ended: its slot goes to the next.
 - A step that fails (a shard changed under the server...) fails the requests in the batch.
 - The model's generation lock is held while the batch holds requests.
+- mlx-lm's loop reads each row's logprob of its token at every step: from host memory
+  (HostRow), not an op that would wait for the step queued after it, once a row.
 """
 
 import itertools
@@ -246,11 +248,43 @@ class Prompts(PromptProcessingBatch):
         return made(self, idx, super().extract_cache)
 
 
+class HostRow:
+    """A row's logprobs (a batch's row, or a sequence's token) as mlx-lm's server loop reads
+    them at each token (`[token].item()`): read from the evaluated array's memory. Indexing the
+    array is a new op, computed behind the step mlx-lm has queued: each row's read would wait
+    for all of that step, and the host would build none of the next meanwhile. Other reads
+    (top_logprobs) get the array."""
+
+    def __init__(self, row):
+        self.row = row
+        if row.dtype == mx.bfloat16:  # (no such numpy dtype: its bits are float32's upper half)
+            self.host, self.bits = None, np.frombuffer(memoryview(row), dtype=np.uint16)
+        else:
+            self.host, self.bits = np.asarray(row), None
+
+    def __getitem__(self, index):
+        if not isinstance(index, (int, np.integer)):
+            return self.row[index]
+        if self.bits is not None:
+            return (np.array([self.bits[index]], dtype=np.uint32) << 16).view(np.float32)[0]
+        return self.host[index]
+
+    def __neg__(self):
+        return -self.row
+
+
 class Decoding(GenerationBatch):
     """mlx-lm's generation batch whose KV is settled where rows join or leave it (settle_kv), a
-    finished row's cache made where extracted (made)."""
+    finished row's cache made where extracted (made), each row's logprobs read on the host
+    (HostRow)."""
 
     keep = True  # as Prompts.keep
+
+    def next(self):
+        responses = super().next()
+        for response in responses:
+            response.logprobs = HostRow(response.logprobs)
+        return responses
 
     def extract_cache(self, idx):
         return made(self, idx, super().extract_cache)

@@ -67,7 +67,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from . import distributed, webpage
 from .api import generation_lock, model_fingerprint, prefill_step, stream_generate, vocab_size
-from .batching import Batches, Replies as BatchReplies, ShuttingDown, counters, usage
+from .batching import Batches, HostRow, Replies as BatchReplies, ShuttingDown, counters, usage
 from .budget import DEFAULT_CONTEXT, format_size
 from .errors import MlxmoeError
 from .drafting import NGram
@@ -370,6 +370,7 @@ class ResponseGenerator(mlx_server.ResponseGenerator):
             for i, response in enumerate(generation):
                 if i == 0:
                     name = self.decide(request, observed)
+                response.logprobs = HostRow(response.logprobs)  # (mlx-lm's loop reads its token's at once)
                 yield response
                 # shutting down, or the client went away (told by the handler, or seen now: within one token)
                 shutting, left = self.shutting_down(), request.cancelled or request.client.gone()

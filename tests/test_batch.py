@@ -80,13 +80,14 @@ def complete(served, prompt, max_tokens):
     return r.choices[0].text, dict(r.usage.model_extra["mlxmoe"], total_tokens=r.usage.total_tokens)
 
 
-def together(served, asked):
-    """Complete `asked` [(prompt, max_tokens)] at once, sent while the model's generation lock is
-    held (a second): the first waits for it, and the others are in by the time it starts."""
+def together(served, asked, ask=None):
+    """Complete `asked` [(prompt, max_tokens)] at once (or `ask` each), sent while the model's
+    generation lock is held (a second): the first waits for it, and the others are in by the
+    time it starts."""
     lock = mlxmoe.api.generation_lock(served.model)
     lock.acquire()
     threading.Timer(1.0, lock.release).start()
-    return in_threads(lambda p, n: complete(served, p, n), asked)
+    return in_threads(ask or (lambda p, n: complete(served, p, n)), asked)
 
 
 def idle(served, seconds=30):
@@ -569,6 +570,42 @@ def test_batching_off_with_drafts_or_max_batch_1():
                                                     "with its own profile)")
     finally:
         model.expert_cache.close()
+
+
+
+def test_a_batchs_logprobs_are_each_requests_own():
+    """Requests batched together asking for logprobs (the legacy completions' top 3) are
+    answered the values each gets alone (--max-batch 1: mlx-lm's one-sequence path)."""
+    asked = [(p, 5) for p in PROMPTS[:3]]
+    answers = {}
+    for max_batch in (8, 1):
+        served = start(max_batch, cache_experts=128)
+        try:
+            answers[max_batch] = together(served, asked, lambda p, n: served.client.completions.create(
+                model="demo", prompt=p, max_tokens=n, temperature=0, logprobs=3))
+        finally:
+            served.stop()
+    assert max(r.usage.model_extra["mlxmoe"]["batch_largest"] for r in answers[8]) > 1  # (batched)
+    for batched, alone in zip(*[[r.choices[0].logprobs for r in answers[b]] for b in (8, 1)]):
+        assert batched.tokens == alone.tokens and len(batched.tokens) == 5
+        assert batched.token_logprobs == pytest.approx(alone.token_logprobs, abs=1e-4)
+        for ours, theirs in zip(batched.top_logprobs, alone.top_logprobs):
+            assert ours.keys() == theirs.keys() and list(ours.values()) == pytest.approx(list(theirs.values()), abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_rows_logprobs_are_read_on_the_host(dtype):
+    """mlx-lm's server loop reads each row's `logprobs[token].item()` at every token: from a
+    batch's row it is read from the evaluated array's memory (not an op queued behind the
+    next step), the same value in every dtype; its top tokens (top_logprobs) as the array's."""
+    row = (mx.random.normal((1000,), key=mx.random.key(0)) * 4).astype(getattr(mx, dtype))
+    mx.eval(row)
+    host = batching.HostRow(row)
+    for token in (0, 17, 999):
+        read = host[token]
+        assert not isinstance(read, mx.array) and read.item() == row[token].item()
+    tokenizer = SimpleNamespace(convert_ids_to_tokens=lambda ids: [str(i) for i in ids])
+    assert mlx_server._format_top_logprobs(host, 3, tokenizer) == mlx_server._format_top_logprobs(row, 3, tokenizer)
 
 
 @pytest.mark.parametrize("kind", ["Prompts", "Decoding"])
