@@ -208,7 +208,8 @@ def print_row(row, budget):
             f"({row['mlx_lm_rps']:.2f} / {row['mlx_lm_one_rps']:.2f} req/s, every expert resident)"
             if budget is not None else "")
     waited = (f"; waits per generated token batched {row['batched_waits_per_token']:.1f}, "
-              f"one {row['one_waits_per_token']:.1f}" if row["rtt_us"] is not None else "")
+              f"one {row['one_waits_per_token']:.1f}, mlx_lm.server {row['mlx_lm_waits_per_token']:.1f}"
+              if row["rtt_us"] is not None else "")
     print(f"{row['clients']:>2} clients{at}: req/s batched {row['batched_rps']:.2f}, mlx_lm.server "
           f"{row['mlx_lm_rps']:.2f}, --max-batch 1 {row['one_rps']:.2f} (batched/mlx_lm "
           f"{row['vs_mlx_lm']:.2f}x, batched/one {row['vs_one']:.2f}x){gain}; tok/s per request batched "
