@@ -572,7 +572,6 @@ def test_batching_off_with_drafts_or_max_batch_1():
         model.expert_cache.close()
 
 
-
 def test_a_batchs_logprobs_are_each_requests_own():
     """Requests batched together asking for logprobs (the legacy completions' top 3) are
     answered the values each gets alone (--max-batch 1: mlx-lm's one-sequence path)."""
