@@ -169,27 +169,45 @@ class CallRows:
             observed.observe(call.layer, experts, scores, mean)
 
 
-def settle_kv(*caches) -> None:
-    """Evaluate these KV caches (lists of one cache a layer) a layer at a time. Where mlx-lm
-    made each layer's new arrays from the old (prompts joining or leaving a batch, rows
-    leaving: copies, gathers and concatenations, left lazy), the old then go layer by layer,
-    instead of living beside their copies until a later step evaluates them all."""
-    for layer in zip(*[c for c in caches if c]):
-        mx.eval([c.state for c in layer])
+def settle_kv(*caches, room: int = 0) -> None:
+    """Evaluate these KV caches (lists of one cache a layer), as many layers at once as `room`
+    bytes hold of their new arrays, at least one (each evaluation is a wait on the device).
+    Where mlx-lm made each layer's new arrays from the old (prompts joining or leaving a batch,
+    rows leaving: copies, gathers and concatenations, left lazy), the old then go a group at a
+    time, instead of living beside their copies until a later step evaluates them all."""
+    layers = [[c.state for c in layer] for layer in zip(*[c for c in caches if c])]
+    for group in layer_groups(layers, room):
+        mx.eval(group)
+
+
+def layer_groups(layers: list, room: int) -> list:
+    """`layers` (each layer's arrays, lazy) in runs of as many layers as `room` bytes hold."""
+    nbytes = max((sum(a.nbytes for a in _flat_arrays(layer)) for layer in layers), default=0)
+    n = max(1, room // nbytes) if nbytes else len(layers) or 1
+    return [layers[i:i + n] for i in range(0, len(layers), n)]
+
+
+def _flat_arrays(tree) -> list:
+    if isinstance(tree, mx.array):
+        return [tree]
+    return [a for item in tree for a in _flat_arrays(item)] if isinstance(tree, (list, tuple)) else []
 
 
 def absorb(batch, other, extend) -> None:
     """extend(other): `other`'s rows join `batch` (mlx-lm pads and concatenates each layer's KV,
-    lazily); then `batch`'s KV is evaluated a layer at a time and `other`'s let go with it
+    lazily); then `batch`'s KV is evaluated as settle_kv does and `other`'s let go with it
     (mlx-lm holds `other` until its step's end: its KV would live beside the copy till then)."""
     joining = other.prompt_cache
     extend(other)
     if joining is batch.prompt_cache:  # (`batch` was empty: it took `other`'s KV as it is)
-        settle_kv(joining)
+        settle_kv(joining, room=batch.room())
         return
-    for ours, theirs in zip(batch.prompt_cache, joining):
-        mx.eval(ours.state)
-        theirs.keys = theirs.values = None
+    layers = list(zip(batch.prompt_cache, joining))
+    for group in layer_groups([[ours.state] for ours, _ in layers], batch.room()):
+        mx.eval(group)
+        for _ in group:
+            _, theirs = layers.pop(0)
+            theirs.keys = theirs.values = None
 
 
 def made(batch, idx: int, extract) -> list:
@@ -213,7 +231,8 @@ class Prompts(PromptProcessingBatch):
 
     lengths, fed = np.zeros(0, dtype=np.int64), 0
     keep = True  # whether the server's prompt cache keeps a row's cache (made)
-    splitting = False  # (within split: both parts are settled together, a layer at a time)
+    room = staticmethod(lambda: 0)  # bytes free for a KV change's new arrays (Batches.kv_room)
+    splitting = False  # (within split: both parts are settled together)
 
     def prompt(self, tokens):
         self.lengths, self.fed = np.array([len(t) for t in tokens]), 0
@@ -225,7 +244,7 @@ class Prompts(PromptProcessingBatch):
     def filter(self, keep):  # (remove: a prompt whose client left)
         super().filter(keep)
         if not self.splitting:
-            settle_kv(self.prompt_cache)
+            settle_kv(self.prompt_cache, room=self.room())
 
     def split(self, indices):
         # (mlx-lm's copy shares the KV's buffers: each part settled alone would hold the whole
@@ -236,7 +255,7 @@ class Prompts(PromptProcessingBatch):
         finally:
             self.splitting = False
         taken.splitting = False
-        settle_kv(self.prompt_cache, taken.prompt_cache)
+        settle_kv(self.prompt_cache, taken.prompt_cache, room=self.room())
         return taken
 
     def _copy(self):
@@ -279,6 +298,7 @@ class Decoding(GenerationBatch):
     (HostRow)."""
 
     keep = True  # as Prompts.keep
+    room = staticmethod(lambda: 0)  # as Prompts.room
 
     def next(self):
         responses = super().next()
@@ -296,7 +316,7 @@ class Decoding(GenerationBatch):
 
     def filter(self, keep):
         super().filter(keep)
-        settle_kv(self.prompt_cache)
+        settle_kv(self.prompt_cache, room=self.room())
 
 
 class ShuttingDown(Exception):
@@ -370,6 +390,13 @@ class Batches(BatchGenerator):
         self._generation_batch = Decoding.empty(self.model, self.sampler)
         keep = getattr(getattr(self.owner, "prompt_cache", None), "max_size", 1) > 0
         self._prompt_batch.keep = self._generation_batch.keep = keep
+        self._prompt_batch.room = self._generation_batch.room = self.kv_room
+
+    def kv_room(self) -> int:
+        """The bytes a KV change's new arrays may take beside what MLX holds now: the budget
+        less it and the working memory (the step queued meanwhile computes in it)."""
+        plan = self.base.expert_runtime.plan
+        return plan.budget - plan.working - mx.get_active_memory()
 
     def insert_segments(self, segments, max_tokens=None, *args, **kwargs):
         uids = super().insert_segments(segments, max_tokens, *args, **kwargs)

@@ -607,13 +607,16 @@ def test_a_rows_logprobs_are_read_on_the_host(dtype):
     assert mlx_server._format_top_logprobs(host, 3, tokenizer) == mlx_server._format_top_logprobs(row, 3, tokenizer)
 
 
+@pytest.mark.parametrize("room", [0, 1 << 40])
 @pytest.mark.parametrize("kind", ["Prompts", "Decoding"])
-def test_rows_leaving_a_batch_free_their_kv_at_once(kind):
+def test_rows_leaving_a_batch_free_their_kv_at_once(kind, room):
     """A row removed from a batch (a client gone mid-prefill or mid-decode): mlx-lm's filter
     makes each layer's KV a lazy gather of the old, which would keep the whole batch's KV alive
-    beside it until a later step; ours evaluates it there, so the removed row's share is freed."""
+    beside it until a later step; ours evaluates it there, so the removed row's share is freed
+    (a layer at a time where the budget has no room, at once where it has)."""
     layers, rows, shape = 4, 4, (8, 256, 64)  # 4 rows of 8 heads x 256 tokens x 64, float32: 2 MB a layer
     batch = getattr(batching, kind).empty(None, None)
+    batch.room = lambda: room
     cache = [mlx_lm_cache.BatchKVCache([0] * rows) for _ in range(layers)]
     for c in cache:
         c.update_and_fetch(mx.ones((rows, *shape)), mx.ones((rows, *shape)))
@@ -629,6 +632,42 @@ def test_rows_leaving_a_batch_free_their_kv_at_once(kind):
     freed = before - mx.get_active_memory()
     whole = layers * 2 * rows * np.prod(shape) * 4
     assert freed >= 0.7 * whole, (freed, whole)
+
+
+def test_kv_changes_are_evaluated_as_many_layers_at_once_as_the_budget_has_room_for(monkeypatch):
+    """settle_kv (rows joining or leaving a batch): one wait on the device for as many layers'
+    new KV as `room` bytes hold, at least one layer a wait; in a server whose budget has room
+    for all of it, a batch's joins and leaves take one wait each."""
+    class KV:
+        def __init__(self):
+            self.keys, self.values = mx.ones((2, 4, 16, 8)), mx.zeros((2, 4, 16, 8))
+
+        @property
+        def state(self):
+            return self.keys, self.values
+    evals, real = [], mx.eval
+    monkeypatch.setattr(batching.mx, "eval", lambda *a: evals.append(len(a[0])) or real(*a))
+    layer = 2 * 2 * 4 * 16 * 8 * 4  # one layer's keys and values, float32
+    for room, expected in ((0, [1] * 6), (layer + 1, [1] * 6), (3 * layer, [3, 3]), (4 * layer, [4, 2]),
+                           (1 << 30, [6])):
+        evals.clear()
+        batching.settle_kv([KV() for _ in range(6)], room=room)
+        assert evals == expected, (room, evals)
+    monkeypatch.undo()
+    groups, layer_groups = [], batching.layer_groups  # evaluations per KV change
+
+    def spy(layers, room):
+        out = layer_groups(layers, room)
+        groups.append(len(out))
+        return out
+    monkeypatch.setattr(batching, "layer_groups", spy)
+    served = start(8, cache_experts=128)
+    try:
+        together(served, ASKED[:3])
+        idle(served)
+    finally:
+        served.stop()
+    assert groups.count(1) >= 3 and set(groups) <= {0, 1}, groups  # (0: a change of no layers' KV)
 
 
 @pytest.mark.parametrize("max_batch", [8, 1])
