@@ -47,6 +47,7 @@ import itertools
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm import server as mlx_server
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 from mlx_lm.models.cache import BatchKVCache
@@ -177,20 +178,15 @@ def settle_kv(*caches, room: int = 0) -> None:
     time, instead of living beside their copies until a later step evaluates them all."""
     layers = [[c.state for c in layer] for layer in zip(*[c for c in caches if c])]
     for group in layer_groups(layers, room):
-        mx.eval(group)
+        mx.eval(layers[group])
 
 
 def layer_groups(layers: list, room: int) -> list:
-    """`layers` (each layer's arrays, lazy) in runs of as many layers as `room` bytes hold."""
-    nbytes = max((sum(a.nbytes for a in _flat_arrays(layer)) for layer in layers), default=0)
+    """Slices of `layers` (each layer's arrays, lazy) of as many layers as `room` bytes hold."""
+    nbytes = max((sum(a.nbytes for _, a in tree_flatten(layer) if isinstance(a, mx.array)) for layer in layers),
+                 default=0)
     n = max(1, room // nbytes) if nbytes else len(layers) or 1
-    return [layers[i:i + n] for i in range(0, len(layers), n)]
-
-
-def _flat_arrays(tree) -> list:
-    if isinstance(tree, mx.array):
-        return [tree]
-    return [a for item in tree for a in _flat_arrays(item)] if isinstance(tree, (list, tuple)) else []
+    return [slice(i, i + n) for i in range(0, len(layers), n)]
 
 
 def absorb(batch, other, extend) -> None:
@@ -202,11 +198,10 @@ def absorb(batch, other, extend) -> None:
     if joining is batch.prompt_cache:  # (`batch` was empty: it took `other`'s KV as it is)
         settle_kv(joining, room=batch.room())
         return
-    layers = list(zip(batch.prompt_cache, joining))
-    for group in layer_groups([[ours.state] for ours, _ in layers], batch.room()):
-        mx.eval(group)
-        for _ in group:
-            _, theirs = layers.pop(0)
+    states = [ours.state for ours in batch.prompt_cache]
+    for group in layer_groups(states, batch.room()):
+        mx.eval(states[group])
+        for theirs in joining[group]:
             theirs.keys = theirs.values = None
 
 
