@@ -48,7 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import bench_server  # noqa: E402
 from bench_server import Server  # noqa: E402
 from heldout import prompts  # noqa: E402
-from system import check_outputs, model_folder, write_json  # noqa: E402
+from system import check_outputs, cpu_ticks, model_folder, stolen_share, write_json  # noqa: E402
 
 
 def complete(port, prompt, max_tokens):
@@ -161,12 +161,14 @@ def throughput(args, pool, clients_list, budget=None, rtt=None):
         for clients in clients_list:
             runs = {name: [] for name in servers}
             waits = {name: 0 for name in servers}
+            stolen = {name: [] for name in servers}
             for r in range(args.rounds):
                 names = list(servers)
                 for name in names[r % len(names):] + names[:r % len(names)]:  # rotated each round
-                    before = device_waits(servers[name])
+                    before, ticks = device_waits(servers[name]), cpu_ticks()
                     runs[name].append(load_round(servers[name], clients, args.requests, pool, args.max_tokens,
                                                  texts[name]))
+                    stolen[name].append(stolen_share(ticks, cpu_ticks()))
                     waits[name] = None if before is None else waits[name] + device_waits(servers[name]) - before
             row = {"clients": clients, "rtt_us": rtt}
             for name, results in runs.items():
@@ -176,6 +178,7 @@ def throughput(args, pool, clients_list, budget=None, rtt=None):
                 row[f"{name}_decode_tps"] = statistics.median(rates) if rates else None
                 tokens = sum(n for _, _, n, _ in results)
                 row[f"{name}_waits_per_token"] = None if waits[name] is None else waits[name] / tokens
+                row[f"{name}_stolen"] = max(stolen[name]) if None not in stolen[name] else None
             row["vs_mlx_lm"] = row["batched_rps"] / row["mlx_lm_rps"]
             row["vs_one"] = row["batched_rps"] / row["one_rps"]
             row["decode_vs_one"] = (row["batched_decode_tps"] / row["one_decode_tps"]
@@ -213,7 +216,15 @@ def print_row(row, budget):
     print(f"{row['clients']:>2} clients{at}: req/s batched {row['batched_rps']:.2f}, mlx_lm.server "
           f"{row['mlx_lm_rps']:.2f}, --max-batch 1 {row['one_rps']:.2f} (batched/mlx_lm "
           f"{row['vs_mlx_lm']:.2f}x, batched/one {row['vs_one']:.2f}x){gain}; tok/s per request batched "
-          f"{row['batched_tps']:.1f}, one {row['one_tps']:.1f}{decoding(row)}{waited}", flush=True)
+          f"{row['batched_tps']:.1f}, one {row['one_tps']:.1f}{decoding(row)}{waited}{stolen_line(row)}", flush=True)
+
+
+def stolen_line(row):
+    """The most CPU time the hypervisor gave other guests in a round of each server (/proc/stat steal)."""
+    shares = {name: row.get(f"{name}_stolen") for name in ("batched", "one", "mlx_lm")}
+    if None in shares.values():
+        return ""
+    return "; CPU stolen in a round at most " + ", ".join(f"{n} {100 * v:.0f} %" for n, v in shares.items())
 
 
 def decoding(row):

@@ -66,7 +66,7 @@ sys.path.insert(0, str(HERE))
 
 from roundtrip import DeviceWaits  # noqa: E402
 from bench_runtime import DEFAULT_PROMPT, fmt, no_repeat, run_child, table  # noqa: E402
-from system import check_outputs, write_json  # noqa: E402
+from system import check_outputs, cpu_ticks, stolen_share, write_json  # noqa: E402
 
 ROOT = HERE.parent
 DEFAULT_CHECKPOINT = Path("/tmp/mlxmoe-bench/host-bound-qwen3-48L")
@@ -89,7 +89,7 @@ def timed_generation(generate, model, tokenizer, args, waits=None, cache=None):
 
     def mark():
         m = waits.mark() if waits is not None else {}
-        return dict(m, wall=time.perf_counter(), host=time.thread_time(), cpu=time.process_time())
+        return dict(m, wall=time.perf_counter(), host=time.thread_time(), cpu=time.process_time(), ticks=cpu_ticks())
 
     for response in generate(model, tokenizer, args.prompt, max_tokens=args.tokens, logits_processors=processors):
         tokens.append(int(response.token))
@@ -98,12 +98,12 @@ def timed_generation(generate, model, tokenizer, args, waits=None, cache=None):
             first = last = mark()
         else:
             last = mark()
-    d = {k: last[k] - first[k] for k in first if k != "sites"}
+    d = {k: last[k] - first[k] for k in first if k not in ("sites", "ticks")}
     steps = max(len(tokens) - 1, 1)
     out = {"tokens": tokens, "decode_steps": len(tokens) - 1, "tok_s": steps / d["wall"] if d["wall"] else None,
            "ms_per_token": 1e3 * d["wall"] / steps,
            "host_ms_per_token": 1e3 * (d["host"] - d.get("emulation_cpu", 0.0)) / steps,
-           "process_cpu_ms_per_token": 1e3 * d["cpu"] / steps}
+           "process_cpu_ms_per_token": 1e3 * d["cpu"] / steps, "stolen": stolen_share(first["ticks"], last["ticks"])}
     if waits is not None:
         sites0 = first["sites"]
         sites = {k: (n - sites0.get(k, 0)) / steps for k, n in last["sites"].items() if n > sites0.get(k, 0)}
@@ -116,7 +116,7 @@ def timed_generation(generate, model, tokenizer, args, waits=None, cache=None):
                  if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(stats0.get(k), (int, float))}
         hits, misses = delta.get("hits", 0), delta.get("misses", 0)
         out.update(hits=hits, misses=misses, hit_rate=hits / (hits + misses) if hits + misses else None,
-                   stats_delta=delta)
+                   stats_delta=delta, verify=stats1.get("verify"))
     return out
 
 
@@ -308,7 +308,7 @@ def pooled(runs, rtt):
     med = lambda k: statistics.median(x[k] for x in rows) if all(x.get(k) is not None for x in rows) else None
     mean = lambda k: statistics.fmean(x[k] for x in rows) if all(x.get(k) is not None for x in rows) else None
     out = {k: med(k) for k in ("tok_s", "ms_per_token", "host_ms_per_token", "process_cpu_ms_per_token")}
-    out.update({k: mean(k) for k in ("waits_per_token", "calls_per_token", "added_us_per_wait")})
+    out.update({k: mean(k) for k in ("waits_per_token", "calls_per_token", "added_us_per_wait", "stolen")})
     if "hits" in rows[0]:
         hits, misses = sum(x["hits"] for x in rows), sum(x["misses"] for x in rows)
         out["hit_rate"] = hits / (hits + misses) if hits + misses else None
@@ -332,7 +332,7 @@ def report(args, configs, sizes, results, rtts):
         for name, config, kwargs in configs:
             p = pooled(results[name], rtt)
             if p is None:
-                rows.append([name, f"{rtt:g}"] + ["-"] * 8 + ["FAILED"])
+                rows.append([name, f"{rtt:g}"] + ["-"] * 8 + ["FAILED", "-"])
                 continue
             s = stock[rtt]
             slots = None if config in STOCKS else total if config == "resident" else sizes[config]
@@ -348,7 +348,8 @@ def report(args, configs, sizes, results, rtts):
                          "-" if p.get("hit_rate") is None else f"{100 * p['hit_rate']:.1f} %",
                          fmt(p["tok_s"], ".1f"), fmt(line["vs_stock"], ".2f"), fmt(p["waits_per_token"], ".1f"),
                          fmt(p["calls_per_token"], ".1f"), fmt(p["host_ms_per_token"], ".2f"),
-                         fmt(line["host_vs_stock"], ".2f"), {None: "-", True: "yes", False: "NO"}[same]])
+                         fmt(line["host_vs_stock"], ".2f"), {None: "-", True: "yes", False: "NO"}[same],
+                         fmt(p["stolen"] and 100 * p["stolen"], ".0f")])
     if args.json:
         for line in lines:
             print(json.dumps(line))
@@ -363,13 +364,15 @@ def report(args, configs, sizes, results, rtts):
           f"{SHAPES['num_experts_per_tok']}, 4-bit, hidden {SHAPES['hidden_size']} (decode window: tokens "
           f"2..{args.tokens}, {args.rounds} round{'s' * (args.rounds > 1)}, medians)",
           ["config", "rtt us", "cache (experts, %)", "hit rate", "tok/s", "/ stock", "waits/token", "calls/token",
-           "host ms/token", "host / stock's", "tokens identical"], rows)
+           "host ms/token", "host / stock's", "tokens identical", "stolen %"], rows)
     added = [l["added_us_per_wait"] for l in lines if l["rtt_us"] and l.get("added_us_per_wait")]
     cost = [r["count_cost_us"] for runs in results.values() for r in runs if "count_cost_us" in r]
     rule = "every patched call (--every-call)" if args.every_call else "patched calls on the decode thread that slept"
     print(f"waits: {rule}; calls: all patched calls; added per wait {'(spin)' if args.spin else '(sleep)'}: "
           + (f"{min(added):.0f}-{max(added):.0f} us measured" if added else "-")
           + (f"; counting cost {statistics.median(cost):.1f} us a call, in the host time" if cost else ""))
+    print("stolen %: the machine's CPU time its hypervisor gave other guests in the decode window "
+          "(/proc/stat steal): a row with a few % or more is slowed by a shared host, not by its code")
     rtt = max(rtts)
     print(f"waits per token by call site at {rtt:g} us: " + "; ".join(
         f"{l['config']} " + ", ".join(f"{k} {v:.1f}" for k, v in l["wait_sites"].items())

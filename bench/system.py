@@ -38,6 +38,25 @@ def disk_read_bytes():
     return _field("/proc/self/io", "read_bytes:")
 
 
+def cpu_ticks():
+    """(stolen, all) CPU time of the machine so far in clock ticks (/proc/stat's cpu line), None
+    where unreadable. Stolen: time a virtual machine's cores ran other guests, the noise of a
+    shared host that slows a timed run without showing in its load average."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks)
+
+
+def stolen_share(start, end):
+    """The share of the machine's CPU time stolen between two cpu_ticks() (None if unknown)."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return (end[0] - start[0]) / (end[1] - start[1])
+
+
 def proc_status():
     """VmRSS and VmHWM of this process in bytes."""
     return _field("/proc/self/status", "VmRSS:", 1024), _field("/proc/self/status", "VmHWM:", 1024)

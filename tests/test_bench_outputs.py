@@ -145,3 +145,26 @@ def test_a_server_that_fails_to_start_says_why(tmp_path):
         Server([sys.executable, "-m", "mlxmoe", "serve", "--model", str(missing)], timeout=100)
     assert time.monotonic() - tic < 60
     assert "exited with status" in str(failed.value) and str(missing) in str(failed.value), failed.value
+
+
+def test_the_stolen_share_is_read_from_the_machines_cpu_times(tmp_path):
+    """bench/system.py's stolen CPU time (printed beside timed figures): /proc/stat's cpu line
+    read as (steal, all) ticks that grow with busy work; the share between two readings is
+    their steal over their ticks, None where a reading is missing or no time passed."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from system import cpu_ticks, stolen_share
+    finally:
+        sys.path.remove(str(BENCH))
+    if not Path("/proc/stat").exists():
+        pytest.skip("no /proc/stat here")
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+    start = cpu_ticks()
+    assert start[1] >= sum(fields) and start[0] >= fields[7]
+    tic = time.perf_counter()
+    while time.perf_counter() - tic < 0.1:  # (ticks are 10 ms)
+        pass
+    end = cpu_ticks()
+    assert end[1] > start[1] and 0.0 <= stolen_share(start, end) <= 1.0
+    assert stolen_share((5, 100), (7, 200)) == 0.02
+    assert stolen_share(None, end) is None and stolen_share(end, end) is None

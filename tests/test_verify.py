@@ -3,8 +3,10 @@ a layer that missed read and the token computed again from it; tokens and KV cac
 stock mlx-lm's, the placeholder slot never in the output, waits per token counted."""
 
 import dataclasses
+import itertools
 import threading
 import time
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx_lm
@@ -669,3 +671,33 @@ def test_verified_steps_go_on_after_a_rotating_cache_wraps(checkpoint, monkeypat
     assert sum(wrapped) >= TOKENS - 2, wrapped  # (the prompt is longer than the window)
     assert stats["verified_tokens"] >= TOKENS - 2 and stats["replays"] >= TOKENS - 2
     model.expert_runtime.close()
+
+
+@pytest.mark.parametrize("per_layer", [0.03, 0.08])
+def test_a_first_guess_turns_the_mode_off_only_to_time_the_per_layer_path(per_layer, monkeypatch):
+    """The first weighing prices the per-layer path by an empty round trip (here free): off on
+    it, the mode is off for the MEASURED_OFF steps that time that path, then weighed against
+    them: on for good where the per-layer steps took longer (0.08 s against verified steps of
+    0.05 s), off for twice OFF_STEPS where they were faster (0.03 s)."""
+    clock = [0.0]
+    monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0))
+    switch = verify.Switch(4, lambda: None)
+    switch.wait = 1e-9
+
+    def step_on_the_per_layer_path():
+        clock[0] += per_layer
+    steps = []
+    for _ in range(verify.FIRST_WEIGH + verify.MEASURED_OFF + 2 * verify.OFF_STEPS + 4):
+        on = switch.step()
+        if on:
+            switch.verified(0.05, 1, 2, 4)
+        else:
+            switch.timed(cache, step_on_the_per_layer_path, (), {})
+        steps.append(on)
+    runs = [(on, len(list(run))) for on, run in itertools.groupby(steps)]
+    first = [(True, verify.FIRST_WEIGH), (False, verify.MEASURED_OFF)]
+    if per_layer > 0.05:
+        assert runs == first + [(True, len(steps) - verify.FIRST_WEIGH - verify.MEASURED_OFF)], runs
+    else:
+        assert runs[:4] == first + [(True, verify.FIRST_WEIGH), (False, 2 * verify.OFF_STEPS)], runs

@@ -97,7 +97,8 @@ class Switch:
     waited last (`layer_wait()`, or an empty round trip before any). Off for `off_steps`
     steps where the verified steps cost more, doubled at each turn off in a row; on again
     after MEASURED_OFF steps off where those took longer than the verified steps had (the
-    first guess, from the waits alone, leaves out the per-layer path's own host work)."""
+    first guess, from the waits alone, leaves out the per-layer path's own host work: off on
+    it, the mode is off for those MEASURED_OFF steps alone, then weighed against them)."""
 
     def __init__(self, moe_layers: int, layer_wait, first_replay=lambda: None) -> None:
         self.moe_layers, self.layer_wait = moe_layers, layer_wait
@@ -165,7 +166,9 @@ class Switch:
         if w[0] <= w[1]:
             self.off_steps = OFF_STEPS
             return False
-        self.off_until = self.steps + self.off_steps
+        # before the per-layer path is timed, off only for as long as timing it takes (the
+        # first weighing prices its waits by an empty round trip, not its steps)
+        self.off_until = self.steps + (self.off_steps if self.layerwise is not None else MEASURED_OFF)
         self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
         self.timed_off = 0
         self.reason = (f"a verified step took {w[0] / w[2] * 1e3:.2f} ms, more than the {w[1] / w[2] * 1e3:.2f} ms "
