@@ -89,21 +89,23 @@ def timed_generation(generate, model, tokenizer, args, waits=None, cache=None):
 
     def mark():
         m = waits.mark() if waits is not None else {}
-        return dict(m, wall=time.perf_counter(), host=time.thread_time(), cpu=time.process_time(), ticks=cpu_ticks())
+        return dict(m, wall=time.perf_counter(), host=time.thread_time(), cpu=time.process_time())
 
     for response in generate(model, tokenizer, args.prompt, max_tokens=args.tokens, logits_processors=processors):
         tokens.append(int(response.token))
         if first is None:
             stats0 = cache.stats() if cache is not None else None
             first = last = mark()
+            ticks = cpu_ticks()  # (once at each end: reading /proc/stat is host work)
         else:
             last = mark()
-    d = {k: last[k] - first[k] for k in first if k not in ("sites", "ticks")}
+    stolen = stolen_share(ticks, cpu_ticks())
+    d = {k: last[k] - first[k] for k in first if k != "sites"}
     steps = max(len(tokens) - 1, 1)
     out = {"tokens": tokens, "decode_steps": len(tokens) - 1, "tok_s": steps / d["wall"] if d["wall"] else None,
            "ms_per_token": 1e3 * d["wall"] / steps,
            "host_ms_per_token": 1e3 * (d["host"] - d.get("emulation_cpu", 0.0)) / steps,
-           "process_cpu_ms_per_token": 1e3 * d["cpu"] / steps, "stolen": stolen_share(first["ticks"], last["ticks"])}
+           "process_cpu_ms_per_token": 1e3 * d["cpu"] / steps, "stolen": stolen}
     if waits is not None:
         sites0 = first["sites"]
         sites = {k: (n - sites0.get(k, 0)) / steps for k, n in last["sites"].items() if n > sites0.get(k, 0)}
