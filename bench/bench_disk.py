@@ -551,7 +551,7 @@ def analyse(args, info, compute, belady, runs):
             requests=(p["disk_reads"] or 0) + (d["disk_reads"] or 0), request_bytes=p["disk_bytes"] + d["disk_bytes"],
             loads=p["loads_demand"] + p.get("loads_prefetched", 0) + d["loads_demand"] + d.get("loads_prefetched", 0),
             method=r["stats"].get("io", {}).get("method"),
-            fallback=r["stats"].get("io", {}).get("fallback"), warnings=r.get("warnings", []))
+            fallback=r["stats"].get("io", {}).get("fallback"), warnings=r.get("warnings", []), stolen=r.get("stolen"))
         row["ratio_ms"] = row["ms"] / row["bound_ms"]
         rows.append(row)
     for row in rows:  # against prefetch off at the same rate and cache
@@ -623,7 +623,7 @@ def report(args, info, compute, belady, runs, baseline=None, dd=None):
         head = [rate_label(row["rate_text"], row["rate"], args.latency), f"{row['share'] * 100:.0f}% ({row['slots']})",
                 row["config"]]
         if "error" in row:
-            table_rows.append(head + ["-"] * 17 + ["FAILED: " + row["error"]])
+            table_rows.append(head + ["-"] * 18 + ["FAILED: " + row["error"]])
             continue
         table_rows.append(head + [
             f"{row['ratio']:.1f}x", f"{row['ms']:.0f}", f"{row['bound_ms']:.0f}", f"{row['ratio_ms']:.2f}",
@@ -632,19 +632,20 @@ def report(args, info, compute, belady, runs, baseline=None, dd=None):
             f"{row['useful']:.1f}", br.fmt(row["cancelled"], ".1f"), f"{row['disk_mib']:.1f}", br.fmt(row["disk_busy"] and row["disk_busy"] * 100, ".0f"),
             f"{row['ttft']:.1f}", f"{row['ttft_bound']:.1f}", f"{row['ttft_ratio']:.2f}",
             f"{row['prefill_reads']}/{row['first_token_pairs']}", f"{row['load_seconds']:.1f}",
-            yes[row["identical"]]])
+            br.fmt(row["stolen"] and row["stolen"] * 100, ".0f"), yes[row["identical"]]])
     br.table(f"Decode and prefill with the disk as the bottleneck ({disk}; per token: over the decode window)",
              ["disk (rate latency)", "cache (slots)", "config", "reads/compute", "ms/token", "bound ms", "ms/bound", "/ off",
               "reads/token", "/ Belady", "demand/token", "useful pf/token", "cancelled pf/token", "disk MiB/token",
               "disk busy %",
-              "TTFT s", "TTFT bound s", "TTFT/bound", "prefill reads/pairs", "load s", "tokens == resident"],
+              "TTFT s", "TTFT bound s", "TTFT/bound", "prefill reads/pairs", "load s", "stolen %", "tokens == resident"],
              table_rows)
     print(f"bound ms = max(compute {compute_s * 1e3:.0f} ms, Belady's reads x {info['expert_bytes'] / MiB:.2f} MiB / "
           f"rate, dd's for `disk`); reads/token = demand + prefetched loads; useful pf = prefetched loads later used; "
           f"cancelled pf = background reads stopped part way (their layer call came without them; - where the "
           f"runtime does not count them); disk MiB = what crossed the mount (with O_DIRECT's alignment), for `disk` "
           f"the cache's bytes_read (expert reads done); disk busy = the disk's busy time / decode time, for `disk` "
-          f"the cache's disk_busy_seconds (any expert read under way; - where the runtime does not report it);\n"
+          f"the cache's disk_busy_seconds (any expert read under way; - where the runtime does not report it); "
+          f"stolen % = the machine's CPU time its hypervisor gave other guests during the run's process;\n"
           f"TTFT bound = resident TTFT {ttft_res:.2f} s + one step's compute (mlx-lm builds the second token's "
           f"step before yielding the first; mlxmoe's streaming layers compute it then) + Belady's reads before the "
           f"first token (the {belady['first_token_pairs']} distinct (layer, expert) pairs of those layer calls, "

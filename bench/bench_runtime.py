@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(HERE.parent))  # synthetic.py (shared with tests); last: a baseline's mlxmoe on PYTHONPATH comes first
 
-from system import check_outputs, disk_read_bytes, drop_page_cache, proc_status, write_json  # noqa: E402
+from system import check_outputs, cpu_ticks, disk_read_bytes, drop_page_cache, proc_status, stolen_share, write_json  # noqa: E402
 ROOT = HERE.parent
 # Short: on a 2-core CPU a prefill token costs about as much as a decoded one.
 DEFAULT_PROMPT = "Once upon a time there was a little fox who lived in the forest."
@@ -346,7 +346,7 @@ def run_child(cmd, label, timeout, env=None):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_file = f.name
     print(f"[bench] {label} ...", file=sys.stderr, flush=True)
-    tic = time.perf_counter()
+    tic, ticks = time.perf_counter(), cpu_ticks()
     try:
         proc = subprocess.run(cmd + ["--result", result_file], cwd=ROOT, timeout=timeout, stdout=sys.stderr,
                               env={**os.environ, **(env or {})})
@@ -360,6 +360,7 @@ def run_child(cmd, label, timeout, env=None):
     os.unlink(result_file)
     result["wall_seconds"] = wall
     result["loadavg_1min_end"] = os.getloadavg()[0]
+    result["stolen"] = stolen_share(ticks, cpu_ticks())  # (the machine's CPU time the hypervisor took meanwhile)
     print(f"[bench] {label}: {'done' if rc == 0 else f'FAILED ({rc})'} in {wall:.1f}s", file=sys.stderr, flush=True)
     return result
 
@@ -441,7 +442,7 @@ def report(args, ckpt, results, dd):
                         ("resident", f"mlxmoe, all {total_experts} experts cached")):
         r = results.get(name, {})
         if "error" in r:
-            rows.append([label] + ["-"] * 8 + ["FAILED: " + r["error"]])
+            rows.append([label] + ["-"] * 9 + ["FAILED: " + r["error"]])
             continue
         if "runs" not in r:
             continue
@@ -449,14 +450,16 @@ def report(args, ckpt, results, dd):
         rows.append([label, fmt(r["load_seconds"], ".1f"), fmt(median_run(r, "prompt_tps"), ".1f"),
                      fmt(median_run(r), ".2f"), f"{max(tps):.2f}", " / ".join(f"{t:.2f}" for t in tps),
                      fmt((cpu_per_token(r) or 0) * 1e3, ".0f"), fmt(r["peak_memory"] / GiB, ".2f"),
-                     f"{r.get('loadavg_1min_end', 0):.1f}", {None: "-", True: "yes", False: "NO"}[same(name)]])
+                     f"{r.get('loadavg_1min_end', 0):.1f}", fmt(r.get("stolen") and 100 * r["stolen"], ".0f"),
+                     {None: "-", True: "yes", False: "NO"}[same(name)]])
     table(f"1. Decode, everything in memory ({args.rounds} alternating processes x {args.runs} runs "
           f"after {args.warmup} warm-up each)",
           ["configuration", "load s", "prefill tok/s", "decode tok/s", "best", "runs tok/s", "CPU ms/token",
-           "MLX peak GiB", "load avg", "tokens == stock+policy"], rows)
+           "MLX peak GiB", "load avg", "stolen %", "tokens == stock+policy"], rows)
     if rows:
         print("CPU ms/token: CPU time of the process (all threads) per decoded token, median; load avg: 1-minute "
-              "load of this 2-core machine when the process ended")
+              "load of this 2-core machine when the process ended; stolen %: the machine's CPU time its hypervisor "
+              "gave other guests during the process (/proc/stat steal)")
     res, stock32, stock = (results.get(n, {}) for n in ("resident", "stock-f32", "stock"))
     if "error" not in res and "error" not in stock32 and res.get("runs") and stock32.get("runs"):
         med = median_run(res) / median_run(stock32)
