@@ -64,6 +64,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import routed  # noqa: E402
 from roundtrip import DeviceWaits  # noqa: E402
 from bench_runtime import DEFAULT_PROMPT, fmt, no_repeat, run_child, table  # noqa: E402
 from system import check_outputs, cpu_ticks, stolen_share, write_json  # noqa: E402
@@ -128,6 +129,7 @@ def open_model(args):
         import mlx_lm
 
         model, tokenizer = mlx_lm.load(str(args.checkpoint))
+        follow_routing(args, model, tokenizer)
         if args.one == "stock-layerwait":
             wait_per_layer(model)
         return model, tokenizer, mlx_lm.stream_generate, None
@@ -135,10 +137,34 @@ def open_model(args):
 
     kwargs = {**json.loads(args.load_kwargs), "cache_experts": args.slots}
     model, tokenizer = mlxmoe.load(str(args.checkpoint), **kwargs)
+    follow_routing(args, model, tokenizer)
     cache = model.expert_cache
     if args.slots >= SHAPES["num_hidden_layers"] * SHAPES["num_experts"] and hasattr(cache, "prewarm_done"):
         cache.prewarm_done(timeout=args.timeout)  # every expert read in the background before the timing
     return model, tokenizer, mlxmoe.stream_generate, cache
+
+
+def use_routing(args):
+    """With --routing: the checkpoint's counts become the recording's (its layers, experts and
+    top-k), built at a path of their own unless --checkpoint is given; args.recorded kept."""
+    args.recorded = None
+    if not args.routing:
+        return
+    meta, logits, first_decode = routed.read(args.routing)
+    args.recorded = (logits, first_decode)
+    SHAPES.update(num_hidden_layers=meta["num_layers"], num_experts=meta["num_experts"],
+                  num_experts_per_tok=meta["top_k"])
+    if args.checkpoint == DEFAULT_CHECKPOINT:
+        args.checkpoint = DEFAULT_CHECKPOINT.with_name(
+            f"host-bound-{meta['num_layers']}x{meta['num_experts']}-top{meta['top_k']}")
+    return meta
+
+
+def follow_routing(args, model, tokenizer):
+    """With --routing: `model` routes as the recording did (bench/routed.py)."""
+    if args.recorded is not None:
+        logits, first_decode = args.recorded
+        routed.follow(model, logits, first_decode, len(tokenizer.encode(args.prompt)))
 
 
 def wait_per_layer(model):
@@ -190,6 +216,7 @@ def calibrate(args):
     def rate(n):
         if n not in points:
             model, tokenizer = mlxmoe.load(str(args.checkpoint), **{**json.loads(args.load_kwargs), "cache_experts": n})
+            follow_routing(args, model, tokenizer)
             timed_generation(mlxmoe.stream_generate, model, tokenizer, args, cache=model.expert_cache)
             points[n] = timed_generation(mlxmoe.stream_generate, model, tokenizer, args,
                                          cache=model.expert_cache)["hit_rate"] or 0.0
@@ -247,7 +274,7 @@ def spawn(args, one, load_kwargs="{}", slots=None, rtts=None):
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", one, "--checkpoint", str(checkpoint),
            "--tokens", str(args.tokens), "--prompt", args.prompt, "--no-repeat", str(args.no_repeat),
            "--load-kwargs", load_kwargs, "--timeout", str(args.timeout),
-           "--calibration-probes", str(args.calibration_probes)]
+           "--calibration-probes", str(args.calibration_probes)] + ["--routing", args.routing] * bool(args.routing)
     if slots is not None:
         cmd += ["--slots", str(slots)]
     if rtts is not None:
@@ -274,7 +301,7 @@ def cache_sizes(args, configs):
         return sizes, None
     file = calibration_file(args)
     key = json.dumps([str(Path(args.checkpoint).resolve()), args.tokens, args.prompt, args.no_repeat,
-                      json.loads(args.load_kwargs)], sort_keys=True)
+                      json.loads(args.load_kwargs)] + [args.routing] * bool(args.routing), sort_keys=True)
     kept = json.loads(file.read_text()) if file.exists() else {}
     if key not in kept or args.recalibrate:
         result = spawn(args, "calibrate", args.load_kwargs)
@@ -363,7 +390,8 @@ def report(args, configs, sizes, results, rtts):
                   f"decode-thread host {s['host_ms_per_token']:.1f} ms a token = "
                   f"{100 * s['host_ms_per_token'] / s['ms_per_token']:.0f} % of it")
     table(f"Host-bound decode, {SHAPES['num_hidden_layers']} MoE layers x {SHAPES['num_experts']} experts, top "
-          f"{SHAPES['num_experts_per_tok']}, 4-bit, hidden {SHAPES['hidden_size']} (decode window: tokens "
+          f"{SHAPES['num_experts_per_tok']}, 4-bit, hidden {SHAPES['hidden_size']}, routing "
+          f"{'recorded: ' + args.routing if args.routing else 'of the random weights'} (decode window: tokens "
           f"2..{args.tokens}, {args.rounds} round{'s' * (args.rounds > 1)}, medians)",
           ["config", "rtt us", "cache (experts, %)", "hit rate", "tok/s", "/ stock", "waits/token", "calls/token",
            "host ms/token", "host / stock's", "tokens identical", "stolen %"], rows)
@@ -409,11 +437,16 @@ def main():
     parser.add_argument("--json", action="store_true", help="JSON lines (one per row) instead of the table.")
     parser.add_argument("--output", type=Path, default=HERE / "out" / "host.json", help="All results, JSON.")
     parser.add_argument("--timeout", type=int, default=1800, help="Seconds per process.")
+    parser.add_argument("--routing", default=None,
+                        help="[FORMAT:]FILE: route as this recording of a real model did (bench/routed.py; "
+                             "`mlxmoe trace import` formats, .csv: bigmoeonedge, .json: moe-ocs); the checkpoint "
+                             "takes its layers, experts and top-k (built beside the default one).")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--slots", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    meta = use_routing(args)
     if args.one:  # child; --result: a temp file run_child made for it alone, not a user's path
         Path(args.result).write_text(json.dumps(run_one(args)))
         return

@@ -1,0 +1,110 @@
+"""Recorded routing for a bench model: each MoE layer routes as a real model did (bench_host.py
+--routing), for stock mlx-lm and mlxmoe alike, from outside the runtime.
+
+A recording (`mlxmoe trace import`'s formats: BigMoeOnEdge CSV, moe_ocs JSON, ...) gives each
+context position's experts and weights at each layer. The model's routers still compute (their
+matmul and its cost stay), but the logits a MoE block routes by are the recording's at the
+token's position: log(weight) for its experts, far below for the rest, so the block's top-k and
+normalised scores are the recording's. The position is the KV cache's offset when the model is
+called, so a verified step's replay of a token routes as its first pass did. Where the
+recording lacks a cell, the position before it (at that layer) stands in. Positions map onto
+the recording so that the first generated token is its first decode step, and wrap past its end.
+
+Only the block's own router call follows the recording: a prefetcher's lookahead (another
+layer's router on this hidden state) scores with the random weights, so it predicts nothing;
+and a verified pass's later layers route as they will on its replay (a real model's drift
+after a missing expert is absent), so its guesses of their misses are exact.
+"""
+
+import math
+
+import numpy as np
+
+UNROUTED = -60.0  # an unrouted expert's logit: exp() of it is nothing beside a routed weight's
+ROUTED = {}  # id(a MoE block's router) -> (state, logits on the device, its MoE layer, position shift)
+
+
+def read(spec):
+    """(meta, logits [positions, layers, experts] float32, first decode position) of a
+    recording `FORMAT:PATH` or PATH (.csv: bigmoeonedge, .json: moe-ocs), its first sequence."""
+    from mlxmoe.errors import MlxmoeError
+    from mlxmoe.workload.importers import IMPORT_FORMATS
+
+    fmt, _, path = spec.rpartition(":") if spec.split(":", 1)[0] in IMPORT_FORMATS else ("", "", spec)
+    fmt = fmt or ("bigmoeonedge" if path.endswith(".csv") else "moe-ocs")
+    meta, sequences = IMPORT_FORMATS[fmt](path)
+    if not sequences or not sequences[0][1]:
+        raise MlxmoeError(f"{path}: no routing in it")
+    entries = sequences[0][1]
+    steps = sorted({e[0] for e in entries})
+    layers = meta["num_layers"] or 1 + max(e[1] for e in entries)
+    experts = meta["num_experts"] or 1 + max(x for e in entries for x in e[2])
+    k = meta["top_k"] or max(len(e[2]) for e in entries)
+    at = {s: i for i, s in enumerate(steps)}
+    logits = np.full((len(steps), layers, experts), np.nan, dtype=np.float32)
+    for step, layer, ids, weights, _, where in entries:
+        if len(set(ids)) != k:
+            raise MlxmoeError(f"{where}: {len(set(ids))} distinct experts, the recording's top-k is {k}")
+        row = np.full(experts, UNROUTED, dtype=np.float32)
+        row[ids] = [math.log(max(w, 1e-6)) for w in weights] if weights else 0.0
+        logits[at[step], layer] = row
+    for i in range(len(steps)):  # a missing cell: the position before it, else the next one filled
+        for layer in np.flatnonzero(np.isnan(logits[i, :, 0])):
+            near = [j for j in [*range(i - 1, -1, -1), *range(i + 1, len(steps))] if not np.isnan(logits[j, layer, 0])]
+            if not near:
+                raise MlxmoeError(f"{path}: layer {layer} has no routing")
+            logits[i, layer] = logits[near[0], layer]
+    first_decode = min((at[e[0]] for e in entries if not e[4]), default=0)
+    return dict(meta, num_layers=layers, num_experts=experts, top_k=k, positions=len(steps)), logits, first_decode
+
+
+def follow(model, logits, first_decode, prompt_tokens):
+    """Make `model` (mlx-lm's, or mlxmoe's) route as `logits` say (see the module's doc)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    table = mx.array(logits)
+    state = {"position": 0, "layer": None}
+    shift = first_decode - prompt_tokens  # the first generated token's position -> the first decode step
+    for base in (nn.Linear, nn.QuantizedLinear):
+        if not hasattr(base, "_unrouted_call"):
+            base._unrouted_call = base.__call__
+            base.__call__ = _routed_call
+    blocks = [layer.mlp for layer in model.layers if hasattr(getattr(layer, "mlp", None), "gate")]
+    if len(blocks) != logits.shape[1]:
+        raise SystemExit(f"the model has {len(blocks)} MoE layers, the recording {logits.shape[1]}")
+    for i, block in enumerate(blocks):
+        ROUTED[id(block.gate)] = (state, table, i, shift)
+        _subclass(block, lambda self, x, i=i: _in_block(self, x, state, i))
+    _subclass(model, lambda self, inputs, *a, **kw: _at_position(self, inputs, a, kw, state))
+
+
+def _routed_call(self, x):
+    import mlx.core as mx
+
+    out = type(self)._unrouted_call(self, x)
+    routing = ROUTED.get(id(self))
+    if routing is None or routing[0]["layer"] != routing[2]:  # not this block's own routing
+        return out
+    state, table, layer, shift = routing
+    rows = (np.arange(x.shape[-2]) + state["position"] + shift) % table.shape[0]
+    return out * 0 + table[mx.array(rows), layer].astype(out.dtype)
+
+
+def _subclass(obj, call):
+    cls = type(obj)
+    obj.__class__ = type(f"Routed{cls.__name__}", (cls,), {"__call__": call, "_routed_base": cls})
+
+
+def _in_block(block, x, state, layer):
+    state["layer"] = layer
+    try:
+        return block._routed_base.__call__(block, x)
+    finally:
+        state["layer"] = None
+
+
+def _at_position(model, inputs, args, kwargs, state):
+    cache = kwargs.get("cache", args[0] if args else None)
+    state["position"] = int(cache[0].offset) if cache else 0
+    return model._routed_base.__call__(model, inputs, *args, **kwargs)
