@@ -37,6 +37,7 @@ as in bench_runtime.py, whose helpers this imports):
     python bench/bench_disk.py --rates disk                      # this machine's disk, no FUSE (GPU machines)
     python bench/bench_disk.py --rates disk --baseline-path /tmp/base  # old code: git archive REF mlxmoe | tar -x -C /tmp/base
     python bench/bench_disk.py --rates 40MB/s --configs default,oracle --oracle-depth 1   # a perfect predictor's ceiling
+    python bench/bench_disk.py --rates 40MB/s --cache 0.5 --routing ROUTE.csv   # routed as a real model (bench/routed.py)
 
 Rates are slowdisk's: binary units (20MB/s = 20 MiB/s), as are the MiB in the tables. An
 emulated rate needs slowdisk.py (the project's FUSE disk emulator, kept outside this
@@ -325,6 +326,10 @@ def install_oracle(trace):
 
 def run_one(args):
     sys.path.append(str(ROOT))  # last: an installed mlxmoe, or PYTHONPATH's (the baseline's), comes first
+    if args.routing and args.one != "info":
+        import routed
+
+        routed.install(args.routing, args.prompt)  # every model loaded here routes as the recording
     if args.one == "info":
         return run_info(args)
     if args.one == "resident":
@@ -348,6 +353,8 @@ def child_args(args, **extra):
         out += ["--layers", str(args.layers), "--experts", str(args.experts)]
     if args.lossy:
         out += ["--lossy", args.lossy]
+    if args.routing:
+        out += ["--routing", args.routing]
     for key, value in extra.items():
         out += [f"--{key.replace('_', '-')}", str(value)]
     return out
@@ -458,18 +465,19 @@ def baseline_path(folder):
     return tree
 
 
-def wait_for_checkpoint(path, timeout):
+def wait_for_checkpoint(path, timeout, top_k=8):
     """The default checkpoint (or a missing --model PATH): build it (bench_runtime.py --one
     build, 8 layers) if absent, else wait while another process finishes building it
     (bench_runtime.checkpoint_matches)."""
-    shapes = argparse.Namespace(layers=8, experts=128, top_k=8, residual_scale=0.1)
+    shapes = argparse.Namespace(layers=8, experts=128, top_k=top_k, residual_scale=0.1)
     if not path.exists():
         print(f"[bench] {path} is missing: building it (bench_runtime.py --one build --layers 8; a few minutes) ...",
               file=sys.stderr, flush=True)
         tic = time.perf_counter()
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             rc = subprocess.run([sys.executable, str(HERE / "bench_runtime.py"), "--one", "build", "--result", f.name,
-                                 "--checkpoint", str(path), "--layers", "8"], cwd=ROOT, stdout=sys.stderr).returncode
+                                 "--checkpoint", str(path), "--layers", "8", "--top-k", str(top_k)], cwd=ROOT,
+                                stdout=sys.stderr).returncode
         if rc or not br.checkpoint_matches(path, shapes):
             raise SystemExit(f"building {path} failed (exit status {rc}); remove what is there and rerun")
         print(f"[bench] built {path} in {time.perf_counter() - tic:.0f}s ({br.checkpoint_bytes(path) / MiB:.0f} MiB)",
@@ -499,7 +507,7 @@ def previous_results(args):
         prev = json.loads(args.output.read_text())
         same = all(prev["args"][k] == v for k, v in (("model", args.model), ("prompt", args.prompt),
                                                     ("tokens", args.tokens), ("no_repeat", args.no_repeat),
-                                                    ("latency", args.latency)))
+                                                    ("latency", args.latency), ("routing", args.routing)))
     except (OSError, ValueError, KeyError):
         return None
     if not same or "error" in prev.get("compute", {"error": 1}) or not Path(prev["routing"].get("trace", "")).exists():
@@ -568,6 +576,9 @@ def report(args, info, compute, belady, runs, baseline=None, dd=None):
     print(f"\nCheckpoint: {info['path']} ({info['model_type']}, {info['layers']} MoE layers x {info['experts']} "
           f"experts, top {info['top_k']}): {info['bytes'] / MiB:.0f} MiB in {info['files']} files, "
           f"{info['expert_bytes'] / MiB:.3f} MiB per expert on disk")
+    if args.routing:
+        print(f"Routing: recorded, {args.routing} (its first {info['layers']} MoE layers; the lookahead still "
+              "guesses with the model's own routers)")
     if "error" not in compute and not all(r["decode_steps"] for r in compute["runs"]):
         compute = {"error": "the resident runs decoded no token after the first"}
     if "error" in compute:
@@ -761,6 +772,10 @@ def main():
                              "code's mlxmoe/ package (made with: mkdir -p DIR && git archive REF mlxmoe | tar -x -C "
                              "DIR); the baseline child runs with PYTHONPATH=DIR and checks mlxmoe.__file__ is "
                              "under DIR.")
+    parser.add_argument("--routing", default=None,
+                        help="[FORMAT:]FILE: every run routes as this recording of a real model did (its first MoE "
+                             "layers; bench/routed.py), the lookahead still guesses with the model's own routers; "
+                             "the default checkpoint takes its top-k.")
     parser.add_argument("--prompt", default=None,
                         help=f"Prompt (short: the prefill reads every expert it routes to). Default {DEFAULT_PROMPT!r} "
                              f"(8 tokens on the synthetic checkpoint), {DEMO_PROMPT!r} for --model demo (5 tokens).")
@@ -798,6 +813,13 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through the finally that unmounts
     if args.model and args.checkpoint and args.model != args.checkpoint:
         raise SystemExit("--model and --checkpoint name the same thing: give one")
+    top_k = 8
+    if args.routing:  # (the recording's top-k: a default checkpoint of its own)
+        import routed
+
+        top_k = routed.read(args.routing)[0]["top_k"]
+        if not (args.model or args.checkpoint) and top_k != 8:
+            args.model = str(DEFAULT_MODEL.with_name(f"{DEFAULT_MODEL.name}-top{top_k}"))
     args.model = args.model or args.checkpoint or str(DEFAULT_MODEL)
     demo = args.model == "demo"
     if args.quick:
@@ -823,11 +845,12 @@ def main():
         args.output = HERE / "out" / ("disk" + ("-demo" if demo else "") + ("-quick" if args.quick else "") + ".json")
     check_outputs({"--output": args.output, "the routing trace": args.output.with_suffix(".trace.jsonl")},
                   {"--model": ROOT / "mlxmoe" / "demo" if demo else args.model, "--slowdisk": args.slowdisk,
-                   "--baseline-path": args.baseline_path, "--lossy fallback": lossy_kwargs(args.lossy).get("fallback")})
+                   "--baseline-path": args.baseline_path, "--lossy fallback": lossy_kwargs(args.lossy).get("fallback"),
+                   "--routing": args.routing and args.routing.rpartition(":")[2]})
     rates = parse_rates(args, args.only_rates or args.rates)  # slowdisk and FUSE only for an emulated rate
     shares = [float(s) for s in args.cache.split(",")]
     if not demo and (Path(args.model).resolve() == DEFAULT_MODEL.resolve() or not Path(args.model).exists()):
-        wait_for_checkpoint(Path(args.model).resolve(), args.wait)
+        wait_for_checkpoint(Path(args.model).resolve(), args.wait, top_k)
     args.checkpoint = "demo" if demo else str(Path(args.model).resolve())
     sha = tree = baseline = None
     if "baseline" in configs and args.baseline:

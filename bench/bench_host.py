@@ -453,7 +453,8 @@ def main():
 
     # the calibration is written beside --output, never into the checkpoint (an input)
     check_outputs({"--output": args.output, "the calibration": calibration_file(args)},
-                  {"--checkpoint": args.checkpoint, "--stock-checkpoint": args.stock_checkpoint})
+                  {"--checkpoint": args.checkpoint, "--stock-checkpoint": args.stock_checkpoint,
+                   "--routing": args.routing and args.routing.rpartition(":")[2]})
     t_start, load_start = time.perf_counter(), os.getloadavg()
     configs = parse_configs(args)
     rtts = [float(x) for x in args.rtt.split(",")]

@@ -9,11 +9,14 @@ normalised scores are the recording's. The position is the KV cache's offset whe
 called, so a verified step's replay of a token routes as its first pass did. Where the
 recording lacks a cell, the position before it (at that layer) stands in. Positions map onto
 the recording so that the first generated token is its first decode step, and wrap past its end.
+A model with fewer MoE layers routes as the recording's first ones (the model's top-k must be the
+recording's); install() makes every model a process loads follow it (bench_disk.py's children).
 
 Only the block's own router call follows the recording: a prefetcher's lookahead (another
 layer's router on this hidden state) scores with the random weights, so it predicts nothing;
-and a verified pass's later layers route as they will on its replay (a real model's drift
-after a missing expert is absent), so its guesses of their misses are exact.
+while running ahead (the later blocks themselves called on this hidden state) and a verified
+pass's later layers route as they will (a real model's drift is absent), so their guesses are
+exact. Figures with it bracket a real model's: a useless lookahead, perfect running ahead.
 """
 
 import math
@@ -63,20 +66,43 @@ def follow(model, logits, first_decode, prompt_tokens):
     import mlx.core as mx
     import mlx.nn as nn
 
-    table = mx.array(logits)
     state = {"position": 0, "layer": None}
     shift = first_decode - prompt_tokens  # the first generated token's position -> the first decode step
+    blocks = [layer.mlp for layer in model.layers if hasattr(getattr(layer, "mlp", None), "gate")]
+    k = int((logits[0, 0] > UNROUTED).sum())
+    if not blocks or len(blocks) > logits.shape[1] or any(getattr(b, "top_k", k) != k for b in blocks) \
+            or any(getattr(b, "num_experts", logits.shape[2]) < logits.shape[2] for b in blocks):
+        raise SystemExit(f"the model ({len(blocks)} MoE layers, top-{getattr(blocks[0], 'top_k', '?') if blocks else '?'}) "
+                         f"cannot route as the recording ({logits.shape[1]} layers x {logits.shape[2]} experts, "
+                         f"top-{k}): it needs its top-k and at most its layers")
+    experts = getattr(blocks[0], "num_experts", logits.shape[2])
+    logits = np.pad(logits[:, :len(blocks)], ((0, 0), (0, 0), (0, experts - logits.shape[2])),
+                    constant_values=UNROUTED)  # (a model with fewer layers: the recording's first ones)
+    table = mx.array(logits)
     for base in (nn.Linear, nn.QuantizedLinear):
         if not hasattr(base, "_unrouted_call"):
             base._unrouted_call = base.__call__
             base.__call__ = _routed_call
-    blocks = [layer.mlp for layer in model.layers if hasattr(getattr(layer, "mlp", None), "gate")]
-    if len(blocks) != logits.shape[1]:
-        raise SystemExit(f"the model has {len(blocks)} MoE layers, the recording {logits.shape[1]}")
     for i, block in enumerate(blocks):
         ROUTED[id(block.gate)] = (state, table, i, shift)
         _subclass(block, lambda self, x, i=i: _in_block(self, x, state, i))
     _subclass(model, lambda self, inputs, *a, **kw: _at_position(self, inputs, a, kw, state))
+
+
+def install(spec, prompt):
+    """Every model this process loads from here on (mlx_lm.load, mlxmoe.load) follows the
+    recording `spec` (read()), its positions counted for `prompt`."""
+    import mlx_lm
+    import mlxmoe
+
+    _, logits, first_decode = read(spec)
+    for module in (mlx_lm, mlxmoe):
+        def load(*args, _load=module.load, **kwargs):
+            model, tokenizer = _load(*args, **kwargs)
+            follow(model, logits, first_decode, len(tokenizer.encode(prompt)))
+            return model, tokenizer
+
+        module.load = load
 
 
 def _routed_call(self, x):

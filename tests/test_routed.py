@@ -1,6 +1,7 @@
-"""bench/routed.py, recorded routing for the host-bound bench (bench_host.py --routing): a model
-that follows a recording routes, at each context position and MoE layer, to the recording's
-experts (a missing cell: the position before it), stock mlx-lm and mlxmoe alike, and mlxmoe's
+"""bench/routed.py, recorded routing for the benches (bench_host.py and bench_disk.py --routing): a
+model that follows a recording routes, at each context position and MoE layer, to the recording's
+experts (a missing cell: the position before it; a model with fewer layers: the recording's
+first ones), stock mlx-lm and mlxmoe (loaded after routed.install) alike, and mlxmoe's
 output at a partial cache (verified steps that replay included) equals stock's under it. Run in
 a child process: following a recording patches mlx's Linear classes for good."""
 
@@ -13,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, EXPERTS, K, PREFILL, DECODE = 3, 8, 2, 4, 40
+RECORDED_LAYERS = LAYERS + 1  # the model routes as the recording's first layers
 
 SCRIPT = """
 import json, sys
@@ -35,8 +37,8 @@ routed.follow(model, logits, first_decode, len(tok.encode(prompt)))
 watch(model)
 stock = [int(r.token) for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=24)]
 stock_seen = list(seen)
+routed.install(recording, prompt)  # (every model loaded from here on)
 streamed, tok = mlxmoe.load(model_path, cache_experts=int(sys.argv[4]))
-routed.follow(streamed, logits, first_decode, len(tok.encode(prompt)))
 ours = [int(r.token) for r in mlxmoe.stream_generate(streamed, tok, prompt, max_tokens=24)]
 stats = streamed.expert_cache.stats()
 print(json.dumps({"meta": meta, "first_decode": first_decode, "prompt": len(tok.encode(prompt)),
@@ -47,11 +49,11 @@ print(json.dumps({"meta": meta, "first_decode": first_decode, "prompt": len(tok.
 
 def _recording(path, rng, drop=None, bad_row=False):
     """A BigMoeOnEdge route_trace of PREFILL + DECODE positions; `drop`: a (step, layer) cell left out."""
-    lines = ["# route_trace v1", f"# model=/x/tiny.gguf arch=qwen3moe n_layer={LAYERS} n_expert={EXPERTS} "
+    lines = ["# route_trace v1", f"# model=/x/tiny.gguf arch=qwen3moe n_layer={RECORDED_LAYERS} n_expert={EXPERTS} "
              f"n_expert_used={K}", "turn,phase,step,layer,slot,expert,weight,residency,expert_bytes"]
     chosen = {}
     for step in range(PREFILL + DECODE):
-        for layer in range(LAYERS):
+        for layer in range(RECORDED_LAYERS):
             experts = rng.choice(EXPERTS, size=K, replace=False).tolist()
             weights = sorted(rng.random(K), reverse=True)
             chosen[step, layer] = experts
@@ -77,7 +79,7 @@ def test_a_model_routes_as_the_recording_did_and_mlxmoe_answers_as_stock(tmp_pat
     import json
 
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["meta"]["num_layers"] == LAYERS and r["meta"]["top_k"] == K and r["first_decode"] == PREFILL
+    assert r["meta"]["num_layers"] == RECORDED_LAYERS and r["meta"]["top_k"] == K and r["first_decode"] == PREFILL
     positions = PREFILL + DECODE
     chosen[PREFILL + 3, 2] = chosen[PREFILL + 2, 2]  # the missing cell: the position before it
     shift, position, checked = r["first_decode"] - r["prompt"], 0, 0
