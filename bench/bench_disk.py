@@ -817,7 +817,7 @@ def main():
     if args.routing:  # (the recording's top-k: a default checkpoint of its own)
         import routed
 
-        top_k = routed.read(args.routing)[0]["top_k"]
+        top_k = routed.read_or_exit(args.routing)[0]["top_k"]
         if not (args.model or args.checkpoint) and top_k != 8:
             args.model = str(DEFAULT_MODEL.with_name(f"{DEFAULT_MODEL.name}-top{top_k}"))
     args.model = args.model or args.checkpoint or str(DEFAULT_MODEL)

@@ -150,7 +150,7 @@ def use_routing(args):
     args.recorded = None
     if not args.routing:
         return
-    meta, logits, first_decode = routed.read(args.routing)
+    meta, logits, first_decode = routed.read_or_exit(args.routing)
     args.recorded = (logits, first_decode)
     SHAPES.update(num_hidden_layers=meta["num_layers"], num_experts=meta["num_experts"],
                   num_experts_per_tok=meta["top_k"])
@@ -459,6 +459,11 @@ def main():
     configs = parse_configs(args)
     rtts = [float(x) for x in args.rtt.split(",")]
     if not checkpoint_ready(args.checkpoint):
+        ours = Path(args.checkpoint).resolve().parent == DEFAULT_CHECKPOINT.parent  # (built here before: rebuilt)
+        if Path(args.checkpoint).exists() and any(Path(args.checkpoint).iterdir()) and not ours:
+            raise SystemExit(f"{args.checkpoint} does not hold this bench's checkpoint ({SHAPES['num_hidden_layers']} "
+                             f"layers x {SHAPES['num_experts']} experts, top-{SHAPES['num_experts_per_tok']}); "
+                             "give a missing folder to build it in, or none for the default")
         if "error" in spawn(args, "build") or not checkpoint_ready(args.checkpoint):
             raise SystemExit(f"building the checkpoint at {args.checkpoint} failed")
     sizes, calibration = cache_sizes(args, [c for _, c, _ in configs])

@@ -27,6 +27,16 @@ UNROUTED = -60.0  # an unrouted expert's logit: exp() of it is nothing beside a 
 ROUTED = {}  # id(a MoE block's router) -> (state, logits on the device, its MoE layer, position shift)
 
 
+def read_or_exit(spec):
+    """read(), a bad recording ending the bench with the error (which names the file)."""
+    from mlxmoe.errors import MlxmoeError
+
+    try:
+        return read(spec)
+    except MlxmoeError as e:
+        raise SystemExit(f"--routing: {e}") from None
+
+
 def read(spec):
     """(meta, logits [positions, layers, experts] float32, first decode position) of a
     recording `FORMAT:PATH` or PATH (.csv: bigmoeonedge, .json: moe-ocs), its first sequence."""
@@ -95,7 +105,7 @@ def install(spec, prompt):
     import mlx_lm
     import mlxmoe
 
-    _, logits, first_decode = read(spec)
+    _, logits, first_decode = read_or_exit(spec)
     for module in (mlx_lm, mlxmoe):
         def load(*args, _load=module.load, **kwargs):
             model, tokenizer = _load(*args, **kwargs)

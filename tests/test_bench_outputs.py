@@ -24,10 +24,14 @@ ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.jo
 # script -> [(arguments, the output refused, the input it names)]; {M} the checkpoint, {B} the
 # copy of bench/, {R} a real-routing folder, {P} a profile
 CASES = {
-    "bench_disk.py": [(["--model", "{M}", "--output", "{M}/config.json"], "{M}/config.json", "{M}")],
+    "bench_disk.py": [(["--model", "{M}", "--output", "{M}/config.json"], "{M}/config.json", "{M}"),
+                      (["--model", "{M}", "--routing", "{R}/host.route.csv", "--output", "{R}/host.route.csv"],
+                       "{R}/host.route.csv", "{R}/host.route.csv")],
     "bench_runtime.py": [(["--checkpoint", "{M}", "--output", "{M}/model.safetensors"], "{M}/model.safetensors",
                           "{M}")],
-    "bench_host.py": [(["--checkpoint", "{M}", "--output", "{M}/config.json"], "{M}/config.json", "{M}")],
+    "bench_host.py": [(["--checkpoint", "{M}", "--output", "{M}/config.json"], "{M}/config.json", "{M}"),
+                      (["--routing", "{R}/host.route.csv", "--output", "{R}/host.route.csv"], "{R}/host.route.csv",
+                       "{R}/host.route.csv")],
     "bench_io.py": [(["--checkpoint", "{M}", "--out", "{M}/tokenizer.json"], "{M}/tokenizer.json", "{M}")],
     "bench_forecast.py": [(["--checkpoint", "{M}", "--output", "{M}/config.json"], "{M}/config.json", "{M}")],
     "bench_lossy.py": [(["--model", "{M}", "--output", "{M}/config.json"], "{M}/config.json", "{M}"),
@@ -79,6 +83,8 @@ def places(checkpoint, tmp_path_factory):
     routing = base / "routing"
     routing.mkdir()
     (routing / "qwen.route.csv").write_text("layer,expert\n0,1\n")
+    (routing / "host.route.csv").write_text("# model=x n_layer=1 n_expert=4 n_expert_used=1\n"
+                                            "turn,phase,step,layer,slot,expert,weight\n0,0,0,0,0,1,1\n0,1,1,0,0,2,1\n")
     profile = base / "profile.json"
     shutil.copy(ROOT / "profiles" / "italian.json", profile)
     return {"{M}": str(model), "{B}": str(copy), "{R}": str(routing), "{P}": str(profile)}
@@ -168,3 +174,16 @@ def test_the_stolen_share_is_read_from_the_machines_cpu_times(tmp_path):
     assert end[1] > start[1] and 0.0 <= stolen_share(start, end) <= 1.0
     assert stolen_share((5, 100), (7, 200)) == 0.02
     assert stolen_share(None, end) is None and stolen_share(end, end) is None
+
+
+def test_bench_host_never_builds_its_checkpoint_into_a_folder_that_holds_another(places, tmp_path):
+    """bench_host builds its checkpoint where --checkpoint says when it is missing; a folder
+    holding another model (here a tiny qwen3_moe) is refused, named, before any work, unchanged."""
+    model = places["{M}"]
+    before = digest(model)
+    proc = subprocess.run([sys.executable, str(Path(places["{B}"]) / "bench_host.py"), "--checkpoint", model,
+                           "--output", str(tmp_path / "host.json")], capture_output=True, text=True, timeout=120,
+                          env=ENV, cwd=places["{B}"])
+    assert proc.returncode not in (0, None) and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{model} does not hold this bench's checkpoint" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert digest(model) == before and not (tmp_path / "host.json").exists()
