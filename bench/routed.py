@@ -1,5 +1,5 @@
-"""Recorded routing for a bench model: each MoE layer routes as a real model did (bench_host.py
---routing), for stock mlx-lm and mlxmoe alike, from outside the runtime.
+"""Recorded routing for a bench model: each MoE layer routes as a real model did (bench_host.py and
+bench_disk.py --routing), for stock mlx-lm and mlxmoe alike, from outside the runtime.
 
 A recording (`mlxmoe trace import`'s formats: BigMoeOnEdge CSV, moe_ocs JSON, ...) gives each
 context position's experts and weights at each layer. The model's routers still compute (their
