@@ -68,6 +68,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import routed  # noqa: E402
 import bench_runtime as br  # noqa: E402  (its helpers: generate_timed, window_stats, optimal_loads, table...)
 from system import check_outputs, write_atomic, write_json  # noqa: E402
 
@@ -327,8 +328,6 @@ def install_oracle(trace):
 def run_one(args):
     sys.path.append(str(ROOT))  # last: an installed mlxmoe, or PYTHONPATH's (the baseline's), comes first
     if args.routing and args.one != "info":
-        import routed
-
         routed.install(args.routing, args.prompt)  # every model loaded here routes as the recording
     if args.one == "info":
         return run_info(args)
@@ -815,8 +814,6 @@ def main():
         raise SystemExit("--model and --checkpoint name the same thing: give one")
     top_k = 8
     if args.routing:  # (the recording's top-k: a default checkpoint of its own)
-        import routed
-
         top_k = routed.read_or_exit(args.routing)[0]["top_k"]
         if not (args.model or args.checkpoint) and top_k != 8:
             args.model = str(DEFAULT_MODEL.with_name(f"{DEFAULT_MODEL.name}-top{top_k}"))
@@ -846,7 +843,7 @@ def main():
     check_outputs({"--output": args.output, "the routing trace": args.output.with_suffix(".trace.jsonl")},
                   {"--model": ROOT / "mlxmoe" / "demo" if demo else args.model, "--slowdisk": args.slowdisk,
                    "--baseline-path": args.baseline_path, "--lossy fallback": lossy_kwargs(args.lossy).get("fallback"),
-                   "--routing": args.routing and args.routing.rpartition(":")[2]})
+                   "--routing": args.routing and routed.recording(args.routing)[1]})
     rates = parse_rates(args, args.only_rates or args.rates)  # slowdisk and FUSE only for an emulated rate
     shares = [float(s) for s in args.cache.split(",")]
     if not demo and (Path(args.model).resolve() == DEFAULT_MODEL.resolve() or not Path(args.model).exists()):

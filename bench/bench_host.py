@@ -146,18 +146,18 @@ def open_model(args):
 
 def use_routing(args):
     """With --routing: the checkpoint's counts become the recording's (its layers, experts and
-    top-k), built at a path of their own unless --checkpoint is given; args.recorded kept."""
-    args.recorded = None
+    top-k), built at a path of their own unless --checkpoint is given; args.recorded kept.
+    args.own_checkpoint: whether the checkpoint is one of this bench's defaults (rebuilt there)."""
+    args.recorded, args.own_checkpoint = None, args.checkpoint == DEFAULT_CHECKPOINT
     if not args.routing:
         return
     meta, logits, first_decode = routed.read_or_exit(args.routing)
     args.recorded = (logits, first_decode)
     SHAPES.update(num_hidden_layers=meta["num_layers"], num_experts=meta["num_experts"],
                   num_experts_per_tok=meta["top_k"])
-    if args.checkpoint == DEFAULT_CHECKPOINT:
+    if args.own_checkpoint:
         args.checkpoint = DEFAULT_CHECKPOINT.with_name(
             f"host-bound-{meta['num_layers']}x{meta['num_experts']}-top{meta['top_k']}")
-    return meta
 
 
 def follow_routing(args, model, tokenizer):
@@ -446,7 +446,7 @@ def main():
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    meta = use_routing(args)
+    use_routing(args)
     if args.one:  # child; --result: a temp file run_child made for it alone, not a user's path
         Path(args.result).write_text(json.dumps(run_one(args)))
         return
@@ -454,13 +454,12 @@ def main():
     # the calibration is written beside --output, never into the checkpoint (an input)
     check_outputs({"--output": args.output, "the calibration": calibration_file(args)},
                   {"--checkpoint": args.checkpoint, "--stock-checkpoint": args.stock_checkpoint,
-                   "--routing": args.routing and args.routing.rpartition(":")[2]})
+                   "--routing": args.routing and routed.recording(args.routing)[1]})
     t_start, load_start = time.perf_counter(), os.getloadavg()
     configs = parse_configs(args)
     rtts = [float(x) for x in args.rtt.split(",")]
     if not checkpoint_ready(args.checkpoint):
-        ours = Path(args.checkpoint).resolve().parent == DEFAULT_CHECKPOINT.parent  # (built here before: rebuilt)
-        if Path(args.checkpoint).exists() and any(Path(args.checkpoint).iterdir()) and not ours:
+        if Path(args.checkpoint).exists() and any(Path(args.checkpoint).iterdir()) and not args.own_checkpoint:
             raise SystemExit(f"{args.checkpoint} does not hold this bench's checkpoint ({SHAPES['num_hidden_layers']} "
                              f"layers x {SHAPES['num_experts']} experts, top-{SHAPES['num_experts_per_tok']}); "
                              "give a missing folder to build it in, or none for the default")

@@ -37,14 +37,23 @@ def read_or_exit(spec):
         raise SystemExit(f"--routing: {e}") from None
 
 
+def recording(spec):
+    """(format, path) of a recording named `FORMAT:PATH` or PATH (.csv: bigmoeonedge, else moe-ocs)."""
+    from mlxmoe.workload.importers import IMPORT_FORMATS
+
+    fmt, _, path = spec.partition(":")
+    if fmt not in IMPORT_FORMATS:
+        fmt, path = ("bigmoeonedge" if spec.endswith(".csv") else "moe-ocs"), spec
+    return fmt, path
+
+
 def read(spec):
-    """(meta, logits [positions, layers, experts] float32, first decode position) of a
-    recording `FORMAT:PATH` or PATH (.csv: bigmoeonedge, .json: moe-ocs), its first sequence."""
+    """(meta, logits [positions, layers, experts] float32, first decode position) of the
+    recording `spec` (recording()), its first sequence."""
     from mlxmoe.errors import MlxmoeError
     from mlxmoe.workload.importers import IMPORT_FORMATS
 
-    fmt, _, path = spec.rpartition(":") if spec.split(":", 1)[0] in IMPORT_FORMATS else ("", "", spec)
-    fmt = fmt or ("bigmoeonedge" if path.endswith(".csv") else "moe-ocs")
+    fmt, path = recording(spec)
     meta, sequences = IMPORT_FORMATS[fmt](path)
     if not sequences or not sequences[0][1]:
         raise MlxmoeError(f"{path}: no routing in it")
@@ -89,7 +98,7 @@ def follow(model, logits, first_decode, prompt_tokens):
     logits = np.pad(logits[:, :len(blocks)], ((0, 0), (0, 0), (0, experts - logits.shape[2])),
                     constant_values=UNROUTED)  # (a model with fewer layers: the recording's first ones)
     table = mx.array(logits)
-    for base in (nn.Linear, nn.QuantizedLinear):
+    for base in (nn.Linear, nn.QuantizedLinear):  # (at the class: mlxmoe's tapped router calls its base's directly)
         if not hasattr(base, "_unrouted_call"):
             base._unrouted_call = base.__call__
             base.__call__ = _routed_call

@@ -5,6 +5,7 @@ first ones), stock mlx-lm and mlxmoe (loaded after routed.install) alike, and ml
 output at a partial cache (verified steps that replay included) equals stock's under it. Run in
 a child process: following a recording patches mlx's Linear classes for good."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -76,8 +77,6 @@ def test_a_model_routes_as_the_recording_did_and_mlxmoe_answers_as_stock(tmp_pat
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(ROOT / "bench"), str(model), str(recording),
                           str(LAYERS * EXPERTS // 2)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    import json
-
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["meta"]["num_layers"] == RECORDED_LAYERS and r["meta"]["top_k"] == K and r["first_decode"] == PREFILL
     positions = PREFILL + DECODE
