@@ -673,6 +673,21 @@ def test_verified_steps_go_on_after_a_rotating_cache_wraps(checkpoint, monkeypat
     model.expert_runtime.close()
 
 
+def test_steps_without_a_replay_never_turn_the_mode_off(monkeypatch):
+    """Once the per-layer path is timed, a verified step weighs against it only where it
+    replayed: steps without a replay, slower by the clock (0.05 s against 0.03 s on the
+    per-layer path: a longer context, a busier machine), keep the mode on; two steps that
+    replayed, as slow, turn it off."""
+    monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: 0.0))
+    switch = verify.Switch(4, lambda: None)
+    switch.layerwise = 0.03
+    for _ in range(3 * verify.WEIGH_TOKENS):
+        assert switch.step()
+        assert not switch.verified(0.05, 0, 0, 4), switch.reason
+    turned_off = [switch.verified(0.05, 1, 2, 4) for _ in range(verify.FIRST_WEIGH) if switch.step()]
+    assert turned_off[-1] and "more than the 30.00 ms" in switch.reason, (turned_off, switch.reason)
+
+
 @pytest.mark.parametrize("per_layer", [0.03, 0.08])
 def test_a_first_guess_turns_the_mode_off_only_to_time_the_per_layer_path(per_layer, monkeypatch):
     """The first weighing prices the per-layer path by an empty round trip (here free): off on

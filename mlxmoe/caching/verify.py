@@ -98,7 +98,8 @@ class Switch:
     steps where the verified steps cost more, doubled at each turn off in a row; on again
     after MEASURED_OFF steps off where those took longer than the verified steps had (the
     first guess, from the waits alone, leaves out the per-layer path's own host work: off on
-    it, the mode is off for those MEASURED_OFF steps alone, then weighed against them)."""
+    it, the mode is off for those MEASURED_OFF steps alone, then weighed against them). A step
+    without a replay weighs as a tie: it cannot cost more than the per-layer path's."""
 
     def __init__(self, moe_layers: int, layer_wait, first_replay=lambda: None) -> None:
         self.moe_layers, self.layer_wait = moe_layers, layer_wait
@@ -139,7 +140,9 @@ class Switch:
             self.direct.replay = decayed(self.direct.replay, replayed_share / replays)
         direct = self.direct.stepped()
         if self.layerwise is not None:  # both paths timed: the step against the per-layer path's
-            return self.weigh(seconds, self.layerwise)
+            # (one without a replay did that path's work less its waits: a tie at worst, whatever
+            # the clock says, which moves with the context's length and the machine's load)
+            return self.weigh(seconds, self.layerwise if replays else seconds)
         if not replays:
             replay_seconds = 0.0
         elif self.clean is not None:
