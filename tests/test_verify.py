@@ -688,31 +688,55 @@ def test_steps_without_a_replay_never_turn_the_mode_off(monkeypatch):
     assert turned_off[-1] and "more than the 30.00 ms" in switch.reason, (turned_off, switch.reason)
 
 
+def switch_runs(monkeypatch, steps, per_layer, misses, layerwise=None):
+    """A Switch over `steps` decode steps, each verified at 0.05 s with a replay where the
+    mode is on, else on the per-layer path at `per_layer` s with next(misses) misses (a clock
+    of their own): [(on, steps in a row)]."""
+    clock = [0.0]
+    monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0))
+    switch = verify.Switch(4, lambda: None)
+    switch.wait, switch.layerwise = 1e-9, layerwise
+
+    def step_on_the_per_layer_path():
+        clock[0] += per_layer
+        cache.counters.misses += next(misses)
+    ons = []
+    for _ in range(steps):
+        on = switch.step()
+        if on:
+            switch.verified(0.05, 1, 2, 4)
+        else:
+            switch.timed(cache, step_on_the_per_layer_path, (), {})
+        ons.append(on)
+    return [(on, len(list(run))) for on, run in itertools.groupby(ons)]
+
+
+def test_steps_off_that_miss_nothing_turn_the_mode_on_again(monkeypatch):
+    """Off after replays that cost more than the per-layer path (0.05 s a verified step with a
+    replay against 0.03 s), the mode is on again once MEASURED_OFF steps in a row on the
+    per-layer path miss nothing (verified, they would have replayed nothing), not after the
+    doubled OFF_STEPS; a step that misses starts the count again."""
+    misses = iter([1] * (verify.MEASURED_OFF + 3) + [0] * (verify.MEASURED_OFF - 1) + [1] + [0] * 100)
+    runs = switch_runs(monkeypatch, 4 * verify.MEASURED_OFF + verify.FIRST_WEIGH + 6, 0.03, misses, layerwise=0.03)
+    # off at the first weighing; MEASURED_OFF + 3 steps that miss, MEASURED_OFF - 1 that do
+    # not, one that does, then MEASURED_OFF that do not: on again (32 steps off before)
+    off = verify.MEASURED_OFF + 3 + verify.MEASURED_OFF - 1 + 1 + verify.MEASURED_OFF
+    assert runs[:3] == [(True, verify.FIRST_WEIGH), (False, off), (True, verify.FIRST_WEIGH)], runs
+    assert off < verify.OFF_STEPS
+
+
 @pytest.mark.parametrize("per_layer", [0.03, 0.08])
 def test_a_first_guess_turns_the_mode_off_only_to_time_the_per_layer_path(per_layer, monkeypatch):
     """The first weighing prices the per-layer path by an empty round trip (here free): off on
     it, the mode is off for the MEASURED_OFF steps that time that path, then weighed against
     them: on for good where the per-layer steps took longer (0.08 s against verified steps of
     0.05 s), off for twice OFF_STEPS where they were faster (0.03 s)."""
-    clock = [0.0]
-    monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0))
-    switch = verify.Switch(4, lambda: None)
-    switch.wait = 1e-9
-
-    def step_on_the_per_layer_path():
-        clock[0] += per_layer
-    steps = []
-    for _ in range(verify.FIRST_WEIGH + verify.MEASURED_OFF + 2 * verify.OFF_STEPS + 4):
-        on = switch.step()
-        if on:
-            switch.verified(0.05, 1, 2, 4)
-        else:
-            switch.timed(cache, step_on_the_per_layer_path, (), {})
-        steps.append(on)
-    runs = [(on, len(list(run))) for on, run in itertools.groupby(steps)]
+    steps = verify.FIRST_WEIGH + verify.MEASURED_OFF + 2 * verify.OFF_STEPS + 4
+    # (a miss in each per-layer step: steps that miss nothing would turn it on again)
+    runs = switch_runs(monkeypatch, steps, per_layer, itertools.repeat(1))
     first = [(True, verify.FIRST_WEIGH), (False, verify.MEASURED_OFF)]
     if per_layer > 0.05:
-        assert runs == first + [(True, len(steps) - verify.FIRST_WEIGH - verify.MEASURED_OFF)], runs
+        assert runs == first + [(True, steps - verify.FIRST_WEIGH - verify.MEASURED_OFF)], runs
     else:
         assert runs[:4] == first + [(True, verify.FIRST_WEIGH), (False, 2 * verify.OFF_STEPS)], runs

@@ -99,7 +99,9 @@ class Switch:
     after MEASURED_OFF steps off where those took longer than the verified steps had (the
     first guess, from the waits alone, leaves out the per-layer path's own host work: off on
     it, the mode is off for those MEASURED_OFF steps alone, then weighed against them). A step
-    without a replay weighs as a tie: it cannot cost more than the per-layer path's."""
+    without a replay weighs as a tie: it cannot cost more than the per-layer path's; and
+    MEASURED_OFF steps off in a row that miss nothing turn the mode on again (a cold cache's
+    replays no longer keep a warm one off for the doubled stretch)."""
 
     def __init__(self, moe_layers: int, layer_wait, first_replay=lambda: None) -> None:
         self.moe_layers, self.layer_wait = moe_layers, layer_wait
@@ -113,6 +115,7 @@ class Switch:
         self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
         self.layerwise = None  # decayed seconds of a step on the per-layer path while off
         self.timed_off = 0  # such steps timed since the mode turned off
+        self.clean_off = 0  # such steps in a row without a miss
         self.missing = None  # decayed share of verified steps with a replay
         self.windowed = True  # checks within the forward (while steps miss)
         self.direct = Direct(moe_layers, self.per_layer_wait, first_replay)  # layers read at once
@@ -173,7 +176,7 @@ class Switch:
         # first weighing prices its waits by an empty round trip, not its steps)
         self.off_until = self.steps + (self.off_steps if self.layerwise is not None else MEASURED_OFF)
         self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
-        self.timed_off = 0
+        self.timed_off = self.clean_off = 0
         self.reason = (f"a verified step took {w[0] / w[2] * 1e3:.2f} ms, more than the {w[1] / w[2] * 1e3:.2f} ms "
                        "of one on the per-layer path" if self.layerwise is not None else
                        f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, more than the "
@@ -183,17 +186,24 @@ class Switch:
     def timed(self, cache, call, args, kwargs):
         """`call(*args, **kwargs)`, a step the mode is off for, on the per-layer path, timed
         (its reads left out): where MEASURED_OFF such steps took longer than verified steps,
+        or MEASURED_OFF in a row missed nothing (verified, they would have replayed nothing),
         the mode is on again from the next step."""
-        tic, read = time.perf_counter(), cache.counters.read_seconds
+        tic, read, misses = time.perf_counter(), cache.counters.read_seconds, cache.counters.misses
         out = call(*args, **kwargs)
         self.layerwise = decayed(self.layerwise, time.perf_counter() - tic - (cache.counters.read_seconds - read))
         self.timed_off += 1
+        self.clean_off = self.clean_off + 1 if cache.counters.misses == misses else 0
         if self.timed_off == MEASURED_OFF and self.steady is not None and self.layerwise > self.steady:
-            self.off_until = self.steps
-            self.off_steps = OFF_STEPS
-            self.reason = (f"on again: a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
-                           f"{self.steady * 1e3:.2f} ms verified")
+            self.on_again(f"a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
+                          f"{self.steady * 1e3:.2f} ms verified")
+        elif self.clean_off >= MEASURED_OFF:
+            self.on_again(f"{self.clean_off} steps on the per-layer path without a miss")
         return out
+
+    def on_again(self, why: str) -> None:
+        self.off_until, self.off_steps = self.steps, OFF_STEPS
+        self.timed_off = self.clean_off = 0
+        self.reason = f"on again: {why}"
 
 
 class Lag:
