@@ -694,13 +694,15 @@ def switch_runs(monkeypatch, steps, per_layer, misses, layerwise=None):
     of their own): [(on, steps in a row)]."""
     clock = [0.0]
     monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0))
+    cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0, prefetch_useful=0))
     switch = verify.Switch(4, lambda: None)
     switch.wait, switch.layerwise = 1e-9, layerwise
 
     def step_on_the_per_layer_path():
         clock[0] += per_layer
-        cache.counters.misses += next(misses)
+        counted = next(misses)  # a miss, or (2) an expert a prefetch read
+        cache.counters.misses += counted == 1
+        cache.counters.prefetch_useful += counted == 2
     ons = []
     for _ in range(steps):
         on = switch.step()
@@ -716,11 +718,11 @@ def test_steps_off_that_miss_nothing_turn_the_mode_on_again(monkeypatch):
     """Off after replays that cost more than the per-layer path (0.05 s a verified step with a
     replay against 0.03 s), the mode is on again once MEASURED_OFF steps in a row on the
     per-layer path miss nothing (verified, they would have replayed nothing), not after the
-    doubled OFF_STEPS; a step that misses starts the count again."""
-    misses = iter([1] * (verify.MEASURED_OFF + 3) + [0] * (verify.MEASURED_OFF - 1) + [1] + [0] * 100)
+    doubled OFF_STEPS; a step that misses, or uses an expert a prefetch read, starts the count again."""
+    misses = iter([1] * (verify.MEASURED_OFF + 3) + [0] * (verify.MEASURED_OFF - 1) + [2] + [0] * 100)
     runs = switch_runs(monkeypatch, 4 * verify.MEASURED_OFF + verify.FIRST_WEIGH + 6, 0.03, misses, layerwise=0.03)
     # off at the first weighing; MEASURED_OFF + 3 steps that miss, MEASURED_OFF - 1 that do
-    # not, one that does, then MEASURED_OFF that do not: on again (32 steps off before)
+    # not, one that uses a prefetched expert, then MEASURED_OFF that miss nothing: on again (32 off before)
     off = verify.MEASURED_OFF + 3 + verify.MEASURED_OFF - 1 + 1 + verify.MEASURED_OFF
     assert runs[:3] == [(True, verify.FIRST_WEIGH), (False, off), (True, verify.FIRST_WEIGH)], runs
     assert off < verify.OFF_STEPS

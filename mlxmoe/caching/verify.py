@@ -186,13 +186,14 @@ class Switch:
     def timed(self, cache, call, args, kwargs):
         """`call(*args, **kwargs)`, a step the mode is off for, on the per-layer path, timed
         (its reads left out): where MEASURED_OFF such steps took longer than verified steps,
-        or MEASURED_OFF in a row missed nothing (verified, they would have replayed nothing),
-        the mode is on again from the next step."""
-        tic, read, misses = time.perf_counter(), cache.counters.read_seconds, cache.counters.misses
+        or MEASURED_OFF in a row missed nothing, an expert a prefetch read counting as a miss
+        (verified, they would have replayed nothing), the mode is on again from the next step."""
+        counters = cache.counters
+        tic, read, missed = time.perf_counter(), counters.read_seconds, (counters.misses, counters.prefetch_useful)
         out = call(*args, **kwargs)
-        self.layerwise = decayed(self.layerwise, time.perf_counter() - tic - (cache.counters.read_seconds - read))
+        self.layerwise = decayed(self.layerwise, time.perf_counter() - tic - (counters.read_seconds - read))
         self.timed_off += 1
-        self.clean_off = self.clean_off + 1 if cache.counters.misses == misses else 0
+        self.clean_off = self.clean_off + 1 if (counters.misses, counters.prefetch_useful) == missed else 0
         if self.timed_off == MEASURED_OFF and self.steady is not None and self.layerwise > self.steady:
             self.on_again(f"a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
                           f"{self.steady * 1e3:.2f} ms verified")
