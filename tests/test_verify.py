@@ -690,8 +690,8 @@ def test_steps_without_a_replay_never_turn_the_mode_off(monkeypatch):
 
 def switch_runs(monkeypatch, steps, per_layer, misses, layerwise=None):
     """A Switch over `steps` decode steps, each verified at 0.05 s with a replay where the
-    mode is on, else on the per-layer path at `per_layer` s with next(misses) misses (a clock
-    of their own): [(on, steps in a row)]."""
+    mode is on, else on the per-layer path at `per_layer` s, next(misses) telling what it met
+    (0 nothing, 1 a miss, 2 an expert a prefetch read; a clock of their own): [(on, steps in a row)]."""
     clock = [0.0]
     monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0, prefetch_useful=0))

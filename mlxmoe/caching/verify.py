@@ -100,8 +100,8 @@ class Switch:
     first guess, from the waits alone, leaves out the per-layer path's own host work: off on
     it, the mode is off for those MEASURED_OFF steps alone, then weighed against them). A step
     without a replay weighs as a tie: it cannot cost more than the per-layer path's; and
-    MEASURED_OFF steps off in a row that miss nothing turn the mode on again (a cold cache's
-    replays no longer keep a warm one off for the doubled stretch)."""
+    MEASURED_OFF steps off in a row that miss nothing (nor use an expert a prefetch read) turn
+    the mode on again (a cold cache's replays no longer keep a warm one off for the doubled stretch)."""
 
     def __init__(self, moe_layers: int, layer_wait, first_replay=lambda: None) -> None:
         self.moe_layers, self.layer_wait = moe_layers, layer_wait
@@ -115,7 +115,7 @@ class Switch:
         self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
         self.layerwise = None  # decayed seconds of a step on the per-layer path while off
         self.timed_off = 0  # such steps timed since the mode turned off
-        self.clean_off = 0  # such steps in a row without a miss
+        self.clean_off = 0  # such steps in a row without a miss (a prefetched expert used counts as one)
         self.missing = None  # decayed share of verified steps with a replay
         self.windowed = True  # checks within the forward (while steps miss)
         self.direct = Direct(moe_layers, self.per_layer_wait, first_replay)  # layers read at once
