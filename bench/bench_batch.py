@@ -48,7 +48,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import bench_server  # noqa: E402
 from bench_server import Server  # noqa: E402
 from heldout import prompts  # noqa: E402
-from system import check_outputs, cpu_ticks, model_folder, stolen_share, write_json  # noqa: E402
+from system import check_outputs, clean_stale, cpu_ticks, model_folder, stolen_share, write_json  # noqa: E402
 
 
 def complete(port, prompt, max_tokens):
@@ -126,6 +126,14 @@ def launch(argv, rtt, report):
     return server
 
 
+def stop(servers):
+    """Stop `servers`; what a report thread killed mid-write left beside its report goes too."""
+    for server in servers:
+        server.stop()
+        if getattr(server, "report", None):
+            clean_stale(server.report)
+
+
 def device_waits(server):
     """The waits on the device its generation thread made so far (None without a round trip)."""
     report = getattr(server, "report", None)
@@ -194,8 +202,7 @@ def throughput(args, pool, clients_list, budget=None, rtt=None):
         for row in rows:
             row["peak_over_budget"] = peak
     finally:
-        for s in servers.values():
-            s.stop()
+        stop(servers.values())
     same = same_answers(texts["batched"], texts["one"])
     print(f"greedy answers: batched the same as --max-batch 1 for {same[0]} of {same[1]} prompts"
           f"{'' if same[0] == same[1] else ' (DIFFERENT)'}", flush=True)

@@ -111,6 +111,12 @@ def write_atomic(path, data):
     _files().write_atomic(path, data)
 
 
+def clean_stale(path):
+    """Remove the temp files that writers of `path` killed mid-write left beside it (mlxmoe's
+    clean_stale: only those whose process has exited); returns them."""
+    return _files().clean_stale(path)
+
+
 def write_json(path, value):
     """`value` as indented JSON at `path`, whole or not at all (write_atomic)."""
     write_atomic(path, json.dumps(value, indent=1) + "\n")

@@ -3,6 +3,7 @@ that the decode thread queued with `mx.async_eval` less than S before pays what 
 though on this CPU the array is computed by then; a read of an array queued earlier pays
 nothing. Run in a child process: the emulation patches mlx for good."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,27 @@ def test_a_read_soon_after_async_eval_pays_the_rest_of_the_round_trip():
     assert int(waits) >= 1 and float(other) < 0.005
     assert 0.05 < float(late) < 0.2, late
     assert 0.05 < float(late_listed) < 0.2, late_listed
+
+
+
+def test_stopped_servers_leave_no_half_written_report(tmp_path):
+    """bench_batch stops its servers under the round trip with their report threads maybe
+    mid-write: the temp file a stopped server left beside its report is removed."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_batch
+
+    report = tmp_path / "batched.waits.json"
+    report.write_text('{"waits": 3}')
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    half = tmp_path / f"batched.waits.json.{child.pid}-x1.tmp"
+    half.write_text('{"wai')
+
+    class Stub:  # a server whose process is `child`
+        def stop(self):
+            child.kill()
+            child.wait()
+
+    server = Stub()
+    server.report = str(report)
+    bench_batch.stop([server])
+    assert not half.exists() and json.loads(report.read_text()) == {"waits": 3}
