@@ -96,8 +96,8 @@ class Switch:
     these steps' (one each, and one a replay), each as long as a layer call of that path
     waited last (`layer_wait()`, or an empty round trip before any). Off for `off_steps`
     steps where the verified steps cost more, doubled at each turn off in a row; on again
-    after MEASURED_OFF steps off where those took longer than a verified step of the window
-    that turned it off (the first guess, from the waits alone, leaves out the per-layer path's own host work: off on
+    after MEASURED_OFF steps off where those took longer than the verified steps had (the
+    first guess, from the waits alone, leaves out the per-layer path's own host work: off on
     it, the mode is off for those MEASURED_OFF steps alone, then weighed against them). A step
     without a replay weighs as a tie: it cannot cost more than the per-layer path's; and
     MEASURED_OFF steps off in a row that miss nothing (nor use an expert a prefetch read) turn
@@ -112,11 +112,7 @@ class Switch:
         self.reason = None  # why it is off (or was last)
         self.weighed = [0.0, 0.0, 0]  # seconds the verified steps cost, seconds the per-layer path would, tokens
         self.clean = None  # decayed seconds of a verified step without a replay
-        self.window = [0.0, 0]  # seconds of the verified steps in the window being weighed, and their count
-        # mean seconds of a verified step, replays included, in the last window weighed: what steps
-        # off are set against (a slower mean, older clean steps in it, turned the mode on again
-        # at near-ties where replays had made the verified steps dearer)
-        self.verified_step = None
+        self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
         self.layerwise = None  # decayed seconds of a step on the per-layer path while off
         self.timed_off = 0  # such steps timed since the mode turned off
         self.clean_off = 0  # such steps in a row without a miss (a prefetched expert used counts as one)
@@ -139,8 +135,7 @@ class Switch:
         # checks within the forward only while steps miss: a clean step needs one wait
         self.missing = decayed(self.missing, float(replays > 0))
         self.windowed = self.missing > 0.05
-        self.window[0] += seconds
-        self.window[1] += 1
+        self.steady = decayed(self.steady, seconds, keep=0.9)
         if not replays:
             self.clean = decayed(self.clean, seconds)
         replayed_share = seconds * replayed / (decoder_layers + replayed)  # the replayed layers' share of the step
@@ -174,7 +169,6 @@ class Switch:
         if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1]:
             return False
         self.weighed = [0.0, 0.0, 0]
-        self.verified_step, self.window = self.window[0] / max(self.window[1], 1), [0.0, 0]
         if w[0] <= w[1]:
             self.off_steps = OFF_STEPS
             return False
@@ -200,9 +194,9 @@ class Switch:
         self.layerwise = decayed(self.layerwise, time.perf_counter() - tic - (counters.read_seconds - read))
         self.timed_off += 1
         self.clean_off = self.clean_off + 1 if (counters.misses, counters.prefetch_useful) == missed else 0
-        if self.timed_off == MEASURED_OFF and self.verified_step is not None and self.layerwise > self.verified_step:
+        if self.timed_off == MEASURED_OFF and self.steady is not None and self.layerwise > self.steady:
             self.on_again(f"a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
-                          f"{self.verified_step * 1e3:.2f} ms verified")
+                          f"{self.steady * 1e3:.2f} ms verified")
         elif self.clean_off >= MEASURED_OFF:
             self.on_again(f"{self.clean_off} steps on the per-layer path without a miss")
         return out
