@@ -49,7 +49,6 @@ def test_a_read_soon_after_async_eval_pays_the_rest_of_the_round_trip():
     assert 0.05 < float(late_listed) < 0.2, late_listed
 
 
-
 def test_stopped_servers_leave_no_half_written_report(tmp_path):
     """bench_batch stops its servers under the round trip with their report threads maybe
     mid-write: the temp file a stopped server left beside its report is removed."""
