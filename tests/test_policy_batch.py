@@ -145,7 +145,7 @@ def test_batched_hits_leave_the_same_state(name, mode, vectorised):
     events = workload(1, L, E, 120, mode, k_at=lambda t: 2 if t < 60 else 3)  # top_k changes mid-run
     assert compare(name, events, L, E, capacity=24) == 120
     if name.startswith("activation") and mode != "mixed":
-        assert vectorised[True] > 30  # most batches in numpy (the first ones raise top_k, prefills loop)
+        assert vectorised[True] > 20  # many batches in numpy (the first ones raise top_k; prefills and runs of 1-2 loop)
     elif name.startswith("activation"):
         assert vectorised[False] > 0  # calls known unalike: the loop
 

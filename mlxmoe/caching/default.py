@@ -493,9 +493,10 @@ class Activation(Policy):
     def hits(self, calls):
         """As Policy.hits (access() is nothing here) in a few numpy calls (NextUse.visit_calls,
         VictimIndex.visited_calls); one visit after the other where a call raises top_k (the
-        floor moves then) or the calls are not alike (see visit_calls)."""
+        floor moves then), the calls are not alike (see visit_calls) or they are too few for
+        the batch's fixed cost to pay (one or two: half the time of visit_calls for one)."""
         est = self.estimate
-        if any(len(c[1]) > est.top_k for c in calls) or not est.visit_calls(calls):
+        if len(calls) <= 2 or any(len(c[1]) > est.top_k for c in calls) or not est.visit_calls(calls):
             return super().hits(calls)
         self.index.visited_calls([c[0] for c in calls])
 
