@@ -3,7 +3,7 @@ while, against the same work warm (right after itself): the pieces the per-layer
 after each wait on the device, timed after t ms of (a) `mx.eval` of queued device work, (b) a
 sleep, (c) a busy loop in Python. The pieces: a router's softmax on the host (backend.host_probs
 of one bfloat16 router's logits, 128 experts) and the default policy's update for one layer call
-that hit (Policy.hits of one call, 48 layers x 128 experts, top-8). Medians of --samples.
+that hit (Policy.hits of one call, 48 layers x 128 experts, top-8, hit_batch.py's calls). Medians of --samples.
 
 Where the after-t figures exceed the warm ones, a bookkeeping figure measured between a model's
 layers (bench_profiles.py --only-bookkeeping) is what the host work costs there, not what it
@@ -22,9 +22,8 @@ import numpy as np
 
 from mlxmoe.backend import host_probs
 from mlxmoe.caching.policies import make_policy
+from hit_batch import E, L, tokens_of
 from system import cpu_ticks, stolen_share
-
-L, E, K = 48, 128, 8
 
 
 def policy_piece(rng):
@@ -34,11 +33,7 @@ def policy_piece(rng):
     for layer in range(L):
         for e in resident[layer]:
             policy.insert((layer, int(e)))
-    calls = []
-    for layer in range(L):
-        probs = rng.dirichlet(np.ones(E) * 0.3).astype(np.float32)
-        experts = sorted(rng.choice(resident[layer], size=K, replace=False).tolist())
-        calls.append((layer, experts, [float(probs[e]) for e in experts], probs))
+    calls = tokens_of(rng, 1, resident)[0]
     step = [0]
 
     def hit():

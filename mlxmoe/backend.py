@@ -157,13 +157,8 @@ def host_probs(logits):
     same last axis), on the host in float32, all in one go: a [rows, experts] numpy array
     for each."""
     rows = [host_floats(a) for a in logits]
-    if len(rows) == 1:  # (in place: host_floats made a copy; each allocation costs more than the op here)
-        z = rows[0]
-        np.subtract(z, z.max(axis=-1, keepdims=True), out=z)
-        np.exp(z, out=z)
-        z /= z.sum(axis=-1, keepdims=True)
-        return rows
-    z = np.concatenate(rows)
+    # in place: host_floats and concatenate made copies, and at a router's size each new array costs more than its op
+    z = np.concatenate(rows) if len(rows) > 1 else rows[0]
     np.subtract(z, z.max(axis=-1, keepdims=True), out=z)
     np.exp(z, out=z)
     z /= z.sum(axis=-1, keepdims=True)
