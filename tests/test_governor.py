@@ -270,8 +270,10 @@ model, tokenizer = mlxmoe.load(path, memory_budget="auto", memory_margin=int(mar
 every = model.expert_cache.capacity
 print(json.dumps({"ready": every}), flush=True)
 sys.stdin.readline()
-for r in mlxmoe.stream_generate(model, tokenizer, sys.argv[4], max_tokens=int(sys.argv[5])):
+for i, r in enumerate(mlxmoe.stream_generate(model, tokenizer, sys.argv[4], max_tokens=int(sys.argv[5]))):
     print(json.dumps([r.token, model.expert_cache.capacity]), flush=True)
+    if i == 3:  # the parent squeezes now: wait until it has (a loaded machine's hog may take seconds)
+        sys.stdin.readline()
     time.sleep(0.1)
 end = time.monotonic() + 20  # (memory back late, as under a loaded machine: the cache grows after the generation)
 while model.expert_cache.capacity != every and time.monotonic() < end:
@@ -350,6 +352,8 @@ def test_a_real_cgroup_squeezed_mid_generation(path, want, squeeze):
             if i == 3:
                 squeezed(True)
                 since = time.monotonic()
+                child.stdin.write("\n")
+                child.stdin.flush()
             elif since is not None and took is None and out[1] == 2:  # shrunk to the minimum: memory back
                 took = time.monotonic() - since
                 squeezed(False)
