@@ -33,6 +33,12 @@ Each server's greedy answers to a prompt must be one and the same; batched again
     python bench/bench_batch.py --rounds 1 --requests 1 --max-tokens 4 --clients 1,2   # smoke run
     python bench/bench_batch.py --model BUNDLED --stock-model STACKED --partial-throughput \
         --partial-budget 71MB --clients 1,8 --rtt 0,150,1000             # issue 45's 50 % row
+    ... --routing ../shared/data/real-routing/bigmoeonedge/qwen.route.csv   # as a real model routes
+
+--routing makes every server's model route as a recording of a real model (bench/routed.py):
+each request's rows at their positions moved by their input tokens, so that the requests of a
+batch route as distinct steps of the real model, alone as in the batch (the checkpoint must have
+the recording's top-k: bench_host.py's 48x128-top6 for Qwen3-30B-A3B's).
 """
 
 import argparse
@@ -47,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 import bench_server  # noqa: E402
 from bench_server import Server  # noqa: E402
+import routed  # noqa: E402
 from heldout import prompts  # noqa: E402
 from system import check_outputs, clean_stale, cpu_ticks, model_folder, stolen_share, write_json  # noqa: E402
 
@@ -114,15 +121,20 @@ def load_round(server, clients, requests, pool, max_tokens, texts=None):
     return rps, tps, counted.tokens, decode_rate(counted.spans)
 
 
-def launch(argv, rtt, report):
+def launch(argv, rtt, report, routing=None):
     """A server (`python -m` argv) with the emulated round trip `rtt` us on its generation
-    thread (bench/roundtrip.py, its counts in `report`), or as it is (rtt None)."""
-    if rtt is None:
+    thread (bench/roundtrip.py, its counts in `report`), or as it is (rtt None); with `routing`
+    (a recording), its model routes as the recording does (roundtrip.py --routing)."""
+    if rtt is None and routing is None:
         return Server([sys.executable, "-m", *argv])
-    Path(report).unlink(missing_ok=True)
-    server = Server([sys.executable, str(ROOT / "bench" / "roundtrip.py"), "--rtt", str(rtt), "--report", report,
-                     "-m", *argv])
-    server.report = report
+    wrapper = [sys.executable, str(ROOT / "bench" / "roundtrip.py"), "--rtt", str(rtt or 0)]
+    if routing:
+        wrapper += ["--routing", routing]
+    if rtt is not None:
+        Path(report).unlink(missing_ok=True)
+        wrapper += ["--report", report]
+    server = Server([*wrapper, "-m", *argv])
+    server.report = report if rtt is not None else None
     return server
 
 
@@ -153,14 +165,14 @@ def throughput(args, pool, clients_list, budget=None, rtt=None):
     stock = ["mlx_lm", "server", "--model", args.stock_model or args.model, "--prompt-cache-size", "0"]
     out = Path(args.out)
     report = lambda name: str(out.with_name(f"{out.stem}.{name}.waits.json"))  # noqa: E731
-    servers = {"mlx_lm": launch(stock + ["--decode-concurrency", "16"], rtt, report("mlx_lm"))}
+    servers = {"mlx_lm": launch(stock + ["--decode-concurrency", "16"], rtt, report("mlx_lm"), args.routing)}
     if budget is not None:
         # (BatchGenerator's batch is the larger of the two: both 1 for one at a time)
         servers["mlx_lm_one"] = launch(stock + ["--decode-concurrency", "1", "--prompt-concurrency", "1"], rtt,
-                                       report("mlx_lm_one"))
+                                       report("mlx_lm_one"), args.routing)
         mlxmoe += ["--memory-budget", budget]
-    servers["batched"] = launch(mlxmoe + ["--max-batch", "16"], rtt, report("batched"))
-    servers["one"] = launch(mlxmoe + ["--max-batch", "1"], rtt, report("one"))
+    servers["batched"] = launch(mlxmoe + ["--max-batch", "16"], rtt, report("batched"), args.routing)
+    servers["one"] = launch(mlxmoe + ["--max-batch", "1"], rtt, report("one"), args.routing)
     texts = {name: {} for name in servers}
     rows = []
     try:
@@ -250,8 +262,8 @@ def same_answers(batched, one):
 
 
 def reads_per_token(args, pool, clients_list):
-    server = Server([sys.executable, "-m", "mlxmoe", "serve", "--model", args.model, "--max-batch", "16",
-                     "--memory-budget", args.partial_budget, "--prefetch", "0"])
+    server = launch(["mlxmoe", "serve", "--model", args.model, "--max-batch", "16", "--memory-budget",
+                     args.partial_budget, "--prefetch", "0"], None, None, args.routing)
     rows = []
     try:
         load_round(server, 1, 1, pool, args.max_tokens)  # warm-up
@@ -293,11 +305,17 @@ def main():
                     "bundled --model, the folder it was converted from)")
     ap.add_argument("--rtt", help="emulated round trips to the device, us, comma-separated (bench/roundtrip.py "
                     "on every server's generation thread): throughput at each")
+    ap.add_argument("--routing", help="[FORMAT:]FILE: every server's model routes as this recording of a real model "
+                    "(bench/routed.py; the model's top-k must be its, and at most its layers), each request's rows "
+                    "at their positions moved by their input tokens, so that distinct requests route as distinct "
+                    "steps of the real model")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "batch.json"))
     args = ap.parse_args()
     inputs = {"--model": model_folder(args.model)}
     if args.stock_model:
         inputs["--stock-model"] = model_folder(args.stock_model)
+    if args.routing:
+        inputs["--routing"] = routed.recording(args.routing)[1]
     check_outputs({"--out": args.out}, inputs)
     clients = [int(c) for c in args.clients.split(",")]
     if args.prompt_chars < 40:  # (heldout.prompts keeps pieces of 40 characters or more)

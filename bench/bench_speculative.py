@@ -16,6 +16,15 @@ acceptance (accepted / drafted tokens) and whether every output equals the one w
 
     python bench/bench_speculative.py                      # ~10 min on a shared 2-core CPU
     python bench/bench_speculative.py --tokens 8 --rounds 1 --prompts 1   # smoke run
+
+Where the host is the bottleneck, as on a GPU, a step verifying T tokens costs about one step
+(--step-costs); the checkpoint that is so here (bench_host.py's) has random weights, whose
+greedy output loops. --answers REAL_ROUTING makes it answer as real text does (bench/answers.py:
+the repeat task's paragraph repeated, Qwen3.6-35B-A3B's recorded answers for chat), and
+--routing FILE makes its MoE layers route as a real model did (bench/routed.py):
+
+    python bench/bench_speculative.py --model BUNDLED6 --answers ../shared/data/real-routing \
+        --routing ../shared/data/real-routing/bigmoeonedge/qwen.route.csv --prompts 2 --tokens 120
 """
 
 import argparse
@@ -28,6 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+import answers  # noqa: E402
+import routed  # noqa: E402
 from heldout import prompts  # noqa: E402
 
 CONFIGS = ("none", "ngram", "draft")
@@ -42,6 +53,14 @@ def task_prompts(tokenizer, task, n):
             for lang in ("en", "it") for p in prompts(lang, n)][:n]
 
 
+def task_sequences(args, tokenizer, task):
+    """[(prompt ids, the whole sequence the model answers as, or None where it answers freely)]."""
+    if not args.answers:
+        return [(ids, None) for ids in task_prompts(tokenizer, task, args.prompts)]
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    return answers.sequences(tokenizer, task, args.prompts, args.answers, vocab)
+
+
 def worker(args):
     """One configuration in this process: prints one JSON line per task."""
     import mlxmoe
@@ -49,8 +68,14 @@ def worker(args):
     kw = {} if args.cache_experts == 0 else {"cache_experts": args.cache_experts}
     if args.config == "draft":
         kw["draft_model"] = args.draft_model or args.model
+    if args.routing:
+        routed.install(args.routing, "")
     model, tokenizer = mlxmoe.load(args.model, **kw)
     runtime = model.expert_runtime
+    answering = {"sequence": [0, 1]}
+    if args.answers:
+        for m in (model, runtime.draft_model) if args.config == "draft" else (model,):
+            answers.answer_as(m, answering)
     draft = {"none": {}, "ngram": {"draft_model": "ngram"},
              "draft": {"draft_model": runtime.draft_model}}[args.config]
     if args.num_draft:
@@ -59,25 +84,29 @@ def worker(args):
         pass
     for task in ("repeat", "chat"):
         runtime.cache.reset_stats()
-        outputs, tokens, seconds = [], 0, 0.0
-        for ids in task_prompts(tokenizer, task, args.prompts):
+        outputs, tokens, seconds, as_answered = [], 0, 0.0, True
+        for ids, whole in task_sequences(args, tokenizer, task):
+            answering["sequence"], most = whole, args.tokens if whole is None else len(whole) - len(ids)
             tic, first, out = time.perf_counter(), None, []
-            for r in mlxmoe.stream_generate(model, tokenizer, ids, max_tokens=args.tokens, **draft):
+            for r in mlxmoe.stream_generate(model, tokenizer, ids, max_tokens=min(args.tokens, most), **draft):
                 first = first or time.perf_counter()
                 out.append(r.token)
             outputs.append(out)
+            as_answered &= whole is None or out == whole[len(ids):len(ids) + len(out)]
             tokens += len(out) - 1
             seconds += time.perf_counter() - first
         stats = runtime.cache.stats()
         print(json.dumps({"task": task, "tps": tokens / seconds if seconds else 0.0, "outputs": outputs,
-                          "drafted": stats["drafted"], "accepted": stats["accepted"]}), flush=True)
+                          "drafted": stats["drafted"], "accepted": stats["accepted"], "as_answered": as_answered}),
+              flush=True)
     runtime.close()
 
 
 def run(args, config):
     cmd = [sys.executable, __file__, "--worker", config, "--model", args.model, "--tokens", str(args.tokens),
            "--prompts", str(args.prompts), "--cache-experts", str(args.cache_experts),
-           "--num-draft", str(args.num_draft or 0)] + (["--draft-model", args.draft_model] if args.draft_model else [])
+           "--num-draft", str(args.num_draft or 0)] + (["--draft-model", args.draft_model] if args.draft_model else []) \
+        + (["--answers", args.answers] if args.answers else []) + (["--routing", args.routing] if args.routing else [])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if proc.returncode:
         sys.exit(f"{config} failed:\n{proc.stderr[-2000:]}")
@@ -121,6 +150,10 @@ def main():
     ap.add_argument("--num-draft", type=int, help="Tokens drafted a step (default: mlxmoe's, 3 / 5).")
     ap.add_argument("--step-costs", action="store_true",
                     help="Only time stock mlx-lm's forward of 1, 2, 4 and 6 tokens (a verify step's cost).")
+    ap.add_argument("--answers", metavar="REAL_ROUTING", help="the model answers as real text does (bench/answers.py; "
+                    "chat: the recorded answers in this real-routing folder), its logits replaced, its layers' "
+                    "work kept: for a checkpoint with random weights")
+    ap.add_argument("--routing", help="[FORMAT:]FILE: the model's MoE layers route as this recording (bench/routed.py)")
     ap.add_argument("--worker", choices=CONFIGS, dest="config", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
@@ -152,7 +185,8 @@ def main():
             runs = [r[task] for r in results[config]]
             tps = statistics.median(r["tps"] for r in runs)
             drafted, accepted = runs[-1]["drafted"], runs[-1]["accepted"]
-            same = all(r["outputs"] == results["none"][0][task]["outputs"] for r in runs)
+            same = all(r["outputs"] == results["none"][0][task]["outputs"] and r.get("as_answered", True)
+                       for r in runs)
             rate = f"{accepted / drafted:.2f}" if drafted else "-"
             print(f"{task:<8}{config:<8}{tps:>8.1f}{tps / base:>7.2f}x{accepted:>10}{drafted:>9}{rate:>7}  {same}")
 

@@ -5,7 +5,9 @@ named by --thread (mlx_lm.server's generation thread by default, which mlxmoe se
 
     python bench/roundtrip.py --rtt 150 -m mlxmoe serve --model DIR --port 8080
     python bench/roundtrip.py --rtt 150 -m mlx_lm server --model DIR --port 8081
-    (--report FILE: the calls and waits counted so far, written to FILE as JSON twice a second)
+    (--report FILE: the calls and waits counted so far, written to FILE as JSON twice a second;
+    --routing [FORMAT:]FILE: every model the module loads routes as this recording of a real model,
+    each row of a batch at its own position, moved by its input token: bench/routed.py's by_token)
 
 A patched call (mx.eval, mx.synchronize, np.array and np.asarray given an mx.array, and
 mx.array's item, tolist, __bool__, __int__, __float__) is a *wait* when the thread slept in it
@@ -175,6 +177,8 @@ def main(argv):
     ap.add_argument("--rtt", type=float, required=True, help="the round trip added to each wait, us")
     ap.add_argument("--thread", default=GENERATION_THREAD, help="the threads it applies to: those whose name holds this")
     ap.add_argument("--report", help="write the calls and waits counted so far here (JSON, twice a second)")
+    ap.add_argument("--routing", help="[FORMAT:]FILE: every model loaded routes as this recording (bench/routed.py, "
+                    "by position and input token)")
     args = ap.parse_args(argv[:i])
     if i + 1 >= len(argv):
         ap.error("-m MODULE [ARGS...]: the module to run")
@@ -189,6 +193,10 @@ def main(argv):
         report_every(waits, args.report)
     sys.argv = [module, *module_args]
     sys.path.insert(0, str(ROOT))  # (mlxmoe from this checkout)
+    if args.routing:
+        import routed
+
+        routed.install(args.routing, "", by_token=True)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

@@ -10,7 +10,16 @@ called, so a verified step's replay of a token routes as its first pass did. Whe
 recording lacks a cell, the position before it (at that layer) stands in. Positions map onto
 the recording so that the first generated token is its first decode step, and wrap past its end.
 A model with fewer MoE layers routes as the recording's first ones (the model's top-k must be the
-recording's); install() makes every model a process loads follow it (bench_disk.py's children).
+recording's); install() makes every model a process loads follow it (bench_disk.py's children,
+bench_batch.py's servers through bench/roundtrip.py).
+
+A batch (mlx-lm's BatchKVCache: an offset a row) routes each row at its own position. A
+recording is one sequence, so rows of distinct requests at the same position would route alike
+and a batch's experts would be one row's: with `by_token` a row's position in the recording also
+moves by its input token (position + 7919 x token, on the device), so distinct requests route as
+distinct steps of the real model (its experts' popularity kept, the rows independent) and a
+request routes the same alone as in a batch; a sequence's consecutive tokens then land on
+unrelated steps (no locality from token to token, a harder case for a cache than real routing).
 
 Only the block's own router call follows the recording: a prefetcher's lookahead (another
 layer's router on this hidden state) scores with the random weights, so it predicts nothing;
@@ -80,12 +89,12 @@ def read(spec):
     return dict(meta, num_layers=layers, num_experts=experts, top_k=k, positions=len(steps)), logits, first_decode
 
 
-def follow(model, logits, first_decode, prompt_tokens):
+def follow(model, logits, first_decode, prompt_tokens, by_token=False):
     """Make `model` (mlx-lm's, or mlxmoe's) route as `logits` say (see the module's doc)."""
     import mlx.core as mx
     import mlx.nn as nn
 
-    state = {"position": 0, "layer": None}
+    state = {"offset": 0, "inputs": None, "by_token": by_token, "layer": None}
     shift = first_decode - prompt_tokens  # the first generated token's position -> the first decode step
     blocks = [layer.mlp for layer in model.layers if hasattr(getattr(layer, "mlp", None), "gate")]
     k = int((logits[0, 0] > UNROUTED).sum())
@@ -108,18 +117,20 @@ def follow(model, logits, first_decode, prompt_tokens):
     _subclass(model, lambda self, inputs, *a, **kw: _at_position(self, inputs, a, kw, state))
 
 
-def install(spec, prompt):
-    """Every model this process loads from here on (mlx_lm.load, mlxmoe.load) follows the
-    recording `spec` (read()), its positions counted for `prompt`."""
+def install(spec, prompt, by_token=False):
+    """Every model this process loads from here on (mlx_lm.load, mlx_lm.utils.load as
+    mlx_lm.server imports it, mlxmoe.load) follows the recording `spec` (read()), its positions
+    counted for `prompt`."""
     import mlx_lm
+    import mlx_lm.utils
     import mlxmoe
 
     _, logits, first_decode = read_or_exit(spec)
-    for module in (mlx_lm, mlxmoe):
+    for module in (mlx_lm, mlx_lm.utils, mlxmoe):
         def load(*args, _load=module.load, **kwargs):
-            model, tokenizer = _load(*args, **kwargs)
-            follow(model, logits, first_decode, len(tokenizer.encode(prompt)))
-            return model, tokenizer
+            loaded = _load(*args, **kwargs)  # (model, tokenizer[, config])
+            follow(loaded[0], logits, first_decode, len(loaded[1].encode(prompt)), by_token)
+            return loaded
 
         module.load = load
 
@@ -132,8 +143,13 @@ def _routed_call(self, x):
     if routing is None or routing[0]["layer"] != routing[2]:  # not this block's own routing
         return out
     state, table, layer, shift = routing
-    rows = (np.arange(x.shape[-2]) + state["position"] + shift) % table.shape[0]
-    return out * 0 + table[mx.array(rows), layer].astype(out.dtype)
+    offset = state["offset"]  # (a batch's: an array, a row's offset each)
+    if isinstance(offset, mx.array) and offset.ndim == 1:
+        offset = offset[:, None]
+    rows = mx.arange(x.shape[-2]) + offset + shift
+    if state["by_token"] and state["inputs"] is not None:
+        rows = rows + 7919 * state["inputs"].astype(mx.int32)
+    return out * 0 + table[rows % table.shape[0], layer].astype(out.dtype)
 
 
 def _subclass(obj, call):
@@ -151,5 +167,5 @@ def _in_block(block, x, state, layer):
 
 def _at_position(model, inputs, args, kwargs, state):
     cache = kwargs.get("cache", args[0] if args else None)
-    state["position"] = int(cache[0].offset) if cache else 0
+    state["offset"], state["inputs"] = (cache[0].offset if cache else 0), inputs
     return model._routed_base.__call__(model, inputs, *args, **kwargs)

@@ -106,3 +106,66 @@ def test_a_recording_whose_cell_has_another_top_k_is_refused_naming_its_line(tmp
 
     with pytest.raises(MlxmoeError, match=rf"{recording}:\d+: 3 distinct experts, the recording's top-k is 2"):
         routed.read(str(recording))
+
+
+BATCH_SCRIPT = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import mlx.core as mx, mlx_lm, routed
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+routed.install(sys.argv[3], "", by_token=True)
+model, tok, config = mlx_lm.utils.load(sys.argv[2], return_config=True)  # (as mlx_lm.server loads)
+seen = []
+for i, layer in enumerate(model.layers):
+    sw = layer.mlp.switch_mlp
+    cls = type(sw)
+    def call(self, x, idx, cls=cls, i=i):
+        seen.append((i, np.array(idx).tolist()))
+        return cls.__call__(self, x, idx)
+    sw.__class__ = type("Watched" + cls.__name__, (cls,), {"__call__": call})
+def run(cache, *steps):
+    out = []
+    for tokens in steps:
+        seen.clear()
+        model(mx.array(tokens), cache=cache)
+        out.append(list(seen))
+    return out
+prompts, nxt = [[0, 5, 9], [7, 3, 11]], [[4], [8]]
+batched = run([BatchKVCache([1, 0]) for _ in model.layers], prompts, nxt)  # row 0 left-padded by one
+alone = run(make_prompt_cache(model), [prompts[1]], [nxt[1]])
+print(json.dumps({"batched": batched, "alone": alone, "prompts": prompts, "next": nxt}))
+"""
+
+
+def test_a_batch_routes_each_row_at_its_position_moved_by_its_token(tmp_path, checkpoint):
+    """by_token (bench_batch.py's servers): each row of a batch (mlx-lm's BatchKVCache, a row
+    left-padded) routes as the recording's step (position + 7919 x input token) at each layer,
+    and a row alone routes as it does in the batch."""
+    model = checkpoint("qwen3_moe", config_overrides={"num_hidden_layers": LAYERS, "num_experts": EXPERTS,
+                                                      "num_experts_per_tok": K})
+    recording = tmp_path / "route.csv"
+    chosen = _recording(recording, np.random.default_rng(2))
+    out = subprocess.run([sys.executable, "-c", BATCH_SCRIPT, str(ROOT / "bench"), str(model), str(recording)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    positions = PREFILL + DECODE
+    shift = PREFILL  # (the recording's first decode step, for an empty prompt)
+
+    def want(position, token, layer):
+        return sorted(chosen[(position + shift + 7919 * token) % positions, layer])
+
+    tokens = [r["prompts"][0][1:], r["prompts"][1]]  # each row's real tokens, at positions 0, 1, ...
+    for step, calls in enumerate(r["batched"]):
+        assert [layer for layer, _ in calls] == list(range(LAYERS))
+        for layer, rows in calls:
+            for b, row in enumerate(rows):
+                real = tokens[b] if step == 0 else [r["next"][b][0]]
+                first = 0 if step == 0 else len(tokens[b])
+                for j, experts in enumerate(row[len(row) - len(real):]):  # (row 0's padding: not a token of it)
+                    assert sorted(experts) == want(first + j, real[j], layer), (step, layer, b, j)
+    assert [[[layer, rows[0]] for layer, rows in calls] for calls in r["alone"]] == \
+           [[[layer, rows[1]] for layer, rows in calls] for calls in r["batched"]]
+    # two requests at the same position (0) with distinct tokens route as distinct steps
+    assert any(sorted(rows[0][1]) != sorted(rows[1][0]) for _, rows in r["batched"][0])

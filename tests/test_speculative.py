@@ -327,3 +327,45 @@ def test_sliding_window_model_drafts_until_its_cache_wraps(checkpoint):
     with pytest.raises(mlxmoe.MlxmoeError, match="rotating .* KV cache"):  # --max-kv-size: a rotating cache
         tokens(model, tokenizer, prompt, draft_model=model.expert_runtime.draft_model, max_kv_size=64)
     model.expert_runtime.close()
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_a_bench_model_answering_as_given_text_gives_it_with_drafts(paths, tmp_path, draft):
+    """bench/answers.py: a random-weights model whose logits follow a given sequence answers
+    its continuation, with drafts as without (the drafts accepted where they match it), its
+    experts still streamed; a chat recording's ids are mapped onto the vocabulary one to one."""
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parent.parent / "bench")
+    sys.path.insert(0, bench)
+    try:
+        import answers
+    finally:
+        sys.path.remove(bench)
+    main, _ = paths
+    model, tokenizer = mlxmoe.load(str(main), cache_experts=12, **({"draft_model": str(main)} if draft == "model" else {}))
+    runtime = model.expert_runtime
+    state = {}
+    for m in (model, runtime.draft_model) if draft == "model" else (model,):
+        answers.answer_as(m, state)
+    body = tokenizer.encode(TEXT, add_special_tokens=False)
+    prompt = body + body[:3]
+    state["sequence"] = whole = prompt + body[3:] + body  # (its continuation repeats the text)
+    kw = {"draft_model": "ngram"} if draft == "ngram" else {"draft_model": runtime.draft_model}
+    plain = [r.token for r in mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=len(whole) - len(prompt))]
+    assert plain == whole[len(prompt):]
+    runtime.cache.reset_stats()
+    drafted = [r.token for r in mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=len(plain), **kw)]
+    stats = runtime.cache.stats()
+    assert drafted == plain and stats["accepted"] > len(plain) // 3 and stats["misses"] > 0
+    runtime.close()
+
+    recorded = tmp_path / answers.CHAT_ANSWERS[0]
+    recorded.parent.mkdir(parents=True)
+    recorded.write_text(json.dumps({"prompt_tokens": [151644, 7, 151644], "generated_tokens": [99, 7, 99, 5]}))
+    (got,) = answers.sequences(tokenizer, "chat", 1, tmp_path, vocab=400)
+    first = answers.FIRST_ID
+    assert got == ([first, first + 1, first], [first, first + 1, first, first + 2, first + 1, first + 2, first + 3])
+    with pytest.raises(SystemExit, match="4 distinct tokens, more than the model's vocabulary of 12"):
+        answers.sequences(tokenizer, "chat", 1, tmp_path, vocab=12)
