@@ -226,3 +226,25 @@ def test_streamed_decode_updates_the_policy_before_its_wait(monkeypatch):
     assert len(at_wait) >= (TOKENS - 1) * cache.store.num_layers
     assert sum(at_call) > 0, "no layer call found hits of earlier layers deferred: the test shows nothing"
     assert set(at_wait) == {0}, f"deferred hits at a layer's wait: {sorted(set(at_wait))}"
+
+
+def test_resident_short_steps_are_queued_layer_by_layer(monkeypatch):
+    """Every expert resident, a step of a few tokens (a speculative step's draft) queues each
+    MoE layer's output as a decode step does (the device starts on it while the host builds
+    the next), a prompt's longer step is queued whole as stock queues it; no sync either way."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxmoe.caching import experts
+
+    model, _ = mlxmoe.load(str(mlxmoe.DEMO_MODEL))
+    cache = model.expert_cache
+    assert cache.prewarm_done(timeout=120)
+    queued = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(sys._getframe(1).f_code.co_name), real(*a))[1])
+    kv = make_prompt_cache(model)
+    for tokens in (experts.QUEUED_TOKENS + 4, 4, 1):
+        queued.clear()
+        mx.eval(model(mx.array([list(range(5, 5 + tokens))]), cache=kv))
+        assert queued.count("_resident") == (0 if tokens > experts.QUEUED_TOKENS else cache.store.num_layers), tokens
+    cache.close()

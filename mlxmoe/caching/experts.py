@@ -19,6 +19,11 @@ from ..errors import MlxmoeError
 from .lossy import host_logits
 from .prefetch import decayed
 
+# the most tokens a row whose resident layer calls are queued one by one (mx.async_eval): a
+# decode step's one, a speculative step's draft and the token before it; a prompt's longer
+# steps are queued whole, as stock queues them
+QUEUED_TOKENS = 16
+
 FEW_CALLS = 16  # a decode step's layer calls (rows as lists) up to which plain Python summarises them faster than numpy (even warm)
 
 
@@ -683,8 +688,8 @@ class StreamingExperts(nn.Module):
         if probs is not None:
             work.side.append(probs)
         out = self._inner(x, table[self._layer][indices])
-        if x.size == x.shape[-1] * (1 if work.rows is None else work.rows.size) and self._runtime is not None \
-                and self._runtime.group is None:  # (a decode step's, a batch's: one token a row)
+        if x.size <= x.shape[-1] * QUEUED_TOKENS * (1 if work.rows is None else work.rows.size) \
+                and self._runtime is not None and self._runtime.group is None:
             mx.async_eval(out, *(work.pack() if self._layer == self._cache.store.num_layers - 1 else ()))
         return out
 
