@@ -23,8 +23,11 @@ greedy output loops. --answers REAL_ROUTING makes it answer as real text does (b
 the repeat task's paragraph repeated, Qwen3.6-35B-A3B's recorded answers for chat), and
 --routing FILE makes its MoE layers route as a real model did (bench/routed.py):
 
-    python bench/bench_speculative.py --model BUNDLED6 --answers ../shared/data/real-routing \
-        --routing ../shared/data/real-routing/bigmoeonedge/qwen.route.csv --prompts 2 --tokens 120
+    python bench/bench_speculative.py --model BUNDLED6 --draft-model STACKED6 --answers ../shared/data/real-routing \
+        --routing ../shared/data/real-routing/bigmoeonedge/qwen.route.csv --prompts 2 --tokens 120 --cache-experts 0
+
+(BUNDLED6 / STACKED6: bench_host.py's host-bound-48x128-top6 checkpoint, bundled / as mlx-lm saves it;
+a draft model must be one mlx-lm loads. Chat has the recording's 2 answers whatever --prompts.)
 """
 
 import argparse
