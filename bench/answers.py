@@ -25,14 +25,19 @@ FIRST_ID = 10  # mapped ids start here (the bench tokenizers' special tokens bel
 REPEAT_CUE = 8  # tokens of the paragraph that end the repeat prompt
 
 
+def repeat_texts(n):
+    """The repeat task's n held-out paragraphs (bench_speculative.py's too)."""
+    from heldout import prompts
+
+    return [p for p in prompts("en", 4 * n) if len(p) > 200][:n]
+
+
 def sequences(tokenizer, task, n, real_routing, vocab):
     """[(prompt ids, the whole sequence's ids)] of `task`, n at most (chat: 2)."""
     if task == "repeat":
-        from heldout import prompts
-
         ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         out = []
-        for text in [p for p in prompts("en", 4 * n) if len(p) > 200][:n]:
+        for text in repeat_texts(n):
             t, sep = ids(text), ids("\n\n")
             prompt = t + sep + t + sep + t[:REPEAT_CUE]
             out.append((prompt, prompt + t[REPEAT_CUE:]))

@@ -50,8 +50,7 @@ CONFIGS = ("none", "ngram", "draft")
 def task_prompts(tokenizer, task, n):
     """The prompts of `task` as token ids."""
     if task == "repeat":
-        texts = [p for p in prompts("en", 4 * n) if len(p) > 200][:n]
-        return [tokenizer.encode(f"{t}\n\n{t}\n\n{' '.join(t.split()[:6])}") for t in texts]
+        return [tokenizer.encode(f"{t}\n\n{t}\n\n{' '.join(t.split()[:6])}") for t in answers.repeat_texts(n)]
     return [tokenizer.apply_chat_template([{"role": "user", "content": p[:120]}], add_generation_prompt=True)
             for lang in ("en", "it") for p in prompts(lang, n)][:n]
 

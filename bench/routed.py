@@ -94,8 +94,10 @@ def follow(model, logits, first_decode, prompt_tokens, by_token=False):
     import mlx.core as mx
     import mlx.nn as nn
 
-    state = {"offset": 0, "inputs": None, "by_token": by_token, "layer": None}
-    shift = first_decode - prompt_tokens  # the first generated token's position -> the first decode step
+    # shift: the first generated token's position -> the first decode step; steps: the recording's
+    # step of each row and position of the model's call under way (_at_position)
+    state = {"shift": first_decode - prompt_tokens, "positions": logits.shape[0], "by_token": by_token,
+             "steps": None, "layer": None}
     blocks = [layer.mlp for layer in model.layers if hasattr(getattr(layer, "mlp", None), "gate")]
     k = int((logits[0, 0] > UNROUTED).sum())
     if not blocks or len(blocks) > logits.shape[1] or any(getattr(b, "top_k", k) != k for b in blocks) \
@@ -112,7 +114,7 @@ def follow(model, logits, first_decode, prompt_tokens, by_token=False):
             base._unrouted_call = base.__call__
             base.__call__ = _routed_call
     for i, block in enumerate(blocks):
-        ROUTED[id(block.gate)] = (state, table, i, shift)
+        ROUTED[id(block.gate)] = (state, table, i)
         _subclass(block, lambda self, x, i=i: _in_block(self, x, state, i))
     _subclass(model, lambda self, inputs, *a, **kw: _at_position(self, inputs, a, kw, state))
 
@@ -136,20 +138,26 @@ def install(spec, prompt, by_token=False):
 
 
 def _routed_call(self, x):
-    import mlx.core as mx
-
     out = type(self)._unrouted_call(self, x)
     routing = ROUTED.get(id(self))
     if routing is None or routing[0]["layer"] != routing[2]:  # not this block's own routing
         return out
-    state, table, layer, shift = routing
-    offset = state["offset"]  # (a batch's: an array, a row's offset each)
+    state, table, layer = routing
+    steps = state["steps"] if state["steps"] is not None else _steps(state, x.shape[-2], 0, None)
+    return out * 0 + table[steps, layer].astype(out.dtype)
+
+
+def _steps(state, length, offset, inputs):
+    """The recording's step of each position of a model call of `length` tokens from `offset`
+    (a batch's: an array, a row's offset each), moved by the `inputs` tokens with by_token."""
+    import mlx.core as mx
+
     if isinstance(offset, mx.array) and offset.ndim == 1:
         offset = offset[:, None]
-    rows = mx.arange(x.shape[-2]) + offset + shift
-    if state["by_token"] and state["inputs"] is not None:
-        rows = rows + 7919 * state["inputs"].astype(mx.int32)
-    return out * 0 + table[rows % table.shape[0], layer].astype(out.dtype)
+    steps = mx.arange(length) + offset + state["shift"]
+    if state["by_token"] and inputs is not None:
+        steps = steps + 7919 * inputs.astype(mx.int32)
+    return steps % state["positions"]
 
 
 def _subclass(obj, call):
@@ -167,5 +175,5 @@ def _in_block(block, x, state, layer):
 
 def _at_position(model, inputs, args, kwargs, state):
     cache = kwargs.get("cache", args[0] if args else None)
-    state["offset"], state["inputs"] = (cache[0].offset if cache else 0), inputs
+    state["steps"] = _steps(state, inputs.shape[-1], cache[0].offset if cache else 0, inputs)  # (once, for every layer)
     return model._routed_base.__call__(model, inputs, *args, **kwargs)

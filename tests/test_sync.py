@@ -243,8 +243,8 @@ def test_resident_short_steps_are_queued_layer_by_layer(monkeypatch):
     real = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(sys._getframe(1).f_code.co_name), real(*a))[1])
     kv = make_prompt_cache(model)
-    for tokens in (experts.QUEUED_TOKENS + 4, 4, 1):
+    for tokens in (experts.STEP_TOKENS + 4, 4, 1):
         queued.clear()
         mx.eval(model(mx.array([list(range(5, 5 + tokens))]), cache=kv))
-        assert queued.count("_resident") == (0 if tokens > experts.QUEUED_TOKENS else cache.store.num_layers), tokens
+        assert queued.count("_resident") == (0 if tokens > experts.STEP_TOKENS else cache.store.num_layers), tokens
     cache.close()

@@ -19,10 +19,11 @@ from ..errors import MlxmoeError
 from .lossy import host_logits
 from .prefetch import decayed
 
-# the most tokens a row whose resident layer calls are queued one by one (mx.async_eval): a
-# decode step's one, a speculative step's draft and the token before it; a prompt's longer
-# steps are queued whole, as stock queues them
-QUEUED_TOKENS = 16
+# the most tokens of a decode or speculative step: a decode step's one, or a draft and the token
+# before it. Steps of at most this many tokens are verified (verify.py: a batch's rows counted
+# too) and, every expert resident, queued layer by layer (mx.async_eval; here a row's tokens); a
+# prompt's longer steps go layer by layer (each reads its union once), queued whole as stock does
+STEP_TOKENS = 16
 
 FEW_CALLS = 16  # a decode step's layer calls (rows as lists) up to which plain Python summarises them faster than numpy (even warm)
 
@@ -688,7 +689,7 @@ class StreamingExperts(nn.Module):
         if probs is not None:
             work.side.append(probs)
         out = self._inner(x, table[self._layer][indices])
-        if x.size <= x.shape[-1] * QUEUED_TOKENS * (1 if work.rows is None else work.rows.size) \
+        if x.size <= x.shape[-1] * STEP_TOKENS * (1 if work.rows is None else work.rows.size) \
                 and self._runtime is not None and self._runtime.group is None:
             mx.async_eval(out, *(work.pack() if self._layer == self._cache.store.num_layers - 1 else ()))
         return out

@@ -37,7 +37,8 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_dists, host_probs
-from .experts import as_rows, count_hit_rows, count_rows, observe_calls, resident_table, step_call, step_calls
+from .experts import (STEP_TOKENS, as_rows, count_hit_rows, count_rows, observe_calls, resident_table, step_call,
+                      step_calls)
 from .prefetch import decayed
 
 # verified tokens weighed at a time (off after fewer where their replays already cost more);
@@ -50,10 +51,6 @@ OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 MEASURED_OFF = 4
 # (BatchKVCache: a batch's decode step in `serve`; trim() takes each row's token back)
 KV_TYPES = (KVCache, RotatingKVCache, BatchKVCache)
-# the most tokens a verified step takes: a decode step's one (a batch's: one a row), or a
-# speculative step's draft and the token before it; a prompt's longer steps go layer by layer
-# (each reads its union once)
-MAX_TOKENS = 16
 # decoder layers queued past the last one checked within a forward (while steps miss): the
 # device computes them while the host reads that layer's routing, and a miss's replay
 # recomputes lag + 1 layers, not the rest of the token. MIN_LAG where checks so far behind find
@@ -470,7 +467,7 @@ class Verifier:
             return None
         rows, width = inputs.shape
         batch = rows > 1 and width == 1 and all(type(c) is BatchKVCache for c in kv)  # a batch's decode step
-        most = min(MAX_TOKENS, cache.capacity // self.top_k) if self.drafting or batch else 1
+        most = min(STEP_TOKENS, cache.capacity // self.top_k) if self.drafting or batch else 1
         if not (rows == 1 or batch) or not 0 < inputs.size <= most:
             return None
         self.current = self.batch_switch if batch else self.switch
