@@ -8,10 +8,12 @@ def interrupting(raise_it):
     """A SIGINT or SIGTERM handler that raises as `raise_it` does, except where it landed
     between a lock's taking and the code that gives it back (torn): raised there, the lock
     would stay held (a thread pool's worker then waits on it for ever, and so does the exit) or
-    be given back twice; the signal is sent again a few ms later, when it lands elsewhere."""
+    be given back twice; or in a __del__, where Python prints the exception as ignored (a
+    traceback on stderr) and drops it. There the signal is sent again a few ms later, when it
+    lands elsewhere."""
 
     def handler(signum, frame):
-        if frame is not None and torn(frame):
+        if frame is not None and (torn(frame) or frame.f_code.co_name == "__del__"):
             again = threading.Timer(0.005, os.kill, (os.getpid(), signum))
             again.daemon = True  # (an exit meanwhile does not wait for it)
             again.start()
