@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import GenerationResponse, generate_step, speculative_generate_step, wired_limit
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from .budget import kv_reserve_bytes
 from .errors import MlxmoeError
@@ -159,15 +159,30 @@ def after(processors, before):
     return [lambda tokens, logits, p=p: p(mx.concatenate([before, tokens]), logits) for p in processors]
 
 
+class Ahead:
+    """A sampler that keeps what it gave last: the token generate_step has computed ahead of
+    the one it yields, and its logprobs."""
+
+    def __init__(self, sampler):
+        self.sampler, self.last = sampler or (lambda x: mx.argmax(x, axis=-1)), None
+
+    def __call__(self, logprobs):
+        token = self.sampler(logprobs)
+        self.last = token, logprobs
+        return token
+
+
 def ngram_steps(prompt, model, stream, lookup, vocab, counters, max_tokens=256, prompt_cache=None,
-                logits_processors=None, prompt_progress_callback=None, max_kv_size=None, **kwargs):
+                logits_processors=None, prompt_progress_callback=None, max_kv_size=None, sampler=None, **kwargs):
     """mlx-lm's (token, logprobs, from_draft) steps of a generation from `prompt` (an mx
     array) whose drafts come from `lookup` (a Lookup): a step with a draft runs
     speculative_generate_step for that step, the others generate_step until a draft comes
-    (the token it computed ahead is dropped: the KV cache trimmed by one). Drafted and
-    accepted tokens are counted in `counters` (the expert cache's)."""
+    (then the token generate_step computed ahead is taken as the next one, and drafting
+    starts after it). Drafted and accepted tokens are counted in `counters` (the expert
+    cache's)."""
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size)
     max_tokens = max_tokens if max_tokens >= 0 else 1 << 62  # (-1: no limit)
+    ahead = Ahead(sampler)
     y, done, before = prompt, 0, None
     while done < max_tokens:
         left = max_tokens - done
@@ -178,7 +193,7 @@ def ngram_steps(prompt, model, stream, lookup, vocab, counters, max_tokens=256, 
             accepted = 0
             steps = speculative_generate_step(y, model, Proposal(draft, vocab), stream, num_draft_tokens=len(draft),
                                               max_tokens=left, prompt_cache=cache, logits_processors=processors,
-                                              **kwargs)
+                                              sampler=ahead.sampler, **kwargs)
             with closing(steps):
                 for token, logprobs, from_draft in steps:
                     done, accepted = done + 1, accepted + from_draft
@@ -191,14 +206,19 @@ def ngram_steps(prompt, model, stream, lookup, vocab, counters, max_tokens=256, 
             lookup.weigh(len(draft), accepted)
         else:
             steps = generate_step(y, model, stream, max_tokens=left, prompt_cache=cache, logits_processors=processors,
-                                  prompt_progress_callback=prompt_progress_callback if not done else None, **kwargs)
+                                  prompt_progress_callback=prompt_progress_callback if not done else None,
+                                  sampler=ahead, **kwargs)
             with closing(steps):
                 for token, logprobs in steps:
                     done += 1
                     lookup.add(token)
                     yield token, logprobs, False
-                    if lookup.propose() and trimmable(cache, 0):
-                        trim_prompt_cache(cache, 1)  # generate_step has run `token` already
+                    if done < max_tokens and lookup.propose() and trimmable(cache, 2):
+                        token, logprobs = ahead.last  # computed from `token`, which the KV cache holds
+                        token, logprobs = token.item(), logprobs.squeeze(0)
+                        done += 1
+                        lookup.add(token)
+                        yield token, logprobs, False
                         break
         before = mx.array(lookup.seq[:lookup.n - 1]) if logits_processors else None
         y = mx.array([token], mx.uint32)

@@ -152,6 +152,26 @@ def test_multi_token_steps_are_verified_in_one_pass(paths, monkeypatch, draft):
     model.expert_runtime.close()
 
 
+def test_ngram_switching_to_drafts_wastes_no_forward(paths):
+    """Where a draft comes during plain steps, the token generate_step computed ahead is the
+    next token (not computed again): the model processes the prompt, each generated token
+    but the last, and the drafts it rejected, and at most the one token a generation
+    computes ahead at its end."""
+    main, _ = paths
+    model, tokenizer = mlxmoe.load(str(main), cache_experts=12)
+    cache = model.expert_cache
+    first = []  # tokens of each call of the first MoE layer
+    cache.watch(lambda call: first.append(call.tokens) if call.layer == 0 else None)
+    got = tokens(model, tokenizer, REPEAT, draft_model="ngram")
+    assert got == reference(main, REPEAT)
+    stats = cache.stats()
+    rejected = stats["drafted"] - stats["accepted"]
+    assert stats["accepted"] > 0 and rejected > 0, stats  # plain steps, then drafts, then plain again
+    needed = len(tokenizer.encode(REPEAT)) + len(got) - 1 + rejected
+    assert needed <= sum(first) <= needed + 1, (sum(first), needed, stats)
+    model.expert_runtime.close()
+
+
 def test_draft_model_counted_in_the_budget_or_refused(paths):
     main, small = paths
     budget = model_info(str(main))["all_resident_budget"] + (2 << 20)  # every expert, and 2 MB: less than the draft takes
