@@ -231,8 +231,9 @@ def draft_options(f):
                      "that drafts tokens for the model to verify several at a step (speculative decoding, exact); "
                      "loaded whole, within --memory-budget."),
         click.option("--draft", type=click.Choice(["ngram"]), help="ngram: draft from the prompt and the text so "
-                     "far (the tokens that followed the latest match of the last 3, 2 or 1 tokens), no second "
-                     "model; paused for a while where its drafts are rarely right."),
+                     "far (the tokens that followed the latest match of the last 3 or 2 tokens), no second "
+                     "model; paused for a while where its drafts are rarely right or its steps give fewer "
+                     "tokens a second than plain ones."),
         click.option("--num-draft-tokens", "--num-draft", "num_draft_tokens", type=Number(int, 1, 1024),
                      help="Tokens drafted a step. Default: 3 with --draft-model (mlx-lm's), 5 with --draft ngram."),
     ]

@@ -8,8 +8,9 @@ the KV caches of the drafts it rejects.
 
 N-gram drafting (prompt lookup): the last 3 (else 2) tokens of the sequence are
 looked up earlier in it, and the tokens that followed the latest match are proposed. Where
-there is no match, or while the drafts' acceptance is low, steps carry one token (mlx-lm's
-generate_step), so free text pays little for it.
+there is no match, or while drafting gives little (few drafts accepted, or drafted steps
+slower a token than plain ones), steps carry one token (mlx-lm's generate_step), so free text
+pays little for it.
 """
 
 import time
@@ -25,14 +26,16 @@ from .budget import kv_reserve_bytes
 from .errors import MlxmoeError
 
 NGRAM_SIZES = (3, 2)
-# n-gram drafting weighs its acceptance over its first FIRST_WEIGH drafted steps (at the
-# start of drafting, and after a pause), drafting PROBE_TOKENS at most in them (a failed
-# probe costs a short step), then every WEIGH_STEPS, and pauses for OFF_TOKENS tokens where
-# it is below MIN_ACCEPTANCE, the pause doubled at each pause in a row up to MOST_OFF_TOKENS;
-# the pause, and what is left of it, carry over to the model's next generation (a chat's
-# short replies of free text do not each try again)
+# n-gram drafting weighs its drafted steps over its first FIRST_WEIGH of them (at the start of
+# drafting, and after a pause), drafting PROBE_TOKENS at most in them (a failed probe costs a
+# short step), then every WEIGH_STEPS, and pauses for OFF_TOKENS tokens where their acceptance
+# is below MIN_ACCEPTANCE or they gave fewer tokens a second than plain steps (where a step of
+# several tokens costs several, as on a CPU), the pause doubled at each pause in a row up to
+# MOST_OFF_TOKENS; the pause, what is left of it, and a plain step's time carry over to the
+# model's next generation (a chat's short replies of free text do not each try again). Until a
+# plain step is timed, a good window is followed by MEASURE_TOKENS plain steps.
 WEIGH_STEPS, FIRST_WEIGH, MIN_ACCEPTANCE = 4, 1, 0.3
-OFF_TOKENS, MOST_OFF_TOKENS, PROBE_TOKENS = 16, 512, 2
+OFF_TOKENS, MOST_OFF_TOKENS, PROBE_TOKENS, MEASURE_TOKENS = 16, 512, 2, 4
 NGRAM_DRAFT_TOKENS = 5  # tokens an n-gram step proposes at most, by default
 
 
@@ -84,18 +87,23 @@ def ngram_draft(seq, n, most):
     return []
 
 
+def switch_state():
+    """What a model's generations share of n-gram drafting's switch: [the next pause's length in
+    tokens, the tokens left of the pause under way, a plain step's seconds a token or None]."""
+    return [OFF_TOKENS, 0, None]
+
+
 class Lookup:
     """One generation's n-gram drafting: the sequence so far, and whether drafting is on
-    (off for a while where its acceptance was low). `pause`: [the next pause's length in
-    tokens, the tokens left of the pause under way], shared by a model's generations
-    (Runtime.ngram_pause)."""
+    (off for a while where its drafts gave little). `switch`: switch_state(), shared by a
+    model's generations (Runtime.ngram_switch)."""
 
-    def __init__(self, tokens, most, pause=None):
+    def __init__(self, tokens, most, switch=None):
         self.seq = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)
         self.n, self.most = 0, most
-        self.pause = pause if pause is not None else [OFF_TOKENS, 0]
-        self.made, self.off_until = 0, self.pause[1]
-        self.window = [0, 0, 0]  # drafted, accepted, steps since the last weighing
+        self.switch = switch if switch is not None else switch_state()
+        self.made, self.off_until = 0, self.switch[1]
+        self.window = [0, 0, 0, 0.0, 0]  # drafted, accepted, steps since the last weighing, their seconds and tokens
         self.first = True  # the first window since drafting (re)started: FIRST_WEIGH steps
         self.extend(tokens)
 
@@ -108,26 +116,36 @@ class Lookup:
     def add(self, token):
         self.extend([token])
         self.made += 1
-        self.pause[1] = max(self.off_until - self.made, 0)
+        self.switch[1] = max(self.off_until - self.made, 0)
 
     def propose(self):
         if self.made < self.off_until:
             return []
         return ngram_draft(self.seq, self.n, min(self.most, PROBE_TOKENS) if self.first else self.most)
 
-    def weigh(self, drafted, accepted):
-        """A drafted step's outcome; off for a while where acceptance is low."""
+    def plain(self, seconds):
+        """The time from a plain step's token to the next's."""
+        last = self.switch[2]
+        self.switch[2] = seconds if last is None else 0.75 * last + 0.25 * seconds
+
+    def weigh(self, drafted, accepted, seconds=0.0, tokens=0):
+        """A drafted step's outcome (its drafts, those accepted, and where it was timed, its
+        seconds and the tokens it gave); off for a while where drafting gives little."""
         w = self.window
-        w[0], w[1], w[2] = w[0] + drafted, w[1] + accepted, w[2] + 1
+        w[:] = w[0] + drafted, w[1] + accepted, w[2] + 1, w[3] + seconds, w[4] + tokens
         if w[2] < (FIRST_WEIGH if self.first else WEIGH_STEPS):
             return
-        self.first = w[1] < MIN_ACCEPTANCE * w[0]
+        plain = self.switch[2]
+        slower = plain is not None and w[4] > 0 and w[3] > plain * w[4]
+        self.first = w[1] < MIN_ACCEPTANCE * w[0] or slower
         if self.first:
-            self.off_until = self.made + self.pause[0]
-            self.pause[:] = [min(2 * self.pause[0], MOST_OFF_TOKENS), self.pause[0]]
+            self.off_until = self.made + self.switch[0]
+            self.switch[:2] = [min(2 * self.switch[0], MOST_OFF_TOKENS), self.switch[0]]
         else:
-            self.pause[0] = OFF_TOKENS
-        self.window = [0, 0, 0]
+            self.switch[0] = OFF_TOKENS
+            if plain is None and w[4] > 0:  # time plain steps once to weigh the next windows against
+                self.off_until = self.made + MEASURE_TOKENS
+        self.window = [0, 0, 0, 0.0, 0]
 
 
 class Proposal:
@@ -190,27 +208,31 @@ def ngram_steps(prompt, model, stream, lookup, vocab, counters, max_tokens=256, 
         draft = draft if trimmable(cache, len(draft) + 1) else []
         processors = after(logits_processors, before)
         if draft:
-            accepted = 0
+            accepted, start, given = 0, time.perf_counter(), 0
             steps = speculative_generate_step(y, model, Proposal(draft, vocab), stream, num_draft_tokens=len(draft),
                                               max_tokens=left, prompt_cache=cache, logits_processors=processors,
                                               sampler=ahead.sampler, **kwargs)
             with closing(steps):
                 for token, logprobs, from_draft in steps:
-                    done, accepted = done + 1, accepted + from_draft
+                    done, accepted, given = done + 1, accepted + from_draft, given + 1
                     lookup.add(token)
                     yield token, logprobs, from_draft
                     if not from_draft:
                         break
             counters.drafted += len(draft)
             counters.accepted += accepted
-            lookup.weigh(len(draft), accepted)
+            lookup.weigh(len(draft), accepted, time.perf_counter() - start, given)
         else:
             steps = generate_step(y, model, stream, max_tokens=left, prompt_cache=cache, logits_processors=processors,
                                   prompt_progress_callback=prompt_progress_callback if not done else None,
                                   sampler=ahead, **kwargs)
             with closing(steps):
+                last = None  # when the previous token came (the first of a run waits for the run's start)
                 for token, logprobs in steps:
-                    done += 1
+                    now = time.perf_counter()
+                    if last is not None:
+                        lookup.plain(now - last)
+                    done, last = done + 1, now
                     lookup.add(token)
                     yield token, logprobs, False
                     if done < max_tokens and lookup.propose() and trimmable(cache, 2):

@@ -18,7 +18,7 @@ from conftest import run_cli
 from mlxmoe.api import model_info
 from mlxmoe.backend import detect
 from mlxmoe import drafting
-from mlxmoe.drafting import FIRST_WEIGH, OFF_TOKENS, PROBE_TOKENS, Lookup, ngram_draft
+from mlxmoe.drafting import FIRST_WEIGH, MEASURE_TOKENS, OFF_TOKENS, PROBE_TOKENS, WEIGH_STEPS, Lookup, ngram_draft
 
 TEXT = "the cat sat on the mat and then the dog came to see the cat"
 REPEAT = f"Repeat this text: {TEXT}. Again: {TEXT}. Again:"  # a prompt the output repeats (n-gram drafts)
@@ -224,16 +224,39 @@ def test_ngram_lookup_and_its_switch():
     assert lookup.propose() == []
     for _ in range(OFF_TOKENS - 3):
         lookup.add(3)
-    assert lookup.pause == [2 * OFF_TOKENS, 3]  # a longer pause at the next turn off; 3 tokens left of this one
-    after = Lookup([1, 2, 3, 1, 2, 3], most=4, pause=lookup.pause)  # the model's next generation: still off
+    assert lookup.switch[:2] == [2 * OFF_TOKENS, 3]  # a longer pause at the next turn off; 3 tokens left of this one
+    after = Lookup([1, 2, 3, 1, 2, 3], most=4, switch=lookup.switch)  # the model's next generation: still off
     assert after.propose() == []
     for _ in range(3):
         after.add(3)
     after.extend([1, 2, 3])
-    assert len(after.propose()) == PROBE_TOKENS and lookup.pause == [2 * OFF_TOKENS, 0]  # on again
+    assert len(after.propose()) == PROBE_TOKENS and lookup.switch[:2] == [2 * OFF_TOKENS, 0]  # on again
     after.weigh(2, 2)
     after.weigh(2, 1)  # a good window: the pause back to its shortest, drafts at their longest
-    assert after.pause == [OFF_TOKENS, 0] and len(after.propose()) == 4
+    assert after.switch[:2] == [OFF_TOKENS, 0] and len(after.propose()) == 4
+
+
+def test_ngram_switch_weighs_drafted_steps_against_plain_ones():
+    """Drafts all accepted, yet drafted steps that give fewer tokens a second than plain steps
+    (a step of several tokens costing several) pause drafting; faster ones keep it on. Until a
+    plain step is timed, a good timed window is followed by a few plain steps to time."""
+    def drafting(lookup, seconds):  # a window of steps of 4 drafts, all accepted, each 5 tokens in `seconds`
+        for _ in range(FIRST_WEIGH if lookup.first else WEIGH_STEPS):
+            lookup.extend([1, 2, 3, 4])
+            lookup.add(5)
+            lookup.weigh(4, 4, seconds, 5)
+
+    lookup = Lookup([1, 2, 3, 4, 5] * 3, most=4)
+    drafting(lookup, 0.05)  # no plain step timed yet: on, after MEASURE_TOKENS plain steps
+    assert not lookup.first and lookup.propose() == []
+    for token in range(1, MEASURE_TOKENS + 1):
+        lookup.plain(0.02)
+        lookup.add(token)
+    assert len(lookup.propose()) == 4
+    drafting(lookup, 0.05)  # 0.01 s a token against 0.02: on
+    assert len(lookup.propose()) == 4
+    drafting(lookup, 0.15)  # 0.03 s a token: off for OFF_TOKENS
+    assert lookup.first and lookup.propose() == [] and lookup.switch[:2] == [2 * OFF_TOKENS, OFF_TOKENS]
 
 
 def test_ngram_switches_itself_off_where_drafts_fail(paths, monkeypatch):
@@ -252,7 +275,7 @@ def test_ngram_switches_itself_off_where_drafts_fail(paths, monkeypatch):
     assert stats["accepted"] == 0 and 0 < steps <= 4 * FIRST_WEIGH, stats  # off 16, 32, 64 tokens between tries
     # the next generation on the model goes on with what is left of the pause, then tries
     # FIRST_WEIGH steps at most before a pause longer than its 120 tokens
-    left = model.expert_runtime.ngram_pause[1]
+    left = model.expert_runtime.ngram_switch[1]
     model.expert_cache.reset_stats()
     assert [r.token for r in mlxmoe.stream_generate(model, tokenizer, FREE, max_tokens=120, draft_model="ngram")] == want
     assert model.expert_cache.stats()["drafted"] == (0 if left >= 119 else FIRST_WEIGH * PROBE_TOKENS), left
