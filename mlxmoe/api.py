@@ -45,7 +45,7 @@ from .caching.prefetch import Prefetcher
 from .caching.speculate import NextToken, Speculator
 from .caching.verify import Verifier
 from .governor import Governor, Resizer, auto_budget
-from .drafting import NGRAM_DRAFT_TOKENS, DraftCount, Lookup, NGram, after, load_draft, ngram_steps, respond, switch_state
+from .drafting import NGRAM_DRAFT_TOKENS, DraftCount, Lookup, NGram, after, load_draft, ngram_steps, respond, Switch
 from .workload.profile import ActivationProfile, fingerprint, prewarm_order
 from .workload.trace import TraceWriter, read_trace
 
@@ -505,7 +505,7 @@ class Runtime:
         self.prefetcher = prefetcher  # built on `cache`, attached to it
         self.lossy = None  # lossy.Lossy where a lossy mode is on
         self.draft_model: nn.Module | None = None  # load's draft_model, within the budget
-        self.ngram_switch = switch_state()  # what n-gram drafting's switch learned (drafting.Lookup)
+        self.ngram_switch = Switch()  # what n-gram drafting's switch learned (drafting.Lookup)
         self.trace: TraceWriter | None = None  # the trace being recorded (record_trace), one of the cache's observers
         # under pipeline stages: the file rank 0 merges the stages' traces into (close)
         self.trace_target: str | os.PathLike | None = None

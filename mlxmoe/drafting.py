@@ -15,6 +15,7 @@ pays little for it.
 
 import time
 from contextlib import closing
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -87,22 +88,25 @@ def ngram_draft(seq, n, most):
     return []
 
 
-def switch_state():
-    """What a model's generations share of n-gram drafting's switch: [the next pause's length in
-    tokens, the tokens left of the pause under way, a plain step's seconds a token or None]."""
-    return [OFF_TOKENS, 0, None]
+@dataclass
+class Switch:
+    """What a model's generations share of n-gram drafting's switch (Runtime.ngram_switch)."""
+
+    pause: int = OFF_TOKENS  # the next pause's length, in tokens
+    left: int = 0  # the tokens left of the pause under way
+    plain: float | None = None  # a plain step's seconds a token, once timed
 
 
 class Lookup:
     """One generation's n-gram drafting: the sequence so far, and whether drafting is on
-    (off for a while where its drafts gave little). `switch`: switch_state(), shared by a
-    model's generations (Runtime.ngram_switch)."""
+    (off for a while where its drafts gave little). `switch`: a Switch, shared by a model's
+    generations."""
 
     def __init__(self, tokens, most, switch=None):
         self.seq = np.zeros(max(64, 2 * len(tokens)), dtype=np.int64)
         self.n, self.most = 0, most
-        self.switch = switch if switch is not None else switch_state()
-        self.made, self.off_until = 0, self.switch[1]
+        self.switch = switch if switch is not None else Switch()
+        self.made, self.off_until = 0, self.switch.left
         self.window = [0, 0, 0, 0.0, 0]  # drafted, accepted, steps since the last weighing, their seconds and tokens
         self.first = True  # the first window since drafting (re)started: FIRST_WEIGH steps
         self.extend(tokens)
@@ -116,7 +120,7 @@ class Lookup:
     def add(self, token):
         self.extend([token])
         self.made += 1
-        self.switch[1] = max(self.off_until - self.made, 0)
+        self.switch.left = max(self.off_until - self.made, 0)
 
     def propose(self):
         if self.made < self.off_until:
@@ -125,8 +129,8 @@ class Lookup:
 
     def plain(self, seconds):
         """The time from a plain step's token to the next's."""
-        last = self.switch[2]
-        self.switch[2] = seconds if last is None else 0.75 * last + 0.25 * seconds
+        last = self.switch.plain
+        self.switch.plain = seconds if last is None else 0.75 * last + 0.25 * seconds
 
     def weigh(self, drafted, accepted, seconds=0.0, tokens=0):
         """A drafted step's outcome (its drafts, those accepted, and where it was timed, its
@@ -135,14 +139,15 @@ class Lookup:
         w[:] = w[0] + drafted, w[1] + accepted, w[2] + 1, w[3] + seconds, w[4] + tokens
         if w[2] < (FIRST_WEIGH if self.first else WEIGH_STEPS):
             return
-        plain = self.switch[2]
+        plain = self.switch.plain
         slower = plain is not None and w[4] > 0 and w[3] > plain * w[4]
         self.first = w[1] < MIN_ACCEPTANCE * w[0] or slower
         if self.first:
-            self.off_until = self.made + self.switch[0]
-            self.switch[:2] = [min(2 * self.switch[0], MOST_OFF_TOKENS), self.switch[0]]
+            switch = self.switch
+            self.off_until = self.made + switch.pause
+            switch.pause, switch.left = min(2 * switch.pause, MOST_OFF_TOKENS), switch.pause
         else:
-            self.switch[0] = OFF_TOKENS
+            self.switch.pause = OFF_TOKENS
             if plain is None and w[4] > 0:  # time plain steps once to weigh the next windows against
                 self.off_until = self.made + MEASURE_TOKENS
         self.window = [0, 0, 0, 0.0, 0]

@@ -45,7 +45,7 @@ def tokens(model, tokenizer, prompt, **kw):
 def by_acceptance(model):
     """`model`'s n-gram drafting weighed by acceptance alone, as if a plain step took forever
     (the tests that count drafts do not depend on this CPU's step times)."""
-    model.expert_runtime.ngram_switch[2] = float("inf")
+    model.expert_runtime.ngram_switch.plain = float("inf")
 
 
 @pytest.fixture(scope="module")
@@ -236,16 +236,16 @@ def test_ngram_lookup_and_its_switch():
     assert lookup.propose() == []
     for _ in range(OFF_TOKENS - 3):
         lookup.add(3)
-    assert lookup.switch[:2] == [2 * OFF_TOKENS, 3]  # a longer pause at the next turn off; 3 tokens left of this one
+    assert (lookup.switch.pause, lookup.switch.left) == (2 * OFF_TOKENS, 3)  # a longer pause at the next turn off; 3 tokens left of this one
     after = Lookup([1, 2, 3, 1, 2, 3], most=4, switch=lookup.switch)  # the model's next generation: still off
     assert after.propose() == []
     for _ in range(3):
         after.add(3)
     after.extend([1, 2, 3])
-    assert len(after.propose()) == PROBE_TOKENS and lookup.switch[:2] == [2 * OFF_TOKENS, 0]  # on again
+    assert len(after.propose()) == PROBE_TOKENS and (lookup.switch.pause, lookup.switch.left) == (2 * OFF_TOKENS, 0)  # on again
     after.weigh(2, 2)
     after.weigh(2, 1)  # a good window: the pause back to its shortest, drafts at their longest
-    assert after.switch[:2] == [OFF_TOKENS, 0] and len(after.propose()) == 4
+    assert (after.switch.pause, after.switch.left) == (OFF_TOKENS, 0) and len(after.propose()) == 4
 
 
 def test_ngram_switch_weighs_drafted_steps_against_plain_ones():
@@ -268,7 +268,7 @@ def test_ngram_switch_weighs_drafted_steps_against_plain_ones():
     drafting(lookup, 0.05)  # 0.01 s a token against 0.02: on
     assert len(lookup.propose()) == 4
     drafting(lookup, 0.15)  # 0.03 s a token: off for OFF_TOKENS
-    assert lookup.first and lookup.propose() == [] and lookup.switch[:2] == [2 * OFF_TOKENS, OFF_TOKENS]
+    assert lookup.first and lookup.propose() == [] and (lookup.switch.pause, lookup.switch.left) == (2 * OFF_TOKENS, OFF_TOKENS)
 
 
 def test_ngram_switches_itself_off_where_drafts_fail(paths, monkeypatch):
@@ -287,7 +287,7 @@ def test_ngram_switches_itself_off_where_drafts_fail(paths, monkeypatch):
     assert stats["accepted"] == 0 and 0 < steps <= 4 * FIRST_WEIGH, stats  # off 16, 32, 64 tokens between tries
     # the next generation on the model goes on with what is left of the pause, then tries
     # FIRST_WEIGH steps at most before a pause longer than its 120 tokens
-    left = model.expert_runtime.ngram_switch[1]
+    left = model.expert_runtime.ngram_switch.left
     model.expert_cache.reset_stats()
     assert [r.token for r in mlxmoe.stream_generate(model, tokenizer, FREE, max_tokens=120, draft_model="ngram")] == want
     assert model.expert_cache.stats()["drafted"] == (0 if left >= 119 else FIRST_WEIGH * PROBE_TOKENS), left
