@@ -223,12 +223,21 @@ class ShardReader:
     def _read_direct(self, file, start, end, pieces):
         fd, align = self._fds[file], self._align[file]
         a, b = align_down(start, align), align_up(end, align)
-        if all(off % align == 0 and d.nbytes % align == 0 and d.ctypes.data % align == 0 for off, d in pieces) \
+        if start % align == 0 and end % align == 0 \
+                and all(off % align == 0 and d.nbytes % align == 0 and d.ctypes.data % align == 0 for off, d in pieces) \
                 and sum(d.nbytes for _, d in pieces) == end - start:
             # Aligned and back to back (a bundled checkpoint, aligned slots): straight into the slots.
             if preadv_all(fd, [d for _, d in pieces], a, file, align) < end - start:
                 raise truncated(file, end)
             return end - start
+        if b - a <= BOUNCE:  # (one bounce, an expert's usual case: each piece lies whole in it)
+            buf = self._bounce(b - a)
+            n = preadv_all(fd, [buf], a, file, align)  # b may lie past the end of the file
+            if a + n < end:
+                raise truncated(file, end)
+            for off, d in pieces:
+                d[:] = buf[off - a:off - a + d.nbytes]
+            return n
         got = 0
         for c in range(a, b, BOUNCE):  # through the bounce buffer, at most BOUNCE bytes at a time
             buf = self._bounce(min(BOUNCE, b - c))
