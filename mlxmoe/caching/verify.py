@@ -341,6 +341,9 @@ class SlotTables:
     def first_miss(self, layers, rows):
         """The index of the first layer call whose experts (`rows`, lists) are not all resident, or None."""
         lists, placeholder = self.lists, self.placeholder
+        if len(layers) > 4 and len({len(row) for row in rows}) == 1:  # (a forward's end: one numpy lookup)
+            missing = np.flatnonzero((self.host[np.asarray(layers)[:, None], np.asarray(rows)] == placeholder).any(axis=1))
+            return int(missing[0]) if len(missing) else None
         for i, (m, row) in enumerate(zip(layers, rows)):
             slots = lists[m]
             if any(slots[e] == placeholder for e in row):
@@ -404,7 +407,7 @@ class PassRouting:
         flat = host_dists(routers, self.calls[routed[0]][2])
         for m, dist in zip(routed, flat.reshape(len(routed), -1)):
             self.dists[m] = dist
-        return [_flat(r) for r in indices.tolist()]
+        return np.array(indices).reshape(len(layers), -1).tolist()  # (flat rows in one host copy)
 
     def dists_of(self, layers: list) -> list:
         """The router's distribution (flat, on the host) of each of these layer calls, None
