@@ -348,23 +348,26 @@ class PrefillPass:
 
 class VictimIndex:
     """Each layer's resident experts, farthest next use first, and the farthest of each
-    layer's as one array, so that a victim needs no loop over layers."""
+    layer's as one array, so that a victim needs no loop over layers; a layer visited or given
+    an expert since its last sort is sorted before the next victim."""
 
     def __init__(self, estimate):
         L = estimate.num_layers
         self.estimate = estimate
         self.resident = [set() for _ in range(L)]
         self.order = [[] for _ in range(L)]  # resident experts of each layer, farthest next use first
-        self.unsorted = set()  # layers with experts inserted since their order was sorted
+        self.unsorted = set()  # layers visited or given an expert since their order was sorted
         # the second term of steps() of each layer's farthest expert (order[layer][0]; -inf if
         # none), and the first term, layer steps from the current layer ([current, layer])
         self.head = np.full(L, -np.inf)
         self.distance = np.array([[(l - c) % L or L for l in range(L)] for c in range(L)], dtype=np.float64)
 
     def visited(self, layer):
+        """`layer`'s estimates changed: its order is sorted again before the next victim (in
+        the order its resident experts have now: ties keep it), not now (a token whose layer
+        calls all hit needs no victim)."""
         self.order[layer] = list(self.resident[layer])
-        self.sort(layer)
-        self.unsorted.discard(layer)
+        self.unsorted.add(layer)
 
     def insert(self, key):
         self.resident[key[0]].add(key[1])
@@ -382,17 +385,10 @@ class VictimIndex:
                 self.set_head(layer)
 
     def visited_calls(self, layers):
-        """visited() of each of `layers` (distinct), their heads in one numpy call."""
-        est = self.estimate
-        for layer, cost in zip(layers, est.cost[layers].tolist()):
-            order = self.order[layer] = list(self.resident[layer])
-            order.sort(key=cost.__getitem__, reverse=True)
-        self.unsorted.difference_update(layers)
-        full = [layer for layer in layers if self.order[layer]]
-        heads = [self.order[layer][0] for layer in full]
-        self.head[layers] = -np.inf
-        p1 = np.minimum(est.next_chance[full, heads], 1.0)
-        self.head[full] = est.num_layers * (1.0 - p1) / est.long_rate[full, heads]  # tail(), as set_head
+        """visited() of each of `layers`."""
+        for layer in layers:
+            self.order[layer] = list(self.resident[layer])
+        self.unsorted.update(layers)
 
     def sort(self, layer):
         """Sort `layer`'s resident experts, farthest next use first (ties keep their order)."""
