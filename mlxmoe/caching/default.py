@@ -387,8 +387,7 @@ class VictimIndex:
     def visited_calls(self, layers):
         """visited() of each of `layers`."""
         for layer in layers:
-            self.order[layer] = list(self.resident[layer])
-        self.unsorted.update(layers)
+            self.visited(layer)
 
     def sort(self, layer):
         """Sort `layer`'s resident experts, farthest next use first (ties keep their order)."""
