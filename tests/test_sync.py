@@ -228,10 +228,9 @@ def test_streamed_decode_updates_the_policy_before_its_wait(monkeypatch):
     assert set(at_wait) == {0}, f"deferred hits at a layer's wait: {sorted(set(at_wait))}"
 
 
-def test_resident_short_steps_are_queued_layer_by_layer(monkeypatch):
-    """Every expert resident, a step of a few tokens (a speculative step's draft) queues each
-    MoE layer's output as a decode step does (the device starts on it while the host builds
-    the next), a prompt's longer step is queued whole as stock queues it; no sync either way."""
+def test_resident_steps_are_queued_whole(monkeypatch):
+    """Every expert resident, a step is queued whole as stock queues it, not layer call by
+    layer call; a decode step's packed routing is queued once, with its last layer call."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxmoe.caching import experts
@@ -246,5 +245,5 @@ def test_resident_short_steps_are_queued_layer_by_layer(monkeypatch):
     for tokens in (experts.STEP_TOKENS + 4, 4, 1):
         queued.clear()
         mx.eval(model(mx.array([list(range(5, 5 + tokens))]), cache=kv))
-        assert queued.count("_resident") == (0 if tokens > experts.STEP_TOKENS else cache.store.num_layers), tokens
+        assert queued.count("_resident") == (1 if tokens == 1 else 0), tokens
     cache.close()

@@ -21,8 +21,8 @@ from .prefetch import decayed
 
 # the most tokens of a decode or speculative step: a decode step's one, or a draft and the token
 # before it. Steps of at most this many tokens are verified (verify.py: a batch's rows counted
-# too) and, every expert resident, queued layer by layer (mx.async_eval; here a row's tokens); a
-# prompt's longer steps go layer by layer (each reads its union once), queued whole as stock does
+# too); a prompt's longer steps go layer by layer (each reads its union once), queued whole as
+# stock does
 STEP_TOKENS = 16
 
 FEW_CALLS = 16  # a decode step's layer calls (rows as lists) up to which plain Python summarises them faster than numpy (even warm)
@@ -308,6 +308,8 @@ class ResidentCalls:
             return work
 
     def __call__(self) -> None:
+        if self.packed is not None and (self.rows is None or not self.cache.observers):  # (pack() checked the rest)
+            return self._decode_step(None)
         routers = self._step_routers()
         if routers is not None:
             return self._decode_step(routers)
@@ -679,9 +681,10 @@ class StreamingExperts(nn.Module):
     def _resident(self, x, indices, table):
         """Every expert is resident (they stay put then): slots from the cache's table on
         the device, the host work (hits, live profile, trace; no policy) done once this
-        token's routing is computed anyway (ResidentCalls): no sync. A decode step's output
-        is queued at once: the device starts on this layer while the host builds the next.
-        A tapped router's probabilities come from its logits on the host (host_probs)."""
+        token's routing is computed anyway (ResidentCalls): no sync, the token queued whole
+        as stock queues it (a queue a layer call costs host time: the device computes a
+        token while the host builds the next), with its packed routing. A tapped router's
+        probabilities come from its logits on the host (host_probs)."""
         logits = self._logits()
         probs = self._probs(x) if logits is None else None
         work = ResidentCalls.defer(self._cache, self._layer)
@@ -689,9 +692,10 @@ class StreamingExperts(nn.Module):
         if probs is not None:
             work.side.append(probs)
         out = self._inner(x, table[self._layer][indices])
-        if x.size <= x.shape[-1] * STEP_TOKENS * (1 if work.rows is None else work.rows.size) \
-                and self._runtime is not None and self._runtime.group is None:
-            mx.async_eval(out, *(work.pack() if self._layer == self._cache.store.num_layers - 1 else ()))
+        last = self._layer == self._cache.store.num_layers - 1
+        packed = work.pack() if last and self._runtime is not None and self._runtime.group is None else []
+        if packed:
+            mx.async_eval(out, *packed)
         return out
 
     def _record(self, rows: np.ndarray, probs: np.ndarray | None) -> LayerCall:
