@@ -4,6 +4,7 @@ stock mlx-lm's, the placeholder slot never in the output, waits per token counte
 
 import dataclasses
 import itertools
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -369,6 +370,40 @@ def test_the_lag_rises_where_checks_wait_for_the_device(checkpoint, monkeypatch)
     assert queued[0] == verify.MIN_LAG and queued[-1] == verify.LAG, queued
 
 
+@pytest.mark.parametrize("windowed", [False, True], ids=["clean", "checks within"])
+def test_a_forward_is_queued_every_few_decoder_layers_without_checks_within(checkpoint, monkeypatch, windowed):
+    """A verified forward queues its decoder layers (mx.async_eval) every QUEUE_EVERY of them
+    where no check runs within it (each queue costs the host a graph walk), each one where
+    checks run a layer or two behind (the device computes those while the host reads one);
+    the tokens are stock's either way."""
+    path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 10})
+    want, _ = reference(path)
+    model, tokenizer = all_but(path, 2)
+    cache = model.expert_cache
+    assert generate(model, tokenizer) == want  # warm: the same workload before
+    switch = cache.verifier.switch
+    monkeypatch.setattr(verify.Switch, "windowed", property(lambda self: windowed, lambda self, v: None), raising=False)
+    queued, real = [], mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(sys._getframe(1).f_code.co_name), real(*a))[1])
+    steps = []
+    model_call = type(model).__call__
+
+    def counted(m, inputs, *a, **kw):
+        queued.clear()
+        replays = cache.counters.replays
+        out = model_call(m, inputs, *a, **kw)
+        if inputs.size == 1 and cache.counters.replays == replays:
+            steps.append(queued.count("_decoder_call"))
+        return out
+
+    monkeypatch.setattr(type(model), "__call__", counted)
+    assert generate(model, tokenizer) == want
+    layers = len(model.layers)
+    assert switch.windowed is windowed and len(steps) >= TOKENS // 2 and layers // verify.QUEUE_EVERY >= 2
+    assert set(steps) == {layers if windowed else layers // verify.QUEUE_EVERY}, steps
+    cache.close()
+
+
 def test_verify_off_waits_per_layer(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     want, _ = reference(path)
@@ -720,7 +755,7 @@ def test_steps_off_that_miss_nothing_turn_the_mode_on_again(monkeypatch):
     per-layer path miss nothing (verified, they would have replayed nothing), not after the
     doubled OFF_STEPS; a step that misses, or uses an expert a prefetch read, starts the count again."""
     misses = iter([1] * (verify.MEASURED_OFF + 3) + [0] * (verify.MEASURED_OFF - 1) + [2] + [0] * 100)
-    runs = switch_runs(monkeypatch, 4 * verify.MEASURED_OFF + verify.FIRST_WEIGH + 6, 0.03, misses, layerwise=0.03)
+    runs = switch_runs(monkeypatch, 4 * verify.MEASURED_OFF + 2 * verify.FIRST_WEIGH + 6, 0.03, misses, layerwise=0.03)
     # off at the first weighing; MEASURED_OFF + 3 steps that miss, MEASURED_OFF - 1 that do
     # not, one that uses a prefetched expert, then MEASURED_OFF that miss nothing: on again (32 off before)
     off = verify.MEASURED_OFF + 3 + verify.MEASURED_OFF - 1 + 1 + verify.MEASURED_OFF
@@ -734,7 +769,7 @@ def test_a_first_guess_turns_the_mode_off_only_to_time_the_per_layer_path(per_la
     it, the mode is off for the MEASURED_OFF steps that time that path, then weighed against
     them: on for good where the per-layer steps took longer (0.08 s against verified steps of
     0.05 s), off for twice OFF_STEPS where they were faster (0.03 s)."""
-    steps = verify.FIRST_WEIGH + verify.MEASURED_OFF + 2 * verify.OFF_STEPS + 4
+    steps = 2 * verify.FIRST_WEIGH + verify.MEASURED_OFF + 2 * verify.OFF_STEPS + 4
     # (a miss in each per-layer step: steps that miss nothing would turn it on again)
     runs = switch_runs(monkeypatch, steps, per_layer, itertools.repeat(1))
     first = [(True, verify.FIRST_WEIGH), (False, verify.MEASURED_OFF)]

@@ -41,11 +41,12 @@ from .experts import (STEP_TOKENS, as_rows, count_hit_rows, count_rows, observe_
                       step_calls)
 from .prefetch import decayed
 
-# verified tokens weighed at a time (off after fewer where their replays already cost more);
-# steps on the per-layer path before the mode is tried again once it turned itself off: the
-# first, doubled at each turn off in a row up to the most (a workload whose misses stay
-# frequent pays for a try ever more rarely)
-WEIGH_TOKENS, FIRST_WEIGH = 16, 2
+# verified tokens weighed at a time, and the fewest before the mode turns off where they cost
+# more (a step's replays vary from none to several: fewer steps turn it off on noise, for up
+# to MOST_OFF_STEPS steps); steps on the per-layer path before the mode is tried again once
+# it turned itself off: the first, doubled at each turn off in a row up to the most (a
+# workload whose misses stay frequent pays for a try ever more rarely)
+WEIGH_TOKENS, FIRST_WEIGH = 16, 8
 OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 # steps on the per-layer path timed before they are set against the verified steps
 MEASURED_OFF = 4
@@ -59,6 +60,10 @@ KV_TYPES = (KVCache, RotatingKVCache, BatchKVCache)
 # after LAG_RETRY checks at LAG
 MIN_LAG, LAG = 1, 2
 LAG_RETRY = 1024
+# decoder layers built between two queues (mx.async_eval) of a forward without checks within
+# it: the device starts on them while the host builds the next, and each queue costs the host
+# a graph walk (~40 us here)
+QUEUE_EVERY = 4
 # how much a layer's share of missed calls keeps of its past at each check of it (Direct)
 KEEP_MISSING = 0.9
 # how much a direct check's measured time keeps at each verified step without one (Direct)
@@ -552,8 +557,9 @@ class Verifier:
             return self.outputs[d]  # as computed before the miss (its cache untouched)
         out = call(*args, **kwargs)
         self.outputs[d] = out
-        mx.async_eval(out)  # the device starts on this layer while the host builds the next
         ran = d + 1
+        if self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
+            mx.async_eval(out)  # the device starts on these layers while the host builds the next
         if self.current.windowed and self.lag.layers < ran < len(self.layers):
             missed = self._check(until=ran - self.lag.layers)
             if missed is not None:
