@@ -30,6 +30,7 @@ switch of their own (`batch_switch`): its rows' union misses more often than a r
 and its replays turning the mode off must not turn it off for a request alone.
 """
 
+import bisect
 import time
 
 import mlx.core as mx
@@ -350,8 +351,7 @@ class SlotTables:
             missing = np.flatnonzero((self.host[np.asarray(layers)[:, None], np.asarray(rows)] == placeholder).any(axis=1))
             return int(missing[0]) if len(missing) else None
         for i, (m, row) in enumerate(zip(layers, rows)):
-            slots = lists[m]
-            if any(slots[e] == placeholder for e in row):
+            if placeholder in [lists[m][e] for e in row]:
                 return i
         return None
 
@@ -595,8 +595,9 @@ class Verifier:
         (the observers: at the step's end); that layer's experts are read. Returns that layer, or None."""
         cache = self.cache
         routing = self.routing
-        layers = [m for m in sorted(routing.calls) if m >= self.checked  # (a replay's: from the layer it reran)
-                  and (until is None or self.decoder_of[m] < until)]
+        # (a replay's: from the layer it reran; decoder_of ascends)
+        end = len(self.decoder_of) if until is None else bisect.bisect_left(self.decoder_of, until)
+        layers = [m for m in range(self.checked, end) if m in routing.calls]
         packed, tic = None, time.perf_counter()
         if layers:
             packed = routing.wait(layers, final=until is None)
