@@ -36,6 +36,41 @@ def make_profile(L=3, E=8, seed=0, **kw):
     return p
 
 
+@pytest.mark.parametrize("half_life,tapped", [(0, False), (8, False), (8, True)])
+def test_mass_summed_on_the_device_equals_the_host_s(half_life, tapped):
+    """The resident path's router mass summed on the device (experts.DeviceMass: each step's
+    routers queued with a later token's graph, a tapped router's logits softmaxed there) and
+    read at the profile's reads and every FLUSH_TOKENS tokens gives the mass the host adds
+    step by step, decay included, steps not queued yet too; a mass set anew drops what was
+    unread."""
+    import mlx.core as mx
+
+    from mlxmoe.caching.experts import FLUSH_TOKENS, DeviceMass
+
+    host, device = (make_profile(half_life=half_life) for _ in range(2))
+    summed = DeviceMass.of(device)
+    assert DeviceMass.of(device) is summed
+    rng = np.random.default_rng(1)
+    for step in range(2 * FLUSH_TOKENS + 10):
+        dists = rng.dirichlet(np.ones(8), size=3).astype(np.float32)
+        experts = rng.choice(8, (3, 2)).tolist()
+        for p in (host, device):
+            p.observe_step([0, 1, 2], [[0], [1], [2]], experts, dists if p is host else None, ticked=1)
+        summed.add(mx.array(np.log(dists) + 3.0 if tapped else dists), tapped)
+        if step % 3 == 1:  # (the last step's not queued)
+            mx.eval(summed.queue())
+        if step == FLUSH_TOKENS // 2:
+            np.testing.assert_allclose(device.mass, host.mass, rtol=1e-5)  # a read between flushes
+        if step == FLUSH_TOKENS + 3:  # (flushed at FLUSH_TOKENS tokens: a fresh sum since)
+            assert summed.start is not None and device.tokens_total - summed.start < FLUSH_TOKENS
+    assert summed.waiting and not np.array_equal(device._mass, host.mass)  # the last steps still unread
+    np.testing.assert_allclose(device.mass, host.mass, rtol=1e-5)
+    np.testing.assert_array_equal(device.counts, host.counts)
+    summed.add(mx.array(np.ones((3, 8), np.float32)), False)
+    device.mass = np.zeros((3, 8))
+    assert not device.mass.any() and summed.take() is None
+
+
 def test_round_trip(tmp_path):
     p = make_profile()
     p.curve = {"lru": [[2, 0.1], [4, 0.5]]}

@@ -492,7 +492,12 @@ def test_live_profile_learnt_at_once_equals_call_by_call(checkpoint, tmp_path, l
         profiles.append(model.expert_runtime.profile)
         model.expert_runtime.close()
     a, b = profiles
-    assert a.tokens == b.tokens and np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
+    assert a.tokens == b.tokens and np.array_equal(a.counts, b.counts)
+    if less:
+        assert np.array_equal(a.mass, b.mass)
+    else:  # (the resident path's mass summed on the device, softmax included: float32's rounding apart)
+        np.testing.assert_allclose(a.mass, b.mass, rtol=1e-5, atol=1e-6)
+        assert not np.array_equal(a.mass, np.zeros_like(a.mass))
 
 
 def test_per_layer_path_teaches_the_live_profile_once_a_token(checkpoint, tmp_path, monkeypatch):

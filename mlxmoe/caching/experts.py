@@ -5,6 +5,7 @@ gather_qmm/gather_mm call) but points its weights at the cache's slot pools, and
 it with expert ids remapped to slot ids. So the arithmetic is mlx-lm's own.
 """
 
+import threading
 import time
 from collections import deque
 from typing import NamedTuple
@@ -24,6 +25,9 @@ from .prefetch import decayed
 # too); a prompt's longer steps go layer by layer (each reads its union once), queued whole as
 # stock does
 STEP_TOKENS = 16
+
+# tokens of router mass a live profile's DeviceMass sums on the device between two reads
+FLUSH_TOKENS = 64
 
 FEW_CALLS = 16  # a decode step's layer calls (rows as lists) up to which plain Python summarises them faster than numpy (even warm)
 
@@ -266,6 +270,60 @@ def all_resident(cache) -> list | None:
     return [mx.array(row) for row in table]  # one per layer: no slicing op per call
 
 
+class DeviceMass:
+    """A live profile's router mass from the resident path's decode steps, summed on the device
+    and read by the host when the profile's mass is read (`take`) or every FLUSH_TOKENS tokens:
+    a step's [layers, experts] router arrays, just computed, cost the host more to read (fresh
+    device memory), softmax and add than they cost the device. A step's arrays wait (`waiting`)
+    until the decode thread queues the next token (`queue`: ops of its graph, no wait of their
+    own). Each step is weighed against the profile's tick count at the sum's start (`start`); the
+    decay since is applied at the read."""
+
+    def __init__(self, profile) -> None:
+        self.profile, self.sum, self.start, self.waiting = profile, None, None, []
+        self.lock = threading.Lock()  # (a profile is read from other threads: a server's)
+        profile.unread = self
+
+    @classmethod
+    def of(cls, profile) -> "DeviceMass":
+        return profile.unread if isinstance(profile.unread, cls) else cls(profile)
+
+    def add(self, routers: mx.array, tapped: bool) -> None:
+        """A decode step's routers [layers, experts] (a tapped router's logits, else its
+        probabilities; computed), after its tick."""
+        p = self.profile
+        if self.start is not None and p.tokens_total - self.start >= FLUSH_TOKENS:
+            p.mass  # (its read takes what is summed)
+        with self.lock:
+            self.start = p.tokens_total if self.start is None else self.start
+            self.waiting.append((routers, tapped, 1.0 / p.decay(p.tokens_total - self.start)))
+
+    def queue(self) -> list:
+        """The new sum, with the steps waiting, to be queued by the decode thread ([] if none wait)."""
+        with self.lock:
+            if not self.waiting:
+                return []
+            for routers, tapped, weight in self.waiting:
+                dists = routers.astype(mx.float32)
+                dists = mx.softmax(dists, axis=-1, precise=True) * weight if tapped else dists * weight
+                self.sum = dists if self.sum is None else self.sum + dists
+            self.waiting = []
+            return [self.sum]
+
+    def take(self) -> np.ndarray | None:
+        """What is summed, decayed to now (float64 [layers, experts]), or None; the sum starts over."""
+        with self.lock:
+            total, waiting, start = self.sum, self.waiting, self.start
+            self.sum, self.waiting, self.start = None, [], None
+        if start is None:
+            return None
+        host = np.zeros((self.profile.num_layers, self.profile.num_experts)) if total is None \
+            else host_floats(total).astype(np.float64)
+        for routers, tapped, weight in waiting:  # (steps not queued yet: their arrays are computed)
+            host += weight * host_dists(routers, tapped)
+        return host * self.profile.decay(self.profile.tokens_total - start)
+
+
 class ResidentCalls:
     """One token's layer calls on the resident path, [(StreamingExperts, indices, logits,
     probs)], accounted in one go once their routing is on the host: the tapped routers'
@@ -338,7 +396,8 @@ class ResidentCalls:
             return []
         self.packed = (mx.concatenate([c[1].reshape(-1, c[1].shape[-1]) for c in self.calls]),
                        mx.concatenate([r.reshape(-1, r.shape[-1]) for r in routers]))
-        return list(self.packed)
+        summed = getattr(self.profile, "unread", None) if self.rows is None else None
+        return list(self.packed) + (summed.queue() if isinstance(summed, DeviceMass) else [])
 
     def _call_by_call(self) -> None:
         logits = [c[2] for c in self.calls if c[2] is not None]
@@ -365,13 +424,16 @@ class ResidentCalls:
         learns the step at once where it is the only observer)."""
         cache = self.cache
         tapped = self.calls[0][2] is not None  # (routers: a tapped router's logits, else its probabilities)
+        layers = [c[0]._layer for c in self.calls]
+        # the live profile, the only observer, of one sequence's step over every layer: its mass on the device
+        on_device = self.packed is not None and self.rows is None and not cache.observers \
+            and cache.profile is not None and layers == list(range(cache.store.num_layers))
         if self.packed is not None:
             rows = np.asarray(self.packed[0])
-            probs = host_dists(self.packed[1], tapped)
+            probs = None if on_device else host_dists(self.packed[1], tapped)
         else:  # (under several ranks nothing was packed: the calls' own arrays, no new op to wait for)
             rows = np.concatenate([np.asarray(c[1]).reshape(-1, c[1].shape[-1]) for c in self.calls])
             probs = np.concatenate(host_probs(routers) if tapped else [host_floats(r) for r in routers])
-        layers = [c[0]._layer for c in self.calls]
         size = len(rows) // len(layers)  # (sequences: a batch's rows)
         if layers[0] == 0:
             cache.tick(size)
@@ -385,6 +447,8 @@ class ResidentCalls:
             observe_calls(cache, step_calls(layers, rows, probs), list(rows))
         else:  # (a row's repeated expert, if any, counted once: as its distinct experts)
             learn_step(cache, layers, np.array(layers)[:, None], rows, probs)
+            if on_device:
+                DeviceMass.of(cache.profile).add(self.packed[1], tapped)
 
 
 def drained(queue: deque):

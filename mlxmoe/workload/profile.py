@@ -62,6 +62,7 @@ class ActivationProfile:
         self.model, self.fingerprint, self.workload = model, model_fingerprint, workload
         shape = (num_layers, num_experts)
         self.counts = np.zeros(shape) if counts is None else np.asarray(counts, dtype=np.float64).reshape(shape)
+        self.unread = None  # mass learnt elsewhere, added at the next read of `mass` (take(): experts.DeviceMass)
         self.mass = np.zeros(shape) if mass is None else np.asarray(mass, dtype=np.float64).reshape(shape)
         self.tokens = float(tokens)  # decayed like the counts
         self.tokens_total = int(tokens_total)
@@ -84,8 +85,29 @@ class ActivationProfile:
             raise MlxmoeError(f"half-life {tokens!r}: give a positive number of tokens")
         if tokens is not None and 0 < tokens < 1:  # (a profile that forgets within a token; load refuses it)
             raise MlxmoeError(f"half-life {tokens!r}: 0 (no decay) or at least 1 token")
+        if getattr(self, "unread", None) is not None:
+            self.mass  # (unread mass decays at the rate it was learnt at)
         self._half_life = tokens
         self._decay = 2.0 ** (-1.0 / tokens) if tokens else 1.0
+
+    @property
+    def mass(self):
+        """The router probability mass [layers, experts], decayed like the counts; what is
+        unread is added first."""
+        unread = self.unread.take() if self.unread is not None else None
+        if unread is not None:
+            self._mass += unread
+        return self._mass
+
+    @mass.setter
+    def mass(self, value):
+        if self.unread is not None:  # (replaced: what was unread goes too)
+            self.unread.take()
+        self._mass = value
+
+    def decay(self, tokens):
+        """What a count keeps over `tokens` more tokens."""
+        return self._decay ** tokens
 
     def name(self):
         """How messages call this profile: its file, else its workload."""
@@ -96,7 +118,7 @@ class ActivationProfile:
         if self._decay != 1.0:
             d = self._decay ** tokens
             self.counts *= d
-            self.mass *= d
+            self._mass *= d  # (unread mass is decayed at its read: DeviceMass)
             self.tokens *= d
         self.tokens += tokens
         self.tokens_total += tokens
@@ -132,11 +154,12 @@ class ActivationProfile:
     def observe_step(self, layers, at_layers, experts, mass, ticked=0):
         """A decode step's layer calls at once, of distinct `layers`: `ticked` tokens start
         with the first, each distinct expert `experts[i]` of layer `at_layers[i]` counted, the
-        router's distribution of each of `layers` (`mass`) added."""
+        router's distribution of each of `layers` (`mass`, where given) added."""
         if ticked:
             self.tick(ticked)
         self.counts[at_layers, experts] += 1.0
-        self.mass[layers] += mass
+        if mass is not None:  # (else learnt on the device: DeviceMass)
+            self.mass[layers] += mass
 
     def absorb(self, other):
         """Learn `other`'s observations as if they came after this profile's (a server's
