@@ -728,6 +728,18 @@ def test_steps_without_a_replay_never_turn_the_mode_off(monkeypatch):
     assert turned_off[-1] and "more than the 30.00 ms" in switch.reason, (turned_off, switch.reason)
 
 
+@pytest.mark.parametrize("per_layer", [0.03, 0.045])
+def test_steps_a_little_costlier_are_weighed_longer(monkeypatch, per_layer):
+    """Verified steps that replayed, against the per-layer path's: CLEARLY_WORSE times costlier
+    (0.05 s against 0.03 s: a disk's reads behind the replays) turn the mode off after
+    FIRST_WEIGH steps; a little costlier (against 0.045 s: a step's replays vary) after
+    WEIGH_TOKENS steps, not on a few steps' noise."""
+    runs = switch_runs(monkeypatch, 2 * verify.WEIGH_TOKENS, per_layer, itertools.repeat(1), layerwise=per_layer)
+    assert 0.05 > per_layer * verify.CLEARLY_WORSE if per_layer < 0.04 else 0.05 < per_layer * verify.CLEARLY_WORSE
+    assert runs[0] == (True, verify.FIRST_WEIGH if per_layer < 0.04 else verify.WEIGH_TOKENS), runs
+    assert runs[1][0] is False
+
+
 def switch_runs(monkeypatch, steps, per_layer, misses, layerwise=None):
     """A Switch over `steps` decode steps, each verified at 0.05 s with a replay where the
     mode is on, else on the per-layer path at `per_layer` s, next(misses) telling what it met
@@ -760,7 +772,7 @@ def test_steps_off_that_miss_nothing_turn_the_mode_on_again(monkeypatch):
     per-layer path miss nothing (verified, they would have replayed nothing), not after the
     doubled OFF_STEPS; a step that misses, or uses an expert a prefetch read, starts the count again."""
     misses = iter([1] * (verify.MEASURED_OFF + 3) + [0] * (verify.MEASURED_OFF - 1) + [2] + [0] * 100)
-    runs = switch_runs(monkeypatch, 4 * verify.MEASURED_OFF + 2 * verify.FIRST_WEIGH + 6, 0.03, misses, layerwise=0.03)
+    runs = switch_runs(monkeypatch, 4 * verify.MEASURED_OFF + verify.FIRST_WEIGH + 6, 0.03, misses, layerwise=0.03)
     # off at the first weighing; MEASURED_OFF + 3 steps that miss, MEASURED_OFF - 1 that do
     # not, one that uses a prefetched expert, then MEASURED_OFF that miss nothing: on again (32 off before)
     off = verify.MEASURED_OFF + 3 + verify.MEASURED_OFF - 1 + 1 + verify.MEASURED_OFF
@@ -774,7 +786,7 @@ def test_a_first_guess_turns_the_mode_off_only_to_time_the_per_layer_path(per_la
     it, the mode is off for the MEASURED_OFF steps that time that path, then weighed against
     them: on for good where the per-layer steps took longer (0.08 s against verified steps of
     0.05 s), off for twice OFF_STEPS where they were faster (0.03 s)."""
-    steps = 2 * verify.FIRST_WEIGH + verify.MEASURED_OFF + 2 * verify.OFF_STEPS + 4
+    steps = verify.FIRST_WEIGH + verify.MEASURED_OFF + 2 * verify.OFF_STEPS + 4
     # (a miss in each per-layer step: steps that miss nothing would turn it on again)
     runs = switch_runs(monkeypatch, steps, per_layer, itertools.repeat(1))
     first = [(True, verify.FIRST_WEIGH), (False, verify.MEASURED_OFF)]

@@ -43,11 +43,12 @@ from .experts import (STEP_TOKENS, as_rows, count_hit_rows, count_rows, observe_
 from .prefetch import decayed
 
 # verified tokens weighed at a time, and the fewest before the mode turns off where they cost
-# more (a step's replays vary from none to several: fewer steps turn it off on noise, for up
-# to MOST_OFF_STEPS steps); steps on the per-layer path before the mode is tried again once
-# it turned itself off: the first, doubled at each turn off in a row up to the most (a
-# workload whose misses stay frequent pays for a try ever more rarely)
-WEIGH_TOKENS, FIRST_WEIGH = 16, 8
+# CLEARLY_WORSE times more (a disk's reads behind replays: at once), else after WEIGH_TOKENS (a
+# step's replays vary from none to several: a few steps a little costlier are noise); steps
+# on the per-layer path before the mode is tried again once it turned itself off: the first,
+# doubled at each turn off in a row up to the most (a workload whose misses stay frequent
+# pays for a try ever more rarely)
+WEIGH_TOKENS, FIRST_WEIGH, CLEARLY_WORSE = 16, 2, 1.25
 OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 # steps on the per-layer path timed before they are set against the verified steps
 MEASURED_OFF = 4
@@ -169,7 +170,7 @@ class Switch:
         w[0] += cost
         w[1] += instead
         w[2] += 1
-        if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1]:
+        if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1] * CLEARLY_WORSE:
             return False
         self.weighed = [0.0, 0.0, 0]
         if w[0] <= w[1]:
