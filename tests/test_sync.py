@@ -233,7 +233,7 @@ def test_resident_steps_are_queued_whole(monkeypatch):
     layer call; a decode step's packed routing is queued once, with its last layer call."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxmoe.caching import experts
+    from mlxmoe.caching import verify
 
     model, _ = mlxmoe.load(str(mlxmoe.DEMO_MODEL))
     cache = model.expert_cache
@@ -242,7 +242,7 @@ def test_resident_steps_are_queued_whole(monkeypatch):
     real = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(sys._getframe(1).f_code.co_name), real(*a))[1])
     kv = make_prompt_cache(model)
-    for tokens in (experts.STEP_TOKENS + 4, 4, 1):
+    for tokens in (verify.STEP_TOKENS + 4, 4, 1):
         queued.clear()
         mx.eval(model(mx.array([list(range(5, 5 + tokens))]), cache=kv))
         assert queued.count("_resident") == (1 if tokens == 1 else 0), tokens

@@ -20,12 +20,6 @@ from ..errors import MlxmoeError
 from .lossy import host_logits
 from .prefetch import decayed
 
-# the most tokens of a decode or speculative step: a decode step's one, or a draft and the token
-# before it. Steps of at most this many tokens are verified (verify.py: a batch's rows counted
-# too); a prompt's longer steps go layer by layer (each reads its union once), queued whole as
-# stock does
-STEP_TOKENS = 16
-
 # tokens of router mass a live profile's DeviceMass sums on the device between two reads
 FLUSH_TOKENS = 64
 

@@ -38,10 +38,14 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_dists, host_probs
-from .experts import (STEP_TOKENS, as_rows, count_hit_rows, count_rows, observe_calls, resident_table, step_call,
+from .experts import (as_rows, count_hit_rows, count_rows, observe_calls, resident_table, step_call,
                       step_calls)
 from .prefetch import decayed
 
+# the most tokens of a verified step: a decode step's one, or a speculative step's draft and the
+# token before it (a batch's rows counted too); a prompt's longer steps go layer by layer (each
+# reads its union once)
+STEP_TOKENS = 16
 # verified tokens weighed at a time, and the fewest before the mode turns off where they cost
 # CLEARLY_WORSE times more (a disk's reads behind replays: at once), else after WEIGH_TOKENS (a
 # step's replays vary from none to several: a few steps a little costlier are noise); steps
