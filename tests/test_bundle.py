@@ -108,10 +108,37 @@ def test_one_read_per_bundled_expert_nine_per_stacked(bundled, on_disk, io, monk
             assert packed.io_stats() == s and checked == [packed.ranges[layer][e][0].file]
             for t, w, g in zip(stacked.tensors, want, again):
                 np.testing.assert_array_equal(g, w, err_msg=f"{t} of expert {e} in layer {layer}, read again")
+    assert not any(stacked._plans.values())  # (nine runs an expert: never planned, nor tried again)
     with pytest.raises(MlxmoeError, match="a slot of"):  # (planned, yet a slot of another size is named)
         packed.read_expert(layer, e, [np.zeros(1, w.dtype) for w in want])
     stacked.close()
     packed.close()
+
+
+def test_a_layer_calls_reads_check_its_shard_once_after_them(bundled, on_disk):
+    """A demand read of several experts (SlotPools.read_keys, on the IO threads) checks the
+    shard they lie in once, after every read of them, not once an expert; a shard changed
+    since the load still fails it, naming the shard."""
+    _, dst = bundled("qwen3_moe", "4bit")
+    model, _ = mlxmoe.load(str(on_disk(dst)), cache_experts=8, prefetch=0)
+    pools = model.expert_cache.pools
+    store, log = pools.store, []
+    read, check = store.read_expert, store.shards.check
+    store.read_expert = lambda layer, e, outs, **kw: (log.append(("read", layer, e)), read(layer, e, outs, **kw))[1]
+    store.shards.check = lambda file: (log.append(("check", file)), check(file))[1]
+    try:
+        keys = [((0, e), slot) for slot, e in enumerate((3, 1, 2))]
+        assert pools.read_keys(keys) == 3 * store.expert_file_bytes()
+        shard = store.ranges[0][3][0].file
+        assert sorted(log[:3]) == [("read", 0, 1), ("read", 0, 2), ("read", 0, 3)] and log[3:] == [("check", shard)]
+        with open(shard, "r+b") as f:  # its header changed in place, the size kept
+            f.seek(9)
+            f.write(b"!")
+        with pytest.raises(MlxmoeError, match="changed on disk") as e:
+            pools.read_keys([((0, 3), 4), ((0, 1), 5)])
+        assert str(shard) in str(e.value)
+    finally:
+        model.expert_cache.close()
 
 
 def test_layout(bundled):

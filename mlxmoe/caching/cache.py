@@ -344,27 +344,34 @@ class SlotPools:
         mx.eval(compute)
         self.pools, self.views, self.compute = pools, views, compute
 
-    def read_into(self, key: tuple, slot: int, pace: Callable | None = None, chunk: int = CHUNK) -> int:
+    def read_into(self, key: tuple, slot: int, pace: Callable | None = None, chunk: int = CHUNK,
+                  check: bool = True) -> int:
         """Read expert `key` into `slot`; return the bytes read. `pace`: a background read's
-        (see ReadGate.reading), called before each piece of it (of `chunk` bytes at most)."""
-        return self.store.read_expert(key[0], key[1], [v[slot] for v in self.views], pace=pace, chunk=chunk)
+        (see ReadGate.reading), called before each piece of it (of `chunk` bytes at most);
+        `check`: its shard checked (else the caller checks it: ExpertStore.check_shards)."""
+        return self.store.read_expert(key[0], key[1], [v[slot] for v in self.views], pace=pace, chunk=chunk,
+                                      check=check)
 
     def read(self, layer: int, missed: list) -> int:
         """Read `missed` [(expert, slot)] of `layer`: read_keys."""
         return self.read_keys([((layer, e), slot) for e, slot in missed])
 
     def read_keys(self, keyed: list) -> int:
-        """Read `keyed` [(key, slot)] (on the IO threads when several); return the bytes
-        read. On an error, once no thread writes into those slots any more."""
+        """Read `keyed` [(key, slot)] (on the IO threads when several), their shards checked
+        once each when all are read; return the bytes read. On an error, once no thread
+        writes into those slots any more."""
         futures = []
         try:
             if self.io is not None and len(keyed) > 1:  # the first read here, the rest meanwhile
-                futures = [self.io.submit(self.read_into, key, slot) for key, slot in keyed[1:]]
-                return self.read_into(*keyed[0]) + sum(f.result() for f in futures)
-            return sum(self.read_into(key, slot) for key, slot in keyed)
+                futures = [self.io.submit(self.read_into, key, slot, check=False) for key, slot in keyed[1:]]
+                n = self.read_into(*keyed[0], check=False) + sum(f.result() for f in futures)
+            else:
+                n = sum(self.read_into(key, slot, check=False) for key, slot in keyed)
         except BaseException:
             wait(futures)
             raise
+        self.store.check_shards([key for key, _ in keyed])
+        return n
 
     def close(self) -> None:
         if self.io is not None:

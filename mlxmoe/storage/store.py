@@ -101,6 +101,9 @@ def changed(file, why) -> MlxmoeError:
                        f"or load the model again (mlxmoe serve: restart it); shard {file}")
 
 
+UNPLANNED = object()  # an expert read_expert has not planned yet
+
+
 class ExpertStore:
     """Maps (layer, expert) to the byte ranges of its tensors and reads them.
 
@@ -218,7 +221,7 @@ class ExpertStore:
         """Bytes one expert occupies on disk."""
         return sum(r.nbytes for r in self.ranges[0][0])
 
-    def read_expert(self, layer, expert, outs, pace=None, chunk=CHUNK):
+    def read_expert(self, layer, expert, outs, pace=None, chunk=CHUNK, check=True):
         """Read expert `expert` of MoE layer `layer` into `outs` (one numpy array per tensor).
 
         An out whose dtype differs from the file's (bf16/f16 scales into float32 on
@@ -228,12 +231,16 @@ class ExpertStore:
         read), the ranges are read in order in pieces of at most `chunk` bytes, PIECES_AHEAD
         of them asked at once, and pace(nbytes) is called before each is asked: it may wait
         (a demand read goes first) or raise (the read is no longer wanted), and the slot is
-        then left half-written.
+        then left half-written. `check`: False where the caller checks the shards read from
+        once its reads end (check_shards), not each read.
         """
-        plan = self._plans.get((layer, expert)) if pace is None else None
+        plan = None if pace is not None else self._plans.get((layer, expert), UNPLANNED)
+        if plan is UNPLANNED:  # (kept either way: a stacked checkpoint's experts are not planned at each read)
+            plan = self._plans[(layer, expert)] = plan_expert(self.ranges[layer][expert], outs, self.tensor_dtypes,
+                                                               ALIGN if self.io == "direct" else 1)
         if plan is not None and all(o.dtype == d and o.nbytes == n and o.flags.c_contiguous
                                     for o, (d, n) in zip(outs, plan[1])):
-            return self._read_planned(plan[0], outs)
+            return self._read_planned(plan[0], outs, check)
         ranges, plain = self.ranges[layer][expert], []
         dests, converts, sliced = [], [], []
         for r, out, dtype in zip(ranges, outs, self.tensor_dtypes):
@@ -266,24 +273,26 @@ class ExpertStore:
         else:
             disk = sum(map(self._read_run, todo))
         disk += read_slices(self._read_run, sliced, pace)
-        for file in {r.file for r in ranges}:
-            self.shards.check(file)
+        if check:
+            self.check_shards([(layer, expert)])
         for out, buf, dtype in converts:
             out[...] = to_float32(buf, dtype) if out.dtype == np.float32 else buf.astype(out.dtype)
         useful = sum(r.nbytes for r in ranges)
         self._count(useful, disk, len(todo))
-        if pace is None and len(todo) == 1 and not sliced and not converts:  # the next read of it, planned
-            run = runs(ranges, list(range(len(ranges))), ALIGN if self.io == "direct" else 1)[0]
-            self._plans[(layer, expert)] = run, [(out.dtype, out.nbytes) for out in outs]
         return useful
 
-    def _read_planned(self, plan, outs):
-        """read_expert of an expert whose ranges are one run and whose slots take the file's
-        bytes as they are (of the dtypes and sizes it was planned with: a slot of another size
-        goes the long way, which names it): `plan` is that run, (file, start, end, [(offset, tensor)])."""
+    def check_shards(self, keys):
+        """The shards that experts `keys` [(layer, expert)] lie in, checked once each (ShardStamps.check)."""
+        for file in {r.file for layer, e in keys for r in self.ranges[layer][e]}:
+            self.shards.check(file)
+
+    def _read_planned(self, plan, outs, check=True):
+        """read_expert of a planned expert (of the dtypes and sizes it was planned with: a slot
+        of another size goes the long way, which names it): `plan` is its run."""
         file, start, end, pieces = plan
         disk = self._read_run((file, start, end, [(off, outs[i].reshape(-1).view(np.uint8)) for off, i in pieces]))
-        self.shards.check(file)
+        if check:
+            self.shards.check(file)
         useful = sum(outs[i].nbytes for _, i in pieces)
         self._count(useful, disk, 1)
         return useful
@@ -339,6 +348,19 @@ class ExpertStore:
             self._workers.shutdown()
             self._workers = None
         self.reader.close()
+
+
+def plan_expert(ranges, outs, dtypes, align):
+    """The plan of an expert (ExpertStore.read_expert) whose `ranges` are one run and whose
+    slots (like `outs`) take the file's bytes as they are: (that run (file, start, end,
+    [(offset, tensor index)]), the slots' dtypes and sizes); else None (the long way: it
+    converts, or names a slot of the wrong size)."""
+    if any(r.runs > 1 for r in ranges) or not all(
+            o.flags.c_contiguous and o.nbytes == r.nbytes and (o.dtype == DTYPES[d] or d == "BF16" and o.dtype == np.uint16)
+            for o, r, d in zip(outs, ranges, dtypes)):
+        return None
+    todo = runs(ranges, list(range(len(ranges))), align)
+    return (todo[0], [(o.dtype, o.nbytes) for o in outs]) if len(todo) == 1 else None
 
 
 def read_slices(read_run, sliced, pace=None):
