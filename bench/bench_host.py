@@ -33,7 +33,10 @@ time). A
 read of an array already computed returns without sleeping and costs nothing (on a GPU it costs
 no round trip either): stock's `y.item()` where the host is slower than the device, the resident
 path reading the routing of two tokens back, `.tolist()` after an `mx.eval` of the same array.
-`--every-call` charges S to every patched call instead (an upper bound). Not covered: reads
+`--every-call` charges S to every patched call instead (an upper bound). `queued ms/token`: the
+decode thread's wall time inside mx.async_eval, which MLX holds while more tasks than it allows
+are in flight (a task an op on the CPU backend, so most of a token here: the host can run only a
+few dozen ops ahead of the device, stock included; a GPU's task is a command buffer of many). Not covered: reads
 through the buffer protocol elsewhere (memoryview(a), np.frombuffer, numpy functions other
 than np.array/np.asarray given an mx.array), functions bound before the patch (`from mlx.core
 import eval`: none in mlxmoe or mlx_lm's decode path when this was written), waits off the
@@ -111,6 +114,7 @@ def timed_generation(generate, model, tokenizer, args, waits=None, cache=None):
         sites0 = first["sites"]
         sites = {k: (n - sites0.get(k, 0)) / steps for k, n in last["sites"].items() if n > sites0.get(k, 0)}
         out.update(waits_per_token=d["waits"] / steps, calls_per_token=d["calls"] / steps,
+                   queued_ms_per_token=1e3 * d["queued"] / steps,
                    added_us_per_wait=1e6 * d["added"] / d["waits"] if d["waits"] else None,
                    wait_sites=dict(sorted(sites.items(), key=lambda kv: -kv[1])[:8]))
     if cache is not None:
@@ -336,7 +340,8 @@ def pooled(runs, rtt):
         return None
     med = lambda k: statistics.median(x[k] for x in rows) if all(x.get(k) is not None for x in rows) else None
     mean = lambda k: statistics.fmean(x[k] for x in rows) if all(x.get(k) is not None for x in rows) else None
-    out = {k: med(k) for k in ("tok_s", "ms_per_token", "host_ms_per_token", "process_cpu_ms_per_token")}
+    out = {k: med(k) for k in ("tok_s", "ms_per_token", "host_ms_per_token", "process_cpu_ms_per_token",
+                               "queued_ms_per_token")}
     out.update({k: mean(k) for k in ("waits_per_token", "calls_per_token", "added_us_per_wait", "stolen")})
     if "hits" in rows[0]:
         hits, misses = sum(x["hits"] for x in rows), sum(x["misses"] for x in rows)
@@ -361,7 +366,7 @@ def report(args, configs, sizes, results, rtts):
         for name, config, kwargs in configs:
             p = pooled(results[name], rtt)
             if p is None:
-                rows.append([name, f"{rtt:g}"] + ["-"] * 8 + ["FAILED", "-"])
+                rows.append([name, f"{rtt:g}"] + ["-"] * 9 + ["FAILED", "-"])
                 continue
             s = stock[rtt]
             slots = None if config in STOCKS else total if config == "resident" else sizes[config]
@@ -377,7 +382,8 @@ def report(args, configs, sizes, results, rtts):
                          "-" if p.get("hit_rate") is None else f"{100 * p['hit_rate']:.1f} %",
                          fmt(p["tok_s"], ".1f"), fmt(line["vs_stock"], ".2f"), fmt(p["waits_per_token"], ".1f"),
                          fmt(p["calls_per_token"], ".1f"), fmt(p["host_ms_per_token"], ".2f"),
-                         fmt(line["host_vs_stock"], ".2f"), {None: "-", True: "yes", False: "NO"}[same],
+                         fmt(line["host_vs_stock"], ".2f"), fmt(p["queued_ms_per_token"], ".1f"),
+                         {None: "-", True: "yes", False: "NO"}[same],
                          fmt(p["stolen"] and 100 * p["stolen"], ".0f")])
     if args.json:
         for line in lines:
@@ -394,13 +400,16 @@ def report(args, configs, sizes, results, rtts):
           f"{'recorded: ' + args.routing if args.routing else 'of the random weights'} (decode window: tokens "
           f"2..{args.tokens}, {args.rounds} round{'s' * (args.rounds > 1)}, medians)",
           ["config", "rtt us", "cache (experts, %)", "hit rate", "tok/s", "/ stock", "waits/token", "calls/token",
-           "host ms/token", "host / stock's", "tokens identical", "stolen %"], rows)
+           "host ms/token", "host / stock's", "queued ms/token", "tokens identical", "stolen %"], rows)
     added = [l["added_us_per_wait"] for l in lines if l["rtt_us"] and l.get("added_us_per_wait")]
     cost = [r["count_cost_us"] for runs in results.values() for r in runs if "count_cost_us" in r]
     rule = "every patched call (--every-call)" if args.every_call else "patched calls on the decode thread that slept"
     print(f"waits: {rule}; calls: all patched calls; added per wait {'(spin)' if args.spin else '(sleep)'}: "
           + (f"{min(added):.0f}-{max(added):.0f} us measured" if added else "-")
           + (f"; counting cost {statistics.median(cost):.1f} us a call, in the host time" if cost else ""))
+    print("queued: wall time of the decode thread inside mx.async_eval, which holds its caller while more "
+          "tasks than MLX allows are in flight (on the CPU backend one an op): the host waiting for the device "
+          "without a wait that sleeps in a patched call")
     print("stolen %: the machine's CPU time its hypervisor gave other guests in the decode window "
           "(/proc/stat steal): a row with a few % or more is slowed by a shared host, not by its code")
     rtt = max(rtts)

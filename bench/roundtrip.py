@@ -53,6 +53,9 @@ class DeviceWaits:
         self.sites = {}  # "file:line" of the caller -> waits
         self.rtt = self.sleep_for = self.overshoot = 0.0
         self.submitted, self.submitted_at = (), 0.0  # ids of the arrays of the last async_eval, and when
+        # decode-thread seconds inside mx.async_eval: MLX holds its caller there while more tasks than
+        # it allows are in flight (on the CPU backend a task an op: most of a token here)
+        self.queued = 0.0
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns: this thread's sleeps end on time
 
@@ -62,6 +65,7 @@ class DeviceWaits:
 
     def mark(self):
         return {"calls": self.calls, "waits": self.waits, "added": self.added, "emulation_cpu": self.emulation_cpu,
+                "queued": self.queued,
                 "sites": dict(self.sites)}
 
     def _decode_thread(self):
@@ -102,9 +106,13 @@ class DeviceWaits:
     def submit(self, fn):
         """mx.async_eval, noting its arrays and when on the decode thread."""
         def call(*args):
-            if self._decode_thread():
-                self.submitted, self.submitted_at = self._ids(args), time.perf_counter()
-            return fn(*args)
+            if not self._decode_thread():
+                return fn(*args)
+            self.submitted, self.submitted_at = self._ids(args), time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.queued += time.perf_counter() - self.submitted_at
 
         return call
 

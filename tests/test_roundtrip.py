@@ -70,3 +70,48 @@ def test_stopped_servers_leave_no_half_written_report(tmp_path):
     server.report = str(report)
     bench_batch.stop([server])
     assert not half.exists() and json.loads(report.read_text()) == {"waits": 3}
+
+
+QUEUED = """
+import sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from roundtrip import DeviceWaits
+waits = DeviceWaits()
+waits.install()
+import mlx.core as mx
+a = mx.random.normal((128, 128))
+mx.eval(a)
+
+def chain():
+    x = a
+    for _ in range(200):  # far more ops than MLX lets be in flight: async_eval holds its caller
+        x = mx.tanh(x @ a * 0.01)
+    return x
+
+x = chain()
+tic = time.perf_counter()
+mx.async_eval(x)
+held = time.perf_counter() - tic
+mx.eval(x)
+before = waits.mark()["queued"]
+def elsewhere():
+    y = chain()
+    mx.async_eval(y)
+    mx.eval(y)
+
+other = threading.Thread(target=elsewhere)
+other.start()
+other.join()
+print(held, before, waits.mark()["queued"])
+"""
+
+
+def test_the_decode_threads_time_inside_async_eval_is_counted():
+    """bench_host's `queued ms/token`: the decode thread's wall time inside mx.async_eval
+    (held while too many tasks are in flight), another thread's left out."""
+    out = subprocess.run([sys.executable, "-c", QUEUED, str(ROOT / "bench")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    held, before, after = map(float, out.stdout.split())
+    assert held > 0.002 and 0.9 * held <= before <= held, (held, before)
+    assert after == before
