@@ -36,10 +36,10 @@ path reading the routing of two tokens back, `.tolist()` after an `mx.eval` of t
 `--every-call` charges S to every patched call instead (an upper bound). `queued ms/token`: the
 decode thread's wall time inside mx.async_eval, which MLX holds while more tasks than it allows
 are in flight (a task an op on the CPU backend, so most of a token here: the host can run only a
-few dozen ops ahead of the device, stock included; a GPU's task is a command buffer of many). Not covered: reads
-through the buffer protocol elsewhere (memoryview(a), np.frombuffer, numpy functions other
-than np.array/np.asarray given an mx.array), functions bound before the patch (`from mlx.core
-import eval`: none in mlxmoe or mlx_lm's decode path when this was written), waits off the
+few dozen ops ahead of the device, stock included; a GPU's task is a command buffer of many).
+Not covered: reads through the buffer protocol elsewhere (memoryview(a), np.frombuffer, numpy
+functions other than np.array/np.asarray given an mx.array), functions bound before the patch
+(`from mlx.core import eval`: none in mlxmoe or mlx_lm's decode path when this was written), waits off the
 decode thread (IO and prefetch threads). A GIL hand-over to another Python thread inside a
 patched call also reads as a wait (rare: ~1 % of the reads of evaluated arrays, seen with the
 prefetcher's thread running).
