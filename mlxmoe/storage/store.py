@@ -245,7 +245,7 @@ class ExpertStore:
         dests, converts, sliced = [], [], []
         for r, out, dtype in zip(ranges, outs, self.tensor_dtypes):
             raw_dtype = DTYPES[dtype]
-            if out.dtype == raw_dtype or (dtype == "BF16" and out.dtype == np.uint16):
+            if lands_as_is(out, dtype):
                 if not out.flags.c_contiguous:
                     raise MlxmoeError("expert slots must be contiguous memory")
                 buf = out
@@ -350,14 +350,19 @@ class ExpertStore:
         self.reader.close()
 
 
+def lands_as_is(out, dtype):
+    """Whether a tensor of safetensors `dtype` is read into `out` as its bytes are (bf16 into
+    uint16 storage too), not through a converting copy."""
+    return out.dtype == DTYPES[dtype] or (dtype == "BF16" and out.dtype == np.uint16)
+
+
 def plan_expert(ranges, outs, dtypes, align):
     """The plan of an expert (ExpertStore.read_expert) whose `ranges` are one run and whose
     slots (like `outs`) take the file's bytes as they are: (that run (file, start, end,
     [(offset, tensor index)]), the slots' dtypes and sizes); else None (the long way: it
     converts, or names a slot of the wrong size)."""
     if any(r.runs > 1 for r in ranges) or not all(
-            o.flags.c_contiguous and o.nbytes == r.nbytes and (o.dtype == DTYPES[d] or d == "BF16" and o.dtype == np.uint16)
-            for o, r, d in zip(outs, ranges, dtypes)):
+            o.flags.c_contiguous and o.nbytes == r.nbytes and lands_as_is(o, d) for o, r, d in zip(outs, ranges, dtypes)):
         return None
     todo = runs(ranges, list(range(len(ranges))), align)
     return (todo[0], [(o.dtype, o.nbytes) for o in outs]) if len(todo) == 1 else None
