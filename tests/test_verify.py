@@ -104,18 +104,19 @@ def test_slot_tables_follow_the_reads_of_a_miss(checkpoint, monkeypatch):
     model, tokenizer = all_but(path, 6)
     cache = model.expert_cache
     checked = []
-    read = verify.Verifier._read
+    read = verify.SlotTables.read
 
     def read_and_compare(self, *args):
-        read(self, *args)
+        taken = read(self, *args)
         fresh = verify.SlotTables(cache)
         fresh.build()
-        assert np.array_equal(self.tables.host, fresh.host)
-        assert self.tables.lists == fresh.lists and self.tables.key_of == fresh.key_of
-        assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(self.tables.rows, fresh.rows))
+        assert np.array_equal(self.host, fresh.host)
+        assert self.lists == fresh.lists and self.key_of == fresh.key_of
+        assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(self.rows, fresh.rows))
         checked.append(1)
+        return taken
 
-    monkeypatch.setattr(verify.Verifier, "_read", read_and_compare)
+    monkeypatch.setattr(verify.SlotTables, "read", read_and_compare)
     generate(model, tokenizer, evict=every_expert(cache, 1))
     assert len(checked) >= 5
 
@@ -289,6 +290,52 @@ def test_a_step_that_missed_nowhere_reads_its_routing_in_two_host_copies(checkpo
     assert len([n for n, w in steps if not w]) >= 5 and {n for n, w in steps if not w} == {2}, steps
     # while checks run within the forward: one read each, then the pack (the hits' routers in it)
     assert [n for n, w in steps if w] and max(n for n, w in steps if w) <= cache.store.num_layers + 1, steps
+
+
+def test_a_clean_steps_accounting_is_left_to_the_host_thread(checkpoint, monkeypatch, tmp_path):
+    """A verified step that missed nowhere reads its indices at its end and leaves the rest
+    (its routers' softmax, the policy's updates, the live profile's) to the prefetcher's host
+    thread: no routing softmax on the decode thread in such steps, some on the host thread;
+    the live profile learns the same counts and mass as call by call (a trace recorded)."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    decode_thread, steps, softmaxes = threading.get_ident(), [], []
+    host_dists, host_probs = verify.host_dists, verify.host_probs
+
+    def counted(fn):
+        def call(*a, **kw):
+            softmaxes.append((threading.get_ident(), len(steps)))  # (the step under way)
+            return fn(*a, **kw)
+        return call
+
+    profiles = []
+    for trace in (None, tmp_path / "run.trace.jsonl"):
+        model, tokenizer = all_but(path, 2, trace_out=trace)
+        cache = model.expert_cache
+        generate(model, tokenizer)  # warm: the same workload before
+        if trace is None:
+            monkeypatch.setattr(verify, "host_dists", counted(host_dists))
+            monkeypatch.setattr(verify, "host_probs", counted(host_probs))
+            model_call = type(model).__call__
+
+            def stepped(m, inputs, *a, **kw):
+                c = m.expert_cache.counters
+                replays, verified = c.replays, c.verified_tokens
+                out = model_call(m, inputs, *a, **kw)
+                steps.append(inputs.size == 1 and c.verified_tokens > verified and c.replays == replays)
+                return out
+            monkeypatch.setattr(type(model), "__call__", stepped)
+        generate(model, tokenizer)
+        cache.flush()
+        profiles.append(model.expert_runtime.profile)
+        if trace is None:
+            monkeypatch.undo()
+            assert cache.prefetcher is not None and sum(steps) >= TOKENS // 2, steps
+            clean = [i for i, ok in enumerate(steps) if ok]
+            assert not [i for t, i in softmaxes if t == decode_thread and i in clean], softmaxes
+            assert [t for t, _ in softmaxes if t != decode_thread]
+        model.expert_runtime.close()
+    a, b = profiles
+    assert a.tokens == b.tokens and np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
 
 
 def test_off_where_replays_cost_more_than_waits(checkpoint, monkeypatch):

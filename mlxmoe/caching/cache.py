@@ -78,8 +78,7 @@ class Residency:
         self.deferred = deque()  # host work left for later, (function, args), in order: see catch_up
         self.unread = deque(maxlen=4096)  # experts.StepRouting not yet read: read together when one is
         self.observed = deque()  # the observers' calls a policy-only catch-up left, (call, profile): before `deferred`
-        # called with each LayerCall, in order, after the live profile (a TraceWriter's observe: ExpertCache.watch)
-        self.observers: list[Callable] = []
+        self.observers: list[Callable] = []  # called with each LayerCall in order, after the live profile (watch)
         self.catching_up = False
 
     def catch_up(self, until: Callable | None = None, policy_only: bool = False) -> None:
@@ -104,7 +103,8 @@ class Residency:
                 if getattr(work, "__func__", None) in (Residency._hit, Residency.notify):
                     self._together(until, policy_only)
                     continue
-                policy_only = policy_only and work == self.policy.hits  # other work: all of it, in order
+                # (other work: all of it, in order)
+                policy_only = policy_only and work in (self.policy.hits, self.policy.tick)
                 if not policy_only:
                     self._learn()  # (what a policy-only catch-up left: older)
                 self.deferred.popleft()
@@ -127,11 +127,8 @@ class Residency:
                 (self.observed if policy_only else notes).append(self.deferred.popleft()[1])
             else:
                 break
-        calls = []
-        for layer, experts, scores, probs, routing in hits:
-            if routing is not None:
-                scores, probs = routing()
-            calls.append((layer, experts, scores, probs))
+        calls = [(layer, experts, *(routing() if routing is not None else (scores, probs)))
+                 for layer, experts, scores, probs, routing in hits]
         if calls:
             self.policy.hits(calls)
         if not policy_only:
@@ -180,8 +177,10 @@ class Residency:
             self.catch_up()
             self.policy.hits(calls)
 
-    def tick(self, tokens: int) -> None:
-        """New tokens start: the policy's clock moves (after the calls deferred before)."""
+    def tick(self, tokens: int, later: bool = False) -> None:
+        """New tokens start: the policy's clock moves after the calls deferred before (`later`: in `deferred` too)."""
+        if later and self.defer_hits:
+            return self.deferred.append((self.policy.tick, (tokens,)))
         self.catch_up()
         self.policy.tick(tokens)
 
@@ -432,13 +431,13 @@ class ExpertCache(Residency):
         """Whether a layer call's router distribution is used (policy, live profile, observers)."""
         return self.policy.wants_router or self.profile is not None or bool(self.observers) or self.rows is not None
 
-    def tick(self, tokens: int) -> None:
+    def tick(self, tokens: int, later: bool = False) -> None:
         """New tokens start (called by the first MoE layer)."""
         with self.lock:
             self.current_layer = -1
             self.counters.tokens += tokens
             self.step_tokens = tokens
-            super().tick(tokens)
+            super().tick(tokens, later)
         self.call_position = self.position
         self.position += tokens
 
@@ -452,7 +451,7 @@ class ExpertCache(Residency):
         if later or (self.prefetcher is not None and self.prefetcher.off_thread):
             return self.deferred.append((self.notify, (call, profile)))
         with self.lock:
-            if self.observed:  # (older calls first)
+            if self.observed or self.deferred:  # (older calls first: a verified step's tick leaves them)
                 self.catch_up()
             self.notify(call, profile)
 

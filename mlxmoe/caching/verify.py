@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
-from ..backend import host_dists, host_probs
+from ..backend import host_dists, host_floats, host_probs
 from .experts import (as_rows, count_hit_rows, count_rows, observe_calls, resident_table, step_call,
                       step_calls)
 from .prefetch import decayed
@@ -300,7 +300,8 @@ class SlotTables:
     """Where each expert of the cache is, for lookups on the device: a [layers, experts] table
     of slots (`host`), the placeholder where not resident, the same as an mx array per layer
     (`rows`) and as a list per layer (`lists`: a check's few lookups cost less in plain
-    Python than in numpy); `version`: the cache's residency version they show (None: none built)."""
+    Python than in numpy); `version`: the cache's residency version they show (None: none built).
+    read(): a missed layer call's experts made resident, and the tables say so."""
 
     def __init__(self, cache) -> None:
         self.cache = cache
@@ -349,6 +350,37 @@ class SlotTables:
                 self.lists[layer] = table[layer].tolist()
         self.version = self.cache.version
 
+    def read(self, layer, experts, scores, probs, guesses, row, tokens: int) -> list:
+        """Make a missed layer call's experts (`row`, flat) resident (the policy's victims, a
+        demand read), then as many of the `guesses` as the policy gives slots to (read
+        together: the replay would miss them one layer at a time), and the tables say so.
+        Returns the keys read on a guess."""
+        cache = self.cache
+        demand = cache.counters.demand_bytes
+        try:
+            with cache.lock:  # (the policy's choices: bookkeeping, as on the per-layer path)
+                current = cache.version == self.version
+                _, missed = cache.access(layer, experts, scores, probs)
+                taken = cache.claim(guesses, protected={(layer, e) for e in experts}, evict=True)
+                if current:
+                    self.update([((layer, e), slot) for e, slot in missed] + taken)
+            tic = time.perf_counter()
+            cache.read_demand(layer, missed)
+            if _per_row(cache):
+                count_rows(cache, cache.rows, as_rows(row, tokens), experts, [e for e, _ in missed],
+                           cache.counters.demand_bytes - demand)
+            n = cache.pools.read_keys(taken) if taken else 0
+        except BaseException:  # (Ctrl-C included) a key given a slot but not read must not pass for resident
+            cache.forget([(layer, e) for e in experts] + guesses)
+            raise
+        if taken:
+            cache.counters.loads_prefetched += len(taken)
+            cache.counters.prefetch_bytes += n
+        cache.counters.read_seconds += time.perf_counter() - tic
+        if self.version != cache.version:
+            self.build()
+        return [key for key, _ in taken]
+
     def first_miss(self, layers, rows):
         """The index of the first layer call whose experts (`rows`, lists) are not all resident, or None."""
         lists, placeholder = self.lists, self.placeholder
@@ -373,13 +405,19 @@ class PassRouting:
     the layer calls not checked yet and the routers not read yet (the hits of checks within
     the forward too) are stacked on the device and queued (`packed`): the check at the
     forward's end reads them in two host copies, not one or two a layer call (on CUDA each
-    host read of a GPU array is a managed allocation and a synchronous copy)."""
+    host read of a GPU array is a managed allocation and a synchronous copy). The pack's
+    routers are copied to the host with its indices, their softmax done when a distribution is
+    first asked for (`unread`): a clean step's by the host work it leaves for later
+    (Verifier._tell_hits)."""
 
     def __init__(self) -> None:
-        self.calls, self.dists, self.packed = {}, {}, None
+        self.calls, self.dists, self.packed, self.unread = {}, {}, None, None
 
     def clear(self, since: int = 0) -> None:
         """Forget the layer calls from MoE layer `since` on (a replay computes them again)."""
+        if since:
+            self._read_unread()  # (those before `since`: hits)
+        self.unread = None
         for m in [m for m in self.calls if m >= since]:
             del self.calls[m]
             self.dists.pop(m, None)
@@ -414,14 +452,22 @@ class PassRouting:
         if packed is None:
             return [_flat(self.calls[m][0].tolist()) for m in layers]
         _, indices, routed, routers = packed
-        flat = host_dists(routers, self.calls[routed[0]][2])
-        for m, dist in zip(routed, flat.reshape(len(routed), -1)):
-            self.dists[m] = dist
+        self.unread = routed, host_floats(routers)  # (a host copy now: read later with no device array)
         return np.array(indices).reshape(len(layers), -1).tolist()  # (flat rows in one host copy)
+
+    def _read_unread(self) -> None:
+        if self.unread is not None:
+            (routed, routers), self.unread = self.unread, None
+            flat = host_dists(routers, self.calls[routed[0]][2])
+            for m, dist in zip(routed, flat.reshape(len(routed), -1)):
+                if m in self.calls:
+                    self.dists[m] = dist
 
     def dists_of(self, layers: list) -> list:
         """The router's distribution (flat, on the host) of each of these layer calls, None
-        where the model gives none: those not known yet read in one softmax."""
+        where the model gives none: those not known yet read in one softmax (the pack's, or theirs)."""
+        if self.unread is not None and any(m not in self.dists for m in layers):
+            self._read_unread()
         unknown = [m for m in layers if m not in self.dists]
         for m, dist in zip(unknown, routing_probs([self.calls[m] for m in unknown]) if unknown else ()):
             self.dists[m] = dist
@@ -512,7 +558,7 @@ class Verifier:
             self.tables.build()
         inputs = args[0] if args else kwargs["inputs"]
         self.tokens, self.width = inputs.size, inputs.shape[1]
-        cache.tick(self.tokens)
+        cache.tick(self.tokens, later=True)
         self.forward, self.replay_from, self.checked = True, None, 0
         self._clear()
         replayed, replays = 0, 0
@@ -549,7 +595,7 @@ class Verifier:
         seconds = time.perf_counter() - tic - (counters.read_seconds - read)
         if self.current.verified(seconds, replays, replayed, len(self.layers)):
             self.tables.rows = None
-        if cache.prefetcher is not None:  # the policy's updates of the hits, while the step computes
+        if cache.prefetcher is not None:  # this step's accounting, while the next one computes
             cache.prefetcher.hand_off()
         return out
 
@@ -605,6 +651,9 @@ class Verifier:
         layers = [m for m in range(self.checked, end) if m in routing.calls]
         packed, tic = None, time.perf_counter()
         if layers:
+            if until is None:
+                host_work_meanwhile(cache)
+                tic = time.perf_counter()
             packed = routing.wait(layers, final=until is None)
             if until is not None and not direct:
                 self.lag.checked(time.perf_counter() - tic)
@@ -623,11 +672,10 @@ class Verifier:
             # the later layers' misses in this pass: computed from a hidden state that a missing expert
             # left wrong, yet mostly what the replay will route to
             guesses = self.tables.absent(layers[first + 1:], rows[first + 1:]) if self.guess else []
-            self._read(*call, guesses, rows[first])
+            self.guessed.update(self.tables.read(*call, guesses, rows[first], self.tokens))
             self.observed.append((call, rows[first], dist))
         elif until is None:  # the step's end: its layer calls observed in one go
-            self._tell_hits()
-            _observe(cache, self.observed, self.tokens)
+            self._tell_hits(last=True)
         if layers:
             self.checked = layers[-1] + 1 if missed is None else missed + 1
         spent = time.perf_counter() - start - (cache.counters.read_seconds - read)
@@ -636,56 +684,70 @@ class Verifier:
             self.current.direct.waited(start - tic + spent)
         return missed
 
-    def _tell_hits(self) -> None:
+    def _tell_hits(self, last: bool = False) -> None:
         """The layer calls checked since the last time whose experts were all resident, in
         order, in one go: counted, their policy updates left for later (Residency.deferred),
-        kept for the observers (told the step's calls at once at its end: observe_calls)."""
+        kept for the observers, told the step's calls at its end (`last`). There, where no
+        observer but the live profile needs them (it takes no position) and one sequence
+        steps, all of it is left for later as one entry of `deferred`, the routing with it: its
+        softmax and the policy's and the profile's updates run off the decode thread where a
+        prefetcher's host thread gets to them first."""
         (layers, rows), self.hits, cache = self.hits, ([], []), self.cache
-        if not layers:
-            return
-        probs = self.routing.dists_of(layers)
-        calls = step_calls(layers, rows, probs, self.tokens)
-        _count_hits(cache, calls, rows, self.tokens)
-        cache.hit_calls(calls)
-        _count_useful(cache, self.guessed, calls)
-        self.observed.extend(zip(calls, rows, probs))
-
-    def _read(self, layer, experts, scores, probs, guesses, row) -> None:
-        """Make a missed layer call's experts (`row`, flat) resident (the policy's victims, a
-        demand read), then as many of the `guesses` as the policy gives slots to (read
-        together: the replay would miss them one layer at a time), and the tables say so."""
-        cache = self.cache
-        tic, demand = time.perf_counter(), cache.counters.demand_bytes
-        try:
-            with cache.lock:
-                current = cache.version == self.tables.version
-                _, missed = cache.access(layer, experts, scores, probs)
-                taken = cache.claim(guesses, protected={(layer, e) for e in experts}, evict=True)
-                if current:
-                    self.tables.update([((layer, e), slot) for e, slot in missed] + taken)
-            cache.read_demand(layer, missed)
-            if _per_row(cache):
-                count_rows(cache, cache.rows, as_rows(row, self.tokens), experts, [e for e, _ in missed],
-                           cache.counters.demand_bytes - demand)
-            n = cache.pools.read_keys(taken) if taken else 0
-        except BaseException:  # (Ctrl-C included) a key given a slot but not read must not pass for resident
-            cache.forget([(layer, e) for e in experts] + guesses)
-            raise
-        if taken:
-            cache.counters.loads_prefetched += len(taken)
-            cache.counters.prefetch_bytes += n
-            self.guessed.update(key for key, _ in taken)
-        cache.counters.read_seconds += time.perf_counter() - tic
-        if self.tables.version != cache.version:
-            self.tables.build()
+        _count_useful(cache, self.guessed, layers, rows)
+        if not last:
+            self.observed += _tell(cache, self.routing, layers, rows, self.tokens)
+        elif cache.rows is None and not cache.observers and cache.defer_hits:
+            if self.routing.unread is None:  # (no pack: the routers' own arrays read now, on this thread)
+                self.routing.dists_of(layers)
+            cache.deferred.append((_tell, (cache, self.routing, layers, rows, self.tokens, self.observed, True)))
+            self.routing, self.observed = PassRouting(), []
+        else:
+            _tell(cache, self.routing, layers, rows, self.tokens, self.observed)
+            self.observed = []
 
 
-def _count_useful(cache, guessed: set, calls: list) -> None:
-    """Count the keys read on a guess that these layer calls use, no longer guesses."""
+def host_work_meanwhile(cache) -> None:
+    """Before a verified forward's last wait: the host work left for later (the policy's
+    updates and the observers' calls of the steps before, the clock's tick) done while the
+    device computes, by the prefetcher's host thread (the decode thread waits meanwhile), else
+    here (bookkeeping)."""
+    if cache.prefetcher is not None:
+        cache.prefetcher.hand_off()
+    elif cache.deferred:
+        tic = time.perf_counter()
+        with cache.lock:
+            cache.catch_up()
+        cache.counters.bookkeeping_seconds += time.perf_counter() - tic
+
+
+def _count_useful(cache, guessed: set, layers: list, rows: list) -> None:
+    """Count the keys read on a guess that these layer calls (their experts in `rows`) use, no longer guesses."""
     if guessed:
-        used = guessed.intersection((m, e) for m, experts, _, _ in calls for e in experts)
+        used = guessed.intersection((m, e) for m, row in zip(layers, rows) for e in row)
         cache.counters.prefetch_useful += len(used)
         guessed -= used
+
+
+def _tell(cache, routing, layers: list, rows: list, tokens: int, observed: list | None = None,
+          deferred: bool = False) -> list:
+    """Layer calls that hit (their experts in `rows`, their routers in `routing`, a
+    PassRouting) counted and their policy updates made, [(call, row, distribution)]
+    returned; `observed`: the step's calls told before, at its end, the observers told them
+    all. The policy's updates are left for later (hit_calls) but where this is `deferred`
+    work itself (its turn in the cache's `deferred`: now, in order)."""
+    told = []
+    if layers:
+        probs = routing.dists_of(layers)
+        calls = step_calls(layers, rows, probs, tokens)
+        _count_hits(cache, calls, rows, tokens)
+        if deferred:
+            cache.policy.hits(calls)
+        else:
+            cache.hit_calls(calls)
+        told = list(zip(calls, rows, probs))
+    if observed is not None:
+        _observe(cache, observed + told, tokens)
+    return told
 
 
 def _count_hits(cache, calls: list, rows: list, tokens: int) -> None:
