@@ -1,0 +1,248 @@
+"""The GPU check of issue 42 on a lent NVIDIA machine (the `device` tool), prepared so that it
+fits the minutes a session is lent: MLX's CUDA build carried in two calls, then one call that
+installs it, warms MLX's kernels and runs the benches, each bounded, its log back under $OUT.
+
+The lent machine reaches no package index and a call carries at most 64 MiB with the working
+tree, while the `mlx-cuda-13` wheel is ~90 MB: `pack` (here, with network) downloads it with
+the `mlx` and `mlx-lm` wheels of the versions installed here (for the machine's Python 3.12),
+strips its libmlx.so, compresses everything with xz and splits it into parts of at most
+PART_MIB under .device/ (ignored by git), with the real routing the host-bound rows use.
+
+    python bench/device_kit.py pack              # here: .device/part1.., MANIFEST.json; prints the calls
+    # then, with the device tool, at once one after the other (a machine stays warm ~30 s):
+    #   run(carry=[".device/part1"], command="python3 bench/device_kit.py stage")
+    #   run(carry=[".device/part2", ".device/MANIFEST.json"], timeout_s=600,
+    #       command="PYTHONUNBUFFERED=1 python3 bench/device_kit.py run --out $OUT")
+    python bench/device_kit.py run --out /tmp/o --no-install --quick    # the same steps on this machine's mlx
+
+`run` checks the parts' digest, installs into /tmp/mlxmoe-device/site, shows that MLX sees the
+GPU, then (each step in its own process, bounded; a failed or late step does not stop the next):
+stock mlx-lm once to compile MLX's CUDA kernels (the first process on a fresh machine took 71 s,
+the next 17), bench_runtime's resident row against stock, bench_host on Qwen3-30B-A3B's recorded
+routing with no emulated round trip (the device's own), and bench_disk on the machine's disk at
+50 % cached. Its summary (`summary.txt`), each step's log and two JSON results come back under
+--out (the tool returns 8 files at most; the rest stay in /tmp/mlxmoe-device)."""
+
+import argparse
+import hashlib
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from importlib.metadata import version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KIT = ROOT / ".device"
+STAGE = Path("/tmp/mlxmoe-device")
+PART_MIB = 45  # a part and the working tree (~13 MiB) within the 64 MiB a call carries
+DEVICE_PYTHON = ("3.12", "cp312")  # the lent machine's python3 (device tool's KINDS.md)
+ROUTING = ROOT.parent / "shared/data/real-routing/bigmoeonedge/qwen.route.csv"
+
+
+def download(spec: str, dest: Path) -> Path:
+    """pip download `spec` (no dependencies) as a wheel for the lent machine's Python."""
+    before = set(dest.glob("*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary=:all:",
+                    "--python-version", DEVICE_PYTHON[0], "--platform", "manylinux_2_35_x86_64", "-d", str(dest)],
+                   check=True, stdout=subprocess.DEVNULL)
+    new = set(dest.glob("*.whl")) - before
+    if len(new) != 1:
+        raise SystemExit(f"pip download {spec}: expected one wheel in {dest}, got {sorted(new)}")
+    return new.pop()
+
+
+def split(data: bytes, part_bytes: int) -> list[bytes]:
+    return [data[i:i + part_bytes] for i in range(0, len(data), part_bytes)] or [b""]
+
+
+def pack(args) -> None:
+    mlx_version, lm_version = version("mlx"), version("mlx-lm")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cuda = download(f"mlx-cuda-13=={mlx_version}", tmp)
+        wheels = [download(f"mlx=={mlx_version}", tmp), download(f"mlx-lm=={lm_version}", tmp)]
+        cuda_tree = tmp / "cuda"
+        with zipfile.ZipFile(cuda) as z:
+            z.extractall(cuda_tree)
+        lib = cuda_tree / "mlx/lib/libmlx.so"
+        if shutil.which("strip") and lib.exists():  # (its symbols: ~25 MB of the 145)
+            subprocess.run(["strip", "--strip-unneeded", str(lib)], check=True)
+        archive = tmp / "kit.tar"
+        with tarfile.open(archive, "w") as tar:
+            tar.add(cuda_tree, "cuda")
+            for w in wheels:
+                tar.add(w, f"wheels/{w.name}")
+            if ROUTING.exists():
+                tar.add(ROUTING, "routing/qwen.route.csv")
+        print(f"compressing {archive.stat().st_size / 2**20:.0f} MiB with xz -9 ...", flush=True)
+        if shutil.which("xz"):
+            subprocess.run(["xz", "-9", "-T2", str(archive)], check=True)
+            data = archive.with_suffix(".tar.xz").read_bytes()
+        else:
+            data = lzma.compress(archive.read_bytes(), preset=9)
+    shutil.rmtree(KIT, ignore_errors=True)
+    KIT.mkdir()
+    parts = split(data, PART_MIB * 2**20)
+    names = []
+    for i, part in enumerate(parts, start=1):
+        (KIT / f"part{i}").write_bytes(part)
+        names.append(f"part{i}")
+    manifest = {"sha256": hashlib.sha256(data).hexdigest(), "parts": names, "mlx": mlx_version,
+                "mlx_lm": lm_version, "routing": ROUTING.exists()}
+    (KIT / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+    print(f"{KIT}: {len(data) / 2**20:.1f} MiB in {len(names)} parts ({', '.join(names)}); mlx {mlx_version}, "
+          f"mlx-lm {lm_version}. The device calls, one right after the other:")
+    for call in device_calls(names):
+        print("  run(" + ", ".join(f"{k}={v!r}" for k, v in call.items()) + ")")
+
+
+def device_calls(names: list) -> list[dict]:
+    """The device tool's calls: each part but the last staged to /tmp by a call of its own, then run."""
+    calls = [{"carry": [f".device/{n}"], "command": "python3 bench/device_kit.py stage", "timeout_s": 120}
+             for n in names[:-1]]
+    calls.append({"carry": [f".device/{names[-1]}", ".device/MANIFEST.json"], "timeout_s": 600,
+                  "command": "PYTHONUNBUFFERED=1 python3 bench/device_kit.py run --out $OUT"})
+    return calls
+
+
+def stage(args) -> None:
+    """Copy the carried parts to STAGE, where the next call's `run` finds them."""
+    STAGE.mkdir(parents=True, exist_ok=True)
+    for part in sorted(KIT.glob("part*")):
+        shutil.copyfile(part, STAGE / part.name)
+        print(f"staged {part.name} ({part.stat().st_size / 2**20:.1f} MiB)")
+
+
+def install(site: Path, kit: Path = KIT, staged: Path = STAGE) -> Path | None:
+    """Join the parts (checked against the manifest), unpack, install into `site`; return the routing file."""
+    manifest = json.loads((kit / "MANIFEST.json").read_text())
+    found = {p.name: p for where in (staged, kit) for p in where.glob("part*")}
+    missing = [n for n in manifest["parts"] if n not in found]
+    if missing:
+        raise SystemExit(f"parts missing: {missing} (neither in {kit} nor staged in {staged}); "
+                         "carry each in its call, one right after the other")
+    data = b"".join(found[n].read_bytes() for n in manifest["parts"])
+    if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+        raise SystemExit("the joined parts do not match MANIFEST.json's digest: pack again and carry them all")
+    unpacked = staged / "unpacked"
+    shutil.rmtree(unpacked, ignore_errors=True)
+    staged.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=staged, suffix=".tar") as tar_file:
+        tar_file.write(lzma.decompress(data))
+        tar_file.flush()
+        with tarfile.open(tar_file.name) as tar:
+            tar.extractall(unpacked, filter="data")
+    shutil.rmtree(site, ignore_errors=True)
+    wheels = sorted(str(w) for w in (unpacked / "wheels").glob("*.whl"))
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
+                        "--only-binary=:all:", "--python-version", DEVICE_PYTHON[0], *wheels], check=True)
+    shutil.copytree(unpacked / "cuda", site, dirs_exist_ok=True)  # libmlx.so and the headers MLX compiles with
+    routing = unpacked / "routing/qwen.route.csv"
+    return routing if routing.exists() else None
+
+
+def cuda_libraries(site: Path, env: dict) -> None:
+    """libmlx.so finds CUDA's libraries at $ORIGIN/../../nvidia (its RPATH): link the machine's
+    own `nvidia` packages there, and name their folders in LD_LIBRARY_PATH too."""
+    found = subprocess.run([sys.executable, "-c", "import nvidia; print(list(nvidia.__path__)[0])"],
+                           capture_output=True, text=True)
+    if found.returncode:
+        print("no `nvidia` Python packages on this machine: MLX's CUDA build may not load", flush=True)
+        return
+    nvidia = Path(found.stdout.strip())
+    link = site / "nvidia"
+    if not link.exists():
+        link.symlink_to(nvidia, target_is_directory=True)
+    folders = [str(d) for d in sorted(nvidia.glob("*/lib")) + sorted(nvidia.glob("*/*/lib"))]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(folders + [env.get("LD_LIBRARY_PATH", "")])
+    if Path("/usr/local/cuda").exists():
+        env.setdefault("CUDA_HOME", "/usr/local/cuda")
+
+
+def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
+    """(name, command, seconds at most) of each bench, in order."""
+    py = sys.executable
+    tokens = "8" if quick else "32"
+    run = [
+        ("warmup", [py, "bench/bench_runtime.py", "--layers", "8", "--only", "stock-f32", "--rounds", "1", "--runs",
+                    "1", "--tokens", "4", "--no-drop", "--output", str(STAGE / "warmup.json")], 180),
+        ("resident", [py, "bench/bench_runtime.py", "--layers", "8", "--only", "stock-f32,resident", "--rounds", "2",
+                      "--runs", "2", "--tokens", tokens, "--prompt", "Hello world", "--output", "{out}/runtime.json"],
+         120),
+    ]
+    if routing is not None:
+        run.append(("host", [py, "bench/bench_host.py", "--routing", str(routing),
+                             "--configs", "stock,resident,hit99,hit95,hit90",
+                             "--cache-experts", "hit99=3425,hit95=1926,hit90=1552", "--rtt", "0",
+                             "--tokens", "16" if quick else "64", "--rounds", "1", "--output", "{out}/host.json"], 200))
+    run.append(("disk", [py, "bench/bench_disk.py", "--rates", "disk", "--cache", "0.5", "--configs", "off,default",
+                         "--tokens", tokens, "--runs", "1", "--output", str(STAGE / "disk.json")], 200))
+    return run
+
+
+def run(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    routing = Path(args.routing) if args.routing else None
+    if not args.no_install:
+        site = STAGE / "site"
+        routing = install(site) or routing
+        cuda_libraries(site, env)
+        env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
+    else:
+        env["PYTHONPATH"] = str(ROOT)
+        routing = routing or (ROUTING if ROUTING.exists() else None)
+    summary = out / "summary.txt"
+    probe = ("import mlx.core as mx, mlx_lm; "
+             "print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())")
+    checked = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True)
+    seen = (checked.stdout or checked.stderr[-800:]).strip()
+    lines = [f"device_kit run, {time.strftime('%Y-%m-%d %H:%M:%S')}: {seen}"]
+    print(lines[-1], flush=True)
+    deadline = time.monotonic() + args.seconds
+    for name, command, limit in steps(routing, args.quick):
+        command = [c.replace("{out}", str(out)) for c in command]
+        tic = time.monotonic()
+        limit = min(limit, int(deadline - tic))
+        if limit < 30:
+            lines.append(f"{name}: skipped, {max(limit, 0)} s left of --seconds {args.seconds}")
+            print(lines[-1], flush=True)
+            continue
+        with open(out / f"{name}.log", "w") as log:
+            try:
+                rc = subprocess.run(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timed out"
+        lines.append(f"{name}: rc {rc}, {time.monotonic() - tic:.0f} s (at most {limit}): {' '.join(command[1:])}")
+        print(lines[-1], flush=True)
+        summary.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="verb", required=True)
+    sub.add_parser("pack", help="Here: download, strip, compress and split MLX's CUDA build into .device/.")
+    sub.add_parser("stage", help="There: copy the carried parts to /tmp for the next call.")
+    p = sub.add_parser("run", help="There: install, warm up and run the benches.")
+    p.add_argument("--out", required=True, help="Folder of the logs and results ($OUT on the lent machine).")
+    p.add_argument("--no-install", action="store_true", help="Use this machine's mlx (a rehearsal without a GPU).")
+    p.add_argument("--quick", action="store_true", help="8 tokens a generation instead of 32.")
+    p.add_argument("--routing", help="Recorded routing for the host-bound rows, where the kit has none.")
+    p.add_argument("--seconds", type=int, default=540,
+                   help="All the steps' time (within the device call's 600 s, the install before them).")
+    args = parser.parse_args(argv)
+    {"pack": pack, "stage": stage, "run": run}[args.verb](args)
+
+
+if __name__ == "__main__":
+    main()
