@@ -29,6 +29,7 @@ import json
 import lzma
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -39,6 +40,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from system import check_outputs, write_atomic  # noqa: E402  (no mlx needed: the machine's python3 has none)
+
 KIT = ROOT / ".device"
 STAGE = Path("/tmp/mlxmoe-device")
 PART_MIB = 45  # a part and the working tree (~13 MiB) within the 64 MiB a call carries
@@ -141,9 +145,13 @@ def install(site: Path, kit: Path = KIT, staged: Path = STAGE) -> Path | None:
             tar.extractall(unpacked, filter="data")
     shutil.rmtree(site, ignore_errors=True)
     wheels = sorted(str(w) for w in (unpacked / "wheels").glob("*.whl"))
+    if wheels and sys.version_info[:2] != tuple(map(int, DEVICE_PYTHON[0].split("."))):
+        raise SystemExit(f"this python is {sys.version.split()[0]}; the kit's wheels are for {DEVICE_PYTHON[0]}: "
+                         "set DEVICE_PYTHON to the lent machine's and pack again")
     if wheels:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
-                        "--only-binary=:all:", "--python-version", DEVICE_PYTHON[0], *wheels], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
+                        "--target", str(site), "--only-binary=:all:", "--python-version", DEVICE_PYTHON[0], *wheels],
+                       check=True)
     shutil.copytree(unpacked / "cuda", site, dirs_exist_ok=True)  # libmlx.so and the headers MLX compiles with
     routing = unpacked / "routing/qwen.route.csv"
     return routing if routing.exists() else None
@@ -188,44 +196,59 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
     return run
 
 
+def bounded(command: list, env: dict, log, seconds: int):
+    """Run `command` in a process group of its own, killed whole after `seconds` (a bench's
+    own child processes too: left running, they would share the GPU with the next step)."""
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return "timed out"
+
+
 def run(args) -> None:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    deadline = time.monotonic() + args.seconds  # (from the start: the install counts)
+    out, kit = Path(args.out), Path(args.kit)
     routing = Path(args.routing) if args.routing else None
-    if not args.no_install:
+    names = ["summary.txt", *(f"{name}.log" for name, _, _ in steps(routing or ROUTING, args.quick)),
+             "runtime.json", "host.json"]
+    installs = not args.no_install
+    check_outputs({"--out": [str(out / n) for n in names]},
+                  {"--kit": str(kit) if installs else None, "the staged parts": str(STAGE) if installs else None,
+                   "--routing": args.routing})
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if installs:
         site = STAGE / "site"
-        routing = install(site) or routing
+        routing = install(site, kit) or routing
         cuda_libraries(site, env)
         env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)])
     else:
         env["PYTHONPATH"] = str(ROOT)
         routing = routing or (ROUTING if ROUTING.exists() else None)
-    summary = out / "summary.txt"
+    summary, lines = out / "summary.txt", []
+
+    def say(line: str) -> None:  # (the summary rewritten at each line: it comes back even if the call is cut short)
+        lines.append(line)
+        print(line, flush=True)
+        write_atomic(summary, "\n".join(lines) + "\n")
+
     probe = ("import mlx.core as mx, mlx_lm; "
              "print('mlx', mx.__version__, mx.default_device(), 'cuda', mx.cuda.is_available())")
     checked = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True)
     seen = (checked.stdout or checked.stderr[-800:]).strip()
-    lines = [f"device_kit run, {time.strftime('%Y-%m-%d %H:%M:%S')}: {seen}"]
-    print(lines[-1], flush=True)
-    deadline = time.monotonic() + args.seconds
+    say(f"device_kit run, {time.strftime('%Y-%m-%d %H:%M:%S')}: {seen}")
     for name, command, limit in steps(routing, args.quick):
         command = [c.replace("{out}", str(out)) for c in command]
         tic = time.monotonic()
         limit = min(limit, int(deadline - tic))
         if limit < 30:
-            lines.append(f"{name}: skipped, {max(limit, 0)} s left of --seconds {args.seconds}")
-            print(lines[-1], flush=True)
+            say(f"{name}: skipped, {max(limit, 0)} s left of --seconds {args.seconds}")
             continue
         with open(out / f"{name}.log", "w") as log:
-            try:
-                rc = subprocess.run(command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=limit).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timed out"
-        lines.append(f"{name}: rc {rc}, {time.monotonic() - tic:.0f} s (at most {limit}): {' '.join(command[1:])}")
-        print(lines[-1], flush=True)
-        summary.write_text("\n".join(lines) + "\n")
+            rc = bounded(command, env, log, limit)
+        say(f"{name}: rc {rc}, {time.monotonic() - tic:.0f} s (at most {limit}): {' '.join(command[1:])}")
 
 
 def main(argv=None) -> None:
@@ -238,8 +261,9 @@ def main(argv=None) -> None:
     p.add_argument("--no-install", action="store_true", help="Use this machine's mlx (a rehearsal without a GPU).")
     p.add_argument("--quick", action="store_true", help="8 tokens a generation instead of 32.")
     p.add_argument("--routing", help="Recorded routing for the host-bound rows, where the kit has none.")
+    p.add_argument("--kit", default=str(KIT), help="The folder of the carried parts and MANIFEST.json.")
     p.add_argument("--seconds", type=int, default=540,
-                   help="All the steps' time (within the device call's 600 s, the install before them).")
+                   help="The whole run's time, the install included (within the device call's timeout_s).")
     args = parser.parse_args(argv)
     {"pack": pack, "stage": stage, "run": run}[args.verb](args)
 

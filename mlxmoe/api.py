@@ -598,6 +598,7 @@ class Runtime:
         """Make `profile` the live profile (the one every layer call updates); returns the
         one it replaces. Between generations: updates already queued go to the old one."""
         with self.cache.lock:
+            self.cache.catch_up()
             old, self.cache.profile = self.cache.profile, profile
         return old
 

@@ -50,6 +50,7 @@ CASES = {
     "bench_profiles.py": [(["--model", "{M}", "--profiles", "{B}/out", "--only-bookkeeping"],
                            "{B}/out/bookkeeping.json", "{B}/out")],
     "bench_distributed.py": [(["--checkpoint", "{B}/out"], "{B}/out/distributed.json", "{B}/out")],
+    "device_kit.py": [(["run", "--kit", "{M}", "--out", "{M}"], "{M}/summary.txt", "{M}")],
 }
 
 

@@ -66,3 +66,26 @@ def test_the_device_calls_fit_the_tools_limits():
     tree = sum(p.stat().st_size for p in Path(device_kit.ROOT).rglob("*")
                if p.is_file() and ".git" not in p.parts and "out" not in p.parts and ".device" not in p.parts)
     assert device_kit.PART_MIB * 2**20 + tree < 64 * 2**20
+
+
+def test_a_step_past_its_time_is_killed_with_the_processes_it_started(tmp_path):
+    import subprocess
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    # a bench that starts a child of its own (as bench scripts start each configuration), then hangs
+    script = ("import subprocess, sys, time; "
+              "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    with open(tmp_path / "log", "w") as log:
+        tic = time.monotonic()
+        rc = device_kit.bounded([sys.executable, "-c", script], dict(os.environ), log, 3)
+    assert rc == "timed out" and time.monotonic() - tic < 30
+    child = int(pid_file.read_text())
+    for _ in range(50):  # (reaped by init once its parent died)
+        if subprocess.run(["ps", "-p", str(child), "-o", "stat="], capture_output=True, text=True).stdout.strip() \
+                in ("", "Z"):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"process {child} outlived its step")

@@ -423,6 +423,7 @@ class ExpertCache(Residency):
         """Give each layer call to `observer` from now on; close() calls `close` after the
         prefetcher's (a trace writer: completed once every layer call is in)."""
         with self.lock:
+            self.catch_up()  # (work left for later goes where it would have gone: not to this observer)
             self.observers.append(observer)
             if close is not None:
                 self.closers.append(close)

@@ -699,6 +699,8 @@ class Verifier:
         elif cache.rows is None and not cache.observers and cache.defer_hits:
             if self.routing.unread is None:  # (no pack: the routers' own arrays read now, on this thread)
                 self.routing.dists_of(layers)
+            # (the hits counted here: the counters are the decode thread's, unlocked)
+            cache.counters.hits += sum(len(set(row)) for row in rows)
             cache.deferred.append((_tell, (cache, self.routing, layers, rows, self.tokens, self.observed, True)))
             self.routing, self.observed = PassRouting(), []
         else:
@@ -734,12 +736,14 @@ def _tell(cache, routing, layers: list, rows: list, tokens: int, observed: list 
     PassRouting) counted and their policy updates made, [(call, row, distribution)]
     returned; `observed`: the step's calls told before, at its end, the observers told them
     all. The policy's updates are left for later (hit_calls) but where this is `deferred`
-    work itself (its turn in the cache's `deferred`: now, in order)."""
+    work itself (its turn in the cache's `deferred`: now, in order; its hits counted when
+    it was deferred)."""
     told = []
     if layers:
         probs = routing.dists_of(layers)
         calls = step_calls(layers, rows, probs, tokens)
-        _count_hits(cache, calls, rows, tokens)
+        if not deferred:
+            _count_hits(cache, calls, rows, tokens)
         if deferred:
             cache.policy.hits(calls)
         else:
