@@ -595,7 +595,9 @@ class Verifier:
         seconds = time.perf_counter() - tic - (counters.read_seconds - read)
         if self.current.verified(seconds, replays, replayed, len(self.layers)):
             self.tables.rows = None
-        if cache.prefetcher is not None:  # this step's accounting, while the next one computes
+        # this step's accounting on the host thread from now on, while mlx-lm samples and the next
+        # step is built (that step's tick waits for the cache's lock while it is under way)
+        if cache.prefetcher is not None:
             cache.prefetcher.hand_off()
         return out
 
