@@ -46,7 +46,7 @@ from system import check_outputs, write_atomic  # noqa: E402  (no mlx needed: th
 KIT = ROOT / ".device"
 STAGE = Path("/tmp/mlxmoe-device")
 PART_MIB = 45  # a part and the working tree (~13 MiB) within the 64 MiB a call carries
-DEVICE_PYTHON = ("3.12", "cp312")  # the lent machine's python3 (device tool's KINDS.md)
+DEVICE_PYTHON = "3.12"  # the lent machine's python3 (device tool's KINDS.md)
 ROUTING = ROOT.parent / "shared/data/real-routing/bigmoeonedge/qwen.route.csv"
 
 
@@ -54,7 +54,7 @@ def download(spec: str, dest: Path) -> Path:
     """pip download `spec` (no dependencies) as a wheel for the lent machine's Python."""
     before = set(dest.glob("*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary=:all:",
-                    "--python-version", DEVICE_PYTHON[0], "--platform", "manylinux_2_35_x86_64", "-d", str(dest)],
+                    "--python-version", DEVICE_PYTHON, "--platform", "manylinux_2_35_x86_64", "-d", str(dest)],
                    check=True, stdout=subprocess.DEVNULL)
     new = set(dest.glob("*.whl")) - before
     if len(new) != 1:
@@ -100,7 +100,7 @@ def pack(args) -> None:
         names.append(f"part{i}")
     manifest = {"sha256": hashlib.sha256(data).hexdigest(), "parts": names, "mlx": mlx_version,
                 "mlx_lm": lm_version, "routing": ROUTING.exists()}
-    (KIT / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
+    write_atomic(KIT / "MANIFEST.json", json.dumps(manifest, indent=1))  # (last: a kit cut short has none)
     print(f"{KIT}: {len(data) / 2**20:.1f} MiB in {len(names)} parts ({', '.join(names)}); mlx {mlx_version}, "
           f"mlx-lm {lm_version}. The device calls, one right after the other:")
     for call in device_calls(names):
@@ -145,12 +145,12 @@ def install(site: Path, kit: Path = KIT, staged: Path = STAGE) -> Path | None:
             tar.extractall(unpacked, filter="data")
     shutil.rmtree(site, ignore_errors=True)
     wheels = sorted(str(w) for w in (unpacked / "wheels").glob("*.whl"))
-    if wheels and sys.version_info[:2] != tuple(map(int, DEVICE_PYTHON[0].split("."))):
-        raise SystemExit(f"this python is {sys.version.split()[0]}; the kit's wheels are for {DEVICE_PYTHON[0]}: "
-                         "set DEVICE_PYTHON to the lent machine's and pack again")
     if wheels:
+        if "{}.{}".format(*sys.version_info[:2]) != DEVICE_PYTHON:
+            raise SystemExit(f"this python is {sys.version.split()[0]}; the kit's wheels are for {DEVICE_PYTHON}: "
+                             "set DEVICE_PYTHON to the lent machine's and pack again")
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
-                        "--target", str(site), "--only-binary=:all:", "--python-version", DEVICE_PYTHON[0], *wheels],
+                        "--target", str(site), "--only-binary=:all:", "--python-version", DEVICE_PYTHON, *wheels],
                        check=True)
     shutil.copytree(unpacked / "cuda", site, dirs_exist_ok=True)  # libmlx.so and the headers MLX compiles with
     routing = unpacked / "routing/qwen.route.csv"

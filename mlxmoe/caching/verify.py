@@ -744,11 +744,10 @@ def _tell(cache, routing, layers: list, rows: list, tokens: int, observed: list 
     if layers:
         probs = routing.dists_of(layers)
         calls = step_calls(layers, rows, probs, tokens)
-        if not deferred:
-            _count_hits(cache, calls, rows, tokens)
         if deferred:
             cache.policy.hits(calls)
         else:
+            _count_hits(cache, calls, rows, tokens)
             cache.hit_calls(calls)
         told = list(zip(calls, rows, probs))
     if observed is not None:
