@@ -18,7 +18,9 @@ PART_MIB under .device/ (ignored by git), with the real routing the host-bound r
 `run` checks the parts' digest, installs into /tmp/mlxmoe-device/site, shows that MLX sees the
 GPU, then (each step in its own process, bounded; a failed or late step does not stop the next):
 stock mlx-lm once to compile MLX's CUDA kernels (the first process on a fresh machine took 71 s,
-the next 17), bench_runtime's resident row against stock, bench_host on Qwen3-30B-A3B's recorded
+the next 17), host_warmth (what host work costs right after a wait on the device, against warm:
+whether the bookkeeping figures of this VM, 5-15x warm after a wait, hold there), bench_runtime's
+resident row against stock, bench_host on Qwen3-30B-A3B's recorded
 routing with no emulated round trip (the device's own), and bench_disk on the machine's disk at
 50 % cached. Its summary (`summary.txt`), each step's log and two JSON results come back under
 --out (the tool returns 8 files at most; the rest stay in /tmp/mlxmoe-device)."""
@@ -182,6 +184,8 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
     run = [
         ("warmup", [py, "bench/bench_runtime.py", "--layers", "8", "--only", "stock-f32", "--rounds", "1", "--runs",
                     "1", "--tokens", "4", "--no-drop", "--output", str(STAGE / "warmup.json")], 180),
+        # host work right after a wait on the device against the same work warm (5-15x here)
+        ("warmth", [py, "bench/host_warmth.py", "--samples", "20" if quick else "60"], 60),
         ("resident", [py, "bench/bench_runtime.py", "--layers", "8", "--only", "stock-f32,resident", "--rounds", "2",
                       "--runs", "2", "--tokens", tokens, "--prompt", "Hello world", "--output", "{out}/runtime.json"],
          120),
@@ -194,6 +198,11 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
     run.append(("disk", [py, "bench/bench_disk.py", "--rates", "disk", "--cache", "0.5", "--configs", "off,default",
                          "--tokens", tokens, "--runs", "1", "--output", str(STAGE / "disk.json")], 200))
     return run
+
+
+def outputs(routing: Path | None, quick: bool) -> list[str]:
+    """The files `run` writes under --out (the device tool returns 8 at most)."""
+    return ["summary.txt", *(f"{name}.log" for name, _, _ in steps(routing, quick)), "runtime.json", "host.json"]
 
 
 def bounded(command: list, env: dict, log, seconds: int):
@@ -212,8 +221,7 @@ def run(args) -> None:
     deadline = time.monotonic() + args.seconds  # (from the start: the install counts)
     out, kit = Path(args.out), Path(args.kit)
     routing = Path(args.routing) if args.routing else None
-    names = ["summary.txt", *(f"{name}.log" for name, _, _ in steps(routing or ROUTING, args.quick)),
-             "runtime.json", "host.json"]
+    names = outputs(routing or ROUTING, args.quick)
     installs = not args.no_install
     check_outputs({"--out": [str(out / n) for n in names]},
                   {"--kit": str(kit) if installs else None, "the staged parts": str(STAGE) if installs else None,

@@ -66,6 +66,9 @@ def test_the_device_calls_fit_the_tools_limits():
     tree = sum(p.stat().st_size for p in Path(device_kit.ROOT).rglob("*")
                if p.is_file() and ".git" not in p.parts and "out" not in p.parts and ".device" not in p.parts)
     assert device_kit.PART_MIB * 2**20 + tree < 64 * 2**20
+    # what comes back: at most 8 files, the host-bound rows' and the warmth probe's logs among them
+    names = device_kit.outputs(device_kit.ROUTING, quick=False)
+    assert len(names) <= 8 and {"host.log", "warmth.log"} <= set(names)
 
 
 def test_a_step_past_its_time_is_killed_with_the_processes_it_started(tmp_path):
