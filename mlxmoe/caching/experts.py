@@ -337,7 +337,7 @@ class ResidentCalls:
         self.cache = cache
         self.calls: list = []
         self.side: list = []
-        self.packed = None  # a decode step's (indices [calls, k], routers [calls, experts]): pack()
+        self.packed = None  # a decode step's (indices [calls x rows, 1, k], routers [calls x rows, 1, experts]): pack()
         # a batched model call's rows: its calls counted and learnt per row (batching.CallRows)
         self.rows, self.profile = cache.rows, cache.profile if cache.rows is None else cache.rows
 
@@ -382,14 +382,14 @@ class ResidentCalls:
         return None
 
     def pack(self) -> list:
-        """A decode step's routing as two device arrays (`packed`: [calls x rows, k] and
-        [calls x rows, experts]), once its calls are all built (at its last layer call);
+        """A decode step's routing as two device arrays (`packed`: [calls x rows, 1, k] and
+        [calls x rows, 1, experts]), once its calls are all built (at its last layer call);
         returns them (to be queued), [] where it is no decode step."""
         routers = self._step_routers()
         if routers is None:
             return []
-        self.packed = (mx.concatenate([c[1].reshape(-1, c[1].shape[-1]) for c in self.calls]),
-                       mx.concatenate([r.reshape(-1, r.shape[-1]) for r in routers]))
+        # (alike: joined along their first axis as they are, a node a call fewer than reshaped first)
+        self.packed = (mx.concatenate([c[1] for c in self.calls]), mx.concatenate(routers))
         summed = getattr(self.profile, "unread", None) if self.rows is None else None
         return list(self.packed) + (summed.queue() if isinstance(summed, DeviceMass) else [])
 
@@ -423,7 +423,7 @@ class ResidentCalls:
         on_device = self.packed is not None and self.rows is None and not cache.observers \
             and cache.profile is not None and layers == list(range(cache.store.num_layers))
         if self.packed is not None:
-            rows = np.asarray(self.packed[0])
+            rows = np.asarray(self.packed[0]).reshape(-1, self.packed[0].shape[-1])
             probs = None if on_device else host_dists(self.packed[1], tapped)
         else:  # (under several ranks nothing was packed: the calls' own arrays, no new op to wait for)
             rows = np.concatenate([np.asarray(c[1]).reshape(-1, c[1].shape[-1]) for c in self.calls])

@@ -431,7 +431,9 @@ class PassRouting:
         alike = {(c[0].shape, c[2], None if c[1] is None else (c[1].shape, c[1].dtype)) for c in calls}
         if len(layers) < 2 or not calls or len(alike) > 1 or calls[0][1] is None:
             return
-        self.packed = (layers, mx.stack([self.calls[m][0] for m in layers]), routed, mx.stack([c[1] for c in calls]))
+        # (alike: joined along their first axis as they are, not stacked: a node a call fewer)
+        self.packed = (layers, mx.concatenate([self.calls[m][0] for m in layers]), routed,
+                       mx.concatenate([c[1] for c in calls]))
         mx.async_eval(self.packed[1], self.packed[3])
 
     def wait(self, layers: list, final: bool):
