@@ -139,6 +139,31 @@ def test_streamed_decode_steps_teach_what_resident_ones_do(checkpoint, monkeypat
     np.testing.assert_allclose(mass, resident_mass, rtol=1e-5, atol=1e-6)
 
 
+def test_everything_resident_computes_from_the_pools_in_place(checkpoint):
+    """With room for every expert, each is read into its home slot (layer x experts + expert)
+    whatever the order of the reads, so that the resident path's layers compute from views of
+    their rows of the slot pools with mlx-lm's own indices (no lookup op a layer call): the
+    same tokens as stock, the views sharing the pools' memory."""
+    import numpy as np
+
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = mlxmoe.load(str(path))
+    cache, ckpt = model.expert_cache, model.expert_runtime.checkpoint
+    assert cache.prewarm_done(timeout=60)
+    tokens = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
+    assert tokens == reference_tokens(path)
+    E = ckpt.num_experts
+    assert cache.slot_of == {(layer, e): layer * E + e for layer in range(ckpt.num_layers) for e in range(E)}
+    table = cache.slot_table
+    assert table.at_home and sorted(table.modules) == list(range(ckpt.num_layers))
+    i = cache.pools.names.index("down_proj.weight")
+    for layer, module in table.modules.items():
+        view = np.array(module["down_proj"]["weight"], copy=False)
+        assert view.shape[0] == E and np.shares_memory(view, cache.pools.views[i])
+        np.testing.assert_array_equal(view, cache.pools.views[i][layer * E:(layer + 1) * E])
+    cache.close()
+
+
 def test_everything_resident_runs_without_host_work_per_layer(checkpoint, tmp_path):
     """With room for every expert, all are read once in the background; then layers remap
     on the device and their host work (hits, policy, live profile, trace) is done a token

@@ -547,3 +547,26 @@ def test_one_ranking_of_the_hottest():
     profile = ActivationProfile(2, 4, 2, counts=rates * 10, tokens=10)
     assert [(l, e) for l, e, _ in profile.top(3)] == hottest(rates, 3)
     assert profile.priority() == pins(rates, 8)
+
+
+def test_keys_with_homes_take_them_in_any_order():
+    """Where every key has a home slot (a cache with room for all), a key read, claimed or
+    read again after it was forgotten takes its home, whatever the order; a resize moves the
+    keys to slots 0, 1... and ends the homes."""
+    L, E = 3, 4
+    r = Residency(L * E + 2, make_policy("lru", L * E + 2, L, E))
+    r.home = lambda key: key[0] * E + key[1]
+    rng = np.random.default_rng(0)
+    keys = [(m, e) for m in range(L) for e in range(E)]
+    order = rng.permutation(len(keys))
+    for i in order[:5]:
+        r.access(*keys[i][:1], [keys[i][1]])
+    r.claim([keys[i] for i in order[5:]])
+    assert r.slot_of == {key: key[0] * E + key[1] for key in keys}
+    r.forget([(1, 2), (0, 0)])
+    r.claim([(0, 0)])
+    _, missed = r.access(1, [2, 3])
+    assert r.slot_of[(0, 0)] == 0 and missed == [(2, 1 * E + 2)] and len(r.free) == 2
+    r.forget([(2, 1)])
+    r.resize(L * E)
+    assert r.home is None and sorted(r.slot_of.values()) == list(range(L * E - 1))

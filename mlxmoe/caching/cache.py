@@ -71,6 +71,7 @@ class Residency:
         self.lock = threading.RLock()  # over the residency where threads share it
         self.version = 0  # changes whenever slot_of does
         self.free = list(range(capacity - 1, -1, -1))
+        self.home = None  # key -> the slot it always takes, where every key has one (ExpertCache)
         self.in_flight = {}  # key -> Event set once the background read filling its slot ended: never victims
         self.awaited = set()  # prefetched for a coming layer call: victims only when nothing else is
         self.counters = CacheStats()
@@ -220,7 +221,7 @@ class Residency:
                 self.counters.hits += 1
             else:
                 self.counters.misses += 1
-                slot = self.free.pop() if self.free else self._evict(protected)
+                slot = free_slot(self, key) if self.free else self._evict(protected)
                 self.slot_of[key] = slot
                 self.version += 1
                 self.policy.insert(key)
@@ -262,7 +263,7 @@ class Residency:
             if key in self.slot_of:
                 continue
             if self.free:
-                slot = self.free.pop()
+                slot = free_slot(self, key)
             elif evict:
                 try:
                     victim = self.victim(set(protected) | self.in_flight.keys())
@@ -291,7 +292,7 @@ class Residency:
         kept = sorted(self.slot_of.items(), key=lambda item: item[1])
         self.slot_of = {key: new for new, (key, _) in enumerate(kept)}
         self.capacity = capacity
-        self.free = list(range(capacity - 1, len(kept) - 1, -1))
+        self.free, self.home = list(range(capacity - 1, len(kept) - 1, -1)), None  # (no homes: keys at 0, 1...)
         self.version += 1
         self.policy.resized(capacity)
         return [old for _, old in kept]
@@ -305,6 +306,22 @@ class Residency:
 
     def evicted(self, key: tuple) -> None:
         pass
+
+
+def free_slot(residency: Residency, key: tuple) -> int:
+    """A free slot for `key`: its home where keys have one (free until it takes it), else the one freed last."""
+    if residency.home is None:
+        return residency.free.pop()
+    slot = residency.home(key)
+    residency.free.remove(slot)
+    return slot
+
+
+def home_slots(store, capacity: int) -> Callable | None:
+    """Where `capacity` slots hold every expert of `store`: key -> its home, a layer's experts in
+    expert order (the resident path computes from the pools in place: experts.SlotTable); else None."""
+    E = store.num_experts
+    return (lambda key: key[0] * E + key[1]) if capacity >= store.num_layers * E else None
 
 
 class SlotPools:
@@ -396,6 +413,7 @@ class ExpertCache(Residency):
         super().__init__(capacity, policy, defer_hits=True)
         self.store = store
         self.pools = SlotPools(store, capacity, pool_dtypes, io_threads, spare)
+        self.home = home_slots(store, capacity)
         self.loader = BackgroundLoader(self)
         self.in_flight = self.loader.waiting
         self.profile = profile  # live ActivationProfile: learns from every layer call (learn)
@@ -408,8 +426,7 @@ class ExpertCache(Residency):
         self.verifier = None  # verify.Verifier where decode steps wait once, at their end
         self.keep_busy = nullcontext()  # around demand reads: backend.KeepBusy on Metal
         self.layer_wait = None  # decayed seconds a decode step's layer call waited for the device
-        # decayed seconds from a decode layer call's fetch to the next's (what a right guess can save)
-        self.layer_seconds = None
+        self.layer_seconds = None  # decayed seconds from a decode layer call's fetch to the next's (a right guess saves it)
         self.fetched = (0.0, -1)  # (when, layer) of the last fetch
         self.slot_table = None  # per layer an mx array [experts] of slots, once every expert is resident (experts.py)
         self.hold_resident = hold_resident

@@ -5,6 +5,7 @@ gather_qmm/gather_mm call) but points its weights at the cache's slot pools, and
 it with expert ids remapped to slot ids. So the arithmetic is mlx-lm's own.
 """
 
+import copy
 import threading
 import time
 from collections import deque
@@ -259,9 +260,44 @@ def all_resident(cache) -> list | None:
         table = np.zeros((L, E), dtype=np.uint32)
         for (layer, e), slot in cache.slot_of.items():
             table[layer, e] = slot
+        at_home = cache.home is not None and all(slot == cache.home(key) for key, slot in cache.slot_of.items())
     if cache.loader.failed:  # background reads that failed: read now (a second failure raises)
         cache.loader.read_failed()
-    return [mx.array(row) for row in table]  # one per layer: no slicing op per call
+    return SlotTable([mx.array(row) for row in table], cache.pools, at_home)  # one per layer: no slicing op per call
+
+
+class SlotTable(list):
+    """resident_table's table: per layer an mx array [experts] of each expert's slot. `at_home`:
+    every expert at its home (ExpertCache.home), a layer's experts its pools' rows in expert
+    order, so that a layer computes from views of those rows with mlx-lm's own indices
+    (experts_at_home), as stock does: no lookup op a layer call."""
+
+    def __init__(self, rows: list, pools, at_home: bool) -> None:
+        super().__init__(rows)
+        self.pools, self.at_home, self.modules = pools, at_home, {}
+
+    def experts(self, streaming, x, indices):
+        """`streaming`'s experts' output for `x` routed to `indices`: from the views where every
+        expert is at home, else through a lookup of their slots."""
+        if self.at_home:
+            return self.experts_at_home(streaming)(x, indices)
+        return streaming._inner(x, self[streaming._layer][indices])
+
+    def experts_at_home(self, streaming):
+        """`streaming`'s mlx-lm experts module with each weight a view (no copy) of its layer's
+        rows of the pool, made at the layer's first call."""
+        module = self.modules.get(streaming._layer)
+        if module is None:
+            inner, E = streaming._inner, len(self[streaming._layer])
+            module = copy.copy(inner)
+            for name, pool in zip(self.pools.names, self.pools.compute):
+                lin, p = name.split(".")
+                if module[lin] is inner[lin]:
+                    module[lin] = copy.copy(inner[lin])
+                module[lin][p] = pool[streaming._layer * E:(streaming._layer + 1) * E]
+            mx.eval(module.parameters())
+            self.modules[streaming._layer] = module
+        return module
 
 
 class DeviceMass:
@@ -749,7 +785,7 @@ class StreamingExperts(nn.Module):
         work.calls.append((self, indices, logits, probs))
         if probs is not None:
             work.side.append(probs)
-        out = self._inner(x, table[self._layer][indices])
+        out = table.experts(self, x, indices)
         last = self._layer == self._cache.store.num_layers - 1
         packed = work.pack() if last and self._runtime is not None and self._runtime.group is None else []
         if packed:
