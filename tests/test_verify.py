@@ -664,6 +664,52 @@ def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
             assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_a_replay_starts_at_the_missed_layers_experts(checkpoint, monkeypatch, arch):
+    """A replay takes the missed decoder layer's attention as its pass gave it (its KV cache
+    not trimmed): in a step whose one replay is from that layer, its attention runs once, the
+    next layer's twice; tokens and KV caches as stock's."""
+    path = checkpoint(arch, config_overrides={"num_hidden_layers": 6})
+    want, stock_kv = reference(path, prompt_cache=make_prompt_cache)
+    model, tokenizer = all_but(path, 1)
+    cache = model.expert_cache
+    missed = cache.store.num_layers // 2  # (a MoE layer; deepseek_v3's first decoder layer is dense)
+    d = cache.verifier.decoder_of[missed]
+    calls = {m: [] for m in (d, d + 1)}  # per call of these decoder layers' attention: the tokens verified before
+    base = type(model.layers[d].self_attn).__mro__[1]  # (mlx-lm's class, under the verifier's subclass)
+    call = base.__call__
+
+    def counted(self, *a, **kw):
+        for m, log in calls.items():
+            if self is model.layers[m].self_attn:
+                log.append(cache.counters.verified_tokens)
+        return call(self, *a, **kw)
+
+    monkeypatch.setattr(base, "__call__", counted)
+    replays, clear = [], verify.PassRouting.clear  # (tokens verified before, the decoder layer replayed from)
+
+    def recorded(self, since=None, **kw):
+        if since is not None:
+            replays.append((cache.counters.verified_tokens, cache.verifier.decoder_of[since]))
+        return clear(self, **({} if since is None else {"since": since}))
+
+    monkeypatch.setattr(verify.PassRouting, "clear", recorded)
+    kv = make_prompt_cache(model)
+    assert generate(model, tokenizer, evict=every_expert(cache, missed), prompt_cache=kv) == want
+    stats = cache.stats()
+    assert stats["verified_tokens"] >= TOKENS - 2 and stats["replays"] >= stats["verified_tokens"]
+    tokens = range(1, stats["verified_tokens"])
+    alone = [t for t in tokens if [r for u, r in replays if u == t] == [d]]  # (other layers miss too: victims)
+    assert len(alone) >= len(tokens) // 2, replays
+    assert [calls[d].count(t) for t in alone] == [1] * len(alone), calls[d]
+    assert [calls[d + 1].count(t) for t in alone] == [2] * len(alone), calls[d + 1]
+    for ours, theirs in zip(kv, stock_kv):
+        n = ours.offset
+        assert n == theirs.offset
+        for a, b in zip(ours.state[:2], theirs.state[:2]):
+            assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
+
+
 def replays_from(monkeypatch):
     """The MoE layers replays start from, as they happen."""
     layers, clear = [], verify.PassRouting.clear

@@ -13,7 +13,10 @@ is read, evicted or prefetched while a verified token computes. Otherwise the fi
 that missed reads its experts (the policy chooses victims as on the per-layer path, after
 the hits of the layers before it), the KV caches its pass wrote from that decoder layer on
 are trimmed by the token, and the forward runs again: the decoder layers before it return
-the outputs they gave (their caches as they were), the rest compute with the new slots.
+the outputs they gave (their caches as they were), the rest compute with the new slots. The
+missed layer's own attention, where its decoder layer called it once and before its experts
+(`self_attn`, `attention` or `attn`: mlx-lm's names), returns what it gave, its cache kept: the
+replay starts at that layer's experts.
 
 A replay costs the decoder layers it recomputes; the per-layer path costs a wait per layer
 call and its own host work. Where the verified steps cost more (Switch: both timed here), the
@@ -34,6 +37,7 @@ import bisect
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
@@ -70,6 +74,8 @@ LAG_RETRY = 1024
 # it: the device starts on them while the host builds the next, and each queue costs the host
 # a graph walk (~40 us here)
 QUEUE_EVERY = 4
+# a decoder layer's attention module, by mlx-lm's names (the first found)
+ATTENTION_NAMES = ("self_attn", "attention", "attn")
 # how much a layer's share of missed calls keeps of its past at each check of it (Direct)
 KEEP_MISSING = 0.9
 # how much a direct check's measured time keeps at each verified step without one (Direct)
@@ -476,6 +482,40 @@ class PassRouting:
         return [self.dists[m] for m in layers]
 
 
+class KeptAttention:
+    """Each decoder layer's attention outputs in a token's last pass through it (`outputs`),
+    so that a replay from a layer whose attention came once and before its experts
+    (`before_experts`) takes them as they were (`kept`): its input and KV cache are as before."""
+
+    def __init__(self) -> None:
+        self.outputs, self.before_experts, self.kept = {}, set(), None
+
+    def call(self, forward: bool, d: int, call, args, kwargs):
+        if not forward:
+            return call(*args, **kwargs)
+        if d == self.kept:
+            return self.outputs[d][0]
+        out = call(*args, **kwargs)
+        self.outputs.setdefault(d, []).append(out)
+        return out
+
+    def entering(self, d: int) -> None:
+        """Decoder layer `d` computes (again)."""
+        self.before_experts.discard(d)
+        if d != self.kept:
+            self.outputs.pop(d, None)
+
+    def experts_of(self, d: int) -> None:
+        """Decoder layer `d`'s first experts are called."""
+        if len(self.outputs.get(d, ())) == 1:
+            self.before_experts.add(d)
+
+    def keep(self, d: int) -> bool:
+        """A replay from decoder layer `d`: whether it takes that layer's attention as it was."""
+        self.kept = d if d in self.before_experts else None
+        return self.kept is not None
+
+
 class Verifier:
     """Verified decode steps on `model` (mlx-lm's, its MoE layer l in decoder layer
     `decoder_of[l]` of `model.layers`) over `cache`. The model's and its decoder layers'
@@ -490,6 +530,7 @@ class Verifier:
         self.forward = False  # within a verified forward
         self.replay_from = None  # the decoder layer a replay computes from (None: the first run)
         self.outputs = {}  # decoder layer -> its output in this token
+        self.attention = KeptAttention()
         self.routing = PassRouting()  # of this token's layer calls
         self.hits = ([], [])  # checked layer calls that hit, not told yet: layers, rows
         self.observed = []  # this step's layer calls told, (call, row, distribution): observed at its end
@@ -508,6 +549,9 @@ class Verifier:
         _wrap(model, self._model_call)
         for d, layer in enumerate(self.layers):
             _wrap(layer, lambda call, args, kwargs, d=d: self._decoder_call(d, call, args, kwargs))
+            attention = next((getattr(layer, n) for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None)
+            if attention is not None:
+                _wrap(attention, lambda call, args, kwargs, d=d: self.attention.call(self.forward, d, call, args, kwargs))
 
     def stats(self) -> dict:
         switch, batch = self.switch, self.batch_switch
@@ -578,7 +622,7 @@ class Verifier:
                 if missed is None:
                     break
                 first = self.decoder_of[missed]
-                for c in kv[first:ran]:  # what this pass wrote from that layer on
+                for c in kv[first + self.attention.keep(first):ran]:  # what this pass wrote from that layer on
                     c.trim(self.width)
                 replayed += ran - first
                 replays += 1
@@ -610,7 +654,9 @@ class Verifier:
             return call(*args, **kwargs)
         if self.replay_from is not None and d < self.replay_from:
             return self.outputs[d]  # as computed before the miss (its cache untouched)
+        self.attention.entering(d)
         out = call(*args, **kwargs)
+        self.attention.kept = None
         self.outputs[d] = out
         ran = d + 1
         if self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
@@ -625,6 +671,8 @@ class Verifier:
         """A MoE layer's experts within a verified forward: slots looked up on the device,
         routing kept for the check (at once where the layer is Direct's)."""
         layer = streaming._layer
+        if layer == 0 or self.decoder_of[layer - 1] != self.decoder_of[layer]:  # (its decoder layer's first)
+            self.attention.experts_of(self.decoder_of[layer])
         logits = streaming._logits()
         probs = streaming._probs(x) if logits is None else None
         self.routing.calls[layer] = (indices, logits if logits is not None else probs, logits is not None)
@@ -639,6 +687,7 @@ class Verifier:
 
     def _clear(self) -> None:
         self.outputs.clear()
+        self.attention = KeptAttention()
         self.routing.clear()
 
     # -- the check ----------------------------------------------------------------------
