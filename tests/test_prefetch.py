@@ -956,7 +956,7 @@ def test_running_ahead_keeps_no_prompt_activations(checkpoint):
 class Counts:
     """The counters Worth reads, set by hand."""
 
-    prefetch_useful, demand_seconds, loads_demand = 0, 0.0, 0
+    prefetch_useful, demand_seconds, loads_demand, tokens = 0, 0.0, 0, 0
 
 
 def test_predicting_pauses_where_it_costs_more_than_it_spares_and_resumes_where_reads_grow():
@@ -969,14 +969,27 @@ def test_predicting_pauses_where_it_costs_more_than_it_spares_and_resumes_where_
         c.prefetch_useful += 2
         c.loads_demand += 4
         c.demand_seconds += 4 * 1e-4
+        c.tokens += 1
         assert not worth.step(c)
     assert worth.paused and not worth.stats()["on"]
     assert "more than" in worth.stats()["reason"]
+    # steps between that never come here (verified steps, a prompt) read much: no paused
+    # step's reads, it stays paused
+    for between in (5, 12):
+        c.loads_demand += 40
+        c.demand_seconds += 40 * 0.003
+        c.tokens += between + 1
+        assert not worth.step(c) and worth.paused
+        c.loads_demand += 4
+        c.demand_seconds += 4 * 1e-4
+        c.tokens += 1
+        assert not worth.step(c) and worth.paused
     # paused: the demand reads grow (a slower disk) past RESUME x the 3 ms it cost
     on_again = []
     for _ in range(20):
         c.loads_demand += 4
         c.demand_seconds += 4 * 0.003
+        c.tokens += 1
         on_again.append(worth.step(c))
         if on_again[-1]:
             break
@@ -989,6 +1002,7 @@ def test_predicting_pauses_where_it_costs_more_than_it_spares_and_resumes_where_
         c.prefetch_useful += 2
         c.loads_demand += 1
         c.demand_seconds += 0.004
+        c.tokens += 1
         worth.step(c)
     assert not worth.paused and "spares" in worth.stats()["reason"]
     # guesses that hide every miss leave no demand read to time: the disk's rate prices them
@@ -997,6 +1011,7 @@ def test_predicting_pauses_where_it_costs_more_than_it_spares_and_resumes_where_
     for _ in range(5 * Worth.WARMUP):
         worth.work += 0.003
         c.prefetch_useful += 2
+        c.tokens += 1
         worth.step(c, read_guess=0.004)
     assert not worth.paused
 

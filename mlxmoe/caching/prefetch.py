@@ -248,15 +248,17 @@ class Worth:
         self.steps = 0  # steps weighed since predicting (re)started
         self.last = None  # (work, useful loads, demand-read seconds, demand loads) at the last step's start
 
-    def step(self, counters, read_guess=None) -> bool:
-        """A decode step starts: weigh the last one; True where predicting is on again.
+    def step(self, counters, read_guess=None, tokens: int = 1) -> bool:
+        """A decode step of `tokens` starts: weigh the last one; True where predicting is on again.
         `read_guess`: an expert's read in seconds by the disk's rate, until a demand read
-        is timed (where the guesses hide every miss, none is)."""
-        now = (self.work, counters.prefetch_useful, counters.demand_seconds, counters.loads_demand)
+        is timed (where the guesses hide every miss, none is). The last step is weighed only
+        where it came right before this one: steps between that did not come here (verified
+        steps, a prompt) are none of predicting's, and their reads no paused step's."""
+        now = (self.work, counters.prefetch_useful, counters.demand_seconds, counters.loads_demand, counters.tokens)
         last, self.last = self.last, now
-        if last is None or any(a < b for a, b in zip(now, last)):  # (stats reset meanwhile)
+        if last is None or any(a < b for a, b in zip(now, last)) or now[-1] - last[-1] != tokens:  # (or stats reset)
             return False
-        work, useful, read, loads = (a - b for a, b in zip(now, last))
+        work, useful, read, loads, _ = (a - b for a, b in zip(now, last))
         if loads:
             self.per_read = decayed(self.per_read, read / loads, self.KEEP)
         if self.paused:
@@ -387,7 +389,7 @@ class Prefetcher:
         list at a decode step): observe() what it used, and after_layer() (a decode step) or
         prefill() predicts the next calls (see off_thread). While `worth` holds predicting
         paused, a decode step does nothing more (its host work waits for the next tick or miss)."""
-        if decode and layer == 0 and self.worth.step(self.cache.counters, self.bar.expert_read()):
+        if decode and layer == 0 and self.worth.step(self.cache.counters, self.bar.expert_read(), self.cache.step_tokens):
             # on again: what was predicted before the pause is for calls long gone
             self.pending.clear(), self.ranked.clear(), self.previous.clear()
             self.bar.paced = None
