@@ -833,18 +833,20 @@ def test_steps_a_little_costlier_are_weighed_longer(monkeypatch, per_layer):
     assert runs[1][0] is False
 
 
-def switch_runs(monkeypatch, steps, per_layer, misses, layerwise=None):
+def switch_runs(monkeypatch, steps, per_layer, misses, layerwise=None, wait=1e-9):
     """A Switch over `steps` decode steps, each verified at 0.05 s with a replay where the
-    mode is on, else on the per-layer path at `per_layer` s, next(misses) telling what it met
-    (0 nothing, 1 a miss, 2 an expert a prefetch read; a clock of their own): [(on, steps in a row)]."""
+    mode is on, else on the per-layer path at `per_layer` s (or what it returns each step),
+    next(misses) telling what it met (0 nothing, 1 a miss, 2 an expert a prefetch read; a
+    clock of their own), a wait of that path priced at `wait` s before it is timed:
+    [(on, steps in a row)]."""
     clock = [0.0]
     monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0, prefetch_useful=0))
     switch = verify.Switch(4, lambda: None)
-    switch.wait, switch.layerwise = 1e-9, layerwise
+    switch.wait, switch.layerwise = wait, layerwise
 
     def step_on_the_per_layer_path():
-        clock[0] += per_layer
+        clock[0] += per_layer() if callable(per_layer) else per_layer
         counted = next(misses)  # a miss, or (2) an expert a prefetch read
         cache.counters.misses += counted == 1
         cache.counters.prefetch_useful += counted == 2
@@ -871,6 +873,40 @@ def test_steps_off_that_miss_nothing_turn_the_mode_on_again(monkeypatch):
     off = verify.MEASURED_OFF + 3 + verify.MEASURED_OFF - 1 + 1 + verify.MEASURED_OFF
     assert runs[:3] == [(True, verify.FIRST_WEIGH), (False, off), (True, verify.FIRST_WEIGH)], runs
     assert off < verify.OFF_STEPS
+
+
+@pytest.mark.parametrize("per_layer", [0.03, 0.08])
+def test_a_first_guess_that_keeps_the_mode_on_times_the_per_layer_path_all_the_same(per_layer, monkeypatch):
+    """Waits priced dear (0.1 s each: a wait of the per-layer path holds the device's work too)
+    keep the mode on at the first weighing, but steps replayed: the per-layer path is timed
+    for MEASURED_OFF steps all the same once WARM_STEPS steps went by, then weighed against
+    them: off for twice OFF_STEPS
+    where its steps were faster (0.03 s against verified steps of 0.05 s), on for good where
+    slower (0.08 s)."""
+    steps = verify.WARM_STEPS + verify.MEASURED_OFF + verify.FIRST_WEIGH + 2 * verify.OFF_STEPS + 4
+    runs = switch_runs(monkeypatch, steps, per_layer, itertools.repeat(1), wait=0.1)
+    first = [(True, verify.WARM_STEPS), (False, verify.MEASURED_OFF)]  # (a cold cache's first steps left out)
+    if per_layer > 0.05:
+        assert runs == first + [(True, steps - verify.WARM_STEPS - verify.MEASURED_OFF)], runs
+    else:
+        assert runs[:4] == first + [(True, verify.FIRST_WEIGH), (False, 2 * verify.OFF_STEPS)], runs
+
+
+@pytest.mark.parametrize("first", [0.052, 0.08])
+def test_the_per_layer_path_is_timed_again_while_steps_replay(first, monkeypatch):
+    """A first timing of the per-layer path slower than the verified steps (a cold cache's
+    tokens) keeps the mode on, not for good while steps replay: that path is timed again
+    OFF_STEPS steps later where the two were close (0.052 s against verified steps of 0.05 s),
+    RETIME_STEPS later where not (0.08 s); timed again at 0.03 s, it wins and the mode turns off."""
+    timings = iter([first] * verify.MEASURED_OFF + [0.03] * 1000)
+    steps = verify.WARM_STEPS + 2 * verify.MEASURED_OFF + verify.RETIME_STEPS + 3 * verify.WEIGH_TOKENS
+    runs = switch_runs(monkeypatch, steps, lambda: next(timings), itertools.repeat(1), wait=0.1)
+    on_for = verify.OFF_STEPS if first < 0.05 * verify.CLOSE else verify.RETIME_STEPS
+    assert runs[:2] == [(True, verify.WARM_STEPS), (False, verify.MEASURED_OFF)], runs
+    # on until the first weighing past the re-time's step, timed again, then weighed against it: off
+    assert runs[2][0] and on_for <= runs[2][1] < on_for + verify.WEIGH_TOKENS, runs
+    assert runs[3] == (False, verify.MEASURED_OFF) and runs[4] == (True, verify.FIRST_WEIGH), runs
+    assert runs[5][0] is False, runs
 
 
 @pytest.mark.parametrize("per_layer", [0.03, 0.08])

@@ -58,8 +58,15 @@ STEP_TOKENS = 16
 # pays for a try ever more rarely)
 WEIGH_TOKENS, FIRST_WEIGH, CLEARLY_WORSE = 16, 2, 1.25
 OFF_STEPS, MOST_OFF_STEPS = 32, 1024
-# steps on the per-layer path timed before they are set against the verified steps
-MEASURED_OFF = 4
+# steps on the per-layer path timed before they are set against the verified steps; where the
+# verified steps keep replaying, that path is timed again OFF_STEPS steps after it last was
+# where the two were CLOSE, else RETIME_STEPS (doubled each time up to MOST_OFF_STEPS): a
+# timing from a cold cache's first tokens, whose misses are many, would otherwise keep the
+# mode on for good
+MEASURED_OFF, RETIME_STEPS, CLOSE = 4, 128, 1.1
+# decode steps before the per-layer path is first timed where the waits' guess keeps the mode on
+# (a cold cache's first tokens miss far more than later ones)
+WARM_STEPS = 2 * WEIGH_TOKENS
 # (BatchKVCache: a batch's decode step in `serve`; trim() takes each row's token back)
 KV_TYPES = (KVCache, RotatingKVCache, BatchKVCache)
 # decoder layers queued past the last one checked within a forward (while steps miss): the
@@ -111,8 +118,9 @@ class Switch:
     waited last (`layer_wait()`, or an empty round trip before any). Off for `off_steps`
     steps where the verified steps cost more, doubled at each turn off in a row; on again
     after MEASURED_OFF steps off where those took longer than the verified steps had (the
-    first guess, from the waits alone, leaves out the per-layer path's own host work: off on
-    it, the mode is off for those MEASURED_OFF steps alone, then weighed against them). A step
+    first guess, from the waits alone, leaves out the per-layer path's own host work and
+    counts the device's work within its waits: where steps replayed, the mode is off for those
+    MEASURED_OFF steps alone whichever way it went, then weighed against them). A step
     without a replay weighs as a tie: it cannot cost more than the per-layer path's; and
     MEASURED_OFF steps off in a row that miss nothing (nor use an expert a prefetch read) turn
     the mode on again (a cold cache's replays no longer keep a warm one off for the doubled stretch)."""
@@ -129,6 +137,7 @@ class Switch:
         self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
         self.layerwise = None  # decayed seconds of a step on the per-layer path while off
         self.timed_off = 0  # such steps timed since the mode turned off
+        self.retime_at, self.retime_steps = None, RETIME_STEPS  # when the per-layer path is timed again, and then
         self.clean_off = 0  # such steps in a row without a miss (a prefetched expert used counts as one)
         self.missing = None  # decayed share of verified steps with a replay
         self.windowed = True  # checks within the forward (while steps miss)
@@ -183,18 +192,26 @@ class Switch:
         if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1] * CLEARLY_WORSE:
             return False
         self.weighed = [0.0, 0.0, 0]
-        if w[0] <= w[1]:
+        retime = self.layerwise is not None and w[0] and self.retime_at is not None and self.steps >= self.retime_at
+        if w[0] <= w[1] and (self.layerwise is not None or not w[0] or self.steps < WARM_STEPS) and not retime:
             self.off_steps = OFF_STEPS
             return False
-        # before the per-layer path is timed, off only for as long as timing it takes (the
-        # first weighing prices its waits by an empty round trip, not its steps)
+        if retime:  # (timed afresh: the old timing left out)
+            self.layerwise, self.retime_steps = None, min(2 * self.retime_steps, MOST_OFF_STEPS)
+            self.off_until, self.timed_off, self.clean_off = self.steps + MEASURED_OFF, 0, 0
+            self.reason = "the per-layer path timed again"
+            return True
+        # before the per-layer path is timed, off only for as long as timing it takes, whichever
+        # way the first weighing went where steps replayed (it prices the path's waits by their
+        # length, which holds the device's work too, or an empty round trip: not its steps)
         self.off_until = self.steps + (self.off_steps if self.layerwise is not None else MEASURED_OFF)
         self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
         self.timed_off = self.clean_off = 0
+        worse = "more" if w[0] > w[1] else "less"
         self.reason = (f"a verified step took {w[0] / w[2] * 1e3:.2f} ms, more than the {w[1] / w[2] * 1e3:.2f} ms "
                        "of one on the per-layer path" if self.layerwise is not None else
-                       f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, more than the "
-                       f"{w[1] / w[2] * 1e3:.2f} ms of waits they save")
+                       f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, {worse} than the "
+                       f"{w[1] / w[2] * 1e3:.2f} ms of waits they save: the per-layer path timed")
         return True
 
     def timed(self, cache, call, args, kwargs):
@@ -207,6 +224,9 @@ class Switch:
         out = call(*args, **kwargs)
         self.layerwise = decayed(self.layerwise, time.perf_counter() - tic - (counters.read_seconds - read))
         self.timed_off += 1
+        if self.timed_off == MEASURED_OFF:
+            close = self.steady is None or self.layerwise < self.steady * CLOSE
+            self.retime_at = self.steps + (OFF_STEPS if close else self.retime_steps)
         self.clean_off = self.clean_off + 1 if (counters.misses, counters.prefetch_useful) == missed else 0
         if self.timed_off == MEASURED_OFF and self.steady is not None and self.layerwise > self.steady:
             self.on_again(f"a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
