@@ -63,7 +63,7 @@ OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 # where the two were CLOSE, else RETIME_STEPS (doubled each time up to MOST_OFF_STEPS): a
 # timing from a cold cache's first tokens, whose misses are many, would otherwise keep the
 # mode on for good
-MEASURED_OFF, RETIME_STEPS, CLOSE = 4, 128, 1.1
+MEASURED_OFF, RETIME_STEPS, CLOSE = 4, 256, 1.1
 # decode steps before the per-layer path is first timed where the waits' guess keeps the mode on
 # (a cold cache's first tokens miss far more than later ones)
 WARM_STEPS = 2 * WEIGH_TOKENS
