@@ -880,9 +880,8 @@ def test_a_first_guess_that_keeps_the_mode_on_times_the_per_layer_path_all_the_s
     """Waits priced dear (0.1 s each: a wait of the per-layer path holds the device's work too)
     keep the mode on at the first weighing, but steps replayed: the per-layer path is timed
     for MEASURED_OFF steps all the same once WARM_STEPS steps went by, then weighed against
-    them: off for twice OFF_STEPS
-    where its steps were faster (0.03 s against verified steps of 0.05 s), on for good where
-    slower (0.08 s)."""
+    them: off for twice OFF_STEPS where its steps were faster (0.03 s against verified steps
+    of 0.05 s), on for good where slower (0.08 s)."""
     steps = verify.WARM_STEPS + verify.MEASURED_OFF + verify.FIRST_WEIGH + 2 * verify.OFF_STEPS + 4
     runs = switch_runs(monkeypatch, steps, per_layer, itertools.repeat(1), wait=0.1)
     first = [(True, verify.WARM_STEPS), (False, verify.MEASURED_OFF)]  # (a cold cache's first steps left out)

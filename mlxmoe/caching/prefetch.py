@@ -246,7 +246,7 @@ class Worth:
         self.reads = None  # decayed demand-read seconds a step, measured while paused
         self.per_read = None  # decayed seconds of one demand read of an expert
         self.steps = 0  # steps weighed since predicting (re)started
-        self.last = None  # (work, useful loads, demand-read seconds, demand loads) at the last step's start
+        self.last = None  # (work, useful loads, demand-read seconds, demand loads, tokens) at the last step's start
 
     def step(self, counters, read_guess=None, tokens: int = 1) -> bool:
         """A decode step of `tokens` starts: weigh the last one; True where predicting is on again.
