@@ -70,7 +70,7 @@ sys.path.insert(0, str(HERE))
 
 import routed  # noqa: E402
 import bench_runtime as br  # noqa: E402  (its helpers: generate_timed, window_stats, optimal_loads, table...)
-from system import check_outputs, write_atomic, write_json  # noqa: E402
+from system import baseline_code, baseline_env, check_outputs, imported_from, write_atomic, write_json  # noqa: E402
 
 DEFAULT_MODEL = Path("/tmp/mlxmoe-bench/qwen3-30b-shapes-8L")  # bench_runtime.py's 8-layer checkpoint
 # The synthetic checkpoint's tokenizer is nearly one token per character: this is 8 tokens
@@ -251,11 +251,8 @@ def run_disk(args):
     import mlxmoe
     from system import disk_read_bytes, drop_page_cache
 
-    where = Path(mlxmoe.__file__).resolve()
     if args.one == "baseline":
-        tree = Path(args.baseline_tree).resolve()
-        if tree not in where.parents:
-            raise SystemExit(f"baseline: imported mlxmoe from {where}, not from {tree}")
+        imported_from(mlxmoe, args.baseline_tree)
     mount = Path(args.mount) if args.mount else None
     kwargs = {"prefetch": 0} if args.one == "off" else lossy_kwargs(args.lossy) if args.one == "lossy" else {}
     if args.one == "oracle":
@@ -283,7 +280,7 @@ def run_disk(args):
     stats = cache.stats()
     cache_experts = stats.get("cache_experts", args.cache_experts)
     model.expert_cache.close()
-    return {"mlxmoe": str(where), "load_kwargs": kwargs, "load_seconds": load_seconds, "page_cache_dropped": dropped,
+    return {"mlxmoe": str(Path(mlxmoe.__file__).resolve()), "load_kwargs": kwargs, "load_seconds": load_seconds, "page_cache_dropped": dropped,
             "load": disk_window(d0, d1), "runs": [run], "cache_experts": cache_experts,
             "stats": {k: v for k, v in stats.items() if k != "resident_per_layer"},
             "warnings": sorted({str(w.message) for w in caught}), "disk_end": last["disk"]}
@@ -372,9 +369,7 @@ def run_rate(args, rate_text, rate, caches, configs, tree, mp=None):
     out = []
     for share, n in caches:
         for config in configs:
-            env = {"PYTHONPATH": os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]]
-                                                                if os.environ.get("PYTHONPATH") else []))
-                   } if config == "baseline" else None
+            env = baseline_env(tree) if config == "baseline" else None
             label = rate_label(rate_text, rate, args.latency)
             r = spawn(config, args, label=f"{config}, {share * 100:.0f} % ({n} slots), {label}",
                       env=env, cache_experts=n, **({"mount": mp} if mp else {}),
@@ -437,31 +432,6 @@ def unmount(mp, proc, log):
             pass
     log.close()
     Path(log.name).unlink(missing_ok=True)
-
-
-def baseline_tree(ref):
-    """A detached git worktree of `ref` at /tmp/mlxmoe-baseline-<sha> (made once, then reused)."""
-    sha = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=ROOT, capture_output=True,
-                         text=True)
-    if sha.returncode:
-        raise SystemExit(f"--baseline {ref}: not a commit ({sha.stderr.strip()})")
-    sha = sha.stdout.strip()
-    tree = Path(f"/tmp/mlxmoe-baseline-{sha}")
-    if not (tree / "mlxmoe" / "__init__.py").exists():
-        print(f"[bench] git worktree add --detach {tree} {ref} ({sha[:10]})", file=sys.stderr, flush=True)
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=ROOT, check=True,
-                       stdout=sys.stderr)
-    return sha, tree
-
-
-def baseline_path(folder):
-    """--baseline-path DIR: a folder that already holds the old code's mlxmoe/ package
-    (git archive REF mlxmoe | tar -x -C DIR), for machines without the git history."""
-    tree = Path(folder).resolve()
-    if not (tree / "mlxmoe" / "__init__.py").exists():
-        raise SystemExit(f"--baseline-path {folder}: no mlxmoe/__init__.py in it "
-                         f"(make it with: git archive REF mlxmoe | tar -x -C {folder})")
-    return tree
 
 
 def wait_for_checkpoint(path, timeout, top_k=8):
@@ -850,12 +820,8 @@ def main():
         wait_for_checkpoint(Path(args.model).resolve(), args.wait, top_k)
     args.checkpoint = "demo" if demo else str(Path(args.model).resolve())
     sha = tree = baseline = None
-    if "baseline" in configs and args.baseline:
-        sha, tree = baseline_tree(args.baseline)
-        baseline = f"commit {sha[:10]} ({tree})"
-    elif "baseline" in configs:
-        tree = baseline_path(args.baseline_path)
-        baseline = f"mlxmoe from {tree}"
+    if "baseline" in configs:
+        sha, tree, baseline = baseline_code(args.baseline, args.baseline_path)
 
     t_start = time.perf_counter()
     prev = previous_results(args)

@@ -14,12 +14,16 @@
    no prefetch (median of 3 runs each, alternated); and decode tok/s of mlxmoe with every
    expert resident against stock mlx-lm with the same dtype policy (median of 5 alternated
    rounds): that ratio is the end-to-end cost of all mlxmoe adds, per-layer syncs included;
+   with --baseline REF (or --baseline-path DIR) the default's bookkeeping beside an older
+   commit's too, each run in its own process (bookkeeping.py: a figure per layer call is the
+   machine's, the baseline's measured in the same run is its yardstick);
 4. prefetch: hit rate and loads during decode (prefill left out) without it and with
    each variant, at 25 % and 50 % cache, and the precision of the router predictors.
 Results go to bench/out/profiles.json.
 
     python bench/bench_profiles.py [--model DIR] [--profiles profiles/]
     python bench/bench_profiles.py --only-bookkeeping   # section 3 alone (about a minute)
+    python bench/bench_profiles.py --only-bookkeeping --baseline fa37cae   # + an older commit's, side by side
     python bench/bench_profiles.py --only-prior         # section 1's replays alone (seconds)
 """
 
@@ -33,8 +37,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlxmoe
+from bookkeeping import _experts, _share, bookkeeping, no_eos, side_by_side
 from heldout import prompts
-from system import check_outputs, write_json
+from system import baseline_code, check_outputs, write_json
 from mlxmoe.caching.cache import Residency
 from mlxmoe.loader import DEMO_MODEL
 from mlxmoe.storage.files import model_folder
@@ -91,37 +96,6 @@ def prior_replays(profiles_dir, shares=(0.25, 0.5, 0.75)):
     return rows
 
 
-def no_eos(tokenizer):
-    """A logits processor that keeps generation going for the measured number of tokens."""
-    import mlx.core as mx
-
-    eos = list(tokenizer.eos_token_ids)
-
-    def process(tokens, logits):
-        logits[..., eos] = -mx.inf
-        return logits
-
-    return process
-
-
-_sizes = {}
-
-
-def _experts(model_path):
-    """(MoE layers, experts per layer) of the checkpoint."""
-    if model_path not in _sizes:
-        from mlxmoe.loader import open_checkpoint
-
-        ckpt = open_checkpoint(model_path)
-        _sizes[model_path] = ckpt.num_layers, ckpt.num_experts
-    return _sizes[model_path]
-
-
-def _share(model_path, share):
-    L, E = _experts(model_path)
-    return int(L * E * share)
-
-
 def record(model_path, lines, path, tokens=16):
     """A trace of the model on `lines` (prompt tokens teacher-forced, then `tokens` generated)."""
     model, tokenizer = mlxmoe.load(model_path, trace_out=str(path), prefetch=0)
@@ -160,23 +134,6 @@ def switch(header, it_records, en_records, profile, policy, share=0.5, window=16
     recovered = next((i + window for i, v in enumerate(rolling) if v >= steady - 0.02), None)
     return {"steady_english": float(steady), "italian": float(h[:switch_at].sum() / a[:switch_at].sum()),
             "first_window_after_switch": float(rolling[0]), "tokens_to_recover": recovered, "window": window}
-
-
-def bookkeeping(model_path, prompt, tokens=128, share=0.5, **load_kwargs):
-    model, tokenizer = mlxmoe.load(model_path, cache_experts=_share(model_path, share), **load_kwargs)
-    cache = model.expert_cache
-    mlxmoe.generate(model, tokenizer, prompt, max_tokens=8)
-    cache.reset_stats()
-    tic = time.perf_counter()
-    n = sum(1 for _ in mlxmoe.stream_generate(model, tokenizer, prompt, max_tokens=tokens,
-                                               logits_processors=[no_eos(tokenizer)]))
-    elapsed = time.perf_counter() - tic
-    s = cache.stats()
-    cache.close()
-    return {"bookkeeping_seconds": s["bookkeeping_seconds"], "generate_seconds": elapsed,
-            "share": s["bookkeeping_seconds"] / elapsed, "tokens_per_second": n / elapsed,
-            "layer_calls": n * len(s["resident_per_layer"]), "hit_rate": s["hit_rate"],
-            "loads_demand": s["loads_demand"], "prefetch_useful": s["prefetch_useful"]}
 
 
 def decode_timed(generate_fn, model, tokenizer, prompt, tokens):
@@ -232,7 +189,8 @@ def resident_vs_stock(model_path, prompt, tokens=128, rounds=5):
             "bookkeeping_share": float(np.median(shares))}
 
 
-def bookkeeping_section(model_path, prompt, out, runs=3):
+def bookkeeping_section(model_path, prompt, out, runs=3, baseline=None):
+    """Section 3; `baseline` (label, folder of its mlxmoe/): its bookkeeping beside this tree's too."""
     print("3. bookkeeping share of generation time (demo model, 50 % cache, 128 tokens, median of "
           f"{runs} alternated runs)")
     configs = {f"{DEFAULT_POLICY} + prefetch (default)": {}, "lru, no prefetch": {"policy": "lru", "prefetch": 0}}
@@ -248,6 +206,8 @@ def bookkeeping_section(model_path, prompt, out, runs=3):
               f"{100 * b['share']:.2f}%, {1e6 * b['bookkeeping_seconds'] / b['layer_calls']:.0f} us per layer call "
               f"({b['tokens_per_second']:.1f} tok/s including the prompt; hit rate {100 * b['hit_rate']:.1f}%, "
               f"{b['loads_demand']} demand loads, {b['prefetch_useful']} useful prefetches)")
+    if baseline is not None:
+        out["bookkeeping_vs_baseline"] = side_by_side(model_path, prompt, baseline[1], baseline[0], runs)
     r = out["resident_vs_stock"] = resident_vs_stock(model_path, prompt, rounds=max(5, runs))
     print(f"  every expert resident: mlxmoe {r['resident_tps']:.1f} tok/s, stock mlx-lm + dtype policy "
           f"{r['stock_tps']:.1f} tok/s (decode, median of {len(r['runs']['mlxmoe'])} alternated rounds): "
@@ -328,13 +288,23 @@ def main():
     ap.add_argument("--only-prefetch", action="store_true", help="Run section 4 alone.")
     ap.add_argument("--only-bookkeeping", action="store_true", help="Run section 3 alone (bench/out/bookkeeping.json).")
     ap.add_argument("--only-prior", action="store_true", help="Run section 1's replays with profiles as prior alone.")
+    ap.add_argument("--baseline", metavar="REF", help="Section 3 also measures this older commit's bookkeeping "
+                    "beside this tree's, alternated, each run in its own process (a git worktree in /tmp).")
+    ap.add_argument("--baseline-path", metavar="DIR", help="As --baseline, with the old code's mlxmoe/ already "
+                    "in DIR (git archive REF mlxmoe | tar -x -C DIR).")
     args = ap.parse_args()
     profiles = Path(args.profiles)
     full = not (args.only_prefetch or args.only_prior or args.only_bookkeeping)
     check_outputs({"the results": None if args.only_prior else OUT / ("bookkeeping.json" if args.only_bookkeeping
                                                                      else "profiles.json"),
                    "the traces": [OUT / "switch-it.trace.jsonl", OUT / "switch-en.trace.jsonl"] if full else None},
-                  {"--model": model_folder(args.model), "--profiles": profiles})
+                  {"--model": model_folder(args.model), "--profiles": profiles, "--baseline-path": args.baseline_path})
+    baseline = None
+    if args.baseline or args.baseline_path:
+        if args.only_prefetch or args.only_prior:
+            raise SystemExit("--baseline and --baseline-path go with section 3 (--only-bookkeeping, or the whole bench)")
+        _, tree, label = baseline_code(args.baseline, args.baseline_path)
+        baseline = label, tree
     # cut mid-text, so that the model continues in the prompt's language
     it, en = prompts("it", args.prompts, max_chars=200), prompts("en", args.prompts, max_chars=200)
     out = {}
@@ -344,7 +314,7 @@ def main():
         prior_replays(profiles)
         return
     if args.only_bookkeeping:
-        bookkeeping_section(args.model, it[0], out, args.runs)
+        bookkeeping_section(args.model, it[0], out, args.runs, baseline)
         write_json(OUT / "bookkeeping.json", out)
         return
     print("1. pre-warm at 50 % cache (Italian prompts)")
@@ -361,7 +331,7 @@ def main():
         print(f"  {policy:>16}: Italian {100 * r['italian']:.1f}%, English steady {100 * r['steady_english']:.1f}%, "
               f"first {r['window']} tokens after the switch {100 * r['first_window_after_switch']:.1f}%, "
               f"back within 2 points after {r['tokens_to_recover']} tokens")
-    bookkeeping_section(args.model, it[0], out, args.runs)
+    bookkeeping_section(args.model, it[0], out, args.runs, baseline)
     prefetch_section(args.model, out)
 
 

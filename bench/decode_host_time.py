@@ -27,7 +27,7 @@ import numpy as np
 import mlxmoe
 import mlxmoe.caching.cache
 import mlxmoe.caching.experts
-from bench_profiles import _share, no_eos
+from bookkeeping import _share, no_eos
 from mlxmoe.caching.cache import ExpertCache
 from mlxmoe.caching.experts import StreamingExperts
 from mlxmoe.caching.prefetch import Prefetcher

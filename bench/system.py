@@ -3,8 +3,11 @@ how they write their results (mlxmoe's output rule and atomic writer)."""
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def drop_page_cache():
@@ -120,3 +123,53 @@ def clean_stale(path):
 def write_json(path, value):
     """`value` as indented JSON at `path`, whole or not at all (write_atomic)."""
     write_atomic(path, json.dumps(value, indent=1) + "\n")
+
+
+def baseline_code(ref=None, folder=None):
+    """An older commit's mlxmoe to run beside this tree's (--baseline REF or --baseline-path
+    DIR): (its sha or None, the folder holding its mlxmoe/ package, a label)."""
+    if ref and folder:
+        raise SystemExit("--baseline REF or --baseline-path DIR, not both")
+    if ref:
+        sha, tree = baseline_tree(ref)
+        return sha, tree, f"commit {sha[:10]} ({tree})"
+    tree = baseline_path(folder)
+    return None, tree, f"mlxmoe from {tree}"
+
+
+def baseline_tree(ref):
+    """A detached git worktree of `ref` at /tmp/mlxmoe-baseline-<sha> (made once, then reused)."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=ROOT, capture_output=True,
+                         text=True)
+    if sha.returncode:
+        raise SystemExit(f"--baseline {ref}: not a commit ({sha.stderr.strip()})")
+    sha = sha.stdout.strip()
+    tree = Path(f"/tmp/mlxmoe-baseline-{sha}")
+    if not (tree / "mlxmoe" / "__init__.py").exists():
+        print(f"[bench] git worktree add --detach {tree} {ref} ({sha[:10]})", file=sys.stderr, flush=True)
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), sha], cwd=ROOT, check=True,
+                       stdout=sys.stderr)
+    return sha, tree
+
+
+def baseline_path(folder):
+    """--baseline-path DIR: a folder that already holds the old code's mlxmoe/ package
+    (git archive REF mlxmoe | tar -x -C DIR), for machines without the git history."""
+    tree = Path(folder).resolve()
+    if not (tree / "mlxmoe" / "__init__.py").exists():
+        raise SystemExit(f"--baseline-path {folder}: no mlxmoe/__init__.py in it "
+                         f"(make it with: git archive REF mlxmoe | tar -x -C {folder})")
+    return tree
+
+
+def baseline_env(tree):
+    """The environment a child runs the baseline's mlxmoe in: its folder first on PYTHONPATH."""
+    return {"PYTHONPATH": os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH")
+                                                         else []))}
+
+
+def imported_from(module, tree):
+    """Stop where `module` (mlxmoe, imported) did not load from the folder `tree`."""
+    where = Path(module.__file__).resolve()
+    if Path(tree).resolve() not in where.parents:
+        raise SystemExit(f"imported {module.__name__} from {where}, not from {tree}")
