@@ -251,6 +251,7 @@ def run_disk(args):
     import mlxmoe
     from system import disk_read_bytes, drop_page_cache
 
+    where = Path(mlxmoe.__file__).resolve()
     if args.one == "baseline":
         imported_from(mlxmoe, args.baseline_tree)
     mount = Path(args.mount) if args.mount else None
@@ -280,7 +281,7 @@ def run_disk(args):
     stats = cache.stats()
     cache_experts = stats.get("cache_experts", args.cache_experts)
     model.expert_cache.close()
-    return {"mlxmoe": str(Path(mlxmoe.__file__).resolve()), "load_kwargs": kwargs, "load_seconds": load_seconds, "page_cache_dropped": dropped,
+    return {"mlxmoe": str(where), "load_kwargs": kwargs, "load_seconds": load_seconds, "page_cache_dropped": dropped,
             "load": disk_window(d0, d1), "runs": [run], "cache_experts": cache_experts,
             "stats": {k: v for k, v in stats.items() if k != "resident_per_layer"},
             "warnings": sorted({str(w.message) for w in caught}), "disk_end": last["disk"]}

@@ -298,7 +298,8 @@ def main():
     check_outputs({"the results": None if args.only_prior else OUT / ("bookkeeping.json" if args.only_bookkeeping
                                                                      else "profiles.json"),
                    "the traces": [OUT / "switch-it.trace.jsonl", OUT / "switch-en.trace.jsonl"] if full else None},
-                  {"--model": model_folder(args.model), "--profiles": profiles, "--baseline-path": args.baseline_path})
+                  {"--model": model_folder(args.model), "--profiles": profiles,
+                   "--baseline-path": args.baseline_path})
     baseline = None
     if args.baseline or args.baseline_path:
         if args.only_prefetch or args.only_prior:

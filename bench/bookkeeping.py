@@ -135,9 +135,9 @@ def main():
     sys.path.append(str(ROOT))  # last: PYTHONPATH's mlxmoe (the baseline's) or an installed one comes first
     import mlxmoe
 
-    imported_from(mlxmoe, args.tree)
+    where = imported_from(mlxmoe, args.tree)
     r = bookkeeping(args.model, args.prompt, args.tokens, cache_experts=args.cache_experts)
-    Path(args.result).write_text(json.dumps(dict(r, mlxmoe=str(Path(mlxmoe.__file__).resolve()))))
+    Path(args.result).write_text(json.dumps(dict(r, mlxmoe=str(where))))
 
 
 if __name__ == "__main__":

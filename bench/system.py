@@ -169,7 +169,8 @@ def baseline_env(tree):
 
 
 def imported_from(module, tree):
-    """Stop where `module` (mlxmoe, imported) did not load from the folder `tree`."""
+    """Where `module` (mlxmoe, imported) loaded from; stop where that is not within the folder `tree`."""
     where = Path(module.__file__).resolve()
     if Path(tree).resolve() not in where.parents:
         raise SystemExit(f"imported {module.__name__} from {where}, not from {tree}")
+    return where
