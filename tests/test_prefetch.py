@@ -964,14 +964,17 @@ def test_predicting_pauses_where_it_costs_more_than_it_spares_and_resumes_where_
 
     worth, c = Worth(), Counts()
     worth.step(c)
+    settled = []  # (verify.Switch times the per-layer path once it is)
     for _ in range(Worth.WARMUP + 2):  # 3 ms of host work a step; 2 useful guesses of 0.1 ms reads
+        settled.append(worth.settled())
         worth.work += 0.003
         c.prefetch_useful += 2
         c.loads_demand += 4
         c.demand_seconds += 4 * 1e-4
         c.tokens += 1
         assert not worth.step(c)
-    assert worth.paused and not worth.stats()["on"]
+    assert worth.paused and not worth.stats()["on"] and worth.settled()
+    assert settled == [False] * Worth.WARMUP + [True] * 2, settled
     assert "more than" in worth.stats()["reason"]
     # steps between that never come here (verified steps, a prompt) read much: no paused
     # step's reads, it stays paused
@@ -993,7 +996,7 @@ def test_predicting_pauses_where_it_costs_more_than_it_spares_and_resumes_where_
         on_again.append(worth.step(c))
         if on_again[-1]:
             break
-    assert on_again[-1] and not worth.paused and worth.stats()["on"]
+    assert on_again[-1] and not worth.paused and worth.stats()["on"] and not worth.settled()
     # where each useful guess spares a read longer than the host work, it stays on
     worth, c = Worth(), Counts()
     worth.step(c)

@@ -20,6 +20,7 @@ import synthetic
 from mlxmoe import backend as backends
 from mlxmoe.backend import detect
 from mlxmoe.caching import experts, verify
+from mlxmoe.caching.prefetch import Worth
 
 PROMPT = "The quick brown fox"  # short: gpt_oss's 32-token windows do not wrap
 TOKENS = 20
@@ -360,7 +361,8 @@ def test_on_again_where_the_per_layer_path_is_measured_slower(checkpoint, monkey
     """A first weighing that prices the per-layer path by an empty round trip turns the mode
     off; the steps then taken on that path, each of its layer calls' waits 5 ms longer (an
     emulated round trip), are timed: slower than the verified steps, the mode is on again after
-    MEASURED_OFF of them, and stays on, its replays weighed against the measured time."""
+    MEASURED_OFF of them (timed once predicting settled whether it pays: up to WARMUP + 1
+    steps before), and stays on, its replays weighed against the measured time."""
     path = checkpoint("qwen3_moe", quant="4bit")
     want, _ = reference(path)
     model, tokenizer = all_but(path, 1)
@@ -380,7 +382,9 @@ def test_on_again_where_the_per_layer_path_is_measured_slower(checkpoint, monkey
     assert generate(model, tokenizer, evict=every_expert(cache, 0, L - 1), weigh=True) == want
     stats = cache.stats()
     assert stats["verify"]["on"] is True and stats["verify"]["reason"].startswith("on again"), stats["verify"]
-    assert stats["verified_tokens"] >= TOKENS - 1 - verify.FIRST_WEIGH - verify.MEASURED_OFF, stats["verified_tokens"]
+    settling = Worth.WARMUP + 1  # (the first step on that path is not weighed)
+    least = TOKENS - 1 - verify.FIRST_WEIGH - settling - verify.MEASURED_OFF
+    assert stats["verified_tokens"] >= least, stats["verified_tokens"]
 
 
 def test_the_lag_rises_where_checks_wait_for_the_device(checkpoint, monkeypatch):
@@ -833,16 +837,16 @@ def test_steps_a_little_costlier_are_weighed_longer(monkeypatch, per_layer):
     assert runs[1][0] is False
 
 
-def switch_runs(monkeypatch, steps, per_layer, misses, layerwise=None, wait=1e-9):
+def switch_runs(monkeypatch, steps, per_layer, misses, layerwise=None, wait=1e-9, settled=lambda: True):
     """A Switch over `steps` decode steps, each verified at 0.05 s with a replay where the
     mode is on, else on the per-layer path at `per_layer` s (or what it returns each step),
     next(misses) telling what it met (0 nothing, 1 a miss, 2 an expert a prefetch read; a
-    clock of their own), a wait of that path priced at `wait` s before it is timed:
-    [(on, steps in a row)]."""
+    clock of their own), a wait of that path priced at `wait` s before it is timed, predicting
+    settled where `settled()`: [(on, steps in a row)]."""
     clock = [0.0]
     monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0, prefetch_useful=0))
-    switch = verify.Switch(4, lambda: None)
+    switch = verify.Switch(4, lambda: None, settled=settled)
     switch.wait, switch.layerwise = wait, layerwise
 
     def step_on_the_per_layer_path():
@@ -889,6 +893,30 @@ def test_a_first_guess_that_keeps_the_mode_on_times_the_per_layer_path_all_the_s
         assert runs == first + [(True, steps - verify.WARM_STEPS - verify.MEASURED_OFF)], runs
     else:
         assert runs[:4] == first + [(True, verify.FIRST_WEIGH), (False, 2 * verify.OFF_STEPS)], runs
+
+
+@pytest.mark.parametrize("settling", [3, 1000])
+def test_the_per_layer_path_is_timed_once_predicting_settled(settling, monkeypatch):
+    """While predicting has not settled whether it pays (prefetch.Worth), the per-layer path's
+    steps carry its host work (0.2 s a step here, against 0.03 s once it paused) and are not
+    timed: the mode stays off through them, then MEASURED_OFF steps are timed, faster than the
+    verified steps (0.05 s): off for twice OFF_STEPS. Timed with them, the mode would be on
+    again. Where predicting never settles, it is timed after MOST_SETTLING steps all the same."""
+    per_layer_steps = [0]
+
+    def per_layer():
+        per_layer_steps[0] += 1
+        return 0.2 if per_layer_steps[0] <= settling else 0.03
+    settled = lambda: per_layer_steps[0] >= settling  # noqa: E731
+    steps = verify.FIRST_WEIGH + verify.MOST_SETTLING + verify.MEASURED_OFF + verify.FIRST_WEIGH + 4
+    runs = switch_runs(monkeypatch, steps, per_layer, itertools.repeat(1), settled=settled)
+    if settling == 3:
+        assert runs[:3] == [(True, verify.FIRST_WEIGH), (False, settling + verify.MEASURED_OFF),
+                            (True, verify.FIRST_WEIGH)] and runs[3][0] is False, runs
+        assert runs[3][1] == steps - sum(n for _, n in runs[:3]), runs  # (off for 2 x OFF_STEPS)
+    else:  # (0.2 s a step timed: slower than verified steps, on for good)
+        assert runs == [(True, verify.FIRST_WEIGH), (False, verify.MOST_SETTLING + verify.MEASURED_OFF),
+                        (True, steps - verify.FIRST_WEIGH - verify.MOST_SETTLING - verify.MEASURED_OFF)], runs
 
 
 @pytest.mark.parametrize("first", [0.052, 0.08])

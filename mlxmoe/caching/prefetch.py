@@ -275,6 +275,12 @@ class Worth:
             self.paused, self.reads = True, None
         return False
 
+    def settled(self) -> bool:
+        """Whether predicting's host work is what it will be on the steps to come: paused, or
+        weighed WARMUP steps since it (re)started (until then it may be tens of ms a step
+        that a pause is about to drop)."""
+        return self.paused or self.steps >= self.WARMUP
+
     def stats(self) -> dict:
         ms = lambda v: round(1e3 * (v or 0.0), 3)  # noqa: E731
         if self.cost is None:

@@ -64,6 +64,8 @@ OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 # timing from a cold cache's first tokens, whose misses are many, would otherwise keep the
 # mode on for good
 MEASURED_OFF, RETIME_STEPS, CLOSE = 4, 256, 1.1
+# steps on the per-layer path at most while predicting settles whether it pays (Switch.timed)
+MOST_SETTLING = 16
 # decode steps before the per-layer path is first timed where the waits' guess keeps the mode on
 # (a cold cache's first tokens miss far more than later ones)
 WARM_STEPS = 2 * WEIGH_TOKENS
@@ -123,10 +125,14 @@ class Switch:
     MEASURED_OFF steps alone whichever way it went, then weighed against them). A step
     without a replay weighs as a tie: it cannot cost more than the per-layer path's; and
     MEASURED_OFF steps off in a row that miss nothing (nor use an expert a prefetch read) turn
-    the mode on again (a cold cache's replays no longer keep a warm one off for the doubled stretch)."""
+    the mode on again (a cold cache's replays no longer keep a warm one off for the doubled stretch).
+    The per-layer path's steps are timed only once `settled()` (predicting has settled whether
+    it pays, prefetch.Worth), the mode off meanwhile (at most MOST_SETTLING steps): predicting
+    that does not pay (a host-bound run's guesses cost 15-20 ms a step) would otherwise
+    weigh in that path's timing until it pauses, and keep the mode on for good."""
 
-    def __init__(self, moe_layers: int, layer_wait, first_replay=lambda: None) -> None:
-        self.moe_layers, self.layer_wait = moe_layers, layer_wait
+    def __init__(self, moe_layers: int, layer_wait, first_replay=lambda: None, settled=lambda: True) -> None:
+        self.moe_layers, self.layer_wait, self.settled = moe_layers, layer_wait, settled
         self.wait = wait_seconds()
         self.steps = 0  # decode steps seen (verified or not)
         self.off_until = 0  # step count before which the mode is off
@@ -137,6 +143,7 @@ class Switch:
         self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
         self.layerwise = None  # decayed seconds of a step on the per-layer path while off
         self.timed_off = 0  # such steps timed since the mode turned off
+        self.settling = 0  # such steps not timed since, predicting not settled (`settled`)
         self.retime_at, self.retime_steps = None, RETIME_STEPS  # when the per-layer path is timed again, and then
         self.clean_off = 0  # such steps in a row without a miss (a prefetched expert used counts as one)
         self.missing = None  # decayed share of verified steps with a replay
@@ -198,7 +205,7 @@ class Switch:
             return False
         if retime:  # (timed afresh: the old timing left out)
             self.layerwise, self.retime_steps = None, min(2 * self.retime_steps, MOST_OFF_STEPS)
-            self.off_until, self.timed_off, self.clean_off = self.steps + MEASURED_OFF, 0, 0
+            self.off_until, self.timed_off, self.clean_off, self.settling = self.steps + MEASURED_OFF, 0, 0, 0
             self.reason = "the per-layer path timed again"
             return True
         # before the per-layer path is timed, off only for as long as timing it takes, whichever
@@ -206,7 +213,7 @@ class Switch:
         # length, which holds the device's work too, or an empty round trip: not its steps)
         self.off_until = self.steps + (self.off_steps if self.layerwise is not None else MEASURED_OFF)
         self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
-        self.timed_off = self.clean_off = 0
+        self.timed_off = self.clean_off = self.settling = 0
         worse = "more" if w[0] > w[1] else "less"
         self.reason = (f"a verified step took {w[0] / w[2] * 1e3:.2f} ms, more than the {w[1] / w[2] * 1e3:.2f} ms "
                        "of one on the per-layer path" if self.layerwise is not None else
@@ -219,6 +226,10 @@ class Switch:
         (its reads left out): where MEASURED_OFF such steps took longer than verified steps,
         or MEASURED_OFF in a row missed nothing, an expert a prefetch read counting as a miss
         (verified, they would have replayed nothing), the mode is on again from the next step."""
+        if self.settling < MOST_SETTLING and not self.settled():
+            self.settling += 1
+            self.off_until += 1  # (the steps that time it still to come)
+            return call(*args, **kwargs)
         counters = cache.counters
         tic, read, missed = time.perf_counter(), counters.read_seconds, (counters.misses, counters.prefetch_useful)
         out = call(*args, **kwargs)
@@ -561,7 +572,9 @@ class Verifier:
         # a sequence's steps, a batch's decode steps (each with its Direct layers: a replay first guessed
         # at MIN_LAG + 1 of the per-layer path's layer calls), the step's
         replay = lambda: cache.layer_seconds and (MIN_LAG + 1) * cache.layer_seconds
-        self.switch, self.batch_switch = (Switch(len(decoder_of), lambda: cache.layer_wait, replay) for _ in range(2))
+        settled = lambda: cache.prefetcher is None or cache.prefetcher.worth.settled()
+        self.switch, self.batch_switch = (Switch(len(decoder_of), lambda: cache.layer_wait, replay, settled)
+                                          for _ in range(2))
         self.current = self.switch
         self.lag = Lag(self.switch.wait)
         self.declined = False  # the step under way is on the per-layer path because its switch is off
