@@ -346,6 +346,11 @@ def pooled(runs, rtt):
     if "hits" in rows[0]:
         hits, misses = sum(x["hits"] for x in rows), sum(x["misses"] for x in rows)
         out["hit_rate"] = hits / (hits + misses) if hits + misses else None
+        # which path the decode steps took: verified (verify.py), else per layer or resident
+        steps = sum(x["decode_steps"] for x in rows) or 1
+        delta = lambda k: sum(x["stats_delta"].get(k, 0) for x in rows)  # noqa: E731
+        out["verified_share"] = delta("verified_tokens") / steps
+        out["replays_per_token"] = delta("replays") / steps
     out["tokens"] = [x["tokens"] for x in rows]
     out["rounds"] = len(rows)
     sites = {}
@@ -366,7 +371,7 @@ def report(args, configs, sizes, results, rtts):
         for name, config, kwargs in configs:
             p = pooled(results[name], rtt)
             if p is None:
-                rows.append([name, f"{rtt:g}"] + ["-"] * 9 + ["FAILED", "-"])
+                rows.append([name, f"{rtt:g}"] + ["-"] * 11 + ["FAILED", "-"])
                 continue
             s = stock[rtt]
             slots = None if config in STOCKS else total if config == "resident" else sizes[config]
@@ -383,6 +388,8 @@ def report(args, configs, sizes, results, rtts):
                          fmt(p["tok_s"], ".1f"), fmt(line["vs_stock"], ".2f"), fmt(p["waits_per_token"], ".1f"),
                          fmt(p["calls_per_token"], ".1f"), fmt(p["host_ms_per_token"], ".2f"),
                          fmt(line["host_vs_stock"], ".2f"), fmt(p["queued_ms_per_token"], ".1f"),
+                         fmt(p.get("verified_share") and 100 * p["verified_share"], ".0f"),
+                         fmt(p.get("replays_per_token"), ".2f"),
                          {None: "-", True: "yes", False: "NO"}[same],
                          fmt(p["stolen"] and 100 * p["stolen"], ".0f")])
     if args.json:
@@ -400,7 +407,8 @@ def report(args, configs, sizes, results, rtts):
           f"{'recorded: ' + args.routing if args.routing else 'of the random weights'} (decode window: tokens "
           f"2..{args.tokens}, {args.rounds} round{'s' * (args.rounds > 1)}, medians)",
           ["config", "rtt us", "cache (experts, %)", "hit rate", "tok/s", "/ stock", "waits/token", "calls/token",
-           "host ms/token", "host / stock's", "queued ms/token", "tokens identical", "stolen %"], rows)
+           "host ms/token", "host / stock's", "queued ms/token", "verified %", "replays/token", "tokens identical",
+           "stolen %"], rows)
     added = [l["added_us_per_wait"] for l in lines if l["rtt_us"] and l.get("added_us_per_wait")]
     cost = [r["count_cost_us"] for runs in results.values() for r in runs if "count_cost_us" in r]
     rule = "every patched call (--every-call)" if args.every_call else "patched calls on the decode thread that slept"
@@ -410,6 +418,9 @@ def report(args, configs, sizes, results, rtts):
     print("queued: wall time of the decode thread inside mx.async_eval, which holds its caller while more "
           "tasks than MLX allows are in flight (on the CPU backend one an op): the host waiting for the device "
           "without a wait that sleeps in a patched call")
+    print("verified %: the decode steps verified (checked a window behind, one wait at the step's end: "
+          "verify.py), the rest on the per-layer path (a wait a layer call) or resident; replays: a verified "
+          "step's passes again from a layer that missed")
     print("stolen %: the machine's CPU time its hypervisor gave other guests in the decode window "
           "(/proc/stat steal): a row with a few % or more is slowed by a shared host, not by its code")
     rtt = max(rtts)
