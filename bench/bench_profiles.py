@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlxmoe
-from bookkeeping import _experts, _share, bookkeeping, no_eos, side_by_side
+from bookkeeping import _experts, _share, bookkeeping, no_eos, per_call_us, side_by_side
 from heldout import prompts
 from system import baseline_code, check_outputs, write_json
 from mlxmoe.caching.cache import Residency
@@ -203,7 +203,7 @@ def bookkeeping_section(model_path, prompt, out, runs=3, baseline=None):
         b = sorted(rs, key=lambda r: r["share"])[len(rs) // 2]
         out["bookkeeping"][label] = dict(b, runs=rs)
         print(f"  {label:>32}: {1000 * b['bookkeeping_seconds']:.1f} ms of {1000 * b['generate_seconds']:.1f} ms: "
-              f"{100 * b['share']:.2f}%, {1e6 * b['bookkeeping_seconds'] / b['layer_calls']:.0f} us per layer call "
+              f"{100 * b['share']:.2f}%, {per_call_us(b):.0f} us per layer call "
               f"({b['tokens_per_second']:.1f} tok/s including the prompt; hit rate {100 * b['hit_rate']:.1f}%, "
               f"{b['loads_demand']} demand loads, {b['prefetch_useful']} useful prefetches)")
     if baseline is not None:
