@@ -895,6 +895,100 @@ def test_a_first_guess_that_keeps_the_mode_on_times_the_per_layer_path_all_the_s
         assert runs[:4] == first + [(True, verify.FIRST_WEIGH), (False, 2 * verify.OFF_STEPS)], runs
 
 
+def test_per_miss_fits_what_a_miss_adds():
+    """PerMiss: nothing before FIT_STEPS steps or where the misses do not spread; then the
+    least-squares seconds a miss adds, which moves a path's time to other misses."""
+    fit = verify.PerMiss()
+    for _ in range(2 * verify.FIT_STEPS):
+        fit.add(10, 0.05)
+    assert fit.seconds() == 0.0 and fit.at(0.05, 10, 40) == 0.05
+    fit = verify.PerMiss()
+    for i in range(verify.FIT_STEPS - 1):
+        fit.add(10 + 20 * (i % 2), 0.02 + 0.001 * (10 + 20 * (i % 2)))
+    assert fit.seconds() == 0.0
+    fit.add(30, 0.05)
+    assert fit.seconds() == pytest.approx(0.001)
+    assert fit.at(0.06, 40, 5) == pytest.approx(0.025) and fit.at(0.06, None, 5) == 0.06
+    assert fit.at(0.06, 40, None) == 0.06
+
+
+def per_layer_steps(switch, steps, misses_at, seconds_at, off_for=None):
+    """`steps` steps on the per-layer path, timed by `switch` (off for `off_for` steps from
+    now, by default those; 0: as it is): the i-th meets misses_at(i) and takes
+    seconds_at(misses) (a clock of their own)."""
+    clock = [0.0]
+    cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0, prefetch_useful=0))
+
+    def step(m):
+        clock[0] += seconds_at(m)
+        cache.counters.misses += m
+    if off_for != 0:
+        switch.off_until = switch.steps + (off_for or steps)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+        for i in range(steps):
+            assert not switch.step()
+            switch.timed(cache, step, (misses_at(i),), {})
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_verified_steps_are_weighed_at_their_own_misses(known):
+    """The per-layer path timed where steps missed 30 and 50 experts (0.02 s + 1 ms a miss);
+    verified steps then miss 5 experts and take 0.05 s: against that path at 5 misses (25 ms)
+    the mode turns off at FIRST_WEIGH; without the misses (as before PerMiss) the verified
+    steps looked faster than its 60 ms and the mode stayed on."""
+    switch = verify.Switch(4, lambda: None)
+    per_layer_steps(switch, 2 * verify.FIT_STEPS, lambda i: 30 + 20 * (i % 2), lambda m: 0.02 + 0.001 * m)
+    turned_off = []
+    for _ in range(verify.WEIGH_TOKENS):
+        assert switch.step()
+        turned_off.append(switch.verified(0.05, 1, 2, 4, 5 if known else None))
+        if turned_off[-1]:
+            break
+    if known:
+        assert len(turned_off) == verify.FIRST_WEIGH and turned_off[-1], turned_off
+        assert "more than the 25.00 ms" in switch.reason, switch.reason
+    else:
+        assert not any(turned_off), switch.reason
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_the_per_layer_path_is_weighed_at_its_own_misses(known):
+    """Verified steps timed at 3 and 7 misses (0.03 s + 4 ms a miss); the per-layer path then
+    timed where steps miss 40 experts, at 0.07 s a step: faster than verified steps would be
+    there (0.19 s), so the mode stays off; without the misses (as before PerMiss) 0.07 s was
+    slower than the verified steps' 0.05 s and the mode was on again."""
+    switch = verify.Switch(4, lambda: None)
+    for i in range(2 * verify.FIT_STEPS):
+        assert switch.step()
+        m = 3 + 4 * (i % 2)
+        switch.verified(0.03 + 0.004 * m, 0, 0, 4, m if known else None)
+    per_layer_steps(switch, verify.MEASURED_OFF, lambda i: 40, lambda m: 0.07, off_for=verify.OFF_STEPS)
+    assert switch.on() is not known, switch.reason
+    if not known:
+        assert switch.reason.startswith("on again: a step took 70.00 ms"), switch.reason
+
+
+@pytest.mark.parametrize("later", [40, 2])
+def test_a_stretch_off_ends_without_a_try_where_verified_steps_would_cost_more(later):
+    """Verified steps fitted at 3 and 7 misses (0.03 s + 4 ms a miss), then the per-layer path
+    off for OFF_STEPS at 0.07 s a step: where its steps still miss 40 experts when the stretch
+    ends (verified ones would take 0.19 s there), the mode stays off for the next stretch,
+    doubled, without a try; where they came to miss 2 (0.038 s verified), it is tried."""
+    switch = verify.Switch(4, lambda: None)
+    for i in range(2 * verify.FIT_STEPS):
+        assert switch.step()
+        switch.verified(0.03 + 0.004 * (3 + 4 * (i % 2)), 0, 0, 4, 3 + 4 * (i % 2))
+    per_layer_steps(switch, verify.MEASURED_OFF, lambda i: 40, lambda m: 0.07, off_for=verify.OFF_STEPS)
+    per_layer_steps(switch, verify.OFF_STEPS - verify.MEASURED_OFF, lambda i: later, lambda m: 0.07, off_for=0)
+    if later == 40:
+        assert not switch.step() and switch.off_until == switch.steps - 1 + verify.OFF_STEPS
+        assert switch.off_steps == 2 * verify.OFF_STEPS
+        assert switch.reason.startswith("a verified step would take 190.00 ms at the 40.0 misses"), switch.reason
+    else:
+        assert switch.step(), switch.reason
+
+
 @pytest.mark.parametrize("settling", [3, 1000])
 def test_the_per_layer_path_is_timed_once_predicting_settled(settling, monkeypatch):
     """While predicting has not settled whether it pays (prefetch.Worth), the per-layer path's
