@@ -15,7 +15,8 @@ with one generation of the same workload (its cache then holds what the workload
 times one generation per emulated round trip: greedy, the same prompt, the decode window from
 the first token to the last; the hit rate is that window's (expert_cache.stats() deltas).
 
-Emulated round trip (--rtt S, microseconds; a list runs each in the same process; bench/roundtrip.py,
+Emulated round trip (--rtt S, microseconds; a list runs each in a process of its own, as a device's
+round trip does not change within one and the verified mode's switch learns the one it runs at; bench/roundtrip.py,
 which bench_batch.py also runs servers under): on the
 decode thread only (the child's main thread, which runs the generator) the bench patches
 mx.eval, mx.synchronize, np.array and np.asarray (given an mx.array), and mx.array's item,
@@ -490,9 +491,10 @@ def main():
     results = {name: [] for name, _, _ in configs}
     for i in range(args.rounds):
         order = configs if i % 2 == 0 else configs[::-1]
-        for name, config, kwargs in order:
-            slots = None if config in STOCKS else total if config == "resident" else sizes[config]
-            results[name].append(spawn(args, name, kwargs, slots, rtts if i % 2 == 0 else rtts[::-1]))
+        for rtt in rtts if i % 2 == 0 else rtts[::-1]:
+            for name, config, kwargs in order:
+                slots = None if config in STOCKS else total if config == "resident" else sizes[config]
+                results[name].append(spawn(args, name, kwargs, slots, [rtt]))
     load_end = os.getloadavg()
     if not args.json:
         stock_from = f" (stock mlx-lm: {args.stock_checkpoint})" if args.stock_checkpoint else ""
