@@ -915,7 +915,8 @@ def test_per_miss_fits_what_a_miss_adds():
 def per_layer_steps(switch, steps, misses_at, seconds_at, off_for=None):
     """`steps` steps on the per-layer path, timed by `switch` (off for `off_for` steps from
     now, by default those; 0: as it is): the i-th meets misses_at(i) and takes
-    seconds_at(misses) (a clock of their own)."""
+    seconds_at(misses) (a clock of their own). Returns the steps taken before the mode was on
+    again (`steps` where it stayed off)."""
     clock = [0.0]
     cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0, prefetch_useful=0))
 
@@ -927,8 +928,10 @@ def per_layer_steps(switch, steps, misses_at, seconds_at, off_for=None):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
         for i in range(steps):
-            assert not switch.step()
+            if switch.step():
+                return i
             switch.timed(cache, step, (misses_at(i),), {})
+    return steps
 
 
 @pytest.mark.parametrize("known", [True, False])
@@ -970,23 +973,29 @@ def test_the_per_layer_path_is_weighed_at_its_own_misses(known):
 
 
 @pytest.mark.parametrize("later", [40, 2])
-def test_a_stretch_off_ends_without_a_try_where_verified_steps_would_cost_more(later):
+def test_a_stretch_off_ends_by_what_verified_steps_would_cost_at_its_misses(later):
     """Verified steps fitted at 3 and 7 misses (0.03 s + 4 ms a miss), then the per-layer path
-    off for OFF_STEPS at 0.07 s a step: where its steps still miss 40 experts when the stretch
-    ends (verified ones would take 0.19 s there), the mode stays off for the next stretch,
-    doubled, without a try; where they came to miss 2 (0.038 s verified), it is tried."""
+    off for OFF_STEPS at 0.07 s a step, its first MEASURED_OFF steps missing 40 experts: where
+    its steps still miss 40 when the stretch ends (verified ones would take 0.19 s there), the
+    mode stays off for the next stretch, doubled, without a try; where they come to miss 2
+    (0.038 s verified), it is on again before the stretch ends, once verified steps would
+    take CLOSE times less than the per-layer path's at its decayed misses."""
     switch = verify.Switch(4, lambda: None)
     for i in range(2 * verify.FIT_STEPS):
         assert switch.step()
         switch.verified(0.03 + 0.004 * (3 + 4 * (i % 2)), 0, 0, 4, 3 + 4 * (i % 2))
-    per_layer_steps(switch, verify.MEASURED_OFF, lambda i: 40, lambda m: 0.07, off_for=verify.OFF_STEPS)
-    per_layer_steps(switch, verify.OFF_STEPS - verify.MEASURED_OFF, lambda i: later, lambda m: 0.07, off_for=0)
+    window = verify.MEASURED_OFF
+    assert per_layer_steps(switch, window, lambda i: 40, lambda m: 0.07, off_for=verify.OFF_STEPS) == window
+    off = per_layer_steps(switch, verify.OFF_STEPS - window, lambda i: later, lambda m: 0.07, off_for=0)
     if later == 40:
+        assert off == verify.OFF_STEPS - window
         assert not switch.step() and switch.off_until == switch.steps - 1 + verify.OFF_STEPS
         assert switch.off_steps == 2 * verify.OFF_STEPS
         assert switch.reason.startswith("a verified step would take 190.00 ms at the 40.0 misses"), switch.reason
-    else:
-        assert switch.step(), switch.reason
+    else:  # (the misses decay from 40 towards 2: verified steps CLOSE times cheaper below ~8.4)
+        assert 1 < off < verify.OFF_STEPS - window and switch.on(), (off, switch.reason)
+        assert switch.reason.startswith("on again: a verified step would take") and "less than its 70.00" \
+            in switch.reason, switch.reason
 
 
 @pytest.mark.parametrize("settling", [3, 1000])

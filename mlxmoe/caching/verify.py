@@ -167,7 +167,10 @@ class Switch:
     weigh in that path's timing until it pauses, and keep the mode on for good. Each path's
     time is set against the other's at the misses its steps met (PerMiss): a verified step at
     the per-layer path's time moved to that step's misses, and the per-layer path's timed
-    steps against the verified steps' time moved to theirs."""
+    steps against the verified steps' time moved to theirs: past its first MEASURED_OFF steps
+    too, where verified steps (once PerMiss is fitted on them) would take CLOSE times less
+    there (a cold cache's first tokens, which miss many experts a step, favour the per-layer
+    path; the warm cache's later ones the verified steps)."""
 
     def __init__(self, moe_layers: int, layer_wait, first_replay=lambda: None, settled=lambda: True) -> None:
         self.moe_layers, self.layer_wait, self.settled = moe_layers, layer_wait, settled
@@ -304,6 +307,10 @@ class Switch:
         if self.timed_off == MEASURED_OFF and steady is not None and self.layerwise > steady:
             self.on_again(f"a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
                           f"{steady * 1e3:.2f} ms verified")
+        elif self.timed_off > MEASURED_OFF and steady is not None and self.per_miss[0].steps >= FIT_STEPS \
+                and steady * CLOSE < self.layerwise:
+            self.on_again(f"a verified step would take {steady * 1e3:.2f} ms at the {self.layer_misses:.1f} misses "
+                          f"a step of the per-layer path, less than its {self.layerwise * 1e3:.2f} ms")
         elif self.clean_off >= MEASURED_OFF:
             self.on_again(f"{self.clean_off} steps on the per-layer path without a miss")
         return out
