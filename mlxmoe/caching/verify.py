@@ -167,10 +167,11 @@ class Switch:
     weigh in that path's timing until it pauses, and keep the mode on for good. Each path's
     time is set against the other's at the misses its steps met (PerMiss): a verified step at
     the per-layer path's time moved to that step's misses, and the per-layer path's timed
-    steps against the verified steps' time moved to theirs: past its first MEASURED_OFF steps
-    too, where verified steps (once PerMiss is fitted on them) would take CLOSE times less
-    there (a cold cache's first tokens, which miss many experts a step, favour the per-layer
-    path; the warm cache's later ones the verified steps)."""
+    steps against the verified steps' time moved to theirs. Past those steps' first
+    MEASURED_OFF, where verified steps (once PerMiss is fitted on them) would take CLOSE times
+    less than the per-layer path's at the misses of late (both moved there), the mode is on
+    again: a cold cache's first tokens, which miss many experts a step, favour the per-layer
+    path, the warm cache's later ones the verified steps."""
 
     def __init__(self, moe_layers: int, layer_wait, first_replay=lambda: None, settled=lambda: True) -> None:
         self.moe_layers, self.layer_wait, self.settled = moe_layers, layer_wait, settled
@@ -184,6 +185,7 @@ class Switch:
         self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
         self.layerwise = None  # decayed seconds of a step on the per-layer path while off
         self.steady_misses = self.layer_misses = None  # decayed misses of those steps, at the same rates
+        self.misses_now = None  # decayed misses of the steps of late, either path's (keep 0.9)
         self.per_miss = PerMiss(), PerMiss()  # verified, per-layer
         self.timed_off = 0  # such steps timed since the mode turned off
         self.settling = 0  # such steps not timed since, predicting not settled (`settled`)
@@ -195,19 +197,27 @@ class Switch:
 
     def step(self) -> bool:
         """A decode step starts: whether the mode is on for it. Where a stretch off ends while
-        verified steps, moved to the misses the per-layer path's steps meet now (PerMiss, once
-        fitted on verified steps), would still take longer than those, the mode stays off for
-        the next stretch (doubled) without a try: a try that loses costs WEIGH_TOKENS steps."""
+        verified steps would still take longer than the per-layer path's at the misses of late
+        (at_misses_now), the mode stays off for the next stretch (doubled) without a try: a
+        try that loses costs WEIGH_TOKENS steps."""
         self.steps += 1
-        if self.steps == self.off_until + 1 and self.layerwise is not None and self.steady is not None \
-                and self.per_miss[0].steps >= FIT_STEPS:
-            verified = self.per_miss[0].at(self.steady, self.steady_misses, self.layer_misses)
-            if verified > self.layerwise:
+        if self.steps == self.off_until + 1 and self.fitted():
+            verified, layerwise = self.at_misses_now()
+            if verified > layerwise:
                 self.off_until = self.steps - 1 + self.off_steps
                 self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
-                self.reason = (f"a verified step would take {verified * 1e3:.2f} ms at the {self.layer_misses:.1f} "
-                               f"misses a step of the per-layer path, more than its {self.layerwise * 1e3:.2f} ms")
+                self.reason = (f"a verified step would take {verified * 1e3:.2f} ms at the {self.misses_now:.1f} "
+                               f"misses a step of late, more than the per-layer path's {layerwise * 1e3:.2f} ms")
         return self.steps > self.off_until
+
+    def fitted(self) -> bool:
+        """Whether both paths were timed, PerMiss fitted on the verified steps."""
+        return self.layerwise is not None and self.steady is not None and self.per_miss[0].steps >= FIT_STEPS
+
+    def at_misses_now(self) -> tuple:
+        """(verified, per-layer) seconds of a step, each path's moved to the misses of late."""
+        return (self.per_miss[0].at(self.steady, self.steady_misses, self.misses_now),
+                self.per_miss[1].at(self.layerwise, self.layer_misses, self.misses_now))
 
     def on(self) -> bool:
         return self.steps >= self.off_until
@@ -223,6 +233,7 @@ class Switch:
         self.steady = decayed(self.steady, seconds, keep=0.9)
         if misses is not None:
             self.steady_misses = decayed(self.steady_misses, misses, keep=0.9)
+            self.misses_now = decayed(self.misses_now, misses, keep=0.9)
             self.per_miss[0].add(misses, seconds)
         if not replays:
             self.clean = decayed(self.clean, seconds)
@@ -296,6 +307,7 @@ class Switch:
         seconds, misses = time.perf_counter() - tic - (counters.read_seconds - read), counters.misses - missed[0]
         self.layerwise = decayed(self.layerwise, seconds)
         self.layer_misses = decayed(self.layer_misses, misses)
+        self.misses_now = decayed(self.misses_now, misses, keep=0.9)
         self.per_miss[1].add(misses, seconds)
         self.timed_off += 1
         steady = None if self.steady is None else self.per_miss[0].at(self.steady, self.steady_misses,
@@ -307,10 +319,9 @@ class Switch:
         if self.timed_off == MEASURED_OFF and steady is not None and self.layerwise > steady:
             self.on_again(f"a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
                           f"{steady * 1e3:.2f} ms verified")
-        elif self.timed_off > MEASURED_OFF and steady is not None and self.per_miss[0].steps >= FIT_STEPS \
-                and steady * CLOSE < self.layerwise:
-            self.on_again(f"a verified step would take {steady * 1e3:.2f} ms at the {self.layer_misses:.1f} misses "
-                          f"a step of the per-layer path, less than its {self.layerwise * 1e3:.2f} ms")
+        elif self.timed_off > MEASURED_OFF and self.fitted() and (now := self.at_misses_now())[0] * CLOSE < now[1]:
+            self.on_again(f"a verified step would take {now[0] * 1e3:.2f} ms at the {self.misses_now:.1f} misses "
+                          f"a step of late, less than the per-layer path's {now[1] * 1e3:.2f} ms")
         elif self.clean_off >= MEASURED_OFF:
             self.on_again(f"{self.clean_off} steps on the per-layer path without a miss")
         return out
