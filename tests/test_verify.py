@@ -973,13 +973,13 @@ def test_the_per_layer_path_is_weighed_at_its_own_misses(known):
 
 
 @pytest.mark.parametrize("later", [40, 2])
-def test_a_stretch_off_ends_by_what_verified_steps_would_cost_at_its_misses(later):
+def test_the_mode_is_on_again_within_a_stretch_off_where_verified_steps_would_cost_less(later):
     """Verified steps fitted at 3 and 7 misses (0.03 s + 4 ms a miss), then the per-layer path
     off for OFF_STEPS at 0.07 s a step, its first MEASURED_OFF steps missing 40 experts: where
-    its steps still miss 40 when the stretch ends (verified ones would take ~0.19 s at the
-    misses of late), the mode stays off for the next stretch, doubled, without a try; where
-    they come to miss 2 (0.038 s verified), it is on again before the stretch ends, once
-    verified steps would take CLOSE times less than the per-layer path's at the misses of late."""
+    its steps still miss 40 (verified ones would take ~0.19 s at the misses of late), the
+    stretch runs its length, then the mode is tried; where they come to miss 2 (0.038 s
+    verified), it is on again before the stretch ends, once verified steps would take CLOSE
+    times less than the per-layer path's at the misses of late."""
     switch = verify.Switch(4, lambda: None)
     for i in range(2 * verify.FIT_STEPS):
         assert switch.step()
@@ -988,11 +988,7 @@ def test_a_stretch_off_ends_by_what_verified_steps_would_cost_at_its_misses(late
     assert per_layer_steps(switch, window, lambda i: 40, lambda m: 0.07, off_for=verify.OFF_STEPS) == window
     off = per_layer_steps(switch, verify.OFF_STEPS - window, lambda i: later, lambda m: 0.07, off_for=0)
     if later == 40:
-        assert off == verify.OFF_STEPS - window
-        assert not switch.step() and switch.off_until == switch.steps - 1 + verify.OFF_STEPS
-        assert switch.off_steps == 2 * verify.OFF_STEPS
-        assert switch.reason.startswith("a verified step would take 185.") and "at the 38.8 misses" in switch.reason \
-            and "per-layer path's 70.00 ms" in switch.reason, switch.reason
+        assert off == verify.OFF_STEPS - window and switch.step(), switch.reason
     else:  # (the misses of late decay towards 2: verified steps CLOSE times cheaper below ~8.4)
         assert 1 < off < verify.OFF_STEPS - window and switch.on(), (off, switch.reason)
         assert switch.reason.startswith("on again: a verified step would take") \

@@ -196,18 +196,10 @@ class Switch:
         self.direct = Direct(moe_layers, self.per_layer_wait, first_replay)  # layers read at once
 
     def step(self) -> bool:
-        """A decode step starts: whether the mode is on for it. Where a stretch off ends while
-        verified steps would still take longer than the per-layer path's at the misses of late
-        (at_misses_now), the mode stays off for the next stretch (doubled) without a try: a
-        try that loses costs WEIGH_TOKENS steps."""
+        """A decode step starts: whether the mode is on for it. (A stretch off always ends with a
+        try: the verified steps' fit comes from the last one, and a cold cache's steps, slower
+        at the same misses, would keep it off where it now wins.)"""
         self.steps += 1
-        if self.steps == self.off_until + 1 and self.fitted():
-            verified, layerwise = self.at_misses_now()
-            if verified > layerwise:
-                self.off_until = self.steps - 1 + self.off_steps
-                self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
-                self.reason = (f"a verified step would take {verified * 1e3:.2f} ms at the {self.misses_now:.1f} "
-                               f"misses a step of late, more than the per-layer path's {layerwise * 1e3:.2f} ms")
         return self.steps > self.off_until
 
     def fitted(self) -> bool:
