@@ -64,9 +64,6 @@ OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 # timing from a cold cache's first tokens, whose misses are many, would otherwise keep the
 # mode on for good
 MEASURED_OFF, RETIME_STEPS, CLOSE = 4, 256, 1.1
-# what a miss adds to a step, fitted per path (PerMiss) over this long a memory, used once FIT_STEPS
-# steps were fitted and their misses spread over at least one miss
-PER_MISS_KEEP, FIT_STEPS = 0.97, 8
 # steps on the per-layer path at most while predicting settles whether it pays (Switch.timed)
 MOST_SETTLING = 16
 # decode steps before the per-layer path is first timed where the waits' guess keeps the mode on
@@ -114,38 +111,6 @@ def wait_seconds(samples: int = 7) -> float:
     return float(np.median(times))
 
 
-class PerMiss:
-    """What a miss adds to a path's decode step (`seconds()`), fitted by least squares on its
-    steps' (misses, seconds) with a long memory (PER_MISS_KEEP): misses come in runs (8 to 104
-    a step at ~90 % hits on the host-bound bench) and a miss costs each path its own (a
-    replay's layers, or a read and the policy's work while the device waits), so two paths
-    timed in different stretches are set side by side at the same misses (`at`). 0 until
-    FIT_STEPS steps whose misses spread over at least one miss."""
-
-    def __init__(self) -> None:
-        self.steps, self.m, self.t, self.mm, self.mt = 0, 0.0, 0.0, 0.0, 0.0  # decayed moments
-
-    def add(self, misses: int, seconds: float) -> None:
-        self.steps += 1
-        w = max(1 - PER_MISS_KEEP, 1 / self.steps)  # (a plain mean until the decay takes over)
-        self.m += w * (misses - self.m)
-        self.t += w * (seconds - self.t)
-        self.mm += w * (misses * misses - self.mm)
-        self.mt += w * (misses * seconds - self.mt)
-
-    def seconds(self) -> float:
-        spread = self.mm - self.m * self.m
-        if self.steps < FIT_STEPS or spread < 1:
-            return 0.0
-        return max((self.mt - self.m * self.t) / spread, 0.0)
-
-    def at(self, seconds: float, misses: float | None, wanted: int | None) -> float:
-        """A path's decayed step `seconds`, timed at decayed `misses`, moved to `wanted` misses."""
-        if misses is None or wanted is None:
-            return seconds
-        return max(seconds + self.seconds() * (wanted - misses), 0.0)
-
-
 class Switch:
     """Whether decode steps are verified, weighed every WEIGH_TOKENS tokens: the verified
     steps' time against that of steps on the per-layer path, as measured on the steps the
@@ -164,14 +129,7 @@ class Switch:
     The per-layer path's steps are timed only once `settled()` (predicting has settled whether
     it pays, prefetch.Worth), the mode off meanwhile (at most MOST_SETTLING steps): predicting
     that does not pay (a host-bound run's guesses cost 15-20 ms a step) would otherwise
-    weigh in that path's timing until it pauses, and keep the mode on for good. Each path's
-    time is set against the other's at the misses its steps met (PerMiss): a verified step at
-    the per-layer path's time moved to that step's misses, and the per-layer path's timed
-    steps against the verified steps' time moved to theirs. Past those steps' first
-    MEASURED_OFF, where verified steps (once PerMiss is fitted on them) would take CLOSE times
-    less than the per-layer path's at the misses of late (both moved there), the mode is on
-    again: a cold cache's first tokens, which miss many experts a step, favour the per-layer
-    path, the warm cache's later ones the verified steps."""
+    weigh in that path's timing until it pauses, and keep the mode on for good."""
 
     def __init__(self, moe_layers: int, layer_wait, first_replay=lambda: None, settled=lambda: True) -> None:
         self.moe_layers, self.layer_wait, self.settled = moe_layers, layer_wait, settled
@@ -184,9 +142,6 @@ class Switch:
         self.clean = None  # decayed seconds of a verified step without a replay
         self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
         self.layerwise = None  # decayed seconds of a step on the per-layer path while off
-        self.steady_misses = self.layer_misses = None  # decayed misses of those steps, at the same rates
-        self.misses_now = None  # decayed misses of the steps of late, either path's (keep 0.9)
-        self.per_miss = PerMiss(), PerMiss()  # verified, per-layer
         self.timed_off = 0  # such steps timed since the mode turned off
         self.settling = 0  # such steps not timed since, predicting not settled (`settled`)
         self.retime_at, self.retime_steps = None, RETIME_STEPS  # when the per-layer path is timed again, and then
@@ -196,37 +151,21 @@ class Switch:
         self.direct = Direct(moe_layers, self.per_layer_wait, first_replay)  # layers read at once
 
     def step(self) -> bool:
-        """A decode step starts: whether the mode is on for it. (A stretch off always ends with a
-        try: the verified steps' fit comes from the last one, and a cold cache's steps, slower
-        at the same misses, would keep it off where it now wins.)"""
+        """A decode step starts: whether the mode is on for it."""
         self.steps += 1
         return self.steps > self.off_until
-
-    def fitted(self) -> bool:
-        """Whether both paths were timed, PerMiss fitted on the verified steps."""
-        return self.layerwise is not None and self.steady is not None and self.per_miss[0].steps >= FIT_STEPS
-
-    def at_misses_now(self) -> tuple:
-        """(verified, per-layer) seconds of a step, each path's moved to the misses of late."""
-        return (self.per_miss[0].at(self.steady, self.steady_misses, self.misses_now),
-                self.per_miss[1].at(self.layerwise, self.layer_misses, self.misses_now))
 
     def on(self) -> bool:
         return self.steps >= self.off_until
 
-    def verified(self, seconds: float, replays: int, replayed: int, decoder_layers: int,
-                 misses: int | None = None) -> bool:
+    def verified(self, seconds: float, replays: int, replayed: int, decoder_layers: int) -> bool:
         """A verified step took `seconds` (its reads left out) with `replays` replays of
-        `replayed` decoder layers in all (their cost each to `direct`), meeting `misses`
-        (None: not known). Returns whether the mode turned itself off."""
+        `replayed` decoder layers in all (their cost each to `direct`). Returns whether the
+        mode turned itself off."""
         # checks within the forward only while steps miss: a clean step needs one wait
         self.missing = decayed(self.missing, float(replays > 0))
         self.windowed = self.missing > 0.05
         self.steady = decayed(self.steady, seconds, keep=0.9)
-        if misses is not None:
-            self.steady_misses = decayed(self.steady_misses, misses, keep=0.9)
-            self.misses_now = decayed(self.misses_now, misses, keep=0.9)
-            self.per_miss[0].add(misses, seconds)
         if not replays:
             self.clean = decayed(self.clean, seconds)
         replayed_share = seconds * replayed / (decoder_layers + replayed)  # the replayed layers' share of the step
@@ -236,8 +175,7 @@ class Switch:
         if self.layerwise is not None:  # both paths timed: the step against the per-layer path's
             # (one without a replay did that path's work less its waits: a tie at worst, whatever
             # the clock says, which moves with the context's length and the machine's load)
-            return self.weigh(seconds, self.per_miss[1].at(self.layerwise, self.layer_misses, misses) if replays
-                              else seconds)
+            return self.weigh(seconds, self.layerwise if replays else seconds)
         if not replays:
             replay_seconds = 0.0
         elif self.clean is not None:
@@ -266,8 +204,7 @@ class Switch:
             self.off_steps = OFF_STEPS
             return False
         if retime:  # (timed afresh: the old timing left out)
-            self.layerwise, self.layer_misses = None, None
-            self.retime_steps = min(2 * self.retime_steps, MOST_OFF_STEPS)
+            self.layerwise, self.retime_steps = None, min(2 * self.retime_steps, MOST_OFF_STEPS)
             self.off_until, self.timed_off, self.clean_off, self.settling = self.steps + MEASURED_OFF, 0, 0, 0
             self.reason = "the per-layer path timed again"
             return True
@@ -296,24 +233,15 @@ class Switch:
         counters = cache.counters
         tic, read, missed = time.perf_counter(), counters.read_seconds, (counters.misses, counters.prefetch_useful)
         out = call(*args, **kwargs)
-        seconds, misses = time.perf_counter() - tic - (counters.read_seconds - read), counters.misses - missed[0]
-        self.layerwise = decayed(self.layerwise, seconds)
-        self.layer_misses = decayed(self.layer_misses, misses)
-        self.misses_now = decayed(self.misses_now, misses, keep=0.9)
-        self.per_miss[1].add(misses, seconds)
+        self.layerwise = decayed(self.layerwise, time.perf_counter() - tic - (counters.read_seconds - read))
         self.timed_off += 1
-        steady = None if self.steady is None else self.per_miss[0].at(self.steady, self.steady_misses,
-                                                                       self.layer_misses)
         if self.timed_off == MEASURED_OFF:
-            close = steady is None or self.layerwise < steady * CLOSE
+            close = self.steady is None or self.layerwise < self.steady * CLOSE
             self.retime_at = self.steps + (OFF_STEPS if close else self.retime_steps)
         self.clean_off = self.clean_off + 1 if (counters.misses, counters.prefetch_useful) == missed else 0
-        if self.timed_off == MEASURED_OFF and steady is not None and self.layerwise > steady:
+        if self.timed_off == MEASURED_OFF and self.steady is not None and self.layerwise > self.steady:
             self.on_again(f"a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
-                          f"{steady * 1e3:.2f} ms verified")
-        elif self.timed_off > MEASURED_OFF and self.fitted() and (now := self.at_misses_now())[0] * CLOSE < now[1]:
-            self.on_again(f"a verified step would take {now[0] * 1e3:.2f} ms at the {self.misses_now:.1f} misses "
-                          f"a step of late, less than the per-layer path's {now[1] * 1e3:.2f} ms")
+                          f"{self.steady * 1e3:.2f} ms verified")
         elif self.clean_off >= MEASURED_OFF:
             self.on_again(f"{self.clean_off} steps on the per-layer path without a miss")
         return out
@@ -713,7 +641,7 @@ class Verifier:
         self.forward, self.replay_from, self.checked = True, None, 0
         self._clear()
         replayed, replays = 0, 0
-        tic, read, misses = time.perf_counter(), cache.counters.read_seconds, cache.counters.misses
+        tic, read = time.perf_counter(), cache.counters.read_seconds
         batched = [c for c in kv if isinstance(c, BatchKVCache)]
         for c in batched:
             c.make_mask = _first_mask(c.make_mask)
@@ -744,7 +672,7 @@ class Verifier:
         counters.replays += replays
         counters.replayed_layers += replayed
         seconds = time.perf_counter() - tic - (counters.read_seconds - read)
-        if self.current.verified(seconds, replays, replayed, len(self.layers), counters.misses - misses):
+        if self.current.verified(seconds, replays, replayed, len(self.layers)):
             self.tables.rows = None
         # this step's accounting on the host thread from now on, while mlx-lm samples and the next
         # step is built (that step's tick waits for the cache's lock while it is under way)
