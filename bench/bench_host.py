@@ -11,8 +11,9 @@ compute, as any runtime must at a layer that misses: the floor of a wait per lay
 `resident` (mlxmoe.load holding every expert, all read before the timing), `hit99`, `hit95`,
 `hit90` (mlxmoe with the cache whose warm decode hit rate is about 99, 95, 90 %: sizes found by
 a calibration run, kept beside --output), `cacheN` (N experts). Each process warms
-with one generation of the same workload (its cache then holds what the workload uses), then
-times one generation per emulated round trip: greedy, the same prompt, the decode window from
+with --warmups generations of the same workload (2: its cache then holds what the workload uses,
+and the verified mode's switch has left a cold cache's first steps behind), then times one
+generation per emulated round trip: greedy, the same prompt, the decode window from
 the first token to the last; the hit rate is that window's (expert_cache.stats() deltas).
 
 Emulated round trip (--rtt S, microseconds; a list runs each in a process of its own, as a device's
@@ -189,13 +190,14 @@ def wait_per_layer(model):
 
 
 def run_config(args):
-    """Warm with one generation, then one timed generation per round trip in args.rtt."""
+    """Warm with args.warmups generations, then one timed generation per round trip in args.rtt."""
     rtts = [float(x) for x in args.rtt.split(",")]
     model, tokenizer, generate, cache = open_model(args)
     waits = DeviceWaits(args.spin, args.every_call)
     cost = waits.install()
     waits.set_rtt(rtts[0])
-    timed_generation(generate, model, tokenizer, args, waits, cache)  # the same workload: the cache warms
+    for _ in range(args.warmups):  # the same workload: the cache warms, the verified mode's switch settles
+        timed_generation(generate, model, tokenizer, args, waits, cache)
     rows = []
     for rtt in rtts:
         waits.set_rtt(rtt)
@@ -279,7 +281,8 @@ def spawn(args, one, load_kwargs="{}", slots=None, rtts=None):
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one", one, "--checkpoint", str(checkpoint),
            "--tokens", str(args.tokens), "--prompt", args.prompt, "--no-repeat", str(args.no_repeat),
            "--load-kwargs", load_kwargs, "--timeout", str(args.timeout),
-           "--calibration-probes", str(args.calibration_probes)] + ["--routing", args.routing] * bool(args.routing)
+           "--calibration-probes", str(args.calibration_probes), "--warmups", str(args.warmups)] \
+        + ["--routing", args.routing] * bool(args.routing)
     if slots is not None:
         cmd += ["--slots", str(slots)]
     if rtts is not None:
@@ -453,6 +456,9 @@ def main():
                         help="Sizes instead of the calibration, e.g. hit99=1100,hit95=700.")
     parser.add_argument("--recalibrate", action="store_true", help="Calibrate again (else the kept sizes are used).")
     parser.add_argument("--calibration-probes", type=int, default=6, help="Sizes tried at most per hit-rate target.")
+    parser.add_argument("--warmups", type=int, default=2,
+                        help="Generations of the same workload before the timed one, in each process: the cache "
+                             "warms and the verified mode's switch settles (it starts on a cold cache's many misses).")
     parser.add_argument("--spin", action="store_true", help="Busy-wait the round trip instead of sleeping.")
     parser.add_argument("--every-call", action="store_true", help="Charge the round trip to every patched call.")
     parser.add_argument("--json", action="store_true", help="JSON lines (one per row) instead of the table.")
