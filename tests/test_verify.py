@@ -20,7 +20,6 @@ import synthetic
 from mlxmoe import backend as backends
 from mlxmoe.backend import detect
 from mlxmoe.caching import experts, verify
-from mlxmoe.caching.prefetch import Worth
 
 PROMPT = "The quick brown fox"  # short: gpt_oss's 32-token windows do not wrap
 TOKENS = 20
@@ -361,13 +360,17 @@ def test_on_again_where_the_per_layer_path_is_measured_slower(checkpoint, monkey
     """A first weighing that prices the per-layer path by an empty round trip turns the mode
     off; the steps then taken on that path, each of its layer calls' waits 5 ms longer (an
     emulated round trip), are timed: slower than the verified steps, the mode is on again after
-    MEASURED_OFF of them (timed once predicting settled whether it pays: up to WARMUP + 1
-    steps before), and stays on, its replays weighed against the measured time."""
+    MEASURED_OFF of them, and stays on, its replays weighed against the measured time.
+    (Predicting taken as settled: the wait for it is the subject of
+    test_the_per_layer_path_is_timed_once_predicting_settled, and here a pause of predicting
+    then its resumption, as the machine's load times them, could hold the timing past the
+    generation's 19 steps.)"""
     path = checkpoint("qwen3_moe", quant="4bit")
     want, _ = reference(path)
     model, tokenizer = all_but(path, 1)
     cache = model.expert_cache
     cache.verifier.switch.wait = 1e-9
+    cache.verifier.switch.settled = lambda: True
 
     class RoundTrip:  # the per-layer path's mx: each wait on the device 5 ms longer
         def __getattr__(self, name):
@@ -382,8 +385,7 @@ def test_on_again_where_the_per_layer_path_is_measured_slower(checkpoint, monkey
     assert generate(model, tokenizer, evict=every_expert(cache, 0, L - 1), weigh=True) == want
     stats = cache.stats()
     assert stats["verify"]["on"] is True and stats["verify"]["reason"].startswith("on again"), stats["verify"]
-    settling = Worth.WARMUP + 1  # (the first step on that path is not weighed)
-    least = TOKENS - 1 - verify.FIRST_WEIGH - settling - verify.MEASURED_OFF
+    least = TOKENS - 1 - verify.FIRST_WEIGH - verify.MEASURED_OFF
     assert stats["verified_tokens"] >= least, stats["verified_tokens"]
 
 
