@@ -16,10 +16,10 @@ and the verified mode's switch has left a cold cache's first steps behind), then
 generation per emulated round trip: greedy, the same prompt, the decode window from
 the first token to the last; the hit rate is that window's (expert_cache.stats() deltas).
 
-Emulated round trip (--rtt S, microseconds; a list runs each in a process of its own, as a device's
-round trip does not change within one and the verified mode's switch learns the one it runs at; bench/roundtrip.py,
-which bench_batch.py also runs servers under): on the
-decode thread only (the child's main thread, which runs the generator) the bench patches
+Emulated round trip (--rtt S, microseconds; a list runs each in a process of its own, as a
+device's round trip does not change within one and the verified mode's switch learns the one it
+runs at; bench/roundtrip.py, which bench_batch.py also runs servers under): on the decode thread
+only (the child's main thread, which runs the generator) the bench patches
 mx.eval, mx.synchronize, np.array and np.asarray (given an mx.array), and mx.array's item,
 tolist, __bool__, __int__ and __float__; stock and mlxmoe alike, from outside the runtime. A
 patched call is a *wait* when the decode thread slept in it (its voluntary context switches,
