@@ -82,7 +82,7 @@ DEMO_PROMPT = "Il file di configurazione"  # 5 tokens; on "Hello world!" the dem
 # experts are 47x smaller (60 KiB) and its tokens about 100x faster (3-5 ms on 2 cores).
 DEFAULT_RATES = "400MB/s,40MB/s,20MB/s,10MB/s"
 DISK = "disk"  # the rate that is this machine's own disk: no mount, dd's rate
-CONFIGS = ("off", "default", "baseline", "lossy", "oracle")
+CONFIGS = ("off", "default", "baseline", "lossy", "oracle", "no-ahead")
 # the online policies whose decode loads on the run's routing the report sets beside Belady's
 ONLINE_POLICIES = ("lru", "lfu", "slru", "s3fifo", "layer-lru", "layer-lfu", "lfuda", "activation-floor")
 
@@ -174,9 +174,23 @@ def windows(before, after):
     """bench_runtime.window_stats over a window, with the cancelled background reads (newer
     mlxmoe) and the disk's counters (snapshot["disk"])."""
     out = {**br.window_stats(before, after), **disk_window(before["disk"], after["disk"])}
-    if "prefetch_cancelled" in before and "prefetch_cancelled" in after:
-        out["prefetch_cancelled"] = after["prefetch_cancelled"] - before["prefetch_cancelled"]
+    for key in ("prefetch_cancelled", "demand_read_seconds", "verified_tokens", "replays"):  # newer mlxmoe
+        if key in before and key in after:
+            out[key] = after[key] - before[key]
     return out
+
+
+def decode_thread(run, stats):
+    """Where a run's decode thread spent its time, per token: reading (of which the demand
+    reads themselves; the rest ran ahead meanwhile), bookkeeping, and its verified steps."""
+    d, steps = run["decode"], max(run["decode_steps"], 1)
+    per = {k: d.get(k) for k in ("read_seconds", "demand_read_seconds", "bookkeeping_seconds")}
+    ms = ", ".join(f"{k.removesuffix('_seconds').replace('_', ' ')} {v / steps * 1e3:.1f}"
+                   for k, v in per.items() if v is not None)
+    verify = stats.get("verify") or {}
+    return (f"decode thread ms/token: {ms}; verified {d.get('verified_tokens', 0) / steps:.0%} of steps, "
+            f"{d.get('replays', 0) / steps:.2f} replays/step (verify {'on' if verify.get('on') else 'off'}: "
+            f"{verify.get('reason', '-')})")
 
 
 def rate_label(rate_text, rate, latency_text):
@@ -268,6 +282,9 @@ def run_disk(args):
         load_seconds = time.perf_counter() - tic
         d1 = disk_stats(mount) if mount else {"bytes": disk_read_bytes()}
         cache = model.expert_cache
+        if args.one == "no-ahead" and cache.speculator is not None:  # a what-if: the default without running ahead
+            cache.speculator.close()
+            cache.speculator = None
 
         def snap():
             s = br.cache_snapshot(cache)
@@ -383,7 +400,8 @@ def run_rate(args, rate_text, rate, caches, configs, tree, mp=None):
                 where = "so far" if mp else "in this run (the cache's)"
                 print(f"[bench]   {run['decode_seconds'] / max(run['decode_steps'], 1) * 1e3:.0f} ms/token, "
                       f"TTFT {run['prefill_seconds']:.1f} s, disk {r['disk_end']['bytes'] / MiB:.0f} MiB "
-                      f"in {r['disk_end']['reads']} requests {where}", file=sys.stderr, flush=True)
+                      f"in {r['disk_end']['reads']} requests {where}; {decode_thread(run, r['stats'])}",
+                      file=sys.stderr, flush=True)
     return out
 
 
@@ -725,7 +743,8 @@ def main():
     parser.add_argument("--configs", default=None,
                         help="Of off (prefetch=0), default (mlxmoe.load with no options), baseline (the default "
                              "of --baseline REF or --baseline-path DIR), lossy (the default with --lossy's options), "
-                             "oracle (a what-if: see --oracle-depth). "
+                             "oracle (a what-if: see --oracle-depth), no-ahead (a what-if: the default with its "
+                             "running ahead during reads, speculate.py, off). "
                              "Default: off,default (and baseline with either).")
     parser.add_argument("--oracle-depth", type=int, default=3,
                         help="The 'oracle' configuration (a what-if: the default's lookahead given the run's own "

@@ -17,13 +17,18 @@ PART_MIB under .device/ (ignored by git), with the real routing the host-bound r
 
 `run` checks the parts' digest, installs into /tmp/mlxmoe-device/site, shows that MLX sees the
 GPU, then (each step in its own process, bounded; a failed or late step does not stop the next):
-stock mlx-lm once to compile MLX's CUDA kernels (the first process on a fresh machine took 71 s,
-the next 17), host_warmth (what host work costs right after a wait on the device, against warm:
-whether the bookkeeping figures of this VM, 5-15x warm after a wait, hold there), bench_runtime's
-resident row against stock, bench_host on Qwen3-30B-A3B's recorded
-routing with no emulated round trip (the device's own), and bench_disk on the machine's disk at
-50 % cached. Its summary (`summary.txt`), each step's log and two JSON results come back under
---out (the tool returns 8 files at most; the rest stay in /tmp/mlxmoe-device)."""
+stock mlx-lm once to compile MLX's CUDA kernels (the first process on a fresh machine took
+71-161 s, the next 17), host_warmth (what host work costs right after a wait on the device,
+against warm: whether the bookkeeping figures of this VM, 5-15x warm after a wait, hold there),
+device_costs (what a wait and each kind of host read cost the decode thread), bench_runtime's
+resident row against stock, bench_host on Qwen3-30B-A3B's recorded routing with no emulated
+round trip (the device's own), and bench_disk on the machine's disk at 50 % cached (off, the
+default, and the default without running ahead). Its summary (`summary.txt`), each step's log
+and bench_host's JSON come back under --out (the tool returns 8 files at most; the rest stay in
+/tmp/mlxmoe-device).
+
+The kit also carries CUDA's crt/ headers (CRT), which the lent machine lacks and MLX's JIT
+needs for some kernels; `run` joins them to the machine's own CUDA headers."""
 
 import argparse
 import hashlib
@@ -49,14 +54,20 @@ KIT = ROOT / ".device"
 STAGE = Path("/tmp/mlxmoe-device")
 PART_MIB = 45  # a part and the working tree (~13 MiB) within the 64 MiB a call carries
 DEVICE_PYTHON = "3.12"  # the lent machine's python3 (device tool's KINDS.md)
+PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64")  # (pip matches each exactly)
 ROUTING = ROOT.parent / "shared/data/real-routing/bigmoeonedge/qwen.route.csv"
+# CUDA's crt/ headers, which MLX's JIT includes for some kernels (the float32 tensor-core
+# gather_qmm): a package of their own from CUDA 13, not among mlx-cuda-13's requirements and
+# missing on the lent machine ("cannot open source file crt/mma.h"); 13.0 as its driver's CUDA
+CRT = "nvidia-cuda-crt==13.0.*"
 
 
 def download(spec: str, dest: Path) -> Path:
     """pip download `spec` (no dependencies) as a wheel for the lent machine's Python."""
     before = set(dest.glob("*.whl"))
+    platforms = [a for tag in PLATFORMS for a in ("--platform", tag)]
     subprocess.run([sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary=:all:",
-                    "--python-version", DEVICE_PYTHON, "--platform", "manylinux_2_35_x86_64", "-d", str(dest)],
+                    "--python-version", DEVICE_PYTHON, *platforms, "-d", str(dest)],
                    check=True, stdout=subprocess.DEVNULL)
     new = set(dest.glob("*.whl")) - before
     if len(new) != 1:
@@ -74,6 +85,8 @@ def pack(args) -> None:
         tmp = Path(tmp)
         cuda = download(f"mlx-cuda-13=={mlx_version}", tmp)
         wheels = [download(f"mlx=={mlx_version}", tmp), download(f"mlx-lm=={lm_version}", tmp)]
+        with zipfile.ZipFile(download(CRT, tmp)) as z:  # (its headers only: no wheel to install)
+            z.extractall(tmp / "crt", [n for n in z.namelist() if n.startswith("nvidia/")])
         cuda_tree = tmp / "cuda"
         with zipfile.ZipFile(cuda) as z:
             z.extractall(cuda_tree)
@@ -85,6 +98,7 @@ def pack(args) -> None:
             tar.add(cuda_tree, "cuda")
             for w in wheels:
                 tar.add(w, f"wheels/{w.name}")
+            tar.add(tmp / "crt/nvidia", "crt")
             if ROUTING.exists():
                 tar.add(ROUTING, "routing/qwen.route.csv")
         print(f"compressing {archive.stat().st_size / 2**20:.0f} MiB with xz -9 ...", flush=True)
@@ -155,6 +169,8 @@ def install(site: Path, kit: Path = KIT, staged: Path = STAGE) -> Path | None:
                         "--target", str(site), "--only-binary=:all:", "--python-version", DEVICE_PYTHON, *wheels],
                        check=True)
     shutil.copytree(unpacked / "cuda", site, dirs_exist_ok=True)  # libmlx.so and the headers MLX compiles with
+    if (unpacked / "crt").is_dir():
+        shutil.copytree(unpacked / "crt", site / "crt-headers")  # (joined to the machine's own: cuda_libraries)
     routing = unpacked / "routing/qwen.route.csv"
     return routing if routing.exists() else None
 
@@ -168,9 +184,14 @@ def cuda_libraries(site: Path, env: dict) -> None:
         print("no `nvidia` Python packages on this machine: MLX's CUDA build may not load", flush=True)
         return
     nvidia = Path(found.stdout.strip())
-    link = site / "nvidia"
-    if not link.exists():
-        link.symlink_to(nvidia, target_is_directory=True)
+    tree = site / "nvidia"
+    if not tree.exists():  # the machine's files linked one by one, then the kit's headers it lacks added
+        shutil.copytree(nvidia, tree, symlinks=True, copy_function=os.symlink)
+        for header in sorted((site / "crt-headers").rglob("*")):
+            target = tree / header.relative_to(site / "crt-headers")
+            if header.is_file() and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(header, target)
     folders = [str(d) for d in sorted(nvidia.glob("*/lib")) + sorted(nvidia.glob("*/*/lib"))]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(folders + [env.get("LD_LIBRARY_PATH", "")])
     if Path("/usr/local/cuda").exists():
@@ -186,23 +207,26 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
                     "1", "--tokens", "4", "--no-drop", "--output", str(STAGE / "warmup.json")], 180),
         # host work right after a wait on the device against the same work warm (5-15x here)
         ("warmth", [py, "bench/host_warmth.py", "--samples", "20" if quick else "60"], 60),
+        # what each kind of wait and host read costs the decode thread there
+        ("costs", [py, "bench/device_costs.py", "--samples", "50" if quick else "200"], 60),
         ("resident", [py, "bench/bench_runtime.py", "--layers", "8", "--only", "stock-f32,resident", "--rounds", "2",
-                      "--runs", "2", "--tokens", tokens, "--prompt", "Hello world", "--output", "{out}/runtime.json"],
-         120),
+                      "--runs", "2", "--tokens", tokens, "--prompt", "Hello world", "--output",
+                      str(STAGE / "runtime.json")], 120),
     ]
     if routing is not None:
         run.append(("host", [py, "bench/bench_host.py", "--routing", str(routing),
                              "--configs", "stock,resident,hit99,hit95,hit90",
                              "--cache-experts", "hit99=3425,hit95=1926,hit90=1552", "--rtt", "0",
                              "--tokens", "16" if quick else "64", "--rounds", "1", "--output", "{out}/host.json"], 200))
-    run.append(("disk", [py, "bench/bench_disk.py", "--rates", "disk", "--cache", "0.5", "--configs", "off,default",
-                         "--tokens", tokens, "--runs", "1", "--output", str(STAGE / "disk.json")], 200))
+    # no-ahead: the default without running ahead (its share of the default's time over off's on CUDA)
+    run.append(("disk", [py, "bench/bench_disk.py", "--rates", "disk", "--cache", "0.5", "--configs",
+                         "off,default,no-ahead", "--tokens", tokens, "--runs", "1", "--output", str(STAGE / "disk.json")], 200))
     return run
 
 
 def outputs(routing: Path | None, quick: bool) -> list[str]:
     """The files `run` writes under --out (the device tool returns 8 at most)."""
-    return ["summary.txt", *(f"{name}.log" for name, _, _ in steps(routing, quick)), "runtime.json", "host.json"]
+    return ["summary.txt", *(f"{name}.log" for name, _, _ in steps(routing, quick)), "host.json"]
 
 
 def bounded(command: list, env: dict, log, seconds: int):

@@ -46,6 +46,27 @@ def test_parts_staged_in_one_call_and_carried_in_the_next_install_as_packed(tmp_
     assert routing.read_bytes() == b"layer,token\n"
 
 
+def test_the_kits_crt_headers_join_the_machines_cuda_headers_without_replacing_one(tmp_path, monkeypatch):
+    machine = tmp_path / "machine"
+    (machine / "nvidia/cu13/include").mkdir(parents=True)
+    (machine / "nvidia/cu13/lib").mkdir()
+    (machine / "nvidia/cu13/include/mma.h").write_text('#include "crt/mma.h"')
+    (machine / "nvidia/cu13/lib/libcudart.so.13").write_bytes(b"lib")
+    files = {"cuda/mlx/lib/libmlx.so": b"mlx", "crt/cu13/include/crt/mma.h": b"crt",
+             "crt/cu13/include/mma.h": b"the kit's copy: the machine's stays"}
+    kit, _ = kit_of(tmp_path, files, part_bytes=1 << 20)
+    site = tmp_path / "site"
+    device_kit.install(site, kit=kit, staged=tmp_path / "staged")
+    monkeypatch.setenv("PYTHONPATH", str(machine))  # (where the probe's `import nvidia` finds the machine's)
+    env = {}
+    device_kit.cuda_libraries(site, env)
+    include = site / "nvidia/cu13/include"
+    assert (include / "crt/mma.h").read_bytes() == b"crt"
+    assert (include / "mma.h").resolve() == (machine / "nvidia/cu13/include/mma.h").resolve()
+    assert (site / "nvidia/cu13/lib/libcudart.so.13").read_bytes() == b"lib"
+    assert str(machine / "nvidia/cu13/lib") in env["LD_LIBRARY_PATH"].split(os.pathsep)
+
+
 def test_a_missing_or_changed_part_is_refused_by_name(tmp_path):
     kit, names = kit_of(tmp_path, {"cuda/a": os.urandom(20000)}, part_bytes=4096)
     last = kit / names[-1]
@@ -68,7 +89,7 @@ def test_the_device_calls_fit_the_tools_limits():
     assert device_kit.PART_MIB * 2**20 + tree < 64 * 2**20
     # what comes back: at most 8 files, the host-bound rows' and the warmth probe's logs among them
     names = device_kit.outputs(device_kit.ROUTING, quick=False)
-    assert len(names) <= 8 and {"host.log", "warmth.log"} <= set(names)
+    assert len(names) <= 8 and {"host.log", "warmth.log", "costs.log", "disk.log"} <= set(names)
 
 
 def test_a_step_past_its_time_is_killed_with_the_processes_it_started(tmp_path):

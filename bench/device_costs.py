@@ -1,0 +1,93 @@
+"""What the decode thread pays for each kind of wait on the device and host read, on this
+machine's default device: the figures that price the runtime's reads of routing on a GPU.
+
+- `wait`: `mx.eval` of one small op with nothing else queued (the round trip S that
+  bench_host.py's --rtt emulates on the CPU).
+- `item`: `.item()` of an evaluated one-element array (stock mlx-lm's one read a token).
+- `read`: `np.array` of an evaluated array of --bytes made on the device, read once (the
+  resident path's packed routing, read a step or two after it was computed). On CUDA (MLX
+  0.32) a device-made array is moved to managed memory at its first host read: a managed
+  allocation and a synchronous copy on the reading thread.
+- `read again`: the same array read a second time (already host-readable).
+- `cpu copy`: the same array copied by an op on the CPU stream (`mx.add(a, 0, stream=mx.cpu)`,
+  async_eval'd, done by MLX's CPU thread), then read: the decode thread's part only.
+
+Each figure is the median of --samples, in microseconds; every read's array is evaluated and
+left a few ms before it is read, so no figure but `wait` waits for the device.
+
+    python bench/device_costs.py [--samples 200] [--bytes 2048]
+"""
+
+import argparse
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from system import cpu_ticks, stolen_share
+
+
+def made(n, k):
+    """A fresh int32 array of n elements computed on the default device, evaluated."""
+    a = mx.arange(n, dtype=mx.int32) + k
+    mx.eval(a)
+    return a
+
+
+def median_us(samples, setup, timed):
+    """Median over `samples` of timed(setup()) in us, each after a 2 ms pause (work done)."""
+    out = []
+    for k in range(samples):
+        arg = setup(k)
+        time.sleep(2e-3)
+        tic = time.perf_counter()
+        timed(arg)
+        out.append((time.perf_counter() - tic) * 1e6)
+    return statistics.median(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=200, help="timings per figure")
+    ap.add_argument("--bytes", type=int, default=2048, help="size of the arrays read (int32 elements x 4)")
+    args = ap.parse_args()
+    n = max(1, args.bytes // 4)
+    ticks = cpu_ticks()
+    x = mx.zeros((1,))
+    mx.eval(x)
+
+    def wait(k):
+        mx.eval(x + k)
+
+    def copied(k):
+        c = mx.add(made(n, k), 0, stream=mx.cpu)
+        mx.async_eval(c)
+        return c
+
+    def fresh_scalar(k):
+        s = (x + k).sum()
+        mx.eval(s)
+        return s
+
+    def read_twice(k):
+        a = made(n, k)
+        np.array(a)
+        return a
+
+    rows = [("wait (eval of one op)", median_us(args.samples, lambda k: k, wait)),
+            ("item (one element)", median_us(args.samples, fresh_scalar, lambda s: s.item())),
+            (f"read ({args.bytes} bytes, first)", median_us(args.samples, lambda k: made(n, k), np.array)),
+            (f"read again ({args.bytes} bytes)", median_us(args.samples, read_twice, np.array)),
+            (f"cpu copy, then read ({args.bytes} bytes)", median_us(args.samples, copied, np.array)),
+            ("cpu copy: its async_eval", median_us(args.samples, lambda k: mx.add(made(n, k), 0, stream=mx.cpu),
+                                                   mx.async_eval))]
+    print(f"device {mx.default_device()}, mlx {mx.__version__}; medians of {args.samples}, us")
+    for name, us in rows:
+        print(f"  {name:<40} {us:9.1f}")
+    stolen = stolen_share(ticks, cpu_ticks())
+    print(f"CPU stolen by the hypervisor over the run: {'-' if stolen is None else f'{stolen:.1%}'}")
+
+
+if __name__ == "__main__":
+    main()
