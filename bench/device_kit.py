@@ -20,11 +20,12 @@ GPU, then (each step in its own process, bounded; a failed or late step does not
 stock mlx-lm once to compile MLX's CUDA kernels (the first process on a fresh machine took
 71-161 s, the next 17), host_warmth (what host work costs right after a wait on the device,
 against warm: whether the bookkeeping figures of this VM, 5-15x warm after a wait, hold there),
-device_costs (what a wait and each kind of host read cost the decode thread), bench_runtime's
+device_costs (what a wait and each kind of host read cost the decode thread), decode_profile
+(the decode thread's functions by time, stock beside every expert resident), bench_runtime's
 resident row against stock, bench_host on Qwen3-30B-A3B's recorded routing with no emulated
 round trip (the device's own), and bench_disk on the machine's disk at 50 % cached (off, the
-default, and the default without running ahead). Its summary (`summary.txt`), each step's log
-and bench_host's JSON come back under --out (the tool returns 8 files at most; the rest stay in
+default, and the default without running ahead). Its summary (`summary.txt`) and each step's
+log come back under --out (the tool returns 8 files at most; the JSON results stay in
 /tmp/mlxmoe-device).
 
 The kit also carries CUDA's crt/ headers (CRT), which the lent machine lacks and MLX's JIT
@@ -209,6 +210,8 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
         ("warmth", [py, "bench/host_warmth.py", "--samples", "20" if quick else "60"], 60),
         # what each kind of wait and host read costs the decode thread there
         ("costs", [py, "bench/device_costs.py", "--samples", "50" if quick else "200"], 60),
+        # where the decode thread's time goes, stock beside every expert resident (cProfile)
+        ("profile", [py, "bench/decode_profile.py", "--tokens", tokens, "--top", "30"], 120),
         ("resident", [py, "bench/bench_runtime.py", "--layers", "8", "--only", "stock-f32,resident", "--rounds", "2",
                       "--runs", "2", "--tokens", tokens, "--prompt", "Hello world", "--output",
                       str(STAGE / "runtime.json")], 120),
@@ -217,16 +220,18 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
         run.append(("host", [py, "bench/bench_host.py", "--routing", str(routing),
                              "--configs", "stock,resident,hit99,hit95,hit90",
                              "--cache-experts", "hit99=3425,hit95=1926,hit90=1552", "--rtt", "0",
-                             "--tokens", "16" if quick else "64", "--rounds", "1", "--output", "{out}/host.json"], 200))
+                             "--tokens", "16" if quick else "32", "--rounds", "1", "--output",
+                             str(STAGE / "host.json")], 160))
     # no-ahead: the default without running ahead (its share of the default's time over off's on CUDA)
     run.append(("disk", [py, "bench/bench_disk.py", "--rates", "disk", "--cache", "0.5", "--configs",
-                         "off,default,no-ahead", "--tokens", tokens, "--runs", "1", "--output", str(STAGE / "disk.json")], 200))
+                         "off,default,no-ahead", "--tokens", tokens, "--runs", "1", "--output",
+                         str(STAGE / "disk.json")], 160))
     return run
 
 
 def outputs(routing: Path | None, quick: bool) -> list[str]:
     """The files `run` writes under --out (the device tool returns 8 at most)."""
-    return ["summary.txt", *(f"{name}.log" for name, _, _ in steps(routing, quick)), "host.json"]
+    return ["summary.txt", *(f"{name}.log" for name, _, _ in steps(routing, quick))]
 
 
 def bounded(command: list, env: dict, log, seconds: int):
