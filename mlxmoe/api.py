@@ -28,7 +28,7 @@ from . import backend as backends
 from . import distributed
 from .budget import (DEFAULT_CONTEXT, Plan, attention_bytes, format_size, kv_reserve_bytes, parse_size, plan,
                      text_config, working_bytes)
-from .caching.cache import ExpertCache
+from .caching.cache import ExpertCache, lower_switch_interval
 from .workload.curves import predicted_curve
 from .errors import MlxmoeError
 from .caching.experts import all_resident
@@ -431,6 +431,8 @@ def _attach_runtime(ckpt, p, be, fp, live, prior, opts):
     # under the tensor split the ranks take the resident path together (Runtime.agree_resident)
     cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, opts.io_threads, profile=live,
                         hold_resident=ckpt.group is not None and ckpt.split == "tensor", spare=verify)
+    if streamed:  # (threads that read while the decode thread runs Python: see lower_switch_interval)
+        cache.closers.append(lower_switch_interval())
     if be.name == "metal":  # (an idle Apple GPU lowers its clock: see KeepBusy)
         cache.keep_busy = backends.KeepBusy()
         cache.closers.append(cache.keep_busy.close)

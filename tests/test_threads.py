@@ -64,3 +64,35 @@ def test_a_stream_closed_early_frees_the_model_for_other_threads():
     gen.close()
     waiter.join(timeout=60)
     assert not waiter.is_alive()
+
+
+
+def test_streaming_lowers_the_switch_interval_until_the_last_streaming_model_closes():
+    """A read thread waits for the GIL after each system call, and a thread busy in Python
+    hands it over once a switch interval (bench/read_contention.py: 50x a read's time at
+    5 ms): a streaming model lowers the interval while it is open, a resident one leaves it.
+    In a fresh interpreter (a model of another test, never closed, would hold it lowered)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+import mlxmoe
+from mlxmoe.caching.cache import READ_SWITCH_INTERVAL as low
+before = sys.getswitchinterval()
+assert before > low, before  # (Python's default, 5 ms)
+resident, _ = mlxmoe.load({str(DEMO)!r})
+assert sys.getswitchinterval() == before
+first, _ = mlxmoe.load({str(DEMO)!r}, cache_experts=20)
+second, _ = mlxmoe.load({str(DEMO)!r}, cache_experts=20)
+assert abs(sys.getswitchinterval() - low) < 1e-9, sys.getswitchinterval()
+first.expert_cache.close()
+first.expert_cache.close()  # (closing again changes nothing)
+assert abs(sys.getswitchinterval() - low) < 1e-9, "the second still streams"
+second.expert_cache.close()
+resident.expert_cache.close()
+assert sys.getswitchinterval() == before, sys.getswitchinterval()
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
