@@ -23,10 +23,11 @@ against warm: whether the bookkeeping figures of this VM, 5-15x warm after a wai
 device_costs (what a wait and each kind of host read cost the decode thread), decode_profile
 (the decode thread's functions by time, stock beside every expert resident), bench_runtime's
 resident row against stock, bench_host on Qwen3-30B-A3B's recorded routing with no emulated
-round trip (the device's own), and bench_disk on the machine's disk at 50 % cached (off, the
-default, and the default without running ahead). Its summary (`summary.txt`) and each step's
-log come back under --out (the tool returns 8 files at most; the JSON results stay in
-/tmp/mlxmoe-device).
+round trip (the device's own), bench_disk on the machine's disk at 50 % cached (off, the
+default, and the default without running ahead), and read_contention (expert reads on a thread
+while the main thread runs Python). Its summary (`summary.txt`) and each step's log but the
+warm-up's come back under --out (the tool returns 8 files at most; the JSON results and the
+warm-up's log stay in /tmp/mlxmoe-device).
 
 The kit also carries CUDA's crt/ headers (CRT), which the lent machine lacks and MLX's JIT
 needs for some kernels; `run` joins them to the machine's own CUDA headers."""
@@ -61,6 +62,7 @@ ROUTING = ROOT.parent / "shared/data/real-routing/bigmoeonedge/qwen.route.csv"
 # gather_qmm): a package of their own from CUDA 13, not among mlx-cuda-13's requirements and
 # missing on the lent machine ("cannot open source file crt/mma.h"); 13.0 as its driver's CUDA
 CRT = "nvidia-cuda-crt==13.0.*"
+LOGS_KEPT_THERE = {"warmup"}  # (in STAGE: the tool returns 8 files, and the summary gives its rc)
 
 
 def download(spec: str, dest: Path) -> Path:
@@ -226,12 +228,14 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
     run.append(("disk", [py, "bench/bench_disk.py", "--rates", "disk", "--cache", "0.5", "--configs",
                          "off,default,no-ahead", "--tokens", tokens, "--runs", "1", "--output",
                          str(STAGE / "disk.json")], 160))
+    # expert reads on a thread while the main thread runs Python, at 5 and 0.2 ms switch intervals
+    run.append(("contention", [py, "bench/read_contention.py", "--experts", "20"], 60))
     return run
 
 
 def outputs(routing: Path | None, quick: bool) -> list[str]:
     """The files `run` writes under --out (the device tool returns 8 at most)."""
-    return ["summary.txt", *(f"{name}.log" for name, _, _ in steps(routing, quick))]
+    return ["summary.txt", *(f"{name}.log" for name, _, _ in steps(routing, quick) if name not in LOGS_KEPT_THERE)]
 
 
 def bounded(command: list, env: dict, log, seconds: int):
@@ -256,6 +260,7 @@ def run(args) -> None:
                   {"--kit": str(kit) if installs else None, "the staged parts": str(STAGE) if installs else None,
                    "--routing": args.routing})
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    STAGE.mkdir(parents=True, exist_ok=True)  # (the warm-up's log, the JSON results)
     if installs:
         site = STAGE / "site"
         routing = install(site, kit) or routing
@@ -283,7 +288,7 @@ def run(args) -> None:
         if limit < 30:
             say(f"{name}: skipped, {max(limit, 0)} s left of --seconds {args.seconds}")
             continue
-        with open(out / f"{name}.log", "w") as log:
+        with open((STAGE if name in LOGS_KEPT_THERE else out) / f"{name}.log", "w") as log:
             rc = bounded(command, env, log, limit)
         say(f"{name}: rc {rc}, {time.monotonic() - tic:.0f} s (at most {limit}): {' '.join(command[1:])}")
 

@@ -89,7 +89,7 @@ def test_the_device_calls_fit_the_tools_limits():
     assert device_kit.PART_MIB * 2**20 + tree < 64 * 2**20
     # what comes back: at most 8 files, the host-bound rows' and the warmth probe's logs among them
     names = device_kit.outputs(device_kit.ROUTING, quick=False)
-    assert len(names) <= 8 and {"host.log", "warmth.log", "costs.log", "profile.log", "disk.log"} <= set(names)
+    assert len(names) <= 8 and {"host.log", "warmth.log", "costs.log", "profile.log", "disk.log", "contention.log"} <= set(names)
 
 
 def test_a_step_past_its_time_is_killed_with_the_processes_it_started(tmp_path):
