@@ -22,10 +22,10 @@ stock mlx-lm once to compile MLX's CUDA kernels (the first process on a fresh ma
 against warm: whether the bookkeeping figures of this VM, 5-15x warm after a wait, hold there),
 device_costs (what a wait and each kind of host read cost the decode thread), decode_profile
 (the decode thread's functions by time, stock beside every expert resident), bench_runtime's
-resident row against stock, bench_host on Qwen3-30B-A3B's recorded routing with no emulated
-round trip (the device's own), bench_disk on the machine's disk at 50 % cached (off, the
-default, and the default without running ahead), and read_contention (expert reads on a thread
-while the main thread runs Python). Its summary (`summary.txt`) and each step's log but the
+resident row against stock, bench_disk on the machine's disk at 50 % cached (off, the default,
+and the default without running ahead), read_contention (expert reads on a thread while the
+main thread runs Python), and last bench_host on Qwen3-30B-A3B's recorded routing with no
+emulated round trip (the device's own). Its summary (`summary.txt`) and each step's log but the
 warm-up's come back under --out (the tool returns 8 files at most; the JSON results and the
 warm-up's log stay in /tmp/mlxmoe-device).
 
@@ -218,18 +218,18 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
                       "--runs", "2", "--tokens", tokens, "--prompt", "Hello world", "--output",
                       str(STAGE / "runtime.json")], 120),
     ]
-    if routing is not None:
-        run.append(("host", [py, "bench/bench_host.py", "--routing", str(routing),
-                             "--configs", "stock,resident,hit99,hit95,hit90",
-                             "--cache-experts", "hit99=3425,hit95=1926,hit90=1552", "--rtt", "0",
-                             "--tokens", "16" if quick else "32", "--rounds", "1", "--output",
-                             str(STAGE / "host.json")], 160))
     # no-ahead: the default without running ahead (its share of the default's time over off's on CUDA)
     run.append(("disk", [py, "bench/bench_disk.py", "--rates", "disk", "--cache", "0.5", "--configs",
                          "off,default,no-ahead", "--tokens", tokens, "--runs", "1", "--output",
                          str(STAGE / "disk.json")], 160))
     # expert reads on a thread while the main thread runs Python, at 5 and 0.2 ms switch intervals
     run.append(("contention", [py, "bench/read_contention.py", "--experts", "20"], 60))
+    if routing is not None:  # (last: it takes what time is left)
+        run.append(("host", [py, "bench/bench_host.py", "--routing", str(routing),
+                             "--configs", "stock,resident,hit99,hit95,hit90",
+                             "--cache-experts", "hit99=3425,hit95=1926,hit90=1552", "--rtt", "0",
+                             "--tokens", "16" if quick else "32", "--rounds", "1", "--output",
+                             str(STAGE / "host.json")], 160))
     return run
 
 
@@ -304,7 +304,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="8 tokens a generation instead of 32.")
     p.add_argument("--routing", help="Recorded routing for the host-bound rows, where the kit has none.")
     p.add_argument("--kit", default=str(KIT), help="The folder of the carried parts and MANIFEST.json.")
-    p.add_argument("--seconds", type=int, default=540,
+    p.add_argument("--seconds", type=int, default=570,
                    help="The whole run's time, the install included (within the device call's timeout_s).")
     args = parser.parse_args(argv)
     {"pack": pack, "stage": stage, "run": run}[args.verb](args)
