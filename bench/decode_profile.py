@@ -21,9 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_disk import DEFAULT_MODEL
 from bench_runtime import WARMUP_PROMPT, generate_timed
-
-DEFAULT = Path("/tmp/mlxmoe-bench/qwen3-30b-shapes-8L")
 
 
 def profiled(args) -> None:
@@ -66,7 +65,7 @@ def profiled(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, default=DEFAULT)
+    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--cache-experts", type=int, default=None, help="mlxmoe's slots (default: every expert)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", default="Hello world")

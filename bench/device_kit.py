@@ -282,7 +282,6 @@ def run(args) -> None:
     seen = (checked.stdout or checked.stderr[-800:]).strip()
     say(f"device_kit run, {time.strftime('%Y-%m-%d %H:%M:%S')}: {seen}")
     for name, command, limit in steps(routing, args.quick):
-        command = [c.replace("{out}", str(out)) for c in command]
         tic = time.monotonic()
         limit = min(limit, int(deadline - tic))
         if limit < 30:

@@ -26,7 +26,7 @@ import numpy as np
 import mlxmoe
 from mlxmoe.caching.cache import READ_SWITCH_INTERVAL
 
-DEFAULT = Path("/tmp/mlxmoe-bench/qwen3-30b-shapes-8L")
+from bench_disk import DEFAULT_MODEL
 
 
 def timed_reads(store, outs, keys, paced, busy):
@@ -52,7 +52,7 @@ def timed_reads(store, outs, keys, paced, busy):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", type=Path, default=DEFAULT)
+    ap.add_argument("--checkpoint", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--experts", type=int, default=40, help="experts read per figure (each a new one)")
     args = ap.parse_args()
     if not (args.checkpoint / "config.json").exists():
