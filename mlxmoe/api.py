@@ -445,7 +445,8 @@ def _attach_runtime(ckpt, p, be, fp, live, prior, opts):
     runtime.lossy = attach_lossy(ckpt, cache, opts.trim, opts.cache_bias, opts.trim_mass, prior)
     if opts.fallback is not None:
         attach_fallback(ckpt, cache, opts.fallback, fp)
-    if prefetcher is not None and ckpt.group is None and runtime.lossy is None and opts.fallback is None and decoders:
+    if prefetcher is not None and ckpt.group is None and runtime.lossy is None and opts.fallback is None and decoders \
+            and be.runs_ahead:
         cache.speculator = Speculator(ckpt.model, decoders, ckpt.blocks, cache, prefetcher)
     if verify and runtime.lossy is None:
         cache.verifier = Verifier(ckpt.model, decoders, cache, guess=prefetcher is not None, top_k=max(ckpt.top_ks))

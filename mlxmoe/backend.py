@@ -32,6 +32,11 @@ class Backend:
     # call would not match stock mlx-lm's; Metal's kernel choice also follows the shape
     # (unmeasured: kept whole). The CPU's computes each row alone.
     split_exact: bool = True
+    # Whether running ahead (caching/speculate.py) pays: on the CPU a layer computes for long
+    # while the decode thread would wait idle for reads; on a GPU a layer run ahead is mostly
+    # host work, which holds Python's GIL while the read threads need it (H200, 50 % cached:
+    # the default 110 ms a token with it, 32 without, prefetch off 39).
+    runs_ahead: bool = True
 
     def pool_dtype(self, file_dtype):
         return self.compute_dtype if self.compute_dtype is not None and file_dtype in FLOATS else file_dtype
@@ -78,7 +83,7 @@ def detect(name=None):
     device = mx.cpu if name == "cpu" else mx.gpu
     mx.set_default_device(device)
     return Backend(name, mx.float32 if name == "cpu" else None, materialises_attention=name == "cpu",
-                   split_exact=name == "cpu")
+                   split_exact=name == "cpu", runs_ahead=name == "cpu")
 
 
 class KeepBusy:

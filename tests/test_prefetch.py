@@ -784,6 +784,26 @@ def test_running_ahead_on_bfloat16_activations_keeps_tokens(checkpoint, monkeypa
     assert speculator.error is None and speculator.layers_run > 0
 
 
+def test_no_running_ahead_where_the_backend_says_it_does_not_pay(checkpoint, monkeypatch):
+    """On a GPU backend (runs_ahead False) the decode thread never runs ahead: the prefetcher
+    still reads its guesses, and the tokens are stock mlx-lm's."""
+    from mlxmoe import backend as backends
+
+    detect = backends.detect
+    assert detect().runs_ahead  # (this CPU's)
+    monkeypatch.setattr(backends, "detect", lambda name=None: dataclasses.replace(detect(name), runs_ahead=False))
+    path = checkpoint("qwen3_moe", quant="4bit")
+    want = reference(path, 12)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
+    cache = model.expert_cache
+    assert cache.speculator is None and cache.prefetcher is not None
+    slow_reads(cache.store, 0.02)
+    assert tokens(model, tokenizer, 12) == want
+    cache.prefetcher.drain()
+    predictors = cache.stats()["predictors"]
+    assert predictors and "speculative" not in predictors  # (only those that predicted anything)
+
+
 def ban_recent(window):
     """A logits processor banning the last `window` tokens (greedy decoding then differs
     from the plain argmax at most steps), marked stateless."""

@@ -19,7 +19,8 @@ it the disk idled at each token boundary.
 
 It only runs while the reads are expected to last longer than one layer of it (so it
 never delays the decode where reads are quick), on models whose decoder layers keep a
-KVCache or RotatingKVCache; an error in it turns it off for the model (`error`), the decode goes on.
+KVCache or RotatingKVCache, and on the CPU only (backend.Backend.runs_ahead: on a GPU it is
+host work that slows the reads); an error in it turns it off for the model (`error`), the decode goes on.
 """
 
 import time
