@@ -281,7 +281,14 @@ def run(args) -> None:
     checked = subprocess.run([sys.executable, "-c", probe], env=env, cwd=ROOT, capture_output=True, text=True)
     seen = (checked.stdout or checked.stderr[-800:]).strip()
     say(f"device_kit run, {time.strftime('%Y-%m-%d %H:%M:%S')}: {seen}")
-    for name, command, limit in steps(routing, args.quick):
+    todo = steps(routing, args.quick)
+    if args.only:  # (in the order given, after the warm-up)
+        by_name = {step[0]: step for step in todo}
+        unknown = [name for name in args.only.split(",") if name not in by_name]
+        if unknown:
+            raise SystemExit(f"--only: no step {', '.join(unknown)} (the steps: {', '.join(by_name)})")
+        todo = [by_name[name] for name in dict.fromkeys(["warmup", *args.only.split(",")])]
+    for name, command, limit in todo:
         tic = time.monotonic()
         limit = min(limit, int(deadline - tic))
         if limit < 30:
@@ -301,6 +308,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", required=True, help="Folder of the logs and results ($OUT on the lent machine).")
     p.add_argument("--no-install", action="store_true", help="Use this machine's mlx (a rehearsal without a GPU).")
     p.add_argument("--quick", action="store_true", help="8 tokens a generation instead of 32.")
+    p.add_argument("--only", help="These steps only, in this order, after the warm-up (names as in the summary: "
+                                  "resident,profile).")
     p.add_argument("--routing", help="Recorded routing for the host-bound rows, where the kit has none.")
     p.add_argument("--kit", default=str(KIT), help="The folder of the carried parts and MANIFEST.json.")
     p.add_argument("--seconds", type=int, default=570,

@@ -109,8 +109,8 @@ class SyncCounter:
             monkeypatch.setattr(StreamingExperts, name, made(getattr(StreamingExperts, name)))
         pack = ResidentCalls.pack
 
-        def packed(work):  # a decode step's routing packed on the device, at its last layer call
-            arrays = pack(work)
+        def packed(work, table):  # decode steps' routing joined on the device, at the last one's last layer call
+            arrays = pack(work, table)
             for a in arrays:
                 counter.made[id(a)] = (a, counter.token)
             return arrays
@@ -230,10 +230,11 @@ def test_streamed_decode_updates_the_policy_before_its_wait(monkeypatch):
 
 def test_resident_steps_are_queued_whole(monkeypatch):
     """Every expert resident, a step is queued whole as stock queues it, not layer call by
-    layer call; a decode step's packed routing is queued once, with its last layer call."""
+    layer call; the routing of JOIN_TOKENS decode steps is queued once, with the last one's
+    last layer call, and read in one host copy two tokens on."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxmoe.caching import verify
+    from mlxmoe.caching import experts, verify
 
     model, _ = mlxmoe.load(str(mlxmoe.DEMO_MODEL))
     cache = model.expert_cache
@@ -242,8 +243,17 @@ def test_resident_steps_are_queued_whole(monkeypatch):
     real = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(sys._getframe(1).f_code.co_name), real(*a))[1])
     kv = make_prompt_cache(model)
-    for tokens in (verify.STEP_TOKENS + 4, 4, 1):
+    for tokens in (verify.STEP_TOKENS + 4, 4):
         queued.clear()
         mx.eval(model(mx.array([list(range(5, 5 + tokens))]), cache=kv))
-        assert queued.count("_resident") == (1 if tokens == 1 else 0), tokens
+        assert "_resident" not in queued, tokens
+    reads, joined_rows = [], experts.JOIN_TOKENS * cache.store.num_layers  # (the prompts' calls read theirs)
+    monkeypatch.setattr(np, "asarray", lambda a, *args, real=np.asarray, **kw: (
+        reads.extend([a] if isinstance(a, mx.array) and a.shape[0] == joined_rows else []), real(a, *args, **kw))[1])
+    for step in range(2 * experts.JOIN_TOKENS + 2):
+        queued.clear()
+        mx.eval(model(mx.array([[7 + step]]), cache=kv))
+        assert queued.count("_resident") == (1 if step % experts.JOIN_TOKENS == experts.JOIN_TOKENS - 1 else 0), step
+        # (the first batch is read two tokens after its last step, then no more until the next's)
+        assert len(reads) == (step >= experts.JOIN_TOKENS + 1) + (step >= 2 * experts.JOIN_TOKENS + 1), step
     cache.close()

@@ -23,6 +23,10 @@ from .prefetch import decayed
 
 # tokens of router mass a live profile's DeviceMass sums on the device between two reads
 FLUSH_TOKENS = 64
+# a sequence's resident decode steps whose routing is joined on the device and read in one
+# host copy (JoinedSteps): a host read and an extra queue of the device's work per this many
+# tokens, not per token (on CUDA a host read of a GPU array is a managed allocation and a copy)
+JOIN_TOKENS = 8
 
 FEW_CALLS = 16  # a decode step's layer calls (rows as lists) up to which plain Python summarises them faster than numpy (even warm)
 
@@ -275,6 +279,7 @@ class SlotTable(list):
     def __init__(self, rows: list, pools, at_home: bool) -> None:
         super().__init__(rows)
         self.pools, self.at_home, self.modules = pools, at_home, {}
+        self.batch, self.joined = [], None  # JoinedSteps: the decode steps not joined yet, (first, last) of the last joined
 
     def experts(self, streaming, x, indices):
         """`streaming`'s experts' output for `x` routed to `indices`: from the views where every
@@ -318,23 +323,23 @@ class DeviceMass:
     def of(cls, profile) -> "DeviceMass":
         return profile.unread if isinstance(profile.unread, cls) else cls(profile)
 
-    def add(self, routers: mx.array, tapped: bool) -> None:
-        """A decode step's routers [layers, experts] (a tapped router's logits, else its
-        probabilities; computed), after its tick."""
+    def add(self, routers: mx.array, tapped: bool, rows=slice(None)) -> None:
+        """A decode step's routers [layers, experts], `routers[rows]` (a tapped router's
+        logits, else its probabilities; computed), after its tick."""
         p = self.profile
         if self.start is not None and p.tokens_total - self.start >= FLUSH_TOKENS:
             p.mass  # (its read takes what is summed)
         with self.lock:
             self.start = p.tokens_total if self.start is None else self.start
-            self.waiting.append((routers, tapped, 1.0 / p.decay(p.tokens_total - self.start)))
+            self.waiting.append((routers, rows, tapped, 1.0 / p.decay(p.tokens_total - self.start)))
 
     def queue(self) -> list:
         """The new sum, with the steps waiting, to be queued by the decode thread ([] if none wait)."""
         with self.lock:
             if not self.waiting:
                 return []
-            for routers, tapped, weight in self.waiting:
-                dists = routers.astype(mx.float32)
+            for routers, rows, tapped, weight in self.waiting:
+                dists = routers[rows].astype(mx.float32)
                 dists = mx.softmax(dists, axis=-1, precise=True) * weight if tapped else dists * weight
                 self.sum = dists if self.sum is None else self.sum + dists
             self.waiting = []
@@ -349,8 +354,8 @@ class DeviceMass:
             return None
         host = np.zeros((self.profile.num_layers, self.profile.num_experts)) if total is None \
             else host_floats(total).astype(np.float64)
-        for routers, tapped, weight in waiting:  # (steps not queued yet: their arrays are computed)
-            host += weight * host_dists(routers, tapped)
+        for routers, rows, tapped, weight in waiting:  # (steps not queued yet: their arrays are computed)
+            host += weight * host_dists(routers, tapped)[rows]
         return host * self.profile.decay(self.profile.tokens_total - start)
 
 
@@ -373,7 +378,8 @@ class ResidentCalls:
         self.cache = cache
         self.calls: list = []
         self.side: list = []
-        self.packed = None  # a decode step's (indices [calls x rows, 1, k], routers [calls x rows, 1, experts]): pack()
+        self.packed = None  # the JoinedSteps holding this decode step's routing, and where: pack()
+        self.routers = None  # its calls' router arrays, alike (_step_routers)
         # a batched model call's rows: its calls counted and learnt per row (batching.CallRows)
         self.rows, self.profile = cache.rows, cache.profile if cache.rows is None else cache.rows
 
@@ -391,11 +397,14 @@ class ResidentCalls:
                 mx.async_eval(*previous.side)
             cache.deferred.append((work, ()))
             tic = time.perf_counter()
-            cache.catch_up(until=work if previous is None else previous)
+            cache.catch_up(until=JoinedSteps.unfinished(cache.slot_table, previous, work))
             cache.counters.bookkeeping_seconds += time.perf_counter() - tic
             return work
 
     def __call__(self) -> None:
+        table = self.cache.slot_table
+        if self.packed is None and table is not None and self in table.batch:  # (read before its batch was joined)
+            mx.eval(JoinedSteps.join(table))  # (in this thread: its arrays are of this thread's stream)
         if self.packed is not None and (self.rows is None or not self.cache.observers):  # (pack() checked the rest)
             return self._decode_step(None)
         routers = self._step_routers()
@@ -417,17 +426,29 @@ class ResidentCalls:
             return routers
         return None
 
-    def pack(self) -> list:
-        """A decode step's routing as two device arrays (`packed`: [calls x rows, 1, k] and
-        [calls x rows, 1, experts]), once its calls are all built (at its last layer call);
-        returns them (to be queued), [] where it is no decode step."""
-        routers = self._step_routers()
-        if routers is None:
+    def pack(self, table) -> list:
+        """Once a decode step's calls are all built (at its last layer call): the step joins
+        the slot table's batch of steps whose routing is joined on the device (JoinedSteps), one
+        sequence's JOIN_TOKENS steps, a batch's each alone. Returns the arrays to be queued with
+        this step ([] until its batch is full, and where it is no decode step)."""
+        self.routers = self._step_routers()
+        if self.routers is None:
             return []
-        # (alike: joined along their first axis as they are, a node a call fewer than reshaped first)
-        self.packed = (mx.concatenate([c[1] for c in self.calls]), mx.concatenate(routers))
-        summed = getattr(self.profile, "unread", None) if self.rows is None else None
-        return list(self.packed) + (summed.queue() if isinstance(summed, DeviceMass) else [])
+        batch = table.batch
+        first = batch[0] if batch else self
+        queued = JoinedSteps.join(table) if batch and not batch[0].alike(self) else []
+        batch.append(self)
+        if len(batch) >= (JOIN_TOKENS if self.rows is None else 1):
+            queued += JoinedSteps.join(table)
+        if queued:  # (two batches where this step's is unlike the last)
+            table.joined = (first, self)
+        return queued
+
+    def alike(self, other) -> bool:
+        """Whether `other`'s routing joins this step's along their first axis."""
+        return self.rows is None and other.rows is None and len(self.calls) == len(other.calls) \
+            and all(a[1].shape == b[1].shape for a, b in zip(self.calls, other.calls)) \
+            and self.routers[0].shape == other.routers[0].shape and self.routers[0].dtype == other.routers[0].dtype
 
     def _call_by_call(self) -> None:
         logits = [c[2] for c in self.calls if c[2] is not None]
@@ -459,8 +480,9 @@ class ResidentCalls:
         on_device = self.packed is not None and self.rows is None and not cache.observers \
             and cache.profile is not None and layers == list(range(cache.store.num_layers))
         if self.packed is not None:
-            rows = np.asarray(self.packed[0]).reshape(-1, self.packed[0].shape[-1])
-            probs = None if on_device else host_dists(self.packed[1], tapped)
+            joined, at = self.packed
+            rows = joined.rows()[at]
+            probs = None if on_device else joined.dists(tapped)[at]
         else:  # (under several ranks nothing was packed: the calls' own arrays, no new op to wait for)
             rows = np.concatenate([np.asarray(c[1]).reshape(-1, c[1].shape[-1]) for c in self.calls])
             probs = np.concatenate(host_probs(routers) if tapped else [host_floats(r) for r in routers])
@@ -478,7 +500,58 @@ class ResidentCalls:
         else:  # (a row's repeated expert, if any, counted once: as its distinct experts)
             learn_step(cache, layers, np.array(layers)[:, None], rows, probs)
             if on_device:
-                DeviceMass.of(cache.profile).add(self.packed[1], tapped)
+                DeviceMass.of(cache.profile).add(self.packed[0].routers, tapped, self.packed[1])
+
+
+class JoinedSteps:
+    """Resident decode steps' routing joined on the device into two arrays, `indices` [rows,
+    1, k] and `routers` [rows, 1, experts] (a step's rows: its calls' in layer order), queued
+    with the last step's graph and read on the host in one copy each when the first step is
+    accounted; each step's `packed` is (this, its rows' slice). The steps of a batch are done
+    in `deferred` only once the graph that joined them is done (unfinished): no wait."""
+
+    def __init__(self, steps: list) -> None:
+        calls = [c for step in steps for c in step.calls]
+        self.indices = mx.concatenate([c[1] for c in calls])
+        self.routers = mx.concatenate([r for step in steps for r in step.routers])
+        self.host_rows, self.host_routers = None, None
+        start = 0
+        for step in steps:
+            n = sum(len(r) for r in step.routers)
+            step.packed, start = (self, slice(start, start + n)), start + n
+
+    @classmethod
+    def join(cls, table) -> list:
+        """Join the slot table's batch (emptied); the arrays to queue."""
+        steps = list(table.batch)
+        table.batch.clear()
+        joined = cls(steps)
+        table.joined = (steps[0], steps[-1])
+        summed = getattr(steps[0].profile, "unread", None) if steps[0].rows is None else None
+        return [joined.indices, joined.routers] + (summed.queue() if isinstance(summed, DeviceMass) else [])
+
+    @staticmethod
+    def unfinished(table, previous, work):
+        """The first step of `deferred` whose routing may not be computed yet when `work`, a
+        new token's, starts: mlx-lm has waited for the token before `previous` (the previous
+        token's step) only, so that of a batch joined by `previous`, else of the batch not joined."""
+        if previous is None or table is None:
+            return work if previous is None else previous
+        if table.joined is not None and table.joined[1] is previous:
+            return table.joined[0]
+        return table.batch[0] if table.batch else previous
+
+    def rows(self) -> np.ndarray:
+        """The steps' experts on the host, [rows, k]."""
+        if self.host_rows is None:
+            self.host_rows = np.asarray(self.indices).reshape(-1, self.indices.shape[-1])
+        return self.host_rows
+
+    def dists(self, tapped: bool) -> np.ndarray:
+        """The steps' router distributions on the host (backend.host_dists)."""
+        if self.host_routers is None:
+            self.host_routers = host_dists(self.routers, tapped)
+        return self.host_routers
 
 
 def drained(queue: deque):
@@ -787,7 +860,7 @@ class StreamingExperts(nn.Module):
             work.side.append(probs)
         out = table.experts(self, x, indices)
         last = self._layer == self._cache.store.num_layers - 1
-        packed = work.pack() if last and self._runtime is not None and self._runtime.group is None else []
+        packed = work.pack(table) if last and self._runtime is not None and self._runtime.group is None else []
         if packed:
             mx.async_eval(out, *packed)
         return out
