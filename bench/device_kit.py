@@ -18,14 +18,15 @@ PART_MIB under .device/ (ignored by git), with the real routing the host-bound r
 `run` checks the parts' digest, installs into /tmp/mlxmoe-device/site, shows that MLX sees the
 GPU, then (each step in its own process, bounded; a failed or late step does not stop the next):
 stock mlx-lm once to compile MLX's CUDA kernels (the first process on a fresh machine took
-71-161 s, the next 17), host_warmth (what host work costs right after a wait on the device,
+71-180 s, the next 17), host_warmth (what host work costs right after a wait on the device,
 against warm: whether the bookkeeping figures of this VM, 5-15x warm after a wait, hold there),
 device_costs (what a wait and each kind of host read cost the decode thread), decode_profile
 (the decode thread's functions by time, stock beside every expert resident), bench_runtime's
-resident row against stock, bench_disk on the machine's disk at 50 % cached (off, the default,
-and the default without running ahead), read_contention (expert reads on a thread while the
+resident row against stock, bench_disk on the machine's disk at 50 % cached (off and the
+default), read_contention (expert reads on a thread while the
 main thread runs Python), and last bench_host on Qwen3-30B-A3B's recorded routing with no
-emulated round trip (the device's own). Its summary (`summary.txt`) and each step's log but the
+emulated round trip (the device's own; stock's first process compiles the float32 kernels: 98 s
+on an H200). `--only` picks steps. Its summary (`summary.txt`) and each step's log but the
 warm-up's come back under --out (the tool returns 8 files at most; the JSON results and the
 warm-up's log stay in /tmp/mlxmoe-device).
 
@@ -218,9 +219,8 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
                       "--runs", "2", "--tokens", tokens, "--prompt", "Hello world", "--output",
                       str(STAGE / "runtime.json")], 120),
     ]
-    # no-ahead: the default without running ahead (its share of the default's time over off's on CUDA)
     run.append(("disk", [py, "bench/bench_disk.py", "--rates", "disk", "--cache", "0.5", "--configs",
-                         "off,default,no-ahead", "--tokens", tokens, "--runs", "1", "--output",
+                         "off,default", "--tokens", tokens, "--runs", "1", "--output",
                          str(STAGE / "disk.json")], 160))
     # expert reads on a thread while the main thread runs Python, at 5 and 0.2 ms switch intervals
     run.append(("contention", [py, "bench/read_contention.py", "--experts", "20"], 60))
@@ -229,7 +229,7 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
                              "--configs", "stock,resident,hit99,hit95,hit90",
                              "--cache-experts", "hit99=3425,hit95=1926,hit90=1552", "--rtt", "0",
                              "--tokens", "16" if quick else "32", "--rounds", "1", "--output",
-                             str(STAGE / "host.json")], 160))
+                             str(STAGE / "host.json")], 240))
     return run
 
 
