@@ -208,7 +208,7 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
     tokens = "8" if quick else "32"
     run = [
         ("warmup", [py, "bench/bench_runtime.py", "--layers", "8", "--only", "stock-f32", "--rounds", "1", "--runs",
-                    "1", "--tokens", "4", "--no-drop", "--output", str(STAGE / "warmup.json")], 180),
+                    "1", "--tokens", "4", "--no-drop", "--output", str(STAGE / "warmup.json")], 240),
         # host work right after a wait on the device against the same work warm (5-15x here)
         ("warmth", [py, "bench/host_warmth.py", "--samples", "20" if quick else "60"], 60),
         # what each kind of wait and host read costs the decode thread there
