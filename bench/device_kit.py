@@ -13,6 +13,8 @@ PART_MIB under .device/ (ignored by git), with the real routing the host-bound r
     #   run(carry=[".device/part1"], command="python3 bench/device_kit.py stage")
     #   run(carry=[".device/part2", ".device/MANIFEST.json"], timeout_s=600,
     #       command="PYTHONUNBUFFERED=1 python3 bench/device_kit.py run --out $OUT")
+    #   (`run ... --only resident,profile,disk,host`: those steps alone; one start a session: a second
+    #   machine compiles MLX's kernels again, 134 to over 180 s)
     python bench/device_kit.py run --out /tmp/o --no-install --quick    # the same steps on this machine's mlx
 
 `run` checks the parts' digest, installs into /tmp/mlxmoe-device/site, shows that MLX sees the
