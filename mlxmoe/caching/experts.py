@@ -517,7 +517,7 @@ class JoinedSteps:
         self.host_rows, self.host_routers = None, None
         start = 0
         for step in steps:
-            n = sum(len(r) for r in step.routers)
+            n = sum(c[1].size // c[1].shape[-1] for c in step.calls)  # (its rows of experts, as rows() reads them)
             step.packed, start = (self, slice(start, start + n)), start + n
 
     @classmethod
