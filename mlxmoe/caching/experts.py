@@ -440,7 +440,7 @@ class ResidentCalls:
         batch.append(self)
         if len(batch) >= (JOIN_TOKENS if self.rows is None else 1):
             queued += JoinedSteps.join(table)
-        if queued:  # (two batches where this step's is unlike the last)
+        if queued:  # (the steps joined now: a batch, or two where this step's is unlike the last)
             table.joined = (first, self)
         return queued
 
@@ -526,7 +526,6 @@ class JoinedSteps:
         steps = list(table.batch)
         table.batch.clear()
         joined = cls(steps)
-        table.joined = (steps[0], steps[-1])
         summed = getattr(steps[0].profile, "unread", None) if steps[0].rows is None else None
         return [joined.indices, joined.routers] + (summed.queue() if isinstance(summed, DeviceMass) else [])
 
