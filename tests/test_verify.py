@@ -754,6 +754,68 @@ def test_direct_layers_read_at_once(checkpoint, monkeypatch, direct, evicted):
             assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
 
 
+@pytest.mark.parametrize("arch,predicting", [("qwen3_moe", "off"), ("deepseek_v3", "off"), ("qwen3_moe", "on")])
+def test_held_direct_layers_are_read_in_place(checkpoint, monkeypatch, arch, predicting):
+    """A Direct layer, the last MoE layer of its decoder layer, is held where predicting is off
+    or paused: its experts built from the tables, its routing read once the next decoder layer
+    is built (at the forward's end for the last), before its experts are queued; a miss there
+    is read into the slots the lookup then finds, with no replay. Where predicting is on, it is
+    read as soon as it is built. Every layer Direct, a half cache whose placeholder holds NaN,
+    layers missing at every step: stock's tokens and KV caches, no NaN in the logits."""
+    from mlxmoe.caching import prefetch
+
+    path = checkpoint(arch, config_overrides={"num_hidden_layers": 6})  # float weights: NaN would spread
+    want, stock_kv = reference(path, prompt_cache=make_prompt_cache)
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
+    total = model.expert_cache.capacity
+    model.expert_runtime.close()
+    kw = {"prefetch": 0} if predicting == "off" else {}
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=total // 2, **kw)
+    cache, verifier = model.expert_cache, model.expert_cache.verifier
+    if predicting == "on":
+        assert cache.prefetcher is not None
+        monkeypatch.setattr(prefetch.Worth, "step", lambda self, *a, **k: False)  # (never paused)
+    else:
+        assert cache.prefetcher is None
+    for view in cache.pools.views:
+        view[cache.capacity] = np.nan
+    L = cache.store.num_layers
+    monkeypatch.setattr(verify.Direct, "at", lambda self, layer: True)
+    verifier.switch.direct.now = set(range(L))
+    checks, check = [], verify.Verifier._check  # (the held layer, decoder layers built by then, misses read)
+
+    def counted(self, until=None, held=None, **kw):
+        misses = cache.counters.misses
+        missed = check(self, until, held=held, **kw)
+        if held is not None:
+            checks.append((held, max(self.outputs, default=-1) + 1, cache.counters.misses - misses))
+        return missed
+
+    monkeypatch.setattr(verify.Verifier, "_check", counted)
+    replayed, nan_seen = replays_from(monkeypatch), []
+
+    def watch(tokens, logits):
+        nan_seen.append(bool(mx.isnan(logits).any().item()))
+        return logits
+
+    kv = make_prompt_cache(model)
+    evict = every_expert(cache, 0, L // 2, L - 1)
+    assert generate(model, tokenizer, evict=evict, direct=True, prompt_cache=kv, logits_processors=[watch]) == want
+    assert not any(nan_seen) and not replayed and cache.stats()["verified_tokens"] >= TOKENS - 2
+    decoder_of = verifier.decoder_of
+    if predicting == "off":  # (read once the next decoder layer is built)
+        held = [decoder_of[m] + 2 if m < L - 1 else len(model.layers) for m, _, _ in checks]
+    else:  # (read as soon as built: its decoder layer's output not yet there)
+        held = [decoder_of[m] for m, _, _ in checks]
+    assert [built for _, built, _ in checks] == held, checks
+    assert sum(n for m, _, n in checks if m in (0, L // 2, L - 1)) >= 3 * (TOKENS - 2)
+    for ours, theirs in zip(kv, stock_kv):
+        n = ours.offset
+        assert n == theirs.offset
+        for a, b in zip(ours.state[:2], theirs.state[:2]):
+            assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
+
+
 def test_a_layer_that_misses_at_every_step_turns_direct(checkpoint, monkeypatch):
     """A layer whose calls all miss (its experts taken out before each step) is replayed from
     until Direct has measured a replay and its share of misses outweighs a wait: from then

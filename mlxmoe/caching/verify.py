@@ -9,7 +9,9 @@ each decoder layer reads the routing of the layer `lag` behind (the device has l
 queued meanwhile); one wait after the forward reads the rest (stacked on the device at the last
 MoE layer call: two host copies, not two a layer call). Where no routed expert was missing
 the token is exact: its slots are those the per-layer path would have used, since nothing
-is read, evicted or prefetched while a verified token computes. Otherwise the first layer
+is read, evicted or prefetched while a verified token computes. A layer that misses often
+(Direct) is checked before its experts are queued instead: held until the next decoder layer
+is built, its misses then read into the slots its lookup finds. Otherwise the first layer
 that missed reads its experts (the policy chooses victims as on the per-layer path, after
 the hits of the layers before it), the KV caches its pass wrote from that decoder layer on
 are trimmed by the token, and the forward runs again: the decoder layers before it return
@@ -42,6 +44,7 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_dists, host_floats, host_probs
+from ..errors import MlxmoeError
 from .experts import (as_rows, count_hit_rows, count_rows, observe_calls, resident_table, step_call,
                       step_calls)
 from .prefetch import decayed
@@ -277,9 +280,13 @@ class Lag:
 
 
 class Direct:
-    """MoE layers whose routing a verified step reads as soon as it is built, before their
-    experts are (a wait with nothing queued after it, then the misses read: no replay from
-    them), where that costs less than the replays it saves: a layer's decayed share of
+    """MoE layers whose routing a verified step reads before their experts are queued (then
+    the misses read: no replay from them), where that costs less than the replays it saves.
+    Such a layer, the last MoE layer of its decoder layer, is held: its experts are built
+    from the tables, its routing queued, and read once the next decoder layer is built (the
+    device computes the routing while the host builds; the misses are read into the slots the
+    lookup will find, the tables written in place); another is read as soon as it is built
+    (a wait with nothing queued after it). Chosen where a layer's decayed share of
     checked layer calls that missed x a replay's measured time > a direct check's (`wait`;
     before either is measured, the guesses `first_replay()` and `first_wait()`). A token's
     first layers, which no guess sees coming, miss far more often than the rest (the
@@ -338,22 +345,31 @@ class SlotTables:
     of slots (`host`), the placeholder where not resident, the same as an mx array per layer
     (`rows`) and as a list per layer (`lists`: a check's few lookups cost less in plain
     Python than in numpy); `version`: the cache's residency version they show (None: none built).
-    read(): a missed layer call's experts made resident, and the tables say so."""
+    The arrays come in two sets, each written in place through numpy views of its memory: a
+    forward's lookups read the set it started with, its checks' reads written into it at once
+    (a lookup built and not queued yet then finds the slot a miss was just read into), while the
+    token before, which may still compute, reads the other. read(): a missed layer call's
+    experts made resident, and the tables say so."""
 
     def __init__(self, cache) -> None:
         self.cache = cache
         self.placeholder = cache.capacity  # the spare slot (SlotPools' last): never an expert's
         self.host = None
-        self.rows = None
+        self.rows = None  # None: to be built before the next verified forward
+        self.views = None  # per layer a writable numpy view of rows[layer]
         self.lists = None
         self.key_of = {}  # slot -> the key the table shows in it
         self.version = None
+        self.sets = []  # two (rows, views, the table they show)
+        self.turn = 0  # the set in use
 
     def current(self) -> bool:
         return self.rows is not None and self.version == self.cache.version
 
-    def build(self) -> None:
-        """From the cache's residency; rows whose slots did not change are kept."""
+    def build(self, in_place: bool = False) -> None:
+        """From the cache's residency, into the set in use `in_place` (after a wait within this
+        forward: nothing queued reads it but work a replay drops), else where it changed into
+        the other set (the token before may still compute with the one in use)."""
         cache = self.cache
         table = np.full((cache.store.num_layers, cache.store.num_experts), self.placeholder, dtype=np.uint32)
         with cache.lock:
@@ -362,15 +378,20 @@ class SlotTables:
                 table[key] = slot
                 self.key_of[slot] = key
             self.version = cache.version
-        old, self.host = self.host, table
-        self.lists = table.tolist()
-        rows = self.rows or [None] * len(table)
-        self.rows = [t if old is not None and t is not None and np.array_equal(old[i], table[i])
-                     else mx.array(table[i]) for i, t in enumerate(rows)]
+        self.host, self.lists = table, table.tolist()
+        if not self.sets:
+            self.sets = [_table_set(table) for _ in range(2)]
+        elif not in_place and not np.array_equal(self.sets[self.turn][2], table):
+            self.turn ^= 1
+        self.rows, self.views, shown = self.sets[self.turn]
+        for i in np.flatnonzero((shown != table).any(axis=1)):
+            self.views[i][:] = table[i]
+        shown[:] = table
 
     def update(self, given: list) -> None:
         """After the slots of `given` [(key, slot)] went to those keys (from the keys that
-        held them, now placeholders) and nothing else changed (under the cache's lock)."""
+        held them, now placeholders) and nothing else changed (under the cache's lock); the
+        set in use written in place (read() runs after a check's wait)."""
         table, key_of = self.host, self.key_of
         if given:
             changed = set()
@@ -382,8 +403,9 @@ class SlotTables:
                 table[key] = slot
                 key_of[slot] = key
                 changed.add(key[0])
+            shown = self.sets[self.turn][2]
             for layer in changed:
-                self.rows[layer] = mx.array(table[layer])
+                self.views[layer][:] = shown[layer] = table[layer]
                 self.lists[layer] = table[layer].tolist()
         self.version = self.cache.version
 
@@ -415,7 +437,7 @@ class SlotTables:
             cache.counters.prefetch_bytes += n
         cache.counters.read_seconds += time.perf_counter() - tic
         if self.version != cache.version:
-            self.build()
+            self.build(in_place=True)
         return [key for key, _ in taken]
 
     def first_miss(self, layers, rows):
@@ -435,6 +457,16 @@ class SlotTables:
         return [(m, e) for m, row in zip(layers, rows) for e in sorted(set(row)) if lists[m][e] == placeholder]
 
 
+def _table_set(table: np.ndarray) -> tuple:
+    """An mx array per row of `table`, a writable numpy view of each, and the table they show."""
+    rows = [mx.array(row) for row in table]
+    mx.eval(rows)
+    views = [np.array(row, copy=False) for row in rows]
+    if not all(v.flags.writeable for v in views):
+        raise MlxmoeError("this MLX build does not expose writable array memory; cannot verify decode steps")
+    return rows, views, table.copy()
+
+
 class PassRouting:
     """The routing of a verified pass's layer calls (`calls`: MoE layer -> (indices, router
     logits or probs, tapped)), on the device until a check reads it; the routers'
@@ -445,7 +477,7 @@ class PassRouting:
     host read of a GPU array is a managed allocation and a synchronous copy). The pack's
     routers are copied to the host with its indices, their softmax done when a distribution is
     first asked for (`unread`): a clean step's by the host work it leaves for later
-    (Verifier._tell_hits)."""
+    (tell_hits)."""
 
     def __init__(self) -> None:
         self.calls, self.dists, self.packed, self.unread = {}, {}, None, None
@@ -472,6 +504,11 @@ class PassRouting:
         self.packed = (layers, mx.concatenate([self.calls[m][0] for m in layers]), routed,
                        mx.concatenate([c[1] for c in calls]))
         mx.async_eval(self.packed[1], self.packed[3])
+
+    def arrays(self, layer: int) -> list:
+        """A layer call's routing arrays: its indices, and its router's where it has one."""
+        indices, router, _ = self.calls[layer]
+        return [indices] if router is None else [indices, router]
 
     def wait(self, layers: list, final: bool):
         """A wait for these layer calls' routing: the pack where it holds them at the forward's
@@ -567,6 +604,7 @@ class Verifier:
         self.observed = []  # this step's layer calls told, (call, row, distribution): observed at its end
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
+        self.held = []  # Direct layers whose experts are built and not queued until their routing is read
         self.tokens = 1  # of this step (several where a speculative step verifies a draft, or a batch's rows)
         self.width = 1  # of this step's tokens, those of each row (a KV cache trims them)
         # a sequence's steps, a batch's decode steps (each with its Direct layers: a replay first guessed
@@ -649,9 +687,10 @@ class Verifier:
             while True:
                 try:
                     out = call(*args, **kwargs)
-                    missed, ran = self._check(), len(self.layers)
+                    missed, ran = self._check(held=self.held.pop() if self.held else None), len(self.layers)
                 except Replay as r:
                     missed, ran = r.missed, r.ran
+                self.held = []
                 if missed is None:
                     break
                 first = self.decoder_of[missed]
@@ -664,7 +703,7 @@ class Verifier:
         finally:
             for c in batched:
                 del c.make_mask
-            self.forward = False
+            self.forward, self.held = False, []
             self._clear()
             self.hits, self.observed = ([], []), []
         counters = cache.counters
@@ -692,7 +731,15 @@ class Verifier:
         self.attention.kept = None
         self.outputs[d] = out
         ran = d + 1
-        if self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
+        checked = self.held and self.decoder_of[self.held[0]] < d
+        if checked:  # a held layer's routing, computed while this decoder layer was built
+            held = self.held.pop(0)
+            missed = self._check(until=self.decoder_of[held] + 1, direct=True, held=held)
+            if missed is not None:
+                raise Replay(missed, ran)
+        if self.held:  # this decoder layer's: its routing queued, its experts not yet
+            mx.async_eval(*self.routing.arrays(self.held[-1]))
+        elif checked or self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
             mx.async_eval(out)  # the device starts on these layers while the host builds the next
         if self.current.windowed and self.lag.layers < ran < len(self.layers):
             missed = self._check(until=ran - self.lag.layers)
@@ -709,13 +756,16 @@ class Verifier:
         logits = streaming._logits()
         probs = streaming._probs(x) if logits is None else None
         self.routing.calls[layer] = (indices, logits if logits is not None else probs, logits is not None)
-        if layer in self.current.direct.now and layer >= self.checked:  # (read now: no replay from it)
-            ran = self.decoder_of[layer] + 1
-            missed = self._check(until=ran, direct=True)
-            if missed is not None and missed != layer:  # (an earlier one, queued: a replay from it)
-                raise Replay(missed, ran)
-        if layer == len(self.decoder_of) - 1:
-            self.routing.pack(self.checked)
+        if layer in self.current.direct.now and layer >= self.checked:  # (no replay from it)
+            if holds(self.decoder_of, layer, self.cache.prefetcher):  # read once the next decoder layer is built
+                self.held.append(layer)
+            else:  # read now
+                ran = self.decoder_of[layer] + 1
+                missed = self._check(until=ran, direct=True, held=layer)
+                if missed is not None:  # (an earlier one, queued: a replay from it)
+                    raise Replay(missed, ran)
+        if layer == len(self.decoder_of) - 1 and not (self.held and self.held[0] < layer):
+            self.routing.pack(self.checked)  # (not past a held layer: its routing would compute from its experts)
         return streaming._inner(x, self.tables.rows[layer][indices])
 
     def _clear(self) -> None:
@@ -725,11 +775,13 @@ class Verifier:
 
     # -- the check ----------------------------------------------------------------------
 
-    def _check(self, until: int | None = None, direct: bool = False):
+    def _check(self, until: int | None = None, direct: bool = False, held: int | None = None):
         """A wait for the routing of this pass's layer calls not checked yet (in decoder layers
         before `until`, or all; `direct`: up to a Direct layer's), on the host. The layers before
         the first that missed are hits, told to the policy before a read or at the forward's end
-        (the observers: at the step's end); that layer's experts are read. Returns that layer, or None."""
+        (the observers: at the step's end); that layer's experts are read. Returns that layer
+        (a replay from it), or None: where none missed, or where it is `held`, whose experts are
+        not queued yet (read into the slots its lookup will find: no replay)."""
         cache = self.cache
         routing = self.routing
         # (a replay's: from the layer it reran; decoder_of ascends)
@@ -752,7 +804,7 @@ class Verifier:
         missed = None
         if first is not None:  # (the missed layer's distribution in the same softmax as the hits')
             dist = routing.dists_of(self.hits[0] + layers[first:first + 1])[-1]
-            self._tell_hits()
+            tell_hits(self)
             call = step_call(layers[first], rows[first], dist, self.tokens)
             missed = call[0]
             # the later layers' misses in this pass: computed from a hidden state that a missing expert
@@ -760,38 +812,49 @@ class Verifier:
             guesses = self.tables.absent(layers[first + 1:], rows[first + 1:]) if self.guess else []
             self.guessed.update(self.tables.read(*call, guesses, rows[first], self.tokens))
             self.observed.append((call, rows[first], dist))
-        elif until is None:  # the step's end: its layer calls observed in one go
-            self._tell_hits(last=True)
+        repaired = missed is not None and missed == held
+        if until is None and (missed is None or repaired):  # the step's end: its layer calls observed in one go
+            tell_hits(self, last=True)
         if layers:
             self.checked = layers[-1] + 1 if missed is None else missed + 1
         spent = time.perf_counter() - start - (cache.counters.read_seconds - read)
         cache.counters.bookkeeping_seconds += spent
         if direct:  # (its wait and bookkeeping: what it costs instead of a replay)
             self.current.direct.waited(start - tic + spent)
-        return missed
+        return None if repaired else missed
 
-    def _tell_hits(self, last: bool = False) -> None:
-        """The layer calls checked since the last time whose experts were all resident, in
-        order, in one go: counted, their policy updates left for later (Residency.deferred),
-        kept for the observers, told the step's calls at its end (`last`). There, where no
-        observer but the live profile needs them (it takes no position) and one sequence
-        steps, all of it is left for later as one entry of `deferred`, the routing with it: its
-        softmax and the policy's and the profile's updates run off the decode thread where a
-        prefetcher's host thread gets to them first."""
-        (layers, rows), self.hits, cache = self.hits, ([], []), self.cache
-        _count_useful(cache, self.guessed, layers, rows)
-        if not last:
-            self.observed += _tell(cache, self.routing, layers, rows, self.tokens)
-        elif cache.rows is None and not cache.observers and cache.defer_hits:
-            if self.routing.unread is None:  # (no pack: the routers' own arrays read now, on this thread)
-                self.routing.dists_of(layers)
-            # (the hits counted here: the counters are the decode thread's, unlocked)
-            cache.counters.hits += sum(len(set(row)) for row in rows)
-            cache.deferred.append((_tell, (cache, self.routing, layers, rows, self.tokens, self.observed, True)))
-            self.routing, self.observed = PassRouting(), []
-        else:
-            _tell(cache, self.routing, layers, rows, self.tokens, self.observed)
-            self.observed = []
+def holds(decoder_of: list, layer: int, prefetcher) -> bool:
+    """Whether a Direct MoE `layer`'s routing is read after its experts are built from the table
+    and before they are queued: where it is the last MoE layer of its decoder layer (none after
+    it there computes from its output) and predicting is paused or off (where it pays, a held
+    step's reads are demand reads it could have hidden: the per-layer path's steps are the
+    faster, a read a guess would spare outweighs the waits)."""
+    last = layer + 1 == len(decoder_of) or decoder_of[layer + 1] != decoder_of[layer]
+    return last and (prefetcher is None or prefetcher.worth.paused)
+
+
+def tell_hits(v, last: bool = False) -> None:
+    """A Verifier `v`'s layer calls checked since the last time whose experts were all
+    resident, in order, in one go: counted, their policy updates left for later
+    (Residency.deferred), kept for the observers, told the step's calls at its end (`last`). There, where no
+    observer but the live profile needs them (it takes no position) and one sequence
+    steps, all of it is left for later as one entry of `deferred`, the routing with it: its
+    softmax and the policy's and the profile's updates run off the decode thread where a
+    prefetcher's host thread gets to them first."""
+    (layers, rows), v.hits, cache = v.hits, ([], []), v.cache
+    _count_useful(cache, v.guessed, layers, rows)
+    if not last:
+        v.observed += _tell(cache, v.routing, layers, rows, v.tokens)
+    elif cache.rows is None and not cache.observers and cache.defer_hits:
+        if v.routing.unread is None:  # (no pack: the routers' own arrays read now, on this thread)
+            v.routing.dists_of(layers)
+        # (the hits counted here: the counters are the decode thread's, unlocked)
+        cache.counters.hits += sum(len(set(row)) for row in rows)
+        cache.deferred.append((_tell, (cache, v.routing, layers, rows, v.tokens, v.observed, True)))
+        v.routing, v.observed = PassRouting(), []
+    else:
+        _tell(cache, v.routing, layers, rows, v.tokens, v.observed)
+        v.observed = []
 
 
 def host_work_meanwhile(cache) -> None:
