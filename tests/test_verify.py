@@ -121,6 +121,30 @@ def test_slot_tables_follow_the_reads_of_a_miss(checkpoint, monkeypatch):
     assert len(checked) >= 5
 
 
+def test_slot_tables_keep_the_token_before_its_slots(checkpoint):
+    """A forward that finds the residency changed builds its tables into the other set: a
+    lookup the token before built (not yet computed) still finds the slot it was built with.
+    A check's read writes the set in use in place: a lookup built in this forward and not yet
+    computed finds the slot the read gave."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = all_but(path, 6)
+    cache = model.expert_cache
+    generate(model, tokenizer)  # (experts resident)
+    tables = verify.SlotTables(cache)
+    tables.build()
+    key, slot = next(iter(cache.slot_of.items()))
+    layer, expert = key
+    before = tables.rows[layer][mx.array([expert])]  # (the token before's lookup, lazy)
+    cache.forget([key])
+    tables.build()
+    assert tables.lists[layer][expert] == tables.placeholder
+    assert before.item() == slot  # (its set untouched)
+    assert tables.rows[layer][mx.array([expert])].item() == tables.placeholder
+    now = tables.rows[layer][mx.array([expert])]  # (this forward's lookup, lazy)
+    tables.read(layer, [expert], None, None, [], [expert], 1)
+    assert now.item() == tables.lists[layer][expert] == cache.slot_of[key] != tables.placeholder
+
+
 def test_placeholder_never_reaches_the_output(checkpoint):
     path = checkpoint("qwen3_moe")  # float weights: NaN in the placeholder would spread
     want, _ = reference(path)

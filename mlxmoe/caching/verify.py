@@ -459,11 +459,14 @@ class SlotTables:
 
 def _table_set(table: np.ndarray) -> tuple:
     """An mx array per row of `table`, a writable numpy view of each, and the table they show."""
-    rows = [mx.array(row) for row in table]
+    # (made on the CPU stream, as the slot pools are: on CUDA managed memory, host-writable in place)
+    rows = [mx.zeros(table.shape[1:], dtype=mx.uint32, stream=mx.cpu) for _ in table]
     mx.eval(rows)
     views = [np.array(row, copy=False) for row in rows]
     if not all(v.flags.writeable for v in views):
         raise MlxmoeError("this MLX build does not expose writable array memory; cannot verify decode steps")
+    for view, row in zip(views, table):
+        view[:] = row
     return rows, views, table.copy()
 
 
@@ -764,6 +767,7 @@ class Verifier:
                 missed = self._check(until=ran, direct=True, held=layer)
                 if missed is not None:  # (an earlier one, queued: a replay from it)
                     raise Replay(missed, ran)
+                self.held = [m for m in self.held if m >= self.checked]  # (an earlier held one: checked too)
         if layer == len(self.decoder_of) - 1 and not (self.held and self.held[0] < layer):
             self.routing.pack(self.checked)  # (not past a held layer: its routing would compute from its experts)
         return streaming._inner(x, self.tables.rows[layer][indices])
