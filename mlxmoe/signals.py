@@ -28,9 +28,11 @@ _WAIT = threading.Condition.wait.__code__
 
 def torn(frame) -> bool:
     """Whether `frame` stands where an exception would tear a lock's state: a context manager's
-    __enter__ (its lock taken, its with-block not begun), or Condition.wait from giving its lock
-    up to the try that takes it back (marked by its local `gotit`, set just before that try)."""
+    __enter__ (its lock taken, its with-block not begun) or __exit__ (not given back yet:
+    Condition's, or concurrent.futures.wait's over its futures' conditions, which a pool's
+    worker then waits on for ever), or Condition.wait from giving its lock up to the try that
+    takes it back (marked by its local `gotit`, set just before that try)."""
     code = frame.f_code
-    if code.co_name in ("__enter__", "_release_save"):
+    if code.co_name in ("__enter__", "__exit__", "_release_save"):
         return True
     return code is _WAIT and "gotit" in code.co_varnames and "gotit" not in frame.f_locals

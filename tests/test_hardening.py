@@ -286,6 +286,39 @@ def test_a_signal_landing_in_a_locks_enter_leaves_the_lock_free(signum):
         cli._terminated.clear()
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_landing_in_a_locks_exit_leaves_the_lock_free(signum):
+    """Ctrl-C or SIGTERM landing in a context manager's __exit__ before it gives its lock back
+    (Condition's, concurrent.futures.wait's over its futures' conditions), raised there, leaves
+    the lock held for ever: a pool's worker setting that future's result then hangs the exit
+    (`trace record` in the kill test, its running ahead waiting on its demand reads). mlxmoe's
+    handlers act a few ms later instead, once the signal lands elsewhere."""
+    from mlxmoe import cli, signals
+
+    lock = threading.Lock()
+
+    class Giving:
+        def __enter__(self):
+            lock.acquire()
+            return self
+
+        def __exit__(self, *exc):
+            os.kill(os.getpid(), signum)  # its handler runs in this frame, once the call returns
+            lock.release()
+
+    raise_it = signal.default_int_handler if signum == signal.SIGINT else cli._terminate
+    previous = signal.signal(signum, signals.interrupting(raise_it))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with Giving():
+                pass
+            time.sleep(30)  # the signal, sent again, lands here
+        assert not lock.locked()
+    finally:
+        signal.signal(signum, previous)
+        cli._terminated.clear()
+
+
 def test_a_signal_landing_as_a_condition_gives_up_its_lock_is_raised_in_its_wait():
     """Condition.wait gives its lock up before the try that takes it back: Ctrl-C raised in
     between leaves the with-block giving back a lock it no longer holds (RuntimeError, a
