@@ -253,13 +253,16 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["p.json", "p.txt"]
 
 
+@pytest.mark.parametrize("where", ["__enter__", "__exit__"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_landing_in_a_locks_enter_leaves_the_lock_free(signum):
+def test_a_signal_landing_in_a_locks_enter_or_exit_leaves_the_lock_free(signum, where):
     """Ctrl-C or SIGTERM landing in a context manager's __enter__ after its lock was taken, before
-    its with-block began (a thread pool's submit, a queue's put), raised there would leave the
-    lock held for ever: a pool's worker waiting on it then hangs the exit (`chat` in the kill test;
-    1 in 100 runs of a pool fed in a loop with Python's own handler). mlxmoe's handlers act a
-    few ms later instead, once the signal lands elsewhere."""
+    its with-block began (a thread pool's submit, a queue's put), or in its __exit__ before it
+    gives the lock back (Condition's, concurrent.futures.wait's over its futures' conditions),
+    raised there would leave the lock held for ever: a pool's worker waiting on it then hangs the
+    exit (`chat` in the kill test, 1 in 100 runs of a pool fed in a loop with Python's own
+    handler; `trace record`, its running ahead waiting on its demand reads). mlxmoe's handlers
+    act a few ms later instead, once the signal lands elsewhere."""
     from mlxmoe import cli, signals
 
     lock = threading.Lock()
@@ -267,10 +270,13 @@ def test_a_signal_landing_in_a_locks_enter_leaves_the_lock_free(signum):
     class Taking:
         def __enter__(self):
             lock.acquire()
-            os.kill(os.getpid(), signum)  # its handler runs in this frame, once the call returns
+            if where == "__enter__":
+                os.kill(os.getpid(), signum)  # its handler runs in this frame, once the call returns
             return self
 
         def __exit__(self, *exc):
+            if where == "__exit__":
+                os.kill(os.getpid(), signum)
             lock.release()
 
     raise_it = signal.default_int_handler if signum == signal.SIGINT else cli._terminate
@@ -278,39 +284,6 @@ def test_a_signal_landing_in_a_locks_enter_leaves_the_lock_free(signum):
     try:
         with pytest.raises(KeyboardInterrupt):
             with Taking():
-                pass
-            time.sleep(30)  # the signal, sent again, lands here
-        assert not lock.locked()
-    finally:
-        signal.signal(signum, previous)
-        cli._terminated.clear()
-
-
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_landing_in_a_locks_exit_leaves_the_lock_free(signum):
-    """Ctrl-C or SIGTERM landing in a context manager's __exit__ before it gives its lock back
-    (Condition's, concurrent.futures.wait's over its futures' conditions), raised there, leaves
-    the lock held for ever: a pool's worker setting that future's result then hangs the exit
-    (`trace record` in the kill test, its running ahead waiting on its demand reads). mlxmoe's
-    handlers act a few ms later instead, once the signal lands elsewhere."""
-    from mlxmoe import cli, signals
-
-    lock = threading.Lock()
-
-    class Giving:
-        def __enter__(self):
-            lock.acquire()
-            return self
-
-        def __exit__(self, *exc):
-            os.kill(os.getpid(), signum)  # its handler runs in this frame, once the call returns
-            lock.release()
-
-    raise_it = signal.default_int_handler if signum == signal.SIGINT else cli._terminate
-    previous = signal.signal(signum, signals.interrupting(raise_it))
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            with Giving():
                 pass
             time.sleep(30)  # the signal, sent again, lands here
         assert not lock.locked()
