@@ -380,7 +380,7 @@ class SlotTables:
             self.version = cache.version
         self.host, self.lists = table, table.tolist()
         if not self.sets:
-            self.sets = [_table_set(table) for _ in range(2)]
+            self.sets = [_table_set(table.shape) for _ in range(2)]
         elif not in_place and not np.array_equal(self.sets[self.turn][2], table):
             self.turn ^= 1
         self.rows, self.views, shown = self.sets[self.turn]
@@ -457,17 +457,16 @@ class SlotTables:
         return [(m, e) for m, row in zip(layers, rows) for e in sorted(set(row)) if lists[m][e] == placeholder]
 
 
-def _table_set(table: np.ndarray) -> tuple:
-    """An mx array per row of `table`, a writable numpy view of each, and the table they show."""
+def _table_set(shape: tuple) -> tuple:
+    """A zeroed mx array per row of a [layers, experts] table, a writable numpy view of each,
+    and the table they show (SlotTables.build writes the rows that differ)."""
     # (made on the CPU stream, as the slot pools are: on CUDA managed memory, host-writable in place)
-    rows = [mx.zeros(table.shape[1:], dtype=mx.uint32, stream=mx.cpu) for _ in table]
+    rows = [mx.zeros(shape[1:], dtype=mx.uint32, stream=mx.cpu) for _ in range(shape[0])]
     mx.eval(rows)
     views = [np.array(row, copy=False) for row in rows]
     if not all(v.flags.writeable for v in views):
         raise MlxmoeError("this MLX build does not expose writable array memory; cannot verify decode steps")
-    for view, row in zip(views, table):
-        view[:] = row
-    return rows, views, table.copy()
+    return rows, views, np.zeros(shape, dtype=np.uint32)
 
 
 class PassRouting:
@@ -734,15 +733,15 @@ class Verifier:
         self.attention.kept = None
         self.outputs[d] = out
         ran = d + 1
-        checked = self.held and self.decoder_of[self.held[0]] < d
-        if checked:  # a held layer's routing, computed while this decoder layer was built
+        reads_held = self.held and self.decoder_of[self.held[0]] < d
+        if reads_held:  # a held layer's routing, computed while this decoder layer was built
             held = self.held.pop(0)
             missed = self._check(until=self.decoder_of[held] + 1, direct=True, held=held)
             if missed is not None:
                 raise Replay(missed, ran)
         if self.held:  # this decoder layer's: its routing queued, its experts not yet
             mx.async_eval(*self.routing.arrays(self.held[-1]))
-        elif checked or self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
+        elif reads_held or self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
             mx.async_eval(out)  # the device starts on these layers while the host builds the next
         if self.current.windowed and self.lag.layers < ran < len(self.layers):
             missed = self._check(until=ran - self.lag.layers)
@@ -827,6 +826,7 @@ class Verifier:
             self.current.direct.waited(start - tic + spent)
         return None if repaired else missed
 
+
 def holds(decoder_of: list, layer: int, prefetcher) -> bool:
     """Whether a Direct MoE `layer`'s routing is read after its experts are built from the table
     and before they are queued: where it is the last MoE layer of its decoder layer (none after
@@ -840,11 +840,11 @@ def holds(decoder_of: list, layer: int, prefetcher) -> bool:
 def tell_hits(v, last: bool = False) -> None:
     """A Verifier `v`'s layer calls checked since the last time whose experts were all
     resident, in order, in one go: counted, their policy updates left for later
-    (Residency.deferred), kept for the observers, told the step's calls at its end (`last`). There, where no
-    observer but the live profile needs them (it takes no position) and one sequence
-    steps, all of it is left for later as one entry of `deferred`, the routing with it: its
-    softmax and the policy's and the profile's updates run off the decode thread where a
-    prefetcher's host thread gets to them first."""
+    (Residency.deferred), kept for the observers, told the step's calls at its end (`last`).
+    There, where no observer but the live profile needs them (it takes no position) and one
+    sequence steps, all of it is left for later as one entry of `deferred`, the routing with
+    it: its softmax and the policy's and the profile's updates run off the decode thread where
+    a prefetcher's host thread gets to them first."""
     (layers, rows), v.hits, cache = v.hits, ([], []), v.cache
     _count_useful(cache, v.guessed, layers, rows)
     if not last:
