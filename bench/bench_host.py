@@ -46,6 +46,12 @@ decode thread (IO and prefetch threads). A GIL hand-over to another Python threa
 patched call also reads as a wait (rare: ~1 % of the reads of evaluated arrays, seen with the
 prefetcher's thread running).
 
+Emulated host reads (--read-us R): the first host read of each array of more than 8 bytes on
+the decode thread costs R more (CUDA moves a device-made array to managed memory at its first
+host read: 55 us on an H200; Metal's unified memory costs nothing; bench/roundtrip.py).
+`--rtt 77 --read-us 55` is the H200's measured pair (bench/device_costs.py). `reads/token` counts
+such reads whatever R.
+
 Columns: waits and calls (patched calls) per decoded token; decode-thread host ms per token:
 time.thread_time() of the decode thread over the decode window, per token (a sleep and a wait
 on the device take none; it includes the counting's own cost, ~1-2 us a patched call, printed);
@@ -54,6 +60,7 @@ on the device take none; it includes the counting's own cost, ~1-2 us a patched 
     python bench/bench_host.py --tokens 16 --rounds 1 --rtt 0,150          # smoke
     python bench/bench_host.py --rtt 0,150,1000                            # issue 42's rows
     python bench/bench_host.py --configs stock,hit99,hit99:new --variant new='{"prefetch": 0}'
+    python bench/bench_host.py --rtt 77 --read-us 55                       # as an H200 would
 """
 
 import argparse
@@ -116,6 +123,7 @@ def timed_generation(generate, model, tokenizer, args, waits=None, cache=None):
         sites0 = first["sites"]
         sites = {k: (n - sites0.get(k, 0)) / steps for k, n in last["sites"].items() if n > sites0.get(k, 0)}
         out.update(waits_per_token=d["waits"] / steps, calls_per_token=d["calls"] / steps,
+                   reads_per_token=d["reads"] / steps,
                    queued_ms_per_token=1e3 * d["queued"] / steps,
                    added_us_per_wait=1e6 * d["added"] / d["waits"] if d["waits"] else None,
                    wait_sites=dict(sorted(sites.items(), key=lambda kv: -kv[1])[:8]))
@@ -193,7 +201,7 @@ def run_config(args):
     """Warm with args.warmups generations, then one timed generation per round trip in args.rtt."""
     rtts = [float(x) for x in args.rtt.split(",")]
     model, tokenizer, generate, cache = open_model(args)
-    waits = DeviceWaits(args.spin, args.every_call)
+    waits = DeviceWaits(args.spin, args.every_call, read_us=args.read_us)
     cost = waits.install()
     waits.set_rtt(rtts[0])
     for _ in range(args.warmups):  # the same workload: the cache warms, the verified mode's switch settles
@@ -287,7 +295,7 @@ def spawn(args, one, load_kwargs="{}", slots=None, rtts=None):
         cmd += ["--slots", str(slots)]
     if rtts is not None:
         cmd += ["--rtt", ",".join(str(r) for r in rtts)]
-    cmd += ["--spin"] * args.spin + ["--every-call"] * args.every_call
+    cmd += ["--spin"] * args.spin + ["--every-call"] * args.every_call + ["--read-us", str(args.read_us)]
     return run_child(cmd, one if slots is None else f"{one} ({slots} experts)", args.timeout)
 
 
@@ -346,7 +354,8 @@ def pooled(runs, rtt):
     mean = lambda k: statistics.fmean(x[k] for x in rows) if all(x.get(k) is not None for x in rows) else None
     out = {k: med(k) for k in ("tok_s", "ms_per_token", "host_ms_per_token", "process_cpu_ms_per_token",
                                "queued_ms_per_token")}
-    out.update({k: mean(k) for k in ("waits_per_token", "calls_per_token", "added_us_per_wait", "stolen")})
+    out.update({k: mean(k) for k in ("waits_per_token", "calls_per_token", "reads_per_token", "added_us_per_wait",
+                                     "stolen")})
     if "hits" in rows[0]:
         hits, misses = sum(x["hits"] for x in rows), sum(x["misses"] for x in rows)
         out["hit_rate"] = hits / (hits + misses) if hits + misses else None
@@ -375,7 +384,7 @@ def report(args, configs, sizes, results, rtts):
         for name, config, kwargs in configs:
             p = pooled(results[name], rtt)
             if p is None:
-                rows.append([name, f"{rtt:g}"] + ["-"] * 11 + ["FAILED", "-"])
+                rows.append([name, f"{rtt:g}"] + ["-"] * 12 + ["FAILED", "-"])
                 continue
             s = stock[rtt]
             slots = None if config in STOCKS else total if config == "resident" else sizes[config]
@@ -390,7 +399,8 @@ def report(args, configs, sizes, results, rtts):
             rows.append([name, f"{rtt:g}", "-" if slots is None else f"{slots} ({100 * slots / total:.1f} %)",
                          "-" if p.get("hit_rate") is None else f"{100 * p['hit_rate']:.1f} %",
                          fmt(p["tok_s"], ".1f"), fmt(line["vs_stock"], ".2f"), fmt(p["waits_per_token"], ".1f"),
-                         fmt(p["calls_per_token"], ".1f"), fmt(p["host_ms_per_token"], ".2f"),
+                         fmt(p["calls_per_token"], ".1f"), fmt(p.get("reads_per_token"), ".1f"),
+                         fmt(p["host_ms_per_token"], ".2f"),
                          fmt(line["host_vs_stock"], ".2f"), fmt(p["queued_ms_per_token"], ".1f"),
                          fmt(p.get("verified_share") and 100 * p["verified_share"], ".0f"),
                          fmt(p.get("replays_per_token"), ".2f"),
@@ -411,12 +421,14 @@ def report(args, configs, sizes, results, rtts):
           f"{'recorded: ' + args.routing if args.routing else 'of the random weights'} (decode window: tokens "
           f"2..{args.tokens}, {args.rounds} round{'s' * (args.rounds > 1)}, medians)",
           ["config", "rtt us", "cache (experts, %)", "hit rate", "tok/s", "/ stock", "waits/token", "calls/token",
-           "host ms/token", "host / stock's", "queued ms/token", "verified %", "replays/token", "tokens identical",
+           "reads/token", "host ms/token", "host / stock's", "queued ms/token", "verified %", "replays/token", "tokens identical",
            "stolen %"], rows)
     added = [l["added_us_per_wait"] for l in lines if l["rtt_us"] and l.get("added_us_per_wait")]
     cost = [r["count_cost_us"] for runs in results.values() for r in runs if "count_cost_us" in r]
     rule = "every patched call (--every-call)" if args.every_call else "patched calls on the decode thread that slept"
-    print(f"waits: {rule}; calls: all patched calls; added per wait {'(spin)' if args.spin else '(sleep)'}: "
+    print(f"waits: {rule}; calls: all patched calls; reads: first host reads of arrays of more than 8 bytes"
+          + (f", each {args.read_us:g} us more (--read-us)" if args.read_us else "")
+          + f"; added per wait {'(spin)' if args.spin else '(sleep)'}: "
           + (f"{min(added):.0f}-{max(added):.0f} us measured" if added else "-")
           + (f"; counting cost {statistics.median(cost):.1f} us a call, in the host time" if cost else ""))
     print("queued: wall time of the decode thread inside mx.async_eval, which holds its caller while more "
@@ -460,6 +472,9 @@ def main():
                         help="Generations of the same workload before the timed one, in each process: the cache "
                              "warms and the verified mode's switch settles (it starts on a cold cache's many misses).")
     parser.add_argument("--spin", action="store_true", help="Busy-wait the round trip instead of sleeping.")
+    parser.add_argument("--read-us", type=float, default=0.0,
+                        help="Add this many us to the first host read of each array of more than 8 bytes (CUDA's "
+                             "move to managed memory: 55 on an H200; bench/roundtrip.py).")
     parser.add_argument("--every-call", action="store_true", help="Charge the round trip to every patched call.")
     parser.add_argument("--json", action="store_true", help="JSON lines (one per row) instead of the table.")
     parser.add_argument("--output", type=Path, default=HERE / "out" / "host.json", help="All results, JSON.")

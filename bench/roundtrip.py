@@ -19,6 +19,13 @@ not sleep but reads an array of the thread's last `mx.async_eval`, less than S a
 wait too, of what is left of S: the round trip runs from the submission (on this CPU,
 `async_eval` of small ops returns once they are computed, so without this an `eval` split into
 `async_eval`, a little host work and `eval` would pass for no wait at all).
+
+With a host read cost R (`read_us`), the first host read of an array of more than 8 bytes (np.array,
+np.asarray, item, tolist, ...) costs R more, slept after it: MLX's CUDA backend moves a
+device-made array to managed memory at its first host read (a `cudaMallocManaged` and a
+synchronous copy on the reading thread; 55 us on an H200, bench/device_costs.py), while arrays of at
+most 8 bytes (a sampled token) live in a managed pool and cost nothing. Metal's unified memory
+costs no such thing (R = 0).
 """
 
 import argparse
@@ -29,6 +36,7 @@ import runpy
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,8 +52,11 @@ class DeviceWaits:
     module's docstring). The decode thread: the one that made this, or with `thread_name`,
     every thread whose name holds it."""
 
-    def __init__(self, spin=False, every_call=False, thread_name=None):
+    def __init__(self, spin=False, every_call=False, thread_name=None, read_us=0.0):
         self.thread = threading.get_ident()
+        self.read_cost = read_us * 1e-6  # added to the first host read of an array of more than 8 bytes
+        self.reads, self.read_added, self.read_overshoot = 0, 0.0, 0.0  # such reads, the wall seconds they added
+        self.read_seen = {}  # id -> a weak reference to the array whose first read was done
         self.thread_name = thread_name
         self.spin, self.every_call = spin, every_call
         self.calls = self.waits = 0
@@ -65,7 +76,7 @@ class DeviceWaits:
 
     def mark(self):
         return {"calls": self.calls, "waits": self.waits, "added": self.added, "emulation_cpu": self.emulation_cpu,
-                "queued": self.queued,
+                "queued": self.queued, "reads": self.reads, "read_added": self.read_added,
                 "sites": dict(self.sites)}
 
     def _decode_thread(self):
@@ -92,6 +103,24 @@ class DeviceWaits:
             self.overshoot += 0.1 * (time.perf_counter() - tic - self.sleep_for - self.overshoot)
             self.sleep_for = max(0.0, self.rtt - self.overshoot)
         self.added += time.perf_counter() - tic
+        self.emulation_cpu += time.thread_time() - cpu
+
+    def _read(self, a):
+        """A host read of mx array `a`: its first, where it holds more than 8 bytes, costs the read cost."""
+        seen = self.read_seen.get(id(a))
+        if a.nbytes <= 8 or seen is not None and seen() is a:
+            return
+        if len(self.read_seen) >= 4096:  # (the oldest let go)
+            del self.read_seen[next(iter(self.read_seen))]
+        self.read_seen[id(a)] = weakref.ref(a)  # (an id a later array takes anew is another array)
+        self.reads += 1
+        if not self.read_cost:
+            return
+        tic, cpu = time.perf_counter(), time.thread_time()
+        sleep_for = max(0.0, self.read_cost - self.read_overshoot)  # (as a wait's: R on average)
+        time.sleep(sleep_for)
+        self.read_overshoot += 0.1 * (time.perf_counter() - tic - sleep_for - self.read_overshoot)
+        self.read_added += time.perf_counter() - tic
         self.emulation_cpu += time.thread_time() - cpu
 
     @staticmethod
@@ -134,6 +163,8 @@ class DeviceWaits:
                     self._wait()
                 elif left > 0:
                     self._wait(left)
+                if reads:  # (after the wait's test: its own sleep is no wait)
+                    self._read(args[0])
 
         return call
 
@@ -183,6 +214,8 @@ def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  usage="python bench/roundtrip.py --rtt US [--thread NAME] [--report FILE] -m MODULE [ARGS...]")
     ap.add_argument("--rtt", type=float, required=True, help="the round trip added to each wait, us")
+    ap.add_argument("--read-us", type=float, default=0.0, help="added to the first host read of each array of "
+                    "more than 8 bytes, us (CUDA's move to managed memory)")
     ap.add_argument("--thread", default=GENERATION_THREAD, help="the threads it applies to: those whose name holds this")
     ap.add_argument("--report", help="write the calls and waits counted so far here (JSON, twice a second)")
     ap.add_argument("--routing", help="[FORMAT:]FILE: every model loaded routes as this recording (bench/routed.py, "
@@ -194,7 +227,7 @@ def main(argv):
     if args.report:  # (not into the model folder the module is given, if any)
         model = module_args[module_args.index("--model") + 1] if "--model" in module_args[:-1] else None
         check_outputs({"--report": args.report}, {"--model": model_folder(model)} if model else None)
-    waits = DeviceWaits(thread_name=args.thread)
+    waits = DeviceWaits(thread_name=args.thread, read_us=args.read_us)
     waits.install()
     waits.set_rtt(args.rtt)
     if args.report:

@@ -115,3 +115,39 @@ def test_the_decode_threads_time_inside_async_eval_is_counted():
     held, before, after = map(float, out.stdout.split())
     assert held > 0.002 and 0.9 * held <= before <= held, (held, before)
     assert after == before
+
+
+READS = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from roundtrip import DeviceWaits
+waits = DeviceWaits(read_us=20000)  # 20 ms: far above this machine's jitter
+waits.install()
+import mlx.core as mx
+import numpy as np
+row, token = mx.arange(6, dtype=mx.uint32) + 1, mx.array(3) + 1
+mx.eval(row, token)
+before = waits.waits
+
+def timed(read):
+    tic = time.perf_counter()
+    read()
+    return time.perf_counter() - tic
+
+first = timed(lambda: row.tolist())
+again = timed(lambda: np.array(row))
+small = timed(lambda: token.item())  # 4 bytes: a managed pool's, no move
+print(waits.reads, waits.waits - before, first, again, small)
+"""
+
+
+def test_the_first_host_read_of_an_array_pays_the_read_cost():
+    """--read-us R (CUDA's move of a device-made array to managed memory at its first host
+    read): the first read of an array of more than 8 bytes pays R and counts a read, not a
+    wait; its later reads, and a read of a sampled token (8 bytes or fewer), pay nothing."""
+    out = subprocess.run([sys.executable, "-c", READS, str(ROOT / "bench")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    reads, waits, first, again, small = out.stdout.split()
+    assert (int(reads), int(waits)) == (1, 0)
+    assert 0.015 < float(first) < 0.2 and float(again) < 0.005 and float(small) < 0.005, (first, again, small)
