@@ -8,6 +8,8 @@ machine's default device: the figures that price the runtime's reads of routing 
   resident path's packed routing, read a step or two after it was computed). On CUDA (MLX
   0.32) a device-made array is moved to managed memory at its first host read: a managed
   allocation and a synchronous copy on the reading thread.
+- `read ... 32 bytes`: the same of a layer call's top-8 indices (what a verified step's checks read
+  one array at a time: bench_host.py's reads/token, priced by its --read-us).
 - `read again`: the same array read a second time (already host-readable).
 - `cpu copy`: the same array copied by an op on the CPU stream (`mx.add(a, 0, stream=mx.cpu)`,
   async_eval'd, done by MLX's CPU thread), then read: the decode thread's part only.
@@ -78,13 +80,15 @@ def main():
     rows = [("wait (eval of one op)", median_us(args.samples, lambda k: k, wait)),
             ("item (one element)", median_us(args.samples, fresh_scalar, lambda s: s.item())),
             (f"read ({args.bytes} bytes, first)", median_us(args.samples, lambda k: made(n, k), np.array)),
+            ("read (32 bytes, first: a layer call's indices)", median_us(args.samples, lambda k: made(8, k),
+                                                                           lambda a: a.tolist())),
             (f"read again ({args.bytes} bytes)", median_us(args.samples, read_twice, np.array)),
             (f"cpu copy, then read ({args.bytes} bytes)", median_us(args.samples, copied, np.array)),
             ("cpu copy: its async_eval", median_us(args.samples, lambda k: mx.add(made(n, k), 0, stream=mx.cpu),
                                                    mx.async_eval))]
     print(f"device {mx.default_device()}, mlx {mx.__version__}; medians of {args.samples}, us")
     for name, us in rows:
-        print(f"  {name:<40} {us:9.1f}")
+        print(f"  {name:<48} {us:9.1f}")
     stolen = stolen_share(ticks, cpu_ticks())
     print(f"CPU stolen by the hypervisor over the run: {'-' if stolen is None else f'{stolen:.1%}'}")
 
