@@ -183,8 +183,9 @@ def _tapped(cls):
     """A subclass of a router's Linear class whose call also keeps its output."""
 
     def __call__(self, x):
-        self.last_logits = cls.__call__(self, x)
-        return self.last_logits
+        logits = cls.__call__(self, x)
+        object.__setattr__(self, "last_logits", logits)  # (an attribute, not a parameter of the module's tree)
+        return logits
 
     return type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
 
@@ -387,6 +388,13 @@ class ResidentCalls:
     def defer(cls, cache, layer: int) -> "ResidentCalls":
         """The current token's work (queued last in `deferred` until done), a new one at the
         token's first layer call."""
+        if layer != 0:  # (the token's work, last in `deferred`: one read of it needs no lock)
+            try:
+                last = cache.deferred[-1][0]
+            except IndexError:
+                last = None
+            if isinstance(last, cls):
+                return last
         with cache.lock:
             last = cache.deferred[-1][0] if cache.deferred else None
             previous = last if isinstance(last, cls) else None
@@ -642,8 +650,11 @@ class StreamingExperts(nn.Module):
         self._fallback = None  # the experts' low-bit copies, a module like _inner (fallback.attach_fallback)
 
     def __call__(self, x, indices):
-        runtime = self._runtime
+        runtime, cache = self._runtime, self._cache
         if runtime is None or runtime.group is None:
+            table = cache.slot_table  # (every expert resident: no verified step, no running ahead)
+            if table is not None and not cache.loader.stop.is_set():
+                return self._resident(x, indices, table)
             return self._call(x, indices)
         try:
             return self._call(x, indices)
@@ -845,12 +856,9 @@ class StreamingExperts(nn.Module):
         return (keep if skipped else None), scales
 
     def _resident(self, x, indices, table):
-        """Every expert is resident (they stay put then): slots from the cache's table on
-        the device, the host work (hits, live profile, trace; no policy) done once this
-        token's routing is computed anyway (ResidentCalls): no sync, the token queued whole
-        as stock queues it (a queue a layer call costs host time: the device computes a
-        token while the host builds the next), with its packed routing. A tapped router's
-        probabilities come from its logits on the host (host_probs)."""
+        """Every expert resident (they stay put): slots from the table on the device, the host
+        work (hits, live profile, trace; no policy) done once the token's routing is computed
+        anyway (ResidentCalls): no sync, the token queued whole as stock queues it."""
         logits = self._logits()
         probs = self._probs(x) if logits is None else None
         work = ResidentCalls.defer(self._cache, self._layer)
@@ -858,7 +866,7 @@ class StreamingExperts(nn.Module):
         if probs is not None:
             work.side.append(probs)
         out = table.experts(self, x, indices)
-        last = self._layer == self._cache.store.num_layers - 1
+        last = self._layer == len(table) - 1
         packed = work.pack(table) if last and self._runtime is not None and self._runtime.group is None else []
         if packed:
             mx.async_eval(out, *packed)
