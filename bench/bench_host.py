@@ -421,8 +421,8 @@ def report(args, configs, sizes, results, rtts):
           f"{'recorded: ' + args.routing if args.routing else 'of the random weights'} (decode window: tokens "
           f"2..{args.tokens}, {args.rounds} round{'s' * (args.rounds > 1)}, medians)",
           ["config", "rtt us", "cache (experts, %)", "hit rate", "tok/s", "/ stock", "waits/token", "calls/token",
-           "reads/token", "host ms/token", "host / stock's", "queued ms/token", "verified %", "replays/token", "tokens identical",
-           "stolen %"], rows)
+           "reads/token", "host ms/token", "host / stock's", "queued ms/token", "verified %", "replays/token",
+           "tokens identical", "stolen %"], rows)
     added = [l["added_us_per_wait"] for l in lines if l["rtt_us"] and l.get("added_us_per_wait")]
     cost = [r["count_cost_us"] for runs in results.values() for r in runs if "count_cost_us" in r]
     rule = "every patched call (--every-call)" if args.every_call else "patched calls on the decode thread that slept"

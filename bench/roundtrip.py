@@ -55,14 +55,14 @@ class DeviceWaits:
     def __init__(self, spin=False, every_call=False, thread_name=None, read_us=0.0):
         self.thread = threading.get_ident()
         self.read_cost = read_us * 1e-6  # added to the first host read of an array of more than 8 bytes
-        self.reads, self.read_added, self.read_overshoot = 0, 0.0, 0.0  # such reads, the wall seconds they added
+        self.reads, self.read_overshoot = 0, 0.0  # such reads, their sleeps' mean overshoot
         self.read_seen = {}  # id -> a weak reference to the array whose first read was done
         self.thread_name = thread_name
         self.spin, self.every_call = spin, every_call
         self.calls = self.waits = 0
         self.added = self.emulation_cpu = 0.0  # wall seconds added; decode-thread CPU seconds spent adding them
         self.sites = {}  # "file:line" of the caller -> waits
-        self.rtt = self.sleep_for = self.overshoot = 0.0
+        self.rtt = self.overshoot = 0.0
         self.submitted, self.submitted_at = (), 0.0  # ids of the arrays of the last async_eval, and when
         # decode-thread seconds inside mx.async_eval: MLX holds its caller there while more tasks than
         # it allows are in flight (on the CPU backend a task an op: most of a token here)
@@ -72,11 +72,10 @@ class DeviceWaits:
 
     def set_rtt(self, rtt_us):
         self.rtt = rtt_us * 1e-6
-        self.sleep_for = max(0.0, self.rtt - self.overshoot)
 
     def mark(self):
         return {"calls": self.calls, "waits": self.waits, "added": self.added, "emulation_cpu": self.emulation_cpu,
-                "queued": self.queued, "reads": self.reads, "read_added": self.read_added,
+                "queued": self.queued, "reads": self.reads,
                 "sites": dict(self.sites)}
 
     def _decode_thread(self):
@@ -98,10 +97,8 @@ class DeviceWaits:
                 pass
         elif left is not None:
             time.sleep(max(0.0, left - self.overshoot))
-        else:  # shortened by the sleeps' mean overshoot so far, so that they add S on average
-            time.sleep(self.sleep_for)
-            self.overshoot += 0.1 * (time.perf_counter() - tic - self.sleep_for - self.overshoot)
-            self.sleep_for = max(0.0, self.rtt - self.overshoot)
+        else:
+            self.overshoot = sleep_about(self.rtt, self.overshoot)
         self.added += time.perf_counter() - tic
         self.emulation_cpu += time.thread_time() - cpu
 
@@ -116,11 +113,8 @@ class DeviceWaits:
         self.reads += 1
         if not self.read_cost:
             return
-        tic, cpu = time.perf_counter(), time.thread_time()
-        sleep_for = max(0.0, self.read_cost - self.read_overshoot)  # (as a wait's: R on average)
-        time.sleep(sleep_for)
-        self.read_overshoot += 0.1 * (time.perf_counter() - tic - sleep_for - self.read_overshoot)
-        self.read_added += time.perf_counter() - tic
+        cpu = time.thread_time()
+        self.read_overshoot = sleep_about(self.read_cost, self.read_overshoot)
         self.emulation_cpu += time.thread_time() - cpu
 
     @staticmethod
@@ -194,6 +188,14 @@ class DeviceWaits:
         self.calls = self.waits = 0
         self.sites.clear()
         return cost
+
+
+def sleep_about(seconds, overshoot):
+    """Sleep `seconds` on average: shortened by `overshoot`, the mean overshoot of such sleeps so
+    far; returns that mean with this sleep's."""
+    tic, asked = time.perf_counter(), max(0.0, seconds - overshoot)
+    time.sleep(asked)
+    return overshoot + 0.1 * (time.perf_counter() - tic - asked - overshoot)
 
 
 def report_every(waits, path, seconds=0.5):

@@ -652,9 +652,8 @@ class StreamingExperts(nn.Module):
     def __call__(self, x, indices):
         runtime, cache = self._runtime, self._cache
         if runtime is None or runtime.group is None:
-            table = cache.slot_table  # (every expert resident: no verified step, no running ahead)
-            if table is not None and not cache.loader.stop.is_set():
-                return self._resident(x, indices, table)
+            if cache.slot_table is not None:  # (every expert resident: no verified step, no running ahead)
+                return self._resident(x, indices, resident_table(cache))
             return self._call(x, indices)
         try:
             return self._call(x, indices)
