@@ -57,6 +57,16 @@ def all_but(path, n, **kw):
     return mlxmoe.load(str(path), cache_experts=total - n, **kw)
 
 
+def reads_cost(monkeypatch, costly):
+    """Where `costly`, the first host read of a small array is priced as on CUDA (a managed
+    allocation and a synchronous copy): checks read flags (verify.FLAG_READS)."""
+    if costly:
+        monkeypatch.setattr(verify, "first_read_seconds", lambda: 1.0)
+
+
+COSTLY = pytest.mark.parametrize("costly", [False, True], ids=["reads free", "reads costly"])
+
+
 def every_expert(cache, *layers):
     E = cache.store.num_experts
     return lambda i: [(layer, e) for layer in layers for e in range(E)]
@@ -79,8 +89,10 @@ def test_tokens_equal_stock_at_every_cache_size(checkpoint, arch, quant):
         model.expert_runtime.close()
 
 
+@COSTLY
 @pytest.mark.parametrize("where", ["first", "last", "consecutive", "first and last"])
-def test_a_miss_anywhere_is_read_and_recomputed(checkpoint, where):
+def test_a_miss_anywhere_is_read_and_recomputed(checkpoint, monkeypatch, where, costly):
+    reads_cost(monkeypatch, costly)
     path = checkpoint("qwen3_moe", quant="4bit")
     want, _ = reference(path)
     model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
@@ -94,7 +106,7 @@ def test_a_miss_anywhere_is_read_and_recomputed(checkpoint, where):
     stats = cache.stats()
     # every decode step after the first missed at each of those layers, once verified
     assert stats["replays"] >= len(layers) * 2, stats
-    assert stats["verified_tokens"] >= 2
+    assert stats["verified_tokens"] >= 2 and stats["verify"]["flags"] == costly
 
 
 def test_slot_tables_follow_the_reads_of_a_miss(checkpoint, monkeypatch):
@@ -145,7 +157,9 @@ def test_slot_tables_keep_the_token_before_its_slots(checkpoint):
     assert now.item() == tables.lists[layer][expert] == cache.slot_of[key] != tables.placeholder
 
 
-def test_placeholder_never_reaches_the_output(checkpoint):
+@COSTLY
+def test_placeholder_never_reaches_the_output(checkpoint, monkeypatch, costly):
+    reads_cost(monkeypatch, costly)
     path = checkpoint("qwen3_moe")  # float weights: NaN in the placeholder would spread
     want, _ = reference(path)
     model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
@@ -189,8 +203,9 @@ class WaitCounter:
     nothing queued: mx.eval, .item(), .tolist(), and np.array of an array no earlier mlxmoe
     mx.eval of the step covered; not an mx.eval within a check of a forward's earlier layers
     made once later decoder layers were queued (`queued_after`: how many, per such check).
-    `reads`: count every host read of an array instead (on CUDA each is a managed allocation
-    and a synchronous copy), and no mx.eval."""
+    `reads`: count every host read of an array of more than 8 bytes instead (on CUDA each is a
+    managed allocation and a synchronous copy; CUDA keeps smaller ones in host memory), and no
+    mx.eval."""
 
     def __init__(self, monkeypatch, model, reads=False):
         self.thread = threading.get_ident()
@@ -240,13 +255,13 @@ class WaitCounter:
             return eval_(*args, **kw)
 
         def counted_array(obj, *args, **kw):
-            if isinstance(obj, mx.array) and mine() and counter.steps and (counter.reads or id(obj) not in counter.covered):
+            if isinstance(obj, mx.array) and mine() and counter.steps and counter.counts(obj):
                 counter.steps[-1] += 1
             return array(obj, *args, **kw)
 
         def reader(fn):
             def read(obj, *args, **kw):
-                if mine() and counter.steps and (counter.reads or id(obj) not in counter.covered):
+                if mine() and counter.steps and counter.counts(obj):
                     counter.steps[-1] += 1
                 return fn(obj, *args, **kw)
             return read
@@ -259,6 +274,10 @@ class WaitCounter:
             monkeypatch.setattr(mx.array, name, reader(getattr(mx.array, name)))
         # (bfloat16 arrays are read through their bits: backend.host_floats)
         monkeypatch.setattr(backends, "memoryview", reader(memoryview), raising=False)
+
+    def counts(self, a) -> bool:
+        """Whether a host read of mx array `a` counts."""
+        return a.nbytes > 8 if self.reads else id(a) not in self.covered
 
 
 @pytest.mark.parametrize("name", ["demo", "qwen3_moe", "deepseek_v3"])
@@ -284,11 +303,15 @@ def test_waits_per_step_at_most_one_plus_missed_layer_calls(checkpoint, monkeypa
     assert [w for w, m in verified if m == 0] and all(w == 1 for w, m in verified if m == 0)
 
 
-@pytest.mark.parametrize("name", ["demo", "qwen3_moe", "qwen3_moe bfloat16"])
-def test_a_step_that_missed_nowhere_reads_its_routing_in_two_host_copies(checkpoint, monkeypatch, name):
+@pytest.mark.parametrize("name,costly", [("demo", False), ("qwen3_moe", False), ("qwen3_moe bfloat16", False),
+                                         ("qwen3_moe", True), ("qwen3_moe bfloat16", True)])
+def test_a_step_that_missed_nowhere_reads_its_routing_in_two_host_copies(checkpoint, monkeypatch, name, costly):
     """The layer calls' indices and routers packed on the device at the last MoE layer call:
     two host reads a step, not two a layer call (on CUDA each is a managed allocation and a
-    synchronous copy). With bfloat16 activations, as on a GPU, the tokens are stock's too."""
+    synchronous copy). While checks run within the forward, each reads its layer calls'
+    indices where reads are free, their flags (4 bytes) where a first read costs: two reads a
+    step then too. With bfloat16 activations, as on a GPU, the tokens are stock's too."""
+    reads_cost(monkeypatch, costly)
     if name == "demo":
         path = mlxmoe.DEMO_MODEL
     elif name.endswith("bfloat16"):
@@ -312,8 +335,10 @@ def test_a_step_that_missed_nowhere_reads_its_routing_in_two_host_copies(checkpo
     steps = [(n, w) for i, (n, m, w) in enumerate(zip(counter.steps, counter.missed, counter.windowed))
              if m == 0 and i not in lasts]
     assert len([n for n, w in steps if not w]) >= 5 and {n for n, w in steps if not w} == {2}, steps
-    # while checks run within the forward: one read each, then the pack (the hits' routers in it)
-    assert [n for n, w in steps if w] and max(n for n, w in steps if w) <= cache.store.num_layers + 1, steps
+    # while checks run within the forward: one read each (none where they read flags), then the pack
+    # (the hits' routers in it)
+    most = 2 if costly else cache.store.num_layers + 1
+    assert [n for n, w in steps if w] and max(n for n, w in steps if w) <= most, steps
 
 
 def test_a_clean_steps_accounting_is_left_to_the_host_thread(checkpoint, monkeypatch, tmp_path):
@@ -656,15 +681,15 @@ def test_verified_steps_teach_the_live_profile_once_a_step(checkpoint, tmp_path,
     assert np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
 
 
+@COSTLY
 @pytest.mark.parametrize("layers", [[3], [9], [0, 17], [8, 15, 16], [23]])
-def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
+def test_checks_within_a_forward(checkpoint, monkeypatch, layers, costly):
     """On a 24-decoder-layer model, checks within the forward read the layers `lag` behind
     the one just queued; a miss found there or
     at the end is read and the forward run again from it: tokens and KV caches as stock's.
     Waits with nothing queued after them (the check at the forward's end): at most 1 + the
-    layer calls that missed."""
-
-
+    layer calls that missed. Where a first read costs, the checks within read flags."""
+    reads_cost(monkeypatch, costly)
     path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 24})
     want, stock_kv = reference(path, prompt_cache=make_prompt_cache)
     model, tokenizer = all_but(path, 1)
@@ -683,6 +708,7 @@ def test_checks_within_a_forward(checkpoint, monkeypatch, layers):
     stats = cache.stats()
     assert stats["verified_tokens"] >= TOKENS - 2 and stats["replays"] >= 2 * len(layers)
     assert any(u is not None and m is not None for u, m in checks) or layers == [23]
+    assert stats["verify"]["flags"] == costly
     ends = [m for u, m in checks if u is None]
     assert sum(m is None for m in ends) == stats["verified_tokens"]  # one clean check at the end of each step
     assert len(ends) <= stats["verified_tokens"] + stats["replays"]
@@ -752,12 +778,14 @@ def replays_from(monkeypatch):
     return layers
 
 
+@COSTLY
 @pytest.mark.parametrize("direct,evicted", [([0], [0]), ([5, 11], [3, 11]), ([23], [0, 23])])
-def test_direct_layers_read_at_once(checkpoint, monkeypatch, direct, evicted):
+def test_direct_layers_read_at_once(checkpoint, monkeypatch, direct, evicted, costly):
     """A Direct layer's routing is read as soon as it is built and its misses before its
     experts are: no replay from it; a miss at an earlier layer found there is replayed from
     that layer. Tokens and KV caches as stock's (24 decoder layers, `evicted` missing at
     every step)."""
+    reads_cost(monkeypatch, costly)
     path = checkpoint("qwen3_moe", quant="4bit", config_overrides={"num_hidden_layers": 24})
     want, stock_kv = reference(path, prompt_cache=make_prompt_cache)
     model, tokenizer = all_but(path, 1)
@@ -778,8 +806,9 @@ def test_direct_layers_read_at_once(checkpoint, monkeypatch, direct, evicted):
             assert mx.array_equal(a[..., :n, :], b[..., :n, :]).item()
 
 
+@COSTLY
 @pytest.mark.parametrize("arch,predicting", [("qwen3_moe", "off"), ("deepseek_v3", "off"), ("qwen3_moe", "on")])
-def test_held_direct_layers_are_read_in_place(checkpoint, monkeypatch, arch, predicting):
+def test_held_direct_layers_are_read_in_place(checkpoint, monkeypatch, arch, predicting, costly):
     """A Direct layer, the last MoE layer of its decoder layer, is held where predicting is off
     or paused: its experts built from the tables, its routing read once the next decoder layer
     is built (at the forward's end for the last), before its experts are queued; a miss there
@@ -788,6 +817,7 @@ def test_held_direct_layers_are_read_in_place(checkpoint, monkeypatch, arch, pre
     layers missing at every step: stock's tokens and KV caches, no NaN in the logits."""
     from mlxmoe.caching import prefetch
 
+    reads_cost(monkeypatch, costly)
     path = checkpoint(arch, config_overrides={"num_hidden_layers": 6})  # float weights: NaN would spread
     want, stock_kv = reference(path, prompt_cache=make_prompt_cache)
     model, tokenizer = mlxmoe.load(str(path), cache_experts=None)

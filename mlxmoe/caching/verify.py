@@ -92,6 +92,11 @@ ATTENTION_NAMES = ("self_attn", "attention", "attn")
 KEEP_MISSING = 0.9
 # how much a direct check's measured time keeps at each verified step without one (Direct)
 KEEP_WAIT = 0.9
+# where the first host read of a small array costs more than this (CUDA: ~55 us, a managed
+# allocation and a synchronous copy; the CPU and Metal: ~1 us), a check reads each layer call's
+# flag, the largest slot its lookup found (one op; 4 bytes, which CUDA keeps in host memory),
+# instead of its indices, and the hits' indices at the forward's end (the pack) or at a miss
+FLAG_READS = 10e-6
 
 
 class Replay(Exception):
@@ -110,6 +115,19 @@ def wait_seconds(samples: int = 7) -> float:
         a = mx.array(1.0) + 1
         tic = time.perf_counter()
         mx.eval(a)
+        times.append(time.perf_counter() - tic)
+    return float(np.median(times))
+
+
+def first_read_seconds(samples: int = 5) -> float:
+    """What the first host read of a freshly computed 32-byte array (a layer call's indices)
+    costs: the median of a few."""
+    times = []
+    for i in range(samples):
+        a = mx.arange(8, dtype=mx.uint32) + i
+        mx.eval(a)
+        tic = time.perf_counter()
+        a.tolist()
         times.append(time.perf_counter() - tic)
     return float(np.median(times))
 
@@ -362,6 +380,7 @@ class SlotTables:
         self.version = None
         self.sets = []  # two (rows, views, the table they show)
         self.turn = 0  # the set in use
+        self.flags = None  # whether checks read each lookup's flag (FLAG_READS), measured at the first build
 
     def current(self) -> bool:
         return self.rows is not None and self.version == self.cache.version
@@ -371,6 +390,8 @@ class SlotTables:
         forward: nothing queued reads it but work a replay drops), else where it changed into
         the other set (the token before may still compute with the one in use)."""
         cache = self.cache
+        if self.flags is None:
+            self.flags = first_read_seconds() > FLAG_READS
         table = np.full((cache.store.num_layers, cache.store.num_experts), self.placeholder, dtype=np.uint32)
         with cache.lock:
             self.key_of = {}
@@ -479,63 +500,133 @@ class PassRouting:
     host read of a GPU array is a managed allocation and a synchronous copy). The pack's
     routers are copied to the host with its indices, their softmax done when a distribution is
     first asked for (`unread`): a clean step's by the host work it leaves for later
-    (tell_hits)."""
+    (tell_hits). Where a first host read costs (FLAG_READS, `tables.flags`): a check within the
+    forward reads each layer call's flag (`flags`: the largest slot its lookup found, 4 bytes),
+    the hits' indices left for the pack; a miss found there, a Direct check and the forward's
+    end read the layer calls not read yet in two host copies, joined on the device."""
 
-    def __init__(self) -> None:
-        self.calls, self.dists, self.packed, self.unread = {}, {}, None, None
+    def __init__(self, tables) -> None:
+        self.tables = tables
+        self.calls, self.dists, self.packed, self.unread = {}, {}, None, []
+        self.flags, self.row_of = {}, {}  # MoE layer -> its flag; its experts on the host (flat)
+        self.fresh = []  # flags not queued yet
+        self.ready = None  # joined as packed, queued with a held layer's routing: what its check reads at a miss
 
     def clear(self, since: int = 0) -> None:
         """Forget the layer calls from MoE layer `since` on (a replay computes them again)."""
         if since:
             self._read_unread()  # (those before `since`: hits)
-        self.unread = None
+        self.unread = []
         for m in [m for m in self.calls if m >= since]:
             del self.calls[m]
             self.dists.pop(m, None)
-        self.packed = None
+            self.flags.pop(m, None)
+            self.row_of.pop(m, None)
+        self.packed, self.fresh, self.ready = None, [], None
 
     def pack(self, checked: int) -> None:
-        """At the pass's last MoE layer call (layer calls before `checked` were checked)."""
-        layers = [m for m in sorted(self.calls) if m >= checked]
+        """At the pass's last MoE layer call (layer calls before `checked` were checked; those
+        of them checked by their flags alone not read yet)."""
+        layers = [m for m in sorted(self.calls) if m >= checked or m in self.flags and m not in self.row_of]
         routed = [m for m in sorted(self.calls) if m not in self.dists]
+        self.packed = self._joined(layers, routed)
+        if self.packed is not None:
+            mx.async_eval(self.packed[1], self.packed[3])
+
+    def _joined(self, layers: list, routed: list):
+        """(layers, their indices, routed, their routers), each joined on the device, or None
+        where they cannot be: fewer than two layers, no router, routers unlike."""
         calls = [self.calls[m] for m in routed]
         alike = {(c[0].shape, c[2], None if c[1] is None else (c[1].shape, c[1].dtype)) for c in calls}
         if len(layers) < 2 or not calls or len(alike) > 1 or calls[0][1] is None:
-            return
+            return None
         # (alike: joined along their first axis as they are, not stacked: a node a call fewer)
-        self.packed = (layers, mx.concatenate([self.calls[m][0] for m in layers]), routed,
-                       mx.concatenate([c[1] for c in calls]))
-        mx.async_eval(self.packed[1], self.packed[3])
+        return (layers, mx.concatenate([self.calls[m][0] for m in layers]), routed,
+                mx.concatenate([c[1] for c in calls]))
 
     def arrays(self, layer: int) -> list:
         """A layer call's routing arrays: its indices, and its router's where it has one."""
         indices, router, _ = self.calls[layer]
         return [indices] if router is None else [indices, router]
 
-    def wait(self, layers: list, final: bool):
-        """A wait for these layer calls' routing: the pack where it holds them at the forward's
-        end (`final`; returned), else their arrays (arrays the queued layers compute: a new op
-        now would wait behind the whole queue)."""
+    def wait(self, layers: list, final: bool, hits: list | None = None, flagged: bool = False) -> tuple:
+        """A wait for these layer calls' routing: their flags where `flagged` (returned: the index
+        of the first whose lookup found the placeholder, or None); else the pack where it holds
+        them at the forward's end (`final`; returned second); else, given `hits` (a check with
+        nothing queued after it, where a first host read costs), theirs and those of the hits
+        not read yet joined (returned second); else their arrays (arrays the queued layers
+        compute: a new op now would wait behind the whole queue)."""
+        if flagged:
+            return self.first_flagged(layers), None
         packed, self.packed = self.packed, None
-        if final and packed is not None and packed[0] == layers:
+        if hits is not None:
+            layers = [m for m in hits if m not in self.row_of] + layers
+        if final and packed is not None and set(layers) <= set(packed[0]):
             mx.eval(packed[1], packed[3])
-            return packed
+            return None, packed
+        packed = self._joined(layers, [m for m in layers if m not in self.dists]) if hits is not None else None
+        if packed is not None:
+            mx.eval(packed[1], packed[3])
+            return None, packed
         calls = [self.calls[m] for m in layers]
         mx.eval(*[c[0] for c in calls], *[c[1] for c in calls if c[1] is not None])
-        return None
+        return None, None
 
     def rows(self, layers: list, packed) -> list:
         """The experts of each of these layer calls (flat lists), from the pack where given
         (its routers' distributions kept then)."""
         if packed is None:
-            return [_flat(self.calls[m][0].tolist()) for m in layers]
-        _, indices, routed, routers = packed
-        self.unread = routed, host_floats(routers)  # (a host copy now: read later with no device array)
-        return np.array(indices).reshape(len(layers), -1).tolist()  # (flat rows in one host copy)
+            self.row_of.update((m, _flat(self.calls[m][0].tolist())) for m in layers if m not in self.row_of)
+        else:
+            packed_layers, indices, routed, routers = packed
+            self.unread.append((routed, host_floats(routers)))  # (a host copy now: read later with no device array)
+            self.row_of.update(zip(packed_layers, np.array(indices).reshape(len(packed_layers), -1).tolist()))
+        return [self.row_of[m] for m in layers]
+
+    def flag(self, layer: int, lookup) -> None:
+        """A layer call's flag: the largest slot of its `lookup`, queued with its decoder layer (queued())."""
+        self.flags[layer] = lookup.max()
+        self.fresh.append(self.flags[layer])
+
+    def queued(self) -> list:
+        """The flags to queue with the decoder layer just built (a flag not queued would, when read,
+        compute behind the whole queue: a wait with nothing queued after it)."""
+        fresh, self.fresh = self.fresh, []
+        return fresh
+
+    def queue_held(self, layer: int, checked: int, hits: list) -> None:
+        """Queue a held Direct layer's routing and the flags built; where checks read flags, with
+        them (`ready`) the routing its check reads at a miss (the layer calls from `checked` to
+        it, the `hits` not read yet), joined: no second wait then."""
+        arrays = self.arrays(layer) + self.queued()
+        if self.tables.flags:
+            window = [m for m in hits if m not in self.row_of] + [m for m in sorted(self.calls) if checked <= m <= layer]
+            self.ready = self._joined(window, [m for m in window if m not in self.dists])
+            arrays += [] if self.ready is None else [self.ready[1], self.ready[3]]
+        mx.async_eval(*arrays)
+
+    def first_flagged(self, layers: list) -> int | None:
+        """The index of the first of these layer calls whose lookup found the placeholder, by their flags."""
+        flags = [self.flags[m] for m in layers]
+        mx.eval(*flags)
+        return next((i for i, f in enumerate(flags) if f.item() == self.tables.placeholder), None)
+
+    def rows_of(self, layers: list) -> list:
+        """rows(), those not on the host yet in one host copy (and their routers not read yet in
+        another) where checks read flags, else each its own."""
+        unread = [m for m in layers if m not in self.row_of]
+        if not unread:
+            return [self.row_of[m] for m in layers]
+        joined, self.ready = self.ready, None
+        if joined is None or not set(unread) <= set(joined[0]):
+            joined = self._joined(unread, [m for m in unread if m not in self.dists]) if self.tables.flags else None
+        if joined is not None:
+            mx.eval(joined[1], joined[3])
+        return self.rows(layers, joined)
 
     def _read_unread(self) -> None:
-        if self.unread is not None:
-            (routed, routers), self.unread = self.unread, None
+        unread, self.unread = self.unread, []
+        for routed, routers in unread:
             flat = host_dists(routers, self.calls[routed[0]][2])
             for m, dist in zip(routed, flat.reshape(len(routed), -1)):
                 if m in self.calls:
@@ -544,7 +635,7 @@ class PassRouting:
     def dists_of(self, layers: list) -> list:
         """The router's distribution (flat, on the host) of each of these layer calls, None
         where the model gives none: those not known yet read in one softmax (the pack's, or theirs)."""
-        if self.unread is not None and any(m not in self.dists for m in layers):
+        if self.unread and any(m not in self.dists for m in layers):
             self._read_unread()
         unknown = [m for m in layers if m not in self.dists]
         for m, dist in zip(unknown, routing_probs([self.calls[m] for m in unknown]) if unknown else ()):
@@ -601,8 +692,8 @@ class Verifier:
         self.replay_from = None  # the decoder layer a replay computes from (None: the first run)
         self.outputs = {}  # decoder layer -> its output in this token
         self.attention = KeptAttention()
-        self.routing = PassRouting()  # of this token's layer calls
-        self.hits = ([], [])  # checked layer calls that hit, not told yet: layers, rows
+        self.routing = PassRouting(self.tables)  # of this token's layer calls
+        self.hits = []  # checked layer calls that hit, not told yet (their MoE layers)
         self.observed = []  # this step's layer calls told, (call, row, distribution): observed at its end
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
@@ -630,6 +721,7 @@ class Verifier:
         switch, batch = self.switch, self.batch_switch
         return {"on": self.error is None and switch.on(), "reason": self.error or switch.reason,
                 "wait_us": round(switch.per_layer_wait() * 1e6, 1), "direct": sorted(switch.direct.now),
+                "flags": bool(self.tables.flags),
                 "batch": {"on": self.error is None and batch.on(), "reason": self.error or batch.reason}}
 
     # -- the model's call ---------------------------------------------------------------
@@ -707,7 +799,7 @@ class Verifier:
                 del c.make_mask
             self.forward, self.held = False, []
             self._clear()
-            self.hits, self.observed = ([], []), []
+            self.hits, self.observed = [], []
         counters = cache.counters
         counters.verified_tokens += self.tokens
         counters.replays += replays
@@ -740,9 +832,9 @@ class Verifier:
             if missed is not None:
                 raise Replay(missed, ran)
         if self.held:  # this decoder layer's: its routing queued, its experts not yet
-            mx.async_eval(*self.routing.arrays(self.held[-1]))
+            self.routing.queue_held(self.held[-1], self.checked, self.hits)
         elif reads_held or self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
-            mx.async_eval(out)  # the device starts on these layers while the host builds the next
+            mx.async_eval(out, *self.routing.queued())  # the device starts on these layers while the host builds the next
         if self.current.windowed and self.lag.layers < ran < len(self.layers):
             missed = self._check(until=ran - self.lag.layers)
             if missed is not None:
@@ -758,7 +850,12 @@ class Verifier:
         logits = streaming._logits()
         probs = streaming._probs(x) if logits is None else None
         self.routing.calls[layer] = (indices, logits if logits is not None else probs, logits is not None)
-        if layer in self.current.direct.now and layer >= self.checked:  # (no replay from it)
+        slots = self.tables.rows[layer][indices]
+        direct = layer in self.current.direct.now and layer >= self.checked
+        if self.tables.flags and (self.current.windowed or self.current.direct.now):  # (checks to come in this forward)
+            # (a Direct layer's misses are read before its lookup computes: its flag looks up apart)
+            self.routing.flag(layer, self.tables.rows[layer][indices] if direct else slots)
+        if direct:  # (no replay from it)
             if holds(self.decoder_of, layer, self.cache.prefetcher):  # read once the next decoder layer is built
                 self.held.append(layer)
             else:  # read now
@@ -769,7 +866,7 @@ class Verifier:
                 self.held = [m for m in self.held if m >= self.checked]  # (an earlier held one: checked too)
         if layer == len(self.decoder_of) - 1 and not (self.held and self.held[0] < layer):
             self.routing.pack(self.checked)  # (not past a held layer: its routing would compute from its experts)
-        return streaming._inner(x, self.tables.rows[layer][indices])
+        return streaming._inner(x, slots)
 
     def _clear(self) -> None:
         self.outputs.clear()
@@ -790,23 +887,27 @@ class Verifier:
         # (a replay's: from the layer it reran; decoder_of ascends)
         end = len(self.decoder_of) if until is None else bisect.bisect_left(self.decoder_of, until)
         layers = [m for m in range(self.checked, end) if m in routing.calls]
-        packed, tic = None, time.perf_counter()
+        packed, tic, first = None, time.perf_counter(), None
+        flagged = until is not None and all(m in routing.flags for m in layers)
         if layers:
             if until is None:
                 host_work_meanwhile(cache)
                 tic = time.perf_counter()
-            packed = routing.wait(layers, final=until is None)
+            together = self.tables.flags and (direct or until is None)  # (nothing queued after: one wait)
+            first, packed = routing.wait(layers, until is None, self.hits if together else None, flagged)
             if until is not None and not direct:
                 self.lag.checked(time.perf_counter() - tic)
         start, read = time.perf_counter(), cache.counters.read_seconds
-        rows = routing.rows(layers, packed)
-        first = self.tables.first_miss(layers, rows) if layers else None
+        if not flagged:
+            rows = routing.rows(layers, packed)
+            first = self.tables.first_miss(layers, rows) if layers else None
+        elif first is not None:  # (the hits' rows with the window's, in one host copy)
+            rows = routing.rows_of(self.hits + layers)[len(self.hits):]
         self.current.direct.checked(layers, first)
-        self.hits[0].extend(layers[:first])
-        self.hits[1].extend(rows[:first])
+        self.hits.extend(layers[:first])
         missed = None
         if first is not None:  # (the missed layer's distribution in the same softmax as the hits')
-            dist = routing.dists_of(self.hits[0] + layers[first:first + 1])[-1]
+            dist = routing.dists_of(self.hits + layers[first:first + 1])[-1]
             tell_hits(self)
             call = step_call(layers[first], rows[first], dist, self.tokens)
             missed = call[0]
@@ -845,17 +946,18 @@ def tell_hits(v, last: bool = False) -> None:
     sequence steps, all of it is left for later as one entry of `deferred`, the routing with
     it: its softmax and the policy's and the profile's updates run off the decode thread where
     a prefetcher's host thread gets to them first."""
-    (layers, rows), v.hits, cache = v.hits, ([], []), v.cache
+    layers, v.hits, cache = v.hits, [], v.cache
+    rows = v.routing.rows_of(layers)
     _count_useful(cache, v.guessed, layers, rows)
     if not last:
         v.observed += _tell(cache, v.routing, layers, rows, v.tokens)
     elif cache.rows is None and not cache.observers and cache.defer_hits:
-        if v.routing.unread is None:  # (no pack: the routers' own arrays read now, on this thread)
+        if not v.routing.unread:  # (no pack: the routers' own arrays read now, on this thread)
             v.routing.dists_of(layers)
         # (the hits counted here: the counters are the decode thread's, unlocked)
         cache.counters.hits += sum(len(set(row)) for row in rows)
         cache.deferred.append((_tell, (cache, v.routing, layers, rows, v.tokens, v.observed, True)))
-        v.routing, v.observed = PassRouting(), []
+        v.routing, v.observed = PassRouting(v.tables), []
     else:
         _tell(cache, v.routing, layers, rows, v.tokens, v.observed)
         v.observed = []
