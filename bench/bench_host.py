@@ -137,6 +137,18 @@ def timed_generation(generate, model, tokenizer, args, waits=None, cache=None):
     return out
 
 
+def load_arguments(text):
+    """mlxmoe.load's arguments from --load-kwargs JSON, less the bench's own `flag_reads_us`:
+    the first host read's cost above which verified checks read flags (verify.FLAG_READS; 1e12:
+    never, the indices read as where reads are free), set in this process."""
+    kwargs = json.loads(text)
+    if "flag_reads_us" in kwargs:
+        from mlxmoe.caching import verify
+
+        verify.FLAG_READS = float(kwargs.pop("flag_reads_us")) * 1e-6
+    return kwargs
+
+
 def open_model(args):
     """(model, tokenizer, stream_generate, expert cache or None) of this process's configuration."""
     if args.slots is None:
@@ -149,7 +161,7 @@ def open_model(args):
         return model, tokenizer, mlx_lm.stream_generate, None
     import mlxmoe
 
-    kwargs = {**json.loads(args.load_kwargs), "cache_experts": args.slots}
+    kwargs = {**load_arguments(args.load_kwargs), "cache_experts": args.slots}
     model, tokenizer = mlxmoe.load(str(args.checkpoint), **kwargs)
     follow_routing(args, model, tokenizer)
     cache = model.expert_cache
@@ -230,7 +242,7 @@ def calibrate(args):
 
     def rate(n):
         if n not in points:
-            model, tokenizer = mlxmoe.load(str(args.checkpoint), **{**json.loads(args.load_kwargs), "cache_experts": n})
+            model, tokenizer = mlxmoe.load(str(args.checkpoint), **{**load_arguments(args.load_kwargs), "cache_experts": n})
             follow_routing(args, model, tokenizer)
             timed_generation(mlxmoe.stream_generate, model, tokenizer, args, cache=model.expert_cache)
             points[n] = timed_generation(mlxmoe.stream_generate, model, tokenizer, args,
@@ -461,7 +473,8 @@ def main():
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--no-repeat", type=int, default=32,
                         help="Ban the last N tokens (still greedy; see bench_runtime.no_repeat); 0: plain greedy.")
-    parser.add_argument("--load-kwargs", default="{}", help='mlxmoe.load arguments as JSON, e.g. \'{"prefetch": 0}\'.')
+    parser.add_argument("--load-kwargs", default="{}", help='mlxmoe.load arguments as JSON, e.g. \'{"prefetch": 0}\'; the bench\'s own "flag_reads_us": '
+                             'the first host read\'s cost above which verified checks read flags (1e12: never).')
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=JSON: load arguments over --load-kwargs for configurations NAME:VARIANT.")
     parser.add_argument("--cache-experts", default=None,
