@@ -27,9 +27,9 @@ device_costs (what a wait and each kind of host read cost the decode thread), de
 resident row against stock, bench_disk on the machine's disk at 50 % cached (off and the
 default), read_contention (expert reads on a thread while the
 main thread runs Python), and last bench_host on Qwen3-30B-A3B's recorded routing with no
-emulated round trip, ~99 % also with its checks reading indices, not flags (`hit99:indices`: what
-the flags of d792244 save where a first read costs 55 us) (the device's own; stock's first process compiles the float32 kernels: 98 s
-on an H200). `--only` picks steps. Its summary (`summary.txt`) and each step's log but the
+emulated round trip (the device's own; stock's first process compiles the float32 kernels: 98 s
+on an H200), ~99 % also with its checks reading indices, not flags (`hit99:indices`: what the
+flags of d792244 save where a first read costs 55 us). `--only` picks steps. Its summary (`summary.txt`) and each step's log but the
 warm-up's come back under --out (the tool returns 8 files at most; the JSON results and the
 warm-up's log stay in /tmp/mlxmoe-device).
 
