@@ -151,3 +151,16 @@ def test_the_first_host_read_of_an_array_pays_the_read_cost():
     reads, waits, first, again, small = out.stdout.split()
     assert (int(reads), int(waits)) == (1, 0)
     assert 0.015 < float(first) < 0.2 and float(again) < 0.005 and float(small) < 0.005, (first, again, small)
+
+
+def test_bench_host_flag_reads_is_the_benchs_own_load_argument(monkeypatch):
+    """bench_host's `flag_reads_us` (in --load-kwargs or a --variant) never reaches mlxmoe.load:
+    it sets, in that process, the first read's cost above which verified checks read flags."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_host
+    from mlxmoe.caching import verify
+
+    monkeypatch.setattr(verify, "FLAG_READS", verify.FLAG_READS)
+    assert bench_host.load_arguments('{"prefetch": 0, "flag_reads_us": 1e12}') == {"prefetch": 0}
+    assert verify.FLAG_READS == 1e6
+    assert bench_host.load_arguments('{"prefetch": 0}') == {"prefetch": 0} and verify.FLAG_READS == 1e6
