@@ -96,7 +96,7 @@ KEEP_WAIT = 0.9
 # allocation and a synchronous copy; the CPU and Metal: ~1 us), a check reads each layer call's
 # flag, the largest slot its lookup found (one op; 4 bytes, which CUDA keeps in host memory),
 # instead of its indices, and the hits' indices at the forward's end (the pack) or at a miss
-FLAG_READS = 10e-6
+FLAG_READS = 20e-6
 
 
 class Replay(Exception):
