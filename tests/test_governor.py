@@ -53,8 +53,14 @@ def shape(model):
     return store.num_layers, store.num_experts, model.expert_runtime.checkpoint.top_k
 
 
-@pytest.mark.parametrize("start", ["all", "part"])
-def test_resize_mid_generation_keeps_stock_tokens(path, want, start):
+@pytest.mark.parametrize("start,costly", [("all", False), ("part", False), ("part", True)])
+def test_resize_mid_generation_keeps_stock_tokens(path, want, start, costly, monkeypatch):
+    """(`costly`: a first host read priced as on CUDA, so that verified checks read flags, which
+    the resized tables' placeholder must answer: verify.FLAG_READS)"""
+    if costly:
+        from mlxmoe.caching import verify
+
+        monkeypatch.setattr(verify, "first_read_seconds", lambda: 1.0)
     probe, _ = mlxmoe.load(str(path))
     L, E, k = shape(probe)
     probe.expert_runtime.close()
