@@ -134,10 +134,8 @@ def resize_cache(runtime, capacity: int) -> None:
             cache.pools.resize(capacity, kept)
             cache.slot_table = None  # the resident path's table, built again once all are in
             cache.awaited.clear()
-            if cache.verifier is not None:  # its tables (placeholder: the new spare slot), and the routing reading them
-                verifier = cache.verifier
-                verifier.tables = type(verifier.tables)(cache)
-                verifier.routing = type(verifier.routing)(verifier.tables)
+            if cache.verifier is not None:  # its tables (placeholder: the new spare slot)
+                cache.verifier.tables = type(cache.verifier.tables)(cache)
     attach_cache(runtime.checkpoint, runtime)  # the layers' weights: the new pools
     mx.clear_cache()  # (the old pools, once the token in flight is done with them)
 

@@ -500,13 +500,12 @@ class PassRouting:
     host read of a GPU array is a managed allocation and a synchronous copy). The pack's
     routers are copied to the host with its indices, their softmax done when a distribution is
     first asked for (`unread`): a clean step's by the host work it leaves for later
-    (tell_hits). Where a first host read costs (FLAG_READS, `tables.flags`): a check within the
+    (tell_hits). Where a first host read costs (FLAG_READS, SlotTables.flags): a check within the
     forward reads each layer call's flag (`flags`: the largest slot its lookup found, 4 bytes),
     the hits' indices left for the pack; a miss found there, a Direct check and the forward's
-    end read the layer calls not read yet in two host copies, joined on the device."""
+    end read the layer calls not read yet in two host copies, joined on the device (`join`)."""
 
-    def __init__(self, tables) -> None:
-        self.tables = tables
+    def __init__(self) -> None:
         self.calls, self.dists, self.packed, self.unread = {}, {}, None, []
         self.flags, self.row_of = {}, {}  # MoE layer -> its flag; its experts on the host (flat)
         self.fresh = []  # flags not queued yet
@@ -549,15 +548,15 @@ class PassRouting:
         indices, router, _ = self.calls[layer]
         return [indices] if router is None else [indices, router]
 
-    def wait(self, layers: list, final: bool, hits: list | None = None, flagged: bool = False) -> tuple:
-        """A wait for these layer calls' routing: their flags where `flagged` (returned: the index
-        of the first whose lookup found the placeholder, or None); else the pack where it holds
+    def wait(self, layers: list, final: bool, hits: list | None = None, flagged: int | None = None) -> tuple:
+        """A wait for these layer calls' routing: their flags where `flagged` (the placeholder;
+        returned: the index of the first whose lookup found it, or None); else the pack where it holds
         them at the forward's end (`final`; returned second); else, given `hits` (a check with
         nothing queued after it, where a first host read costs), theirs and those of the hits
         not read yet joined (returned second); else their arrays (arrays the queued layers
         compute: a new op now would wait behind the whole queue)."""
-        if flagged:
-            return self.first_flagged(layers), None
+        if flagged is not None:
+            return self.first_flagged(layers, flagged), None
         packed, self.packed = self.packed, None
         if hits is not None:
             layers = [m for m in hits if m not in self.row_of] + layers
@@ -594,32 +593,32 @@ class PassRouting:
         fresh, self.fresh = self.fresh, []
         return fresh
 
-    def queue_held(self, layer: int, checked: int, hits: list) -> None:
-        """Queue a held Direct layer's routing and the flags built; where checks read flags, with
-        them (`ready`) the routing its check reads at a miss (the layer calls from `checked` to
-        it, the `hits` not read yet), joined: no second wait then."""
+    def queue_held(self, layer: int, checked: int, hits: list | None) -> None:
+        """Queue a held Direct layer's routing and the flags built; given `hits` (where checks read
+        flags), with them (`ready`) the routing its check reads at a miss (the layer calls from
+        `checked` to it, the hits not read yet), joined: no second wait then."""
         arrays = self.arrays(layer) + self.queued()
-        if self.tables.flags:
+        if hits is not None:
             window = [m for m in hits if m not in self.row_of] + [m for m in sorted(self.calls) if checked <= m <= layer]
             self.ready = self._joined(window, [m for m in window if m not in self.dists])
             arrays += [] if self.ready is None else [self.ready[1], self.ready[3]]
         mx.async_eval(*arrays)
 
-    def first_flagged(self, layers: list) -> int | None:
+    def first_flagged(self, layers: list, placeholder: int) -> int | None:
         """The index of the first of these layer calls whose lookup found the placeholder, by their flags."""
         flags = [self.flags[m] for m in layers]
         mx.eval(*flags)
-        return next((i for i, f in enumerate(flags) if f.item() == self.tables.placeholder), None)
+        return next((i for i, f in enumerate(flags) if f.item() == placeholder), None)
 
-    def rows_of(self, layers: list) -> list:
+    def rows_of(self, layers: list, join: bool) -> list:
         """rows(), those not on the host yet in one host copy (and their routers not read yet in
-        another) where checks read flags, else each its own."""
+        another) where `join` (checks read flags), else each its own."""
         unread = [m for m in layers if m not in self.row_of]
         if not unread:
             return [self.row_of[m] for m in layers]
         joined, self.ready = self.ready, None
         if joined is None or not set(unread) <= set(joined[0]):
-            joined = self._joined(unread, [m for m in unread if m not in self.dists]) if self.tables.flags else None
+            joined = self._joined(unread, [m for m in unread if m not in self.dists]) if join else None
         if joined is not None:
             mx.eval(joined[1], joined[3])
         return self.rows(layers, joined)
@@ -692,7 +691,7 @@ class Verifier:
         self.replay_from = None  # the decoder layer a replay computes from (None: the first run)
         self.outputs = {}  # decoder layer -> its output in this token
         self.attention = KeptAttention()
-        self.routing = PassRouting(self.tables)  # of this token's layer calls
+        self.routing = PassRouting()  # of this token's layer calls
         self.hits = []  # checked layer calls that hit, not told yet (their MoE layers)
         self.observed = []  # this step's layer calls told, (call, row, distribution): observed at its end
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
@@ -832,7 +831,7 @@ class Verifier:
             if missed is not None:
                 raise Replay(missed, ran)
         if self.held:  # this decoder layer's: its routing queued, its experts not yet
-            self.routing.queue_held(self.held[-1], self.checked, self.hits)
+            self.routing.queue_held(self.held[-1], self.checked, self.hits if self.tables.flags else None)
         elif reads_held or self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
             mx.async_eval(out, *self.routing.queued())  # the device starts on these layers while the host builds the next
         if self.current.windowed and self.lag.layers < ran < len(self.layers):
@@ -888,13 +887,14 @@ class Verifier:
         end = len(self.decoder_of) if until is None else bisect.bisect_left(self.decoder_of, until)
         layers = [m for m in range(self.checked, end) if m in routing.calls]
         packed, tic, first = None, time.perf_counter(), None
-        flagged = until is not None and all(m in routing.flags for m in layers)
+        flagged = until is not None and self.tables.flags and all(m in routing.flags for m in layers)
         if layers:
             if until is None:
                 host_work_meanwhile(cache)
                 tic = time.perf_counter()
             together = self.tables.flags and (direct or until is None)  # (nothing queued after: one wait)
-            first, packed = routing.wait(layers, until is None, self.hits if together else None, flagged)
+            first, packed = routing.wait(layers, until is None, self.hits if together else None,
+                                         self.tables.placeholder if flagged else None)
             if until is not None and not direct:
                 self.lag.checked(time.perf_counter() - tic)
         start, read = time.perf_counter(), cache.counters.read_seconds
@@ -902,7 +902,7 @@ class Verifier:
             rows = routing.rows(layers, packed)
             first = self.tables.first_miss(layers, rows) if layers else None
         elif first is not None:  # (the hits' rows with the window's, in one host copy)
-            rows = routing.rows_of(self.hits + layers)[len(self.hits):]
+            rows = routing.rows_of(self.hits + layers, join=True)[len(self.hits):]
         self.current.direct.checked(layers, first)
         self.hits.extend(layers[:first])
         missed = None
@@ -947,7 +947,7 @@ def tell_hits(v, last: bool = False) -> None:
     it: its softmax and the policy's and the profile's updates run off the decode thread where
     a prefetcher's host thread gets to them first."""
     layers, v.hits, cache = v.hits, [], v.cache
-    rows = v.routing.rows_of(layers)
+    rows = v.routing.rows_of(layers, join=bool(v.tables.flags))
     _count_useful(cache, v.guessed, layers, rows)
     if not last:
         v.observed += _tell(cache, v.routing, layers, rows, v.tokens)
@@ -957,7 +957,7 @@ def tell_hits(v, last: bool = False) -> None:
         # (the hits counted here: the counters are the decode thread's, unlocked)
         cache.counters.hits += sum(len(set(row)) for row in rows)
         cache.deferred.append((_tell, (cache, v.routing, layers, rows, v.tokens, v.observed, True)))
-        v.routing, v.observed = PassRouting(v.tables), []
+        v.routing, v.observed = PassRouting(), []
     else:
         _tell(cache, v.routing, layers, rows, v.tokens, v.observed)
         v.observed = []
