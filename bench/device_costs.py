@@ -13,6 +13,14 @@ machine's default device: the figures that price the runtime's reads of routing 
 - `read again`: the same array read a second time (already host-readable).
 - `cpu copy`: the same array copied by an op on the CPU stream (`mx.add(a, 0, stream=mx.cpu)`,
   async_eval'd, done by MLX's CPU thread), then read: the decode thread's part only.
+- `slot write`: an expert's bytes (--expert-bytes) written by the host into a slot of a pool
+  made as SlotPools makes it (on the CPU stream: managed memory on CUDA) and viewed by numpy,
+  as a read from disk lands: after the device used that slot (on CUDA its pages then live on
+  the GPU and move back at the host's write), and after the host wrote it last (a plain copy).
+- `slot use`: the device's sum over that slot, waited for: right after the host wrote it
+  (on CUDA its pages move to the GPU first), and again. `upload`: the same bytes as a new
+  array (`mx.array` of host memory) summed on the device, waited for: the other way to land a
+  read there (a copy into device memory), less a copy from it into a slot.
 
 Each figure is the median of --samples, in microseconds; every read's array is evaluated and
 left a few ms before it is read, so no figure but `wait` waits for the device.
@@ -49,10 +57,42 @@ def median_us(samples, setup, timed):
     return statistics.median(out)
 
 
+def slot_rows(samples, nbytes, slots=8):
+    """The slot figures: (name, us) of a host write into a pool slot, the device's use of it
+    and an upload, for an expert of `nbytes`; each sample uses the next of `slots` slots."""
+    pool = mx.zeros((slots, nbytes), dtype=mx.uint8, stream=mx.cpu)  # (as SlotPools: managed memory on CUDA)
+    mx.eval(pool)
+    view = np.array(pool, copy=False)
+    source = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+
+    def use(slot):
+        mx.eval(pool[slot].sum())
+        return slot
+
+    def written(slot):
+        view[slot % slots] = source
+        return slot % slots
+
+    def upload(_):
+        mx.eval(mx.array(source).sum())
+
+    def write(slot):
+        view[slot] = source
+
+    mb = nbytes / 2**20
+    return [(f"slot write, used by the device last ({mb:.1f} MiB)", median_us(samples, lambda k: use(k % slots), write)),
+            (f"slot write, written by the host last ({mb:.1f} MiB)", median_us(samples, written, write)),
+            ("slot use, right after the host wrote it", median_us(samples, written, use)),
+            ("slot use, again", median_us(samples, lambda k: use(k % slots), use)),
+            (f"upload, then its use ({mb:.1f} MiB)", median_us(samples, lambda k: k, upload))]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=200, help="timings per figure")
     ap.add_argument("--bytes", type=int, default=2048, help="size of the arrays read (int32 elements x 4)")
+    ap.add_argument("--expert-bytes", type=int, default=2_949_120,
+                    help="bytes of one expert for the slot figures (Qwen3-30B-A3B's at 4 bit by default)")
     args = ap.parse_args()
     n = max(1, args.bytes // 4)
     ticks = cpu_ticks()
@@ -86,6 +126,7 @@ def main():
             (f"cpu copy, then read ({args.bytes} bytes)", median_us(args.samples, copied, np.array)),
             ("cpu copy: its async_eval", median_us(args.samples, lambda k: mx.add(made(n, k), 0, stream=mx.cpu),
                                                    mx.async_eval))]
+    rows += slot_rows(args.samples, args.expert_bytes)
     print(f"device {mx.default_device()}, mlx {mx.__version__}; medians of {args.samples}, us")
     for name, us in rows:
         print(f"  {name:<48} {us:9.1f}")
