@@ -8,6 +8,13 @@ the times with an unprofiled run's; MLX's functions are not listed on their own 
 their caller's own), numpy's are.
 
     python bench/decode_profile.py [--checkpoint DIR] [--cache-experts N] [--tokens 32] [--top 25]
+    python bench/decode_profile.py --ops [--checkpoint DIR] [--cache-experts N]
+
+--ops counts instead the device's work a decode token hands MLX: the calls of mx.eval and
+mx.async_eval, and the primitives of the graphs they evaluate (mx.export_to_dot of their
+arrays: an evaluated array is a leaf), by kind, over the generation's tokens after the third.
+On a GPU each primitive is a kernel launch (or a view) on the host, and an eval call a
+dispatch: a figure this CPU can give for what the GPU's host and device would do beyond stock's.
 
 The checkpoint defaults to bench_runtime's Qwen3-shaped one (built there: `python
 bench/bench_runtime.py --layers 8 --only stock-f32`).
@@ -16,9 +23,13 @@ bench/bench_runtime.py --layers 8 --only stock-f32`).
 import argparse
 import cProfile
 import io
+import os
 import pstats
+import re
 import subprocess
 import sys
+import tempfile
+from collections import Counter
 from pathlib import Path
 
 from bench_disk import DEFAULT_MODEL
@@ -47,6 +58,8 @@ def profiled(args) -> None:
     for _ in range(2):  # (the second: a partial cache warmed by the same prompt)
         generate_timed(generate, model, tokenizer, args.prompt, args.tokens)
     generate_timed(generate, model, tokenizer, WARMUP_PROMPT, 4)
+    if args.ops:
+        return count_ops(args.one, generate, model, tokenizer, args)
     profile = cProfile.Profile()
     profile.enable()
     run, _, _ = generate_timed(generate, model, tokenizer, args.prompt, args.tokens)
@@ -63,13 +76,53 @@ def profiled(args) -> None:
         print("\n".join(line for line in lines[start:] if line.strip()))
 
 
+def count_ops(name, generate, model, tokenizer, args, skip=3) -> None:
+    """--ops: the eval calls and primitives per decode token past the first `skip` (mx.eval and
+    mx.async_eval wrapped while counting; each call's arrays exported to a dot file and read)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    calls, kinds, counting = Counter(), Counter(), [False]
+    fd, dot = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+
+    def wrapped(name, real):
+        def call(*arrays):
+            if counting[0]:
+                calls[name] += 1
+                flat = [a for _, a in tree_flatten(list(arrays)) if isinstance(a, mx.array)]
+                if flat:
+                    mx.export_to_dot(dot, *flat)
+                    kinds.update(re.findall(r'label ="([^"]+)", shape=rectangle', Path(dot).read_text()))
+            return real(*arrays)
+        return call
+
+    real = {n: getattr(mx, n) for n in ("eval", "async_eval")}
+    for n, f in real.items():
+        setattr(mx, n, wrapped(n, f))
+    tokens = 0
+    try:
+        for _ in generate(model, tokenizer, args.prompt, max_tokens=args.tokens):
+            tokens += 1
+            counting[0] = tokens >= skip
+    finally:
+        for n, f in real.items():
+            setattr(mx, n, f)
+        os.unlink(dot)
+    steps = max(tokens - skip, 1)
+    print(f"{name}: per decode token over {steps}: {sum(kinds.values()) / steps:.1f} primitives, "
+          + ", ".join(f"{n} {c / steps:.2f}" for n, c in sorted(calls.items())))
+    print("  " + ", ".join(f"{k} {v / steps:.1f}" for k, v in kinds.most_common(args.top)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--cache-experts", type=int, default=None, help="mlxmoe's slots (default: every expert)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", default="Hello world")
-    ap.add_argument("--top", type=int, default=25, help="functions listed per table")
+    ap.add_argument("--top", type=int, default=25, help="functions listed per table (--ops: kinds of primitive)")
+    ap.add_argument("--ops", action="store_true", help="count the eval calls and primitives per decode token instead")
     ap.add_argument("--one", choices=("stock", "mlxmoe"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
