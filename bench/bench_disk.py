@@ -82,7 +82,7 @@ DEMO_PROMPT = "Il file di configurazione"  # 5 tokens; on "Hello world!" the dem
 # experts are 47x smaller (60 KiB) and its tokens about 100x faster (3-5 ms on 2 cores).
 DEFAULT_RATES = "400MB/s,40MB/s,20MB/s,10MB/s"
 DISK = "disk"  # the rate that is this machine's own disk: no mount, dd's rate
-CONFIGS = ("off", "default", "baseline", "lossy", "oracle", "no-ahead")
+CONFIGS = ("off", "default", "baseline", "lossy", "oracle", "no-ahead", "device-copy")
 # the online policies whose decode loads on the run's routing the report sets beside Belady's
 ONLINE_POLICIES = ("lru", "lfu", "slru", "s3fifo", "layer-lru", "layer-lfu", "lfuda", "activation-floor")
 
@@ -273,6 +273,10 @@ def run_disk(args):
     if args.one == "oracle":
         kwargs = {"prefetch": args.oracle_depth}
         install_oracle(args.trace)
+    if args.one == "device-copy":  # a what-if: the default with reads landed by CUDA's copy (backend.DeviceCopy)
+        from mlxmoe import backend
+
+        backend.DEVICE_COPY = True
     dropped = None if mount else drop_page_cache()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -297,8 +301,10 @@ def run_disk(args):
     run["decode"] = windows(first, last)
     stats = cache.stats()
     cache_experts = stats.get("cache_experts", args.cache_experts)
+    land = getattr(cache.store.reader, "land", None)
     model.expert_cache.close()
     return {"mlxmoe": str(where), "load_kwargs": kwargs, "load_seconds": load_seconds, "page_cache_dropped": dropped,
+            "device_copies": getattr(land, "copies", None),  # (device-copy: its reads' copies; None: host stores)
             "load": disk_window(d0, d1), "runs": [run], "cache_experts": cache_experts,
             "stats": {k: v for k, v in stats.items() if k != "resident_per_layer"},
             "warnings": sorted({str(w.message) for w in caught}), "disk_end": last["disk"]}
@@ -547,7 +553,8 @@ def analyse(args, info, compute, belady, runs):
             requests=(p["disk_reads"] or 0) + (d["disk_reads"] or 0), request_bytes=p["disk_bytes"] + d["disk_bytes"],
             loads=p["loads_demand"] + p.get("loads_prefetched", 0) + d["loads_demand"] + d.get("loads_prefetched", 0),
             method=r["stats"].get("io", {}).get("method"),
-            fallback=r["stats"].get("io", {}).get("fallback"), warnings=r.get("warnings", []), stolen=r.get("stolen"))
+            fallback=r["stats"].get("io", {}).get("fallback"), warnings=r.get("warnings", []), stolen=r.get("stolen"),
+            device_copies=r.get("device_copies"))
         row["ratio_ms"] = row["ms"] / row["bound_ms"]
         rows.append(row)
     for row in rows:  # against prefetch off at the same rate and cache
@@ -669,6 +676,11 @@ def report(args, info, compute, belady, runs, baseline=None, dd=None):
         print(f"expert reads on the mount: {', '.join(methods)}; the disk served them in {requests} requests of "
               f"{nbytes / max(requests, 1) / 1024:.0f} KiB on average, {requests / max(loads, 1):.1f} per expert read "
               f"(the kernel splits a FUSE read at its max request size)")
+    for r in rows:
+        if r["config"] == "device-copy" and "error" not in r:
+            print(f"device-copy at {r['rate_text']} {100 * r['share']:.0f} %: "
+                  + (f"{r['device_copies']} copies by the CUDA runtime into slot memory" if r["device_copies"] is not None
+                     else "no device copy (not CUDA, or its library did not load): the same as default"))
     warned = sorted({w for r in rows if "error" not in r for w in r["warnings"]})
     for w in warned:
         print(f"warning in a child: {w}")
@@ -744,7 +756,9 @@ def main():
                         help="Of off (prefetch=0), default (mlxmoe.load with no options), baseline (the default "
                              "of --baseline REF or --baseline-path DIR), lossy (the default with --lossy's options), "
                              "oracle (a what-if: see --oracle-depth), no-ahead (a what-if: the default with its "
-                             "running ahead during reads, speculate.py, off). "
+                             "running ahead during reads, speculate.py, off), device-copy (a what-if: the default "
+                             "with reads put into the slots by CUDA's copy, backend.DeviceCopy; the same as default "
+                             "but on CUDA). "
                              "Default: off,default (and baseline with either).")
     parser.add_argument("--oracle-depth", type=int, default=3,
                         help="The 'oracle' configuration (a what-if: the default's lookahead given the run's own "

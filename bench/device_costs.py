@@ -21,6 +21,9 @@ machine's default device: the figures that price the runtime's reads of routing 
   (on CUDA its pages move to the GPU first), and again. `upload`: the same bytes as a new
   array (`mx.array` of host memory) summed on the device, waited for: the other way to land a
   read there (a copy into device memory), less a copy from it into a slot.
+- `slot copy` (where the CUDA runtime loads: backend.DeviceCopy, the runtime's what-if
+  DEVICE_COPY): the same bytes copied into the slot by cudaMemcpy from a pinned buffer after the
+  device used it, and the device's use of it after that copy.
 
 Each figure is the median of --samples, in microseconds; every read's array is evaluated and
 left a few ms before it is read, so no figure but `wait` waits for the device.
@@ -29,12 +32,15 @@ left a few ms before it is read, so no figure but `wait` waits for the device.
 """
 
 import argparse
+import mmap
 import statistics
 import time
 
 import mlx.core as mx
 import numpy as np
 
+from mlxmoe.backend import DeviceCopy
+from mlxmoe.errors import MlxmoeError
 from system import cpu_ticks, stolen_share
 
 
@@ -80,7 +86,30 @@ def slot_rows(samples, nbytes, slots=8):
         view[slot] = source
 
     mb = nbytes / 2**20
-    return [(f"slot write, used by the device last ({mb:.1f} MiB)", median_us(samples, lambda k: use(k % slots), write)),
+    copied = []
+    try:
+        copy = DeviceCopy()
+        pinned = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+        pinned[:] = source
+        copy.pin(pinned)
+
+        def copy_after_use(slot):
+            copy(view[slot], pinned)
+
+        def copied_slot(slot):
+            copy(view[slot % slots], pinned)
+            return slot % slots
+
+        use(0)
+        copy(view[0], pinned)  # (fails here without a GPU: no rows then)
+        seen = mx.sum(pool[0].astype(mx.uint32)).item() == int(source.sum(dtype=np.uint64))
+        print(f"a slot copy is seen by the device's next use: {'yes' if seen else 'NO'}")
+        copied = [(f"slot copy (cudaMemcpy), used by the device last ({mb:.1f} MiB)",
+                   median_us(samples, lambda k: use(k % slots), copy_after_use)),
+                  ("slot use, right after the copy", median_us(samples, copied_slot, use))]
+    except MlxmoeError as e:
+        print(f"(no slot copy rows: {e})")
+    return copied + [(f"slot write, used by the device last ({mb:.1f} MiB)", median_us(samples, lambda k: use(k % slots), write)),
             (f"slot write, written by the host last ({mb:.1f} MiB)", median_us(samples, written, write)),
             ("slot use, right after the host wrote it", median_us(samples, written, use)),
             ("slot use, again", median_us(samples, lambda k: use(k % slots), use)),

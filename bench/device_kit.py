@@ -24,8 +24,8 @@ stock mlx-lm once to compile MLX's CUDA kernels (the first process on a fresh ma
 against warm: whether the bookkeeping figures of this VM, 5-15x warm after a wait, hold there),
 device_costs (what a wait and each kind of host read cost the decode thread), decode_profile
 (the decode thread's functions by time, stock beside every expert resident), bench_runtime's
-resident row against stock, bench_disk on the machine's disk at 50 % cached (off and the
-default), read_contention (expert reads on a thread while the
+resident row against stock, bench_disk on the machine's disk at 50 % cached (off, the
+default, and device-copy: the default with reads put into the slots by CUDA's copy), read_contention (expert reads on a thread while the
 main thread runs Python), and last bench_host on Qwen3-30B-A3B's recorded routing with no
 emulated round trip (the device's own; stock's first process compiles the float32 kernels: 98 s
 on an H200), ~99 % also with its checks reading indices, not flags (`hit99:indices`: what the
@@ -222,9 +222,10 @@ def steps(routing: Path | None, quick: bool) -> list[tuple[str, list, int]]:
                       "--runs", "2", "--tokens", tokens, "--prompt", "Hello world", "--output",
                       str(STAGE / "runtime.json")], 120),
     ]
+    # device-copy: reads put into the managed slot pools by CUDA's copy, not the host's stores (backend.DeviceCopy)
     run.append(("disk", [py, "bench/bench_disk.py", "--rates", "disk", "--cache", "0.5", "--configs",
-                         "off,default", "--tokens", tokens, "--runs", "1", "--output",
-                         str(STAGE / "disk.json")], 160))
+                         "off,default,device-copy", "--tokens", tokens, "--runs", "1", "--output",
+                         str(STAGE / "disk.json")], 200))
     # expert reads on a thread while the main thread runs Python, at 5 and 0.2 ms switch intervals
     run.append(("contention", [py, "bench/read_contention.py", "--experts", "20"], 60))
     if routing is not None:  # (last: it takes what time is left)

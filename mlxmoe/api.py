@@ -362,6 +362,7 @@ def _build(ckpt, be, tokenizer_config, lazy, opts):
     """Give an opened checkpoint its Runtime (model.expert_runtime, with model.expert_cache); return the tokenizer."""
     tokenizer = read_tokenizer(ckpt.path, tokenizer_config, ckpt.config.get("eos_token_id"))
     ckpt.store.set_io(opts.io)  # "auto", "mmap", "pread" or "direct" (see store.py)
+    ckpt.store.reader.land = be.slot_copy()  # (None, the host's stores, but where backend.DEVICE_COPY is on)
     be.apply_dtype_policy(ckpt.model)
     fp = model_fingerprint(ckpt)
     draft, draft_bytes, extra = _beside_cache(ckpt, be, tokenizer, opts)

@@ -1,8 +1,11 @@
 """What differs between cpu, metal and cuda: the device, the dtype policy, memory limits;
 and device arrays of any float dtype read on the host."""
 
+import ctypes
+import ctypes.util
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -15,6 +18,9 @@ from .errors import MlxmoeError
 FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 # CUDA's gather_qmm (MLX 0.32): gather_qmv for fewer rows (tokens x experts) than this, a GEMM from it
 GATHER_GEMM_ROWS = 8
+# Whether reads land in the slots on CUDA by the runtime's copy (DeviceCopy), not by the host's
+# stores: off until a lent GPU has measured it (bench_disk.py's device-copy row)
+DEVICE_COPY = False
 
 
 @dataclass
@@ -64,6 +70,17 @@ class Backend:
         return int(info.get("max_recommended_working_set_size") or info.get("memory_size")
                    or info.get("total_memory") or machine_memory())
 
+    def slot_copy(self):
+        """How reads put an expert's bytes into slot memory: a DeviceCopy on CUDA (where
+        DEVICE_COPY), else None (the host's stores)."""
+        if self.name != "cuda" or not DEVICE_COPY:
+            return None
+        try:
+            return DeviceCopy()
+        except MlxmoeError as e:
+            warnings.warn(f"{e}; reads land in the slots by the host's stores")
+            return None
+
     def activate(self, budget):
         """Make MLX honour the budget: cap its buffer cache, and wire the budget on Metal."""
         mx.set_cache_limit(min(mx.get_cache_memory() + (256 << 20), budget // 8))
@@ -84,6 +101,49 @@ def detect(name=None):
     mx.set_default_device(device)
     return Backend(name, mx.float32 if name == "cpu" else None, materialises_attention=name == "cpu",
                    split_exact=name == "cpu", runs_ahead=name == "cpu")
+
+
+class DeviceCopy:
+    """Copies into slot memory by the CUDA runtime (cudaMemcpy, a DMA), from a pinned buffer
+    where `pin` was given one. On CUDA MLX makes an array of the CPU stream (the slot pools:
+    the host writes them) in managed memory: a page the GPU has read lives in the GPU's
+    memory, a host store into it (numpy's, or a read's DMA into the slot) moves it back
+    first, and the GPU's next use moves it there again; the runtime's copy writes it where it
+    lives. Raises MlxmoeError where the CUDA runtime library cannot be loaded."""
+
+    DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+
+    def __init__(self) -> None:
+        names = ["libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart") or "libcudart.so"]
+        for name in names:
+            try:
+                lib = ctypes.CDLL(name)  # (CDLL: the GIL is let go during each call)
+                break
+            except OSError:
+                lib = None
+        if lib is None:
+            raise MlxmoeError(f"no CUDA runtime library to copy into slot memory with (tried {', '.join(names)})")
+        self._memcpy = lib.cudaMemcpy
+        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self._register = lib.cudaHostRegister
+        self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        for f in (self._memcpy, self._register):
+            f.restype = ctypes.c_int
+        self.copies = 0
+
+    def pin(self, buf: np.ndarray) -> bool:
+        """Page-lock `buf` (kept alive by its owner) for the copies from it; False where refused (they then stage)."""
+        return self._register(buf.ctypes.data, buf.nbytes, 0) == 0
+
+    def __call__(self, dest: np.ndarray, src: np.ndarray) -> None:
+        """dest[...] = src, of the same size, contiguous (else by numpy)."""
+        if dest.nbytes != src.nbytes or not (dest.flags.c_contiguous and src.flags.c_contiguous):
+            dest[...] = src
+            return
+        err = self._memcpy(dest.ctypes.data, src.ctypes.data, dest.nbytes, self.DEFAULT)
+        if err:
+            raise MlxmoeError(f"cudaMemcpy of {dest.nbytes} bytes into slot memory failed (CUDA error {err})")
+        self.copies += 1
 
 
 class KeepBusy:

@@ -111,6 +111,9 @@ class ShardReader:
         self._local = threading.local()  # per-thread O_DIRECT bounce buffer
         self.fallback = None  # why "direct" could not use O_DIRECT, when it could not
         self.io, self.bypass = resolve_io(io), self._check_bypass(bypass)
+        # what puts a read's bytes in place (backend.DeviceCopy on CUDA), or None: the host's
+        # stores, and reads straight into the slots where they can
+        self.land = None
 
     def set_io(self, io="auto", bypass=None):
         """Switch the IO mode; the shards are reopened."""
@@ -193,9 +196,21 @@ class ShardReader:
     def _bounce(self, n):
         """This thread's page-aligned buffer of at least n bytes (an anonymous mmap is page aligned)."""
         buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n:
-            self._local.buf = buf = np.frombuffer(mmap.mmap(-1, align_up(n, 1 << 20)), np.uint8)
+        if buf is None or len(buf) < n or getattr(self._local, "land", None) is not self.land:
+            # (where `land` copies from it: made once, of BOUNCE bytes, the most a bounce takes, and pinned)
+            size = align_up(max(n, BOUNCE if self.land is not None else 0), 1 << 20)
+            self._local.buf = buf = np.frombuffer(mmap.mmap(-1, size), np.uint8)
+            self._local.land = self.land
+            if self.land is not None:
+                self.land.pin(buf)  # (refused: its copies are staged)
         return buf[:n]
+
+    def _put(self, dest, src):
+        """A read's bytes into place: by the host's stores, or by `land`."""
+        if self.land is None:
+            dest[...] = src
+        else:
+            self.land(dest, src)
 
     def read_run(self, run):
         """Read one run (file, start, end, [(offset, dest)]); the bytes asked of the kernel."""
@@ -212,7 +227,9 @@ class ShardReader:
         if sum(d.nbytes for _, d in pieces) != end - start:  # gaps (a run grouped for O_DIRECT)
             ranges = [Range(file, off, d.nbytes) for off, d in pieces]
             return sum(self._read_pread(*run, fadvise) for run in runs(ranges, [d for _, d in pieces]))
-        if preadv_all(fd, [d for _, d in pieces], start, file) < end - start:
+        if self.land is not None:
+            self._read_bounced(fd, file, start, end, pieces)
+        elif preadv_all(fd, [d for _, d in pieces], start, file) < end - start:
             raise truncated(file, end)
         if fadvise and hasattr(os, "posix_fadvise"):
             # Whole pages: the kernel keeps a partly covered page.
@@ -222,24 +239,23 @@ class ShardReader:
 
     def _read_direct(self, file, start, end, pieces):
         fd, align = self._fds[file], self._align[file]
-        a, b = align_down(start, align), align_up(end, align)
-        if start % align == 0 and end % align == 0 \
+        a = align_down(start, align)
+        if self.land is None and start % align == 0 and end % align == 0 \
                 and all(off % align == 0 and d.nbytes % align == 0 and d.ctypes.data % align == 0 for off, d in pieces) \
                 and sum(d.nbytes for _, d in pieces) == end - start:
             # Aligned and back to back (a bundled checkpoint, aligned slots): straight into the slots.
             if preadv_all(fd, [d for _, d in pieces], a, file, align) < end - start:
                 raise truncated(file, end)
             return end - start
-        if b - a <= BOUNCE:  # (one bounce, an expert's usual case: each piece lies whole in it)
-            buf = self._bounce(b - a)
-            n = preadv_all(fd, [buf], a, file, align)  # b may lie past the end of the file
-            if a + n < end:
-                raise truncated(file, end)
-            for off, d in pieces:
-                d[:] = buf[off - a:off - a + d.nbytes]
-            return n
+        return self._read_bounced(fd, file, start, end, pieces, align)
+
+    def _read_bounced(self, fd, file, start, end, pieces, align=1):
+        """Read [start, end) through this thread's bounce buffer (an expert's usual case: one
+        bounce, each piece whole in it), at most BOUNCE bytes at a time, and put each piece's
+        bytes in place; the bytes asked of the kernel."""
+        a, b = align_down(start, align), align_up(end, align)
         got = 0
-        for c in range(a, b, BOUNCE):  # through the bounce buffer, at most BOUNCE bytes at a time
+        for c in range(a, b, BOUNCE):
             buf = self._bounce(min(BOUNCE, b - c))
             n = preadv_all(fd, [buf], c, file, align)  # b may lie past the end of the file
             got += n
@@ -248,7 +264,7 @@ class ShardReader:
             for off, d in pieces:
                 lo, hi = max(off, c), min(off + d.nbytes, c + n)
                 if lo < hi:
-                    d[lo - off:hi - off] = buf[lo - c:hi - c]
+                    self._put(d[lo - off:hi - off], buf[lo - c:hi - c])
         return got
 
     def _read_mmap(self, file, start, end, pieces):
@@ -263,7 +279,7 @@ class ShardReader:
         if hasattr(mmap, "MADV_WILLNEED"):  # one readahead of the whole range, not a fault per page
             mm.madvise(mmap.MADV_WILLNEED, a, b - a)
         for off, d in pieces:
-            d[...] = arr[off:off + d.nbytes]
+            self._put(d, arr[off:off + d.nbytes])
         if hasattr(mmap, "MADV_DONTNEED"):  # out of this process's RSS (the pages stay in the page cache)
             mm.madvise(mmap.MADV_DONTNEED, a, b - a)
         return b - a
