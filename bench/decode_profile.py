@@ -10,6 +10,10 @@ their caller's own), numpy's are.
     python bench/decode_profile.py [--checkpoint DIR] [--cache-experts N] [--tokens 32] [--top 25]
     python bench/decode_profile.py --ops [--checkpoint DIR] [--cache-experts N]
 
+--bookkeeping prints instead mlxmoe's bookkeeping counter's growth at each token (read as it
+runs, no stats() call: that would do the host work left for later, and wait for the device, at
+the read), and its mean over the tokens after the first (stock: nothing to print).
+
 --ops counts instead the device's work a decode token hands MLX: the calls of mx.eval and
 mx.async_eval, and the primitives of the graphs they evaluate (mx.export_to_dot of their
 arrays: an evaluated array is a leaf), by kind, over the generation's tokens after the third.
@@ -60,6 +64,8 @@ def profiled(args) -> None:
     generate_timed(generate, model, tokenizer, WARMUP_PROMPT, 4)
     if args.ops:
         return count_ops(args.one, generate, model, tokenizer, args)
+    if args.bookkeeping:
+        return per_token_bookkeeping(args.one, generate, model, tokenizer, args)
     profile = cProfile.Profile()
     profile.enable()
     run, _, _ = generate_timed(generate, model, tokenizer, args.prompt, args.tokens)
@@ -74,6 +80,21 @@ def profiled(args) -> None:
         lines = out.getvalue().splitlines()
         start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
         print("\n".join(line for line in lines[start:] if line.strip()))
+
+
+def per_token_bookkeeping(name, generate, model, tokenizer, args) -> None:
+    """--bookkeeping: the cache's bookkeeping counter's growth at each token, ms."""
+    if name == "stock":
+        return print("stock: no bookkeeping")
+    counters, grown, last = model.expert_cache.counters, [], None
+    for _ in generate(model, tokenizer, args.prompt, max_tokens=args.tokens):
+        now = counters.bookkeeping_seconds
+        if last is not None:
+            grown.append((now - last) * 1e3)
+        last = now
+    steps = max(len(grown), 1)
+    print(f"{name}: bookkeeping {sum(grown) / steps:.3f} ms a token over {len(grown)} tokens after the first; "
+          f"each: {' '.join(f'{g:.2f}' for g in grown)}")
 
 
 def count_ops(name, generate, model, tokenizer, args, skip=3) -> None:
@@ -123,6 +144,7 @@ def main() -> None:
     ap.add_argument("--prompt", default="Hello world")
     ap.add_argument("--top", type=int, default=25, help="functions listed per table (--ops: kinds of primitive)")
     ap.add_argument("--ops", action="store_true", help="count the eval calls and primitives per decode token instead")
+    ap.add_argument("--bookkeeping", action="store_true", help="mlxmoe's bookkeeping at each token instead")
     ap.add_argument("--one", choices=("stock", "mlxmoe"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
