@@ -1,7 +1,7 @@
 """Reads that put their bytes in place through the reader's `land` (backend.DeviceCopy on
 CUDA, where backend.DEVICE_COPY): every byte of every slot goes through it in each IO mode,
 none straight into the slot, the bytes are those of a plain read, and a generation streamed
-that way gives stock mlx-lm's tokens. Off by default; without a GPU a DeviceCopy fails
+that way (its verified steps' slot tables written through it too) gives stock mlx-lm's tokens. Off by default; without a GPU a DeviceCopy fails
 clearly."""
 
 import mmap
@@ -27,7 +27,7 @@ class Landed:
     """A land that copies as numpy does and counts what it put where, and the buffers pinned."""
 
     def __init__(self):
-        self.bytes, self.pinned = 0, []
+        self.bytes, self.pinned, self.sizes = 0, [], []
 
     def pin(self, buf):
         self.pinned.append(buf.nbytes)
@@ -37,6 +37,7 @@ class Landed:
         assert dest.nbytes == src.nbytes
         dest[...] = src
         self.bytes += dest.nbytes
+        self.sizes.append((dest.ctypes.data, dest.nbytes))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +104,9 @@ def test_a_streamed_generation_landed_so_gives_stock_tokens(bundled):
     stats = cache.stats()
     cache.close()
     assert got == want
-    assert stats["misses"] > 0 and land.bytes == stats["bytes_read"]
+    rows = {v.ctypes.data for _, views, _ in cache.verifier.tables.sets for v in views}  # the slot tables' rows
+    assert stats["misses"] > 0 and sum(n for at, n in land.sizes if at not in rows) == stats["bytes_read"]
+    assert stats["verified_tokens"] > 0 and any(at in rows for at, _ in land.sizes)  # (the tables' too)
 
 
 def test_only_cuda_with_the_switch_copies(monkeypatch):

@@ -406,7 +406,7 @@ class SlotTables:
             self.turn ^= 1
         self.rows, self.views, shown = self.sets[self.turn]
         for i in np.flatnonzero((shown != table).any(axis=1)):
-            self.views[i][:] = table[i]
+            self._write(i, table[i])
         shown[:] = table
 
     def update(self, given: list) -> None:
@@ -426,9 +426,19 @@ class SlotTables:
                 changed.add(key[0])
             shown = self.sets[self.turn][2]
             for layer in changed:
-                self.views[layer][:] = shown[layer] = table[layer]
+                self._write(layer, table[layer])
+                shown[layer] = table[layer]
                 self.lists[layer] = table[layer].tolist()
         self.version = self.cache.version
+
+    def _write(self, layer: int, row: np.ndarray) -> None:
+        """A layer's row of the set in use, in place: as the reads put their bytes (on CUDA with
+        backend.DEVICE_COPY the runtime's copy: the row's page stays where the GPU reads it)."""
+        land = self.cache.store.reader.land
+        if land is None:
+            self.views[layer][:] = row
+        else:
+            land(self.views[layer], row)
 
     def read(self, layer, experts, scores, probs, guesses, row, tokens: int) -> list:
         """Make a missed layer call's experts (`row`, flat) resident (the policy's victims, a
