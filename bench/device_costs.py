@@ -18,7 +18,8 @@ machine's default device: the figures that price the runtime's reads of routing 
   as a read from disk lands: after the device used that slot (on CUDA its pages then live on
   the GPU and move back at the host's write), and after the host wrote it last (a plain copy).
 - `slot use`: the device's sum over that slot, waited for: right after the host wrote it
-  (on CUDA its pages move to the GPU first), and again. `upload`: the same bytes as a new
+  (on CUDA its pages move to the GPU first), and again; and the same sum over an array the
+  device made (on CUDA device memory, not managed: whether kernels read managed memory slower). `upload`: the same bytes as a new
   array (`mx.array` of host memory) summed on the device, waited for: the other way to land a
   read there (a copy into device memory), less a copy from it into a slot.
 - `slot copy` (where the CUDA runtime loads: backend.DeviceCopy, the runtime's what-if
@@ -86,6 +87,8 @@ def slot_rows(samples, nbytes, slots=8):
         view[slot] = source
 
     mb = nbytes / 2**20
+    made_here = mx.zeros((nbytes,), dtype=mx.uint8) + 1  # (the default device's memory: not managed on CUDA)
+    mx.eval(made_here)
     copied = []
     try:
         copy = DeviceCopy()
@@ -113,6 +116,7 @@ def slot_rows(samples, nbytes, slots=8):
             (f"slot write, written by the host last ({mb:.1f} MiB)", median_us(samples, written, write)),
             ("slot use, right after the host wrote it", median_us(samples, written, use)),
             ("slot use, again", median_us(samples, lambda k: use(k % slots), use)),
+            ("the same use of a device-made array", median_us(samples, lambda k: k, lambda _: mx.eval(made_here.sum()))),
             (f"upload, then its use ({mb:.1f} MiB)", median_us(samples, lambda k: k, upload))]
 
 
