@@ -33,7 +33,6 @@ left a few ms before it is read, so no figure but `wait` waits for the device.
 """
 
 import argparse
-import mmap
 import statistics
 import time
 
@@ -92,9 +91,8 @@ def slot_rows(samples, nbytes, slots=8):
     copied = []
     try:
         copy = DeviceCopy()
-        pinned = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
+        pinned = copy.buffer(nbytes)  # (page-locked: a copy from it has landed when it returns)
         pinned[:] = source
-        copy.pin(pinned)
 
         def copy_after_use(slot):
             copy(view[slot], pinned)
@@ -107,7 +105,7 @@ def slot_rows(samples, nbytes, slots=8):
         copy(view[0], pinned)  # (fails here without a GPU: no rows then)
         seen = mx.sum(pool[0].astype(mx.uint32)).item() == int(source.sum(dtype=np.uint64))
         print(f"a slot copy is seen by the device's next use: {'yes' if seen else 'NO'}")
-        copied = [(f"slot copy (cudaMemcpy), used by the device last ({mb:.1f} MiB)",
+        copied = [(f"slot copy (cudaMemcpy, page-locked source), used by the device last ({mb:.1f} MiB)",
                    median_us(samples, lambda k: use(k % slots), copy_after_use)),
                   ("slot use, right after the copy", median_us(samples, copied_slot, use))]
     except MlxmoeError as e:

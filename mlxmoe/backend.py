@@ -3,6 +3,7 @@ and device arrays of any float dtype read on the host."""
 
 import ctypes
 import ctypes.util
+import mmap
 import threading
 import time
 import warnings
@@ -104,46 +105,91 @@ def detect(name=None):
 
 
 class DeviceCopy:
-    """Copies into slot memory by the CUDA runtime (cudaMemcpy, a DMA), from a pinned buffer
-    where `pin` was given one. On CUDA MLX makes an array of the CPU stream (the slot pools:
-    the host writes them) in managed memory: a page the GPU has read lives in the GPU's
-    memory, a host store into it (numpy's, or a read's DMA into the slot) moves it back
-    first, and the GPU's next use moves it there again; the runtime's copy writes it where it
-    lives. Raises MlxmoeError where the CUDA runtime library cannot be loaded."""
+    """Copies into slot memory by the CUDA runtime (cudaMemcpy, a DMA) from page-locked
+    buffers of its own. On CUDA MLX makes an array of the CPU stream (the slot pools: the host
+    writes them) in managed memory: a page the GPU has read lives in the GPU's memory, a host
+    store into it (numpy's, or a read's DMA into the slot) moves it back first, and the GPU's
+    next use moves it there again; the runtime's copy writes it where it lives. `buffer(n)`:
+    this thread's page-locked buffer to read into (a reader's bounce buffer); a copy from any
+    other memory goes through this thread's staging buffer first, since only a copy from
+    page-locked memory has landed when cudaMemcpy returns (MLX's streams do not wait for the
+    legacy stream's copies). The buffers stay registered until close(). Raises MlxmoeError
+    where the CUDA runtime cannot be loaded or used."""
 
     DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+    SIZE = 4 << 20  # the least a buffer is made with (reader.BOUNCE: the most a bounce asks)
 
     def __init__(self) -> None:
         names = ["libcudart.so.13", "libcudart.so.12", ctypes.util.find_library("cudart") or "libcudart.so"]
+        lib = None
         for name in names:
             try:
                 lib = ctypes.CDLL(name)  # (CDLL: the GIL is let go during each call)
                 break
             except OSError:
-                lib = None
+                pass
         if lib is None:
             raise MlxmoeError(f"no CUDA runtime library to copy into slot memory with (tried {', '.join(names)})")
-        self._memcpy = lib.cudaMemcpy
-        self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self._register = lib.cudaHostRegister
-        self._register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        for f in (self._memcpy, self._register):
-            f.restype = ctypes.c_int
+        self._lib, self._lock, self._local = lib, threading.Lock(), threading.local()
+        for name, args in (("cudaMemcpy", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]),
+                           ("cudaHostRegister", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]),
+                           ("cudaHostUnregister", [ctypes.c_void_p]), ("cudaGetDeviceCount", [ctypes.c_void_p])):
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, ctypes.c_int
+        count = ctypes.c_int(0)
+        self._check(lib.cudaGetDeviceCount(ctypes.byref(count)), "cudaGetDeviceCount")  # (a runtime the driver serves)
+        self.pinned = []  # [(address, end, mmap)] registered, freed at close()
         self.copies = 0
+        self._staging("stage", 1)  # (a refused registration refuses the copy here, not at a read)
 
-    def pin(self, buf: np.ndarray) -> bool:
-        """Page-lock `buf` (kept alive by its owner) for the copies from it; False where refused (they then stage)."""
-        return self._register(buf.ctypes.data, buf.nbytes, 0) == 0
+    @staticmethod
+    def _check(err: int, what: str) -> None:
+        if err:
+            raise MlxmoeError(f"{what} failed (CUDA error {err})")
+
+    def _staging(self, kind: str, n: int) -> np.ndarray:
+        """This thread's page-locked buffer of `kind` ("bounce" or "stage"), at least n bytes."""
+        buf = getattr(self._local, kind, None)
+        if buf is None or len(buf) < n:
+            size = -(-max(n, self.SIZE) // (1 << 20)) * (1 << 20)
+            memory = mmap.mmap(-1, size)
+            buf = np.frombuffer(memory, np.uint8)
+            self._check(self._lib.cudaHostRegister(buf.ctypes.data, size, 0), f"cudaHostRegister of {size} bytes")
+            with self._lock:
+                self.pinned.append((buf.ctypes.data, buf.ctypes.data + size, memory))
+            setattr(self._local, kind, buf)  # (a smaller one replaced stays registered till close)
+        return buf
+
+    def buffer(self, n: int) -> np.ndarray:
+        """This thread's page-locked buffer of n bytes to read into."""
+        return self._staging("bounce", n)[:n]
 
     def __call__(self, dest: np.ndarray, src: np.ndarray) -> None:
-        """dest[...] = src, of the same size, contiguous (else by numpy)."""
-        if dest.nbytes != src.nbytes or not (dest.flags.c_contiguous and src.flags.c_contiguous):
+        """dest[...] = src, of the same size, dest contiguous (else by numpy)."""
+        if dest.nbytes != src.nbytes or not dest.flags.c_contiguous:
             dest[...] = src
             return
-        err = self._memcpy(dest.ctypes.data, src.ctypes.data, dest.nbytes, self.DEFAULT)
-        if err:
-            raise MlxmoeError(f"cudaMemcpy of {dest.nbytes} bytes into slot memory failed (CUDA error {err})")
-        self.copies += 1
+        at, n = src.ctypes.data, src.nbytes
+        if not (src.flags.c_contiguous and any(lo <= at and at + n <= hi for lo, hi, _ in self.pinned)):
+            stage = self._staging("stage", n)[:n]
+            stage[...] = np.ascontiguousarray(src).reshape(-1).view(np.uint8)
+            at = stage.ctypes.data
+        self._check(self._lib.cudaMemcpy(dest.ctypes.data, at, n, self.DEFAULT),
+                    f"cudaMemcpy of {n} bytes into slot memory")
+        with self._lock:
+            self.copies += 1
+
+    def close(self) -> None:
+        """Unregister and free the buffers (no copy may run meanwhile, nor after)."""
+        with self._lock:
+            pinned, self.pinned = self.pinned, []
+        for lo, _, memory in pinned:
+            self._lib.cudaHostUnregister(ctypes.c_void_p(lo))
+            try:
+                memory.close()
+            except BufferError:  # (an array over it still alive: freed with it)
+                pass
+        self._local = threading.local()
 
 
 class KeepBusy:

@@ -38,25 +38,26 @@ def test_host_writes_to_a_pool_reach_the_gpu_every_time():
 
 
 def test_device_copies_into_a_pool_reach_the_gpu_every_time():
-    """backend.DeviceCopy (cudaMemcpy into the managed pool, the what-if DEVICE_COPY), from a
-    pinned buffer and from pageable memory: the next GPU kernel sees each copy."""
+    """backend.DeviceCopy (cudaMemcpy into the managed pool, the what-if DEVICE_COPY), from its
+    page-locked buffer and from pageable memory (staged): the next GPU kernel sees each copy."""
     from mlxmoe.backend import DeviceCopy
 
     pool = mx.zeros((8, 64, 32), dtype=mx.float32, stream=mx.cpu)
     mx.eval(pool)
     view = np.array(pool, copy=False)
-    copy, pinned = DeviceCopy(), np.empty((64, 32), np.float32)
-    assert copy.pin(pinned)
+    copy = DeviceCopy()
+    pinned = copy.buffer(64 * 32 * 4).view(np.float32).reshape(64, 32)
     x = mx.ones((1, 32))
     for step in range(4):
         for slot in range(8):
-            src = pinned if slot % 2 else np.empty_like(pinned)
+            src = pinned if slot % 2 else np.empty_like(pinned)  # (page-locked, else staged)
             src[...] = slot + 10 * step
             copy(view[slot], src)
         y = mx.matmul(x, pool[mx.array([3, 4])].swapaxes(-1, -2), stream=mx.gpu)
         got = np.array(y)
         assert np.allclose(got[0], 32 * (3 + 10 * step)) and np.allclose(got[1], 32 * (4 + 10 * step))
     assert copy.copies == 32
+    copy.close()
 
 
 def test_bfloat16_pool_view_on_gpu():

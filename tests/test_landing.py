@@ -4,7 +4,9 @@ none straight into the slot, the bytes are those of a plain read, and a generati
 that way (its verified steps' slot tables written through it too) gives stock mlx-lm's tokens. Off by default; without a GPU a DeviceCopy fails
 clearly."""
 
+import ctypes
 import mmap
+import threading
 
 import mlx.core as mx
 import mlx_lm
@@ -24,20 +26,28 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 
 
 class Landed:
-    """A land that copies as numpy does and counts what it put where, and the buffers pinned."""
+    """A land that copies as numpy does, gives each thread one buffer to read into (as
+    DeviceCopy's page-locked ones), and counts what it put where and from where."""
 
     def __init__(self):
-        self.bytes, self.pinned, self.sizes = 0, [], []
+        self.bytes, self.sizes, self.buffers, self.outside = 0, [], {}, 0
+        self.closed = False
 
-    def pin(self, buf):
-        self.pinned.append(buf.nbytes)
-        return True
+    def buffer(self, n):
+        buf = self.buffers.setdefault(threading.get_ident(), np.frombuffer(mmap.mmap(-1, 4 << 20), np.uint8))
+        assert n <= len(buf)
+        return buf[:n]
 
     def __call__(self, dest, src):
         assert dest.nbytes == src.nbytes
         dest[...] = src
         self.bytes += dest.nbytes
         self.sizes.append((dest.ctypes.data, dest.nbytes))
+        at = src.ctypes.data  # (DeviceCopy stages a source outside its buffers)
+        self.outside += not any(b.ctypes.data <= at < b.ctypes.data + len(b) for b in self.buffers.values())
+
+    def close(self):
+        self.closed = True
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +94,13 @@ def test_every_byte_lands_through_it(bundled, on_disk, io, which, monkeypatch):
                 assert plain.method == "o_direct" and straight(want)
             for t, w, g in zip(plain.tensors, want, got):
                 np.testing.assert_array_equal(g, w, err_msg=f"{t} of expert {e} in layer {layer} ({io})")
-    if io != "mmap":  # (bounced: each reading thread's buffer pinned once, whole)
-        assert land.pinned and set(land.pinned) == {land.pinned[0]}
+    if io == "mmap":  # (from the map: DeviceCopy stages such a source)
+        assert not land.buffers and land.outside
+    else:  # (bounced: each through its reading thread's one buffer)
+        assert 0 < len(land.buffers) <= landed.workers + 1 and land.outside == 0
     plain.close()
     landed.close()
+    assert land.closed and landed.reader.land is None  # (the store's close frees its buffers)
 
 
 def test_a_streamed_generation_landed_so_gives_stock_tokens(bundled):
@@ -123,15 +136,61 @@ def test_only_cuda_with_the_switch_copies(monkeypatch):
 
 
 def test_a_device_copy_copies_on_a_gpu_and_fails_clearly_without_one():
-    src, dest = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+    dest = np.zeros(64, np.uint8)
     try:
         copy = DeviceCopy()
-    except MlxmoeError as e:  # (no CUDA runtime library here)
-        assert "CUDA runtime library" in str(e)
+    except MlxmoeError as e:  # (no CUDA runtime library, or no driver or GPU it can use)
+        assert "CUDA runtime library" in str(e) or "cudaGetDeviceCount failed" in str(e)
         return
-    if not mx.cuda.is_available():  # (the library, no GPU or driver)
-        with pytest.raises(MlxmoeError, match="cudaMemcpy of 64 bytes"):
-            copy(dest, src)
-        return
+    # (a GPU: through its buffer, page-locked, and from elsewhere, staged)
+    src = copy.buffer(64)
+    src[:] = np.arange(64, dtype=np.uint8)
     copy(dest, src)
     np.testing.assert_array_equal(dest, src)
+    copy(dest, np.full(64, 9, np.uint8))
+    assert (dest == 9).all() and copy.copies == 2
+    copy.close()
+
+
+class FakeRuntime:
+    """libcudart as DeviceCopy calls it, on the host: registrations kept, cudaMemcpy a memmove
+    that notes whether its source was registered (only such a copy has landed on return)."""
+
+    class Call:
+        def __init__(self, fn):
+            self.fn, self.argtypes, self.restype = fn, None, None
+
+        def __call__(self, *args):
+            return self.fn(*args)
+
+    def __init__(self):
+        self.registered, self.unregistered, self.sources = {}, [], []
+        self.cudaGetDeviceCount = self.Call(lambda count: 0)
+        self.cudaHostRegister = self.Call(lambda at, n, flags: self.registered.setdefault(at, n) and 0)
+        self.cudaHostUnregister = self.Call(lambda at: self.unregistered.append(at.value) or 0)
+        self.cudaMemcpy = self.Call(self.memcpy)
+
+    def memcpy(self, dest, src, n, kind):
+        assert kind == 4
+        self.sources.append(any(at <= src and src + n <= at + size for at, size in self.registered.items()))
+        ctypes.memmove(dest, src, n)
+        return 0
+
+
+def test_a_device_copy_copies_from_page_locked_memory_only_and_frees_it(monkeypatch):
+    runtime = FakeRuntime()
+    monkeypatch.setattr(backend.ctypes, "CDLL", lambda name: runtime)
+    copy = DeviceCopy()
+    dest = np.zeros(1000, np.uint8)
+    read_into = copy.buffer(1000)  # (a reader's bounce buffer: page-locked, its copies direct)
+    read_into[:] = np.arange(1000) % 251
+    copy(dest, read_into)
+    np.testing.assert_array_equal(dest, read_into)
+    table_row = np.arange(250, dtype=np.uint32)  # (elsewhere: through the staging buffer)
+    copy(dest, table_row)
+    np.testing.assert_array_equal(dest.view(np.uint32), table_row)
+    assert runtime.sources == [True, True] and copy.copies == 2
+    assert copy.buffer(10).ctypes.data == read_into.ctypes.data  # (one per thread, kept)
+    assert len(runtime.registered) == 2  # this thread's staging buffer (made at the probe) and bounce buffer
+    copy.close()
+    assert sorted(runtime.unregistered) == sorted(runtime.registered) and not copy.pinned

@@ -194,15 +194,13 @@ class ShardReader:
         raise err
 
     def _bounce(self, n):
-        """This thread's page-aligned buffer of at least n bytes (an anonymous mmap is page aligned)."""
+        """This thread's page-aligned buffer of at least n bytes (an anonymous mmap is page
+        aligned): `land`'s where it copies (page-locked: its copies from there land at once)."""
+        if self.land is not None:
+            return self.land.buffer(n)
         buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n or getattr(self._local, "land", None) is not self.land:
-            # (where `land` copies from it: made once, of BOUNCE bytes, the most a bounce takes, and pinned)
-            size = align_up(max(n, BOUNCE if self.land is not None else 0), 1 << 20)
-            self._local.buf = buf = np.frombuffer(mmap.mmap(-1, size), np.uint8)
-            self._local.land = self.land
-            if self.land is not None:
-                self.land.pin(buf)  # (refused: its copies are staged)
+        if buf is None or len(buf) < n:
+            self._local.buf = buf = np.frombuffer(mmap.mmap(-1, align_up(n, 1 << 20)), np.uint8)
         return buf[:n]
 
     def _put(self, dest, src):

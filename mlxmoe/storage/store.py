@@ -348,6 +348,9 @@ class ExpertStore:
             self._workers.shutdown()
             self._workers = None
         self.reader.close()
+        land, self.reader.land = self.reader.land, None
+        if land is not None:  # (its page-locked buffers: no read runs now)
+            land.close()
 
 
 def lands_as_is(out, dtype):
