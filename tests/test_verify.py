@@ -942,6 +942,33 @@ def test_steps_without_a_replay_never_turn_the_mode_off(monkeypatch):
     assert turned_off[-1] and "more than the 30.00 ms" in switch.reason, (turned_off, switch.reason)
 
 
+@pytest.mark.parametrize("replayed", [False, True])
+def test_a_timing_that_clean_steps_lose_turns_the_mode_on_again(monkeypatch, replayed):
+    """Off only to time the per-layer path (its steps 0.03 s), the mode is on again after those
+    MEASURED_OFF steps where the verified steps (0.05 s each) replayed nothing: weighed as a
+    tie, as weigh() weighs them; where each replayed, off for the stretch (OFF_STEPS)."""
+    clock = [0.0]
+    monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0, prefetch_useful=0))
+    switch = verify.Switch(4, lambda: None)
+    switch.wait = 1.0  # (waits priced dear: the replays keep the mode on till the timing)
+    for _ in range(verify.WEIGH_TOKENS):
+        assert switch.step()
+        assert not switch.verified(0.05, int(replayed), 2 * int(replayed), 4), switch.reason
+    switch.off_until = switch.steps + verify.MEASURED_OFF  # (as a re-timing turns it off)
+
+    def step_that_misses():
+        clock[0] += 0.03
+        cache.counters.misses += 1
+    for _ in range(verify.MEASURED_OFF):
+        assert not switch.step()
+        switch.timed(cache, step_that_misses, (), {})
+    assert switch.step() is not replayed, switch.reason
+    if replayed:
+        assert switch.off_until == verify.WEIGH_TOKENS + verify.MEASURED_OFF + verify.OFF_STEPS, switch.off_until
+        assert "a verified step took 50.00 ms, more than the 30.00 ms" in switch.reason, switch.reason
+
+
 @pytest.mark.parametrize("per_layer", [0.03, 0.045])
 def test_steps_a_little_costlier_are_weighed_longer(monkeypatch, per_layer):
     """Verified steps that replayed, against the per-layer path's: CLEARLY_WORSE times costlier
@@ -1001,23 +1028,24 @@ def test_a_first_guess_that_keeps_the_mode_on_times_the_per_layer_path_all_the_s
     """Waits priced dear (0.1 s each: a wait of the per-layer path holds the device's work too)
     keep the mode on at the first weighing, but steps replayed: the per-layer path is timed
     for MEASURED_OFF steps all the same once WARM_STEPS steps went by, then weighed against
-    them: off for twice OFF_STEPS where its steps were faster (0.03 s against verified steps
-    of 0.05 s), on for good where slower (0.08 s)."""
+    them: off for twice OFF_STEPS more where its steps were CLEARLY_WORSE times faster (0.03 s
+    against verified steps of 0.05 s), on for good where slower (0.08 s)."""
     steps = verify.WARM_STEPS + verify.MEASURED_OFF + verify.FIRST_WEIGH + 2 * verify.OFF_STEPS + 4
     runs = switch_runs(monkeypatch, steps, per_layer, itertools.repeat(1), wait=0.1)
     first = [(True, verify.WARM_STEPS), (False, verify.MEASURED_OFF)]  # (a cold cache's first steps left out)
     if per_layer > 0.05:
         assert runs == first + [(True, steps - verify.WARM_STEPS - verify.MEASURED_OFF)], runs
     else:
-        assert runs[:4] == first + [(True, verify.FIRST_WEIGH), (False, 2 * verify.OFF_STEPS)], runs
+        assert runs[:3] == [(True, verify.WARM_STEPS), (False, verify.MEASURED_OFF + 2 * verify.OFF_STEPS),
+                            (True, verify.FIRST_WEIGH)], runs
 
 
 @pytest.mark.parametrize("settling", [3, 1000])
 def test_the_per_layer_path_is_timed_once_predicting_settled(settling, monkeypatch):
     """While predicting has not settled whether it pays (prefetch.Worth), the per-layer path's
     steps carry its host work (0.2 s a step here, against 0.03 s once it paused) and are not
-    timed: the mode stays off through them, then MEASURED_OFF steps are timed, faster than the
-    verified steps (0.05 s): off for twice OFF_STEPS. Timed with them, the mode would be on
+    timed: the mode stays off through them, then MEASURED_OFF steps are timed, CLEARLY_WORSE
+    times faster than the verified steps (0.05 s): off for twice OFF_STEPS more. Timed with them, the mode would be on
     again. Where predicting never settles, it is timed after MOST_SETTLING steps all the same."""
     per_layer_steps = [0]
 
@@ -1025,12 +1053,11 @@ def test_the_per_layer_path_is_timed_once_predicting_settled(settling, monkeypat
         per_layer_steps[0] += 1
         return 0.2 if per_layer_steps[0] <= settling else 0.03
     settled = lambda: per_layer_steps[0] >= settling  # noqa: E731
-    steps = verify.FIRST_WEIGH + verify.MOST_SETTLING + verify.MEASURED_OFF + verify.FIRST_WEIGH + 4
+    steps = verify.FIRST_WEIGH + verify.MOST_SETTLING + verify.MEASURED_OFF + 2 * verify.OFF_STEPS + 4
     runs = switch_runs(monkeypatch, steps, per_layer, itertools.repeat(1), settled=settled)
     if settling == 3:
-        assert runs[:3] == [(True, verify.FIRST_WEIGH), (False, settling + verify.MEASURED_OFF),
-                            (True, verify.FIRST_WEIGH)] and runs[3][0] is False, runs
-        assert runs[3][1] == steps - sum(n for _, n in runs[:3]), runs  # (off for 2 x OFF_STEPS)
+        assert runs[:3] == [(True, verify.FIRST_WEIGH), (False, settling + verify.MEASURED_OFF + 2 * verify.OFF_STEPS),
+                            (True, verify.FIRST_WEIGH)], runs
     else:  # (0.2 s a step timed: slower than verified steps, on for good)
         assert runs == [(True, verify.FIRST_WEIGH), (False, verify.MOST_SETTLING + verify.MEASURED_OFF),
                         (True, steps - verify.FIRST_WEIGH - verify.MOST_SETTLING - verify.MEASURED_OFF)], runs
@@ -1041,7 +1068,8 @@ def test_the_per_layer_path_is_timed_again_while_steps_replay(first, monkeypatch
     """A first timing of the per-layer path slower than the verified steps (a cold cache's
     tokens) keeps the mode on, not for good while steps replay: that path is timed again
     OFF_STEPS steps later where the two were close (0.052 s against verified steps of 0.05 s),
-    RETIME_STEPS later where not (0.08 s); timed again at 0.03 s, it wins and the mode turns off."""
+    RETIME_STEPS later where not (0.08 s); timed again at 0.03 s, it wins CLEARLY_WORSE times
+    over and the mode stays off for OFF_STEPS more, then turns off again at the first weighing."""
     timings = iter([first] * verify.MEASURED_OFF + [0.03] * 1000)
     steps = verify.WARM_STEPS + 2 * verify.MEASURED_OFF + verify.RETIME_STEPS + 3 * verify.WEIGH_TOKENS
     runs = switch_runs(monkeypatch, steps, lambda: next(timings), itertools.repeat(1), wait=0.1)
@@ -1049,7 +1077,7 @@ def test_the_per_layer_path_is_timed_again_while_steps_replay(first, monkeypatch
     assert runs[:2] == [(True, verify.WARM_STEPS), (False, verify.MEASURED_OFF)], runs
     # on until the first weighing past the re-time's step, timed again, then weighed against it: off
     assert runs[2][0] and on_for <= runs[2][1] < on_for + verify.WEIGH_TOKENS, runs
-    assert runs[3] == (False, verify.MEASURED_OFF) and runs[4] == (True, verify.FIRST_WEIGH), runs
+    assert runs[3] == (False, verify.MEASURED_OFF + verify.OFF_STEPS) and runs[4] == (True, verify.FIRST_WEIGH), runs
     assert runs[5][0] is False, runs
 
 
@@ -1058,7 +1086,8 @@ def test_a_first_guess_turns_the_mode_off_only_to_time_the_per_layer_path(per_la
     """The first weighing prices the per-layer path by an empty round trip (here free): off on
     it, the mode is off for the MEASURED_OFF steps that time that path, then weighed against
     them: on for good where the per-layer steps took longer (0.08 s against verified steps of
-    0.05 s), off for twice OFF_STEPS where they were faster (0.03 s)."""
+    0.05 s); where they were CLEARLY_WORSE times faster (0.03 s), off for twice OFF_STEPS more
+    (not tried again at once: a disk's reads would wait behind the replays)."""
     steps = verify.FIRST_WEIGH + verify.MEASURED_OFF + 2 * verify.OFF_STEPS + 4
     # (a miss in each per-layer step: steps that miss nothing would turn it on again)
     runs = switch_runs(monkeypatch, steps, per_layer, itertools.repeat(1))
@@ -1066,4 +1095,5 @@ def test_a_first_guess_turns_the_mode_off_only_to_time_the_per_layer_path(per_la
     if per_layer > 0.05:
         assert runs == first + [(True, steps - verify.FIRST_WEIGH - verify.MEASURED_OFF)], runs
     else:
-        assert runs[:4] == first + [(True, verify.FIRST_WEIGH), (False, 2 * verify.OFF_STEPS)], runs
+        assert runs[:3] == [(True, verify.FIRST_WEIGH), (False, verify.MEASURED_OFF + 2 * verify.OFF_STEPS),
+                            (True, verify.FIRST_WEIGH)], runs

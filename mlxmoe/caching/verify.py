@@ -143,7 +143,8 @@ class Switch:
     after MEASURED_OFF steps off where those took longer than the verified steps had (the
     first guess, from the waits alone, leaves out the per-layer path's own host work and
     counts the device's work within its waits: where steps replayed, the mode is off for those
-    MEASURED_OFF steps alone whichever way it went, then weighed against them). A step
+    MEASURED_OFF steps whichever way it went, then weighed against them; where the verified
+    steps so far took CLEARLY_WORSE times those steps, off for the stretch). A step
     without a replay weighs as a tie: it cannot cost more than the per-layer path's; and
     MEASURED_OFF steps off in a row that miss nothing (nor use an expert a prefetch read) turn
     the mode on again (a cold cache's replays no longer keep a warm one off for the doubled stretch).
@@ -265,7 +266,23 @@ class Switch:
                           f"{self.steady * 1e3:.2f} ms verified")
         elif self.clean_off >= MEASURED_OFF:
             self.on_again(f"{self.clean_off} steps on the per-layer path without a miss")
+        elif self.timed_off == MEASURED_OFF and self.steps >= self.off_until and self.clearly_worse():
+            # (off only to time this path: off for the stretch now rather than tried again at once
+            # and weighed, which a disk's reads behind the replays pay)
+            self.off_until = self.steps + self.off_steps
+            self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
+            self.reason = (f"a verified step took {self.steady * 1e3:.2f} ms, more than the "
+                           f"{self.layerwise * 1e3:.2f} ms of one on the per-layer path")
         return out
+
+    def clearly_worse(self) -> bool:
+        """Whether the verified steps so far cost CLEARLY_WORSE times what the per-layer path,
+        just timed, would have: weighed as weigh() weighs them, a step without a replay as a tie."""
+        if self.steady is None:
+            return False
+        replayed = self.missing or 0.0
+        instead = replayed * self.layerwise + (1 - replayed) * (self.layerwise if self.clean is None else self.clean)
+        return self.steady > CLEARLY_WORSE * instead
 
     def on_again(self, why: str) -> None:
         self.off_until, self.off_steps = self.steps, OFF_STEPS
