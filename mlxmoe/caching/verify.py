@@ -67,6 +67,11 @@ OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 # timing from a cold cache's first tokens, whose misses are many, would otherwise keep the
 # mode on for good
 MEASURED_OFF, RETIME_STEPS, CLOSE = 4, 256, 1.1
+# where the verified steps so far cost STAY_OFF times what the per-layer path, timed only to weigh
+# them, would have, the mode stays off for the stretch rather than being tried again at once; more
+# than CLEARLY_WORSE: the first steps after a prompt, the coldest, weigh in and cost a verified step
+# most (replays)
+STAY_OFF = 1.5
 # steps on the per-layer path at most while predicting settles whether it pays (Switch.timed)
 MOST_SETTLING = 16
 # decode steps before the per-layer path is first timed where the waits' guess keeps the mode on
@@ -144,7 +149,7 @@ class Switch:
     first guess, from the waits alone, leaves out the per-layer path's own host work and
     counts the device's work within its waits: where steps replayed, the mode is off for those
     MEASURED_OFF steps whichever way it went, then weighed against them; where the verified
-    steps so far took CLEARLY_WORSE times those steps, off for the stretch). A step
+    steps so far took STAY_OFF times those steps, off for the stretch). A step
     without a replay weighs as a tie: it cannot cost more than the per-layer path's; and
     MEASURED_OFF steps off in a row that miss nothing (nor use an expert a prefetch read) turn
     the mode on again (a cold cache's replays no longer keep a warm one off for the doubled stretch).
@@ -266,7 +271,7 @@ class Switch:
                           f"{self.steady * 1e3:.2f} ms verified")
         elif self.clean_off >= MEASURED_OFF:
             self.on_again(f"{self.clean_off} steps on the per-layer path without a miss")
-        elif self.timed_off == MEASURED_OFF and self.steps >= self.off_until and self.clearly_worse():
+        elif self.timed_off == MEASURED_OFF and self.steps >= self.off_until and self.far_worse():
             # (off only to time this path: off for the stretch now rather than tried again at once
             # and weighed, which a disk's reads behind the replays pay)
             self.off_until = self.steps + self.off_steps
@@ -275,14 +280,14 @@ class Switch:
                            f"{self.layerwise * 1e3:.2f} ms of one on the per-layer path")
         return out
 
-    def clearly_worse(self) -> bool:
-        """Whether the verified steps so far cost CLEARLY_WORSE times what the per-layer path,
-        just timed, would have: weighed as weigh() weighs them, a step without a replay as a tie."""
+    def far_worse(self) -> bool:
+        """Whether the verified steps so far cost STAY_OFF times what the per-layer path, just
+        timed, would have: weighed as weigh() weighs them, a step without a replay as a tie."""
         if self.steady is None:
             return False
         replayed = self.missing or 0.0
         instead = replayed * self.layerwise + (1 - replayed) * (self.layerwise if self.clean is None else self.clean)
-        return self.steady > CLEARLY_WORSE * instead
+        return self.steady > STAY_OFF * instead
 
     def on_again(self, why: str) -> None:
         self.off_until, self.off_steps = self.steps, OFF_STEPS
