@@ -1047,8 +1047,9 @@ def test_the_per_layer_path_is_timed_once_predicting_settled(settling, monkeypat
     """While predicting has not settled whether it pays (prefetch.Worth), the per-layer path's
     steps carry its host work (0.2 s a step here, against 0.03 s once it paused) and are not
     timed: the mode stays off through them, then MEASURED_OFF steps are timed, STAY_OFF
-    times faster than the verified steps (0.05 s): off for twice OFF_STEPS more. Timed with them, the mode would be on
-    again. Where predicting never settles, it is timed after MOST_SETTLING steps all the same."""
+    times faster than the verified steps (0.05 s): off for twice OFF_STEPS more. Timed with
+    them, the mode would be on again. Where predicting never settles, it is timed after
+    MOST_SETTLING steps all the same."""
     per_layer_steps = [0]
 
     def per_layer():

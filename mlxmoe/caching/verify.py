@@ -242,8 +242,7 @@ class Switch:
         self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
         self.timed_off = self.clean_off = self.settling = 0
         worse = "more" if w[0] > w[1] else "less"
-        self.reason = (f"a verified step took {w[0] / w[2] * 1e3:.2f} ms, more than the {w[1] / w[2] * 1e3:.2f} ms "
-                       "of one on the per-layer path" if self.layerwise is not None else
+        self.reason = (slower(w[0] / w[2], w[1] / w[2]) if self.layerwise is not None else
                        f"replays cost {w[0] / w[2] * 1e3:.2f} ms a token, {worse} than the "
                        f"{w[1] / w[2] * 1e3:.2f} ms of waits they save: the per-layer path timed")
         return True
@@ -276,8 +275,7 @@ class Switch:
             # and weighed, which a disk's reads behind the replays pay)
             self.off_until = self.steps + self.off_steps
             self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
-            self.reason = (f"a verified step took {self.steady * 1e3:.2f} ms, more than the "
-                           f"{self.layerwise * 1e3:.2f} ms of one on the per-layer path")
+            self.reason = slower(self.steady, self.layerwise)
         return out
 
     def far_worse(self) -> bool:
@@ -285,7 +283,7 @@ class Switch:
         timed, would have: weighed as weigh() weighs them, a step without a replay as a tie."""
         if self.steady is None:
             return False
-        replayed = self.missing or 0.0
+        replayed = self.missing  # (set with steady)
         instead = replayed * self.layerwise + (1 - replayed) * (self.layerwise if self.clean is None else self.clean)
         return self.steady > STAY_OFF * instead
 
@@ -293,6 +291,12 @@ class Switch:
         self.off_until, self.off_steps = self.steps, OFF_STEPS
         self.timed_off = self.clean_off = 0
         self.reason = f"on again: {why}"
+
+
+def slower(verified: float, per_layer: float) -> str:
+    """Why the mode is off: a verified step's seconds against a step's on the per-layer path."""
+    return (f"a verified step took {verified * 1e3:.2f} ms, more than the {per_layer * 1e3:.2f} ms "
+            "of one on the per-layer path")
 
 
 class Lag:
