@@ -228,6 +228,44 @@ def test_streamed_decode_updates_the_policy_before_its_wait(monkeypatch):
     assert set(at_wait) == {0}, f"deferred hits at a layer's wait: {sorted(set(at_wait))}"
 
 
+def test_streamed_decode_hands_the_policy_updates_to_the_host_thread(monkeypatch):
+    """With the prefetcher's host thread running, a decode layer call's wait leaves the
+    earlier layers' deferred policy updates to that thread (done while the device computes,
+    off the decode thread): the decode thread does none before its waits, the host thread
+    does them, and the tokens are stock's."""
+    import mlx_lm
+    from mlxmoe.caching.cache import Residency
+
+    model, tokenizer = mlxmoe.load(str(mlxmoe.DEMO_MODEL), cache_experts=64, verify=False)
+    cache = model.expert_cache
+    assert cache.prefetcher is not None and cache.prefetcher.off_thread
+    decode_thread = threading.get_ident()
+    at_wait, updates = [], {"decode": 0, "host": 0}
+    catch_up_policy, together = type(cache).catch_up_policy, Residency._together
+
+    def counted_catch_up_policy(self):
+        if sys._getframe(1).f_code is wait_for.__code__:
+            at_wait.append(threading.get_ident())
+        return catch_up_policy(self)
+
+    def counted_together(self, *args, **kw):
+        updates["decode" if threading.get_ident() == decode_thread else "host"] += 1
+        return together(self, *args, **kw)
+
+    monkeypatch.setattr(type(cache), "catch_up_policy", counted_catch_up_policy)
+    monkeypatch.setattr(Residency, "_together", counted_together)
+    tokens = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
+    cache.flush()
+    left = len(cache.deferred)
+    cache.close()
+    monkeypatch.undo()
+    stock, stock_tokenizer = mlx_lm.load(str(mlxmoe.DEMO_MODEL))
+    assert tokens == [r.token for r in mlx_lm.stream_generate(stock, stock_tokenizer, PROMPT, max_tokens=TOKENS)]
+    assert at_wait == [], f"the decode thread did deferred policy updates at {len(at_wait)} waits"
+    assert updates["host"] > 0, f"the host thread did no deferred policy update: {updates}"
+    assert left == 0
+
+
 def test_resident_steps_are_queued_whole(monkeypatch):
     """Every expert resident, a step is queued whole as stock queues it, not layer call by
     layer call; the routing of JOIN_TOKENS decode steps is queued once, with the last one's

@@ -122,8 +122,8 @@ class Residency:
         now waits in `deferred` (the policy updates of a call that hit, the observers' calls,
         on the resident path each token's accounting) and is done in order, under the cache's
         lock, before anything reads the policy's state (a victim, a claim, a key leaving, a
-        tick), else by whoever gets to it first: the prefetcher's host thread after each
-        layer call's predictions, the resident path two tokens on, flush(). Work done here
+        tick), else by whoever gets to it first: the prefetcher's host thread (after predicting,
+        and while a layer call waits: experts.wait_for), the resident path two tokens on, flush(). Work done here
         that calls for it again finds it under way. `policy_only` (a read of the policy's state
         within a token): the observers' calls among the policy's updates wait in `observed` for
         the next catch-up (no observer reads the policy, nor the policy an observer), so that a

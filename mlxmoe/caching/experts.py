@@ -229,14 +229,20 @@ def find_router(block, num_experts=None):
 
 def wait_for(cache, arrays, decode: bool) -> float:
     """mx.eval(arrays): a layer call's routing, and with it every earlier layer (mlx-lm's own
-    work); at a decode step the earlier layers' deferred policy updates first, while the device
-    computes. Returns the seconds waited, the updates left out (they are bookkeeping)."""
+    work). At a decode step the earlier layers' deferred policy updates are done while the device
+    computes: by the prefetcher's host thread where it runs (off the decode thread: a GPU's host
+    has a core for it), else here first. Returns the seconds waited, the updates left out (they
+    are bookkeeping)."""
     tic = time.perf_counter()
     if decode and cache.deferred:
         mx.async_eval(*arrays)
-        caught_up = time.perf_counter()
-        cache.catch_up_policy()
-        tic += time.perf_counter() - caught_up
+        prefetcher = cache.prefetcher
+        if prefetcher is not None and prefetcher.off_thread:
+            prefetcher.hand_off()  # (its host thread does them while this one waits)
+        else:
+            caught_up = time.perf_counter()
+            cache.catch_up_policy()
+            tic += time.perf_counter() - caught_up
     mx.eval(*arrays)
     return time.perf_counter() - tic
 

@@ -394,7 +394,7 @@ class Prefetcher:
         """A layer call has its experts (`rows`: each token's, [tokens, top_k], a list of one
         list at a decode step): observe() what it used, and after_layer() (a decode step) or
         prefill() predicts the next calls (see off_thread). While `worth` holds predicting
-        paused, a decode step does nothing more (its host work waits for the next tick or miss)."""
+        paused, a decode step does nothing more (its deferred host work: see experts.wait_for)."""
         if decode and layer == 0 and self.worth.step(self.cache.counters, self.bar.expert_read(), self.cache.step_tokens):
             # on again: what was predicted before the pause is for calls long gone
             self.pending.clear(), self.ranked.clear(), self.previous.clear()
