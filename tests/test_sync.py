@@ -22,7 +22,7 @@ import pytest
 
 import mlxmoe
 import synthetic
-from mlxmoe.caching.experts import ResidentCalls, StreamingExperts, resident_table, wait_for
+from mlxmoe.caching.experts import ResidentCalls, StreamingExperts, host_work_meanwhile, resident_table, wait_for
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Il gatto"
 TOKENS = 12
@@ -241,18 +241,18 @@ def test_streamed_decode_hands_the_policy_updates_to_the_host_thread(monkeypatch
     assert cache.prefetcher is not None and cache.prefetcher.off_thread
     decode_thread = threading.get_ident()
     at_wait, updates = [], {"decode": 0, "host": 0}
-    catch_up_policy, together = type(cache).catch_up_policy, Residency._together
+    catch_up, together = Residency.catch_up, Residency._together
 
-    def counted_catch_up_policy(self):
-        if sys._getframe(1).f_code is wait_for.__code__:
-            at_wait.append(threading.get_ident())
-        return catch_up_policy(self)
+    def counted_catch_up(self, *args, **kw):
+        if sys._getframe(1).f_code is host_work_meanwhile.__code__ and threading.get_ident() == decode_thread:
+            at_wait.append(len(self.deferred))
+        return catch_up(self, *args, **kw)
 
     def counted_together(self, *args, **kw):
         updates["decode" if threading.get_ident() == decode_thread else "host"] += 1
         return together(self, *args, **kw)
 
-    monkeypatch.setattr(type(cache), "catch_up_policy", counted_catch_up_policy)
+    monkeypatch.setattr(Residency, "catch_up", counted_catch_up)
     monkeypatch.setattr(Residency, "_together", counted_together)
     tokens = [r.token for r in mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS)]
     cache.flush()

@@ -123,11 +123,11 @@ class Residency:
         on the resident path each token's accounting) and is done in order, under the cache's
         lock, before anything reads the policy's state (a victim, a claim, a key leaving, a
         tick), else by whoever gets to it first: the prefetcher's host thread (after predicting,
-        and while a layer call waits: experts.wait_for), the resident path two tokens on, flush(). Work done here
-        that calls for it again finds it under way. `policy_only` (a read of the policy's state
-        within a token): the observers' calls among the policy's updates wait in `observed` for
-        the next catch-up (no observer reads the policy, nor the policy an observer), so that a
-        token's observers learn in one go, not once a miss."""
+        and while the device computes: experts.host_work_meanwhile), the resident path two
+        tokens on, flush(). Work done here that calls for it again finds it under way.
+        `policy_only` (a read of the policy's state within a token): the observers' calls among
+        the policy's updates wait in `observed` for the next catch-up (no observer reads the
+        policy, nor the policy an observer), so that a token's observers learn in one go."""
         if self.catching_up:
             return
         self.catching_up = True
@@ -505,11 +505,6 @@ class ExpertCache(Residency):
             if self.observed or self.deferred:  # (older calls first: a verified step's tick leaves them)
                 self.catch_up()
             self.notify(call, profile)
-
-    def catch_up_policy(self) -> None:
-        """The policy's deferred updates now (the observers' calls left for the token's end)."""
-        with self.lock:
-            self.catch_up(policy_only=True)
 
     def host_work(self) -> None:
         """Do what the decode thread left for later (the prefetcher's host thread calls it)."""

@@ -230,20 +230,31 @@ def find_router(block, num_experts=None):
 def wait_for(cache, arrays, decode: bool) -> float:
     """mx.eval(arrays): a layer call's routing, and with it every earlier layer (mlx-lm's own
     work). At a decode step the earlier layers' deferred policy updates are done while the device
-    computes: by the prefetcher's host thread where it runs (off the decode thread: a GPU's host
-    has a core for it), else here first. Returns the seconds waited, the updates left out (they
-    are bookkeeping)."""
-    tic = time.perf_counter()
+    computes (host_work_meanwhile). Returns the seconds waited, those updates left out (they are
+    bookkeeping)."""
+    tic, spent = time.perf_counter(), 0.0
     if decode and cache.deferred:
         mx.async_eval(*arrays)
-        prefetcher = cache.prefetcher
-        if prefetcher is not None and prefetcher.off_thread:
-            prefetcher.hand_off()  # (its host thread does them while this one waits)
-        else:
-            caught_up = time.perf_counter()
-            cache.catch_up_policy()
-            tic += time.perf_counter() - caught_up
+        spent = host_work_meanwhile(cache, layer_call=True)
     mx.eval(*arrays)
+    return time.perf_counter() - tic - spent
+
+
+def host_work_meanwhile(cache, layer_call: bool = False) -> float:
+    """Before a wait on the device: the host work left for later (`deferred`) done while the
+    device computes, by the prefetcher's host thread where it runs (off the decode thread: a
+    GPU's host has a core for it), else here. At a per-layer `layer_call`'s wait, the policy's
+    updates alone (the observers' calls wait for the token's end), and while predicting runs
+    nothing is handed over: the job layer_done put after the last call's updates ends with them.
+    Returns the seconds this thread spent (bookkeeping)."""
+    tic = time.perf_counter()
+    prefetcher = cache.prefetcher
+    if prefetcher is not None and prefetcher.off_thread:
+        if not layer_call or prefetcher.worth.paused:
+            prefetcher.hand_off()
+    elif cache.deferred:
+        with cache.lock:
+            cache.catch_up(policy_only=layer_call)
     return time.perf_counter() - tic
 
 

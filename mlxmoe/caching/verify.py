@@ -45,8 +45,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_dists, host_floats, host_probs
 from ..errors import MlxmoeError
-from .experts import (as_rows, count_hit_rows, count_rows, observe_calls, resident_table, step_call,
-                      step_calls)
+from .experts import (as_rows, count_hit_rows, count_rows, host_work_meanwhile, observe_calls, resident_table,
+                      step_call, step_calls)
 from .prefetch import decayed
 
 # the most tokens of a verified step: a decode step's one, or a speculative step's draft and the
@@ -925,8 +925,8 @@ class Verifier:
         packed, tic, first = None, time.perf_counter(), None
         flagged = until is not None and self.tables.flags and all(m in routing.flags for m in layers)
         if layers:
-            if until is None:
-                host_work_meanwhile(cache)
+            if until is None:  # (the step's host work left for later, while the device computes)
+                cache.counters.bookkeeping_seconds += host_work_meanwhile(cache)
                 tic = time.perf_counter()
             together = self.tables.flags and (direct or until is None)  # (nothing queued after: one wait)
             first, packed = routing.wait(layers, until is None, self.hits if together else None,
@@ -997,20 +997,6 @@ def tell_hits(v, last: bool = False) -> None:
     else:
         _tell(cache, v.routing, layers, rows, v.tokens, v.observed)
         v.observed = []
-
-
-def host_work_meanwhile(cache) -> None:
-    """Before a verified forward's last wait: the host work left for later (the policy's
-    updates and the observers' calls of the steps before, the clock's tick) done while the
-    device computes, by the prefetcher's host thread (the decode thread waits meanwhile), else
-    here (bookkeeping)."""
-    if cache.prefetcher is not None:
-        cache.prefetcher.hand_off()
-    elif cache.deferred:
-        tic = time.perf_counter()
-        with cache.lock:
-            cache.catch_up()
-        cache.counters.bookkeeping_seconds += time.perf_counter() - tic
 
 
 def _count_useful(cache, guessed: set, layers: list, rows: list) -> None:
