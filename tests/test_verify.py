@@ -899,6 +899,29 @@ def test_a_layer_that_misses_at_every_step_turns_direct(checkpoint, monkeypatch)
     assert 0 not in replayed[steps[4]:], (replayed, steps)
 
 
+def test_a_direct_check_guessed_dear_is_measured_by_a_probe():
+    """Where a direct check is guessed dearer than any layer's misses cost in replays (the guess
+    an empty round trip; a held check, overlapped with the host's building, cost ~0.3 ms on the
+    host-bound bench at 1000 us, a replay ~2 ms), no layer is read directly until one is
+    measured: after PROBE_STEPS verified steps without a direct check, the layer that misses
+    most is read directly once; measured cheap, the layers whose misses outweigh it turn
+    direct. Where no layer misses, nothing is probed."""
+    direct = verify.Direct(4, lambda: 2e-3, lambda: 2e-3)
+    direct.missing, direct.replay = [0.5, 0.2, 0.0, 0.3], 2e-3
+    chosen = []
+    for _ in range(verify.PROBE_STEPS):
+        assert direct.stepped() == 0
+        chosen.append(set(direct.now))
+    assert chosen == [set()] * (verify.PROBE_STEPS - 1) + [{0}], chosen
+    direct.waited(0.3e-3)  # (the probe's check, during the next step)
+    assert direct.stepped() == 1
+    assert direct.now == {0, 1, 3}
+    clean = verify.Direct(4, lambda: 2e-3, lambda: 2e-3)
+    for _ in range(4 * verify.PROBE_STEPS):
+        clean.stepped()
+        assert clean.now == set()
+
+
 def test_verified_steps_go_on_after_a_rotating_cache_wraps(checkpoint, monkeypatch):
     """gpt_oss's sliding-window layers keep a RotatingKVCache that, once full, overwrites its
     oldest entry in place (is_trimmable() says no): one-token verified steps go on past

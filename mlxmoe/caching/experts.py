@@ -243,15 +243,13 @@ def wait_for(cache, arrays, decode: bool) -> float:
 def host_work_meanwhile(cache, layer_call: bool = False) -> float:
     """Before a wait on the device: the host work left for later (`deferred`) done while the
     device computes, by the prefetcher's host thread where it runs (off the decode thread: a
-    GPU's host has a core for it), else here. At a per-layer `layer_call`'s wait, the policy's
-    updates alone (the observers' calls wait for the token's end), and while predicting runs
-    nothing is handed over: the job layer_done put after the last call's updates ends with them.
-    Returns the seconds this thread spent (bookkeeping)."""
+    GPU's host has a core for it), else here; at a per-layer `layer_call`'s wait, the policy's
+    updates alone (the observers' calls wait for the token's end). Returns the seconds this
+    thread spent (bookkeeping)."""
     tic = time.perf_counter()
     prefetcher = cache.prefetcher
     if prefetcher is not None and prefetcher.off_thread:
-        if not layer_call or prefetcher.worth.paused:
-            prefetcher.hand_off()
+        prefetcher.hand_off()
     elif cache.deferred:
         with cache.lock:
             cache.catch_up(policy_only=layer_call)

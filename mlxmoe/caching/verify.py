@@ -95,8 +95,9 @@ QUEUE_EVERY = 4
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
 # how much a layer's share of missed calls keeps of its past at each check of it (Direct)
 KEEP_MISSING = 0.9
-# how much a direct check's measured time keeps at each verified step without one (Direct)
-KEEP_WAIT = 0.9
+# verified steps in a row without a direct check, some layer missing, after which the layer
+# that misses most is read directly once (Direct.stepped): its cost measured, not guessed
+PROBE_STEPS = 8
 # where the first host read of a small array costs more than this (CUDA: ~55 us, a managed
 # allocation and a synchronous copy; the CPU and Metal: ~1 us), a check reads each layer call's
 # flag, the largest slot its lookup found (one op; 4 bytes, which CUDA keeps in host memory),
@@ -332,11 +333,14 @@ class Direct:
     lookup will find, the tables written in place); another is read as soon as it is built
     (a wait with nothing queued after it). Chosen where a layer's decayed share of
     checked layer calls that missed x a replay's measured time > a direct check's (`wait`;
-    before either is measured, the guesses `first_replay()` and `first_wait()`). A token's
-    first layers, which no guess sees coming, miss far more often than the rest (the
-    host-bound bench, warm: layers 0-2 in a third to a half of the tokens at ~99 % hits,
-    layers 0-5 in nearly every token at ~90 %). `now`: the layers read at once in the next
-    step, chosen at the end of the one before (stepped())."""
+    before either is measured, the guesses `first_replay()` and `first_wait()`); after
+    PROBE_STEPS steps without one, the layer that misses most is read directly once, so that
+    `wait` follows what a check costs now (a held one, overlapped with the host's building, a
+    fraction of an empty round trip, the guess). A token's first layers, which no guess sees
+    coming, miss far more often than the rest (the host-bound bench, warm: layers 0-2 in a
+    third to a half of the tokens at ~99 % hits, layers 0-5 in nearly every token at ~90 %).
+    `now`: the layers read at once in the next step, chosen at the end of the one before
+    (stepped())."""
 
     def __init__(self, moe_layers: int, first_wait, first_replay) -> None:
         self.missing = [0.0] * moe_layers  # decayed share of each layer's checked calls that missed
@@ -344,6 +348,7 @@ class Direct:
         self.wait = None  # decayed seconds of a direct check (its reads left out)
         self.first_wait, self.first_replay = first_wait, first_replay
         self.step_checks = 0  # direct checks in the step under way
+        self.without = 0  # verified steps in a row without a direct check
         self.now = set()
         self.on = True
 
@@ -356,13 +361,15 @@ class Direct:
         self.step_checks += 1
 
     def stepped(self) -> int:
-        """A verified step ended: its direct checks (where none, the wait's estimate drifts
-        back to first_wait(), so that one slow check cannot rule direct checks out for good);
-        the next step's layers chosen."""
+        """A verified step ended: its direct checks; the next step's layers chosen (where none
+        for PROBE_STEPS steps, the layer that misses most: one slow check cannot rule direct
+        checks out for good, nor a guess rule them out before any)."""
         n, self.step_checks = self.step_checks, 0
-        if not n and self.wait is not None:
-            self.wait = decayed(self.wait, self.first_wait(), keep=KEEP_WAIT)
+        self.without = 0 if n else self.without + 1
         self.now = {m for m in range(len(self.missing)) if self.at(m)}
+        most = max(range(len(self.missing)), key=self.missing.__getitem__, default=None)
+        if not self.now and self.on and self.without >= PROBE_STEPS and most is not None and self.missing[most]:
+            self.now, self.without = {most}, 0
         return n
 
     def checked(self, layers: list, first: int | None) -> None:
