@@ -367,9 +367,8 @@ class Direct:
         n, self.step_checks = self.step_checks, 0
         self.without = 0 if n else self.without + 1
         self.now = {m for m in range(len(self.missing)) if self.at(m)}
-        most = max(range(len(self.missing)), key=self.missing.__getitem__, default=None)
-        if not self.now and self.on and self.without >= PROBE_STEPS and most is not None and self.missing[most]:
-            self.now, self.without = {most}, 0
+        if not self.now and self.on and self.without >= PROBE_STEPS and any(self.missing):
+            self.now, self.without = {max(range(len(self.missing)), key=self.missing.__getitem__)}, 0
         return n
 
     def checked(self, layers: list, first: int | None) -> None:
