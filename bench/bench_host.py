@@ -376,6 +376,9 @@ def pooled(runs, rtt):
         delta = lambda k: sum(x["stats_delta"].get(k, 0) for x in rows)  # noqa: E731
         out["verified_share"] = delta("verified_tokens") / steps
         out["replays_per_token"] = delta("replays") / steps
+        # each round's share and the switch's last reason where the mode was off for some steps
+        out["verified_each"] = [x["stats_delta"].get("verified_tokens", 0) / max(x["decode_steps"], 1) for x in rows]
+        out["verify_reasons"] = sorted({(x.get("verify") or {}).get("reason") or "" for x in rows} - {""})
     out["tokens"] = [x["tokens"] for x in rows]
     out["rounds"] = len(rows)
     sites = {}
