@@ -427,8 +427,8 @@ def _attach_runtime(ckpt, p, be, fp, live, prior, opts):
     policy = make_policy(opts.policy, p.cache_experts, ckpt.num_layers, ckpt.num_experts, prior=rates)
     decoders = decoder_layers(ckpt)
     streamed = p.cache_experts < ckpt.num_layers * ckpt.num_experts
-    verify = bool(opts.verify and streamed and decoders and ckpt.group is None and opts.fallback is None
-                  and not (opts.trim or opts.cache_bias or opts.trim_mass))
+    unverified = _unverified(opts, streamed, decoders, ckpt.group)
+    verify = unverified is None
     # under the tensor split the ranks take the resident path together (Runtime.agree_resident)
     cache = ExpertCache(ckpt.store, p.cache_experts, policy, pool_dtypes, opts.io_threads, profile=live,
                         hold_resident=ckpt.group is not None and ckpt.split == "tensor", spare=verify)
@@ -451,7 +451,23 @@ def _attach_runtime(ckpt, p, be, fp, live, prior, opts):
         cache.speculator = Speculator(ckpt.model, decoders, ckpt.blocks, cache, prefetcher)
     if verify and runtime.lossy is None:
         cache.verifier = Verifier(ckpt.model, decoders, cache, guess=prefetcher is not None, top_k=max(ckpt.top_ks))
+    cache.unverified = unverified or (None if cache.verifier is not None else "a lossy mode is on")
     return runtime
+
+
+def _unverified(opts, streamed: bool, decoders, group) -> str | None:
+    """Why decode steps are not verified (caching/verify.py) in this runtime, or None where they are."""
+    if not streamed:
+        return "every expert resident: no wait at a layer call"
+    if not opts.verify:
+        return "a wait at every MoE layer call (--wait-per-layer)"
+    if not decoders:
+        return "a wait at every MoE layer call (this model's decoder layers are not found)"
+    if group is not None:
+        return "a wait at every MoE layer call (several ranks)"
+    if opts.fallback is not None or opts.trim or opts.cache_bias or opts.trim_mass:
+        return "a wait at every MoE layer call (a lossy mode is on)"
+    return None
 
 
 def _start_runtime(runtime, p, prior, budget, allowed, margin, opts):

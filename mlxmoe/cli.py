@@ -542,8 +542,21 @@ def stats_table(stats):
                       f"({stats['prefetch_useful']} of them used)"),
             ("read", size(stats["bytes_read"])),
             ("cache", f"{stats['cache_experts']} experts ({size(stats['cache_bytes'])}), policy {stats['policy']}"),
-            ("memory", f"MLX peak {size(stats['peak_memory'])}, process peak RSS {size(stats['peak_rss'])}")]
+            ("memory", f"MLX peak {size(stats['peak_memory'])}, process peak RSS {size(stats['peak_rss'])}"),
+            ("decode", decode_path(stats))]
     return "\n".join(f"{name:<9}{value}" for name, value in rows)
+
+
+def decode_path(stats):
+    """Which path the decode steps take: verified (one wait a step, caching/verify.py), with the
+    switch's state and its reason, or a wait at every layer call."""
+    verify = stats.get("verify") or {}
+    if "wait_us" not in verify:  # (no verifier: why not)
+        return verify.get("reason") or "a wait at every MoE layer call"
+    state = "on" + (f" ({verify['reason']})" if verify.get("reason") else "") if verify.get("on") else \
+        f"off: {verify.get('reason')}"
+    return (f"{plural(stats.get('verified_tokens', 0), 'step')} verified (one wait each), "
+            f"{plural(stats.get('replays', 0), 'replay')}; verified steps {state}")
 
 
 def expert_line(stats, baseline_rss):

@@ -119,6 +119,9 @@ def test_cli_chat_two_turns(checkpoint):
     shape = r"\[(\d+ tokens at [\d.]+ tok/s|1 token), expert hit rate ([\d.]+%|n/a), [\d.]+ \w+ read\]"
     assert all(re.fullmatch(shape, l) for l in summaries), summaries  # no rate for one token
     assert "hit rate" in r.stdout and "on demand" in r.stdout  # /stats: a short table
+    # ... with the decode steps' path: verified (one wait a step), and whether the mode is on now
+    assert re.search(r"\ndecode +[1-9]\d* steps? verified \(one wait each\), \d+ replays?; verified steps (on|off)",
+                     r.stdout), r.stdout
 
 
 def test_chat_commands(checkpoint):

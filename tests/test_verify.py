@@ -41,7 +41,8 @@ def generate(model, tokenizer, evict=None, weigh=False, direct=False, **kw):
     cache, tokens = model.expert_cache, []
     if cache.verifier is not None and not weigh:
         cache.verifier.switch.weigh = lambda *a: False
-        cache.verifier.switch.direct.on = direct
+        if not direct:  # (no layer ever chosen: Direct.now stays empty)
+            cache.verifier.switch.direct.stepped = lambda: 0
     for i, r in enumerate(mlxmoe.stream_generate(model, tokenizer, PROMPT, max_tokens=TOKENS, **kw)):
         tokens.append(r.token)
         if evict is not None:
@@ -508,10 +509,16 @@ def test_a_forward_is_queued_every_few_decoder_layers_without_checks_within(chec
 def test_verify_off_waits_per_layer(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     want, _ = reference(path)
-    model, tokenizer = mlxmoe.load(str(path), cache_experts=64, verify=False)
+    probe, _ = mlxmoe.load(str(path))
+    total = probe.expert_cache.capacity
+    assert probe.expert_cache.stats()["verify"]["reason"].startswith("every expert resident")
+    probe.expert_runtime.close()
+    model, tokenizer = mlxmoe.load(str(path), cache_experts=total // 2, verify=False)  # (not all: streamed)
     assert generate(model, tokenizer) == want
     stats = model.expert_cache.stats()
+    assert stats["misses"] > 0, stats
     assert stats["verified_tokens"] == 0 and stats["verify"]["on"] is False
+    assert "--wait-per-layer" in stats["verify"]["reason"], stats["verify"]  # (said in chat's /stats: cli.decode_path)
 
 
 @pytest.mark.parametrize("verify_on", [True, False], ids=["verified", "per-layer"])

@@ -457,6 +457,7 @@ class ExpertCache(Residency):
         self.prefetcher: Prefetcher | None = None  # when prefetching: built on this cache, close() closes it
         self.speculator = None  # speculate.Speculator: runs ahead while decode steps wait for reads (close() closes it)
         self.verifier = None  # verify.Verifier where decode steps wait once, at their end
+        self.unverified = "not used"  # why there is none (api._unverified)
         self.keep_busy = nullcontext()  # around demand reads: backend.KeepBusy on Metal
         self.layer_wait = None  # decayed seconds a decode step's layer call waited for the device
         self.layer_seconds = None  # decayed seconds from a decode layer call's fetch to the next's (a right guess saves it)
@@ -639,7 +640,7 @@ class ExpertCache(Residency):
                     disk_busy_seconds=self.loader.gate.busy_seconds(),
                     demand_delay_seconds=self.loader.gate.delayed_seconds(),
                     **(self.prefetcher.stats() if self.prefetcher is not None else no_prefetch()),
-                    verify=self.verifier.stats() if self.verifier is not None else {"on": False, "reason": "not used"},
+                    verify=self.verifier.stats() if self.verifier is not None else {"on": False, "reason": self.unverified},
                     io=self.store.io_stats())
 
     def reset_stats(self) -> None:

@@ -350,11 +350,10 @@ class Direct:
         self.step_checks = 0  # direct checks in the step under way
         self.without = 0  # verified steps in a row without a direct check
         self.now = set()
-        self.on = True
 
     def at(self, layer: int) -> bool:
         replay = self.replay or self.first_replay()
-        return self.on and replay is not None and self.missing[layer] * replay > (self.wait or self.first_wait())
+        return replay is not None and self.missing[layer] * replay > (self.wait or self.first_wait())
 
     def waited(self, seconds: float) -> None:
         self.wait = decayed(self.wait, seconds)
@@ -367,7 +366,7 @@ class Direct:
         n, self.step_checks = self.step_checks, 0
         self.without = 0 if n else self.without + 1
         self.now = {m for m in range(len(self.missing)) if self.at(m)}
-        if not self.now and self.on and self.without >= PROBE_STEPS and any(self.missing):
+        if not self.now and self.without >= PROBE_STEPS and any(self.missing):
             self.now, self.without = {max(range(len(self.missing)), key=self.missing.__getitem__)}, 0
         return n
 
