@@ -572,16 +572,19 @@ def test_batching_off_with_drafts_or_max_batch_1():
         model.expert_cache.close()
 
 
-def test_a_batchs_logprobs_are_each_requests_own():
+@pytest.mark.parametrize("slots", [128, 64], ids=["resident", "half"])
+def test_a_batchs_logprobs_are_each_requests_own(slots):
     """Requests batched together asking for logprobs (the legacy completions' top 3) are
-    answered the values each gets alone (--max-batch 1: mlx-lm's one-sequence path)."""
+    answered the values each gets alone (--max-batch 1: mlx-lm's one-sequence path), with every
+    expert resident or half of them (the demo's 128) streamed."""
     asked = [(p, 5) for p in PROMPTS[:3]]
     answers = {}
     for max_batch in (8, 1):
-        served = start(max_batch, cache_experts=128)
+        served = start(max_batch, cache_experts=slots)
         try:
             answers[max_batch] = together(served, asked, lambda p, n: served.client.completions.create(
                 model="demo", prompt=p, max_tokens=n, temperature=0, logprobs=3))
+            assert (served.model.expert_cache.stats()["misses"] > 0) == (slots < 128)
         finally:
             served.stop()
     assert max(r.usage.model_extra["mlxmoe"]["batch_largest"] for r in answers[8]) > 1  # (batched)
