@@ -458,7 +458,7 @@ def _attach_runtime(ckpt, p, be, fp, live, prior, opts):
 def _unverified(opts, streamed: bool, decoders, group) -> str | None:
     """Why decode steps are not verified (caching/verify.py) in this runtime, or None where they are."""
     if not streamed:
-        return "every expert resident: no wait at a layer call"
+        return "every expert resident at load: no wait at a layer call while they are"
     if not opts.verify:
         return "a wait at every MoE layer call (--wait-per-layer)"
     if not decoders:
