@@ -454,6 +454,11 @@ def report(args, configs, sizes, results, rtts):
           "step's passes again from a layer that missed")
     print("stolen %: the machine's CPU time its hypervisor gave other guests in the decode window "
           "(/proc/stat steal): a row with a few % or more is slowed by a shared host, not by its code")
+    for l in lines:  # (a switch that kept the mode off for a tenth of a round or more: why)
+        if l.get("verified_each") and min(l["verified_each"]) < 0.9:
+            print(f"{l['config']} at {l['rtt_us']:g} us: verified "
+                  + " / ".join(f"{100 * v:.0f}" for v in l["verified_each"]) + " % of each round's steps; the "
+                  f"switch's last reasons: {'; '.join(l['verify_reasons']) or '-'}")
     rtt = max(rtts)
     print(f"waits per token by call site at {rtt:g} us: " + "; ".join(
         f"{l['config']} " + ", ".join(f"{k} {v:.1f}" for k, v in l["wait_sites"].items())
