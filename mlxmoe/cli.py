@@ -523,7 +523,7 @@ CHAT_HELP = """/help          this list
 /reset         start a new conversation (the expert cache and the live profile are kept)
 /save FILE     write the conversation to FILE as JSON messages ([{"role": ..., "content": ...}])
 /load FILE     continue the conversation saved in FILE (/save's format, or any such JSON list)
-/stats         the expert cache's figures so far
+/stats         the expert cache's figures so far, and the decode steps' path
 /profile FILE  take this profile as the cache's prior from now on (pre-warms its hottest experts)
 /budget SIZE   resize the expert cache to fit this memory budget (e.g. 8GB), now; output unchanged
 /quit          leave (also /exit, /bye or Ctrl-D)
