@@ -267,6 +267,7 @@ def gather_stats(group, stats, pipeline=True):
     total["tokens"] = ranks[0]["tokens"]
     total["decode_tps"] = ranks[0]["decode_tps"]
     total["policy"] = ranks[0]["policy"]
+    total["verify"] = ranks[0]["verify"]  # (why no step is verified: the same on every rank)
     if not pipeline:
         total["cache_experts"] = ranks[0]["cache_experts"]
     accesses = total["hits"] + total["misses"]

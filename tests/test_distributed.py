@@ -180,10 +180,11 @@ def test_chat_under_two_ranks_answers_as_one_process(checkpoint):
     env = dict(os.environ, MLXMOE_DIST_TIMEOUT="60")
     cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "-p", str(free_port_base(2)), "--", sys.executable, *chat]
     two = subprocess.run(cmd, input=turns, capture_output=True, text=True, timeout=LIMIT, env=env)
-    # /stats: tokens, bytes and cache agree (hits and loads race with the background pre-warm, memory differs)
-    table = ("tokens", "hit rate", "loads", "read", "cache", "memory")
+    # /stats: tokens, bytes, cache and decode path agree (hits and loads race with the background pre-warm,
+    # memory differs)
+    table = ("tokens", "hit rate", "loads", "read", "cache", "memory", "decode")
     replies = lambda out: [l for l in out.splitlines() if not l.startswith(table)]
-    counts = lambda out: [l for l in out.splitlines() if l.startswith(("tokens", "read", "cache"))]
+    counts = lambda out: [l for l in out.splitlines() if l.startswith(("tokens", "read", "cache", "decode"))]
     assert replies(two.stdout) == replies(one.stdout), two.stdout + two.stderr  # rank 0's replies only, the same
     assert counts(two.stdout) == counts(one.stdout) and "policy activation" in two.stdout, two.stdout
     assert two.stderr.count(", expert hit rate") == 2  # one summary per turn (rank 0's)
