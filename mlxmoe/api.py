@@ -449,9 +449,9 @@ def _attach_runtime(ckpt, p, be, fp, live, prior, opts):
     if prefetcher is not None and ckpt.group is None and runtime.lossy is None and opts.fallback is None and decoders \
             and be.runs_ahead:
         cache.speculator = Speculator(ckpt.model, decoders, ckpt.blocks, cache, prefetcher)
-    if verify and runtime.lossy is None:
+    if verify:  # (never with a lossy mode: _unverified refuses its options)
         cache.verifier = Verifier(ckpt.model, decoders, cache, guess=prefetcher is not None, top_k=max(ckpt.top_ks))
-    cache.unverified = unverified or (None if cache.verifier is not None else "a lossy mode is on")
+    cache.unverified = unverified
     return runtime
 
 
