@@ -2,6 +2,7 @@
 its workers, and its predictors are scored."""
 
 import dataclasses
+import itertools
 import threading
 
 import mlx.core as mx
@@ -1037,6 +1038,45 @@ def test_predicting_pauses_where_it_costs_more_than_it_spares_and_resumes_where_
         c.tokens += 1
         worth.step(c, read_guess=0.004)
     assert not worth.paused
+
+
+def test_a_try_of_predicting_that_never_pays_is_made_ever_more_rarely():
+    """Where each paused step's reads are large (a slow disk) and guesses spare nothing,
+    predicting is tried again after HOLD paused steps, then twice as many after each try that
+    paused at its first weighing (before, one paused step in WARMUP + 1); a try that paid for
+    a while before pausing is followed by HOLD again."""
+    from mlxmoe.caching.prefetch import Worth
+
+    worth, c = Worth(), Counts()
+    worth.step(c)
+
+    def steps(n, useful):  # n steps of 3 ms of host work and 10 ms of demand reads; whether predicting was on
+        on = []
+        for _ in range(n):
+            on.append(not worth.paused)
+            worth.work += 0.003
+            c.prefetch_useful += useful
+            c.loads_demand += 5
+            c.demand_seconds += 0.010
+            c.tokens += 1
+            worth.step(c)
+        return on
+
+    on = steps(Worth.WARMUP + Worth.HOLD + 2 * Worth.WARMUP + 2 * Worth.HOLD + Worth.WARMUP, useful=0)
+    runs = [len(list(g)) for _, g in itertools.groupby(on)]
+    # on for the first weighing, then paused HOLD, on WARMUP, paused 2 x HOLD, on again
+    assert runs[:4] == [Worth.WARMUP, Worth.HOLD, Worth.WARMUP, 2 * Worth.HOLD], runs
+    # a try whose guesses pay stays on past its first weighing; once they stop paying, the next pause is HOLD
+    worth, c = Worth(), Counts()
+    worth.step(c)
+    steps(Worth.WARMUP + Worth.HOLD, useful=0)
+    assert not worth.paused and "spares" in worth.stats()["reason"]
+    steps(2 * Worth.WARMUP, useful=5)  # (5 useful guesses of 2 ms reads a step against 3 ms of work)
+    assert not worth.paused
+    on = steps(4 * Worth.WARMUP + Worth.HOLD, useful=0)
+    runs = [len(list(g)) for _, g in itertools.groupby(on)]
+    assert on[0] and runs[0] > Worth.WARMUP and runs[1] == Worth.HOLD, runs
+    assert worth.paused and "paused for 16 steps" in worth.stats()["reason"]  # (its next try, WARMUP steps, never paid)
 
 
 def test_paused_predicting_computes_no_lookahead_and_keeps_tokens(checkpoint, monkeypatch):

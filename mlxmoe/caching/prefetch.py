@@ -235,9 +235,12 @@ class Worth:
     the smaller over decayed steps (reads from the page cache: a few us an expert against
     hundreds of us of predicting a layer call), after WARMUP steps; on again where a paused
     step's demand reads (all it reads, so the most predicting could spare) exceed RESUME x
-    the cost last measured."""
+    the cost last measured, once paused for `pause_for` steps: HOLD, doubled (up to
+    MOST_HOLD) at each try that pauses at its first weighing (guesses that never pay, where
+    the disk is slow, would otherwise be tried WARMUP steps out of every WARMUP + 1)."""
 
     WARMUP, RESUME, KEEP = 8, 2.0, 0.9
+    HOLD, MOST_HOLD = 8, 512
 
     def __init__(self) -> None:
         self.paused = False
@@ -247,6 +250,8 @@ class Worth:
         self.per_read = None  # decayed seconds of one demand read of an expert
         self.steps = 0  # steps weighed since predicting (re)started
         self.last = None  # (work, useful loads, demand-read seconds, demand loads, tokens) at the last step's start
+        self.pause_for, self.held = self.HOLD, 0  # paused steps before a try, and so far
+        self.next_hold = self.HOLD  # pause_for at the next pause where its try never paid
 
     def step(self, counters, read_guess=None, tokens: int = 1) -> bool:
         """A decode step of `tokens` starts: weigh the last one; True where predicting is on again.
@@ -263,7 +268,8 @@ class Worth:
             self.per_read = decayed(self.per_read, read / loads, self.KEEP)
         if self.paused:
             self.reads = decayed(self.reads, read, self.KEEP)
-            if self.reads > self.RESUME * self.cost:
+            self.held += 1
+            if self.held >= self.pause_for and self.reads > self.RESUME * self.cost:
                 self.paused, self.steps, self.gain = False, 0, None
                 return True
             return False
@@ -272,7 +278,10 @@ class Worth:
         self.gain = decayed(self.gain, useful * (per_read or 0.0), self.KEEP)
         self.steps += 1
         if self.steps >= self.WARMUP and self.gain < self.cost:
-            self.paused, self.reads = True, None
+            # (where it paid for a while, tried again soon)
+            self.pause_for = self.next_hold if self.steps == self.WARMUP else self.HOLD
+            self.next_hold = min(2 * self.pause_for, self.MOST_HOLD)
+            self.paused, self.reads, self.held = True, None, 0
         return False
 
     def settled(self) -> bool:
@@ -287,7 +296,7 @@ class Worth:
             return {"on": True, "reason": "not weighed yet (no decode step on the per-layer path)"}
         if self.paused:
             reason = (f"predicting cost {ms(self.cost)} ms of host work a token, more than the "
-                      f"{ms(self.gain)} ms of demand reads it spared")
+                      f"{ms(self.gain)} ms of demand reads it spared (paused for {self.pause_for} steps at least)")
         else:
             reason = f"predicting spares {ms(self.gain)} ms of demand reads a token for {ms(self.cost)} ms of host work"
         return {"on": not self.paused, "reason": reason}
