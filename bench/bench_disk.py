@@ -324,19 +324,19 @@ def install_oracle(trace):
     from mlxmoe.workload.trace import layer_calls, read_trace
 
     header, records = read_trace(trace)
-    num_experts, used, step = header["num_experts"], {}, -1
-    for call in layer_calls(records, header["num_layers"]):
-        if len(call) == 1:  # a decode step's layer calls (the prompt's last token's first)
-            step += call[0][2] == 0
-            used[step, call[0][2]] = call[0][3]
-    lookahead, at = Prefetcher.lookahead, [-1]
+    num_experts = header["num_experts"]
+    # (token position, layer) -> the experts a decode step's call used: the position is the
+    # cache's own (call_position), so verified steps, replays and running ahead, which make
+    # no lookahead call, leave the guesses aligned
+    used = {(call[0][1], call[0][2]): call[0][3] for call in layer_calls(records, header["num_layers"])
+            if len(call) == 1}
+    lookahead = Prefetcher.lookahead
 
     def oracle(self, layer, x, decode=True):
         out = lookahead(self, layer, x, decode)
         if decode:
-            at[0] += layer == 0
             for ahead_step, target, ahead in self.calls_ahead(layer):
-                experts = used.get((at[0] + ahead, target))
+                experts = used.get((self.cache.call_position + ahead, target))
                 if ahead_step in out and experts is not None:
                     scores = np.full((1, num_experts), -30.0, np.float32)
                     scores[0, experts] = 0.0
