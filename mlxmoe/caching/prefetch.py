@@ -231,15 +231,18 @@ class Worth:
     the reads it ran beside (speculate.py): `work`, added by the threads that do it. In the
     host-bound regime the decode thread pays for it (the GIL, the cores the device's
     compute wants). Its gain: the demand reads the useful guesses spared, each at the
-    decode thread's mean demand read. Paused where the gain is
-    the smaller over decayed steps (reads from the page cache: a few us an expert against
-    hundreds of us of predicting a layer call), after WARMUP steps; on again where a paused
-    step's demand reads (all it reads, so the most predicting could spare) exceed RESUME x
-    the cost last measured, once paused for `pause_for` steps: HOLD, doubled (up to
-    MOST_HOLD) at each try that pauses at its first weighing (guesses that never pay, where
-    the disk is slow, would otherwise be tried WARMUP steps out of every WARMUP + 1)."""
+    decode thread's mean demand read. Paused where the gain is less than MARGIN x the cost
+    over decayed steps (reads from the page cache: a few us an expert against hundreds of us
+    of predicting a layer call), after WARMUP steps: what the two leave out (the verified
+    steps kept off while predicting is weighed, the host thread's share of the cores) makes
+    a break-even a loss. On again where the share of a step's demand reads that the last
+    try spared (at least SHARE_FLOOR: a disk grown slower may make a try that spared nothing
+    pay), of a paused step's demand reads, exceeds MARGIN x the cost last measured, once
+    paused for `pause_for` steps: HOLD, doubled (up to MOST_HOLD) at each try that pauses at
+    its first weighing (guesses that never pay, where the disk is slow, would otherwise be
+    tried WARMUP steps out of every WARMUP + 1)."""
 
-    WARMUP, RESUME, KEEP = 8, 2.0, 0.9
+    WARMUP, KEEP, MARGIN, SHARE_FLOOR = 8, 0.9, 1.5, 0.25
     HOLD, MOST_HOLD = 8, 512
 
     def __init__(self) -> None:
@@ -247,6 +250,8 @@ class Worth:
         self.work = 0.0  # host seconds so far (a lost += between threads only lowers an estimate)
         self.cost = self.gain = None  # decayed seconds a decode step, measured while predicting
         self.reads = None  # decayed demand-read seconds a step, measured while paused
+        self.on_reads = None  # ... measured while predicting
+        self.share = self.SHARE_FLOOR  # of a step's demand reads the last try spared (gain / (gain + on_reads))
         self.per_read = None  # decayed seconds of one demand read of an expert
         self.steps = 0  # steps weighed since predicting (re)started
         self.last = None  # (work, useful loads, demand-read seconds, demand loads, tokens) at the last step's start
@@ -269,18 +274,21 @@ class Worth:
         if self.paused:
             self.reads = decayed(self.reads, read, self.KEEP)
             self.held += 1
-            if self.held >= self.pause_for and self.reads > self.RESUME * self.cost:
-                self.paused, self.steps, self.gain = False, 0, None
+            if self.held >= self.pause_for and self.share * self.reads > self.MARGIN * self.cost:
+                self.paused, self.steps, self.gain, self.on_reads = False, 0, None, None
                 return True
             return False
         self.cost = decayed(self.cost, work, self.KEEP)
         per_read = self.per_read if self.per_read is not None else read_guess
         self.gain = decayed(self.gain, useful * (per_read or 0.0), self.KEEP)
+        self.on_reads = decayed(self.on_reads, read, self.KEEP)
         self.steps += 1
-        if self.steps >= self.WARMUP and self.gain < self.cost:
+        if self.steps >= self.WARMUP and self.gain < self.MARGIN * self.cost:
             # (where it paid for a while, tried again soon)
             self.pause_for = self.next_hold if self.steps == self.WARMUP else self.HOLD
             self.next_hold = min(2 * self.pause_for, self.MOST_HOLD)
+            reads = self.gain + self.on_reads  # (what the step would have read without the guesses)
+            self.share = max(self.SHARE_FLOOR, self.gain / reads if reads > 0 else 0.0)
             self.paused, self.reads, self.held = True, None, 0
         return False
 
@@ -295,8 +303,8 @@ class Worth:
         if self.cost is None:
             return {"on": True, "reason": "not weighed yet (no decode step on the per-layer path)"}
         if self.paused:
-            reason = (f"predicting cost {ms(self.cost)} ms of host work a token, more than the "
-                      f"{ms(self.gain)} ms of demand reads it spared (paused for {self.pause_for} steps at least)")
+            reason = (f"predicting spared {ms(self.gain)} ms of demand reads a token, less than {self.MARGIN} x "
+                      f"its {ms(self.cost)} ms of host work (paused for {self.pause_for} steps at least)")
         else:
             reason = f"predicting spares {ms(self.gain)} ms of demand reads a token for {ms(self.cost)} ms of host work"
         return {"on": not self.paused, "reason": reason}
