@@ -1084,8 +1084,7 @@ def test_a_try_of_predicting_that_never_pays_is_made_ever_more_rarely():
 def test_a_try_that_spared_nothing_is_made_again_only_where_reads_grow_past_its_cost():
     """A try whose guesses spared nothing is counted as sparing SHARE_FLOOR of the reads: with
     10 ms of demand reads a step against 3 ms of predicting (2.5 < 1.5 x 3) predicting stays
-    paused, where RESUME (2 x the cost, before) put it on again at each hold; at 40 ms a step
-    (10 > 4.5) it is tried again once held."""
+    paused through every hold; at 40 ms a step (10 > 4.5) it is tried again once held."""
     from mlxmoe.caching.prefetch import Worth
 
     worth, c = Worth(), Counts()

@@ -251,7 +251,6 @@ class Worth:
         self.cost = self.gain = None  # decayed seconds a decode step, measured while predicting
         self.reads = None  # decayed demand-read seconds a step, measured while paused
         self.on_reads = None  # ... measured while predicting
-        self.share = self.SHARE_FLOOR  # of a step's demand reads the last try spared (gain / (gain + on_reads))
         self.per_read = None  # decayed seconds of one demand read of an expert
         self.steps = 0  # steps weighed since predicting (re)started
         self.last = None  # (work, useful loads, demand-read seconds, demand loads, tokens) at the last step's start
@@ -287,10 +286,15 @@ class Worth:
             # (where it paid for a while, tried again soon)
             self.pause_for = self.next_hold if self.steps == self.WARMUP else self.HOLD
             self.next_hold = min(2 * self.pause_for, self.MOST_HOLD)
-            reads = self.gain + self.on_reads  # (what the step would have read without the guesses)
-            self.share = max(self.SHARE_FLOOR, self.gain / reads if reads > 0 else 0.0)
             self.paused, self.reads, self.held = True, None, 0
         return False
+
+    @property
+    def share(self) -> float:
+        """Of a step's demand reads, the share the last try spared (at least SHARE_FLOOR): its
+        gain over what its steps would have read without the guesses (both kept while paused)."""
+        reads = (self.gain or 0.0) + (self.on_reads or 0.0)
+        return max(self.SHARE_FLOOR, self.gain / reads if reads > 0 else 0.0)
 
     def settled(self) -> bool:
         """Whether predicting's host work is what it will be on the steps to come: paused, or
