@@ -76,7 +76,15 @@ def bookkeeping(model_path, prompt, tokens=128, share=0.5, cache_experts=None, *
     return {"bookkeeping_seconds": s["bookkeeping_seconds"], "generate_seconds": elapsed,
             "share": s["bookkeeping_seconds"] / elapsed, "tokens_per_second": n / elapsed,
             "layer_calls": n * len(s["resident_per_layer"]), "hit_rate": s["hit_rate"],
-            "loads_demand": s["loads_demand"], "prefetch_useful": s["prefetch_useful"]}
+            "loads_demand": s["loads_demand"], "prefetch_useful": s["prefetch_useful"],
+            "verified_tokens": s.get("verified_tokens"), "tokens": n}
+
+
+def verified_share(r):
+    """The share of a run's tokens decoded in verified steps (the rest on the per-layer path), or
+    None where its mlxmoe does not count them."""
+    v = r.get("verified_tokens")
+    return None if v is None else v / r["tokens"]
 
 
 def per_call_us(r):
@@ -105,7 +113,8 @@ def side_by_side(model_path, prompt, tree, label, runs=3, tokens=128, timeout=60
     for name, rs in results.items():
         out[name] = {"us_per_layer_call": statistics.median(per_call_us(r) for r in rs),
                      "tokens_per_second": statistics.median(r["tokens_per_second"] for r in rs),
-                     "hit_rate": statistics.median(r["hit_rate"] for r in rs)}
+                     "hit_rate": statistics.median(r["hit_rate"] for r in rs),
+                     "verified": [verified_share(r) for r in rs]}
     mine, base = out["this tree"], out["baseline"]
     out["ratio"] = mine["us_per_layer_call"] / base["us_per_layer_call"]
     print(f"  side by side with the baseline, {label} ({runs} alternated runs each, each in its own process, "
@@ -114,7 +123,8 @@ def side_by_side(model_path, prompt, tree, label, runs=3, tokens=128, timeout=60
         r = out[name]
         print(f"  {name:>12}: {r['us_per_layer_call']:.0f} us per layer call, {r['tokens_per_second']:.1f} tok/s "
               f"including the prompt, hit rate {100 * r['hit_rate']:.1f}% (runs: "
-              f"{', '.join(f'{per_call_us(x):.0f}' for x in results[name])} us)")
+              f"{', '.join(f'{per_call_us(x):.0f}' for x in results[name])} us; verified steps: "
+              f"{', '.join('-' if v is None else f'{100 * v:.0f}' for v in r['verified'])} %)")
     print(f"  this tree / baseline: bookkeeping per layer call {out['ratio']:.2f}x, tok/s "
           f"{mine['tokens_per_second'] / base['tokens_per_second']:.2f}x")
     return out

@@ -1013,6 +1013,27 @@ def test_steps_a_little_costlier_are_weighed_longer(monkeypatch, per_layer):
     assert runs[1][0] is False
 
 
+def test_steps_off_that_miss_less_often_turn_the_mode_on_again(monkeypatch):
+    """Off after verified steps that all replayed (a prompt's first, at a cold cache), the mode
+    is on again where the share of steps on the per-layer path that miss falls MISSING_FELL
+    times below theirs (the cache warmed: their cost dates from then): here at the second of two
+    clean steps after one that used an expert a prefetch read."""
+    misses = iter([1] * (verify.MEASURED_OFF + 3) + [0, 2, 0, 0] + [1] * 100)
+    runs = switch_runs(monkeypatch, verify.FIRST_WEIGH + verify.MEASURED_OFF + 7 + verify.FIRST_WEIGH, 0.03, misses,
+                       layerwise=0.03)
+    assert runs[:3] == [(True, verify.FIRST_WEIGH), (False, verify.MEASURED_OFF + 3 + 4),
+                        (True, verify.FIRST_WEIGH)], runs
+
+
+def test_a_near_tie_keeps_the_mode_on(monkeypatch):
+    """Verified steps that replayed, a little costlier than the per-layer path's (0.05 s against
+    0.047 s: less than CLOSE times), keep the mode on: a near tie is the clock's noise, and a
+    turn off costs that path's timing and host work."""
+    assert 0.05 < 0.047 * verify.CLOSE
+    runs = switch_runs(monkeypatch, 3 * verify.WEIGH_TOKENS, 0.047, itertools.repeat(1), layerwise=0.047)
+    assert runs == [(True, 3 * verify.WEIGH_TOKENS)], runs
+
+
 def switch_runs(monkeypatch, steps, per_layer, misses, layerwise=None, wait=1e-9, settled=lambda: True):
     """A Switch over `steps` decode steps, each verified at 0.05 s with a replay where the
     mode is on, else on the per-layer path at `per_layer` s (or what it returns each step),
@@ -1045,7 +1066,9 @@ def test_steps_off_that_miss_nothing_turn_the_mode_on_again(monkeypatch):
     """Off after replays that cost more than the per-layer path (0.05 s a verified step with a
     replay against 0.03 s), the mode is on again once MEASURED_OFF steps in a row on the
     per-layer path miss nothing (verified, they would have replayed nothing), not after the
-    doubled OFF_STEPS; a step that misses, or uses an expert a prefetch read, starts the count again."""
+    doubled OFF_STEPS; a step that misses, or uses an expert a prefetch read, starts the count again
+    (the share of steps that miss, compared with the verified steps', left out: MISSING_FELL)."""
+    monkeypatch.setattr(verify, "MISSING_FELL", 1e9)
     misses = iter([1] * (verify.MEASURED_OFF + 3) + [0] * (verify.MEASURED_OFF - 1) + [2] + [0] * 100)
     runs = switch_runs(monkeypatch, 4 * verify.MEASURED_OFF + verify.FIRST_WEIGH + 6, 0.03, misses, layerwise=0.03)
     # off at the first weighing; MEASURED_OFF + 3 steps that miss, MEASURED_OFF - 1 that do
@@ -1094,6 +1117,46 @@ def test_the_per_layer_path_is_timed_once_predicting_settled(settling, monkeypat
     else:  # (0.2 s a step timed: slower than verified steps, on for good)
         assert runs == [(True, verify.FIRST_WEIGH), (False, verify.MOST_SETTLING + verify.MEASURED_OFF),
                         (True, steps - verify.FIRST_WEIGH - verify.MOST_SETTLING - verify.MEASURED_OFF)], runs
+
+
+def test_a_step_that_replayed_weighs_against_the_per_layer_steps_that_missed(monkeypatch):
+    """The per-layer path's steps that read cost more than those that hit (0.07 s against 0.02 s
+    here: a miss's host work after each wait). A verified step that replayed (0.05 s) weighs
+    against the former: the mode stays on after that path is timed, until it is timed again
+    (OFF_STEPS later: the two were close); against the mean of all its steps (0.048 s) it would
+    be off at the first weighing."""
+    timings, misses = itertools.cycle([0.07, 0.02]), itertools.cycle([1, 0])
+    steps = verify.WARM_STEPS + 2 * verify.MEASURED_OFF + verify.OFF_STEPS
+    runs = switch_runs(monkeypatch, steps, lambda: next(timings), misses, wait=0.1)
+    assert runs == [(True, verify.WARM_STEPS), (False, verify.MEASURED_OFF), (True, verify.OFF_STEPS),
+                    (False, verify.MEASURED_OFF)], runs
+
+
+def test_a_step_without_a_replay_weighs_against_the_per_layer_steps_that_hit(monkeypatch):
+    """Where the per-layer path's steps that hit cost more than a verified one (0.06 s against
+    0.03 s: that path's waits), a verified step without a replay weighs as they do: replays
+    that cost more than that path's misses (0.05 s against 0.03 s), one step in two, keep the
+    mode on, the waits spared outweighing them; weighed as ties, they would turn it off."""
+    clock = [0.0]
+    monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0, prefetch_useful=0))
+    switch = verify.Switch(4, lambda: None)
+    switch.wait = 0.1  # (waits priced dear: on until the per-layer path is timed, after WARM_STEPS)
+
+    def step_on_the_per_layer_path(missing):
+        clock[0] += 0.03 if missing else 0.06
+        cache.counters.misses += missing
+    ons = []
+    for i in range(verify.WARM_STEPS + verify.MEASURED_OFF + 4 * verify.WEIGH_TOKENS):
+        on = switch.step()
+        if on:
+            switch.verified(0.05 if i % 2 else 0.03, i % 2, 2 * (i % 2), 4)
+        else:
+            switch.timed(cache, step_on_the_per_layer_path, (i % 2,), {})
+        ons.append(on)
+    runs = [(on, len(list(run))) for on, run in itertools.groupby(ons)]
+    assert runs == [(True, verify.WARM_STEPS), (False, verify.MEASURED_OFF),
+                    (True, 4 * verify.WEIGH_TOKENS)], (runs, switch.reason)
 
 
 @pytest.mark.parametrize("first", [0.052, 0.08])

@@ -61,7 +61,8 @@ STEP_TOKENS = 16
 # pays for a try ever more rarely)
 WEIGH_TOKENS, FIRST_WEIGH, CLEARLY_WORSE = 16, 2, 1.25
 OFF_STEPS, MOST_OFF_STEPS = 32, 1024
-# steps on the per-layer path timed before they are set against the verified steps; where the
+# steps on the per-layer path timed before they are set against the verified steps (which turn
+# the mode off only where they cost CLOSE times more); where the
 # verified steps keep replaying, that path is timed again OFF_STEPS steps after it last was
 # where the two were CLOSE, else RETIME_STEPS (doubled each time up to MOST_OFF_STEPS): a
 # timing from a cold cache's first tokens, whose misses are many, would otherwise keep the
@@ -70,8 +71,9 @@ MEASURED_OFF, RETIME_STEPS, CLOSE = 4, 256, 1.1
 # where the verified steps so far cost STAY_OFF times what the per-layer path, timed only to weigh
 # them, would have, the mode stays off for the stretch rather than being tried again at once; more
 # than CLEARLY_WORSE: the first steps after a prompt, the coldest, weigh in and cost a verified step
-# most (replays)
-STAY_OFF = 1.5
+# most (replays). Off, it is on again where the share of steps that miss fell MISSING_FELL times below
+# the verified steps' (a cache that warmed since: their cost dates from then)
+STAY_OFF, MISSING_FELL = 1.5, 2.0
 # steps on the per-layer path at most while predicting settles whether it pays (Switch.timed)
 MOST_SETTLING = 16
 # decode steps before the per-layer path is first timed where the waits' guess keeps the mode on
@@ -141,19 +143,23 @@ def first_read_seconds(samples: int = 5) -> float:
 class Switch:
     """Whether decode steps are verified, weighed every WEIGH_TOKENS tokens: the verified
     steps' time against that of steps on the per-layer path, as measured on the steps the
-    mode was off for (`layerwise`); before any, the replays' time (beyond a step without
+    mode was off for (`layerwise`; a step that replayed against those that missed where some
+    did, `layerwise_missed`, one that did not against those that hit, `layerwise_clean`, a tie
+    at least); before any, the replays' time (beyond a step without
     one, its reads left out) against the waits the per-layer path would have made beyond
     these steps' (one each, and one a replay), each as long as a layer call of that path
     waited last (`layer_wait()`, or an empty round trip before any). Off for `off_steps`
     steps where the verified steps cost more, doubled at each turn off in a row; on again
-    after MEASURED_OFF steps off where those took longer than the verified steps had (the
-    first guess, from the waits alone, leaves out the per-layer path's own host work and
-    counts the device's work within its waits: where steps replayed, the mode is off for those
-    MEASURED_OFF steps whichever way it went, then weighed against them; where the verified
-    steps so far took STAY_OFF times those steps, off for the stretch). A step
-    without a replay weighs as a tie: it cannot cost more than the per-layer path's; and
-    MEASURED_OFF steps off in a row that miss nothing (nor use an expert a prefetch read) turn
-    the mode on again (a cold cache's replays no longer keep a warm one off for the doubled stretch).
+    after MEASURED_OFF steps off where a verified step would cost more on that path, each
+    class at the share of steps that miss now (now()) (the first guess, from the waits alone,
+    leaves out the per-layer path's own host work and counts the device's work within its
+    waits: where steps replayed, the mode is off for those MEASURED_OFF steps whichever way it
+    went, then weighed against them; where a verified step would cost STAY_OFF times one of
+    those, off for the stretch). A step without a replay weighs as a tie at least: it cannot
+    cost more than the per-layer path's; and MEASURED_OFF steps off in a row that miss nothing
+    (nor use an expert a prefetch read), or a share of such steps MISSING_FELL times below the
+    verified steps', turn the mode on again (a cold cache's replays no longer keep a warm one
+    off for the doubled stretch).
     The per-layer path's steps are timed only once `settled()` (predicting has settled whether
     it pays, prefetch.Worth), the mode off meanwhile (at most MOST_SETTLING steps): predicting
     that does not pay (a host-bound run's guesses cost 15-20 ms a step) would otherwise
@@ -168,12 +174,17 @@ class Switch:
         self.reason = None  # why it is off (or was last)
         self.weighed = [0.0, 0.0, 0]  # seconds the verified steps cost, seconds the per-layer path would, tokens
         self.clean = None  # decayed seconds of a verified step without a replay
+        self.replaying = None  # the same of one with a replay
         self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
         self.layerwise = None  # decayed seconds of a step on the per-layer path while off
+        self.layerwise_missed = None  # the same of such a step that missed or used an expert a prefetch read
+        # (verified, it would have replayed), and of one that did not
+        self.layerwise_clean = None
         self.timed_off = 0  # such steps timed since the mode turned off
         self.settling = 0  # such steps not timed since, predicting not settled (`settled`)
         self.retime_at, self.retime_steps = None, RETIME_STEPS  # when the per-layer path is timed again, and then
         self.clean_off = 0  # such steps in a row without a miss (a prefetched expert used counts as one)
+        self.missing_off = None  # decayed share of such steps that missed (or used a prefetched expert)
         self.missing = None  # decayed share of verified steps with a replay
         self.windowed = True  # checks within the forward (while steps miss)
         self.direct = Direct(moe_layers, self.per_layer_wait, first_replay)  # layers read at once
@@ -196,6 +207,8 @@ class Switch:
         self.steady = decayed(self.steady, seconds, keep=0.9)
         if not replays:
             self.clean = decayed(self.clean, seconds)
+        else:
+            self.replaying = decayed(self.replaying, seconds)
         replayed_share = seconds * replayed / (decoder_layers + replayed)  # the replayed layers' share of the step
         if replays:  # (a replay's layers at the step's mean time a layer: robust where clean steps are rare)
             self.direct.replay = decayed(self.direct.replay, replayed_share / replays)
@@ -203,7 +216,7 @@ class Switch:
         if self.layerwise is not None:  # both paths timed: the step against the per-layer path's
             # (one without a replay did that path's work less its waits: a tie at worst, whatever
             # the clock says, which moves with the context's length and the machine's load)
-            return self.weigh(seconds, self.layerwise if replays else seconds)
+            return self.weigh(seconds, self.missed_layerwise() if replays else self.clean_layerwise(seconds))
         if not replays:
             replay_seconds = 0.0
         elif self.clean is not None:
@@ -212,6 +225,17 @@ class Switch:
             replay_seconds = replayed_share
         saved = self.moe_layers - 1 - replays - direct  # (a direct check waits as the per-layer path would)
         return self.weigh(replay_seconds, max(saved, 0) * self.per_layer_wait())
+
+    def missed_layerwise(self) -> float:
+        """A step with a miss on the per-layer path, what a step that replayed weighs against: as
+        timed while off (the path's steps that read cost more than those that hit: its miss's
+        host work after each wait), or any step of that path where none of those missed."""
+        return self.layerwise if self.layerwise_missed is None else self.layerwise_missed
+
+    def clean_layerwise(self, seconds: float) -> float:
+        """What a verified step without a replay (`seconds`) weighs against: the per-layer path's
+        steps that hit, timed while off (its waits), or a tie, never less."""
+        return seconds if self.layerwise_clean is None else max(seconds, self.layerwise_clean)
 
     def per_layer_wait(self) -> float:
         """A wait of the per-layer path: as long as its layer calls waited last, or an empty round trip before any."""
@@ -228,11 +252,15 @@ class Switch:
             return False
         self.weighed = [0.0, 0.0, 0]
         retime = self.layerwise is not None and w[0] and self.retime_at is not None and self.steps >= self.retime_at
-        if w[0] <= w[1] and (self.layerwise is not None or not w[0] or self.steps < WARM_STEPS) and not retime:
+        # (against a timing, off only where clearly costlier, CLOSE: a near tie is the clock's noise, and
+        # each turn off costs the per-layer path's timing and host work)
+        near = CLOSE if self.layerwise is not None else 1.0
+        if w[0] <= w[1] * near and (self.layerwise is not None or not w[0] or self.steps < WARM_STEPS) and not retime:
             self.off_steps = OFF_STEPS
             return False
         if retime:  # (timed afresh: the old timing left out)
-            self.layerwise, self.retime_steps = None, min(2 * self.retime_steps, MOST_OFF_STEPS)
+            self.layerwise = self.layerwise_missed = self.layerwise_clean = None
+            self.retime_steps = min(2 * self.retime_steps, MOST_OFF_STEPS)
             self.off_until, self.timed_off, self.clean_off, self.settling = self.steps + MEASURED_OFF, 0, 0, 0
             self.reason = "the per-layer path timed again"
             return True
@@ -260,33 +288,53 @@ class Switch:
         counters = cache.counters
         tic, read, missed = time.perf_counter(), counters.read_seconds, (counters.misses, counters.prefetch_useful)
         out = call(*args, **kwargs)
-        self.layerwise = decayed(self.layerwise, time.perf_counter() - tic - (counters.read_seconds - read))
+        seconds = time.perf_counter() - tic - (counters.read_seconds - read)
+        clean = (counters.misses, counters.prefetch_useful) == missed
+        self.layerwise = decayed(self.layerwise, seconds)
+        if clean:
+            self.layerwise_clean = decayed(self.layerwise_clean, seconds)
+        else:
+            self.layerwise_missed = decayed(self.layerwise_missed, seconds)
+        self.clean_off = self.clean_off + 1 if clean else 0
+        self.missing_off = decayed(self.missing_off, float(not clean))
         self.timed_off += 1
         if self.timed_off == MEASURED_OFF:
             close = self.steady is None or self.layerwise < self.steady * CLOSE
             self.retime_at = self.steps + (OFF_STEPS if close else self.retime_steps)
-        self.clean_off = self.clean_off + 1 if (counters.misses, counters.prefetch_useful) == missed else 0
-        if self.timed_off == MEASURED_OFF and self.steady is not None and self.layerwise > self.steady:
-            self.on_again(f"a step took {self.layerwise * 1e3:.2f} ms on the per-layer path, "
-                          f"{self.steady * 1e3:.2f} ms verified")
+        verified, per_layer = self.now() if self.steady is not None else (None, None)
+        if self.timed_off == MEASURED_OFF and verified is not None and per_layer > verified:
+            self.on_again(f"a step would take {per_layer * 1e3:.2f} ms on the per-layer path, "
+                          f"{verified * 1e3:.2f} ms verified")
         elif self.clean_off >= MEASURED_OFF:
             self.on_again(f"{self.clean_off} steps on the per-layer path without a miss")
+        elif self.timed_off >= MEASURED_OFF and self.missing is not None and self.missing_off * MISSING_FELL < self.missing:
+            self.on_again(f"{100 * self.missing_off:.0f} % of the steps on the per-layer path miss, "
+                          f"{100 * self.missing:.0f} % of the verified ones did")
         elif self.timed_off == MEASURED_OFF and self.steps >= self.off_until and self.far_worse():
             # (off only to time this path: off for the stretch now rather than tried again at once
             # and weighed, which a disk's reads behind the replays pay)
             self.off_until = self.steps + self.off_steps
             self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
-            self.reason = slower(self.steady, self.layerwise)
+            self.reason = slower(*self.now())
         return out
 
+    def now(self) -> tuple:
+        """(a verified step, one on the per-layer path) at the share of steps that miss now (of
+        those just timed, `missing_off`): class by class, a step that replays (as verified ones
+        did, else a tie) against that path's that missed, one without (as verified ones took,
+        else a tie) against those that hit (a tie at least). The verified steps' share would
+        date from their time: a prompt's first steps, the coldest, miss most."""
+        m, missed = self.missing_off, self.missed_layerwise()
+        clean = self.layerwise if self.clean is None else self.clean
+        verified = m * (missed if self.replaying is None else self.replaying) + (1 - m) * clean
+        return verified, m * missed + (1 - m) * self.clean_layerwise(clean)
+
     def far_worse(self) -> bool:
-        """Whether the verified steps so far cost STAY_OFF times what the per-layer path, just
-        timed, would have: weighed as weigh() weighs them, a step without a replay as a tie."""
+        """Whether a verified step would cost STAY_OFF times one on the per-layer path (now())."""
         if self.steady is None:
             return False
-        replayed = self.missing  # (set with steady)
-        instead = replayed * self.layerwise + (1 - replayed) * (self.layerwise if self.clean is None else self.clean)
-        return self.steady > STAY_OFF * instead
+        verified, per_layer = self.now()
+        return verified > STAY_OFF * per_layer
 
     def on_again(self, why: str) -> None:
         self.off_until, self.off_steps = self.steps, OFF_STEPS
