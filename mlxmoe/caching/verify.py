@@ -301,8 +301,10 @@ class Switch:
         if self.timed_off == MEASURED_OFF:
             close = self.steady is None or self.layerwise < self.steady * CLOSE
             self.retime_at = self.steps + (OFF_STEPS if close else self.retime_steps)
-        verified, per_layer = self.now() if self.steady is not None else (None, None)
-        if self.timed_off == MEASURED_OFF and verified is not None and per_layer > verified:
+        # (after MEASURED_OFF steps, where steps were verified: both paths' steps at the share that misses now)
+        judged = self.timed_off == MEASURED_OFF and self.steady is not None
+        verified, per_layer = self.now() if judged else (None, None)
+        if judged and per_layer > verified:
             self.on_again(f"a step would take {per_layer * 1e3:.2f} ms on the per-layer path, "
                           f"{verified * 1e3:.2f} ms verified")
         elif self.clean_off >= MEASURED_OFF:
@@ -310,12 +312,13 @@ class Switch:
         elif self.timed_off >= MEASURED_OFF and self.missing is not None and self.missing_off * MISSING_FELL < self.missing:
             self.on_again(f"{100 * self.missing_off:.0f} % of the steps on the per-layer path miss, "
                           f"{100 * self.missing:.0f} % of the verified ones did")
-        elif self.timed_off == MEASURED_OFF and self.steps >= self.off_until and self.far_worse():
-            # (off only to time this path: off for the stretch now rather than tried again at once
-            # and weighed, which a disk's reads behind the replays pay)
+        elif judged and self.steps >= self.off_until and verified > STAY_OFF * per_layer:
+            # (off only to time this path, where a verified step would cost STAY_OFF times one of
+            # it: off for the stretch now rather than tried again at once and weighed, which a
+            # disk's reads behind the replays pay)
             self.off_until = self.steps + self.off_steps
             self.off_steps = min(2 * self.off_steps, MOST_OFF_STEPS)
-            self.reason = slower(*self.now())
+            self.reason = slower(verified, per_layer)
         return out
 
     def now(self) -> tuple:
@@ -328,13 +331,6 @@ class Switch:
         clean = self.layerwise if self.clean is None else self.clean
         verified = m * (missed if self.replaying is None else self.replaying) + (1 - m) * clean
         return verified, m * missed + (1 - m) * self.clean_layerwise(clean)
-
-    def far_worse(self) -> bool:
-        """Whether a verified step would cost STAY_OFF times one on the per-layer path (now())."""
-        if self.steady is None:
-            return False
-        verified, per_layer = self.now()
-        return verified > STAY_OFF * per_layer
 
     def on_again(self, why: str) -> None:
         self.off_until, self.off_steps = self.steps, OFF_STEPS
