@@ -4,6 +4,7 @@ Belady's rule on an estimate of each expert's next use (NextUse), over a victim 
 (PrefillPass), and each layer is kept at a floor (LayerFloor, activation-floor only).
 """
 
+import bisect
 import itertools
 import math
 
@@ -348,15 +349,15 @@ class PrefillPass:
 
 class VictimIndex:
     """Each layer's resident experts, farthest next use first, and the farthest of each
-    layer's as one array, so that a victim needs no loop over layers; a layer visited or given
-    an expert since its last sort is sorted before the next victim."""
+    layer's as one array, so that a victim needs no loop over layers; a layer visited since its
+    last sort is sorted before the next victim, an expert given to a sorted layer put in place."""
 
     def __init__(self, estimate):
         L = estimate.num_layers
         self.estimate = estimate
         self.resident = [set() for _ in range(L)]
         self.order = [[] for _ in range(L)]  # resident experts of each layer, farthest next use first
-        self.unsorted = set()  # layers visited or given an expert since their order was sorted
+        self.unsorted = set()  # layers visited (or given a first expert) since their order was sorted
         # the second term of steps() of each layer's farthest expert (order[layer][0]; -inf if
         # none), and the first term, layer steps from the current layer ([current, layer])
         self.head = np.full(L, -np.inf)
@@ -370,9 +371,18 @@ class VictimIndex:
         self.unsorted.add(layer)
 
     def insert(self, key):
-        self.resident[key[0]].add(key[1])
-        self.order[key[0]].append(key[1])
-        self.unsorted.add(key[0])  # sorted before the next victim: a rare expert just used can be the farthest
+        layer, e = key
+        self.resident[layer].add(e)
+        order = self.order[layer]
+        if layer in self.unsorted or not order:
+            order.append(e)
+            self.unsorted.add(layer)  # sorted before the next victim: a rare expert just used can be the farthest
+            return
+        # a sorted layer: put it where the sort would (after its equals), not sort it all again
+        cost = self.estimate.cost[layer].tolist()
+        bisect.insort_right(order, e, key=lambda x: -cost[x])
+        if order[0] == e:
+            self.set_head(layer)
 
     def remove(self, key):
         layer, e = key
@@ -418,7 +428,8 @@ class VictimIndex:
         est, order = self.estimate, self.order
         redo = {l for l, e in protected if order[l] and order[l][0] == e}
         oldest = est.visits - est.num_layers
-        redo.update(l for l, visited in enumerate(est.visited_at) if visited < oldest)
+        if min(est.visited_at) < oldest:  # (a decode step visits every layer in a round: none)
+            redo.update(l for l, visited in enumerate(est.visited_at) if visited < oldest)
         candidates, s = {}, steps
         if redo:
             s = steps.copy()
