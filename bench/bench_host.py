@@ -36,9 +36,10 @@ read of an array already computed returns without sleeping and costs nothing (on
 no round trip either): stock's `y.item()` where the host is slower than the device, the resident
 path reading the routing of two tokens back, `.tolist()` after an `mx.eval` of the same array.
 `--every-call` charges S to every patched call instead (an upper bound). `queued ms/token`: the
-decode thread's wall time inside mx.async_eval, which MLX holds while more tasks than it allows
-are in flight (a task an op on the CPU backend, so most of a token here: the host can run only a
-few dozen ops ahead of the device, stock included; a GPU's task is a command buffer of many).
+decode thread's wall time inside mx.async_eval: MLX's own work on the host for each primitive it
+queues (~2 us here, 7804 primitives a token for stock: most of stock's token, busy on the host
+thread, not waiting) and, while more tasks than MLX allows are in flight (a task an op on the CPU
+backend; a GPU's task is a command buffer of many), its wait for the device.
 Not covered: reads through the buffer protocol elsewhere (memoryview(a), np.frombuffer, numpy
 functions other than np.array/np.asarray given an mx.array), functions bound before the patch
 (`from mlx.core import eval`: none in mlxmoe or mlx_lm's decode path when this was written), waits off the
@@ -52,6 +53,12 @@ host read: 55 us on an H200; Metal's unified memory costs nothing; bench/roundtr
 `--rtt 77 --read-us 55` is the H200's measured pair (bench/device_costs.py). `reads/token` counts
 such reads whatever R.
 
+One process runs up to 1.5x slower than the next on this VM (the same work, both threads), so a
+ratio of medians over processes moves by ~10 % from run to run. `--paired` takes the ratio
+within each process: every mlxmoe configuration's process also loads stock mlx-lm (the same
+weights, the same emulation) and times stock, mlxmoe, mlxmoe, stock at each round trip after
+warming both; the "paired" columns are the medians of those per-process ratios.
+
 Columns: waits and calls (patched calls) per decoded token; decode-thread host ms per token:
 time.thread_time() of the decode thread over the decode window, per token (a sleep and a wait
 on the device take none; it includes the counting's own cost, ~1-2 us a patched call, printed);
@@ -61,6 +68,7 @@ on the device take none; it includes the counting's own cost, ~1-2 us a patched 
     python bench/bench_host.py --rtt 0,150,1000                            # issue 42's rows
     python bench/bench_host.py --configs stock,hit99,hit99:new --variant new='{"prefetch": 0}'
     python bench/bench_host.py --rtt 77 --read-us 55                       # as an H200 would
+    python bench/bench_host.py --rtt 150 --rounds 5 --paired               # ratios within each process
 """
 
 import argparse
@@ -209,20 +217,45 @@ def wait_per_layer(model):
         experts.__class__ = type(f"Waiting{cls.__name__}", (cls,), {"__call__": call})
 
 
+def open_pair(args):
+    """--paired: stock mlx-lm in this mlxmoe configuration's process, (model, tokenizer, stream_generate)."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(args.pair_checkpoint))
+    follow_routing(args, model, tokenizer)
+    return model, tokenizer, mlx_lm.stream_generate
+
+
 def run_config(args):
-    """Warm with args.warmups generations, then one timed generation per round trip in args.rtt."""
+    """Warm with args.warmups generations, then one timed generation per round trip in args.rtt;
+    --paired: stock's generations in the same process too, alternated with ours (stock, ours,
+    ours, stock a round trip), each side's medians in `paired`."""
     rtts = [float(x) for x in args.rtt.split(",")]
     model, tokenizer, generate, cache = open_model(args)
+    pair = open_pair(args) if args.paired and cache is not None else None
     waits = DeviceWaits(args.spin, args.every_call, read_us=args.read_us)
     cost = waits.install()
     waits.set_rtt(rtts[0])
+    ours = lambda: timed_generation(generate, model, tokenizer, args, waits, cache)  # noqa: E731
+    stock = lambda: timed_generation(pair[2], pair[0], pair[1], args, waits)  # noqa: E731
     for _ in range(args.warmups):  # the same workload: the cache warms, the verified mode's switch settles
-        timed_generation(generate, model, tokenizer, args, waits, cache)
-    rows = []
+        ours()
+        if pair is not None:
+            stock()
+    rows, paired = [], []
     for rtt in rtts:
         waits.set_rtt(rtt)
-        rows.append(dict(timed_generation(generate, model, tokenizer, args, waits, cache), rtt_us=rtt))
-    out = {"rows": rows, "count_cost_us": cost, "slots": args.slots}
+        if pair is None:
+            rows.append(dict(ours(), rtt_us=rtt))
+            continue
+        s1, o1, o2, s2 = stock(), ours(), ours(), stock()
+        rows += [dict(o1, rtt_us=rtt), dict(o2, rtt_us=rtt)]
+        med = lambda runs, k: statistics.median(r[k] for r in runs)  # noqa: E731
+        paired.append({"rtt_us": rtt, "tok_s": med([o1, o2], "tok_s"), "stock_tok_s": med([s1, s2], "tok_s"),
+                       "host_ms_per_token": med([o1, o2], "host_ms_per_token"),
+                       "stock_host_ms_per_token": med([s1, s2], "host_ms_per_token"),
+                       "stock_tokens": [s1["tokens"], s2["tokens"]]})
+    out = {"rows": rows, "paired": paired, "count_cost_us": cost, "slots": args.slots}
     if cache is not None:
         out["cache_experts"] = cache.stats().get("cache_experts", args.slots)
         runtime = getattr(model, "expert_runtime", None)
@@ -305,6 +338,8 @@ def spawn(args, one, load_kwargs="{}", slots=None, rtts=None):
         + ["--routing", args.routing] * bool(args.routing)
     if slots is not None:
         cmd += ["--slots", str(slots)]
+        if args.paired:
+            cmd += ["--paired", "--pair-checkpoint", str(args.stock_checkpoint or args.checkpoint)]
     if rtts is not None:
         cmd += ["--rtt", ",".join(str(r) for r in rtts)]
     cmd += ["--spin"] * args.spin + ["--every-call"] * args.every_call + ["--read-us", str(args.read_us)]
@@ -379,7 +414,13 @@ def pooled(runs, rtt):
         # each round's share and the switch's last reason where the mode was off for some steps
         out["verified_each"] = [x["stats_delta"].get("verified_tokens", 0) / max(x["decode_steps"], 1) for x in rows]
         out["verify_reasons"] = sorted({(x.get("verify") or {}).get("reason") or "" for x in rows} - {""})
-    out["tokens"] = [x["tokens"] for x in rows]
+    pairs = [q for r in runs for q in r.get("paired", []) if q["rtt_us"] == rtt]
+    if pairs:  # (--paired: each process's ratio to the stock generations it ran itself)
+        out["paired_vs_stock"] = statistics.median(q["tok_s"] / q["stock_tok_s"] for q in pairs)
+        out["paired_host_vs_stock"] = statistics.median(q["host_ms_per_token"] / q["stock_host_ms_per_token"]
+                                                        for q in pairs)
+        out["paired_each"] = [q["tok_s"] / q["stock_tok_s"] for q in pairs]
+    out["tokens"] = [x["tokens"] for x in rows] + [t for q in pairs for t in q["stock_tokens"]]
     out["rounds"] = len(rows)
     sites = {}
     for x in rows:
@@ -420,7 +461,8 @@ def report(args, configs, sizes, results, rtts):
                          fmt(p.get("verified_share") and 100 * p["verified_share"], ".0f"),
                          fmt(p.get("replays_per_token"), ".2f"),
                          {None: "-", True: "yes", False: "NO"}[same],
-                         fmt(p["stolen"] and 100 * p["stolen"], ".0f")])
+                         fmt(p["stolen"] and 100 * p["stolen"], ".0f")]
+                        + [fmt(p.get("paired_vs_stock"), ".2f"), fmt(p.get("paired_host_vs_stock"), ".2f")] * args.paired)
     if args.json:
         for line in lines:
             print(json.dumps(line))
@@ -437,7 +479,7 @@ def report(args, configs, sizes, results, rtts):
           f"2..{args.tokens}, {args.rounds} round{'s' * (args.rounds > 1)}, medians)",
           ["config", "rtt us", "cache (experts, %)", "hit rate", "tok/s", "/ stock", "waits/token", "calls/token",
            "reads/token", "host ms/token", "host / stock's", "queued ms/token", "verified %", "replays/token",
-           "tokens identical", "stolen %"], rows)
+           "tokens identical", "stolen %"] + ["/ stock, paired", "host / stock's, paired"] * args.paired, rows)
     added = [l["added_us_per_wait"] for l in lines if l["rtt_us"] and l.get("added_us_per_wait")]
     cost = [r["count_cost_us"] for runs in results.values() for r in runs if "count_cost_us" in r]
     rule = "every patched call (--every-call)" if args.every_call else "patched calls on the decode thread that slept"
@@ -446,14 +488,18 @@ def report(args, configs, sizes, results, rtts):
           + f"; added per wait {'(spin)' if args.spin else '(sleep)'}: "
           + (f"{min(added):.0f}-{max(added):.0f} us measured" if added else "-")
           + (f"; counting cost {statistics.median(cost):.1f} us a call, in the host time" if cost else ""))
-    print("queued: wall time of the decode thread inside mx.async_eval, which holds its caller while more "
-          "tasks than MLX allows are in flight (on the CPU backend one an op): the host waiting for the device "
-          "without a wait that sleeps in a patched call")
+    print("queued: wall time of the decode thread inside mx.async_eval: MLX's own host work for each primitive "
+          "it queues, and its wait while more tasks than it allows are in flight (on the CPU backend one an op)")
     print("verified %: the decode steps verified (checked a window behind, one wait at the step's end: "
           "verify.py), the rest on the per-layer path (a wait a layer call) or resident; replays: a verified "
           "step's passes again from a layer that missed")
     print("stolen %: the machine's CPU time its hypervisor gave other guests in the decode window "
           "(/proc/stat steal): a row with a few % or more is slowed by a shared host, not by its code")
+    if args.paired:
+        print("paired: each mlxmoe process ran stock mlx-lm too, alternated (stock, mlxmoe, mlxmoe, stock), and "
+              "its ratio is taken within it (median over the processes): " + "; ".join(
+                  f"{l['config']} at {l['rtt_us']:g} us " + " / ".join(f"{v:.2f}" for v in l["paired_each"])
+                  for l in lines if l.get("paired_each")))
     for l in lines:  # (a switch that kept the mode off for a tenth of a round or more: why)
         if l.get("verified_each") and min(l["verified_each"]) < 0.9:
             print(f"{l['config']} at {l['rtt_us']:g} us: verified "
@@ -504,6 +550,11 @@ def main():
                         help="[FORMAT:]FILE: route as this recording of a real model did (bench/routed.py; "
                              "`mlxmoe trace import` formats, .csv: bigmoeonedge, .json: moe-ocs); the checkpoint "
                              "takes its layers, experts and top-k (built beside the default one).")
+    parser.add_argument("--paired", action="store_true",
+                        help="Stock mlx-lm in each mlxmoe configuration's process too, alternated with it: the "
+                             "ratio within a process, where the machine runs one process up to 1.5x slower "
+                             "than the next (the '/ stock, paired' columns: medians over the processes).")
+    parser.add_argument("--pair-checkpoint", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--slots", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

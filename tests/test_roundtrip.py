@@ -164,3 +164,31 @@ def test_bench_host_flag_reads_is_the_benchs_own_load_argument(monkeypatch):
     assert bench_host.load_arguments('{"prefetch": 0, "flag_reads_us": 1e12}') == {"prefetch": 0}
     assert verify.FLAG_READS == 1e6
     assert bench_host.load_arguments('{"prefetch": 0}') == {"prefetch": 0} and verify.FLAG_READS == 1e6
+
+
+def test_bench_host_paired_ratio_is_taken_within_each_process():
+    """--paired: the ratio to stock is each process's own (its mlxmoe generations over the stock
+    ones it ran), the median of those, not a ratio of medians over processes (one process runs
+    up to 1.5x slower than the next here); the paired stock's tokens join the identity check."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_host
+
+    def process(ours, stock, stock_tokens=(1, 2)):
+        row = {"rtt_us": 150.0, "tok_s": ours, "ms_per_token": 1e3 / ours, "host_ms_per_token": 900 / ours,
+               "process_cpu_ms_per_token": 1.0, "queued_ms_per_token": 1.0, "waits_per_token": 0.0,
+               "calls_per_token": 1.0, "reads_per_token": 0.0, "added_us_per_wait": None, "stolen": 0.0,
+               "tokens": [1, 2], "wait_sites": {}}
+        return {"rows": [row, row], "paired": [{"rtt_us": 150.0, "tok_s": ours, "stock_tok_s": stock,
+                                                "host_ms_per_token": 900 / ours,
+                                                "stock_host_ms_per_token": 800 / stock,
+                                                "stock_tokens": [list(stock_tokens)] * 2}]}
+
+    # a slow process (both sides at half speed) and two fast ones: each 0.9x within itself
+    runs = [process(18.0, 20.0), process(36.0, 40.0), process(37.8, 42.0)]
+    p = bench_host.pooled(runs, 150.0)
+    assert abs(p["paired_vs_stock"] - 0.9) < 1e-9 and abs(p["paired_host_vs_stock"] - 1.25) < 1e-9
+    assert len(p["paired_each"]) == 3 and all(abs(r - 0.9) < 1e-9 for r in p["paired_each"])
+    assert all(t == [1, 2] for t in p["tokens"])
+    assert bench_host.pooled(runs, 0.0) is None
+    odd = bench_host.pooled(runs[:2] + [process(37.8, 42.0, stock_tokens=(1, 3))], 150.0)
+    assert [1, 3] in odd["tokens"]
