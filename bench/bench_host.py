@@ -435,6 +435,8 @@ def report(args, configs, sizes, results, rtts):
     total = SHAPES["num_hidden_layers"] * SHAPES["num_experts"]
     stock = {rtt: pooled(results.get("stock", []), rtt) for rtt in rtts}
     ref = next((s["tokens"][0] for s in stock.values() if s), None)
+    if ref is None:  # (no stock configuration: the stock runs of --paired)
+        ref = next((q["stock_tokens"][0] for runs in results.values() for r in runs for q in r.get("paired", [])), None)
     rows, lines = [], []
     for rtt in rtts:
         for name, config, kwargs in configs:

@@ -228,3 +228,34 @@ def test_cli_io_option(checkpoint):
     r = subprocess.run([sys.executable, "-m", "mlxmoe", "generate", "--model", str(path), "--prompt", "Hello",
                         "--io", "turbo"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "turbo" in r.stderr
+
+
+def test_a_short_read_goes_on_where_it_stopped(tmp_path, monkeypatch):
+    """preadv_all: a read the kernel returns short (a signal, a network filesystem) goes on
+    from where it stopped, across buffers and within one; the file's end, or under O_DIRECT a
+    count that is not a multiple of the alignment, ends it."""
+    data = bytes(range(256)) * 4
+    path = tmp_path / "shard.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    real = os.preadv
+
+    def short(fd, bufs, offset):  # at most 7 bytes a call
+        left, views = 7, []
+        for b in bufs:
+            views.append(memoryview(b)[:left])
+            left -= len(views[-1])
+            if not left:
+                break
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(reader_module.os, "preadv", short)
+    try:
+        bufs = [np.zeros(5, np.uint8), np.zeros(12, np.uint8), np.zeros(3, np.uint8)]
+        assert reader_module.preadv_all(fd, bufs, 10, path) == 20
+        assert b"".join(b.tobytes() for b in bufs) == data[10:30]
+        assert reader_module.preadv_all(fd, [np.zeros(16, np.uint8)], 0, path, align=4) == 7
+        tail = np.zeros(16, np.uint8)
+        assert reader_module.preadv_all(fd, [tail], len(data) - 5, path) == 5 and tail[:5].tobytes() == data[-5:]
+    finally:
+        os.close(fd)

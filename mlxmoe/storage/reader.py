@@ -74,23 +74,21 @@ def preadv_all(fd, bufs, offset, file, align=1):
     """preadv into `bufs` (uint8 arrays) from `offset` until they are full or the file
     ends; returns the bytes read. With align > 1 (O_DIRECT) a short read ends it, as
     the next read would start unaligned."""
-    bufs = [memoryview(b) for b in bufs]
-    done = 0
-    while bufs:
-        want = sum(len(b) for b in bufs)
+    done, want = 0, sum(b.nbytes for b in bufs)
+    while True:
         try:
             n = os.preadv(fd, bufs, offset + done)
         except OSError as e:
             raise MlxmoeError(f"reading {file} at offset {offset + done}: {e}") from None
         done += n
-        if n == 0 or (n < want and n % align):
-            break
-        while bufs and n >= len(bufs[0]):
+        if n == want or n == 0 or n % align:  # all of it (the usual case), the file's end, a short O_DIRECT read
+            return done
+        want -= n
+        bufs = [memoryview(b) for b in bufs]
+        while n >= len(bufs[0]):
             n -= len(bufs[0])
             bufs.pop(0)
-        if n:
-            bufs[0] = bufs[0][n:]
-    return done
+        bufs[0] = bufs[0][n:]
 
 
 def truncated(file, end):
@@ -239,7 +237,8 @@ class ShardReader:
         fd, align = self._fds[file], self._align[file]
         a = align_down(start, align)
         if self.land is None and start % align == 0 and end % align == 0 \
-                and all(off % align == 0 and d.nbytes % align == 0 and d.ctypes.data % align == 0 for off, d in pieces) \
+                and all(off % align == 0 and d.nbytes % align == 0 for off, d in pieces) \
+                and all(d.ctypes.data % align == 0 for _, d in pieces) \
                 and sum(d.nbytes for _, d in pieces) == end - start:
             # Aligned and back to back (a bundled checkpoint, aligned slots): straight into the slots.
             if preadv_all(fd, [d for _, d in pieces], a, file, align) < end - start:
@@ -252,6 +251,14 @@ class ShardReader:
         bounce, each piece whole in it), at most BOUNCE bytes at a time, and put each piece's
         bytes in place; the bytes asked of the kernel."""
         a, b = align_down(start, align), align_up(end, align)
+        if b - a <= BOUNCE and self.land is None:  # (one bounce, each piece whole in it: the loop below, shorter)
+            buf = self._bounce(b - a)
+            n = preadv_all(fd, [buf], a, file, align)
+            if a + n < end:
+                raise truncated(file, end)
+            for off, d in pieces:
+                d[...] = buf[off - a:off - a + d.nbytes]
+            return n
         got = 0
         for c in range(a, b, BOUNCE):
             buf = self._bounce(min(BOUNCE, b - c))
