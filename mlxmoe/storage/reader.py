@@ -251,14 +251,6 @@ class ShardReader:
         bounce, each piece whole in it), at most BOUNCE bytes at a time, and put each piece's
         bytes in place; the bytes asked of the kernel."""
         a, b = align_down(start, align), align_up(end, align)
-        if b - a <= BOUNCE and self.land is None:  # (one bounce, each piece whole in it: the loop below, shorter)
-            buf = self._bounce(b - a)
-            n = preadv_all(fd, [buf], a, file, align)
-            if a + n < end:
-                raise truncated(file, end)
-            for off, d in pieces:
-                d[...] = buf[off - a:off - a + d.nbytes]
-            return n
         got = 0
         for c in range(a, b, BOUNCE):
             buf = self._bounce(min(BOUNCE, b - c))
