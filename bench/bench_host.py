@@ -157,16 +157,22 @@ def load_arguments(text):
     return kwargs
 
 
+def open_stock(args, checkpoint):
+    """Stock mlx-lm's (model, tokenizer, stream_generate) of `checkpoint`, routed as --routing says."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(checkpoint))
+    follow_routing(args, model, tokenizer)
+    return model, tokenizer, mlx_lm.stream_generate
+
+
 def open_model(args):
     """(model, tokenizer, stream_generate, expert cache or None) of this process's configuration."""
     if args.slots is None:
-        import mlx_lm
-
-        model, tokenizer = mlx_lm.load(str(args.checkpoint))
-        follow_routing(args, model, tokenizer)
+        model, tokenizer, generate = open_stock(args, args.checkpoint)
         if args.one == "stock-layerwait":
             wait_per_layer(model)
-        return model, tokenizer, mlx_lm.stream_generate, None
+        return model, tokenizer, generate, None
     import mlxmoe
 
     kwargs = {**load_arguments(args.load_kwargs), "cache_experts": args.slots}
@@ -217,22 +223,13 @@ def wait_per_layer(model):
         experts.__class__ = type(f"Waiting{cls.__name__}", (cls,), {"__call__": call})
 
 
-def open_pair(args):
-    """--paired: stock mlx-lm in this mlxmoe configuration's process, (model, tokenizer, stream_generate)."""
-    import mlx_lm
-
-    model, tokenizer = mlx_lm.load(str(args.pair_checkpoint))
-    follow_routing(args, model, tokenizer)
-    return model, tokenizer, mlx_lm.stream_generate
-
-
 def run_config(args):
     """Warm with args.warmups generations, then one timed generation per round trip in args.rtt;
     --paired: stock's generations in the same process too, alternated with ours (stock, ours,
     ours, stock a round trip), each side's medians in `paired`."""
     rtts = [float(x) for x in args.rtt.split(",")]
     model, tokenizer, generate, cache = open_model(args)
-    pair = open_pair(args) if args.paired and cache is not None else None
+    pair = open_stock(args, args.pair_checkpoint) if args.paired and cache is not None else None  # (--paired)
     waits = DeviceWaits(args.spin, args.every_call, read_us=args.read_us)
     cost = waits.install()
     waits.set_rtt(rtts[0])
