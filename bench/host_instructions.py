@@ -9,9 +9,12 @@ and MLX's CPU stream's (the device work here). Counts repeat within ~3 % (the th
 interleave differently under valgrind); decisions timed by the runtime (verified or
 per-layer steps, predicting) are not those of a real run, so mlxmoe runs with its verified
 mode held on (`verify` in the output), or with `N:layer` the per-layer path held on and no
-prefetch. Needs Debian's `valgrind`; ~3 minutes a configuration.
+prefetch. With --routing, every model routes as a recording of a real model does (as in
+bench_host.py: the checkpoint must have the recording's counts, as bench_host.py builds it), so
+that a cache size hits as it does there. Needs Debian's `valgrind`; ~3 minutes a configuration.
 
     python bench/host_instructions.py [--configs stock,3000,957,465:layer] [--checkpoint BUNDLED --stock-checkpoint STACKED]
+        [--routing [FORMAT:]FILE]
 """
 
 import argparse
@@ -55,6 +58,11 @@ def worker(args):
         elif verifier is not None:  # (none where every expert is cached)
             verifier.switch.weigh = lambda *a: False  # verified steps throughout
         generate = mlxmoe.stream_generate
+    if args.routing:
+        import routed
+
+        meta, logits, first_decode = routed.read_or_exit(args.routing)
+        routed.follow(model, logits, first_decode, len(tokenizer.encode(DEFAULT_PROMPT)))
 
     def run(n):
         return [r.token for r in generate(model, tokenizer, DEFAULT_PROMPT, max_tokens=n,
@@ -88,6 +96,7 @@ def measure(config, args, scratch):
         cmd = ["valgrind", "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={prefix}.%p",
                sys.executable, __file__, "--worker", config, "--tokens", str(n), "--long", str(args.long),
                "--checkpoint", args.checkpoint, "--stock-checkpoint", args.stock_checkpoint]
+        cmd += ["--routing", args.routing] if args.routing else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         result = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode or not result:
@@ -109,6 +118,8 @@ def main():
     ap.add_argument("--stock-checkpoint", default=f"{BENCH}/host-bound-qwen3-48L")
     ap.add_argument("--short", type=int, default=8, help="tokens of the shorter measured generation")
     ap.add_argument("--long", type=int, default=40, help="tokens of the longer one (and of the warm-up)")
+    ap.add_argument("--routing", help="[FORMAT:]FILE: the models route as this recording of a real model "
+                                      "(bench/routed.py; e.g. ../shared/data/real-routing/bigmoeonedge/qwen.route.csv)")
     ap.add_argument("--worker", dest="config", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
