@@ -933,9 +933,8 @@ class Verifier:
         layer, d = streaming._layer, self.decoder_of[streaming._layer]
         if layer == 0 or self.decoder_of[layer - 1] != d:  # (its decoder layer's first)
             self.attention.experts_of(d)
-            if self.current.windowed and self.lag.layers == 0 and self.checked < layer and not self.held \
-                    and d in self.attention.before_experts:  # (its attention ran once, before: a replay trims its KV)
-                missed = self._check(until=d)  # (the decoder layers before: queued)
+            if self.current.windowed and self.lag.layers == 0 and self.checked < layer and not self.held:
+                missed = self._check(until=d)  # (the decoder layers before: queued; this one's attention built)
                 if missed is not None:
                     raise Replay(missed, d + 1)
         logits = streaming._logits()
@@ -950,9 +949,10 @@ class Verifier:
             if holds(self.decoder_of, layer, self.cache.prefetcher):  # read once the next decoder layer is built
                 self.held.append(layer)
             else:  # read now
-                missed = self._check(until=d + 1, direct=True, held=layer)
+                ran = self.decoder_of[layer] + 1
+                missed = self._check(until=ran, direct=True, held=layer)
                 if missed is not None:  # (an earlier one, queued: a replay from it)
-                    raise Replay(missed, d + 1)
+                    raise Replay(missed, ran)
                 self.held = [m for m in self.held if m >= self.checked]  # (an earlier held one: checked too)
         if layer == len(self.decoder_of) - 1 and not (self.held and self.held[0] < layer):
             self.routing.pack(self.checked)  # (not past a held layer: its routing would compute from its experts)
