@@ -4,9 +4,10 @@ At a decode step (one token) on a partly cached model, each MoE layer looks its 
 slots up on the device (`tables[layer][indices]`; an expert that is not resident points at
 the placeholder, the pools' spare last slot, which no expert ever holds) and computes at
 once, and each decoder layer's output is queued (`mx.async_eval`) as soon as it is built:
-the device computes while the host builds the next layers. While steps miss, a check after
-each decoder layer reads the routing of the layer `lag` behind (the device has lag layers
-queued meanwhile); one wait after the forward reads the rest (stacked on the device at the last
+the device computes while the host builds the next layers. While steps miss, each decoder
+layer's routing is checked `lag` layers on (Lag): where the next layer's experts are called (its
+attention and router queued), or once the next one or two are queued whole (the device computes
+them meanwhile); one wait after the forward reads the rest (stacked on the device at the last
 MoE layer call: two host copies, not two a layer call). Where no routed expert was missing
 the token is exact: its slots are those the per-layer path would have used, since nothing
 is read, evicted or prefetched while a verified token computes. A layer that misses often
@@ -83,11 +84,14 @@ WARM_STEPS = 2 * WEIGH_TOKENS
 KV_TYPES = (KVCache, RotatingKVCache, BatchKVCache)
 # decoder layers queued past the last one checked within a forward (while steps miss): the
 # device computes them while the host reads that layer's routing, and a miss's replay
-# recomputes lag + 1 layers, not the rest of the token. MIN_LAG where checks so far behind find
-# their routing computed (the host is the slower side: no wait), else LAG (the device is
-# behind: one more layer queued keeps it busy while the host waits); MIN_LAG tried again
-# after LAG_RETRY checks at LAG
-MIN_LAG, LAG = 1, 2
+# recomputes them, not the rest of the token. At 0 a decoder layer is checked when the next
+# one's experts are called, that one's attention and router queued (a replay computes them again,
+# not its experts); at 1 once the next one is queued whole; at 2 once two are. Each lag in LAGS
+# while checks at it find their routing computed (the host is the slower side: no wait), else
+# the next (the device is behind: one more layer queued keeps it busy while the host waits);
+# MIN_LAG tried again after LAG_RETRY checks above it
+LAGS = (0, 1, 2)
+MIN_LAG, LAG = LAGS[0], LAGS[-1]
 LAG_RETRY = 1024
 # decoder layers built between two queues (mx.async_eval) of a forward without checks within
 # it: the device starts on them while the host builds the next, and each queue costs the host
@@ -345,27 +349,29 @@ def slower(verified: float, per_layer: float) -> str:
 
 
 class Lag:
-    """Decoder layers queued past the last one checked within a forward (`layers`): MIN_LAG
-    until one check in five at it (decayed) waits for the device, longer than half an empty
-    round trip (`wait`: a wait for a kernel in flight pays its completion's signal), then
-    LAG; MIN_LAG again after LAG_RETRY checks at LAG."""
+    """Decoder layers queued past the last one checked within a forward (`layers`, see
+    LAGS): MIN_LAG until one check in five at it (decayed) waits for the device, longer than
+    half an empty round trip (`wait`: a wait for a kernel in flight pays its completion's
+    signal), then the next lag, and so on up to LAG; MIN_LAG again after LAG_RETRY checks
+    above it."""
 
     def __init__(self, wait: float) -> None:
         self.wait = wait
         self.layers = MIN_LAG
-        self.waits = None  # decayed share of the checks at MIN_LAG that waited for the device
-        self.checks = 0  # checks at LAG since it rose
+        self.waits = None  # decayed share of the checks at this lag that waited for the device
+        self.checks = 0  # checks above MIN_LAG since it rose
 
     def checked(self, seconds: float) -> None:
         """A check within a forward waited `seconds` for its routing."""
-        if self.layers == MIN_LAG:
-            self.waits = decayed(self.waits, float(seconds > self.wait / 2), keep=0.9)
-            if self.waits > 0.2:
-                self.layers, self.checks = LAG, 0
-        else:
+        if self.layers != MIN_LAG:
             self.checks += 1
             if self.checks >= LAG_RETRY:
                 self.layers, self.waits = MIN_LAG, None
+                return
+        if self.layers != LAG:
+            self.waits = decayed(self.waits, float(seconds > self.wait / 2), keep=0.9)
+            if self.waits > 0.2:
+                self.layers, self.waits = LAGS[LAGS.index(self.layers) + 1], None
 
 
 class Direct:
@@ -619,10 +625,11 @@ class PassRouting:
 
     def _joined(self, layers: list, routed: list):
         """(layers, their indices, routed, their routers), each joined on the device, or None
-        where they cannot be: fewer than two layers, no router, routers unlike."""
+        where they cannot be or would spare no host copy: no router, routers unlike, one layer and
+        one router."""
         calls = [self.calls[m] for m in routed]
         alike = {(c[0].shape, c[2], None if c[1] is None else (c[1].shape, c[1].dtype)) for c in calls}
-        if len(layers) < 2 or not calls or len(alike) > 1 or calls[0][1] is None:
+        if not layers or not calls or len(layers) + len(calls) < 3 or len(alike) > 1 or calls[0][1] is None:
             return None
         # (alike: joined along their first axis as they are, not stacked: a node a call fewer)
         return (layers, mx.concatenate([self.calls[m][0] for m in layers]), routed,
@@ -772,8 +779,7 @@ class Verifier:
         self.guess = guess  # read the later layers' misses with a missed layer's (a prefetch: not with prefetch off)
         self.layers = model.layers
         self.tables = SlotTables(cache)
-        self.forward = False  # within a verified forward
-        self.replay_from = None  # the decoder layer a replay computes from (None: the first run)
+        self.forward, self.replay_from = False, None  # within a verified forward; the decoder layer a replay runs from
         self.outputs = {}  # decoder layer -> its output in this token
         self.attention = KeptAttention()
         self.routing = PassRouting()  # of this token's layer calls
@@ -782,18 +788,15 @@ class Verifier:
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
         self.held = []  # Direct layers whose experts are built and not queued until their routing is read
-        self.tokens = 1  # of this step (several where a speculative step verifies a draft, or a batch's rows)
-        self.width = 1  # of this step's tokens, those of each row (a KV cache trims them)
+        self.tokens, self.width = 1, 1  # this step's (a draft's several, a batch's rows), each row's (KV caches trim them)
         # a sequence's steps, a batch's decode steps (each with its Direct layers: a replay first guessed
         # at MIN_LAG + 1 of the per-layer path's layer calls), the step's
         replay = lambda: cache.layer_seconds and (MIN_LAG + 1) * cache.layer_seconds
         settled = lambda: cache.prefetcher is None or cache.prefetcher.worth.settled()
         self.switch, self.batch_switch = (Switch(len(decoder_of), lambda: cache.layer_wait, replay, settled)
                                           for _ in range(2))
-        self.current = self.switch
-        self.lag = Lag(self.switch.wait)
-        self.declined = False  # the step under way is on the per-layer path because its switch is off
-        self.error = None
+        self.current, self.lag = self.switch, Lag(self.switch.wait)
+        self.declined, self.error = False, None  # (declined: the step under way is on the per-layer path, its switch off)
         _wrap(model, self._model_call)
         for d, layer in enumerate(self.layers):
             _wrap(layer, lambda call, args, kwargs, d=d: self._decoder_call(d, call, args, kwargs))
@@ -805,7 +808,7 @@ class Verifier:
         switch, batch = self.switch, self.batch_switch
         return {"on": self.error is None and switch.on(), "reason": self.error or switch.reason,
                 "wait_us": round(switch.per_layer_wait() * 1e6, 1), "direct": sorted(switch.direct.now),
-                "flags": bool(self.tables.flags),
+                "flags": bool(self.tables.flags), "lag": self.lag.layers,
                 "batch": {"on": self.error is None and batch.on(), "reason": self.error or batch.reason}}
 
     # -- the model's call ---------------------------------------------------------------
@@ -881,9 +884,8 @@ class Verifier:
         finally:
             for c in batched:
                 del c.make_mask
-            self.forward, self.held = False, []
+            self.forward, self.held, self.hits, self.observed = False, [], [], []
             self._clear()
-            self.hits, self.observed = [], []
         counters = cache.counters
         counters.verified_tokens += self.tokens
         counters.replays += replays
@@ -919,7 +921,7 @@ class Verifier:
             self.routing.queue_held(self.held[-1], self.checked, self.hits if self.tables.flags else None)
         elif reads_held or self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
             mx.async_eval(out, *self.routing.queued())  # the device starts on these layers while the host builds the next
-        if self.current.windowed and self.lag.layers < ran < len(self.layers):
+        if self.current.windowed and 0 < self.lag.layers < ran < len(self.layers):  # (at 0: by the next experts)
             missed = self._check(until=ran - self.lag.layers)
             if missed is not None:
                 raise Replay(missed, ran)
@@ -928,9 +930,15 @@ class Verifier:
     def experts(self, streaming, x, indices):
         """A MoE layer's experts within a verified forward: slots looked up on the device,
         routing kept for the check (at once where the layer is Direct's)."""
-        layer = streaming._layer
-        if layer == 0 or self.decoder_of[layer - 1] != self.decoder_of[layer]:  # (its decoder layer's first)
-            self.attention.experts_of(self.decoder_of[layer])
+        layer, d = streaming._layer, self.decoder_of[streaming._layer]
+        if layer == 0 or self.decoder_of[layer - 1] != d:  # (its decoder layer's first)
+            self.attention.experts_of(d)
+            if self.current.windowed and self.lag.layers == 0 and self.checked < layer and not self.held \
+                    and d in self.attention.before_experts:  # (its attention ran once, before: a replay trims its KV)
+                mx.async_eval(indices)  # (its attention and router: the device computes them while the host waits)
+                missed = self._check(until=d)  # (the decoder layers before: queued)
+                if missed is not None:
+                    raise Replay(missed, d + 1)
         logits = streaming._logits()
         probs = streaming._probs(x) if logits is None else None
         self.routing.calls[layer] = (indices, logits if logits is not None else probs, logits is not None)
@@ -943,10 +951,9 @@ class Verifier:
             if holds(self.decoder_of, layer, self.cache.prefetcher):  # read once the next decoder layer is built
                 self.held.append(layer)
             else:  # read now
-                ran = self.decoder_of[layer] + 1
-                missed = self._check(until=ran, direct=True, held=layer)
+                missed = self._check(until=d + 1, direct=True, held=layer)
                 if missed is not None:  # (an earlier one, queued: a replay from it)
-                    raise Replay(missed, ran)
+                    raise Replay(missed, d + 1)
                 self.held = [m for m in self.held if m >= self.checked]  # (an earlier held one: checked too)
         if layer == len(self.decoder_of) - 1 and not (self.held and self.held[0] < layer):
             self.routing.pack(self.checked)  # (not past a held layer: its routing would compute from its experts)
