@@ -1246,3 +1246,16 @@ def test_a_first_guess_turns_the_mode_off_only_to_time_the_per_layer_path(per_la
     else:
         assert runs[:3] == [(True, verify.FIRST_WEIGH), (False, verify.MEASURED_OFF + 2 * verify.OFF_STEPS),
                             (True, verify.FIRST_WEIGH)], runs
+
+
+def test_the_lag_rises_again_after_each_retry():
+    """Where every check waits, the lag rises to LAG, drops to MIN_LAG after LAG_RETRY checks
+    above it, and rises to LAG again: each retry counts its own checks."""
+    lag = verify.Lag(wait=0.0)
+    seen = []
+    for _ in range(3 * verify.LAG_RETRY):
+        lag.checked(1.0)
+        seen.append(lag.layers)
+    drops = [i for i in range(1, len(seen)) if seen[i] < seen[i - 1]]
+    assert len(drops) == 2, drops
+    assert all(seen[i + len(verify.LAGS)] == verify.LAG for i in drops)

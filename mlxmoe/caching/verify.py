@@ -366,7 +366,7 @@ class Lag:
         if self.layers != MIN_LAG:
             self.checks += 1
             if self.checks >= LAG_RETRY:
-                self.layers, self.waits = MIN_LAG, None
+                self.layers, self.waits, self.checks = MIN_LAG, None, 0
                 return
         if self.layers != LAG:
             self.waits = decayed(self.waits, float(seconds > self.wait / 2), keep=0.9)
@@ -914,16 +914,16 @@ class Verifier:
         reads_held = self.held and self.decoder_of[self.held[0]] < d
         if reads_held:  # a held layer's routing, computed while this decoder layer was built
             held = self.held.pop(0)
-            missed = self._check(until=self.decoder_of[held] + 1, direct=True, held=held)
-            if missed is not None:
+            if (missed := self._check(until=self.decoder_of[held] + 1, direct=True, held=held)) is not None:
                 raise Replay(missed, ran)
         if self.held:  # this decoder layer's: its routing queued, its experts not yet
             self.routing.queue_held(self.held[-1], self.checked, self.hits if self.tables.flags else None)
         elif reads_held or self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
             mx.async_eval(out, *self.routing.queued())  # the device starts on these layers while the host builds the next
-        if self.current.windowed and 0 < self.lag.layers < ran < len(self.layers):  # (at 0: by the next experts)
-            missed = self._check(until=ran - self.lag.layers)
-            if missed is not None:
+        # (at 0: by the next layer's experts where this one's attention came once, before its own; else at 1)
+        lag = self.lag.layers or int(d not in self.attention.before_experts)
+        if self.current.windowed and 0 < lag < ran < len(self.layers):
+            if (missed := self._check(until=ran - lag)) is not None:
                 raise Replay(missed, ran)
         return out
 
