@@ -15,6 +15,7 @@ round; mlxmoe's verified steps held on (its switch does not weigh them) unless -
 
 import argparse
 import collections
+import importlib
 import sys
 import threading
 import time
@@ -79,7 +80,8 @@ class Sections:
             cls = type(module)
             named = next((c for c in cls.__mro__ if c.__module__.split(".")[0] in ("mlx", "mlx_lm")
                           and c.__name__ != "Module"), None) or next(
-                c for c in cls.__mro__ if c.__module__.startswith("mlxmoe") and not c.__name__.startswith("Verified"))
+                (c for c in cls.__mro__ if c.__module__.startswith("mlxmoe") and not c.__name__.startswith("Verified")),
+                cls)  # (a module class of none of these: its own)
             self.wrap(named, "__call__", named.__name__)
 
 
@@ -102,8 +104,6 @@ def main():
     for path in (args.checkpoint, args.stock_checkpoint):
         if path is not None and not bench_host.checkpoint_ready(path):
             sys.exit(f"no host-bound checkpoint of these counts at {path} (bench_host.py builds its own: run it once)")
-    import importlib
-
     import mlx.core as mx
 
     stock = bench_host.open_stock(args, args.stock_checkpoint or args.checkpoint)
