@@ -104,6 +104,44 @@ def test_no_expert_is_read_twice(checkpoint):
     assert sum(w == "read" for w, _ in log) == s["loads_demand"] + s["loads_prefetched"] + s["prefetch_cancelled"]
 
 
+def test_a_guess_whose_layer_call_arrives_mid_check_is_kept(checkpoint):
+    """A background read asks whether it is still wanted before each piece, reading the
+    decode thread's state without its lock. Its layer call arriving in the middle of that
+    check (at either of its reads) leaves the read going, not cancelled into a demand read
+    that no miss counted."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, _ = mlxmoe.load(str(path), cache_experts=8, prefetch=1, verify=False)
+    cache, loader = model.expert_cache, model.expert_cache.loader
+    cache.prewarm_done()
+    layer = 1
+    key = next((layer, e) for e in range(cache.store.num_experts) if (layer, e) not in cache.slot_of)
+    cache.current_layer, until = layer - 1, (cache.counters.tokens, layer)
+    arrived = []
+
+    def arrive():  # what the decode thread's fetch does under its lock: active keys, then the layer
+        if not arrived:
+            arrived.append(True)
+            cache.active = {key}
+            cache.current_layer = layer
+
+    class ArrivingAfterThisRead(set):
+        def __contains__(self, k):
+            found = set.__contains__(self, k)
+            arrive()
+            return found
+
+    reached = loader.reached
+    loader.reached = lambda at: (arrive(), reached(at))[1]
+    cache.active = ArrivingAfterThisRead()
+    with cache.lock:
+        (_, slot), = loader.claim([key], evict=True)
+    before = cache.stats()
+    loader.load(key, slot, until)
+    after = cache.stats()
+    assert arrived and key not in loader.failed and cache.slot_of[key] == slot
+    assert after["loads_prefetched"] == before["loads_prefetched"] + 1 and after["loads_demand"] == before["loads_demand"]
+
+
 def test_failed_background_read_falls_back_to_a_demand_read(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     want = reference(path)

@@ -925,7 +925,9 @@ class BackgroundLoader:
         def wanted():
             if self.stop.is_set():
                 return False
-            return until is None or key in cache.active or not self.reached(until) and self.wanted(key, until)
+            # reached before active: the decode thread sets a call's active keys before it marks
+            # the call reached, so a call that arrives between the two reads keeps its key
+            return until is None or not self.reached(until) and self.wanted(key, until) or key in cache.active
 
         try:
             with self.gate.reading(key, wanted, granted) as pace:
