@@ -16,7 +16,7 @@ from mlxmoe import MlxmoeError
 from mlxmoe.storage import reader as reader_module
 from mlxmoe.loader import open_checkpoint
 from mlxmoe.storage.shards import ALIGN, DTYPES, Range
-from mlxmoe.storage.store import ExpertStore, default_io, resolve_io
+from mlxmoe.storage.store import ExpertStore, default_io, resolve_io, start_expert
 
 from conftest import fs_type
 
@@ -157,6 +157,53 @@ def test_concurrent_reads(checkpoint, on_disk, io, bypass):
                 np.testing.assert_array_equal(x, y, err_msg=f"expert {key}")
     assert store.io_stats()["useful_bytes"] == len(keys) * store.expert_file_bytes()
     store.close()
+
+
+@pytest.mark.skipif(reader_module.AIO is None, reason="no POSIX AIO here (glibc on 64-bit Linux)")
+@pytest.mark.parametrize("io,bypass", MODES, ids=IDS)
+def test_reads_asked_together_land_the_same_bytes(checkpoint, on_disk, tmp_path, monkeypatch, io, bypass):
+    """Experts asked of the kernel together (start_expert, a lane each: glibc's AIO reads one
+    fd's requests in turn, so each lane has a fd of its own) and waited for afterwards land
+    read_expert's bytes and count alike; mmap cannot (None: the caller reads at once). A read
+    interrupted in its wait keeps its buffer from reuse (the kernel may still write it); a
+    shard cut short under them is named with the offset."""
+    from mlxmoe.storage.convert import bundle
+
+    path = on_disk(bundle(checkpoint("qwen3_moe", quant="4bit"), tmp_path / "bundled", progress=lambda _: None))
+    store = open_checkpoint(path).store  # (bundled: an expert one run, read in one request)
+    store.set_io("pread")
+    want = read_all(store)
+    store.set_io(io, bypass)
+    store.reset_io_stats()
+    keys, got = list(want), {}
+    for i in range(0, len(keys), 4):
+        started = []
+        for lane, key in enumerate(keys[i:i + 4]):
+            got[key] = outs_for(store)
+            started.append(start_expert(store, *key, got[key], lane))
+            assert (started[-1] is None) == (io == "mmap")
+        assert all(finish is None or finish() == store.expert_file_bytes() for finish in started)
+    if io == "mmap":
+        return store.close()
+    assert_same(got, want)
+    assert store.io_stats()["useful_bytes"] == len(keys) * store.expert_file_bytes()
+    later = store.reader.later
+    assert sorted(len(dups) for dups in later.lanes.values())[-1] == 3
+    wait = reader_module.AIO.wait
+    monkeypatch.setattr(reader_module.AIO, "wait", lambda request: (wait(request), (_ for _ in ()).throw(KeyboardInterrupt))[1])
+    spare = len(later.spare)
+    with pytest.raises(KeyboardInterrupt):
+        start_expert(store, 0, 0, outs_for(store))()
+    assert len(later.unfinished) == 1 and len(later.spare) == spare - 1  # (its buffer not given back)
+    monkeypatch.undo()
+    last = store.num_experts - 1
+    r = store.ranges[0][last][0]
+    os.truncate(r.file, r.offset + 10)
+    with pytest.raises(MlxmoeError) as e:
+        start_expert(store, 0, last, outs_for(store))()
+    assert str(r.file) in str(e.value) and "offset" in str(e.value)
+    store.close()
+    assert not later.lanes  # (closed with their files)
 
 
 def test_direct_falls_back_when_o_direct_is_refused(checkpoint, on_disk, monkeypatch):

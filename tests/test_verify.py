@@ -21,6 +21,7 @@ import synthetic
 from mlxmoe import backend as backends
 from mlxmoe.backend import detect
 from mlxmoe.caching import experts, verify
+from mlxmoe.storage import reader
 
 PROMPT = "The quick brown fox"  # short: gpt_oss's 32-token windows do not wrap
 TOKENS = 20
@@ -182,6 +183,65 @@ def test_placeholder_never_reaches_the_output(checkpoint, monkeypatch, costly):
     L = cache.store.num_layers
     assert generate(model, tokenizer, evict=every_expert(cache, 0, L - 1), logits_processors=[watch]) == want
     assert cache.stats()["replays"] > 0 and not any(nan_seen)
+
+
+@pytest.mark.skipif(reader.AIO is None, reason="no POSIX AIO here (glibc on 64-bit Linux)")
+@pytest.mark.parametrize("where", ["replayed", "held"])
+def test_a_checks_reads_run_while_the_host_builds_and_end_before_anything_computes(checkpoint, tmp_path,
+                                                                                  monkeypatch, where):
+    """A check's misses are asked of the kernel at once (AIO, a bundled checkpoint: one run an
+    expert) and the decode thread builds on, a replay up to the missed layer's experts, a held
+    layer's next decoder layer up to its experts; nothing computes with their slots before
+    they end. Reads that fill their slots with NaN as they are asked and end 20 ms late
+    still give stock's tokens, no NaN in the logits."""
+    from mlxmoe.caching import cache as cache_module
+    from mlxmoe.storage.convert import bundle
+
+    src = checkpoint("qwen3_moe")  # float weights: NaN left in a slot would spread
+    want, _ = reference(src)
+    path = bundle(src, tmp_path / "bundled", progress=lambda _: None)
+    if where == "held":  # (held where predicting is off)
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=None)
+        total = model.expert_cache.capacity
+        model.expert_runtime.close()
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=total // 2, prefetch=0)
+        monkeypatch.setattr(verify.Direct, "at", lambda self, layer: True)
+    else:
+        model, tokenizer = all_but(path, 1)
+    cache = model.expert_cache
+    L = cache.store.num_layers
+    if where == "held":
+        cache.verifier.switch.direct.now = set(range(L))
+    events, start = [], cache_module.start_expert
+
+    def late(store, layer, expert, outs, lane=0):
+        for out in outs:
+            out[...] = np.nan
+        finish = start(store, layer, expert, outs, lane)
+        events.append(("asked", (layer, expert), finish is not None))
+        return finish and (lambda: (time.sleep(0.02), finish(), events.append(("ended", (layer, expert))))[1])
+
+    monkeypatch.setattr(cache_module, "start_expert", late)
+    experts_of = cache.verifier.experts
+    cache.verifier.experts = lambda s, x, i: events.append(("experts", s._layer)) or experts_of(s, x, i)
+    nan_seen = []
+
+    def watch(tokens, logits):
+        nan_seen.append(bool(mx.isnan(logits).any().item()))
+        return logits
+
+    evicted = [0, L - 1] if where == "held" else [1]
+    assert generate(model, tokenizer, evict=every_expert(cache, *evicted), direct=where == "held",
+                    logits_processors=[watch]) == want
+    stats = cache.stats()
+    assert not any(nan_seen) and stats["verified_tokens"] >= TOKENS - 2
+    assert (stats["replays"] > 0) == (where == "replayed"), stats
+    asked = [i for i, e in enumerate(events) if e[0] == "asked"]
+    assert len(asked) >= TOKENS - 2 and all(events[i][2] for i in asked)  # (all of them by AIO)
+    built = [any(e[0] == "experts" for e in events[i:events.index(("ended", events[i][1]), i)]) for i in asked]
+    # built meanwhile: each replay's; a held layer's where no check comes first (a check waits for them)
+    assert all(built) if where == "replayed" else sum(built) >= TOKENS // 2, built
+    cache.close()
 
 
 def test_kv_caches_after_a_recompute_equal_stock(checkpoint):
@@ -551,7 +611,7 @@ def test_a_forward_is_queued_every_few_decoder_layers_without_checks_within(chec
         replays = cache.counters.replays
         out = model_call(m, inputs, *a, **kw)
         if inputs.size == 1 and cache.counters.replays == replays:
-            steps.append(queued.count("_decoder_call"))
+            steps.append(queued.count("_queue"))
         return out
 
     monkeypatch.setattr(type(model), "__call__", counted)
@@ -589,7 +649,7 @@ def test_keep_busy_queues_ops_during_demand_reads_only(checkpoint, monkeypatch, 
     assert not isinstance(cache.keep_busy, backends.KeepBusy)  # (this backend is the CPU)
     busy = backends.KeepBusy(mx.cpu, interval=1e-4)
     cache.closers.append(busy.close)
-    blocks, read_experts, read = [], [], cache.pools.read
+    blocks, read_experts, read, start, later = [], [], cache.pools.read, cache.pools.start, verify.read_later
 
     class Recorded:  # the kernels queued before each block and when it has ended
         def __enter__(self):
@@ -600,13 +660,23 @@ def test_keep_busy_queues_ops_during_demand_reads_only(checkpoint, monkeypatch, 
             busy.__exit__(*exc)
             blocks[-1][1] = busy.kernels
 
-    def slow_read(layer, missed):
+    def slow_read(layer, missed):  # the per-layer path's
         time.sleep(0.003)  # a read long enough for the thread to queue ops meanwhile
         read_experts.append(len(missed))
         return read(layer, missed)
 
+    def slow_start(keyed):  # a verified step's: asked at once, waited for later
+        finish = start(keyed)
+        return lambda: (time.sleep(0.003), finish())[1]
+
+    def read_later(cache, layer, missed, taken):
+        read_experts.append(len(missed))
+        return later(cache, layer, missed, taken)
+
     cache.keep_busy = Recorded()
     monkeypatch.setattr(cache.pools, "read", slow_read)
+    monkeypatch.setattr(cache.pools, "start", slow_start)
+    monkeypatch.setattr(verify, "read_later", read_later)
     assert generate(model, tokenizer, evict=every_expert(cache, 0)) == want
     stats = cache.stats()
     assert (stats["verified_tokens"] > 0) == verify_on, stats["verify"]
@@ -927,7 +997,7 @@ def test_held_direct_layers_are_read_in_place(checkpoint, monkeypatch, arch, pre
         held = [decoder_of[m] + 2 if m < L - 1 else len(model.layers) for m, _, _ in checks]
     else:  # (read as soon as built: its decoder layer's output not yet there)
         held = [decoder_of[m] for m, _, _ in checks]
-    assert [built for _, built, _ in checks] == held, checks
+    assert [built for _, built, _ in checks] == held, [(c, h) for c, h in zip(checks, held) if c[1] != h][:5]
     assert sum(n for m, _, n in checks if m in (0, L // 2, L - 1)) >= 3 * (TOKENS - 2)
     for ours, theirs in zip(kv, stock_kv):
         n = ours.offset

@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Callable
 
 import mlx.core as mx
@@ -21,7 +21,7 @@ from ..budget import peak_rss
 from .counters import CacheStats
 from ..errors import MlxmoeError
 from .prefetch import Prefetcher, decayed
-from ..storage.store import CHUNK
+from ..storage.store import CHUNK, start_expert
 
 # Background pieces (ReadGate.chunk): about this long at the disk's rate, within these sizes
 # (a demand read waits behind store.PIECES_AHEAD of them at most).
@@ -422,9 +422,44 @@ class SlotPools:
         self.store.check_shards([key for key, _ in keyed])
         return n
 
+    def start(self, keyed: list) -> Callable:
+        """read_keys of `keyed` [(key, slot)], asked of the kernel at once where it can
+        (ExpertStore.start_expert) and the rest read now; returns finish(), which waits for
+        them, checks their shards and returns the bytes read. Until it has returned, nothing
+        may compute with those slots, nor the cache give them to other keys."""
+        started, later, n = [], [], 0
+        try:
+            for lane, (key, slot) in enumerate(keyed):
+                finish = start_expert(self.store, key[0], key[1], [v[slot] for v in self.views], lane)
+                (later if finish is None else started).append(finish or (key, slot))
+            n = self.read_keys(later) if later else 0
+        except BaseException:
+            finish_all(started)
+            raise
+
+        def finish() -> int:
+            done = n + finish_all(started)
+            self.store.check_shards([key for key, _ in keyed])
+            return done
+        return finish
+
     def close(self) -> None:
         if self.io is not None:
             self.io.shutdown(wait=True)
+
+
+def finish_all(started: list) -> int:
+    """Each of the reads `started` (their finish()) waited for, even after one failed (the
+    kernel writes into their buffers until then); their bytes, or the first error."""
+    n, error = 0, None
+    for finish in started:
+        try:
+            n += finish()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
+    return n
 
 
 class ExpertCache(Residency):
@@ -673,6 +708,46 @@ class ExpertCache(Residency):
             self.speculator.close()
         self.pools.close()
         self.store.close()
+
+
+def read_later(cache: ExpertCache, layer: int, missed: list, taken: list) -> Callable:
+    """ExpertCache.read_demand() of `missed` [(expert, slot)] of `layer` with a read of `taken` [(key,
+    slot)] (guesses), all asked of the disk at once (SlotPools.start), so that the decode
+    thread builds meanwhile; returns finish(), which waits for them, counts them (returns
+    the guesses' bytes) and, where a read failed or was interrupted, takes all their keys
+    out of the cache."""
+    keyed = [((layer, e), slot) for e, slot in missed] + taken
+    gate = ExitStack()
+    gate.enter_context(cache.loader.gate.demand())
+    tic = time.perf_counter()
+    try:
+        reads = cache.pools.start(keyed)
+    except BaseException:
+        gate.close()
+        cache.forget([key for key, _ in keyed])
+        raise
+    asking = time.perf_counter() - tic
+    cache.counters.read_seconds += asking
+
+    def finish() -> int:
+        tic = time.perf_counter()
+        try:
+            with gate, cache.keep_busy:
+                n = reads()
+        except BaseException:
+            cache.forget([key for key, _ in keyed])
+            raise
+        # the decode thread's time on them (no rate of the disk: they ended unseen)
+        waited = time.perf_counter() - tic
+        cache.counters.read_seconds += waited
+        seconds = asking + waited
+        guessed = len(taken) * cache.store.expert_file_bytes()
+        if missed:
+            cache.counters.demand_seconds += seconds
+            cache.counters.demand_bytes += n - guessed
+            cache.counters.loads_demand += len(missed)
+        return guessed
+    return finish
 
 
 class Cancelled(Exception):

@@ -46,6 +46,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_dists, host_floats, host_probs
 from ..errors import MlxmoeError
+from .cache import read_later
 from .experts import (as_rows, count_hit_rows, count_rows, host_work_meanwhile, observe_calls, resident_table,
                       step_call, step_calls)
 from .prefetch import decayed
@@ -462,9 +463,15 @@ class SlotTables:
         self.sets = []  # two (rows, views, the table they show)
         self.turn = 0  # the set in use
         self.flags = None  # whether checks read each lookup's flag (FLAG_READS), measured at the first build
+        self.pending = []  # the reads read() asked for, each its finish(): settle() before anything computes
 
     def current(self) -> bool:
         return self.rows is not None and self.version == self.cache.version
+
+    def settle(self) -> None:
+        """Wait for the reads read() asked for: before anything computes with their slots."""
+        while self.pending:
+            self.pending.pop(0)()
 
     def build(self, in_place: bool = False) -> None:
         """From the cache's residency, into the set in use `in_place` (after a wait within this
@@ -525,9 +532,10 @@ class SlotTables:
         """Make a missed layer call's experts (`row`, flat) resident (the policy's victims, a
         demand read), then as many of the `guesses` as the policy gives slots to (read
         together: the replay would miss them one layer at a time), and the tables say so.
-        Returns the keys read on a guess."""
+        Returns the keys read on a guess; the reads, asked of the disk at once, end in settle()
+        (the caller builds meanwhile)."""
         cache = self.cache
-        demand = cache.counters.demand_bytes
+        missed, taken = [], []
         try:
             with cache.lock:  # (the policy's choices: bookkeeping, as on the per-layer path)
                 current = cache.version == self.version
@@ -535,21 +543,23 @@ class SlotTables:
                 taken = cache.claim(guesses, protected={(layer, e) for e in experts}, evict=True)
                 if current:
                     self.update([((layer, e), slot) for e, slot in missed] + taken)
-            tic = time.perf_counter()
-            cache.read_demand(layer, missed)
-            if _per_row(cache):
-                count_rows(cache, cache.rows, as_rows(row, tokens), experts, [e for e, _ in missed],
-                           cache.counters.demand_bytes - demand)
-            n = cache.pools.read_keys(taken) if taken else 0
+            reads = read_later(cache, layer, missed, taken)
         except BaseException:  # (Ctrl-C included) a key given a slot but not read must not pass for resident
             cache.forget([(layer, e) for e in experts] + guesses)
             raise
-        if taken:
-            cache.counters.loads_prefetched += len(taken)
-            cache.counters.prefetch_bytes += n
-        cache.counters.read_seconds += time.perf_counter() - tic
         if self.version != cache.version:
             self.build(in_place=True)
+        demand = cache.counters.demand_bytes
+
+        def finish() -> None:
+            n = reads()
+            if _per_row(cache):
+                count_rows(cache, cache.rows, as_rows(row, tokens), experts, [e for e, _ in missed],
+                           cache.counters.demand_bytes - demand)
+            if taken:
+                cache.counters.loads_prefetched += len(taken)
+                cache.counters.prefetch_bytes += n
+        self.pending.append(finish)
         return [key for key, _ in taken]
 
     def first_miss(self, layers, rows):
@@ -788,6 +798,7 @@ class Verifier:
         self.guessed = set()  # keys read on a guess (later layers' misses with a missed one) and not used yet
         self.checked = 0  # MoE layers of this token accounted for (hits told, misses read)
         self.held = []  # Direct layers whose experts are built and not queued until their routing is read
+        self.unqueued = None  # what a decoder layer left to queue until a held layer's reads end (settle)
         self.tokens, self.width = 1, 1  # this step's (a draft's several, a batch's rows), each row's (KV caches trim them)
         # a sequence's steps, a batch's decode steps (each with its Direct layers: a replay first guessed
         # at MIN_LAG + 1 of the per-layer path's layer calls), the step's
@@ -804,12 +815,7 @@ class Verifier:
             if attention is not None:
                 _wrap(attention, lambda call, args, kwargs, d=d: self.attention.call(self.forward, d, call, args, kwargs))
 
-    def stats(self) -> dict:
-        switch, batch = self.switch, self.batch_switch
-        return {"on": self.error is None and switch.on(), "reason": self.error or switch.reason,
-                "wait_us": round(switch.per_layer_wait() * 1e6, 1), "direct": sorted(switch.direct.now),
-                "flags": bool(self.tables.flags), "lag": self.lag.layers,
-                "batch": {"on": self.error is None and batch.on(), "reason": self.error or batch.reason}}
+    stats = lambda self: verifier_stats(self)  # noqa: E731 (stats()["verify"])
 
     # -- the model's call ---------------------------------------------------------------
 
@@ -882,9 +888,10 @@ class Verifier:
                 self.replay_from = first
                 self.routing.clear(since=missed)
         finally:
+            self.tables.settle()
             for c in batched:
                 del c.make_mask
-            self.forward, self.held, self.hits, self.observed = False, [], [], []
+            self.forward, self.held, self.hits, self.observed, self.unqueued = False, [], [], [], None
             self._clear()
         counters = cache.counters
         counters.verified_tokens += self.tokens
@@ -916,10 +923,7 @@ class Verifier:
             held = self.held.pop(0)
             if (missed := self._check(until=self.decoder_of[held] + 1, direct=True, held=held)) is not None:
                 raise Replay(missed, ran)
-        if self.held:  # this decoder layer's: its routing queued, its experts not yet
-            self.routing.queue_held(self.held[-1], self.checked, self.hits if self.tables.flags else None)
-        elif reads_held or self.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
-            mx.async_eval(out, *self.routing.queued())  # the device starts on these layers while the host builds the next
+        queue_built(self, ran, out, reads_held)
         # (at 0: by the next layer's experts where this one's attention came once, before its own; else at 1)
         lag = self.lag.layers or int(d not in self.attention.before_experts)
         if self.current.windowed and 0 < lag < ran < len(self.layers):
@@ -933,6 +937,8 @@ class Verifier:
         layer, d = streaming._layer, self.decoder_of[streaming._layer]
         if layer == 0 or self.decoder_of[layer - 1] != d:  # (its decoder layer's first)
             self.attention.experts_of(d)
+            if self.unqueued is not None:  # (a held layer's reads: they ran while this decoder layer's attention was built)
+                settle(self)
             if self.current.windowed and self.lag.layers == 0 and self.checked < layer and not self.held \
                     and d in self.attention.before_experts:  # (its attention ran once, before: a replay trims its KV)
                 mx.async_eval(indices)  # (its attention and router: the device computes them while the host waits)
@@ -956,6 +962,7 @@ class Verifier:
                     raise Replay(missed, d + 1)
                 self.held = [m for m in self.held if m >= self.checked]  # (an earlier held one: checked too)
         if layer == len(self.decoder_of) - 1 and not (self.held and self.held[0] < layer):
+            settle(self)
             self.routing.pack(self.checked)  # (not past a held layer: its routing would compute from its experts)
         return streaming._inner(x, slots)
 
@@ -973,8 +980,8 @@ class Verifier:
         (the observers: at the step's end); that layer's experts are read. Returns that layer
         (a replay from it), or None: where none missed, or where it is `held`, whose experts are
         not queued yet (read into the slots its lookup will find: no replay)."""
-        cache = self.cache
-        routing = self.routing
+        cache, routing = self.cache, self.routing
+        settle(self)
         # (a replay's: from the layer it reran; decoder_of ascends)
         end = len(self.decoder_of) if until is None else bisect.bisect_left(self.decoder_of, until)
         layers = [m for m in range(self.checked, end) if m in routing.calls]
@@ -1018,6 +1025,44 @@ class Verifier:
         if direct:  # (its wait and bookkeeping: what it costs instead of a replay)
             self.current.direct.waited(start - tic + spent)
         return None if repaired else missed
+
+
+def verifier_stats(v: Verifier) -> dict:
+    """`stats()["verify"]` of a Verifier `v`: whether the mode is on and why not, its switches' state."""
+    switch, batch = v.switch, v.batch_switch
+    return {"on": v.error is None and switch.on(), "reason": v.error or switch.reason,
+            "wait_us": round(switch.per_layer_wait() * 1e6, 1), "direct": sorted(switch.direct.now),
+            "flags": bool(v.tables.flags), "lag": v.lag.layers,
+            "batch": {"on": v.error is None and batch.on(), "reason": v.error or batch.reason}}
+
+
+def queue_built(v: Verifier, ran: int, out, reads_held: bool) -> None:
+    """Queue what a verified forward's decoder layers built up to `ran` (its output `out`)
+    leave queued, after the reads its checks asked for; where a held layer's check (`reads_held`)
+    just asked for some, once the next decoder layer's attention is built (settle()), so that
+    they are read while the host builds it."""
+    held = v.held[-1] if v.held else None  # (this decoder layer's: its routing queued, its experts not yet)
+    if reads_held and v.tables.pending:
+        v.unqueued = lambda: _queue(v, ran, out, True, held)
+    else:
+        settle(v)
+        _queue(v, ran, out, reads_held, held)
+
+
+def _queue(v: Verifier, ran: int, out, reads_held: bool, held: int | None) -> None:
+    if held is not None:
+        v.routing.queue_held(held, v.checked, v.hits if v.tables.flags else None)
+    elif reads_held or v.current.windowed or ran % QUEUE_EVERY == 0:  # (checks a layer behind: each queued)
+        mx.async_eval(out, *v.routing.queued())  # the device starts on these layers while the host builds the next
+
+
+def settle(v: Verifier) -> None:
+    """The reads a check of `v` asked for ended, then what waited for them queued (`unqueued`):
+    before anything computes."""
+    v.tables.settle()
+    if v.unqueued is not None:
+        queue, v.unqueued = v.unqueued, None
+        queue()
 
 
 def holds(decoder_of: list, layer: int, prefetcher) -> bool:

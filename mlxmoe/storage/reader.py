@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 
 from ..errors import MlxmoeError
+from .aio import AIO
 from .shards import ALIGN, Range
 
 IO_MODES = ("mmap", "pread", "direct")
@@ -107,6 +108,7 @@ class ShardReader:
         self._align = {}  # file -> O_DIRECT alignment
         self._open_lock = threading.Lock()
         self._local = threading.local()  # per-thread O_DIRECT bounce buffer
+        self.later = LaterRuns(self)
         self.fallback = None  # why "direct" could not use O_DIRECT, when it could not
         self.io, self.bypass = resolve_io(io), self._check_bypass(bypass)
         # what puts a read's bytes in place (backend.DeviceCopy on CUDA), or None: the host's
@@ -218,6 +220,10 @@ class ShardReader:
             return self._read_mmap(*run)
         return self._read_pread(*run, fadvise=how == "fadvise")
 
+    def start_run(self, run, lane=0):
+        """LaterRuns.start: `run` asked of the kernel, not waited for (None: read_run it)."""
+        return self.later.start(run, lane)
+
     def _read_pread(self, file, start, end, pieces, fadvise=False):
         fd = self._fds[file]
         if sum(d.nbytes for _, d in pieces) != end - start:  # gaps (a run grouped for O_DIRECT)
@@ -288,6 +294,9 @@ class ShardReader:
             self._align.pop(file, None)
             mm = self._maps.pop(file, (None,))[0]  # (the array over the map dropped with it, so it can close)
             fd = self._fds.pop(file, None)
+            lanes = self.later.lanes.pop(file, [])
+        for lane in lanes:
+            os.close(lane)
         if mm is not None:
             try:
                 mm.close()
@@ -303,7 +312,63 @@ class ShardReader:
     def __del__(self):
         # a model dropped without close() (mlx-lm's users never call it) still closes its shards
         try:
-            for fd in getattr(self, "_fds", {}).values():
+            lanes = getattr(self, "later", None)
+            for fd in [*getattr(self, "_fds", {}).values(), *sum(getattr(lanes, "lanes", {}).values(), [])]:
                 os.close(fd)
         except OSError:
             pass
+
+
+class LaterRuns:
+    """A ShardReader's runs asked of the kernel by AIO (aio.py) and waited for later, each read
+    through a bounce buffer of its own (`spare`: those not in use) and put in place at its
+    end. Runs started together go in lanes, each lane a fd of its own (`lanes`: per file the
+    dups past the reader's own), since glibc reads one fd's requests one after the other."""
+
+    def __init__(self, reader) -> None:
+        self.reader = reader
+        self.spare, self.lanes = [], {}
+        self.unfinished = []  # (buffer, request) of reads interrupted before their end: the kernel may still write them
+
+    def start(self, run, lane=0):
+        """Ask for one run (read_run's) and go on: returns finish(), which waits for its end,
+        puts its bytes in place and returns the bytes asked; None where it cannot (no AIO
+        here, mmap, a reader's `land`, a run longer than BOUNCE)."""
+        reader, (file, start, end, pieces) = self.reader, run
+        fd, how = reader._fd(file), reader._how[file]
+        align = reader._align[file] if how == "o_direct" else 1
+        a, b = align_down(start, align), align_up(end, align)
+        if AIO is None or how == "mmap" or reader.land is not None or b - a > BOUNCE:
+            return None
+        with reader._open_lock:
+            if lane:
+                lanes = self.lanes.setdefault(file, [])
+                lanes.extend(os.dup(fd) for _ in range(lane - len(lanes)))
+                fd = lanes[lane - 1]
+            buf = self.spare.pop() if self.spare else np.frombuffer(mmap.mmap(-1, BOUNCE), np.uint8)
+        try:
+            request = AIO.read(fd, buf.ctypes.data, b - a, a)
+        except OSError:
+            self.spare.append(buf)
+            return None
+
+        def finish():
+            try:
+                n = AIO.wait(request)
+            except OSError as e:
+                self.spare.append(buf)
+                raise MlxmoeError(f"reading {file} at offset {a}: {e}") from None
+            except BaseException:  # interrupted: its buffer is never used again
+                self.unfinished.append((buf, request))
+                raise
+            try:
+                if a + n < end:
+                    raise truncated(file, end)
+                for off, d in pieces:
+                    reader._put(d, buf[off - a:off - a + d.nbytes])
+            finally:
+                self.spare.append(buf)
+            if how == "fadvise" and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, align_down(start), align_up(end) - align_down(start), os.POSIX_FADV_DONTNEED)
+            return n
+        return finish

@@ -234,13 +234,9 @@ class ExpertStore:
         then left half-written. `check`: False where the caller checks the shards read from
         once its reads end (check_shards), not each read.
         """
-        plan = None if pace is not None else self._plans.get((layer, expert), UNPLANNED)
-        if plan is UNPLANNED:  # (kept either way: a stacked checkpoint's experts are not planned at each read)
-            plan = self._plans[(layer, expert)] = plan_expert(self.ranges[layer][expert], outs, self.tensor_dtypes,
-                                                               ALIGN if self.io == "direct" else 1)
-        if plan is not None and all(o.dtype == d and o.nbytes == n and o.flags.c_contiguous
-                                    for o, (d, n) in zip(outs, plan[1])):
-            return self._read_planned(plan[0], outs, check)
+        run = None if pace is not None else planned(self, layer, expert, outs)
+        if run is not None:
+            return self._read_planned(run, outs, check)
         ranges, plain = self.ranges[layer][expert], []
         dests, converts, sliced = [], [], []
         for r, out, dtype in zip(ranges, outs, self.tensor_dtypes):
@@ -287,13 +283,15 @@ class ExpertStore:
             self.shards.check(file)
 
     def _read_planned(self, plan, outs, check=True):
-        """read_expert of a planned expert (of the dtypes and sizes it was planned with: a slot
-        of another size goes the long way, which names it): `plan` is its run."""
-        file, start, end, pieces = plan
-        disk = self._read_run((file, start, end, [(off, outs[i].reshape(-1).view(np.uint8)) for off, i in pieces]))
+        """read_expert of a planned expert (planned()): `plan` is its run."""
+        disk = self._read_run(into(plan, outs))
         if check:
-            self.shards.check(file)
-        useful = sum(outs[i].nbytes for _, i in pieces)
+            self.shards.check(plan[0])
+        return self._counted(disk, plan, outs)
+
+    def _counted(self, disk, plan, outs):
+        """A planned read's `disk` bytes counted; its useful bytes."""
+        useful = sum(outs[i].nbytes for _, i in plan[3])
         self._count(useful, disk, 1)
         return useful
 
@@ -357,6 +355,33 @@ def lands_as_is(out, dtype):
     """Whether a tensor of safetensors `dtype` is read into `out` as its bytes are (bf16 into
     uint16 storage too), not through a converting copy."""
     return out.dtype == DTYPES[dtype] or (dtype == "BF16" and out.dtype == np.uint16)
+
+
+def planned(store, layer, expert, outs):
+    """An expert's run where it has a plan (plan_expert) and `outs` are slots like those it
+    was planned with, else None (a slot of another size goes the long way, which names it)."""
+    plan = store._plans.get((layer, expert), UNPLANNED)
+    if plan is UNPLANNED:  # (kept either way: a stacked checkpoint's experts are not planned at each read)
+        plan = store._plans[(layer, expert)] = plan_expert(store.ranges[layer][expert], outs, store.tensor_dtypes,
+                                                            ALIGN if store.io == "direct" else 1)
+    if plan is not None and all(o.dtype == d and o.nbytes == n and o.flags.c_contiguous for o, (d, n) in zip(outs, plan[1])):
+        return plan[0]
+    return None
+
+
+def start_expert(store, layer, expert, outs, lane=0):
+    """read_expert of a planned expert asked of the kernel and not waited for
+    (ShardReader.start_run, `lane` its): returns finish(), which waits for it and returns its
+    useful bytes (its shard not checked: check_shards); None where it cannot be (read_expert it)."""
+    run = planned(store, layer, expert, outs)
+    finish = None if run is None else store.reader.start_run(into(run, outs), lane)
+    return None if finish is None else lambda: store._counted(finish(), run, outs)
+
+
+def into(plan, outs):
+    """A planned run (plan_expert) with its pieces' destinations: `outs`' bytes."""
+    file, start, end, pieces = plan
+    return file, start, end, [(off, outs[i].reshape(-1).view(np.uint8)) for off, i in pieces]
 
 
 def plan_expert(ranges, outs, dtypes, align):
