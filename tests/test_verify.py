@@ -214,10 +214,10 @@ def test_a_checks_reads_run_while_the_host_builds_and_end_before_anything_comput
         cache.verifier.switch.direct.now = set(range(L))
     events, start = [], cache_module.start_expert
 
-    def late(store, layer, expert, outs, lane=0):
+    def late(store, layer, expert, outs, *args):
         for out in outs:
             out[...] = np.nan
-        finish = start(store, layer, expert, outs, lane)
+        finish = start(store, layer, expert, outs, *args)
         events.append(("asked", (layer, expert), finish is not None))
         return finish and (lambda: (time.sleep(0.02), finish(), events.append(("ended", (layer, expert))))[1])
 

@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import mlx.core as mx
@@ -392,6 +392,15 @@ class SlotPools:
             compute.append(pool.view(mx.bfloat16) if dtype == mx.bfloat16 else pool)
         mx.eval(compute)
         self.pools, self.views, self.compute = pools, views, compute
+        self.slots = {}  # slot -> slot(slot), made at its first read
+        self.like = [(v.dtype, v[0].nbytes) for v in views]
+
+    def slot(self, slot: int) -> tuple:
+        """A slot's memory: per tensor its row of the pool, and that row's bytes."""
+        if slot not in self.slots:
+            rows = [v[slot] for v in self.views]
+            self.slots[slot] = rows, [row.reshape(-1).view(np.uint8) for row in rows]
+        return self.slots[slot]
 
     def read_into(self, key: tuple, slot: int, pace: Callable | None = None, chunk: int = CHUNK,
                   check: bool = True) -> int:
@@ -424,24 +433,21 @@ class SlotPools:
 
     def start(self, keyed: list) -> Callable:
         """read_keys of `keyed` [(key, slot)], asked of the kernel at once where it can
-        (ExpertStore.start_expert) and the rest read now; returns finish(), which waits for
-        them, checks their shards and returns the bytes read. Until it has returned, nothing
+        (store.start_expert) and the rest read now; returns finish(), which waits for them
+        (each checks its shard) and returns the bytes read. Until it has returned, nothing
         may compute with those slots, nor the cache give them to other keys."""
         started, later, n = [], [], 0
         try:
             for lane, (key, slot) in enumerate(keyed):
-                finish = start_expert(self.store, key[0], key[1], [v[slot] for v in self.views], lane)
+                rows, dests = self.slot(slot)
+                finish = start_expert(self.store, *key, rows, lane, dests, self.like)
                 (later if finish is None else started).append(finish or (key, slot))
             n = self.read_keys(later) if later else 0
         except BaseException:
             finish_all(started)
             raise
 
-        def finish() -> int:
-            done = n + finish_all(started)
-            self.store.check_shards([key for key, _ in keyed])
-            return done
-        return finish
+        return lambda: n + finish_all(started)
 
     def close(self) -> None:
         if self.io is not None:
@@ -717,13 +723,13 @@ def read_later(cache: ExpertCache, layer: int, missed: list, taken: list) -> Cal
     the guesses' bytes) and, where a read failed or was interrupted, takes all their keys
     out of the cache."""
     keyed = [((layer, e), slot) for e, slot in missed] + taken
-    gate = ExitStack()
-    gate.enter_context(cache.loader.gate.demand())
+    gate = cache.loader.gate
+    gate.demand_begins()
     tic = time.perf_counter()
     try:
         reads = cache.pools.start(keyed)
     except BaseException:
-        gate.close()
+        gate.demand_ends()
         cache.forget([key for key, _ in keyed])
         raise
     asking = time.perf_counter() - tic
@@ -732,11 +738,13 @@ def read_later(cache: ExpertCache, layer: int, missed: list, taken: list) -> Cal
     def finish() -> int:
         tic = time.perf_counter()
         try:
-            with gate, cache.keep_busy:
+            with cache.keep_busy:
                 n = reads()
         except BaseException:
             cache.forget([key for key, _ in keyed])
             raise
+        finally:
+            gate.demand_ends()
         # the decode thread's time on them (no rate of the disk: they ended unseen)
         waited = time.perf_counter() - tic
         cache.counters.read_seconds += waited
@@ -831,19 +839,25 @@ class ReadGate:
     @contextmanager
     def demand(self):
         """Around the decode thread's reads: background reads pause at their next piece."""
+        self.demand_begins()
+        try:
+            yield
+        finally:
+            self.demand_ends()
+
+    def demand_begins(self) -> None:
         with self.cond:
             self.demand_reads += 1
             self.demands += 1
             if self.piece is False and self.waited_from is None:
                 self.waited_from = time.perf_counter()
             self._reading(1)
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.demand_reads -= 1
-                self._reading(-1)
-                self.cond.notify_all()
+
+    def demand_ends(self) -> None:
+        with self.cond:
+            self.demand_reads -= 1
+            self._reading(-1)
+            self.cond.notify_all()
 
     def hurry(self, keys: list, on: bool = True) -> None:
         """The decode thread waits for `keys` (being read in the background): read them at

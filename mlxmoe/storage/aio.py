@@ -40,11 +40,14 @@ class Aio:
                 [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         lib.aio_return.restype = ctypes.c_ssize_t
 
-    def read(self, fd: int, address: int, nbytes: int, offset: int) -> _Request:
-        """Ask for `nbytes` of `fd` at `offset` into memory at `address`; the request, which
-        must stay alive (and the memory with it) until wait() returned. Raises OSError."""
-        request = _Request(fildes=fd, buf=address, nbytes=nbytes, offset=offset)
-        request.sigevent.notify = SIGEV_NONE
+    def read(self, fd: int, address: int, nbytes: int, offset: int, request: _Request | None = None) -> _Request:
+        """Ask for `nbytes` of `fd` at `offset` into memory at `address` (in `request`, one
+        that ended, where given); the request, which must stay alive (and the memory with it)
+        until wait() returned. Raises OSError."""
+        if request is None:
+            request = _Request()
+            request.sigevent.notify = SIGEV_NONE
+        request.fildes, request.buf, request.nbytes, request.offset = fd, address, nbytes, offset
         if self.lib.aio_read(ctypes.addressof(request)) != 0:
             raise OSError(ctypes.get_errno(), "aio_read")
         return request
@@ -52,9 +55,10 @@ class Aio:
     def wait(self, request: _Request) -> int:
         """The bytes `request` read, once it ended; raises its OSError."""
         at = ctypes.addressof(request)
-        one = (ctypes.c_void_p * 1)(at)
-        while (error := self.lib.aio_error(at)) == errno.EINPROGRESS:
-            self.lib.aio_suspend(one, 1, None)  # (EINTR: asked again)
+        if (error := self.lib.aio_error(at)) == errno.EINPROGRESS:
+            one = (ctypes.c_void_p * 1)(at)
+            while (error := self.lib.aio_error(at)) == errno.EINPROGRESS:
+                self.lib.aio_suspend(one, 1, None)  # (EINTR: asked again)
         n = self.lib.aio_return(at)
         if error:
             raise OSError(error, "aio_read")

@@ -327,7 +327,7 @@ class LaterRuns:
 
     def __init__(self, reader) -> None:
         self.reader = reader
-        self.spare, self.lanes = [], {}
+        self.spare, self.lanes = [], {}  # (spare: (buffer, its last request))
         self.unfinished = []  # (buffer, request) of reads interrupted before their end: the kernel may still write them
 
     def start(self, run, lane=0):
@@ -345,18 +345,18 @@ class LaterRuns:
                 lanes = self.lanes.setdefault(file, [])
                 lanes.extend(os.dup(fd) for _ in range(lane - len(lanes)))
                 fd = lanes[lane - 1]
-            buf = self.spare.pop() if self.spare else np.frombuffer(mmap.mmap(-1, BOUNCE), np.uint8)
+            buf, request = self.spare.pop() if self.spare else (np.frombuffer(mmap.mmap(-1, BOUNCE), np.uint8), None)
         try:
-            request = AIO.read(fd, buf.ctypes.data, b - a, a)
+            request = AIO.read(fd, buf.ctypes.data, b - a, a, request)
         except OSError:
-            self.spare.append(buf)
+            self.spare.append((buf, request))
             return None
 
         def finish():
             try:
                 n = AIO.wait(request)
             except OSError as e:
-                self.spare.append(buf)
+                self.spare.append((buf, request))
                 raise MlxmoeError(f"reading {file} at offset {a}: {e}") from None
             except BaseException:  # interrupted: its buffer is never used again
                 self.unfinished.append((buf, request))
@@ -364,10 +364,10 @@ class LaterRuns:
             try:
                 if a + n < end:
                     raise truncated(file, end)
-                for off, d in pieces:
-                    reader._put(d, buf[off - a:off - a + d.nbytes])
+                for off, d in pieces:  # (no `land` here: the host's stores)
+                    d[...] = buf[off - a:off - a + d.nbytes]
             finally:
-                self.spare.append(buf)
+                self.spare.append((buf, request))
             if how == "fadvise" and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, align_down(start), align_up(end) - align_down(start), os.POSIX_FADV_DONTNEED)
             return n

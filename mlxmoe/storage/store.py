@@ -282,15 +282,12 @@ class ExpertStore:
         for file in {r.file for layer, e in keys for r in self.ranges[layer][e]}:
             self.shards.check(file)
 
-    def _read_planned(self, plan, outs, check=True):
-        """read_expert of a planned expert (planned()): `plan` is its run."""
-        disk = self._read_run(into(plan, outs))
+    def _read_planned(self, plan, outs, check=True, ended=None):
+        """read_expert of a planned expert (planned()): `plan` is its run; `ended`: the bytes
+        asked of the kernel where it has been read already (start_expert)."""
+        disk = self._read_run(into(plan, outs)) if ended is None else ended
         if check:
             self.shards.check(plan[0])
-        return self._counted(disk, plan, outs)
-
-    def _counted(self, disk, plan, outs):
-        """A planned read's `disk` bytes counted; its useful bytes."""
         useful = sum(outs[i].nbytes for _, i in plan[3])
         self._count(useful, disk, 1)
         return useful
@@ -357,31 +354,36 @@ def lands_as_is(out, dtype):
     return out.dtype == DTYPES[dtype] or (dtype == "BF16" and out.dtype == np.uint16)
 
 
-def planned(store, layer, expert, outs):
+def planned(store, layer, expert, outs, like=None):
     """An expert's run where it has a plan (plan_expert) and `outs` are slots like those it
-    was planned with, else None (a slot of another size goes the long way, which names it)."""
+    was planned with, else None (a slot of another size goes the long way, which names it).
+    `like`: outs' [(dtype, nbytes)], rows of C-contiguous pools (SlotPools.slot)."""
     plan = store._plans.get((layer, expert), UNPLANNED)
     if plan is UNPLANNED:  # (kept either way: a stacked checkpoint's experts are not planned at each read)
         plan = store._plans[(layer, expert)] = plan_expert(store.ranges[layer][expert], outs, store.tensor_dtypes,
                                                             ALIGN if store.io == "direct" else 1)
-    if plan is not None and all(o.dtype == d and o.nbytes == n and o.flags.c_contiguous for o, (d, n) in zip(outs, plan[1])):
+    if plan is not None and (plan[1] == like if like is not None else all(
+            o.dtype == d and o.nbytes == n and o.flags.c_contiguous for o, (d, n) in zip(outs, plan[1]))):
         return plan[0]
     return None
 
 
-def start_expert(store, layer, expert, outs, lane=0):
+def start_expert(store, layer, expert, outs, lane=0, dests=None, like=None):
     """read_expert of a planned expert asked of the kernel and not waited for
     (ShardReader.start_run, `lane` its): returns finish(), which waits for it and returns its
-    useful bytes (its shard not checked: check_shards); None where it cannot be (read_expert it)."""
-    run = planned(store, layer, expert, outs)
-    finish = None if run is None else store.reader.start_run(into(run, outs), lane)
-    return None if finish is None else lambda: store._counted(finish(), run, outs)
+    useful bytes (its shard checked); None where it cannot be (read_expert it). `dests`: outs'
+    bytes (into()'s), `like`: planned()'s, where the caller keeps them."""
+    run = planned(store, layer, expert, outs, like)
+    finish = None if run is None else store.reader.start_run(into(run, outs, dests), lane)
+    return None if finish is None else lambda: store._read_planned(run, outs, ended=finish())
 
 
-def into(plan, outs):
-    """A planned run (plan_expert) with its pieces' destinations: `outs`' bytes."""
+def into(plan, outs, dests=None):
+    """A planned run (plan_expert) with its pieces' destinations: `outs`' bytes (`dests`, where given)."""
     file, start, end, pieces = plan
-    return file, start, end, [(off, outs[i].reshape(-1).view(np.uint8)) for off, i in pieces]
+    if dests is None:
+        return file, start, end, [(off, outs[i].reshape(-1).view(np.uint8)) for off, i in pieces]
+    return file, start, end, [(off, dests[i]) for off, i in pieces]
 
 
 def plan_expert(ranges, outs, dtypes, align):
