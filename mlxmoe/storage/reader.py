@@ -30,6 +30,7 @@ DEFAULT_IO = {"linux": "direct", "darwin": "direct"}
 # are page aligned (ALIGN), and runs of ranges are grouped by page.
 
 BOUNCE = 4 << 20  # per-thread bounce buffer (a multiple of ALIGN): O_DIRECT reads of at most this
+MOST_LATER = 8  # reads of LaterRuns under way at once (a layer call's top-k), each with a buffer of its own
 
 
 def default_io(platform=sys.platform):
@@ -329,6 +330,16 @@ class LaterRuns:
         self.reader = reader
         self.spare, self.lanes = [], {}  # (spare: (buffer, its last request))
         self.unfinished = []  # (buffer, request) of reads interrupted before their end: the kernel may still write them
+        self.busy = 0  # buffers in use
+
+    def done(self, buf, request, kept=None) -> None:
+        """A read's buffer free again (`kept`: never, its read interrupted)."""
+        with self.reader._open_lock:
+            self.busy -= 1
+            if kept is None:
+                self.spare.append((buf, request))
+            else:
+                self.unfinished.append((kept, request))
 
     def start(self, run, lane=0):
         """Ask for one run (read_run's) and go on: returns finish(), which waits for its end,
@@ -338,28 +349,31 @@ class LaterRuns:
         fd, how = reader._fd(file), reader._how[file]
         align = reader._align[file] if how == "o_direct" else 1
         a, b = align_down(start, align), align_up(end, align)
-        if AIO is None or how == "mmap" or reader.land is not None or b - a > BOUNCE:
+        if AIO is None or how == "mmap" or reader.land is not None or b - a > BOUNCE or self.busy >= MOST_LATER:
             return None
         with reader._open_lock:
             if lane:
                 lanes = self.lanes.setdefault(file, [])
                 lanes.extend(os.dup(fd) for _ in range(lane - len(lanes)))
                 fd = lanes[lane - 1]
-            buf, request = self.spare.pop() if self.spare else (np.frombuffer(mmap.mmap(-1, BOUNCE), np.uint8), None)
+            buf, request = self.spare.pop() if self.spare else (None, None)
+            if buf is None or len(buf) < b - a:  # (experts are all of one size: made once)
+                buf = np.frombuffer(mmap.mmap(-1, align_up(b - a, 1 << 20)), np.uint8)
+            self.busy += 1
         try:
             request = AIO.read(fd, buf.ctypes.data, b - a, a, request)
         except OSError:
-            self.spare.append((buf, request))
+            self.done(buf, request)
             return None
 
         def finish():
             try:
                 n = AIO.wait(request)
             except OSError as e:
-                self.spare.append((buf, request))
+                self.done(buf, request)
                 raise MlxmoeError(f"reading {file} at offset {a}: {e}") from None
             except BaseException:  # interrupted: its buffer is never used again
-                self.unfinished.append((buf, request))
+                self.done(None, request, kept=buf)
                 raise
             try:
                 if a + n < end:
@@ -367,7 +381,7 @@ class LaterRuns:
                 for off, d in pieces:  # (no `land` here: the host's stores)
                     d[...] = buf[off - a:off - a + d.nbytes]
             finally:
-                self.spare.append((buf, request))
+                self.done(buf, request)
             if how == "fadvise" and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, align_down(start), align_up(end) - align_down(start), os.POSIX_FADV_DONTNEED)
             return n
