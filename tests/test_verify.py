@@ -244,6 +244,41 @@ def test_a_checks_reads_run_while_the_host_builds_and_end_before_anything_comput
     cache.close()
 
 
+@pytest.mark.skipif(reader.AIO is None, reason="no POSIX AIO here (glibc on 64-bit Linux)")
+def test_a_read_that_fails_after_the_check_raises_and_leaves_the_model_whole(checkpoint, tmp_path, monkeypatch):
+    """A read asked at a check that fails when it is waited for: every other read of the step
+    is waited for, the error names the file and offset, its keys leave the cache, and the next
+    generation gives stock's tokens."""
+    from mlxmoe import MlxmoeError
+    from mlxmoe.caching import cache as cache_module
+    from mlxmoe.storage.convert import bundle
+
+    src = checkpoint("qwen3_moe")
+    want, _ = reference(src)
+    model, tokenizer = all_but(bundle(src, tmp_path / "bundled", progress=lambda _: None), 1)
+    cache, start, failed = model.expert_cache, cache_module.start_expert, []
+
+    def failing(store, layer, expert, outs, *args):
+        finish = start(store, layer, expert, outs, *args)
+        if finish is None or failed:
+            return finish
+        failed.append((layer, expert))
+
+        def fail():
+            finish()
+            raise MlxmoeError(f"reading {store.files[0]} at offset 123: injected")
+        return fail
+
+    monkeypatch.setattr(cache_module, "start_expert", failing)
+    with pytest.raises(MlxmoeError, match="offset 123: injected"):
+        generate(model, tokenizer, evict=every_expert(cache, 1))
+    assert failed and failed[0] not in cache.slot_of and not cache.verifier.tables.pending
+    assert not cache.verifier.forward and cache.pools.store.reader.later.busy == 0
+    monkeypatch.undo()
+    assert generate(model, tokenizer, evict=every_expert(cache, 1)) == want
+    cache.close()
+
+
 def test_kv_caches_after_a_recompute_equal_stock(checkpoint):
     path = checkpoint("qwen3_moe", quant="4bit")
     want, stock_kv = reference(path, prompt_cache=make_prompt_cache)

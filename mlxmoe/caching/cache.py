@@ -460,7 +460,7 @@ def finish_all(started: list) -> int:
     n, error = 0, None
     for finish in started:
         try:
-            n += finish()
+            n += finish() or 0
         except BaseException as e:
             error = error or e
     if error is not None:

@@ -46,7 +46,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from ..backend import host_dists, host_floats, host_probs
 from ..errors import MlxmoeError
-from .cache import read_later
+from .cache import finish_all, read_later
 from .experts import (as_rows, count_hit_rows, count_rows, host_work_meanwhile, observe_calls, resident_table,
                       step_call, step_calls)
 from .prefetch import decayed
@@ -469,9 +469,10 @@ class SlotTables:
         return self.rows is not None and self.version == self.cache.version
 
     def settle(self) -> None:
-        """Wait for the reads read() asked for: before anything computes with their slots."""
-        while self.pending:
-            self.pending.pop(0)()
+        """Wait for the reads read() asked for (all of them, then the first error): before
+        anything computes with their slots."""
+        pending, self.pending = self.pending, []
+        finish_all(pending)
 
     def build(self, in_place: bool = False) -> None:
         """From the cache's residency, into the set in use `in_place` (after a wait within this
@@ -888,11 +889,11 @@ class Verifier:
                 self.replay_from = first
                 self.routing.clear(since=missed)
         finally:
-            self.tables.settle()
             for c in batched:
                 del c.make_mask
             self.forward, self.held, self.hits, self.observed, self.unqueued = False, [], [], [], None
             self._clear()
+            self.tables.settle()  # (before anything computes: mlx-lm's eval of `out`)
         counters = cache.counters
         counters.verified_tokens += self.tokens
         counters.replays += replays
