@@ -441,7 +441,10 @@ class SlotPools:
             for lane, (key, slot) in enumerate(keyed):
                 rows, dests = self.slot(slot)
                 finish = start_expert(self.store, *key, rows, lane, dests, self.like)
-                (later if finish is None else started).append(finish or (key, slot))
+                if finish is None:
+                    later.append((key, slot))
+                else:
+                    started.append(finish)
             n = self.read_keys(later) if later else 0
         except BaseException:
             finish_all(started)
