@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import mlxmoe
+from mlxmoe.caching import cache as cache_module
 from mlxmoe.caching.cache import ExpertCache
 from mlxmoe.errors import MlxmoeError
 from mlxmoe.caching.lossy import Lossy
@@ -65,9 +66,10 @@ def test_step_changes_nothing_where_all_are_resident_unbiased():
 
 
 def spy(monkeypatch):
-    """Record each Lossy.step (inputs and outputs) and each demand read [(layer, [experts])]."""
+    """Record each Lossy.step (inputs and outputs) and each demand read [(layer, [experts])]: on the
+    decode thread (read_demand) or asked of the disk at once (read_later)."""
     steps, reads = [], []
-    step, read = Lossy.step, ExpertCache.read_demand
+    step, read, later = Lossy.step, ExpertCache.read_demand, cache_module.read_later
 
     def recording_step(self, logits, row, resident, mask):
         out = step(self, logits, row, resident, mask)
@@ -79,8 +81,13 @@ def spy(monkeypatch):
         reads.append((layer, [e for e, _ in missed]))
         return read(self, layer, missed)
 
+    def recording_later(cache, layer, missed, taken):
+        reads.append((layer, [e for e, _ in missed] + [e for (_, e), _ in taken]))
+        return later(cache, layer, missed, taken)
+
     monkeypatch.setattr(Lossy, "step", recording_step)
     monkeypatch.setattr(ExpertCache, "read_demand", recording_read)
+    monkeypatch.setattr(cache_module, "read_later", recording_later)
     return steps, reads
 
 

@@ -75,6 +75,18 @@ def every_expert(cache, *layers):
     return lambda i: [(layer, e) for layer in layers for e in range(E)]
 
 
+def late_reads(events: list, start):
+    """store.start_expert whose reads fill their slots with NaN as they are asked and end 20 ms
+    late, each asked and ended in `events`."""
+    def late(store, layer, expert, outs, *args):
+        for out in outs:
+            out[...] = np.nan
+        finish = start(store, layer, expert, outs, *args)
+        events.append(("asked", (layer, expert), finish is not None))
+        return finish and (lambda: (time.sleep(0.02), finish(), events.append(("ended", (layer, expert))))[1])
+    return late
+
+
 @pytest.mark.parametrize("arch,quant", [("qwen3_moe", "4bit"), ("mixtral", None), ("gpt_oss", None),
                                         ("deepseek_v3", None), ("qwen2_moe", None), ("olmoe", None)])
 def test_tokens_equal_stock_at_every_cache_size(checkpoint, arch, quant):
@@ -212,16 +224,8 @@ def test_a_checks_reads_run_while_the_host_builds_and_end_before_anything_comput
     L = cache.store.num_layers
     if where == "held":
         cache.verifier.switch.direct.now = set(range(L))
-    events, start = [], cache_module.start_expert
-
-    def late(store, layer, expert, outs, *args):
-        for out in outs:
-            out[...] = np.nan
-        finish = start(store, layer, expert, outs, *args)
-        events.append(("asked", (layer, expert), finish is not None))
-        return finish and (lambda: (time.sleep(0.02), finish(), events.append(("ended", (layer, expert))))[1])
-
-    monkeypatch.setattr(cache_module, "start_expert", late)
+    events = []
+    monkeypatch.setattr(cache_module, "start_expert", late_reads(events, cache_module.start_expert))
     experts_of = cache.verifier.experts
     cache.verifier.experts = lambda s, x, i: events.append(("experts", s._layer)) or experts_of(s, x, i)
     nan_seen = []
@@ -236,11 +240,61 @@ def test_a_checks_reads_run_while_the_host_builds_and_end_before_anything_comput
     stats = cache.stats()
     assert not any(nan_seen) and stats["verified_tokens"] >= TOKENS - 2
     assert (stats["replays"] > 0) == (where == "replayed"), stats
-    asked = [i for i, e in enumerate(events) if e[0] == "asked"]
+    first = next(i for i, e in enumerate(events) if e[0] == "experts")  # (the prompt's reads before: the per-layer path's)
+    asked = [i for i, e in enumerate(events) if e[0] == "asked" and i > first]
     assert len(asked) >= TOKENS - 2 and all(events[i][2] for i in asked)  # (all of them by AIO)
     built = [any(e[0] == "experts" for e in events[i:events.index(("ended", events[i][1]), i)]) for i in asked]
     # built meanwhile: each replay's; a held layer's where no check comes first (a check waits for them)
     assert all(built) if where == "replayed" else sum(built) >= TOKENS // 2, built
+    cache.close()
+
+
+@pytest.mark.skipif(reader.AIO is None, reason="no POSIX AIO here (glibc on 64-bit Linux)")
+def test_a_per_layer_calls_misses_are_read_while_its_resident_experts_are_built(checkpoint, tmp_path, monkeypatch):
+    """On the per-layer path, a layer call's misses are asked of the kernel at once, before the
+    experts it holds are built (early), and end before anything computes with their slots: reads
+    that fill their slots with NaN as they are asked and end 20 ms late still give stock's
+    tokens, no NaN in the logits; the first demand read, which measures the disk's rate, is
+    read at once; every miss is counted as a demand load and its bytes as read."""
+    from mlxmoe.caching import cache as cache_module
+    from mlxmoe.storage.convert import bundle
+
+    src = checkpoint("qwen3_moe")  # float weights: NaN left in a slot would spread
+    want, _ = reference(src)
+    model, tokenizer = all_but(bundle(src, tmp_path / "bundled", progress=lambda _: None), 0)
+    cache = model.expert_cache
+    total = cache.capacity
+    model.expert_runtime.close()
+    model, tokenizer = mlxmoe.load(str(tmp_path / "bundled"), cache_experts=total // 2, prefetch=0)
+    cache = model.expert_cache
+    cache.verifier.switch.step = lambda: False  # the per-layer path throughout
+    events, fetch, demand = [], cache.fetch, cache.read_demand
+
+    def spying_fetch(layer, experts, *args, early=None, **kw):
+        if early is not None:
+            built = early
+            early = lambda ready: (events.append(("early", layer)), built(ready))[1]  # noqa: E731
+        return fetch(layer, experts, *args, early=early, **kw)
+
+    monkeypatch.setattr(cache_module, "start_expert", late_reads(events, cache_module.start_expert))
+    cache.fetch = spying_fetch
+    cache.read_demand = lambda layer, missed: (events.append(("at once", layer)), demand(layer, missed))[1]
+    nan_seen = []
+
+    def watch(tokens, logits):
+        nan_seen.append(bool(mx.isnan(logits).any().item()))
+        return logits
+
+    assert generate(model, tokenizer, logits_processors=[watch]) == want
+    stats = cache.stats()
+    assert not any(nan_seen) and stats["verified_tokens"] == 0 and stats["misses"] > TOKENS
+    asked = [i for i, e in enumerate(events) if e[0] == "asked"]
+    assert asked and all(events[i][2] for i in asked)  # (all of them by AIO)
+    assert any(e[0] == "at once" for e in events[:asked[0]])  # (the first: timed at once)
+    built = [any(e[0] == "early" for e in events[i:events.index(("ended", events[i][1]), i)]) for i in asked]
+    assert sum(built) >= len(built) // 2, built  # (where the call held some of its experts)
+    assert stats["loads_demand"] == stats["misses"]
+    assert stats["bytes_read"] == stats["loads_demand"] * cache.store.expert_file_bytes()
     cache.close()
 
 
@@ -677,6 +731,8 @@ def test_keep_busy_queues_ops_during_demand_reads_only(checkpoint, monkeypatch, 
     """What keeps an Apple GPU's clock up while the decode thread reads (backend.KeepBusy),
     run here on the CPU: tokens as stock's, ops queued while demand reads run and none
     between them, its thread ended by close(); a CPU or CUDA model gets none."""
+    from mlxmoe.caching import cache as cache_module
+
     path = checkpoint("qwen3_moe", quant="4bit")
     want, _ = reference(path)
     model, tokenizer = all_but(path, 1, verify=verify_on)
@@ -712,6 +768,7 @@ def test_keep_busy_queues_ops_during_demand_reads_only(checkpoint, monkeypatch, 
     monkeypatch.setattr(cache.pools, "read", slow_read)
     monkeypatch.setattr(cache.pools, "start", slow_start)
     monkeypatch.setattr(verify, "read_later", read_later)
+    monkeypatch.setattr(cache_module, "read_later", read_later)  # (the per-layer path's, once the disk's rate is known)
     assert generate(model, tokenizer, evict=every_expert(cache, 0)) == want
     stats = cache.stats()
     assert (stats["verified_tokens"] > 0) == verify_on, stats["verify"]
@@ -774,16 +831,19 @@ def test_per_layer_path_teaches_the_live_profile_once_a_token(checkpoint, tmp_pa
     while the live profile learns the token's calls in one go at the next token's tick, not
     once a miss (Residency.catch_up's policy_only): the same counts and mass as learnt call by call
     (a trace recorded too), the same tokens."""
+    from mlxmoe.caching import cache as cache_module
     from mlxmoe.caching.cache import ExpertCache
     from mlxmoe.workload.profile import ActivationProfile
 
     path = checkpoint("qwen3_moe", quant="4bit")
     batches, missed = [], []
-    learn_calls, read_demand = ActivationProfile.learn_calls, ExpertCache.read_demand
+    learn_calls, read_demand, read_later = ActivationProfile.learn_calls, ExpertCache.read_demand, cache_module.read_later
     monkeypatch.setattr(ActivationProfile, "learn_calls",
                         lambda self, calls: (batches.append(len(calls)), learn_calls(self, calls))[1])
     monkeypatch.setattr(ExpertCache, "read_demand",
                         lambda self, layer, m: (missed.append(layer), read_demand(self, layer, m))[1])
+    monkeypatch.setattr(cache_module, "read_later",  # (the per-layer path's misses once the disk's rate is known)
+                        lambda cache, layer, m, taken: (missed.append(layer), read_later(cache, layer, m, taken))[1])
     runs = []
     for trace in (None, tmp_path / "run.trace.jsonl"):
         model, tokenizer = mlxmoe.load(str(path), cache_experts=12, prefetch=0, trace_out=trace)

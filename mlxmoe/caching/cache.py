@@ -11,7 +11,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from typing import Callable
 
 import mlx.core as mx
@@ -433,10 +433,11 @@ class SlotPools:
 
     def start(self, keyed: list) -> Callable:
         """read_keys of `keyed` [(key, slot)], asked of the kernel at once where it can
-        (store.start_expert) and the rest read now; returns finish(), which waits for them
-        (each checks its shard) and returns the bytes read. Until it has returned, nothing
-        may compute with those slots, nor the cache give them to other keys."""
-        started, later, n = [], [], 0
+        (store.start_expert); returns finish(), which waits for them (each checks its shard),
+        reads the rest (after whatever the caller built meanwhile) and returns the bytes read.
+        Until it has returned, nothing may compute with those slots, nor the cache give them
+        to other keys."""
+        started, later = [], []
         try:
             for lane, (key, slot) in enumerate(keyed):
                 rows, dests = self.slot(slot)
@@ -445,12 +446,10 @@ class SlotPools:
                     later.append((key, slot))
                 else:
                     started.append(finish)
-            n = self.read_keys(later) if later else 0
         except BaseException:
             finish_all(started)
             raise
-
-        return lambda: n + finish_all(started)
+        return lambda: finish_all(started) + (self.read_keys(later) if later else 0)
 
     def close(self) -> None:
         if self.io is not None:
@@ -625,20 +624,16 @@ class ExpertCache(Residency):
                 self.verifier.switch.direct.checked([layer], 0 if missed else None)
             if self.awaited:  # awaited until this visit: what this layer did not use was a wrong guess
                 self.awaited.difference_update([k for k in self.awaited if k[0] == layer])
+            ready = None
             if missed and early is not None:
                 unread = {e for e, _ in missed} | {e for (_, e), _ in waits}
                 unread |= {e for l, e in self.loader.failed if l == layer}
                 ready = {e: s for e, s in zip(experts, slots) if e not in unread}
-        tic = time.perf_counter()
-        if missed and early is not None and ready:
-            early(ready)
-        if self.speculator is not None and self.step_tokens == 1 and (missed or waits) and not self.speculator.paused():
-            self.speculator.read_meanwhile(layer, missed, waits)
-        elif missed:
-            self.read_demand(layer, missed)
+        tic, read_before = time.perf_counter(), self.counters.read_seconds
+        read_missed(self, layer, missed, waits, early if ready else None, ready)
         if waits or self.loader.failed:
             self.loader.wait_for(waits, keys)
-        self.counters.read_seconds += time.perf_counter() - tic
+        self.counters.read_seconds = read_before + time.perf_counter() - tic  # (read_later's own counts within)
         return slots
 
     def read_demand(self, layer: int, missed: list) -> None:
@@ -717,6 +712,30 @@ class ExpertCache(Residency):
             self.speculator.close()
         self.pools.close()
         self.store.close()
+
+
+def read_missed(cache: ExpertCache, layer: int, missed: list, waits: list, early: Callable | None, ready) -> None:
+    """A layer call's reads on the decode thread (ExpertCache.fetch): its misses [(expert, slot)]
+    asked of the disk at once and read while `early(ready)` builds the experts it holds; a first
+    demand read, which measures the disk's rate (ReadGate.timed), on its own; where running ahead,
+    on the demand thread (speculate.py)."""
+    ahead = cache.speculator is not None and cache.step_tokens == 1 and (missed or waits) \
+        and not cache.speculator.paused()
+    reads = read_later(cache, layer, missed, []) if missed and not ahead and cache.loader.gate.rate else None
+    if early is not None:
+        try:
+            early(ready)
+        except BaseException:
+            if reads is not None:  # (no read may still write into the slots once this returns)
+                with suppress(BaseException):
+                    reads()
+            raise
+    if ahead:
+        cache.speculator.read_meanwhile(layer, missed, waits)
+    elif reads is not None:
+        reads()
+    elif missed:
+        cache.read_demand(layer, missed)
 
 
 def read_later(cache: ExpertCache, layer: int, missed: list, taken: list) -> Callable:
