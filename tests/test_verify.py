@@ -299,10 +299,13 @@ def test_a_per_layer_calls_misses_are_read_while_its_resident_experts_are_built(
 
 
 @pytest.mark.skipif(reader.AIO is None, reason="no POSIX AIO here (glibc on 64-bit Linux)")
-def test_a_read_that_fails_after_the_check_raises_and_leaves_the_model_whole(checkpoint, tmp_path, monkeypatch):
-    """A read asked at a check that fails when it is waited for: every other read of the step
-    is waited for, the error names the file and offset, its keys leave the cache, and the next
-    generation gives stock's tokens."""
+@pytest.mark.parametrize("where", ["verified", "per-layer"])
+def test_a_read_that_fails_after_it_was_asked_raises_and_leaves_the_model_whole(checkpoint, tmp_path, monkeypatch,
+                                                                               where):
+    """A read asked at a check (or by a per-layer call, before its resident experts are built)
+    that fails when it is waited for: every other read of the step is waited for, the error
+    names the file and offset, its keys leave the cache, and the next generation gives stock's
+    tokens."""
     from mlxmoe import MlxmoeError
     from mlxmoe.caching import cache as cache_module
     from mlxmoe.storage.convert import bundle
@@ -311,6 +314,8 @@ def test_a_read_that_fails_after_the_check_raises_and_leaves_the_model_whole(che
     want, _ = reference(src)
     model, tokenizer = all_but(bundle(src, tmp_path / "bundled", progress=lambda _: None), 1)
     cache, start, failed = model.expert_cache, cache_module.start_expert, []
+    if where == "per-layer":
+        cache.verifier.switch.step = lambda: False
 
     def failing(store, layer, expert, outs, *args):
         finish = start(store, layer, expert, outs, *args)
@@ -328,7 +333,42 @@ def test_a_read_that_fails_after_the_check_raises_and_leaves_the_model_whole(che
         generate(model, tokenizer, evict=every_expert(cache, 1))
     assert failed and failed[0] not in cache.slot_of and not cache.verifier.tables.pending
     assert not cache.verifier.forward and cache.pools.store.reader.later.busy == 0
+    if where == "per-layer":  # (no verified step ran: the per-layer call's read failed)
+        assert cache.counters.verified_tokens == 0 and cache.counters.loads_demand > 0
     monkeypatch.undo()
+    assert generate(model, tokenizer, evict=every_expert(cache, 1)) == want
+    cache.close()
+
+
+@pytest.mark.skipif(reader.AIO is None, reason="no POSIX AIO here (glibc on 64-bit Linux)")
+def test_an_interrupt_while_a_per_layer_call_builds_waits_for_its_reads(checkpoint, tmp_path, monkeypatch):
+    """Ctrl-C (chat carries on) while a per-layer call builds the experts it holds, its misses'
+    reads asked: they are waited for before the interrupt leaves (no read still writes into a
+    slot), the call's keys leave the cache, and the next generation gives stock's tokens."""
+    from mlxmoe.storage.convert import bundle
+
+    src = checkpoint("qwen3_moe")
+    want, _ = reference(src)
+    path = bundle(src, tmp_path / "bundled", progress=lambda _: None)
+    model, tokenizer = all_but(path, 1, prefetch=0)  # (no running ahead: read on the decode thread)
+    cache, fetch, interrupted = model.expert_cache, model.expert_cache.fetch, []
+    cache.verifier.switch.step = lambda: False  # the per-layer path throughout
+    later = cache.pools.store.reader.later
+
+    def interrupting_fetch(layer, experts, *args, early=None, **kw):
+        if early is not None and not interrupted and cache.loader.gate.rate:
+            def early(ready):
+                interrupted.append((layer, list(experts), later.busy))
+                raise KeyboardInterrupt
+        return fetch(layer, experts, *args, early=early, **kw)
+
+    cache.fetch = interrupting_fetch
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, tokenizer, evict=every_expert(cache, 1))
+    (layer, experts, busy), = interrupted
+    assert busy > 0 and later.busy == 0 and not later.unfinished  # (asked before, ended after)
+    assert not any((layer, e) in cache.slot_of for e in experts)
+    cache.fetch = fetch
     assert generate(model, tokenizer, evict=every_expert(cache, 1)) == want
     cache.close()
 
