@@ -630,7 +630,7 @@ class ExpertCache(Residency):
                 unread |= {e for l, e in self.loader.failed if l == layer}
                 ready = {e: s for e, s in zip(experts, slots) if e not in unread}
         tic, read_before = time.perf_counter(), self.counters.read_seconds
-        read_missed(self, layer, missed, waits, early if ready else None, ready)
+        read_missed(self, layer, missed, waits, early, ready)
         if waits or self.loader.failed:
             self.loader.wait_for(waits, keys)
         self.counters.read_seconds = read_before + time.perf_counter() - tic  # (read_later's own counts within)
@@ -714,15 +714,16 @@ class ExpertCache(Residency):
         self.store.close()
 
 
-def read_missed(cache: ExpertCache, layer: int, missed: list, waits: list, early: Callable | None, ready) -> None:
+def read_missed(cache: ExpertCache, layer: int, missed: list, waits: list, early: Callable | None,
+                ready: dict | None) -> None:
     """A layer call's reads on the decode thread (ExpertCache.fetch): its misses [(expert, slot)]
-    asked of the disk at once and read while `early(ready)` builds the experts it holds; a first
-    demand read, which measures the disk's rate (ReadGate.timed), on its own; where running ahead,
-    on the demand thread (speculate.py)."""
+    asked of the disk at once and read while `early(ready)` builds the experts it holds (where
+    `ready` has any); a first demand read, which measures the disk's rate (ReadGate.timed), on
+    its own; where running ahead, on the demand thread (speculate.py)."""
     ahead = cache.speculator is not None and cache.step_tokens == 1 and (missed or waits) \
         and not cache.speculator.paused()
     reads = read_later(cache, layer, missed, []) if missed and not ahead and cache.loader.gate.rate else None
-    if early is not None:
+    if ready:
         try:
             early(ready)
         except BaseException:
