@@ -141,6 +141,37 @@ def test_a_layer_calls_reads_check_its_shard_once_after_them(bundled, on_disk):
         model.expert_cache.close()
 
 
+
+def test_a_layer_calls_asked_reads_check_its_shard_once_after_them(bundled, on_disk):
+    """Reads asked of the kernel at once (SlotPools.start, AIO where there is) check the shard
+    they lie in once, when all have ended, not once an expert; a shard changed since the
+    load still fails them, naming it, and the bytes they read are the experts'."""
+    _, dst = bundled("qwen3_moe", "4bit")
+    model, _ = mlxmoe.load(str(on_disk(dst)), cache_experts=8, prefetch=0)
+    pools = model.expert_cache.pools
+    store, log = pools.store, []
+    check = store.shards.check
+    store.shards.check = lambda file: (log.append(file), check(file))[1]
+    try:
+        keys = [((0, e), slot) for slot, e in enumerate((3, 1, 2))]
+        finish = pools.start(keys)
+        assert log == []
+        assert finish() == 3 * store.expert_file_bytes()
+        shard = store.ranges[0][3][0].file
+        assert log == [shard]
+        for slot, e in ((0, 3), (1, 1)):  # (the bytes of an expert read alone, the long way)
+            want = [np.empty_like(v[slot]) for v in pools.views]
+            store.read_expert(0, e, want)
+            assert all(np.array_equal(v[slot], w) for v, w in zip(pools.views, want))
+        with open(shard, "r+b") as f:  # its header changed in place, the size kept
+            f.seek(9)
+            f.write(b"!")
+        with pytest.raises(MlxmoeError, match="changed on disk") as e:
+            pools.start([((0, 3), 4), ((0, 1), 5)])()
+        assert str(shard) in str(e.value)
+    finally:
+        model.expert_cache.close()
+
 def test_layout(bundled):
     src, dst = bundled("qwen3_moe", "4bit")
     ckpt = open_checkpoint(dst)

@@ -433,23 +433,29 @@ class SlotPools:
 
     def start(self, keyed: list) -> Callable:
         """read_keys of `keyed` [(key, slot)], asked of the kernel at once where it can
-        (store.start_expert); returns finish(), which waits for them (each checks its shard),
-        reads the rest (after whatever the caller built meanwhile) and returns the bytes read.
-        Until it has returned, nothing may compute with those slots, nor the cache give them
-        to other keys."""
-        started, later = [], []
+        (store.start_expert); returns finish(), which waits for them, reads the rest (after
+        whatever the caller built meanwhile), checks their shards once each and returns the
+        bytes read. Until it has returned, nothing may compute with those slots, nor the cache
+        give them to other keys."""
+        started, asked, later = [], [], []
         try:
             for lane, (key, slot) in enumerate(keyed):
                 rows, dests = self.slot(slot)
-                finish = start_expert(self.store, *key, rows, lane, dests, self.like)
+                finish = start_expert(self.store, *key, rows, lane, dests, self.like, False)  # (its shard: checked in _finish)
                 if finish is None:
                     later.append((key, slot))
                 else:
                     started.append(finish)
+                    asked.append(key)
         except BaseException:
             finish_all(started)
             raise
-        return lambda: finish_all(started) + (self.read_keys(later) if later else 0)
+        return lambda: self._finish(started, asked, later)
+
+    def _finish(self, started: list, asked: list, later: list) -> int:
+        n = finish_all(started)
+        self.store.check_shards(asked)
+        return n + (self.read_keys(later) if later else 0)
 
     def close(self) -> None:
         if self.io is not None:

@@ -368,14 +368,15 @@ def planned(store, layer, expert, outs, like=None):
     return None
 
 
-def start_expert(store, layer, expert, outs, lane=0, dests=None, like=None):
+def start_expert(store, layer, expert, outs, lane=0, dests=None, like=None, check=True):
     """read_expert of a planned expert asked of the kernel and not waited for
     (ShardReader.start_run, `lane` its): returns finish(), which waits for it and returns its
-    useful bytes (its shard checked); None where it cannot be (read_expert it). `dests`: outs'
-    bytes (into()'s), `like`: planned()'s, where the caller keeps them."""
+    useful bytes (its shard checked, where `check`; else the caller checks it: check_shards);
+    None where it cannot be (read_expert it). `dests`: outs' bytes (into()'s), `like`:
+    planned()'s, where the caller keeps them."""
     run = planned(store, layer, expert, outs, like)
     finish = None if run is None else store.reader.start_run(into(run, outs, dests), lane)
-    return None if finish is None else lambda: store._read_planned(run, outs, ended=finish())
+    return None if finish is None else lambda: store._read_planned(run, outs, check, ended=finish())
 
 
 def into(plan, outs, dests=None):
