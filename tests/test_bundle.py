@@ -141,7 +141,6 @@ def test_a_layer_calls_reads_check_its_shard_once_after_them(bundled, on_disk):
         model.expert_cache.close()
 
 
-
 def test_a_layer_calls_asked_reads_check_its_shard_once_after_them(bundled, on_disk):
     """Reads asked of the kernel at once (SlotPools.start, AIO where there is) check the shard
     they lie in once, when all have ended, not once an expert; a shard changed since the
@@ -171,6 +170,7 @@ def test_a_layer_calls_asked_reads_check_its_shard_once_after_them(bundled, on_d
         assert str(shard) in str(e.value)
     finally:
         model.expert_cache.close()
+
 
 def test_layout(bundled):
     src, dst = bundled("qwen3_moe", "4bit")
