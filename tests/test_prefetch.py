@@ -387,10 +387,13 @@ def test_a_layer_whose_misses_prefetch_hides_gives_up_slots_first():
     assert r.policy.victim(set())[0] == layer
 
 
-def test_miss_costs_follow_the_share_of_loads_prefetch_hides(checkpoint):
+def test_miss_costs_follow_the_share_of_loads_prefetch_hides(checkpoint, always_predicting):
     path = checkpoint("qwen3_moe", quant="4bit")
     model, tokenizer = mlxmoe.load(str(path), cache_experts=8, verify=False)
     cache = model.expert_cache
+    # guesses made and loaded before the next call, however the machine's load times them
+    cache.prefetcher.off_thread = False
+    read_every_guess(cache.prefetcher)
     estimate = cache.policy.estimate
     cost = estimate.miss_cost
     estimate.layer_loads[0] = 0.0

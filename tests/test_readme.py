@@ -89,9 +89,13 @@ def clone(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     # this machine's pace: the time Python takes to import mlxmoe and MLX (about 1 s on the
     # README's 2-core VM) scales the allowed silence on a slower or busier machine
+    return where, env, pace(env)
+
+
+def pace(env):
     tic = time.monotonic()
     subprocess.run([sys.executable, "-c", "import mlxmoe.api"], env=env, check=True)
-    return where, env, max(1.0, time.monotonic() - tic)
+    return max(1.0, time.monotonic() - tic)
 
 
 README_COMMANDS = commands(ROOT / "README.md") + commands(ROOT / "examples" / "routing" / "README.md")
@@ -105,18 +109,20 @@ def test_the_readme_has_commands_to_run():
 
 @pytest.mark.parametrize("args,shown", README_COMMANDS, ids=[" ".join(a[1:3]) for a, _ in README_COMMANDS])
 def test_readme_command_runs_as_written(clone, args, shown):
-    where, env, pace = clone
+    where, env, slow = clone
     code, output, (silence, when) = run_timed([sys.executable, "-m", *args], where, env, 300)
     assert code == 0, output
     assert "Traceback" not in output and "error:" not in output, output
-    assert silence <= SILENCE * pace, f"{silence:.1f} s without a word {when} (allowed {SILENCE * pace:.1f} s)"
+    if silence > SILENCE * slow:  # the machine's load may have grown since the module's pace
+        slow = max(slow, pace(env))
+    assert silence <= SILENCE * slow, f"{silence:.1f} s without a word {when} (allowed {SILENCE * slow:.1f} s)"
     for line in shown:  # the summary the README shows, as a run prints it (numbers aside)
         if line.split(":")[0] in ("prompt", "experts"):
             assert any(shape(line).fullmatch(l) for l in output.splitlines()), (line, output)
 
 
 def test_readme_python_runs_as_written(clone):
-    where, env, pace = clone
+    where, env, _ = clone
     code = [lines for lang, lines in code_blocks(ROOT / "README.md") if lang == "python"]
     assert code
     r = subprocess.run([sys.executable, "-c", "\n".join(code[0])], cwd=where, env=env, capture_output=True, text=True,
