@@ -87,12 +87,12 @@ def clone(tmp_path_factory):
     for name in ("profiles", "examples"):
         (where / name).symlink_to(ROOT / name)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    # this machine's pace: the time Python takes to import mlxmoe and MLX (about 1 s on the
-    # README's 2-core VM) scales the allowed silence on a slower or busier machine
     return where, env, pace(env)
 
 
 def pace(env):
+    """This machine's pace: the time Python takes to import mlxmoe and MLX (about 1 s on the
+    README's 2-core VM), which scales the allowed silence on a slower or busier machine."""
     tic = time.monotonic()
     subprocess.run([sys.executable, "-c", "import mlxmoe.api"], env=env, check=True)
     return max(1.0, time.monotonic() - tic)
