@@ -30,7 +30,11 @@ DEFAULT_IO = {"linux": "direct", "darwin": "direct"}
 # are page aligned (ALIGN), and runs of ranges are grouped by page.
 
 BOUNCE = 4 << 20  # per-thread bounce buffer (a multiple of ALIGN): O_DIRECT reads of at most this
-MOST_LATER = 8  # reads of LaterRuns under way at once (a layer call's top-k), each with a buffer of its own
+# bytes of LaterRuns' buffers in use at once (each read has one, of whole MBs): 8 experts of BOUNCE
+# bytes, more of smaller ones (a miss's layer call and its guesses asked together: a read past
+# the cap goes to the IO threads, which need the GIL the decode thread holds while it builds)
+LATER_BYTES = 8 * BOUNCE
+LATER_UNIT = 1 << 20
 
 
 def default_io(platform=sys.platform):
@@ -330,12 +334,13 @@ class LaterRuns:
         self.reader = reader
         self.spare, self.lanes = [], {}  # (spare: (buffer, its last request))
         self.unfinished = []  # (buffer, request) of reads interrupted before their end: the kernel may still write them
-        self.busy = 0  # buffers in use
+        self.busy = self.busy_bytes = 0  # buffers in use, their bytes
 
     def done(self, buf, request, kept=None) -> None:
         """A read's buffer free again (`kept`: never, its read interrupted)."""
         with self.reader._open_lock:
             self.busy -= 1
+            self.busy_bytes -= len(buf if kept is None else kept)
             if kept is None:
                 self.spare.append((buf, request))
             else:
@@ -344,22 +349,26 @@ class LaterRuns:
     def start(self, run, lane=0):
         """Ask for one run (read_run's) and go on: returns finish(), which waits for its end,
         puts its bytes in place and returns the bytes asked; None where it cannot (no AIO
-        here, mmap, a reader's `land`, a run longer than BOUNCE)."""
+        here, mmap, a reader's `land`, a run longer than BOUNCE, LATER_BYTES in use)."""
         reader, (file, start, end, pieces) = self.reader, run
         fd, how = reader._fd(file), reader._how[file]
         align = reader._align[file] if how == "o_direct" else 1
         a, b = align_down(start, align), align_up(end, align)
-        if AIO is None or how == "mmap" or reader.land is not None or b - a > BOUNCE or self.busy >= MOST_LATER:
+        size = align_up(b - a, LATER_UNIT)
+        if AIO is None or how == "mmap" or reader.land is not None or b - a > BOUNCE:
             return None
         with reader._open_lock:
+            if self.busy_bytes + size > LATER_BYTES:
+                return None
             if lane:
                 lanes = self.lanes.setdefault(file, [])
                 lanes.extend(os.dup(fd) for _ in range(lane - len(lanes)))
                 fd = lanes[lane - 1]
             buf, request = self.spare.pop() if self.spare else (None, None)
-            if buf is None or len(buf) < b - a:  # (experts are all of one size: made once)
-                buf = np.frombuffer(mmap.mmap(-1, align_up(b - a, 1 << 20)), np.uint8)
+            if buf is None or len(buf) != size:  # (experts are all of one size: made once)
+                buf = np.frombuffer(mmap.mmap(-1, size), np.uint8)
             self.busy += 1
+            self.busy_bytes += size
         try:
             request = AIO.read(fd, buf.ctypes.data, b - a, a, request)
         except OSError:
