@@ -9,6 +9,7 @@ import copy
 import threading
 import time
 from collections import deque
+from itertools import chain, repeat
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -100,7 +101,8 @@ def observe_calls(cache, calls, rows, tokens=1, dists=None) -> None:
                                     tokens if layer == 0 else 0))
     elif calls:
         layers = [c[0] for c in calls]
-        learn_step(cache, layers, [c[0] for c in calls for _ in c[1]], [e for c in calls for e in c[1]],
+        at_layers = list(chain.from_iterable(repeat(c[0], len(c[1])) for c in calls))
+        learn_step(cache, layers, at_layers, list(chain.from_iterable(c[1] for c in calls)),
                    np.stack([c[3] for c in calls]), tokens)
 
 

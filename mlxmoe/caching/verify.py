@@ -38,6 +38,7 @@ and its replays turning the mode off must not turn it off for a request alone.
 
 import bisect
 import time
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -570,7 +571,7 @@ class SlotTables:
             missing = np.flatnonzero((self.host[np.asarray(layers)[:, None], np.asarray(rows)] == placeholder).any(axis=1))
             return int(missing[0]) if len(missing) else None
         for i, (m, row) in enumerate(zip(layers, rows)):
-            if placeholder in [lists[m][e] for e in row]:
+            if placeholder in map(lists[m].__getitem__, row):
                 return i
         return None
 
@@ -753,12 +754,12 @@ class KeptAttention:
     def __init__(self) -> None:
         self.outputs, self.before_experts, self.kept = {}, set(), None
 
-    def call(self, forward: bool, d: int, call, args, kwargs):
+    def call(self, forward: bool, d: int, call, attention, args, kwargs):
         if not forward:
-            return call(*args, **kwargs)
+            return call(attention, *args, **kwargs)
         if d == self.kept:
             return self.outputs[d][0]
-        out = call(*args, **kwargs)
+        out = call(attention, *args, **kwargs)
         self.outputs.setdefault(d, []).append(out)
         return out
 
@@ -809,12 +810,12 @@ class Verifier:
                                           for _ in range(2))
         self.current, self.lag = self.switch, Lag(self.switch.wait)
         self.declined, self.error = False, None  # (declined: the step under way is on the per-layer path, its switch off)
-        _wrap(model, self._model_call)
+        _wrap(model, self, "_model_call")
         for d, layer in enumerate(self.layers):
-            _wrap(layer, lambda call, args, kwargs, d=d: self._decoder_call(d, call, args, kwargs))
+            _wrap(layer, self, "_decoder_call", d)
             attention = next((getattr(layer, n) for n in ATTENTION_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None)
             if attention is not None:
-                _wrap(attention, lambda call, args, kwargs, d=d: self.attention.call(self.forward, d, call, args, kwargs))
+                _wrap(attention, self, "_attention_call", d)
 
     stats = lambda self: verifier_stats(self)  # noqa: E731 (stats()["verify"])
 
@@ -848,8 +849,8 @@ class Verifier:
             return None
         return kv
 
-    def _model_call(self, call, args, kwargs):
-        kv = self._ready(args, kwargs)
+    def _model_call(self, call, model, args, kwargs):
+        call, kv = partial(call, model), self._ready(args, kwargs)
         cache = self.cache
         if kv is None:
             self.tables.rows = None  # the per-layer path may change what is resident
@@ -909,13 +910,13 @@ class Verifier:
 
     # -- inside the forward -------------------------------------------------------------
 
-    def _decoder_call(self, d, call, args, kwargs):
+    def _decoder_call(self, d, call, layer, args, kwargs):
         if not self.forward:
-            return call(*args, **kwargs)
+            return call(layer, *args, **kwargs)
         if self.replay_from is not None and d < self.replay_from:
             return self.outputs[d]  # as computed before the miss (its cache untouched)
         self.attention.entering(d)
-        out = call(*args, **kwargs)
+        out = call(layer, *args, **kwargs)
         self.attention.kept = None
         self.outputs[d] = out
         ran = d + 1
@@ -931,6 +932,9 @@ class Verifier:
             if (missed := self._check(until=ran - lag)) is not None:
                 raise Replay(missed, ran)
         return out
+
+    def _attention_call(self, d, call, attention, args, kwargs):
+        return self.attention.call(self.forward, d, call, attention, args, kwargs)
 
     def experts(self, streaming, x, indices):
         """A MoE layer's experts within a verified forward: slots looked up on the device,
@@ -1060,7 +1064,8 @@ def _queue(v: Verifier, ran: int, out, reads_held: bool, held: int | None) -> No
 def settle(v: Verifier) -> None:
     """The reads a check of `v` asked for ended, then what waited for them queued (`unqueued`):
     before anything computes."""
-    v.tables.settle()
+    if v.tables.pending:
+        v.tables.settle()
     if v.unqueued is not None:
         queue, v.unqueued = v.unqueued, None
         queue()
@@ -1170,6 +1175,8 @@ def _per_row(cache) -> bool:
 
 def _flat(nested: list) -> list:
     """The items of a nested list (an array's tolist()), in order."""
+    if len(nested) == 1 and isinstance(nested[0], list) and len(nested[0]) == 1 and isinstance(nested[0][0], list):
+        nested = nested[0][0]  # (a decode step's [1, 1, k])
     while nested and isinstance(nested[0], list):
         nested = [item for inner in nested for item in inner]
     return nested
@@ -1189,11 +1196,13 @@ def _first_mask(make_mask):
     return first
 
 
-def _wrap(module, through):
-    """Give the module instance a subclass whose call goes through `through(call, args, kwargs)`."""
+def _wrap(module, owner, method: str, *first):
+    """Give the module instance a subclass whose call goes through `owner`'s `method`(*first,
+    call, module, args, kwargs), where `call(module, *args, **kwargs)` is its class's own (the
+    method and the call looked up at each call; no function made per call)."""
     cls = type(module)
 
     def __call__(self, *args, **kwargs):
-        return through(lambda *a, **kw: cls.__call__(self, *a, **kw), args, kwargs)
+        return getattr(owner, method)(*first, cls.__call__, self, args, kwargs)
 
     module.__class__ = type(f"Verified{cls.__name__}", (cls,), {"__call__": __call__})
