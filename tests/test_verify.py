@@ -1236,21 +1236,18 @@ def test_steps_without_a_replay_never_turn_the_mode_off(monkeypatch):
     assert turned_off[-1] and "more than the 30.00 ms" in switch.reason, (turned_off, switch.reason)
 
 
-@pytest.mark.parametrize("replayed, per_layer", [(False, 0.03), (True, 0.03), (True, 0.038)])
-def test_a_timing_that_the_verified_steps_lose_by_far_keeps_the_mode_off(monkeypatch, replayed, per_layer):
-    """Off only to time the per-layer path, the mode stays off for the stretch (OFF_STEPS) where
-    the verified steps (0.05 s each, each with a replay) cost STAY_OFF times that path's steps
-    (0.03 s); it is on again after those MEASURED_OFF steps, to be weighed, where they cost less
-    than that (0.038 s: 1.3x), or where they replayed nothing (weighed as a tie, as weigh() does)."""
+def timed_after(monkeypatch, steps, per_layer):
+    """A Switch after verified `steps` [(seconds, replays, missed)], then, off to time the per-layer
+    path (as a re-timing turns it off), MEASURED_OFF steps on it that miss, `per_layer` s each."""
     clock = [0.0]
     monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0, prefetch_useful=0))
     switch = verify.Switch(4, lambda: None)
     switch.wait = 1.0  # (waits priced dear: the replays keep the mode on till the timing)
-    for _ in range(verify.WEIGH_TOKENS):
+    for seconds, replays, missed in steps:
         assert switch.step()
-        assert not switch.verified(0.05, int(replayed), 2 * int(replayed), 4), switch.reason
-    switch.off_until = switch.steps + verify.MEASURED_OFF  # (as a re-timing turns it off)
+        assert not switch.verified(seconds, replays, 2 * replays, 4, missed), switch.reason
+    switch.off_until = switch.steps + verify.MEASURED_OFF
 
     def step_that_misses():
         clock[0] += per_layer
@@ -1258,11 +1255,55 @@ def test_a_timing_that_the_verified_steps_lose_by_far_keeps_the_mode_off(monkeyp
     for _ in range(verify.MEASURED_OFF):
         assert not switch.step()
         switch.timed(cache, step_that_misses, (), {})
+    return switch
+
+
+@pytest.mark.parametrize("replayed, per_layer", [(False, 0.03), (True, 0.03), (True, 0.038)])
+def test_a_timing_that_the_verified_steps_lose_by_far_keeps_the_mode_off(monkeypatch, replayed, per_layer):
+    """Off only to time the per-layer path, the mode stays off for the stretch (OFF_STEPS) where
+    the verified steps (0.05 s each, each with a replay) cost STAY_OFF times that path's steps
+    (0.03 s); it is on again after those MEASURED_OFF steps, to be weighed, where they cost less
+    than that (0.038 s: 1.3x), or where they replayed nothing (weighed as a tie, as weigh() does)."""
+    switch = timed_after(monkeypatch, [(0.05, int(replayed), None)] * verify.WEIGH_TOKENS, per_layer)
     stays_off = replayed and 0.05 > verify.STAY_OFF * per_layer
     assert switch.step() is not stays_off, switch.reason
     if stays_off:
         assert switch.off_until == verify.WEIGH_TOKENS + verify.MEASURED_OFF + verify.OFF_STEPS, switch.off_until
         assert "a verified step took 50.00 ms, more than the 30.00 ms" in switch.reason, switch.reason
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_steps_that_read_at_direct_layers_weigh_as_steps_that_missed(monkeypatch, told):
+    """Where Direct layers read a step's misses, few verified steps replay: off to time the
+    per-layer path (its steps all miss, 0.05 s each), a verified step that missed weighs as those
+    that missed took (0.04 s, read at a Direct layer), not as the one replay (0.09 s, STAY_OFF
+    times that path's): on again after MEASURED_OFF steps. Told only of the replays (`missed`
+    not given), the one replay stands for every step that misses: off for the stretch."""
+    missed = True if told else None
+    steps = [(0.09, 1, missed)] + [(0.04, 0, missed)] * (verify.WEIGH_TOKENS - 1)
+    switch = timed_after(monkeypatch, steps, 0.05)
+    assert switch.step() is told, switch.reason
+    assert ("on again: a step would take 50.00 ms on the per-layer path" if told else
+            "a verified step took 90.00 ms, more than the 50.00 ms") in switch.reason, switch.reason
+
+
+@pytest.mark.parametrize("told", [True, False])
+def test_steps_that_read_at_direct_layers_weigh_against_the_steps_that_missed(monkeypatch, told):
+    """Once the per-layer path is timed (its steps all miss, 0.054 s each), a verified step that
+    missed and read at a Direct layer (0.046 s, no replay) weighs against that path's steps that
+    missed, and what it saves outweighs a replay's cost beyond them (0.10 s, one step in eight):
+    the mode stays on. Weighed as ties (`missed` not given), the replays alone turn it off."""
+    monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: 0.0))
+    switch = verify.Switch(4, lambda: None)
+    switch.layerwise = switch.layerwise_missed = 0.054
+    turned_off = False
+    for i in range(3 * verify.WEIGH_TOKENS):
+        assert switch.step()
+        replays = int(i % 8 == 7)
+        turned_off = switch.verified(0.10 if replays else 0.046, replays, 2 * replays, 4, True if told else None)
+        if turned_off:
+            break
+    assert turned_off is not told, switch.reason
 
 
 @pytest.mark.parametrize("per_layer", [0.03, 0.045])

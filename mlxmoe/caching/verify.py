@@ -149,9 +149,9 @@ def first_read_seconds(samples: int = 5) -> float:
 class Switch:
     """Whether decode steps are verified, weighed every WEIGH_TOKENS tokens: the verified
     steps' time against that of steps on the per-layer path, as measured on the steps the
-    mode was off for (`layerwise`; a step that replayed against those that missed where some
-    did, `layerwise_missed`, one that did not against those that hit, `layerwise_clean`, a tie
-    at least); before any, the replays' time (beyond a step without
+    mode was off for (`layerwise`; a step that missed, replayed or read at a Direct layer,
+    against those that missed where some did, `layerwise_missed`, one that did not against those
+    that hit, `layerwise_clean`, a tie at least); before any, the replays' time (beyond a step without
     one, its reads left out) against the waits the per-layer path would have made beyond
     these steps' (one each, and one a replay), each as long as a layer call of that path
     waited last (`layer_wait()`, or an empty round trip before any). Off for `off_steps`
@@ -180,7 +180,7 @@ class Switch:
         self.reason = None  # why it is off (or was last)
         self.weighed = [0.0, 0.0, 0]  # seconds the verified steps cost, seconds the per-layer path would, tokens
         self.clean = None  # decayed seconds of a verified step without a replay
-        self.replaying = None  # the same of one with a replay
+        self.missed_step = None  # the same of one that missed (a replay, or a Direct layer's reads)
         self.steady = None  # decayed seconds of a verified step, replays included (slowly: keep 0.9)
         self.layerwise = None  # decayed seconds of a step on the per-layer path while off
         self.layerwise_missed = None  # the same of such a step that missed or used an expert a prefetch read
@@ -203,26 +203,27 @@ class Switch:
     def on(self) -> bool:
         return self.steps >= self.off_until
 
-    def verified(self, seconds: float, replays: int, replayed: int, decoder_layers: int) -> bool:
+    def verified(self, seconds: float, replays: int, replayed: int, decoder_layers: int, missed=None) -> bool:
         """A verified step took `seconds` (its reads left out) with `replays` replays of
-        `replayed` decoder layers in all (their cost each to `direct`). Returns whether the
-        mode turned itself off."""
+        `replayed` decoder layers in all (their cost each to `direct`); `missed`: whether it
+        missed (by default, whether it replayed). Returns whether the mode turned itself off."""
         # checks within the forward only while steps miss: a clean step needs one wait
         self.missing = decayed(self.missing, float(replays > 0))
         self.windowed = self.missing > 0.05
         self.steady = decayed(self.steady, seconds, keep=0.9)
         if not replays:
             self.clean = decayed(self.clean, seconds)
-        else:
-            self.replaying = decayed(self.replaying, seconds)
+        if replays or missed:
+            self.missed_step = decayed(self.missed_step, seconds)
         replayed_share = seconds * replayed / (decoder_layers + replayed)  # the replayed layers' share of the step
         if replays:  # (a replay's layers at the step's mean time a layer: robust where clean steps are rare)
             self.direct.replay = decayed(self.direct.replay, replayed_share / replays)
         direct = self.direct.stepped()
         if self.layerwise is not None:  # both paths timed: the step against the per-layer path's
-            # (one without a replay did that path's work less its waits: a tie at worst, whatever
+            # (one that missed against its steps that missed, a Direct layer's reads as a replay;
+            # one that did not did that path's work less its waits: a tie at worst, whatever
             # the clock says, which moves with the context's length and the machine's load)
-            return self.weigh(seconds, self.missed_layerwise() if replays else self.clean_layerwise(seconds))
+            return self.weigh(seconds, self.missed_layerwise() if replays or missed else self.clean_layerwise(seconds))
         if not replays:
             replay_seconds = 0.0
         elif self.clean is not None:
@@ -329,13 +330,14 @@ class Switch:
 
     def now(self) -> tuple:
         """(a verified step, one on the per-layer path) at the share of steps that miss now (of
-        those just timed, `missing_off`): class by class, a step that replays (as verified ones
-        did, else a tie) against that path's that missed, one without (as verified ones took,
-        else a tie) against those that hit (a tie at least). The verified steps' share would
-        date from their time: a prompt's first steps, the coldest, miss most."""
+        those just timed, `missing_off`): class by class, a step that misses (as verified ones
+        that missed took, replayed or read at a Direct layer, else a tie) against that path's that
+        missed, one without (as verified ones without a replay took, else a tie) against those that
+        hit (a tie at least). The verified steps' share would date from their time: a prompt's
+        first steps, the coldest, miss most; and where Direct layers read the misses, few replay."""
         m, missed = self.missing_off, self.missed_layerwise()
         clean = self.layerwise if self.clean is None else self.clean
-        verified = m * (missed if self.replaying is None else self.replaying) + (1 - m) * clean
+        verified = m * (missed if self.missed_step is None else self.missed_step) + (1 - m) * clean
         return verified, m * missed + (1 - m) * self.clean_layerwise(clean)
 
     def on_again(self, why: str) -> None:
@@ -868,7 +870,7 @@ class Verifier:
         self.forward, self.replay_from, self.checked = True, None, 0
         self._clear()
         replayed, replays = 0, 0
-        tic, read = time.perf_counter(), cache.counters.read_seconds
+        tic, read, misses = time.perf_counter(), cache.counters.read_seconds, cache.counters.misses
         batched = [c for c in kv if isinstance(c, BatchKVCache)]
         for c in batched:
             c.make_mask = _first_mask(c.make_mask)
@@ -900,7 +902,7 @@ class Verifier:
         counters.replays += replays
         counters.replayed_layers += replayed
         seconds = time.perf_counter() - tic - (counters.read_seconds - read)
-        if self.current.verified(seconds, replays, replayed, len(self.layers)):
+        if self.current.verified(seconds, replays, replayed, len(self.layers), counters.misses > misses):
             self.tables.rows = None
         # this step's accounting on the host thread from now on, while mlx-lm samples and the next
         # step is built (that step's tick waits for the cache's lock while it is under way)
