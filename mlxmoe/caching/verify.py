@@ -1176,11 +1176,10 @@ def _per_row(cache) -> bool:
 
 
 def _flat(nested: list) -> list:
-    """The items of a nested list (an array's tolist()), in order."""
-    if len(nested) == 1 and isinstance(nested[0], list) and len(nested[0]) == 1 and isinstance(nested[0][0], list):
-        nested = nested[0][0]  # (a decode step's [1, 1, k])
+    """The items of a nested list (an array's tolist()), in order (a level of one list, as a decode
+    step's [1, 1, k] has two, taken as it is)."""
     while nested and isinstance(nested[0], list):
-        nested = [item for inner in nested for item in inner]
+        nested = nested[0] if len(nested) == 1 else [item for inner in nested for item in inner]
     return nested
 
 
