@@ -334,13 +334,12 @@ class LaterRuns:
         self.reader = reader
         self.spare, self.lanes = [], {}  # (spare: (buffer, its last request))
         self.unfinished = []  # (buffer, request) of reads interrupted before their end: the kernel may still write them
-        self.busy = self.busy_bytes = 0  # buffers in use, their bytes
+        self.busy = 0  # bytes of the buffers in use
 
     def done(self, buf, request, kept=None) -> None:
         """A read's buffer free again (`kept`: never, its read interrupted)."""
         with self.reader._open_lock:
-            self.busy -= 1
-            self.busy_bytes -= len(buf if kept is None else kept)
+            self.busy -= len(buf if kept is None else kept)
             if kept is None:
                 self.spare.append((buf, request))
             else:
@@ -354,11 +353,11 @@ class LaterRuns:
         fd, how = reader._fd(file), reader._how[file]
         align = reader._align[file] if how == "o_direct" else 1
         a, b = align_down(start, align), align_up(end, align)
-        size = align_up(b - a, LATER_UNIT)
         if AIO is None or how == "mmap" or reader.land is not None or b - a > BOUNCE:
             return None
+        size = align_up(b - a, LATER_UNIT)
         with reader._open_lock:
-            if self.busy_bytes + size > LATER_BYTES:
+            if self.busy + size > LATER_BYTES:
                 return None
             if lane:
                 lanes = self.lanes.setdefault(file, [])
@@ -367,8 +366,7 @@ class LaterRuns:
             buf, request = self.spare.pop() if self.spare else (None, None)
             if buf is None or len(buf) != size:  # (experts are all of one size: made once)
                 buf = np.frombuffer(mmap.mmap(-1, size), np.uint8)
-            self.busy += 1
-            self.busy_bytes += size
+            self.busy += size
         try:
             request = AIO.read(fd, buf.ctypes.data, b - a, a, request)
         except OSError:
