@@ -1482,6 +1482,43 @@ def test_the_per_layer_path_is_timed_again_while_steps_replay(first, monkeypatch
     assert runs[5][0] is False, runs
 
 
+@pytest.mark.parametrize("timed_again", [0.108, 0.04])
+def test_a_stale_timing_is_taken_again_before_the_mode_turns_off(timed_again, monkeypatch):
+    """The per-layer path timed at 0.06 s a step against verified steps of 0.05 s: on. More
+    than FRESH_STEPS steps later the machine slows down (verified steps of 0.09 s, each with a
+    replay): they are not weighed against that stale timing (off for OFF_STEPS) but the path
+    is timed again, MEASURED_OFF steps. Slowed as much (0.108 s), the mode is on again after
+    those; found faster all the same (0.04 s), it stays off for the stretch."""
+    clock = [0.0]
+    monkeypatch.setattr(verify, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    cache = SimpleNamespace(counters=SimpleNamespace(read_seconds=0.0, misses=0, prefetch_useful=0))
+    switch = verify.Switch(4, lambda: None)
+    switch.wait = 0.1  # (waits priced dear: on until the per-layer path is timed, after WARM_STEPS)
+    slow_from = verify.WARM_STEPS + verify.MEASURED_OFF + verify.FRESH_STEPS + verify.WEIGH_TOKENS
+    timings = iter([0.06] * verify.MEASURED_OFF + [timed_again] * 1000)
+
+    def step_on_the_per_layer_path():
+        clock[0] += next(timings)
+        cache.counters.misses += 1
+    ons = []
+    for i in range(slow_from + verify.FIRST_WEIGH + verify.MEASURED_OFF + verify.OFF_STEPS + 2):
+        on = switch.step()
+        if on:
+            switch.verified(0.05 if i < slow_from else 0.09, 1, 2, 4)
+        else:
+            switch.timed(cache, step_on_the_per_layer_path, (), {})
+        ons.append(on)
+        if i == slow_from + verify.FIRST_WEIGH - 1:
+            assert "timed again: its timing" in switch.reason, switch.reason
+    runs = [(on, len(list(run))) for on, run in itertools.groupby(ons)]
+    assert runs[:2] == [(True, verify.WARM_STEPS), (False, verify.MEASURED_OFF)], runs
+    assert runs[2] == (True, slow_from - verify.WARM_STEPS - verify.MEASURED_OFF + verify.FIRST_WEIGH), runs
+    if timed_again > 0.09:
+        assert runs[3] == (False, verify.MEASURED_OFF) and runs[4][0], (runs, switch.reason)
+    else:
+        assert runs[3] == (False, verify.MEASURED_OFF + verify.OFF_STEPS), (runs, switch.reason)
+
+
 @pytest.mark.parametrize("per_layer", [0.03, 0.08])
 def test_a_first_guess_turns_the_mode_off_only_to_time_the_per_layer_path(per_layer, monkeypatch):
     """The first weighing prices the per-layer path by an empty round trip (here free): off on

@@ -71,6 +71,11 @@ OFF_STEPS, MOST_OFF_STEPS = 32, 1024
 # timing from a cold cache's first tokens, whose misses are many, would otherwise keep the
 # mode on for good
 MEASURED_OFF, RETIME_STEPS, CLOSE = 4, 256, 1.1
+# a timing of the per-layer path more than FRESH_STEPS steps old is taken again before the
+# verified steps turn the mode off on it: the machine's speed drifts (a busy neighbour, a clock
+# that drops), and a verified stretch timed while it is slow must not lose to a timing taken while
+# it was fast
+FRESH_STEPS = OFF_STEPS
 # where the verified steps so far cost STAY_OFF times what the per-layer path, timed only to weigh
 # them, would have, the mode stays off for the stretch rather than being tried again at once; more
 # than CLEARLY_WORSE: the first steps after a prompt, the coldest, weigh in and cost a verified step
@@ -155,7 +160,8 @@ class Switch:
     one, its reads left out) against the waits the per-layer path would have made beyond
     these steps' (one each, and one a replay), each as long as a layer call of that path
     waited last (`layer_wait()`, or an empty round trip before any). Off for `off_steps`
-    steps where the verified steps cost more, doubled at each turn off in a row; on again
+    steps where the verified steps cost more (than a timing at most FRESH_STEPS old: an older
+    one is taken again first), doubled at each turn off in a row; on again
     after MEASURED_OFF steps off where a verified step would cost more on that path, each
     class at the share of steps that miss now (now()) (the first guess, from the waits alone,
     leaves out the per-layer path's own host work and counts the device's work within its
@@ -189,6 +195,7 @@ class Switch:
         self.timed_off = 0  # such steps timed since the mode turned off
         self.settling = 0  # such steps not timed since, predicting not settled (`settled`)
         self.retime_at, self.retime_steps = None, RETIME_STEPS  # when the per-layer path is timed again, and then
+        self.timed_at = None  # the step at which that path's last timing ended
         self.clean_off = 0  # such steps in a row without a miss (a prefetched expert used counts as one)
         self.missing_off = None  # decayed share of such steps that missed (or used a prefetched expert)
         self.missing = None  # decayed share of verified steps with a replay
@@ -258,18 +265,22 @@ class Switch:
         if w[2] < FIRST_WEIGH or w[2] < WEIGH_TOKENS and w[0] <= w[1] * CLEARLY_WORSE:
             return False
         self.weighed = [0.0, 0.0, 0]
-        retime = self.layerwise is not None and w[0] and self.retime_at is not None and self.steps >= self.retime_at
         # (against a timing, off only where clearly costlier, CLOSE: a near tie is the clock's noise, and
         # each turn off costs the per-layer path's timing and host work)
         near = CLOSE if self.layerwise is not None else 1.0
+        due = self.retime_at is not None and self.steps >= self.retime_at
+        stale = self.timed_at is not None and self.steps - self.timed_at > FRESH_STEPS and w[0] > w[1] * near
+        retime = self.layerwise is not None and w[0] and (due or stale)
         if w[0] <= w[1] * near and (self.layerwise is not None or not w[0] or self.steps < WARM_STEPS) and not retime:
             self.off_steps = OFF_STEPS
             return False
         if retime:  # (timed afresh: the old timing left out)
             self.layerwise = self.layerwise_missed = self.layerwise_clean = None
-            self.retime_steps = min(2 * self.retime_steps, MOST_OFF_STEPS)
+            if due:
+                self.retime_steps = min(2 * self.retime_steps, MOST_OFF_STEPS)
             self.off_until, self.timed_off, self.clean_off, self.settling = self.steps + MEASURED_OFF, 0, 0, 0
-            self.reason = "the per-layer path timed again"
+            self.reason = "the per-layer path timed again" + (
+                "" if due else f": its timing, {self.steps - self.timed_at} steps old, lost to the verified steps")
             return True
         # before the per-layer path is timed, off only for as long as timing it takes, whichever
         # way the first weighing went where steps replayed (it prices the path's waits by their
@@ -306,6 +317,7 @@ class Switch:
         self.missing_off = decayed(self.missing_off, float(not clean))
         self.timed_off += 1
         if self.timed_off == MEASURED_OFF:
+            self.timed_at = self.steps
             close = self.steady is None or self.layerwise < self.steady * CLOSE
             self.retime_at = self.steps + (OFF_STEPS if close else self.retime_steps)
         # (after MEASURED_OFF steps, where steps were verified: both paths' steps at the share that misses now)
