@@ -268,10 +268,11 @@ class Switch:
         # (against a timing, off only where clearly costlier, CLOSE: a near tie is the clock's noise, and
         # each turn off costs the per-layer path's timing and host work)
         near = CLOSE if self.layerwise is not None else 1.0
+        worse = w[0] > w[1] * near
         due = self.retime_at is not None and self.steps >= self.retime_at
-        stale = self.timed_at is not None and self.steps - self.timed_at > FRESH_STEPS and w[0] > w[1] * near
+        stale = worse and self.timed_at is not None and self.steps - self.timed_at > FRESH_STEPS
         retime = self.layerwise is not None and w[0] and (due or stale)
-        if w[0] <= w[1] * near and (self.layerwise is not None or not w[0] or self.steps < WARM_STEPS) and not retime:
+        if not worse and (self.layerwise is not None or not w[0] or self.steps < WARM_STEPS) and not retime:
             self.off_steps = OFF_STEPS
             return False
         if retime:  # (timed afresh: the old timing left out)
