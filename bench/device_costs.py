@@ -26,6 +26,14 @@ machine's default device: the figures that price the runtime's reads of routing 
   DEVICE_COPY): the same bytes copied into the slot by cudaMemcpy from a pinned buffer after the
   device used it, and the device's use of it after that copy.
 
+- `build`: what building a layer's graph costs the host (perf_counter around mlx calls that
+  only build: LAYERS layers of OPS one-row ops a token) with nothing computing, as stock mlx-lm
+  builds a token before queuing it once, against while the layers queued before compute, as a
+  verified step queues each decoder layer once built; and the whole token each way (its
+  building, its queues, the wait at its end). On this VM's CPU backend a layer's building took
+  1.5-2.7x longer beside the computing layers, all of it the decode thread's own CPU time, not
+  a wait (pure Python ran as fast beside MLX's work: not a shared core).
+
 Each figure is the median of --samples, in microseconds; every read's array is evaluated and
 left a few ms before it is read, so no figure but `wait` waits for the device.
 
@@ -118,6 +126,40 @@ def slot_rows(samples, nbytes, slots=8):
             (f"upload, then its use ({mb:.1f} MiB)", median_us(samples, lambda k: k, upload))]
 
 
+def overlap_rows(samples, layers=48, ops=15, width=64):
+    """The `build` figures: (name, us) of a layer's building and of a whole token, queued once
+    and queued a layer at a time, `samples` tokens each way, alternated."""
+    x0 = mx.random.normal((1, width))
+    w = mx.random.normal((width, width)) / width ** 0.5
+    mx.eval(x0, w)
+
+    def token(per_layer):
+        y, build, tic = x0, 0.0, time.perf_counter()
+        for _ in range(layers):
+            t = time.perf_counter()
+            for _ in range(ops):
+                y = mx.tanh(y @ w) * 0.5 + y
+            build += time.perf_counter() - t
+            if per_layer:
+                mx.async_eval(y)  # (the device starts on this layer while the next is built)
+        mx.eval(y)
+        return build / layers * 1e6, (time.perf_counter() - tic) * 1e6
+
+    timed = {False: [], True: []}
+    for k in range(samples + 2):
+        for per_layer in (False, True) if k % 2 else (True, False):
+            if k >= 2:  # (two warm-up tokens each way)
+                timed[per_layer].append(token(per_layer))
+            else:
+                token(per_layer)
+    med = {q: (statistics.median(b for b, _ in r), statistics.median(t for _, t in r)) for q, r in timed.items()}
+    shape = f"{ops * 4} ops a layer"
+    return [(f"build a layer ({shape}), nothing computing", med[False][0]),
+            ("build a layer, the layers queued before computing", med[True][0]),
+            (f"a token of {layers} layers, queued once", med[False][1]),
+            ("a token, queued a layer at a time", med[True][1])]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=200, help="timings per figure")
@@ -158,7 +200,9 @@ def main():
             ("cpu copy: its async_eval", median_us(args.samples, lambda k: mx.add(made(n, k), 0, stream=mx.cpu),
                                                    mx.async_eval))]
     rows += slot_rows(args.samples, args.expert_bytes)
-    print(f"device {mx.default_device()}, mlx {mx.__version__}; medians of {args.samples}, us")
+    tokens = max(10, args.samples // 4)
+    rows += overlap_rows(tokens)
+    print(f"device {mx.default_device()}, mlx {mx.__version__}; medians of {args.samples} (the build rows: of {tokens} tokens), us")
     for name, us in rows:
         print(f"  {name:<48} {us:9.1f}")
     stolen = stolen_share(ticks, cpu_ticks())
