@@ -27,12 +27,13 @@ machine's default device: the figures that price the runtime's reads of routing 
   device used it, and the device's use of it after that copy.
 
 - `build`: what building a layer's graph costs the host (perf_counter around mlx calls that
-  only build: LAYERS layers of OPS one-row ops a token) with nothing computing, as stock mlx-lm
+  only build: 48 layers of 60 one-row ops a token) with nothing computing, as stock mlx-lm
   builds a token before queuing it once, against while the layers queued before compute, as a
   verified step queues each decoder layer once built; and the whole token each way (its
   building, its queues, the wait at its end). On this VM's CPU backend a layer's building took
-  1.5-2.7x longer beside the computing layers, all of it the decode thread's own CPU time, not
-  a wait (pure Python ran as fast beside MLX's work: not a shared core).
+  1.7-2.7x longer beside the computing layers (mlx-lm's own, in the host-bound model: 1.4-1.65x),
+  all of it the decode thread's own CPU time, not a wait (pure Python ran as fast beside MLX's
+  work: not a shared core).
 
 Each figure is the median of --samples, in microseconds; every read's array is evaluated and
 left a few ms before it is read, so no figure but `wait` waits for the device.
