@@ -127,9 +127,10 @@ def slot_rows(samples, nbytes, slots=8):
             (f"upload, then its use ({mb:.1f} MiB)", median_us(samples, lambda k: k, upload))]
 
 
-def overlap_rows(samples, layers=48, ops=15, width=64):
+def overlap_rows(samples, layers=48, blocks=15, width=64):
     """The `build` figures: (name, us) of a layer's building and of a whole token, queued once
-    and queued a layer at a time, `samples` tokens each way, alternated."""
+    and queued a layer at a time, `samples` tokens each way, alternated; a layer is `blocks`
+    blocks of four one-row ops (a matmul, a tanh, a scale, an add)."""
     x0 = mx.random.normal((1, width))
     w = mx.random.normal((width, width)) / width ** 0.5
     mx.eval(x0, w)
@@ -138,7 +139,7 @@ def overlap_rows(samples, layers=48, ops=15, width=64):
         y, build, tic = x0, 0.0, time.perf_counter()
         for _ in range(layers):
             t = time.perf_counter()
-            for _ in range(ops):
+            for _ in range(blocks):
                 y = mx.tanh(y @ w) * 0.5 + y
             build += time.perf_counter() - t
             if per_layer:
@@ -149,13 +150,11 @@ def overlap_rows(samples, layers=48, ops=15, width=64):
     timed = {False: [], True: []}
     for k in range(samples + 2):
         for per_layer in (False, True) if k % 2 else (True, False):
+            result = token(per_layer)
             if k >= 2:  # (two warm-up tokens each way)
-                timed[per_layer].append(token(per_layer))
-            else:
-                token(per_layer)
+                timed[per_layer].append(result)
     med = {q: (statistics.median(b for b, _ in r), statistics.median(t for _, t in r)) for q, r in timed.items()}
-    shape = f"{ops * 4} ops a layer"
-    return [(f"build a layer ({shape}), nothing computing", med[False][0]),
+    return [(f"build a layer ({blocks * 4} ops), nothing computing", med[False][0]),
             ("build a layer, the layers queued before computing", med[True][0]),
             (f"a token of {layers} layers, queued once", med[False][1]),
             ("a token, queued a layer at a time", med[True][1])]
