@@ -900,6 +900,33 @@ def test_per_layer_path_teaches_the_live_profile_once_a_token(checkpoint, tmp_pa
     assert np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
 
 
+
+def test_a_step_ending_unpacked_leaves_its_softmax_for_later(checkpoint, tmp_path, monkeypatch):
+    """Where a verified step ends with nothing packed (every layer Direct, held), its hits'
+    router logits are copied to the host on the decode thread and their softmax is left with
+    the rest of the step's host work: the live profile learns the same counts and mass as where
+    an observer (a trace) takes the calls one by one, the same tokens."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    copied, copy = [], verify.PassRouting.copy_routers
+    monkeypatch.setattr(verify.PassRouting, "copy_routers",
+                        lambda self, layers: (copy(self, layers), copied.append(len(self.unread)))[0])
+    monkeypatch.setattr(verify.Direct, "at", lambda self, layer: True)
+    runs = []
+    for trace in (None, tmp_path / "run.trace.jsonl"):
+        model, tokenizer = mlxmoe.load(str(path), cache_experts=12, prefetch=0, trace_out=trace)
+        cache = model.expert_cache
+        cache.verifier.switch.step = lambda: True  # the verified path throughout
+        cache.verifier.switch.direct.now = set(range(cache.store.num_layers))
+        copied.clear()
+        tokens = generate(model, tokenizer, direct=True)
+        cache.flush()
+        runs.append((tokens, model.expert_runtime.profile, cache.stats()["verified_tokens"], list(copied)))
+        model.expert_runtime.close()
+    (tokens, a, verified, left), (tokens_b, b, _, by_trace) = runs
+    assert verified >= TOKENS - 1 and len(left) >= TOKENS // 2 and sum(left) >= 3 and not by_trace, left
+    assert tokens == tokens_b and a.tokens == b.tokens
+    assert np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
+
 @pytest.mark.parametrize("calls", [3, experts.FEW_CALLS + 8])
 def test_step_calls_in_one_go_equal_call_by_call(calls):
     """A decode step's layer calls summarised together (plain Python from their lists up to

@@ -750,6 +750,18 @@ class PassRouting:
                 if m in self.calls:
                     self.dists[m] = dist
 
+    def copy_routers(self, layers: list) -> None:
+        """The distributions of these layer calls not known yet, left for whoever first asks
+        for them (`unread`) with no device array to read then: their tapped routers' logits
+        copied to the host now in one array, their softmax left (the others' probabilities now)."""
+        self.dists_of([m for m in layers if m not in self.dists and not self.calls[m][2]])
+        routed = [m for m in layers if m not in self.dists]
+        rows = [host_floats(self.calls[m][1]) for m in routed]
+        if len({r.shape for r in rows}) == 1:
+            self.unread.append((routed, np.concatenate(rows) if len(rows) > 1 else rows[0]))
+        else:
+            self.dists_of(routed)
+
     def dists_of(self, layers: list) -> list:
         """The router's distribution (flat, on the host) of each of these layer calls, None
         where the model gives none: those not known yet read in one softmax (the pack's, or theirs)."""
@@ -1110,8 +1122,8 @@ def tell_hits(v, last: bool = False) -> None:
     if not last:
         v.observed += _tell(cache, v.routing, layers, rows, v.tokens)
     elif cache.rows is None and not cache.observers and cache.defer_hits:
-        if not v.routing.unread:  # (no pack: the routers' own arrays read now, on this thread)
-            v.routing.dists_of(layers)
+        if not v.routing.unread:  # (no pack: the routers' own arrays copied now, on this thread)
+            v.routing.copy_routers(layers)
         # (the hits counted here: the counters are the decode thread's, unlocked)
         cache.counters.hits += sum(len(set(row)) for row in rows)
         cache.deferred.append((_tell, (cache, v.routing, layers, rows, v.tokens, v.observed, True)))
