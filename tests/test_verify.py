@@ -900,7 +900,6 @@ def test_per_layer_path_teaches_the_live_profile_once_a_token(checkpoint, tmp_pa
     assert np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
 
 
-
 def test_a_step_ending_unpacked_leaves_its_softmax_for_later(checkpoint, tmp_path, monkeypatch):
     """Where a verified step ends with nothing packed (every layer Direct, held), its hits'
     router logits are copied to the host on the decode thread and their softmax is left with
@@ -926,6 +925,7 @@ def test_a_step_ending_unpacked_leaves_its_softmax_for_later(checkpoint, tmp_pat
     assert verified >= TOKENS - 1 and len(left) >= TOKENS // 2 and sum(left) >= 3 and not by_trace, left
     assert tokens == tokens_b and a.tokens == b.tokens
     assert np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
+
 
 @pytest.mark.parametrize("calls", [3, experts.FEW_CALLS + 8])
 def test_step_calls_in_one_go_equal_call_by_call(calls):
