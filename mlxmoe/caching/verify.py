@@ -618,7 +618,8 @@ class PassRouting:
     host read of a GPU array is a managed allocation and a synchronous copy). The pack's
     routers are copied to the host with its indices, their softmax done when a distribution is
     first asked for (`unread`): a clean step's by the host work it leaves for later
-    (tell_hits; where nothing was packed, its routers copied there: copy_routers). Where a first host read costs (FLAG_READS, SlotTables.flags): a check within the
+    (tell_hits; where nothing was packed, its routers copied there: copy_routers). Where a
+    first host read costs (FLAG_READS, SlotTables.flags): a check within the
     forward reads each layer call's flag (`flags`: the largest slot its lookup found, 4 bytes),
     the hits' indices left for the pack; a miss found there, a Direct check and the forward's
     end read the layer calls not read yet in two host copies, joined on the device (`join`)."""
@@ -758,7 +759,7 @@ class PassRouting:
         routed = [m for m in layers if m not in self.dists]
         rows = [host_floats(self.calls[m][1]) for m in routed]
         if len({r.shape for r in rows}) == 1:
-            self.unread.append((routed, np.concatenate(rows) if len(rows) > 1 else rows[0]))
+            self.unread.append((routed, np.concatenate(rows)))
         else:
             self.dists_of(routed)
 
