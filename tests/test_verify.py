@@ -900,6 +900,43 @@ def test_per_layer_path_teaches_the_live_profile_once_a_token(checkpoint, tmp_pa
     assert np.array_equal(a.counts, b.counts) and np.array_equal(a.mass, b.mass)
 
 
+def test_a_verified_steps_tick_does_not_wait_for_the_host_threads_catch_up(checkpoint):
+    """A verified step's tick leaves the policy's clock in `deferred` without the cache's lock,
+    which the host thread holds while it catches up on the step before: the step starts
+    building at once (a tick of the per-layer path still waits for the lock). The clock then
+    moves in order, after the work deferred before it, and the tokens stay stock's."""
+    path = checkpoint("qwen3_moe", quant="4bit")
+    model, tokenizer = all_but(path, 2)
+    cache = model.expert_cache
+    assert generate(model, tokenizer) == reference(path)[0]
+    held, release = threading.Event(), threading.Event()
+
+    def catching_up():  # (as the host thread's catch-up: the lock held)
+        with cache.lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=catching_up)
+    holder.start()
+    held.wait(30)
+    try:
+        ticks = [threading.Thread(target=cache.tick, args=(1,), kwargs={"later": later}) for later in (True, False)]
+        ticks[0].start()
+        ticks[0].join(10)
+        assert not ticks[0].is_alive()  # (done while the lock is held)
+        assert cache.deferred[-1] == (cache.policy.tick, (1,))
+        ticks[1].start()
+        ticks[1].join(0.2)
+        assert ticks[1].is_alive()  # (the per-layer path's tick reads the policy: it waits)
+    finally:
+        release.set()
+        holder.join()
+    ticks[1].join(10)
+    assert not ticks[1].is_alive() and not cache.deferred  # (its catch-up did the clock left before)
+    assert generate(model, tokenizer) == reference(path)[0]
+    model.expert_runtime.close()
+
+
 def test_a_step_ending_unpacked_leaves_its_softmax_for_later(checkpoint, tmp_path, monkeypatch):
     """Where a verified step ends with nothing packed (every layer Direct, held), its hits'
     router logits are copied to the host on the decode thread and their softmax is left with

@@ -533,8 +533,10 @@ class ExpertCache(Residency):
         return self.policy.wants_router or self.profile is not None or bool(self.observers) or self.rows is not None
 
     def tick(self, tokens: int, later: bool = False) -> None:
-        """New tokens start (called by the first MoE layer)."""
-        with self.lock:
+        """New tokens start (called by the first MoE layer). A verified step's (`later`) leaves
+        the policy's clock in `deferred` unlocked, as its hits: it does not wait for the host
+        thread's catch-up on the step before until it reads the policy's state (at a miss)."""
+        with nullcontext() if later and self.defer_hits else self.lock:
             self.current_layer = -1
             self.counters.tokens += tokens
             self.step_tokens = tokens
